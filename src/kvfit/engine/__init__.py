@@ -1,0 +1,1 @@
+"""The engine: configuration, scheduling, execution and the LLM API."""

@@ -1,0 +1,115 @@
+"""A request's tokens and its place in the KV cache, as the scheduler and model runner see it."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from kvfit.engine.sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request being generated.
+
+    `num_computed_tokens` counts the tokens whose K/V are in the cache (prefix-cache hits
+    included); the next step computes `token_ids[num_computed_tokens:num_computed_tokens + n]`.
+    `block_table` lists the cache block ids holding the sequence, in order.
+    """
+
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    request_id: str = ""
+    prompt: str | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Filled by the model runner's sampler, one entry per generated token / prompt token.
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    output_text: str = ""
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+
+@dataclass
+class ScheduledBatch:
+    """One engine step: which sequences run and how many new tokens each computes.
+
+    For sequence i the step computes `seqs[i].token_ids[start:start + num_new_tokens[i]]`
+    with `start = seqs[i].num_computed_tokens` (not yet advanced). A sequence is sampled iff
+    the chunk reaches its last token (`start + n == len(seq)`); an earlier prefill chunk is not.
+    Block tables already cover `start + n` tokens when the batch is handed out.
+    """
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class ModelOutput:
+    """What the model runner returns for a `ScheduledBatch`, aligned with its `seqs`.
+
+    `sampled_token_ids[i]` is None when sequence i ran a non-final prefill chunk.
+    `logprobs[i]` maps token id -> logprob (top-n plus the sampled token) when requested.
+    `prompt_logprobs[i]` holds one entry per prompt position computed in this step
+    (None for the first prompt token) when requested.
+    """
+
+    sampled_token_ids: list[int | None]
+    logprobs: list[dict[int, float] | None]
+    prompt_logprobs: list[list[dict[int, float] | None] | None]

@@ -1,0 +1,1 @@
+"""Model definitions (Qwen3, Llama) and weight loading."""

@@ -1,0 +1,1 @@
+"""Virtual memory management: a device buffer whose base address never moves."""
