@@ -1,9 +1,18 @@
-"""Shared test configuration: `gpu` tests skip cleanly on machines without CUDA."""
+"""Shared test configuration: `gpu` tests skip cleanly on machines without CUDA; tiny
+random-weight Hugging Face models for the models and engine tests."""
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -13,3 +22,88 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# --- Tiny random-weight Hugging Face models, shared by the models and engine tests. ---
+
+TINY_ARCHITECTURES = ("qwen3", "llama")
+
+
+def _tiny_hf_config(arch: str) -> PretrainedConfig:
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=512,  # kvfit-tiny's tokenizer
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        # Five times HF's default: peaked logits, so a wrong rope or norm shows far above
+        # float32 noise.
+        initializer_range=0.1,
+        rope_theta=10000.0,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=32, num_hidden_layers=2, tie_word_embeddings=True)
+    if arch == "llama":
+        # Llama 3 scaling with a short original context, so that it changes most frequencies;
+        # a q/k/v bias so the fused projection's bias rows are loaded too.
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return LlamaConfig(
+            **common,
+            num_hidden_layers=3,
+            rope_scaling=rope_scaling,
+            attention_bias=True,
+            tie_word_embeddings=False,
+        )
+    raise ValueError(f"tiny model arch {arch!r} is not one of {TINY_ARCHITECTURES}")
+
+
+def build_tiny_hf_model(arch: str, folder: Path) -> Path:
+    """Save a seeded random-weight HF model of `arch` (safetensors) plus kvfit-tiny's tokenizer.
+
+    Norm weights and biases are randomised too (HF initialises them to constants), so a
+    mis-mapped or skipped one changes the logits.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from kvfit.models.loader import BUILTIN_DIR
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(_tiny_hf_config(arch), dtype=torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.copy_(1.0 + 0.2 * torch.randn_like(param))
+                elif name.endswith("bias"):
+                    param.copy_(0.1 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUILTIN_DIR / "kvfit-tiny" / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Factory: `tiny_model("qwen3" | "llama") -> Path` of a saved tiny random-weight HF model
+    (4 heads / 2 KV heads, vocab 512, float32, with a tokenizer). Built once per session."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str = "qwen3") -> Path:
+        if arch not in built:
+            built[arch] = build_tiny_hf_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return built[arch]
+
+    return get

@@ -1,0 +1,189 @@
+"""Llama (2 and 3) decoder over the paged KV cache: the dense body every kvfit model shares."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from kvfit.ops.attention import AttentionMetadata, paged_attention, write_kv
+from kvfit.ops.layers import RotaryEmbedding, rms_norm, silu_and_mul
+
+
+def head_dim(config: PretrainedConfig) -> int:
+    """Per-head width: `head_dim` when the config sets it, else hidden_size / num_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_parameters(config: PretrainedConfig) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from either spelling of the config.
+
+    transformers 5 folds both into `rope_parameters` (theta inside); 4.x has top-level
+    `rope_theta` and an optional `rope_scaling`.
+    """
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    params = dict(params or {})
+    theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
+    # Older configs say "type" where newer ones say "rope_type".
+    params["rope_type"] = params.pop("type", None) or params.get("rope_type", "default")
+    return float(theta), None if params["rope_type"] == "default" else params
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class MergedLinear(nn.Linear):
+    """Projections of one input stacked along the output dim, so they run as one GEMM.
+
+    `shards` maps each checkpoint projection (`q_proj`, ...) to its output rows, in order; the
+    weight loader finds a checkpoint tensor's rows through `shard`.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shards = shards
+
+    def shard(self, param: torch.Tensor, name: str) -> torch.Tensor:
+        """The rows of `param` (this module's weight or bias) that checkpoint `name` fills."""
+        offset = 0
+        for shard_name, size in self.shards.items():
+            if shard_name == name:
+                return param.narrow(0, offset, size)
+            offset += size
+        raise KeyError(name)
+
+
+class LlamaAttention(nn.Module):
+    """GQA attention that writes this step's K/V into its cache, then attends over the pages."""
+
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, qk_norm: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim(config)
+        self.scale = self.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias
+        )
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
+        # Qwen3 normalises each q and k head (before rope); Llama does not.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = rotary_emb
+        # Bound by `bind_kv_cache`; plain attributes so they stay out of the state dict.
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(list(self.qkv_proj.shards.values()), dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        write_kv(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping)
+        out = paged_attention(q, self.k_cache, self.v_cache, attn_metadata, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+        size, bias = config.intermediate_size, getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, {"gate_proj": size, "up_proj": size}, bias
+        )
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary_emb, qk_norm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        theta, scaling = rope_parameters(config)
+        # One table shared by all layers.
+        rotary_emb = RotaryEmbedding(
+            head_dim(config), config.max_position_embeddings, theta, scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary_emb, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, attn_metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama causal LM over kvfit's paged KV cache.
+
+    Parameter names follow the Hugging Face checkpoint, except that q/k/v and gate/up are fused
+    (`MergedLinear`); `kvfit.models.weights` maps the checkpoint onto them.
+    """
+
+    qk_norm = False
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.qk_norm)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Tokens packed as `attn_metadata` lays them out ([T] int64 each) -> hidden [T, H]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, vocab_size]."""
+        return self.lm_head(hidden).float()
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Give layer i the `(k_cache, v_cache)` views kv_caches[i], each
+        `[num_blocks, block_size, num_kv_heads, head_dim]` (any strides)."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(
+                f"got KV caches for {len(kv_caches)} layers, the model has "
+                f"{len(self.model.layers)} (num_hidden_layers)"
+            )
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache

@@ -1,0 +1,100 @@
+"""From a model name (a local folder or a built-in) to its config, tokenizer and weights."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+
+from kvfit.models.registry import get_model_class
+from kvfit.models.weights import init_dummy, load_safetensors
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from transformers import PreTrainedTokenizerBase
+
+BUILTIN_DIR = Path(__file__).parent / "configs"
+BUILTIN_MODELS = ("kvfit-tiny", "qwen3-0.6b-shape", "qwen3-8b-shape")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_model(model: str) -> Path:
+    """The folder holding `model`'s config.json: `model` itself, or a built-in's shipped folder."""
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {folder} has no config.json")
+        return folder
+    if model in BUILTIN_MODELS:
+        return BUILTIN_DIR / model
+    raise FileNotFoundError(
+        f"model {model!r} is neither a local folder with config.json nor a built-in model "
+        f"({', '.join(BUILTIN_MODELS)}); set `model` to one of them"
+    )
+
+
+def is_builtin(model: str) -> bool:
+    """True when `model` names a shipped config (no weights: they are generated)."""
+    return resolve_model(model).parent == BUILTIN_DIR
+
+
+def load_hf_config(model: str) -> PretrainedConfig:
+    """The Hugging Face config of a local folder or built-in model; nothing is downloaded."""
+    return AutoConfig.from_pretrained(resolve_model(model), local_files_only=True)
+
+
+def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
+    """The model's tokenizer, local files only; None when the folder has no tokenizer files
+    (the model then serves token-id prompts only)."""
+    folder = resolve_model(model)
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    hf_config: PretrainedConfig,
+    model: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str,
+) -> nn.Module:
+    """Build the model for `hf_config` on `device` in `dtype` and fill its weights; eval mode.
+
+    `load_format`: "safetensors" reads the folder's `*.safetensors` (single or sharded with
+    `model.safetensors.index.json`) straight to the device; "dummy" gives seeded random weights
+    at the real shapes; "auto" is "dummy" for built-in models (they ship no weights) and
+    "safetensors" otherwise.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    if load_format == "auto":
+        load_format = "dummy" if is_builtin(model) else "safetensors"
+    elif load_format == "safetensors" and is_builtin(model):
+        raise ValueError(f"built-in model {model!r} has no weights; use load_format='dummy'")
+    model_class = get_model_class(hf_config)
+    device = torch.device(device)
+    # Parameters are created on the device in their final dtype: weights are never held twice.
+    with torch.device(device), _default_dtype(dtype):
+        module = model_class(hf_config)
+    if load_format == "dummy":
+        init_dummy(module)
+    else:
+        load_safetensors(module, resolve_model(model), device)
+    return module.eval()

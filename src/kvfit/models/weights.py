@@ -1,0 +1,98 @@
+"""Filling a constructed model's parameters: from safetensors checkpoints, or dummy values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from kvfit.models.llama import MergedLinear
+
+DUMMY_SEED = 0
+DUMMY_STD = 0.02  # small enough that logits stay finite at 8B shapes in bf16
+# Buffers some older checkpoints carry; kvfit computes them.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
+    """Checkpoint tensor name -> (the parameter rows it fills, the name it counts as loaded).
+
+    A `MergedLinear` contributes one name per shard (`...self_attn.q_proj.weight` ...). A tied
+    parameter answers to each of its names and counts as loaded under its first one.
+    """
+    targets: dict[str, tuple[torch.Tensor, str]] = {}
+    first_name: dict[int, str] = {}
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if isinstance(module, MergedLinear):
+                parent = module_name.rpartition(".")[0]
+                for shard in module.shards:
+                    name = f"{parent}.{shard}.{param_name}"
+                    targets[name] = (module.shard(param, shard), name)
+            else:
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                targets[name] = (param, first_name.setdefault(id(param), name))
+    return targets
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's files: those the sharded index names, else every `*.safetensors`."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {folder}; pass load_format='dummy' for random weights"
+        )
+    return files
+
+
+@torch.no_grad()
+def load_safetensors(model: nn.Module, folder: Path, device: torch.device) -> None:
+    """Copy every checkpoint tensor into its parameter, reading it straight onto `device`.
+
+    Raises if a parameter is left unfilled, a tensor has no place in the model, or shapes differ.
+    """
+    targets = checkpoint_targets(model)
+    loaded: set[str] = set()
+    for file in safetensors_files(folder):
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name not in targets:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} in {file.name} has no place in "
+                        f"{type(model).__name__}: is `architectures` in config.json right?"
+                    )
+                rows, canonical = targets[name]
+                tensor = f.get_tensor(name)
+                if tensor.shape != rows.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
+                        f"expects {tuple(rows.shape)}: does config.json match the weights?"
+                    )
+                rows.copy_(tensor)
+                loaded.add(canonical)
+    missing = sorted({canonical for _, canonical in targets.values()} - loaded)
+    if missing:
+        raise ValueError(f"weights missing from the checkpoint in {folder}: {', '.join(missing)}")
+
+
+@torch.no_grad()
+def init_dummy(model: nn.Module, seed: int = DUMMY_SEED) -> None:
+    """Deterministic random weights at the real shapes: norms at one, biases at zero, the rest
+    normal(0, DUMMY_STD) from a generator seeded with `seed` on the parameters' device."""
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, DUMMY_STD, generator=generator)
