@@ -37,7 +37,9 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
+            raise ValueError(
+                f"SamplingParams.top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}"
+            )
         if self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:

@@ -106,8 +106,8 @@ class ModelOutput:
 
     `sampled_token_ids[i]` is None when sequence i ran a non-final prefill chunk.
     `logprobs[i]` maps token id -> logprob (top-n plus the sampled token) when requested.
-    `prompt_logprobs[i]` holds one entry per prompt position computed in this step
-    (None for the first prompt token) when requested.
+    `prompt_logprobs[i]` holds the entries to append to `seq.prompt_logprobs` (None for the
+    first prompt token; positions already recorded before a preemption are not repeated).
     """
 
     sampled_token_ids: list[int | None]

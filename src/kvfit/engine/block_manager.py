@@ -1,0 +1,148 @@
+"""KV cache block allocation with prefix caching over hashed full blocks."""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from array import array
+from dataclasses import dataclass
+
+from kvfit.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    # Chain hash of the block's tokens and every token before it; None until the block is full
+    # and its K/V computed, and again once the id is handed out for new tokens.
+    hash: bytes | None = None
+
+
+def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """Hash of one full block, chained on its parent's hash so equal hashes mean equal prefixes."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+class BlockManager:
+    """Hands out cache blocks to sequences and shares full blocks with equal prefixes.
+
+    Free ids come off a min-heap, lowest first, so live blocks pack at the front of the cache and
+    a shrink only loses its tail. A freed block keeps its hash and can be hit again until its id
+    is handed out for new tokens (eviction happens on reuse).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"BlockManager needs num_blocks >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"BlockManager needs block_size >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[bytes, int] = {}
+        self.num_free_blocks = num_blocks
+        # A prefix hit takes a block without removing it from the heap (that would cost O(n));
+        # such stale ids are skipped when popped. `_in_heap` keeps each id in the heap at most
+        # once, so the heap never outgrows num_blocks.
+        self._free_heap = list(range(num_blocks))
+        self._in_heap = [True] * num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by at least one sequence."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Start a waiting `seq`: take the cached blocks of its longest hashed prefix.
+
+        Sets `num_cached_tokens` and `num_computed_tokens` to the tokens those blocks hold. The
+        last token is never a hit, so the first step always has a token to sample from. Requests
+        with prompt logprobs get no hits: their prompt must run through the model.
+        """
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
+        if self.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None:
+            parent = b""
+            for i in range((len(seq) - 1) // self.block_size):
+                h = block_hash(parent, self._block_tokens(seq, i))
+                block_id = self.hash_to_block.get(h)
+                if block_id is None:
+                    break
+                self._take(self.blocks[block_id])
+                seq.block_table.append(block_id)
+                parent = h
+        seq.num_cached_tokens = seq.num_computed_tokens = len(seq.block_table) * self.block_size
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow `seq.block_table` to hold `num_computed_tokens + num_new_tokens` tokens.
+
+        Returns False, changing nothing, when too few blocks are free.
+        """
+        num_needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
+        num_new_blocks = num_needed - len(seq.block_table)
+        if num_new_blocks > self.num_free_blocks:
+            return False
+        for _ in range(num_new_blocks):
+            seq.block_table.append(self._pop_free().block_id)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks; the cached ones stay hittable until their ids are reused."""
+        for block_id in reversed(seq.block_table):
+            self._release(self.blocks[block_id])
+        seq.block_table = []
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Hash `seq`'s newly full blocks whose K/V are written, making them prefix hits.
+
+        Call after advancing `num_computed_tokens`: hashing only computed blocks means a hit
+        never points at K/V that a step in flight is still producing.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        first = num_full
+        while first > 0 and self.blocks[seq.block_table[first - 1]].hash is None:
+            first -= 1
+        parent = self.blocks[seq.block_table[first - 1]].hash if first else b""
+        for i in range(first, num_full):
+            block = self.blocks[seq.block_table[i]]
+            block.hash = parent = block_hash(parent, self._block_tokens(seq, i))
+            # Two sequences may compute the same block at once; the first one stays the hit.
+            self.hash_to_block.setdefault(parent, block.block_id)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def _block_tokens(self, seq: Sequence, i: int) -> list[int]:
+        return seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def _take(self, block: Block) -> None:
+        if block.ref_count == 0:
+            self.num_free_blocks -= 1
+        block.ref_count += 1
+
+    def _pop_free(self) -> Block:
+        while True:
+            block = self.blocks[heapq.heappop(self._free_heap)]
+            self._in_heap[block.block_id] = False
+            if block.ref_count == 0:
+                break
+        if block.hash is not None:
+            if self.hash_to_block.get(block.hash) == block.block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = None
+        self._take(block)
+        return block
+
+    def _release(self, block: Block) -> None:
+        block.ref_count -= 1
+        if block.ref_count > 0:
+            return
+        self.num_free_blocks += 1
+        if not self._in_heap[block.block_id]:
+            heapq.heappush(self._free_heap, block.block_id)
+            self._in_heap[block.block_id] = True

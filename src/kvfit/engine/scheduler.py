@@ -1,0 +1,209 @@
+"""Continuous batching: chunked prefills mixed with decodes under a token budget."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from kvfit.engine.block_manager import BlockManager
+from kvfit.engine.detokenizer import Detokenizer
+from kvfit.engine.sequence import ModelOutput, ScheduledBatch, Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Decides which sequences run each step and applies the step's results.
+
+    Each step, running decodes go first, then continuing and new prefills share the remaining
+    `max_num_batched_tokens`, cut into chunks at the budget (and at
+    `long_prefill_token_threshold` when set, so one long prompt cannot take a whole step).
+    When blocks run out, the newest running sequence is preempted: its blocks are freed and it
+    goes back to the front of the waiting queue, to be recomputed with its generated tokens as
+    prompt (its full blocks usually come back as prefix-cache hits).
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_manager: BlockManager,
+        eos_token_id: int | Iterable[int] | None,
+        long_prefill_token_threshold: int = 0,
+        detokenizer: Detokenizer | None = None,
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0 (0 = off), "
+                f"got {long_prefill_token_threshold}"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_manager = block_manager
+        if eos_token_id is None:
+            eos_token_id = ()
+        elif isinstance(eos_token_id, int):
+            eos_token_id = (eos_token_id,)
+        self.eos_token_ids = frozenset(eos_token_id)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.detokenizer = detokenizer or Detokenizer(None)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the newest is last
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq`; a request that could never run raises ValueError and changes nothing."""
+        self._check_fits(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick the next step's sequences and token counts; None when nothing can run."""
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch(seqs=[], num_new_tokens=[])
+        num_preempted = self.num_preemptions
+        # Stable sort: decodes first, each group in admission order.
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = self._chunk_size(seq, budget)
+            if self._reserve_slots(seq, num_new, batch):
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+        # After a preemption the cache is full: admitting new work would only thrash.
+        if self.num_preemptions == num_preempted:
+            while self.waiting and budget and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                self.block_manager.allocate(seq)
+                num_new = self._chunk_size(seq, budget)
+                if not self.block_manager.append_slots(seq, num_new):
+                    self._release(seq)
+                    break
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+        return batch if batch.seqs else None
+
+    def postprocess(self, batch: ScheduledBatch, output: ModelOutput) -> list[Sequence]:
+        """Apply a step's model output to its sequences; returns those that finished."""
+        finished = []
+        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if seq.status is not SequenceStatus.RUNNING:  # aborted while the step ran
+                continue
+            if output.prompt_logprobs[i] is not None:
+                seq.prompt_logprobs.extend(output.prompt_logprobs[i])
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_computed_blocks(seq)
+            token_id = output.sampled_token_ids[i]
+            if token_id is None:
+                continue
+            seq.append_token(token_id)
+            if output.logprobs[i] is not None:
+                seq.logprobs.append(output.logprobs[i])
+            if self._check_stop(seq, token_id):
+                self._finish(seq)
+                finished.append(seq)
+        if finished:
+            self.running = [seq for seq in self.running if not seq.is_finished]
+        return finished
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish the request with `request_id` now (finish_reason "abort"), if it is queued."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    seq.finish_reason = "abort"
+                    self._finish(seq)
+                    return seq
+        return None
+
+    def _check_fits(self, seq: Sequence) -> None:
+        num_prompt = seq.num_prompt_tokens
+        if num_prompt < 1:
+            raise ValueError("the prompt is empty: a request needs at least one prompt token")
+        if num_prompt + 1 > self.max_model_len:
+            raise ValueError(
+                f"prompt of {num_prompt} tokens leaves no room to generate within "
+                f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        # The last token is sampled, never computed, so it needs no cache slot.
+        max_len = min(num_prompt + seq.sampling_params.max_tokens, self.max_model_len)
+        bm = self.block_manager
+        num_blocks = bm.blocks_for(max_len - 1)
+        if num_blocks > bm.num_blocks:
+            raise ValueError(
+                f"request needs up to {num_blocks} KV cache blocks ({max_len} tokens) but the "
+                f"cache size is {bm.num_blocks} blocks of {bm.block_size} tokens; lower "
+                f"max_tokens or max_model_len, or give the KV cache more memory"
+            )
+        if seq.sampling_params.stop and self.detokenizer.tokenizer is None:
+            raise ValueError(
+                "SamplingParams.stop needs a tokenizer and the model has none; "
+                "use stop_token_ids instead"
+            )
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        if self.long_prefill_token_threshold and num_new > 1:
+            num_new = min(num_new, self.long_prefill_token_threshold)
+        return num_new
+
+    def _reserve_slots(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
+        """Make room for `seq`'s chunk, preempting the newest sequences not in `batch`."""
+        while not self.block_manager.append_slots(seq, num_new):
+            victim = next(s for s in reversed(self.running) if s not in batch.seqs)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> bool:
+        params = seq.sampling_params
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
+            seq.finish_reason = "stop"
+            return True
+        if may_stop and token_id in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token_id
+            return True
+        stop = self.detokenizer.step(seq, check_stop=may_stop)
+        if stop is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+            return True
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            seq.finish_reason = "length"
+            return True
+        return False
+
+    def _finish(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        self.detokenizer.free(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,136 @@
+"""Detokenizer: incremental text equals a full decode; stop strings found across tokens."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from kvfit.engine.block_manager import BlockManager
+from kvfit.engine.detokenizer import Detokenizer
+from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.scheduler import Scheduler
+from kvfit.engine.sequence import ModelOutput, Sequence
+
+CORPUS = ["hello world, the stop word is STOP here. Good night moon"] * 20
+
+
+@pytest.fixture(scope="module")
+def byte_level() -> Tokenizer:
+    """Byte-level BPE that knows no CJK or accented merges: such characters span tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<eos>"],
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def metaspace() -> Tokenizer:
+    """SentencePiece-style: the decoder drops the space marker of the text's first token."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(prepend_scheme="always")
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"], show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def generate(detok: Detokenizer, prompt: list[int], output: list[int], **params: object) -> tuple:
+    """Feed `output` one token at a time; returns (sequence, stop string, tokens fed)."""
+    seq = Sequence(prompt, SamplingParams(**params))
+    for i, token in enumerate(output):
+        seq.append_token(token)
+        if (stop := detok.step(seq)) is not None:
+            return seq, stop, i + 1
+    return seq, None, len(output)
+
+
+@pytest.mark.parametrize(
+    "text", ["hello world 日本語 night", "é moon ü", "STOP 🌙 here", "naïve façade"]
+)
+def test_incremental_text_equals_full_decode(byte_level: Tokenizer, text: str) -> None:
+    prompt = byte_level.encode("Good night ").ids
+    output = byte_level.encode(text).ids
+    assert len(output) > len(text.split())  # characters really span several tokens
+    seq, stop, _ = generate(Detokenizer(byte_level), prompt, output)
+    assert stop is None
+    assert seq.output_text == byte_level.decode(output) == text
+
+
+def test_prompt_context_keeps_the_leading_space(metaspace: Tokenizer) -> None:
+    prompt = metaspace.encode("hello").ids
+    output = metaspace.encode("world moon").ids
+    assert metaspace.decode(output) == "world moon"  # decoded alone the space is dropped
+    seq, _, _ = generate(Detokenizer(metaspace), prompt, output)
+    assert seq.output_text == " world moon"
+
+
+def test_stop_string_across_token_boundaries(byte_level: Tokenizer) -> None:
+    output = byte_level.encode("hello world, the stop word").ids
+    seq, stop, fed = generate(Detokenizer(byte_level), [1], output, stop=["lo wor", "stop"])
+    assert stop == "lo wor"
+    assert seq.output_text == "hel"
+    assert byte_level.decode(output[:fed]).find("lo wor") != -1
+    assert "lo wor" not in byte_level.decode(output[: fed - 1])  # found on the completing token
+
+
+def test_stop_string_inside_multibyte_characters(byte_level: Tokenizer) -> None:
+    output = byte_level.encode("moon 日本語 night").ids
+    seq, stop, _ = generate(Detokenizer(byte_level), [1], output, stop=["本語"])
+    assert (stop, seq.output_text) == ("本語", "moon 日")
+
+
+def test_earliest_stop_string_wins(byte_level: Tokenizer) -> None:
+    output = byte_level.encode("Good night moon").ids
+    seq, stop, _ = generate(Detokenizer(byte_level), [1], output, stop=["ght moon", "night"])
+    assert (stop, seq.output_text) == ("night", "Good ")
+
+
+def test_special_tokens_follow_skip_special_tokens(byte_level: Tokenizer) -> None:
+    eos = byte_level.token_to_id("<eos>")
+    output = [*byte_level.encode("moon").ids, eos]
+    skipped, _, _ = generate(Detokenizer(byte_level), [1], output)
+    kept, _, _ = generate(Detokenizer(byte_level), [1], output, skip_special_tokens=False)
+    assert skipped.output_text == "moon"
+    assert kept.output_text == "moon<eos>"
+
+
+def test_transformers_fast_tokenizer_and_no_tokenizer(byte_level: Tokenizer) -> None:
+    output = byte_level.encode("hello 日本").ids
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=byte_level)
+    seq, _, _ = generate(Detokenizer(wrapped), [1], output)
+    assert seq.output_text == "hello 日本"
+    none, stop, _ = generate(Detokenizer(None), [1], output, stop=["hello"])
+    assert (none.output_text, stop) == ("", None)
+    with pytest.raises(TypeError, match="fast tokenizer"):
+        Detokenizer(object())
+
+
+def test_scheduler_finishes_on_a_stop_string(byte_level: Tokenizer) -> None:
+    scheduler = Scheduler(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        block_manager=BlockManager(32, 4, enable_prefix_caching=True),
+        eos_token_id=byte_level.token_to_id("<eos>"),
+        detokenizer=Detokenizer(byte_level),
+    )
+    output = byte_level.encode(" the stop word is STOP here").ids
+    seq = Sequence([1, 2], SamplingParams(max_tokens=50, stop=["STOP"]))
+    scheduler.add(seq)
+    for token in output:
+        batch = scheduler.schedule()
+        finished = scheduler.postprocess(batch, ModelOutput([token], [None], [None]))
+        if finished:
+            break
+    assert finished == [seq]
+    assert (seq.finish_reason, seq.stop_reason) == ("stop", "STOP")
+    assert seq.output_text == " the stop word is "
+    assert scheduler.block_manager.num_free_blocks == 32

@@ -1,0 +1,181 @@
+"""Sampler: greedy is argmax, filters keep the right tokens, seeds reproduce, logprobs are raw."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfit.engine.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_top_k_top_p,
+    compute_prompt_logprobs,
+)
+from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.sequence import Sequence
+
+VOCAB = 64
+
+
+def seqs_for(*params: SamplingParams, num_output_tokens: int = 0) -> list[Sequence]:
+    seqs = []
+    for p in params:
+        seq = Sequence([1, 2, 3], p)
+        seq.token_ids += [4] * num_output_tokens
+        seqs.append(seq)
+    return seqs
+
+
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler | None = None, eos: tuple = ()
+) -> tuple[list[int], list]:
+    meta = SamplingMetadata.from_seqs(seqs, logits.shape[-1], logits.device, eos)
+    sampler = sampler or Sampler(seed=0)
+    return sampler(logits, meta).to_lists(meta.num_logprobs)
+
+
+def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_rows_take_the_argmax_even_beside_sampled_rows() -> None:
+    logits = random_logits(6)
+    params = [SamplingParams(temperature=0 if i % 2 else 1.5, top_k=5) for i in range(6)]
+    ids, _ = sample(logits, seqs_for(*params))
+    expected = logits.argmax(dim=-1).tolist()
+    assert [ids[i] for i in (1, 3, 5)] == [expected[i] for i in (1, 3, 5)]
+
+
+def naive_filter(row: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    order = row.argsort(descending=True).tolist()
+    kept = order[:top_k] if top_k > 0 else order
+    if top_p >= 1.0:
+        return set(kept)
+    probs = torch.softmax(row[kept], dim=0).tolist()
+    mass, nucleus = 0.0, []
+    for token, prob in zip(kept, probs, strict=True):
+        nucleus.append(token)
+        mass += prob
+        if mass >= top_p:
+            break
+    return set(nucleus)
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p"),
+    [(1, 1.0), (5, 1.0), (VOCAB, 1.0), (-1, 0.5), (10, 0.7), (3, 0.05), (-1, 1e-9)],
+)
+def test_top_k_top_p_keep_exactly_the_expected_tokens(top_k: int, top_p: float) -> None:
+    logits = random_logits(4, seed=top_k)
+    k = torch.full((4,), top_k if top_k > 0 else VOCAB)
+    p = torch.full((4,), top_p)
+    filtered = apply_top_k_top_p(logits, k, p)
+    for row in range(4):
+        kept = set(torch.isfinite(filtered[row]).nonzero().flatten().tolist())
+        assert kept == naive_filter(logits[row], top_k, top_p)
+        assert torch.equal(filtered[row][list(kept)], logits[row][list(kept)])
+
+
+def test_sampled_tokens_respect_top_k_and_unfiltered_rows_pass() -> None:
+    logits = random_logits(1).expand(400, VOCAB).contiguous()
+    ids, _ = sample(logits, seqs_for(*[SamplingParams(top_k=3)] * 400))
+    assert set(ids) <= set(logits[0].topk(3).indices.tolist())
+    filtered = apply_top_k_top_p(logits[:2], torch.tensor([3, VOCAB]), None)
+    assert torch.equal(filtered[1], logits[1])
+
+
+def test_sampling_frequencies_follow_the_tempered_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(20_000, 4).contiguous()
+    temperature = 2.0
+    ids, _ = sample(logits, seqs_for(*[SamplingParams(temperature=temperature)] * 20_000))
+    counts = torch.bincount(torch.tensor(ids), minlength=4).float() / 20_000
+    expected = torch.softmax(logits[0] / temperature, dim=0)
+    assert torch.allclose(counts, expected, atol=0.015)
+
+
+def test_seeded_requests_reproduce_regardless_of_batch_mates() -> None:
+    logits = random_logits(3)
+    seeded = SamplingParams(seed=1234)
+    alone, _ = sample(logits[1:2], seqs_for(seeded), Sampler(seed=0))
+    batched, _ = sample(
+        logits, seqs_for(SamplingParams(), seeded, SamplingParams()), Sampler(seed=9)
+    )
+    assert batched[1] == alone[0]
+    # Successive tokens draw fresh noise, and another seed gives other samples.
+    flat = torch.zeros(1, VOCAB)
+    draws = [sample(flat, seqs_for(seeded, num_output_tokens=i))[0][0] for i in range(8)]
+    other = [
+        sample(flat, seqs_for(SamplingParams(seed=99), num_output_tokens=i))[0][0] for i in range(8)
+    ]
+    assert len(set(draws)) > 1
+    assert draws != other
+
+
+def test_unseeded_rows_follow_the_engine_seed() -> None:
+    logits = random_logits(16)
+    params = [SamplingParams()] * 16
+    first, _ = sample(logits, seqs_for(*params), Sampler(seed=5))
+    again, _ = sample(logits, seqs_for(*params), Sampler(seed=5))
+    other, _ = sample(logits, seqs_for(*params), Sampler(seed=6))
+    assert first == again
+    assert first != other
+
+
+def test_logprobs_are_the_raw_log_softmax() -> None:
+    logits = random_logits(3)
+    params = [
+        SamplingParams(temperature=0.3, top_k=2, logprobs=4),
+        SamplingParams(),
+        SamplingParams(temperature=0, logprobs=0),
+    ]
+    ids, logprobs = sample(logits, seqs_for(*params))
+    reference = torch.log_softmax(logits, dim=-1)
+    assert logprobs[1] is None
+    top4 = reference[0].topk(4).indices.tolist()
+    assert set(logprobs[0]) == {ids[0], *top4}
+    for row in (0, 2):
+        for token, value in logprobs[row].items():
+            assert value == pytest.approx(reference[row, token].item(), abs=1e-5)
+    assert list(logprobs[2]) == [ids[2]]
+
+
+def test_min_tokens_bans_stop_tokens_until_reached() -> None:
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 7] = 50.0  # EOS dominates
+    logits[:, 9] = 40.0  # then a stop token id
+    params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[9])
+    early, _ = sample(logits, seqs_for(params, params, num_output_tokens=1), eos=(7,))
+    assert early == [logits[0, :7].argmax().item()] * 2
+    done, _ = sample(logits[:1], seqs_for(params, num_output_tokens=3), eos=(7,))
+    assert done == [7]
+    ignore = SamplingParams(temperature=0, min_tokens=3, ignore_eos=True)
+    assert sample(logits[:1], seqs_for(ignore), eos=(7,))[0] == [7]
+
+
+def test_prompt_logprobs_match_log_softmax() -> None:
+    logits = random_logits(5)
+    targets = torch.tensor([3, 1, 4, 1, 5])
+    entries = compute_prompt_logprobs(logits, targets, n=2)
+    reference = torch.log_softmax(logits, dim=-1)
+    for row, entry in enumerate(entries):
+        expected_ids = {targets[row].item(), *reference[row].topk(2).indices.tolist()}
+        assert set(entry) == expected_ids
+        for token, value in entry.items():
+            assert value == pytest.approx(reference[row, token].item(), abs=1e-5)
+    assert [list(e) for e in compute_prompt_logprobs(logits, targets, n=0)] == [
+        [t] for t in targets.tolist()
+    ]
+
+
+@pytest.mark.gpu
+def test_cuda_sampling_matches_the_cpu_rules() -> None:
+    logits = random_logits(8).cuda()
+    params = [SamplingParams(temperature=0, logprobs=3)] * 4 + [SamplingParams(top_k=2)] * 4
+    ids, logprobs = sample(logits, seqs_for(*params), Sampler("cuda", seed=0))
+    assert ids[:4] == logits[:4].argmax(dim=-1).tolist()
+    for row in range(4, 8):
+        assert ids[row] in logits[row].topk(2).indices.tolist()
+    reference = torch.log_softmax(logits, dim=-1)
+    for row in range(4):
+        for token, value in logprobs[row].items():
+            assert value == pytest.approx(reference[row, token].item(), abs=1e-4)

@@ -1,0 +1,361 @@
+"""Scheduler driven end to end by a fake model that reads its context back from a fake KV cache.
+
+The fake model stores each computed token in the slot its block table names and predicts the
+next token from what it reads back, so a wrong block table, prefix hit or recompute changes the
+output and the test sees it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvfit.engine.block_manager import BlockManager
+from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.scheduler import Scheduler
+from kvfit.engine.sequence import ModelOutput, ScheduledBatch, Sequence, SequenceStatus
+
+VOCAB = 50
+EOS = 0
+
+
+def next_token(context: list[int]) -> int:
+    """A deterministic 'model': never EOS unless the context is long, so lengths vary."""
+    h = 0
+    for t in context:
+        h = (h * 31 + t + 7) % 1_000_003
+    token = h % VOCAB
+    return token if token != EOS or len(context) > 40 else 1
+
+
+class FakeModel:
+    def __init__(self, bm: BlockManager) -> None:
+        self.bm = bm
+        self.slots: dict[tuple[int, int], int] = {}
+
+    def __call__(self, batch: ScheduledBatch) -> ModelOutput:
+        bs = self.bm.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                block_id = seq.block_table[pos // bs]
+                # Writes only ever go to a block this sequence holds alone.
+                assert self.bm.blocks[block_id].ref_count == 1
+                self.slots[block_id, pos % bs] = seq.token_ids[pos]
+        sampled: list[int | None] = []
+        logprobs: list[dict[int, float] | None] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.num_computed_tokens + n < len(seq):
+                sampled.append(None)
+                logprobs.append(None)
+                continue
+            context = [self.slots[seq.block_table[p // bs], p % bs] for p in range(len(seq))]
+            token = next_token(context)
+            sampled.append(token)
+            logprobs.append({token: -0.5} if seq.sampling_params.logprobs is not None else None)
+        return ModelOutput(sampled, logprobs, [None] * len(batch))
+
+
+def expected_output(prompt: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    tokens = list(prompt)
+    while True:
+        token = next_token(tokens)
+        tokens.append(token)
+        num_out = len(tokens) - len(prompt)
+        may_stop = num_out >= params.min_tokens
+        if may_stop and not params.ignore_eos and token == EOS:
+            break
+        if may_stop and token in params.stop_token_ids:
+            break
+        if num_out >= params.max_tokens or len(tokens) >= max_model_len:
+            break
+    return tokens[len(prompt) :]
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    max_model_len: int = 128,
+    prefix_caching: bool = True,
+    **kwargs: object,
+) -> Scheduler:
+    bm = BlockManager(num_blocks, block_size, prefix_caching)
+    return Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len, bm, EOS, **kwargs)
+
+
+def run(scheduler: Scheduler, model: FakeModel | None = None) -> list[ScheduledBatch]:
+    """Step until done, checking the scheduler's invariants on every batch."""
+    model = model or FakeModel(scheduler.block_manager)
+    batches = []
+    for _ in range(10_000):
+        if not scheduler.has_unfinished():
+            return batches
+        was_running = list(scheduler.running)
+        num_preemptions = scheduler.num_preemptions
+        batch = scheduler.schedule()
+        assert batch is not None, "work is queued but nothing was scheduled"
+        if scheduler.num_preemptions > num_preemptions:
+            # Victims wait at the front of the queue, and nothing new starts in that step.
+            assert scheduler.waiting[0] in was_running
+            assert all(seq in was_running for seq in batch.seqs)
+        assert batch.num_tokens <= scheduler.max_num_batched_tokens
+        assert len(scheduler.running) <= scheduler.max_num_seqs
+        assert len({seq.seq_id for seq in batch.seqs}) == len(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            assert 1 <= n <= seq.num_uncomputed_tokens
+            assert len(seq.block_table) * scheduler.block_manager.block_size >= (
+                seq.num_computed_tokens + n
+            )
+        batches.append(batch)
+        scheduler.postprocess(batch, model(batch))
+        for seq in scheduler.waiting:  # preempted sequences hold nothing until re-admitted
+            assert seq.num_computed_tokens == 0 and not seq.block_table
+    raise AssertionError("the scheduler did not finish its work")
+
+
+def random_requests(rng: random.Random, n: int, shared_prefix: list[int]) -> list[Sequence]:
+    seqs = []
+    for i in range(n):
+        prompt = shared_prefix[: rng.randint(0, len(shared_prefix))]
+        prompt += [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 20))]
+        params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 24))
+        seqs.append(Sequence(prompt, params, request_id=str(i)))
+    return seqs
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "max_num_batched_tokens", "max_num_seqs", "prefix_caching"),
+    [
+        (200, 64, 8, True),  # roomy: no preemption
+        (200, 7, 3, False),  # small budget: every prompt is chunked
+        (12, 16, 8, True),  # tiny cache: preemption and recompute
+        (12, 16, 8, False),
+    ],
+)
+def test_all_requests_finish_with_the_uncontended_output(
+    num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int, prefix_caching: bool
+) -> None:
+    rng = random.Random(num_blocks * 1000 + max_num_batched_tokens)
+    scheduler = make_scheduler(
+        num_blocks=num_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        prefix_caching=prefix_caching,
+    )
+    seqs = random_requests(rng, 24, shared_prefix=[rng.randrange(1, VOCAB) for _ in range(14)])
+    for seq in seqs:
+        scheduler.add(seq)
+    run(scheduler)
+    for seq in seqs:
+        assert seq.status is SequenceStatus.FINISHED
+        assert seq.output_token_ids == expected_output(
+            seq.prompt_token_ids, seq.sampling_params, 128
+        )
+    assert scheduler.block_manager.num_free_blocks == num_blocks
+    if num_blocks == 12:
+        assert scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_hits_skip_computation() -> None:
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=64)
+    model = FakeModel(scheduler.block_manager)
+    prompt = list(range(1, 22))
+    first = Sequence(prompt, SamplingParams(temperature=0, max_tokens=2))
+    scheduler.add(first)
+    run(scheduler, model)
+    second = Sequence(prompt, SamplingParams(temperature=0, max_tokens=2))
+    scheduler.add(second)
+    batches = run(scheduler, model)
+    assert second.num_cached_tokens == 20
+    assert batches[0].num_new_tokens == [1]
+    assert second.output_token_ids == first.output_token_ids
+
+
+def test_chunked_prefill_spans_steps_and_samples_only_at_the_end() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    seq = Sequence(list(range(1, 21)), SamplingParams(temperature=0, max_tokens=3))
+    scheduler.add(seq)
+    batches = run(scheduler)
+    assert [b.num_new_tokens for b in batches] == [[8], [8], [4], [1], [1]]
+    assert seq.num_output_tokens == 3
+
+
+def test_decodes_go_first_and_prefills_take_the_rest_of_the_budget() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    model = FakeModel(scheduler.block_manager)
+    old = Sequence([1, 2, 3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    scheduler.add(old)
+    scheduler.postprocess(batch := scheduler.schedule(), model(batch))
+    new = Sequence(list(range(1, 31)), SamplingParams(temperature=0, max_tokens=1))
+    scheduler.add(new)
+    batch = scheduler.schedule()
+    assert batch.seqs == [old, new]
+    assert batch.num_new_tokens == [1, 9]
+
+
+def test_decodes_go_before_an_older_unfinished_prefill() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=8)
+    model = FakeModel(scheduler.block_manager)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    long, short = Sequence(list(range(1, 30)), params), Sequence([5, 6], params)
+    scheduler.add(long)
+    scheduler.add(short)
+    batch = scheduler.schedule()
+    assert (batch.seqs, batch.num_new_tokens) == ([long, short], [8, 2])
+    scheduler.postprocess(batch, model(batch))
+    batch = scheduler.schedule()
+    assert (batch.seqs, batch.num_new_tokens) == ([short, long], [1, 8])
+
+
+def test_long_prefill_threshold_caps_each_chunk() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=6)
+    long, short = (Sequence(list(range(1, n)), SamplingParams(max_tokens=1)) for n in (21, 4))
+    scheduler.add(long)
+    scheduler.add(short)
+    batch = scheduler.schedule()
+    assert batch.num_new_tokens == [6, 3]
+
+
+def test_max_num_seqs_limits_running_sequences() -> None:
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=100)
+    seqs = [Sequence([i, i + 1], SamplingParams(max_tokens=4, ignore_eos=True)) for i in range(5)]
+    for seq in seqs:
+        scheduler.add(seq)
+    batches = run(scheduler)
+    assert max(len(b) for b in batches) == 2
+    assert all(seq.num_output_tokens == 4 for seq in seqs)
+
+
+def test_budget_below_the_number_of_decodes_defers_the_rest() -> None:
+    scheduler = make_scheduler(max_num_seqs=4, max_num_batched_tokens=2)
+    seqs = [Sequence([i + 1], SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    batches = run(scheduler)
+    assert all(b.num_tokens == 2 for b in batches)
+    assert all(seq.num_output_tokens == 3 for seq in seqs)
+
+
+def test_preempted_sequence_is_recomputed_with_its_generated_tokens() -> None:
+    # 4 blocks of 4: two sequences of 6 prompt tokens growing to 13 cannot both stay.
+    scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=32, prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    old, new = (Sequence([k] * 6, params, request_id=str(k)) for k in (1, 2))
+    scheduler.add(old)
+    scheduler.add(new)
+    batches = run(scheduler)
+    assert scheduler.num_preemptions >= 1
+    # The newest sequence was the victim; its recompute prefilled prompt + generated tokens.
+    recompute = next(
+        b for b in batches[1:] if new in b.seqs and b.num_new_tokens[b.seqs.index(new)] > 1
+    )
+    assert recompute.num_new_tokens[recompute.seqs.index(new)] > 6
+    for seq in (old, new):
+        assert seq.output_token_ids == expected_output(seq.prompt_token_ids, params, 128)
+
+
+def test_stop_conditions() -> None:
+    scheduler = make_scheduler(max_model_len=30)
+    prompt = [3, 4, 5]
+    reference = expected_output(prompt, SamplingParams(max_tokens=20, ignore_eos=True), 10**6)
+    stop_id = reference[4]
+    cases = {
+        "length": SamplingParams(max_tokens=5, ignore_eos=True),
+        "stop_id": SamplingParams(max_tokens=20, stop_token_ids=[stop_id], ignore_eos=True),
+        "min_tokens": SamplingParams(
+            max_tokens=20,
+            stop_token_ids=[stop_id],
+            min_tokens=reference.index(stop_id) + 2,
+            ignore_eos=True,
+        ),
+        "model_len": SamplingParams(max_tokens=100, ignore_eos=True),
+    }
+    seqs = {name: Sequence(prompt, p, request_id=name) for name, p in cases.items()}
+    for seq in seqs.values():
+        scheduler.add(seq)
+    run(scheduler)
+    assert (seqs["length"].finish_reason, seqs["length"].num_output_tokens) == ("length", 5)
+    first_stop = reference.index(stop_id)
+    assert seqs["stop_id"].output_token_ids == reference[: first_stop + 1]
+    assert (seqs["stop_id"].finish_reason, seqs["stop_id"].stop_reason) == ("stop", stop_id)
+    assert seqs["min_tokens"].num_output_tokens > first_stop + 1
+    assert (seqs["model_len"].finish_reason, len(seqs["model_len"])) == ("length", 30)
+
+
+def test_eos_stops_unless_ignored() -> None:
+    # next_token yields EOS only past 40 tokens of context: find a prompt that reaches it.
+    prompt = next(
+        [k] * 40
+        for k in range(1, VOCAB)
+        if expected_output([k] * 40, SamplingParams(), 999)[-1] == EOS
+    )
+    scheduler = make_scheduler(max_model_len=200, num_blocks=128, max_num_batched_tokens=64)
+    stops = Sequence(prompt, SamplingParams(max_tokens=16))
+    ignores = Sequence(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+    scheduler.add(stops)
+    scheduler.add(ignores)
+    run(scheduler)
+    assert stops.finish_reason == "stop" and stops.output_token_ids[-1] == EOS
+    assert stops.stop_reason is None
+    assert ignores.finish_reason == "length" and ignores.num_output_tokens == 16
+
+
+def test_logprobs_and_prompt_logprobs_are_recorded() -> None:
+    scheduler = make_scheduler()
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=3, logprobs=0, ignore_eos=True))
+    scheduler.add(seq)
+    batch = scheduler.schedule()
+    entries = [None, {2: -1.0}, {3: -2.0}]
+    scheduler.postprocess(batch, ModelOutput([7], [{7: -0.1}], [entries]))
+    assert seq.prompt_logprobs == entries
+    assert seq.logprobs == [{7: -0.1}]
+    assert seq.output_token_ids == [7]
+
+
+def test_abort_frees_blocks_and_leaves_others_running() -> None:
+    scheduler = make_scheduler(num_blocks=16)
+    keep = Sequence([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True), request_id="keep")
+    drop = Sequence([4, 5, 6], SamplingParams(max_tokens=5, ignore_eos=True), request_id="drop")
+    queued = Sequence([7], SamplingParams(max_tokens=5), request_id="queued")
+    scheduler.add(keep)
+    scheduler.add(drop)
+    model = FakeModel(scheduler.block_manager)
+    batch = scheduler.schedule()
+    output = model(batch)  # the step is in flight when the abort arrives
+    scheduler.add(queued)
+    assert scheduler.abort("drop") is drop
+    assert scheduler.abort("queued") is queued
+    assert scheduler.abort("missing") is None
+    assert drop.finish_reason == queued.finish_reason == "abort"
+    assert drop.block_table == []
+    scheduler.postprocess(batch, output)
+    assert drop.num_output_tokens == 0  # a result arriving after the abort is dropped
+    run(scheduler, model)
+    assert keep.num_output_tokens == 5
+    assert scheduler.block_manager.num_free_blocks == 16
+
+
+def test_requests_that_can_never_fit_are_rejected_without_disturbing_others() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=64)
+    ok = Sequence([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    scheduler.add(ok)
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        scheduler.add(Sequence(list(range(64)), SamplingParams()))
+    with pytest.raises(ValueError, match="cache size is 4 blocks"):
+        scheduler.add(Sequence(list(range(10)), SamplingParams(max_tokens=20)))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        scheduler.add(Sequence([], SamplingParams()))
+    with pytest.raises(ValueError, match="tokenizer"):
+        scheduler.add(Sequence([1], SamplingParams(stop=["x"])))
+    run(scheduler)
+    assert list(scheduler.waiting) == []
+    assert ok.num_output_tokens == 4
+
+
+@pytest.mark.parametrize("name", ["max_num_seqs", "max_num_batched_tokens", "max_model_len"])
+def test_rejects_nonpositive_limits(name: str) -> None:
+    limits = {"max_num_seqs": 4, "max_num_batched_tokens": 16, "max_model_len": 32, name: 0}
+    with pytest.raises(ValueError, match=name):
+        make_scheduler(**limits)
