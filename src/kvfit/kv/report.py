@@ -1,0 +1,65 @@
+"""`KVCacheReport`: how the KV cache was sized, printable as an aligned table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("measured", "estimate", "override")
+
+
+def format_bytes(n: int) -> str:
+    """Human units: GiB from 1 GiB up, MiB below."""
+    if abs(n) >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+@dataclass(frozen=True)
+class KVCacheReport:
+    """The numbers behind one KV cache size, in bytes and blocks.
+
+    `method` is `measured` (after warmup), `estimate` (profiling estimate, the fallback) or
+    `override` (`kv_cache_memory_bytes` / `num_gpu_blocks_override`). `estimate_num_blocks` is
+    what the estimate would have given, for comparison; None where it was not computed.
+    """
+
+    method: str
+    total: int
+    budget: int
+    weights: int
+    non_torch: int
+    transient: int
+    margin: int
+    committed_bytes: int
+    num_blocks: int
+    estimate_num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"KVCacheReport.method must be one of {METHODS}, got {self.method!r}")
+
+    def _rows(self) -> list[tuple[str, str]]:
+        """The table's (label, value) rows."""
+        estimate = "-" if self.estimate_num_blocks is None else f"{self.estimate_num_blocks:,}"
+        return [
+            ("method", self.method),
+            ("device total", format_bytes(self.total)),
+            ("budget", format_bytes(self.budget)),
+            ("weights", format_bytes(self.weights)),
+            ("non-torch use", format_bytes(self.non_torch)),
+            ("transient peak", format_bytes(self.transient)),
+            ("margin", format_bytes(self.margin)),
+            ("KV cache committed", format_bytes(self.committed_bytes)),
+            ("KV cache blocks", f"{self.num_blocks:,}"),
+            ("blocks by estimate", estimate),
+        ]
+
+    def format_table(self) -> str:
+        """Labels left-aligned, values right-aligned, one row per figure."""
+        rows = self._rows()
+        label_width = max(len(label) for label, _ in rows)
+        value_width = max(len(value) for _, value in rows)
+        return "\n".join(f"{label:<{label_width}}  {value:>{value_width}}" for label, value in rows)
+
+    def __str__(self) -> str:
+        return self.format_table()

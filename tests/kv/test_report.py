@@ -1,0 +1,55 @@
+"""KVCacheReport renders every figure in an aligned table with human units."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfit.kv.report import KVCacheReport, format_bytes
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def report(**kw: object) -> KVCacheReport:
+    args: dict = dict(
+        method="measured",
+        total=80 * GiB,
+        budget=80 * GiB,
+        weights=16 * GiB,
+        non_torch=768 * MiB,
+        transient=3 * GiB // 2,
+        margin=768 * MiB,
+        committed_bytes=56 * GiB,
+        num_blocks=28672,
+        estimate_num_blocks=26000,
+    )
+    args.update(kw)
+    return KVCacheReport(**args)
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(3 * GiB // 2) == "1.50 GiB"
+    assert format_bytes(GiB) == "1.00 GiB"
+    assert format_bytes(256 * MiB) == "256.00 MiB"
+    assert format_bytes(0) == "0.00 MiB"
+
+
+def test_table_has_every_figure_aligned() -> None:
+    lines = report().format_table().splitlines()
+    assert len(lines) == 10
+    assert len({len(line) for line in lines}) == 1  # right-aligned values end in one column
+    table = "\n".join(lines)
+    for text in ("measured", "80.00 GiB", "16.00 GiB", "768.00 MiB", "1.50 GiB", "56.00 GiB"):
+        assert text in table
+    assert "28,672" in table and "26,000" in table
+    assert str(report()) == report().format_table()
+
+
+def test_missing_estimate_is_shown_as_a_dash() -> None:
+    last = report(method="override", estimate_num_blocks=None).format_table().splitlines()[-1]
+    assert last.split()[-1] == "-"
+
+
+def test_unknown_method_is_an_error() -> None:
+    with pytest.raises(ValueError, match="measured"):
+        report(method="guessed")
