@@ -1,0 +1,179 @@
+"""Engine benchmark: offline throughput, and decode step time against the memory roofline.
+
+    python3 bench/throughput.py --out throughput.json                 # on the GPU machine
+    python3 bench/throughput.py --device cpu --model kvfit-tiny --num-seqs 8 --max-len 64 \\
+        --decode-models kvfit-tiny --decode-batches 1 4 --decode-context 32 --out t.json
+
+Throughput: `--num-seqs` requests of random token ids, prompt and output lengths uniform in
+[`--min-len`, `--max-len`], ignore_eos, sampled at temperature 1 (dummy weights). Decode: one
+engine step of a decode-only batch at `--decode-context` tokens per sequence, run through the
+engine's model runner (CUDA graphs unless --enforce-eager), median of `--iters`. Its roofline is
+(weight bytes + KV bytes read) over the device-to-device copy bandwidth measured in the same run.
+Writes JSON to --out and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from kvfit import LLM, SamplingParams
+from kvfit.engine.sequence import ScheduledBatch, Sequence
+
+GiB = 1 << 30
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = GiB, iters: int = 10) -> float:
+    """Bytes moved per second (read + write) by a device-to-device copy, median."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times)
+
+
+def bench_throughput(args: argparse.Namespace) -> dict[str, float]:
+    """The offline workload: tokens per second from submission to the last completion."""
+    rng = random.Random(args.seed)
+    llm = LLM(args.model, device=args.device, load_format="dummy",
+              max_model_len=2 * args.max_len + 1, enforce_eager=args.enforce_eager)
+    vocab = llm.config.model_config.hf_config.vocab_size
+    lengths = [(rng.randint(args.min_len, args.max_len), rng.randint(args.min_len, args.max_len))
+               for _ in range(args.num_seqs)]
+    prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(p)]} for p, _ in lengths]
+    # Unseeded: per-request seeds cost a generator per row per step, not what is measured here.
+    params = [SamplingParams(temperature=1.0, max_tokens=o, ignore_eos=True) for _, o in lengths]
+    _sync(llm.config.device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(llm.config.device)
+    elapsed = time.perf_counter() - start
+    llm.shutdown()
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    return {
+        "model": args.model, "num_seqs": args.num_seqs, "elapsed_s": elapsed,
+        "output_tokens": output_tokens, "prompt_tokens": prompt_tokens,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (output_tokens + prompt_tokens) / elapsed,
+    }
+
+
+def decode_batch(batch_size: int, context: int, block_size: int) -> ScheduledBatch:
+    """`batch_size` sequences of `context` tokens, each computing its last one, on disjoint
+    blocks (sequence i holds blocks i*n .. i*n + n - 1)."""
+    num_blocks = -(-context // block_size)
+    seqs = []
+    for i in range(batch_size):
+        seq = Sequence([1] * context, SamplingParams(temperature=0.0, max_tokens=1))
+        seq.num_computed_tokens = context - 1
+        seq.block_table = list(range(i * num_blocks, (i + 1) * num_blocks))
+        seqs.append(seq)
+    return ScheduledBatch(seqs, [1] * batch_size)
+
+
+def bench_decode(model: str, args: argparse.Namespace, bandwidth: float) -> list[dict]:
+    """Decode step time at each batch size against (weights + KV read) / copy bandwidth."""
+    llm = LLM(model, device=args.device, load_format="dummy", max_num_seqs=max(args.decode_batches),
+              max_model_len=args.decode_context + 1, enforce_eager=args.enforce_eager)
+    worker = llm.engine.executor.workers[0]
+    runner, device = worker.runner, llm.config.device
+    spec = runner.kv_cache_spec
+    weight_bytes = worker.weights
+    kv_bytes_per_token = spec.block_bytes // spec.block_size
+    rows = []
+    for batch_size in args.decode_batches:
+        batch = decode_batch(batch_size, args.decode_context, spec.block_size)
+        needed = batch_size * len(batch.seqs[0].block_table)
+        if needed > runner.num_blocks:
+            print(f"skip {model} batch {batch_size}: needs {needed} blocks, "
+                  f"the cache holds {runner.num_blocks}")
+            continue
+        for _ in range(3):
+            runner.execute(batch)
+        times = []
+        for _ in range(args.iters):
+            _sync(device)
+            start = time.perf_counter()
+            runner.execute(batch)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        step = statistics.median(times)
+        kv_bytes = batch_size * args.decode_context * kv_bytes_per_token
+        roofline = (weight_bytes + kv_bytes) / bandwidth
+        rows.append({
+            "model": model, "batch": batch_size, "context": args.decode_context,
+            "step_ms": step * 1e3, "roofline_ms": roofline * 1e3, "ratio": step / roofline,
+            "weight_gib": weight_bytes / GiB, "kv_gib": kv_bytes / GiB,
+            "graphs": runner.graphs is not None and runner.graphs.can_run(batch),
+        })
+    llm.shutdown()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON output path")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--model", default="qwen3-0.6b-shape")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decode-models", nargs="*",
+                        default=["qwen3-0.6b-shape", "qwen3-8b-shape"])
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--decode-context", type=int, default=1024)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+
+    result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                    else "cpu"}
+    if not args.skip_throughput:
+        result["throughput"] = bench_throughput(args)
+        gc.collect()
+    result["copy_bandwidth_gbps"] = copy_bandwidth(device) / 1e9
+    result["decode"] = []
+    for model in args.decode_models:
+        result["decode"] += bench_decode(model, args, result["copy_bandwidth_gbps"] * 1e9)
+        gc.collect()
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+    print(f"device: {result['device']}, copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s")
+    if "throughput" in result:
+        t = result["throughput"]
+        print(f"offline {t['model']}: {t['num_seqs']} seqs in {t['elapsed_s']:.1f} s, "
+              f"{t['output_tokens_per_s']:,.0f} output tok/s, "
+              f"{t['total_tokens_per_s']:,.0f} total tok/s")
+    print(f"{'model':<18} {'batch':>5} {'step ms':>9} {'roofline ms':>12} {'ratio':>6} graphs")
+    for r in result["decode"]:
+        print(f"{r['model']:<18} {r['batch']:>5} {r['step_ms']:>9.3f} {r['roofline_ms']:>12.3f} "
+              f"{r['ratio']:>6.2f} {r['graphs']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,358 @@
+"""Engine configuration: `EngineArgs` (flags and `LLM` keywords, vLLM's names) and the validated
+`EngineConfig` it resolves to. Every error names the setting to change."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvfit.kv.spec import KVCacheSpec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Upper bounds on the defaults (never on explicit values): a 40k-token window is rarely wanted and
+# would make one max-length sequence dominate the cache check, more so on the CPU.
+_DEFAULT_MAX_MODEL_LEN_CAP = {"cuda": 32768, "cpu": 4096}
+_DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
+# Utilization left unset: the whole device under measured sizing, the usual 0.92 otherwise.
+_UTILIZATION_EXTENSIBLE = 1.0
+_UTILIZATION_ESTIMATE = 0.92
+# Other engines default to 4 GiB of CPU KV space; never take more than a quarter of the host.
+_DEFAULT_CPU_KV_SPACE_BYTES = 4 * GiB
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+@dataclass
+class ModelConfig:
+    """The model and how it runs: weights, dtype, context window."""
+
+    model: str
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str = "auto"
+    seed: int = 0
+    max_logprobs: int = 20
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+@dataclass
+class CacheConfig:
+    """The KV cache: block size, prefix caching and how its size is decided.
+
+    `enable_extensible_kv_cache` is resolved to a bool by `EngineArgs`; startup turns it off
+    when the VMM probe fails. `gpu_memory_utilization` None follows it (`memory_utilization`).
+    """
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_extensible_kv_cache: bool | None = None
+    kv_cache_margin_fraction: float = 0.5
+    kv_cache_margin_floor_bytes: int = 256 * MiB
+    cpu_kv_cache_space_bytes: int | None = None
+    # Set by the engine once sizing is done.
+    num_gpu_blocks: int | None = None
+
+    @property
+    def memory_utilization(self) -> float:
+        """The budget's share of device memory: as given, else by sizing method."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return _UTILIZATION_EXTENSIBLE if self.enable_extensible_kv_cache else _UTILIZATION_ESTIMATE
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, validated and with defaults resolved."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device: torch.device
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] = field(default_factory=list)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What one KV cache block holds (block-outermost layout)."""
+        mc = self.model_config
+        return KVCacheSpec(
+            num_layers=mc.num_layers,
+            block_size=self.cache_config.block_size,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=mc.dtype,
+        )
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings as the user gives them (CLI flags or `LLM(...)` keywords).
+
+    `create_engine_config()` resolves the `None`/"auto" defaults and validates; every error
+    names the flag or keyword to change.
+    """
+
+    model: str = "kvfit-tiny"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    load_format: str = "auto"
+    seed: int = 0
+    max_logprobs: int = 20
+    cuda_graph_sizes: list[int] | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_extensible_kv_cache: bool | None = None
+    kv_cache_margin_fraction: float = 0.5
+    kv_cache_margin_floor_bytes: int = 256 * MiB
+    cpu_kv_cache_space_bytes: int | None = None
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one `--flag` per field (vLLM's spelling) to `parser`."""
+        d = EngineArgs()
+        p = parser.add_argument_group("engine")
+        p.add_argument("--model", default=d.model,
+                       help="local Hugging Face folder or built-in name (kvfit-tiny, "
+                       "qwen3-0.6b-shape, qwen3-8b-shape)")
+        p.add_argument("--dtype", default=d.dtype, choices=["auto", *_DTYPES])
+        p.add_argument("--device", default=d.device, help="'auto', 'cpu', 'cuda' or 'cuda:N'")
+        p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+        p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        p.add_argument("--block-size", type=int, default=d.block_size)
+        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching)
+        p.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager)
+        p.add_argument("--load-format", default=d.load_format,
+                       help="auto (dummy for built-in models), safetensors or dummy")
+        p.add_argument("--seed", type=int, default=d.seed)
+        p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+        p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=d.cuda_graph_sizes)
+        p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        p.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes)
+        p.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
+        p.add_argument("--enable-extensible-kv-cache", action=argparse.BooleanOptionalAction,
+                       default=d.enable_extensible_kv_cache)
+        p.add_argument("--kv-cache-margin-fraction", type=float,
+                       default=d.kv_cache_margin_fraction)
+        p.add_argument("--kv-cache-margin-floor-bytes", type=int,
+                       default=d.kv_cache_margin_floor_bytes)
+        p.add_argument("--cpu-kv-cache-space-bytes", type=int,
+                       default=d.cpu_kv_cache_space_bytes)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """Pick this class's fields out of a parsed namespace."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve defaults against the model and device, and validate everything."""
+        # Imported here so that building the CLI parser does not load transformers.
+        from kvfit.models.loader import LOAD_FORMATS, load_hf_config
+        from kvfit.models.registry import get_model_class
+
+        device = _resolve_device(self.device)
+        hf_config = load_hf_config(self.model)
+        get_model_class(hf_config)  # an unknown architecture fails here, before any work
+        model_config = ModelConfig(
+            model=self.model,
+            hf_config=hf_config,
+            dtype=_resolve_dtype(self.dtype, hf_config, device),
+            max_model_len=_resolve_max_model_len(self.max_model_len, hf_config, device),
+            load_format=_check_choice("load_format", self.load_format, LOAD_FORMATS),
+            seed=self.seed,
+            max_logprobs=_at_least("max_logprobs", self.max_logprobs, 0),
+        )
+        max_len = model_config.max_model_len
+        block_size = _at_least("block_size", self.block_size, 1)
+        if block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        max_num_seqs = _at_least("max_num_seqs", self.max_num_seqs, 1)
+        max_batched = self.max_num_batched_tokens or _DEFAULT_MAX_NUM_BATCHED_TOKENS[device.type]
+        if self.max_num_batched_tokens is None:
+            max_batched = max(max_batched, block_size)
+        elif max_batched < block_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) must be >= block_size ({block_size})"
+            )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=self._cache_config(device, block_size),
+            scheduler_config=SchedulerConfig(max_num_seqs, max_batched, max_len),
+            device=device,
+            enforce_eager=self.enforce_eager or device.type != "cuda",
+            cuda_graph_sizes=_resolve_graph_sizes(
+                self.cuda_graph_sizes, min(max_num_seqs, max_batched)
+            ),
+        )
+
+    def _cache_config(self, device: torch.device, block_size: int) -> CacheConfig:
+        manual = [
+            name for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override")
+            if getattr(self, name) is not None
+        ]
+        for name in manual:
+            _at_least(name, getattr(self, name), 1)
+        extensible = self.enable_extensible_kv_cache
+        if extensible and manual:
+            raise ValueError(
+                f"enable_extensible_kv_cache=True conflicts with {manual[0]}: the extensible cache "
+                f"is sized from measured memory; drop one of the two"
+            )
+        if extensible:
+            _check_vmm_usable(device)
+        elif extensible is None:
+            # Where the probe fails at startup the engine falls back to the estimate.
+            extensible = not manual
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        if self.kv_cache_margin_fraction < 0:
+            raise ValueError(
+                f"kv_cache_margin_fraction must be >= 0, got {self.kv_cache_margin_fraction}"
+            )
+        _at_least("kv_cache_margin_floor_bytes", self.kv_cache_margin_floor_bytes, 0)
+        cpu_space = self.cpu_kv_cache_space_bytes
+        if cpu_space is None:
+            cpu_space = min(_DEFAULT_CPU_KV_SPACE_BYTES, _host_memory_bytes() // 4)
+        _at_least("cpu_kv_cache_space_bytes", cpu_space, 1)
+        return CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            gpu_memory_utilization=utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_extensible_kv_cache=extensible,
+            kv_cache_margin_fraction=self.kv_cache_margin_fraction,
+            kv_cache_margin_floor_bytes=self.kv_cache_margin_floor_bytes,
+            cpu_kv_cache_space_bytes=cpu_space,
+        )
+
+
+def _at_least(name: str, value: int, low: int) -> int:
+    if not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def _check_vmm_usable(device: torch.device) -> None:
+    from kvfit.vmm import vmm_unavailable_reason
+
+    reason = vmm_unavailable_reason(device)
+    if reason is not None:
+        raise ValueError(
+            f"enable_extensible_kv_cache=True but the KV cache cannot be backed by virtual memory "
+            f"on {device}: {reason}; leave enable_extensible_kv_cache unset or False"
+        )
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {device!r}") from e
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu'")
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def _resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig,
+                   device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        native = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(native, str):
+            native = _DTYPES.get(native)
+        # A float32 checkpoint would halve throughput on the GPU; serve it in bf16 like vLLM.
+        return native if native in (torch.bfloat16, torch.float16) else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _resolve_max_model_len(max_model_len: int | None, hf_config: PretrainedConfig,
+                           device: torch.device) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if max_model_len is None:
+        cap = _DEFAULT_MAX_MODEL_LEN_CAP[device.type]
+        return min(limit, cap) if limit else cap
+    _at_least("max_model_len", max_model_len, 1)
+    if limit and max_model_len > limit:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) is larger than the model's "
+            f"max_position_embeddings ({limit}); lower max_model_len"
+        )
+    return max_model_len
+
+
+def _resolve_graph_sizes(sizes: list[int] | None, max_batch: int) -> list[int]:
+    if sizes is None:
+        sizes = [1, 2, 4, 8, *range(16, 513, 16)]
+    for s in sizes:
+        _at_least("cuda_graph_sizes", s, 1)
+    return sorted({s for s in sizes if s <= max_batch})
+
+
+def _host_memory_bytes() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total

@@ -1,0 +1,130 @@
+"""The engine core: starts the workers in DESIGN.md's order, sizes the KV cache, then runs
+scheduler steps. The only place that knows the startup order."""
+
+from __future__ import annotations
+
+import logging
+
+from kvfit.engine.block_manager import BlockManager
+from kvfit.engine.config import EngineConfig
+from kvfit.engine.detokenizer import Detokenizer
+from kvfit.engine.executor import Executor
+from kvfit.engine.model_runner import eos_token_ids
+from kvfit.engine.scheduler import Scheduler
+from kvfit.engine.sequence import Sequence
+from kvfit.kv.report import KVCacheReport
+from kvfit.kv.sizing import min_over_workers
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Workers, KV cache sizing, scheduler and detokenizer of one engine.
+
+    Startup: probe VMM (fall back to the estimate where any worker cannot back the cache), load
+    and profile, reserve the capacity and commit the minimum, warm up, capture graphs once,
+    size the cache (measured, estimate or override) and commit that.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer: object | None = None,
+                 num_workers: int = 1) -> None:
+        self.config = config
+        self.executor = Executor(config, num_workers)
+        self.kv_cache_report = self._initialize_kv_cache()
+        cc, sc = config.cache_config, config.scheduler_config
+        self.scheduler = Scheduler(
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_model_len=sc.max_model_len,
+            block_manager=BlockManager(cc.num_gpu_blocks, cc.block_size, cc.enable_prefix_caching),
+            eos_token_id=eos_token_ids(config.model_config.hf_config),
+            detokenizer=Detokenizer(tokenizer),
+        )
+
+    def _initialize_kv_cache(self) -> KVCacheReport:
+        cc = self.config.cache_config
+        rpc = self.executor.collective_rpc
+        if cc.enable_extensible_kv_cache:
+            reasons = [r for r in rpc("vmm_unavailable_reason") if r is not None]
+            if reasons:
+                logger.warning("extensible KV cache unavailable (%s); sizing by estimate",
+                               reasons[0])
+                cc.enable_extensible_kv_cache = False
+        rpc("load_model")
+        estimate = min_over_workers(rpc("profile"))
+        method, capacity = self._capacity(estimate)
+        extensible = bool(cc.enable_extensible_kv_cache)
+        committable = min_over_workers(rpc("initialize_kv_cache", capacity, extensible))
+        rpc("warm_up", committable)
+        rpc("capture_cuda_graphs")
+        num_blocks = capacity
+        if extensible:
+            method, num_blocks = "measured", min_over_workers(rpc("measure_kv_cache_blocks"))
+        self._check_max_model_len_fits(num_blocks)
+        if extensible:
+            rpc("extend_kv_cache", num_blocks)
+        cc.num_gpu_blocks = num_blocks
+        report = rpc("kv_cache_report", method, num_blocks)[0]
+        logger.info("KV cache:\n%s", report.format_table())
+        return report
+
+    def _capacity(self, estimate: int) -> tuple[str, int]:
+        """(method, blocks): the override when one is set, else the estimate (which the
+        extensible path reserves as capacity and measures within).
+
+        The estimate is capped at what `max_num_seqs` sequences of `max_model_len` can hold:
+        beyond that blocks only keep prefix-cache entries alive, and for tiny models on a large
+        device (kvfit-tiny on 141 GB: 8.5M blocks) the block manager's bookkeeping, not memory,
+        would become the cost. Real models never reach the cap.
+        """
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        if cc.num_gpu_blocks_override is not None:
+            return "override", cc.num_gpu_blocks_override
+        if cc.kv_cache_memory_bytes is not None:
+            block_bytes = self.config.kv_cache_spec().block_bytes
+            return "override", cc.kv_cache_memory_bytes // block_bytes
+        useful = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size)
+        return "estimate", max(min(estimate, useful), 1)
+
+    def _check_max_model_len_fits(self, num_blocks: int) -> None:
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        if num_blocks * cc.block_size >= sc.max_model_len:
+            return
+        if cc.enable_extensible_kv_cache:
+            hint = "lower max_model_len or max_num_seqs"
+        elif cc.num_gpu_blocks_override is not None:
+            hint = "raise num_gpu_blocks_override or lower max_model_len"
+        elif cc.kv_cache_memory_bytes is not None:
+            hint = "raise kv_cache_memory_bytes or lower max_model_len"
+        elif self.config.device.type == "cpu":
+            hint = "raise cpu_kv_cache_space_bytes or lower max_model_len"
+        else:
+            hint = "raise gpu_memory_utilization or lower max_model_len"
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks of {cc.block_size} tokens = "
+            f"{num_blocks * cc.block_size} tokens, fewer than one max_model_len "
+            f"({sc.max_model_len}) sequence needs; {hint}"
+        )
+
+    def add_request(self, seq: Sequence) -> None:
+        """Queue `seq`; raises `ValueError` if it can never be scheduled."""
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a queued or running request (a no-op for unknown ids)."""
+        self.scheduler.abort(request_id)
+
+    def step(self) -> list[Sequence]:
+        """Schedule and run one step; the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        return self.scheduler.postprocess(batch, self.executor.execute(batch))
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is still queued or running."""
+        return self.scheduler.has_unfinished()
+
+    def shutdown(self) -> None:
+        """Free every worker's model and KV cache; the engine cannot run afterwards."""
+        self.executor.collective_rpc("shutdown")

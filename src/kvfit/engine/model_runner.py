@@ -1,0 +1,280 @@
+"""The model runner: turns a `ScheduledBatch` into model inputs, runs the model (eagerly or from a
+CUDA graph) and samples. It owns the model, the KV cache and the sampler of one device."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import torch
+from transformers import PretrainedConfig
+
+from kvfit.engine.config import EngineConfig
+from kvfit.engine.cuda_graph import CUDAGraphRunner
+from kvfit.engine.sampler import (
+    PROMPT_LOGPROBS_CHUNK,
+    Sampler,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+)
+from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.sequence import ModelOutput, ScheduledBatch, Sequence
+from kvfit.kv.cache import ExtensibleKVCache
+from kvfit.models.loader import load_model
+from kvfit.ops.attention import AttentionMetadata
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+class ModelRunner:
+    """Runs one device's model over scheduled batches.
+
+    The KV cache is created by `initialize_kv_cache` (extensible: capacity reserved, minimum
+    committed) and grown by `ensure_blocks` / `commit_blocks`; its layer views never move, so
+    graphs captured after `initialize_kv_cache` stay valid whatever is committed later.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device
+        mc = config.model_config
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = mc.max_model_len
+        self.max_num_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        self.model = load_model(mc.hf_config, mc.model, mc.dtype, self.device, mc.load_format)
+        self.sampler = Sampler(self.device, mc.seed)
+        self.eos_token_ids = eos_token_ids(mc.hf_config)
+        self.kv_cache: ExtensibleKVCache | None = None
+        self.kv_cache_spec = config.kv_cache_spec()
+        self._num_allocated_blocks = 0
+        self.graphs: CUDAGraphRunner | None = None
+
+    # -- KV cache -----------------------------------------------------------------------------
+
+    def initialize_kv_cache(self, num_blocks: int, extensible: bool) -> None:
+        """Create the cache for `num_blocks` and bind it to the model.
+
+        Extensible: `num_blocks` is the reserved capacity and only the minimum is committed
+        (the `allocate()` hook); otherwise `num_blocks` are allocated outright with torch.
+        """
+        spec = self.kv_cache_spec
+        if extensible:
+            self.kv_cache = ExtensibleKVCache(spec, num_blocks, self.device)
+            self.kv_cache.allocate()
+            self.model.bind_kv_cache(self.kv_cache.layer_views())
+        else:
+            # Zeroed: kernels read whole blocks, and garbage such as NaN in a slot past
+            # seq_len would leak through a masked (0 * NaN) product.
+            cache = torch.zeros(spec.shape(num_blocks), dtype=spec.dtype, device=self.device)
+            self.model.bind_kv_cache(spec.layer_views(cache))
+        self._num_allocated_blocks = num_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the model may address now: committed (extensible) or allocated."""
+        if self.kv_cache is not None:
+            return self.kv_cache.committed_blocks
+        return self._num_allocated_blocks
+
+    def ensure_blocks(self, num_blocks: int) -> None:
+        """Make blocks [0, num_blocks) addressable (commits more of an extensible cache)."""
+        if self.kv_cache is not None:
+            self.kv_cache.ensure_blocks(num_blocks)
+        elif num_blocks > self.num_blocks:
+            raise ValueError(f"the KV cache holds {self.num_blocks} blocks, {num_blocks} asked")
+
+    def commit_blocks(self, num_blocks: int) -> None:
+        """Commit exactly `num_blocks` of the extensible cache (grow or shrink); same addresses."""
+        if self.kv_cache is None:
+            raise RuntimeError("commit_blocks needs the extensible KV cache")
+        self.kv_cache.commit(num_blocks)
+
+    def shutdown(self) -> None:
+        """Free the graphs and the KV cache (the reservation too); the runner is done."""
+        self.graphs = None
+        self.model = None
+        if self.kv_cache is not None:
+            self.kv_cache.free()
+            self.kv_cache = None
+
+    # -- inputs -------------------------------------------------------------------------------
+
+    def prepare_inputs(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """`(input_ids, positions, attn_metadata, logits_indices)` for one step.
+
+        Tokens of all sequences are packed along dim 0; `logits_indices` are the rows of the
+        sequences whose chunk reaches their last token (the ones sampled). Vectorized over the
+        batch: only the block table and token gathers touch each sequence in Python.
+        """
+        bs, num_seqs = self.block_size, len(batch)
+        num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in batch.seqs), np.int64, num_seqs)
+        seq_lens = starts + num_new
+        query_start_loc = np.concatenate([[0], np.cumsum(num_new)])
+        num_tokens = int(query_start_loc[-1])
+        block_table = np.zeros((num_seqs, -(-int(seq_lens.max()) // bs)), dtype=np.int32)
+        for row, seq in zip(block_table, batch.seqs, strict=True):
+            table = seq.block_table[: len(row)]
+            row[: len(table)] = table
+        positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - starts, num_new)
+        blocks = block_table[np.repeat(np.arange(num_seqs), num_new), positions // bs]
+        slot_mapping = blocks.astype(np.int64) * bs + positions % bs
+        input_ids = np.fromiter(
+            itertools.chain.from_iterable(
+                s.token_ids[a : a + n] for s, a, n in zip(batch.seqs, starts.tolist(),
+                                                         batch.num_new_tokens, strict=True)
+            ),
+            np.int64, num_tokens,
+        )
+        ends = np.fromiter((len(s) for s in batch.seqs), np.int64, num_seqs)
+        logits_indices = query_start_loc[1:][seq_lens == ends] - 1
+        metadata = AttentionMetadata(
+            slot_mapping=self._to_device(slot_mapping),
+            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            block_table=self._to_device(block_table),
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return (self._to_device(input_ids), self._to_device(positions), metadata,
+                self._to_device(logits_indices))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    # -- execution ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+        """Run one step: forward, sample the sequences whose chunk ends, logprobs as asked."""
+        input_ids, positions, metadata, logits_indices = self.prepare_inputs(batch)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(input_ids, positions, metadata)
+        else:
+            hidden = self.model(input_ids, positions, metadata)
+        sampled = [i for i, (s, n) in enumerate(_items(batch)) if _reaches_end(s, n)]
+        token_ids: list[int | None] = [None] * len(batch)
+        logprobs: list[dict[int, float] | None] = [None] * len(batch)
+        if sampled:
+            logits = self.model.compute_logits(hidden[logits_indices])
+            meta = SamplingMetadata.from_seqs(
+                [batch.seqs[i] for i in sampled], logits.shape[-1], self.device,
+                self.eos_token_ids,
+            )
+            ids, lps = self.sampler(logits, meta).to_lists(meta.num_logprobs)
+            for row, i in enumerate(sampled):
+                token_ids[i], logprobs[i] = ids[row], lps[row]
+        return ModelOutput(token_ids, logprobs, self._prompt_logprobs(batch, hidden))
+
+    def _prompt_logprobs(
+        self, batch: ScheduledBatch, hidden: torch.Tensor
+    ) -> list[list[dict[int, float] | None] | None]:
+        """Per sequence, the entries to append to its `prompt_logprobs` after this chunk.
+
+        Row r scores token r + 1, so a chunk from `start` scores tokens `start + 1 ..`. Token 0
+        has no logprob (None); tokens already recorded (a preempted sequence being recomputed)
+        are not repeated.
+        """
+        out: list[list[dict[int, float] | None] | None] = [None] * len(batch)
+        starts = np.cumsum([0, *batch.num_new_tokens])  # host copy of query_start_loc
+        for i, (seq, n) in enumerate(_items(batch)):
+            num = seq.sampling_params.prompt_logprobs
+            if num is None:
+                continue
+            start, done = seq.num_computed_tokens, len(seq.prompt_logprobs)
+            last = min(start + n, seq.num_prompt_tokens - 1)
+            # Tokens in done..start cannot be scored from this chunk's rows: only token 0 can
+            # be among them, as prompt-logprobs requests take no prefix-cache hits.
+            entries: list[dict[int, float] | None] = [None] * max(0, min(start, last) - done + 1)
+            first = max(start + 1, done)
+            if first <= last:
+                rows = hidden[starts[i] + first - 1 - start : starts[i] + last - start]
+                targets = torch.tensor(seq.token_ids[first : last + 1], device=hidden.device)
+                for c in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
+                    logits = self.model.compute_logits(rows[c : c + PROMPT_LOGPROBS_CHUNK])
+                    entries += compute_prompt_logprobs(
+                        logits, targets[c : c + PROMPT_LOGPROBS_CHUNK], num
+                    )
+            out[i] = entries
+        return out
+
+    # -- warmup -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int, max_blocks: int, num_decodes: int = 0) -> None:
+        """One step of `num_tokens` dummy tokens: `num_decodes` decodes, the rest prefill
+        sequences of at most `max_model_len` tokens. Block ids wrap at the blocks the step
+        addresses or `max_blocks`, whichever is fewer, and those are committed first."""
+        decode_context = min(self.max_model_len, self.block_size)  # one block per decode
+        lengths = [1] * num_decodes + _split(num_tokens - num_decodes, self.max_model_len)
+        contexts = [decode_context] * num_decodes + lengths[num_decodes:]
+        num_blocks = min(max_blocks, sum(-(-c // self.block_size) for c in contexts))
+        self.ensure_blocks(num_blocks)
+        block_ids = itertools.count()
+        seqs = []
+        for n, context in zip(lengths, contexts, strict=True):
+            seq = Sequence([0] * context, _GREEDY)
+            seq.num_computed_tokens = context - n
+            seq.block_table = [next(block_ids) % num_blocks
+                               for _ in range(-(-context // self.block_size))]
+            seqs.append(seq)
+        self.execute(ScheduledBatch(seqs, lengths))
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest step the scheduler can issue, before the KV cache exists: a throwaway
+        one-block cache is bound so attention runs (and its workspace is measured) too."""
+        spec = self.kv_cache_spec
+        scratch = torch.zeros(spec.shape(1), dtype=spec.dtype, device=self.device)
+        # The scratch cache stays bound until `initialize_kv_cache` binds the real one.
+        self.model.bind_kv_cache(spec.layer_views(scratch))
+        self._num_allocated_blocks = 1
+        self.dummy_run(self.config.scheduler_config.max_num_batched_tokens, 1)
+
+    @torch.inference_mode()
+    def warmup_prompt_logprobs(self) -> None:
+        """One `PROMPT_LOGPROBS_CHUNK` through the logits head and the top-k scorer: the
+        largest logits tensor a step makes, which no other warmup step allocates."""
+        hidden = torch.zeros(
+            PROMPT_LOGPROBS_CHUNK, self.config.model_config.hf_config.hidden_size,
+            dtype=self.config.model_config.dtype, device=self.device,
+        )
+        targets = torch.zeros(PROMPT_LOGPROBS_CHUNK, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden)
+        compute_prompt_logprobs(logits, targets, self.config.model_config.max_logprobs)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs against the current cache views (no-op under enforce_eager)."""
+        if self.config.enforce_eager or not self.config.cuda_graph_sizes:
+            return
+        if self.graphs is None:
+            self.graphs = CUDAGraphRunner(
+                self.model, self.config.cuda_graph_sizes, self.max_num_blocks_per_seq,
+                self.max_model_len, self.device,
+            )
+        self.graphs.capture()
+
+
+def eos_token_ids(hf_config: PretrainedConfig) -> list[int]:
+    """The config's end-of-sequence ids (`eos_token_id` is an int, a list or None)."""
+    eos = getattr(hf_config, "eos_token_id", None)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def _items(batch: ScheduledBatch) -> zip[tuple[Sequence, int]]:
+    return zip(batch.seqs, batch.num_new_tokens, strict=True)
+
+
+def _reaches_end(seq: Sequence, num_new_tokens: int) -> bool:
+    return seq.num_computed_tokens + num_new_tokens == len(seq)
+
+
+def _split(total: int, most: int) -> list[int]:
+    """`total` as parts of at most `most`, the last one shorter."""
+    return [min(most, total - i) for i in range(0, total, most)]

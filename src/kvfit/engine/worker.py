@@ -1,0 +1,188 @@
+"""One device's worker: loads the model, profiles, creates and sizes the KV cache, warms up,
+captures graphs and executes steps. The engine drives it through `collective_rpc`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvfit.engine.config import EngineConfig
+from kvfit.engine.model_runner import ModelRunner
+from kvfit.engine.sequence import ModelOutput, ScheduledBatch
+from kvfit.kv.monitor import CudaMemoryMonitor, HostMemoryMonitor, MemoryMonitor
+from kvfit.kv.report import KVCacheReport
+from kvfit.kv.sizing import (
+    MemoryProfile,
+    MemorySnapshot,
+    StepPeak,
+    available_kv_bytes,
+    estimate_num_blocks,
+    kv_margin,
+    memory_budget,
+    non_torch_bytes,
+    transient_bytes,
+)
+from kvfit.vmm import vmm_unavailable_reason
+
+
+class Worker:
+    """Owns one device, its memory monitor and its `ModelRunner`.
+
+    Memory is read at fixed points of startup: a baseline before the weights, the profiling step
+    and every warmup step's peak; `measure_kv_cache_blocks` turns them into a block count.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = config.device
+        self.monitor = _memory_monitor(config)
+        self.runner: ModelRunner | None = None
+        self.step_peaks: list[StepPeak] = []
+        self.baseline: MemorySnapshot | None = None
+        self.weights = 0
+        self.estimate_blocks = 0
+        # Blocks warmup may address; the engine overwrites it with the minimum over workers.
+        self.num_committable_blocks = 0
+
+    def vmm_unavailable_reason(self) -> str | None:
+        """Why this device cannot back the extensible cache, or None when it can."""
+        return vmm_unavailable_reason(self.device)
+
+    def load_model(self) -> None:
+        """Snapshot memory, then load the weights."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()
+        self.baseline = self.monitor.snapshot()
+        self.runner = ModelRunner(self.config)
+        model = self.runner.model
+        self.weights = sum(t.numel() * t.element_size() for t in (*model.parameters(),
+                                                                  *model.buffers()))
+
+    def profile(self) -> int:
+        """Run the largest step before the cache exists; return the blocks the estimate gives
+        within the budget (the capacity to reserve, or the final size without VMM)."""
+        self._measured_step(self.runner.profile_run)
+        now = self.monitor.snapshot()
+        self.estimate_blocks = estimate_num_blocks(
+            total=now.total,
+            utilization=self.config.cache_config.memory_utilization,
+            weights=self.weights,
+            activation_peak=transient_bytes(self.step_peaks),
+            graph_capture=0,  # the 0.92 default's headroom covers the graphs on this path
+            non_torch=non_torch_bytes(self.baseline, now, 0),
+            block_bytes=self.runner.kv_cache_spec.block_bytes,
+            setting=self.monitor.budget_setting,
+        )
+        return self.estimate_blocks
+
+    def initialize_kv_cache(self, num_blocks: int, extensible: bool) -> int:
+        """Create the cache (extensible: `num_blocks` is the capacity, the minimum is
+        committed); return how many blocks this worker could commit for warmup."""
+        self.runner.initialize_kv_cache(num_blocks, extensible)
+        if extensible:
+            free = self.monitor.snapshot().free + self.runner.kv_cache.physical_bytes
+            num_blocks = min(num_blocks, self.runner.kv_cache.blocks_that_fit(free))
+        self.num_committable_blocks = num_blocks
+        return num_blocks
+
+    def warm_up(self, num_committable_blocks: int) -> None:
+        """Kernel warmup, a mixed prefill+decode step at `max_num_batched_tokens` and one
+        prompt-logprobs chunk, each step's memory peak recorded. Dummy block ids stay below
+        `num_committable_blocks` (the engine's minimum over workers)."""
+        self.num_committable_blocks = num_committable_blocks
+        sc = self.config.scheduler_config
+        num_decodes = min(sc.max_num_seqs - 1, sc.max_num_batched_tokens // 2)
+        self._measured_step(self.runner.dummy_run, min(16, sc.max_num_batched_tokens),
+                            num_committable_blocks)
+        self._measured_step(self.runner.dummy_run, sc.max_num_batched_tokens,
+                            num_committable_blocks, num_decodes)
+        if self.config.model_config.max_logprobs > 0:
+            self._measured_step(self.runner.warmup_prompt_logprobs)
+
+    def _measured_step(self, step: Callable[..., None], *args: int) -> None:
+        """Run `step(*args)` and record its memory peak (the transient sizing keeps free)."""
+        self.monitor.reset_peak()
+        step(*args)
+        self._synchronize()
+        self.step_peaks.append(self.monitor.step_peak())
+
+    def capture_cuda_graphs(self) -> int:
+        """One capture pass over the configured sizes; returns passes so far (0 when eager)."""
+        self.runner.capture_cuda_graphs()
+        self._synchronize()
+        graphs = self.runner.graphs
+        return graphs.num_capture_passes if graphs is not None else 0
+
+    def memory_profile(self) -> MemoryProfile:
+        """The measured numbers sizing needs, read now."""
+        now = self.monitor.snapshot()
+        committed = self.runner.kv_cache.physical_bytes if self.runner.kv_cache else 0
+        return MemoryProfile(
+            total=now.total,
+            free=now.free,
+            weights=self.weights,
+            torch_live=now.torch_allocated,
+            non_torch=non_torch_bytes(self.baseline, now, committed),
+            committed_kv=committed,
+            transient=transient_bytes(self.step_peaks),
+        )
+
+    def measure_kv_cache_blocks(self) -> int:
+        """The most blocks that fit in what is measured free within the budget, less the
+        transient and the margin; never more than the reserved capacity."""
+        cc = self.config.cache_config
+        available = available_kv_bytes(
+            self.memory_profile(), cc.memory_utilization, cc.kv_cache_margin_floor_bytes,
+            cc.kv_cache_margin_fraction, self.monitor.budget_setting,
+        )
+        cache = self.runner.kv_cache
+        return min(cache.capacity_blocks, cache.blocks_that_fit(available))
+
+    def extend_kv_cache(self, num_blocks: int) -> None:
+        """Commit exactly `num_blocks` (growing, or shrinking below what warmup used)."""
+        self.runner.commit_blocks(num_blocks)
+
+    def kv_cache_report(self, method: str, num_blocks: int) -> KVCacheReport:
+        """How this worker's cache was sized."""
+        profile = self.memory_profile()
+        cc, spec = self.config.cache_config, self.runner.kv_cache_spec
+        return KVCacheReport(
+            method=method,
+            total=profile.total,
+            budget=memory_budget(profile.total, cc.memory_utilization, self.monitor.budget_setting),
+            weights=self.weights,
+            non_torch=profile.non_torch,
+            transient=profile.transient,
+            margin=kv_margin(profile.transient, cc.kv_cache_margin_floor_bytes,
+                             cc.kv_cache_margin_fraction),
+            # Physical (granule-rounded) bytes of the extensible cache; else what torch holds.
+            committed_bytes=profile.committed_kv or num_blocks * spec.block_bytes,
+            num_blocks=num_blocks,
+            estimate_num_blocks=self.estimate_blocks,
+        )
+
+    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+        """Run one scheduled step."""
+        return self.runner.execute(batch)
+
+    def shutdown(self) -> None:
+        """Release the model, graphs and KV cache, and return cached device memory."""
+        if self.runner is not None:
+            self.runner.shutdown()
+            self.runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _memory_monitor(config: EngineConfig) -> MemoryMonitor:
+    if config.device.type == "cuda":
+        return CudaMemoryMonitor(config.device)
+    return HostMemoryMonitor(config.cache_config.cpu_kv_cache_space_bytes,
+                             "cpu_kv_cache_space_bytes")

@@ -1,0 +1,134 @@
+"""EngineArgs -> EngineConfig: defaults resolved against model and device, errors name the flag."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from kvfit.engine.config import EngineArgs, _resolve_dtype
+from kvfit.models.loader import load_hf_config
+
+
+def config(**kwargs: object):  # -> EngineConfig
+    return EngineArgs(model="kvfit-tiny", device="cpu", **kwargs).create_engine_config()
+
+
+def test_cpu_defaults() -> None:
+    c = config()
+    hf = load_hf_config("kvfit-tiny")
+    assert c.device == torch.device("cpu")
+    assert c.model_config.dtype == torch.float32
+    assert c.model_config.max_model_len == min(hf.max_position_embeddings, 4096)
+    assert c.scheduler_config.max_num_batched_tokens == 2048
+    assert c.enforce_eager  # no CUDA graphs on the CPU
+    cc = c.cache_config
+    assert cc.enable_extensible_kv_cache is True
+    assert cc.memory_utilization == 1.0
+    assert 0 < cc.cpu_kv_cache_space_bytes <= 4 << 30
+
+
+def test_auto_dtype_on_gpu_is_the_checkpoint_half_precision() -> None:
+    hf = load_hf_config("qwen3-0.6b-shape")
+    assert _resolve_dtype("auto", hf, torch.device("cuda", 0)) == torch.bfloat16
+    assert _resolve_dtype("auto", hf, torch.device("cpu")) == torch.float32
+    assert _resolve_dtype("half", hf, torch.device("cpu")) == torch.float16
+
+
+def test_max_model_len_default_is_capped_and_larger_is_an_error() -> None:
+    hf = load_hf_config("qwen3-0.6b-shape")
+    c = EngineArgs(model="qwen3-0.6b-shape", device="cpu").create_engine_config()
+    assert c.model_config.max_model_len < hf.max_position_embeddings
+    assert config(max_model_len=100).scheduler_config.max_model_len == 100
+    with pytest.raises(ValueError, match="max_model_len .* max_position_embeddings"):
+        config(max_model_len=hf.max_position_embeddings * 8)
+
+
+@pytest.mark.parametrize("name", ["kv_cache_memory_bytes", "num_gpu_blocks_override"])
+def test_manual_cache_size_turns_the_extensible_default_off(name: str) -> None:
+    cc = config(**{name: 1 << 20}).cache_config
+    assert cc.enable_extensible_kv_cache is False
+    assert cc.memory_utilization == 0.92
+    with pytest.raises(ValueError, match=f"enable_extensible_kv_cache=True conflicts with {name}"):
+        config(enable_extensible_kv_cache=True, **{name: 1 << 20})
+
+
+def test_utilization_given_is_kept_and_fallback_restores_the_estimate_default() -> None:
+    assert config(gpu_memory_utilization=0.5).cache_config.memory_utilization == 0.5
+    cc = config().cache_config
+    cc.enable_extensible_kv_cache = False  # what the engine does when the VMM probe fails
+    assert cc.memory_utilization == 0.92
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "flag"),
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": 24}, "block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 8}, "max_num_batched_tokens"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+        ({"kv_cache_margin_fraction": -0.1}, "kv_cache_margin_fraction"),
+        ({"kv_cache_margin_floor_bytes": -1}, "kv_cache_margin_floor_bytes"),
+        ({"cpu_kv_cache_space_bytes": 0}, "cpu_kv_cache_space_bytes"),
+        ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),
+        ({"dtype": "int3"}, "dtype"),
+        ({"load_format": "pickle"}, "load_format"),
+        ({"max_logprobs": -1}, "max_logprobs"),
+        ({"cuda_graph_sizes": [0]}, "cuda_graph_sizes"),
+        ({"max_model_len": 0}, "max_model_len"),
+    ],
+)
+def test_bad_values_name_the_flag(kwargs: dict, flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        config(**kwargs)
+
+
+def test_device_errors() -> None:
+    with pytest.raises(ValueError, match="device"):
+        EngineArgs(device="tpu").create_engine_config()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            EngineArgs(device="cuda").create_engine_config()
+
+
+def test_unknown_model_names_the_setting() -> None:
+    with pytest.raises(FileNotFoundError, match="model"):
+        EngineArgs(model="/no/such/folder").create_engine_config()
+
+
+def test_cuda_graph_sizes_are_capped_by_the_batch_limits() -> None:
+    c = config(max_num_seqs=20, cuda_graph_sizes=[1, 8, 16, 32, 64])
+    assert c.cuda_graph_sizes == [1, 8, 16]
+    assert max(config(max_num_seqs=48).cuda_graph_sizes) == 48
+
+
+def test_cli_round_trip() -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = parser.parse_args([
+        "--model", "qwen3-0.6b-shape", "--max-model-len", "1024", "--no-enable-prefix-caching",
+        "--enforce-eager", "--num-gpu-blocks-override", "64", "--cuda-graph-sizes", "1", "2",
+        "--no-enable-extensible-kv-cache", "--kv-cache-margin-fraction", "0.25",
+    ])
+    args = EngineArgs.from_cli_args(ns)
+    assert args == EngineArgs(
+        model="qwen3-0.6b-shape", max_model_len=1024, enable_prefix_caching=False,
+        enforce_eager=True, num_gpu_blocks_override=64, cuda_graph_sizes=[1, 2],
+        enable_extensible_kv_cache=False, kv_cache_margin_fraction=0.25,
+    )
+    assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
+
+
+def test_explicit_extensible_cache_where_vmm_is_unusable_is_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert config(enable_extensible_kv_cache=True).cache_config.enable_extensible_kv_cache
+    import kvfit.vmm
+
+    monkeypatch.setattr(kvfit.vmm, "vmm_unavailable_reason", lambda device: "no VMM here")
+    with pytest.raises(ValueError, match="enable_extensible_kv_cache=True .* no VMM here"):
+        config(enable_extensible_kv_cache=True)
+    # Unset, it stays on: the engine probes again at startup and falls back with a warning.
+    assert config().cache_config.enable_extensible_kv_cache

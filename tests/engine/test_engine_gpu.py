@@ -1,0 +1,102 @@
+"""The engine on a CUDA device in bf16: against transformers, and CUDA graphs against eager."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfit import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+MAX_TOKENS = 24
+# A small share of the device keeps the block manager small for a tiny model.
+UTILIZATION = 0.05
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 with head_dim 64 (a size the GPU kernels support), bf16 safetensors.
+
+    A larger init scale than HF's default makes next-token distributions peaked, so greedy
+    choices are not decided by bf16 rounding.
+    """
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+        initializer_range=0.15, tie_word_embeddings=False, eos_token_id=2, bos_token_id=0,
+    )
+    folder = tmp_path_factory.mktemp("qwen3-gpu")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def prompts() -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(0)
+    return [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()}
+            for n in (1, 7, 16, 33, 64, 100, 150, 200)]
+
+
+@pytest.fixture
+def make_llm(model_dir: Path) -> Iterator:
+    made: list[LLM] = []
+
+    def make(**kwargs: object) -> LLM:
+        llm = LLM(str(model_dir), device="cuda", gpu_memory_utilization=UTILIZATION, **kwargs)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.shutdown()
+
+
+def test_greedy_first_divergence_is_within_top5(model_dir: Path, make_llm) -> None:
+    from transformers import AutoModelForCausalLM
+
+    llm = make_llm(enforce_eager=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    outputs = llm.generate(prompts(), params, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    for prompt, out in zip(prompts(), outputs, strict=True):
+        ids = list(prompt["prompt_token_ids"])
+        completion = out.outputs[0]
+        for i, token in enumerate(completion.token_ids):
+            with torch.no_grad():
+                logits = hf(torch.tensor([ids], device="cuda")).logits[0, -1].float()
+            hf_token = int(logits.argmax())
+            if hf_token != token:
+                assert token in logits.topk(5).indices.tolist(), f"step {i}"
+                assert hf_token in completion.logprobs[i], f"step {i}"
+                break
+            ids.append(token)
+
+
+def test_cuda_graphs_match_eager_and_capture_once(make_llm) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    eager = make_llm(enforce_eager=True)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts(), params, use_tqdm=False)]
+    eager.shutdown()
+    graphed = make_llm(cuda_graph_sizes=[1, 2, 4, 8])
+    runner = graphed.engine.executor.workers[0].runner
+    assert runner.graphs is not None and runner.graphs.num_capture_passes == 1
+    replays = 0
+    replay = runner.graphs.run
+
+    def counting_run(*args: object) -> torch.Tensor:
+        nonlocal replays
+        replays += 1
+        return replay(*args)
+
+    runner.graphs.run = counting_run  # type: ignore[method-assign]
+    got = [o.outputs[0].token_ids for o in graphed.generate(prompts(), params, use_tqdm=False)]
+    assert replays >= MAX_TOKENS - 1  # every decode step replayed a graph
+    assert got == expected
+    assert graphed.kv_cache_report.method == "measured"

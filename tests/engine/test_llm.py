@@ -1,0 +1,290 @@
+"""The `LLM` API end to end on the CPU, against Hugging Face transformers on the same weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvfit import LLM, SamplingParams
+from kvfit.engine.sequence import Sequence
+
+MAX_TOKENS = 12
+# Lengths cross block boundaries (block_size 16) and include a one-token prompt.
+PROMPT_LENGTHS = (1, 5, 16, 17, 31, 48, 70, 101)
+
+
+def make_prompts(lengths: tuple[int, ...] = PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+@cache
+def hf_model(folder: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(folder: Path, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """Greedy continuation by full forwards (no HF cache, no stopping: ignore_eos)."""
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        logits = hf_model(folder)(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+@torch.no_grad()
+def hf_logprobs(folder: Path, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of every position's logits, [len(token_ids), vocab]."""
+    return hf_model(folder)(torch.tensor([token_ids])).logits[0].log_softmax(-1)
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kwargs: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def token_prompts(prompts: list[list[int]]) -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def make_llm(folder: Path, **kwargs: object) -> LLM:
+    kwargs.setdefault("num_gpu_blocks_override", 256)
+    kwargs.setdefault("max_num_batched_tokens", 512)
+    return LLM(str(folder), device="cpu", **kwargs)
+
+
+def spy_sequences(llm: LLM) -> list[Sequence]:
+    """Record every sequence added to `llm`'s engine (to read cache hits, preemptions)."""
+    seen: list[Sequence] = []
+    add = llm.engine.add_request
+    llm.engine.add_request = lambda seq: (seen.append(seq), add(seq))[1]  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    # Tiny models gain nothing from intra-op threads; on a shared 2-core machine their
+    # spinning makes every op orders of magnitude slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_model: Callable[[str], Path]) -> Path:
+    return tiny_model("qwen3")
+
+
+@pytest.fixture(scope="module")
+def qwen3_llm(qwen3: Path) -> LLM:
+    return make_llm(qwen3)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_greedy_matches_transformers_batched(
+    tiny_model: Callable[[str], Path], arch: str, enable_prefix_caching: bool
+) -> None:
+    folder = tiny_model(arch)
+    # The first prompt shares 2 blocks with the warm-up one, so prefix caching has something
+    # to hit (it comes first: freed cached blocks are the lowest ids, the next ones handed out).
+    prompts = make_prompts()
+    prompts.insert(0, prompts[-1][:32] + [7, 8, 9])
+    llm = make_llm(folder, enable_prefix_caching=enable_prefix_caching)
+    seen = spy_sequences(llm)
+    llm.generate(token_prompts(prompts[-1:]), greedy(), use_tqdm=False)  # caches the prefix
+    outputs = llm.generate(token_prompts(prompts), greedy(), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == hf_greedy(folder, prompt)
+        assert out.outputs[0].finish_reason == "length"
+    hits = sum(seq.num_cached_tokens for seq in seen[1:])
+    assert (hits > 0) == enable_prefix_caching
+
+
+def test_preemption_on_a_tiny_cache_keeps_outputs(qwen3: Path) -> None:
+    prompts = make_prompts((40, 45, 50, 55, 60, 65), seed=1)
+    # 10 blocks of 16 tokens hold one max_model_len sequence, not six of up to 105 tokens.
+    llm = make_llm(
+        qwen3, num_gpu_blocks_override=10, max_model_len=128, enable_prefix_caching=False
+    )
+    outputs = llm.generate(token_prompts(prompts), greedy(max_tokens=40), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(qwen3, prompt, 40)
+
+
+def test_chunked_prefill_keeps_outputs(qwen3: Path) -> None:
+    prompts = make_prompts()
+    llm = make_llm(qwen3, max_num_batched_tokens=16)
+    seen = spy_sequences(llm)
+    outputs = llm.generate(token_prompts(prompts), greedy(), use_tqdm=False)
+    assert max(len(s) for s in seen) > 16  # at least one prompt ran in several chunks
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(qwen3, prompt)
+
+
+def test_logprobs_and_prompt_logprobs_match_log_softmax(qwen3: Path) -> None:
+    prompts = make_prompts((9, 40, 23))
+    # A small token budget splits prompts into chunks: prompt logprobs cross chunk borders.
+    llm = make_llm(qwen3, max_num_batched_tokens=16)
+    params = greedy(max_tokens=5, logprobs=3, prompt_logprobs=2)
+    for prompt, out in zip(
+        prompts, llm.generate(token_prompts(prompts), params, use_tqdm=False), strict=True
+    ):
+        completion = out.outputs[0]
+        full = prompt + completion.token_ids
+        ref = hf_logprobs(qwen3, full)
+        assert out.prompt_logprobs[0] is None
+        assert len(out.prompt_logprobs) == len(prompt)
+        for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            row = ref[pos - 1]
+            assert set(row.topk(2).indices.tolist()) <= set(entry)
+            assert prompt[pos] in entry
+            for token, lp in entry.items():
+                assert lp == pytest.approx(row[token].item(), abs=1e-4)
+        assert len(completion.logprobs) == len(completion.token_ids)
+        for i, (token, entry) in enumerate(
+            zip(completion.token_ids, completion.logprobs, strict=True)
+        ):
+            row = ref[len(prompt) + i - 1]
+            assert token in entry and len(entry) == 3  # greedy: the sampled one is the top-1
+            for t, lp in entry.items():
+                assert lp == pytest.approx(row[t].item(), abs=1e-4)
+        assert completion.cumulative_logprob == pytest.approx(
+            sum(
+                entry[t] for t, entry in zip(completion.token_ids, completion.logprobs, strict=True)
+            )
+        )
+
+
+def test_results_come_back_in_input_order(qwen3_llm: LLM, qwen3: Path) -> None:
+    prompts = make_prompts((30, 3, 12, 50), seed=2)
+    # Different lengths make requests finish in a different order than they were given.
+    params = [greedy(max_tokens=n) for n in (2, 9, 1, 5)]
+    outputs = qwen3_llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, outputs, strict=True):
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == hf_greedy(qwen3, prompt, p.max_tokens)
+
+
+def test_text_prompts_and_chat(qwen3_llm: LLM) -> None:
+    tokenizer = qwen3_llm.get_tokenizer()
+    [out] = qwen3_llm.generate("hello world", greedy(), use_tqdm=False)
+    assert out.prompt == "hello world"
+    assert out.prompt_token_ids == tokenizer.encode("hello world")
+    assert out.outputs[0].text == tokenizer.decode(
+        out.outputs[0].token_ids, skip_special_tokens=True
+    )
+    conversation = [{"role": "user", "content": "what is the sky?"}]
+    [chat] = qwen3_llm.chat(conversation, greedy(), use_tqdm=False)
+    rendered = tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=True
+    )
+    assert chat.prompt == rendered
+    [direct] = qwen3_llm.generate(
+        {"prompt_token_ids": tokenizer.encode(rendered, add_special_tokens=False)},
+        greedy(),
+        use_tqdm=False,
+    )
+    assert chat.prompt_token_ids == direct.prompt_token_ids
+    assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
+    two = qwen3_llm.chat([conversation, conversation[:1]], greedy(), use_tqdm=False)
+    assert len(two) == 2
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "setting"),
+    [
+        ({"prompt_token_ids": []}, greedy(), "empty"),
+        ({"prompt_token_ids": [5] * 512}, greedy(), "max_model_len"),
+        ({"prompt_token_ids": [5, 100000]}, greedy(), "prompt_token_ids"),
+        ({"prompt_token_ids": [5]}, greedy(logprobs=21), "max_logprobs"),
+        ({"prompt_token_ids": [5]}, greedy(prompt_logprobs=50), "max_logprobs"),
+        ([5, 6], greedy(), "prompt_token_ids"),
+    ],
+)
+def test_one_bad_request_raises_before_anything_runs(
+    qwen3_llm: LLM, qwen3: Path, prompt: object, params: SamplingParams, setting: str
+) -> None:
+    good = make_prompts((7, 20), seed=3)
+    with pytest.raises(ValueError, match=setting) as err:
+        qwen3_llm.generate(
+            [*token_prompts(good), prompt], [greedy(), greedy(), params], use_tqdm=False
+        )
+    assert "request 2" in str(err.value)
+    assert not qwen3_llm.engine.has_unfinished()
+    outputs = qwen3_llm.generate(token_prompts(good), greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(qwen3, p) for p in good]
+
+
+def test_sampling_params_and_argument_errors(qwen3_llm: LLM) -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="sampling_params"):
+        qwen3_llm.generate(["a", "b"], [greedy()], use_tqdm=False)
+    with pytest.raises(TypeError, match="no_such_flag"):
+        LLM("kvfit-tiny", no_such_flag=1)
+
+
+def test_unknown_architecture_names_the_config_field(tmp_path: Path, qwen3: Path) -> None:
+    shutil.copytree(qwen3, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["architectures"] = ["FancyForCausalLM"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="architectures"):
+        LLM(str(tmp_path / "m"), device="cpu")
+
+
+def test_folder_without_tokenizer_serves_token_ids(tmp_path: Path, qwen3: Path) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(qwen3, folder, ignore=shutil.ignore_patterns("tokenizer*"))
+    llm = make_llm(folder)
+    assert llm.get_tokenizer() is None
+    [out] = llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy(), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(qwen3, [5, 6, 7])
+    assert out.outputs[0].text == ""
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate("text", greedy(), use_tqdm=False)
+
+
+@pytest.mark.parametrize(("extensible", "method"), [(None, "measured"), (False, "estimate")])
+def test_engine_sizing_methods_report_and_generate(
+    qwen3: Path, extensible: bool | None, method: str
+) -> None:
+    llm = LLM(str(qwen3), device="cpu", max_num_batched_tokens=256,
+              enable_extensible_kv_cache=extensible)
+    report = llm.kv_cache_report
+    cc = llm.config.cache_config
+    assert report.method == method
+    assert report.num_blocks == cc.num_gpu_blocks
+    assert report.num_blocks * cc.block_size >= llm.config.model_config.max_model_len
+    prompts = make_prompts((10, 33))
+    outputs = llm.generate(token_prompts(prompts), greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(qwen3, p) for p in prompts]
+    llm.shutdown()
+
+
+def test_vmm_probe_failure_falls_back_to_the_estimate(
+    qwen3: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvfit.engine.worker import Worker
+
+    monkeypatch.setattr(Worker, "vmm_unavailable_reason", lambda self: "no VMM in this test")
+    llm = make_llm(qwen3, num_gpu_blocks_override=None)
+    assert llm.kv_cache_report.method == "estimate"
+    assert llm.config.cache_config.memory_utilization == 0.92
+    assert "no VMM in this test" in caplog.text
+
+
+def test_cache_smaller_than_max_model_len_is_an_error_naming_it(qwen3: Path) -> None:
+    with pytest.raises(ValueError, match="num_gpu_blocks_override or lower max_model_len"):
+        make_llm(qwen3, num_gpu_blocks_override=4)
