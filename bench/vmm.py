@@ -1,0 +1,128 @@
+"""VMM benchmark: commit cost by chunk size, release/recommit, copy bandwidth vs torch memory.
+
+    python3 bench/vmm.py --out vmm.json             # on the GPU machine (100 GiB bulk)
+    python3 bench/vmm.py --device cpu --bulk-gib 2 --out vmm.json
+
+Writes JSON to --out and prints a table. Bandwidth of VMM memory and of a torch (cudaMalloc)
+buffer is measured in the same run, alternating, with CUDA events; figures are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvfit.vmm import ExtensibleTensor
+
+GiB = 1 << 30
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def bench_growth(device: torch.device, gib: float) -> dict[str, float]:
+    """Grow to `gib` one granule at a time, as warmup's `ensure_blocks` does."""
+    with ExtensibleTensor(int(gib * GiB), device) as t:
+        steps = range(t.granularity, t.capacity_bytes + 1, t.granularity)
+        total = sum(_seconds(lambda n=n: t.commit(n), device) for n in steps)
+        return {"growth_gib": gib, "growth_s": total, "growth_chunks": t.num_physical_chunks,
+                "growth_us_per_chunk": total / t.num_physical_chunks * 1e6}
+
+
+def bench_bulk(device: torch.device, gib: float) -> dict[str, float]:
+    """Commit, release and recommit `gib` in bulk (large chunks)."""
+    with ExtensibleTensor(int(gib * GiB), device) as t:
+        commit = _seconds(lambda: t.commit(t.capacity_bytes), device)
+        chunks = t.num_physical_chunks
+        release = _seconds(t.release_physical, device)
+        recommit = _seconds(t.recommit, device)
+        return {"bulk_gib": gib, "bulk_chunks": chunks, "bulk_commit_s": commit,
+                "release_s": release, "recommit_s": recommit,
+                "release_plus_recommit_s": release + recommit}
+
+
+def _copy_seconds(dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> float:
+    if device.type != "cuda":
+        return _seconds(lambda: dst.copy_(src), device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def bench_bandwidth(device: torch.device, gib: float, repeats: int) -> dict[str, float]:
+    """Copy `gib` within VMM memory and within a torch buffer, alternating; GB/s read+write."""
+    n = int(gib * GiB)
+    with ExtensibleTensor(2 * n, device) as t:
+        t.commit(2 * n)
+        vmm = t.full_view()
+        plain = torch.empty(2 * n, dtype=torch.uint8, device=device)
+        vmm.fill_(1)
+        plain.fill_(1)
+        times: dict[str, list[float]] = {"vmm": [], "torch": []}
+        for _ in range(repeats + 1):  # the first round warms up
+            for name, buf in (("vmm", vmm), ("torch", plain)):
+                times[name].append(_copy_seconds(buf[n:], buf[:n], device))
+        del plain, vmm
+        gbps = {name: 2 * n / statistics.median(ts[1:]) / 1e9 for name, ts in times.items()}
+    return {"copy_gib": gib, "vmm_gbps": gbps["vmm"], "torch_gbps": gbps["torch"],
+            "bandwidth_ratio": gbps["vmm"] / gbps["torch"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--growth-gib", type=float, default=1.0)
+    parser.add_argument("--bulk-gib", type=float, default=100.0,
+                        help="size of the bulk commit/release/recommit (size down on small GPUs)")
+    parser.add_argument("--copy-gib", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", required=True, help="JSON results path")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (host driver)"
+    results: dict[str, object] = {"device": name, "torch": torch.__version__}
+    results |= bench_growth(device, args.growth_gib)
+    results |= bench_bulk(device, args.bulk_gib)
+    results |= bench_bandwidth(device, args.copy_gib, args.repeats)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+
+    rows = [
+        (f"grow {args.growth_gib:g} GiB in granules", f"{results['growth_s'] * 1e3:.2f} ms",
+         f"{results['growth_chunks']} chunks, {results['growth_us_per_chunk']:.0f} us/chunk"),
+        (f"bulk commit {args.bulk_gib:g} GiB", f"{results['bulk_commit_s'] * 1e3:.2f} ms",
+         f"{results['bulk_chunks']} chunks"),
+        ("release_physical", f"{results['release_s'] * 1e3:.2f} ms", ""),
+        ("recommit (zeroed)", f"{results['recommit_s'] * 1e3:.2f} ms", ""),
+        ("release + recommit", f"{results['release_plus_recommit_s'] * 1e3:.2f} ms",
+         "target <= 300 ms"),
+        (f"copy {args.copy_gib:g} GiB, VMM", f"{results['vmm_gbps']:.0f} GB/s", "median"),
+        (f"copy {args.copy_gib:g} GiB, torch", f"{results['torch_gbps']:.0f} GB/s", "median"),
+        ("bandwidth ratio VMM/torch", f"{results['bandwidth_ratio']:.3f}", "target >= 0.98"),
+    ]
+    print(f"kvfit vmm bench on {name}")
+    for row in rows:
+        print(f"| {row[0]:<30} | {row[1]:>12} | {row[2]:<32} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""ExtensibleTensor: a reserved device buffer whose committed size changes while its base stays."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from kvfit.vmm.driver import AllocationHandle, VmmDriver
+from kvfit.vmm.probe import get_driver, resolve_device
+from kvfit.vmm.reservation import Chunk, Reservation
+from kvfit.vmm.view import tensor_at
+
+MIN_GRANULE = 2 << 20
+"""Commit granule floor: ROCm reports 4 KiB and the host a page; per-chunk cost dominates."""
+
+BULK_CHUNK_BYTES = 1 << 30
+"""Largest chunk of an ordinary commit. Cost is per chunk (~50 us for 2 MiB, ~0.1 ms for 1 GiB on
+an H200), so bulk growth wants large chunks; capping them bounds the extra memory a shrink needs
+to keep the prefix of the chunk it cuts."""
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def commit_granule(driver_granularity: int) -> int:
+    """The commit granule for a driver granularity: the smallest multiple of it >= 2 MiB."""
+    return _round_up(MIN_GRANULE, driver_granularity)
+
+
+@dataclass
+class _Cut:
+    """A chunk a shrink cuts: its kept prefix is copied onto a fresh allocation `handle`, mapped
+    meanwhile at the scratch reservation `scratch_va`."""
+
+    chunk: Chunk
+    keep: int
+    handle: AllocationHandle
+    scratch_va: int
+    scratch_mapped: bool = False
+
+
+class ExtensibleTensor:
+    """`capacity_bytes` of address space split into `num_segments` equal segments whose
+    committed prefixes grow and shrink in lockstep, the base address fixed for life.
+
+    Physical memory comes in chunks of whole commit granules (driver granularity, 2 MiB floor).
+    Each segment's chunks lie in the granules starting in that segment, so a granule straddling
+    two segments is mapped once, by the later one. Views are uint8 tensors on the tensor's device;
+    they keep the reservation (and whatever is mapped in it) alive after this object is gone.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        device: str | torch.device,
+        num_segments: int = 1,
+        *,
+        driver: VmmDriver | None = None,
+    ) -> None:
+        if num_segments < 1 or capacity_bytes < num_segments:
+            raise ValueError(
+                f"capacity_bytes ({capacity_bytes}) must hold num_segments ({num_segments}) >= 1 "
+                "non-empty segments"
+            )
+        if capacity_bytes % num_segments:
+            raise ValueError(
+                f"capacity_bytes ({capacity_bytes}) must split into num_segments ({num_segments}) "
+                "equal segments"
+            )
+        self.device = resolve_device(device)
+        driver = driver or get_driver(self.device)
+        self.granularity = commit_granule(driver.granularity(self.device.index or 0))
+        self.capacity_bytes = capacity_bytes
+        self.num_segments = num_segments
+        self.segment_capacity = capacity_bytes // num_segments
+        self.committed_bytes = 0
+        self._released = False
+        self._reservation: Reservation | None = Reservation(
+            driver, _round_up(capacity_bytes, self.granularity), self.device
+        )
+        self.base_ptr = self._reservation.va
+        granule, size = self.granularity, self._reservation.size
+        # Segment i's chunks live in [starts[i], starts[i + 1]): granules starting in segment i.
+        self._home_starts = [i * self.segment_capacity // granule * granule
+                             for i in range(num_segments)] + [size]
+
+    # --- state -----------------------------------------------------------------------------
+
+    @property
+    def physical_bytes(self) -> int:
+        """Bytes of physical memory mapped now (0 after `release_physical`)."""
+        return self._live().physical_bytes
+
+    @property
+    def num_physical_chunks(self) -> int:
+        """Physical allocations mapped now."""
+        return len(self._live().chunks)
+
+    def _live(self) -> Reservation:
+        if self._reservation is None:
+            raise RuntimeError("ExtensibleTensor was freed")
+        return self._reservation
+
+    # --- views -----------------------------------------------------------------------------
+
+    def full_view(self) -> torch.Tensor:
+        """uint8 view of all `capacity_bytes`, committed or not."""
+        return tensor_at(self.base_ptr, self.capacity_bytes, self.device, self._live())
+
+    def segment_view(self, i: int) -> torch.Tensor:
+        """uint8 view of segment `i`'s committed prefix; its storage is exactly that long."""
+        if not 0 <= i < self.num_segments:
+            raise IndexError(f"segment {i} out of range for num_segments={self.num_segments}")
+        ptr = self.base_ptr + i * self.segment_capacity
+        return tensor_at(ptr, self.committed_bytes, self.device, self._live())
+
+    # --- commit ----------------------------------------------------------------------------
+
+    def commit(self, bytes_per_segment: int, defragment: bool = False) -> None:
+        """Grow or shrink every segment to `bytes_per_segment` rounded up to the granule.
+
+        Growth keeps contents; a shrink keeps each segment's prefix (a chunk it cuts is copied
+        onto a smaller allocation, so it briefly needs that chunk's kept part again).
+        `defragment=True` remaps each segment as a single allocation, as RDMA registration needs,
+        and discards the contents. A failing commit leaves the tensor as it was.
+        """
+        reservation = self._live()
+        if self._released:
+            raise RuntimeError("commit() after release_physical(): call recommit() first")
+        if not 0 <= bytes_per_segment <= self.segment_capacity:
+            raise ValueError(
+                f"cannot commit {bytes_per_segment} bytes per segment: segment_capacity is "
+                f"{self.segment_capacity} (capacity_bytes {self.capacity_bytes} / num_segments "
+                f"{self.num_segments}); reserve a larger capacity_bytes"
+            )
+        target = min(_round_up(bytes_per_segment, self.granularity), self.segment_capacity)
+        if defragment:
+            self._defragment(target, reservation)
+        elif target > self.committed_bytes:
+            self._grow(target, BULK_CHUNK_BYTES, reservation)
+        elif target < self.committed_bytes:
+            self._shrink(target, reservation)
+        self.committed_bytes = target
+
+    def release_physical(self) -> None:
+        """Drop every physical page; the reservation, `committed_bytes` and views stay."""
+        reservation = self._live()
+        self._synchronize()
+        reservation.unmap_all()
+        self._released = True
+
+    def recommit(self) -> None:
+        """Back the committed size again after `release_physical`, with zeroed pages."""
+        reservation = self._live()
+        if not self._released:
+            return
+        self._grow(self.committed_bytes, BULK_CHUNK_BYTES, reservation)
+        self._released = False
+        if self.device.type != "cpu":
+            # memfd pages are zero by construction; GPU drivers promise nothing for reused memory.
+            for chunk in reservation.chunks.values():
+                self._bytes(reservation.va + chunk.offset, chunk.size).zero_()
+
+    def free(self) -> None:
+        """Return the physical memory now. The address range is freed once no view is left."""
+        if self._reservation is None:
+            return
+        self.release_physical()
+        self._reservation = None
+
+    def __enter__(self) -> ExtensibleTensor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.free()
+
+    # --- planning --------------------------------------------------------------------------
+
+    def _needed_end(self, home: int, committed: int) -> int:
+        """End offset of what home range `home` must map for `committed` bytes per segment.
+
+        Segment i's first byte lies in its home's first granule and it ends at most one granule
+        into the next home, whose own first granule is mapped whenever anything is; so clipping
+        each segment's need to its home still covers every byte of every segment.
+        """
+        start, end = self._home_starts[home], self._home_starts[home + 1]
+        if committed == 0 or start == end:
+            return start
+        last_byte = home * self.segment_capacity + committed
+        return min(_round_up(last_byte, self.granularity), end)
+
+    def _home_of(self, offset: int) -> int:
+        return bisect.bisect_right(self._home_starts, offset) - 1
+
+    def _mapped_ends(self, reservation: Reservation) -> list[int]:
+        ends = self._home_starts[:-1]
+        for chunk in reservation.chunks.values():
+            home = self._home_of(chunk.offset)
+            ends[home] = max(ends[home], chunk.end)
+        return ends
+
+    # --- mapping ---------------------------------------------------------------------------
+
+    def _grow(self, target: int, max_chunk: int, reservation: Reservation) -> None:
+        max_chunk = max(max_chunk // self.granularity, 1) * self.granularity
+        mapped: list[Chunk] = []
+        try:
+            for home, start in enumerate(self._mapped_ends(reservation)):
+                end = self._needed_end(home, target)
+                for offset in range(start, end, max_chunk):
+                    mapped.append(reservation.map(offset, min(max_chunk, end - offset)))
+        except BaseException:
+            for chunk in reversed(mapped):
+                reservation.unmap(chunk)
+            raise
+
+    def _defragment(self, target: int, reservation: Reservation) -> None:
+        previous = self.committed_bytes
+        self._synchronize()
+        reservation.unmap_all()
+        self.committed_bytes = 0
+        try:
+            self._grow(target, reservation.size, reservation)
+        except BaseException:
+            # Contents were forfeit anyway; restore the size the caller had.
+            self._grow(previous, BULK_CHUNK_BYTES, reservation)
+            self.committed_bytes = previous
+            raise
+
+    def _shrink(self, target: int, reservation: Reservation) -> None:
+        cut: list[tuple[Chunk, int]] = []
+        dropped: list[Chunk] = []
+        for chunk in reservation.chunks.values():
+            end = self._needed_end(self._home_of(chunk.offset), target)
+            if chunk.offset >= end:
+                dropped.append(chunk)
+            elif chunk.end > end:
+                cut.append((chunk, end - chunk.offset))
+        self._synchronize()
+        cuts = self._copy_kept(cut, reservation)
+        self._swap_in(cuts, reservation)
+        for c in cuts:
+            self._drop_scratch(c, reservation)
+            reservation.driver.release(c.chunk.handle)
+        for chunk in dropped:
+            reservation.unmap(chunk)
+
+    def _copy_kept(self, cut: list[tuple[Chunk, int]], reservation: Reservation) -> list[_Cut]:
+        """Copy each cut chunk's kept prefix onto a new allocation mapped at a scratch range."""
+        driver, cuts = reservation.driver, []
+        try:
+            for chunk, keep in cut:
+                handle = reservation.create(keep)
+                try:
+                    scratch_va = driver.reserve(keep)
+                except BaseException:
+                    driver.release(handle)
+                    raise
+                cuts.append(_Cut(chunk, keep, handle, scratch_va))
+                reservation.map_at(scratch_va, keep, handle)
+                cuts[-1].scratch_mapped = True
+                self._bytes(scratch_va, keep).copy_(
+                    self._bytes(reservation.va + chunk.offset, keep))
+            self._synchronize()
+        except BaseException:
+            for c in cuts:
+                self._drop_scratch(c, reservation)
+                driver.release(c.handle)
+            raise
+        return cuts
+
+    def _swap_in(self, cuts: list[_Cut], reservation: Reservation) -> None:
+        """Map each copy where its chunk was; on failure put every old chunk back."""
+        driver, done = reservation.driver, []
+        try:
+            for c in cuts:
+                va = reservation.va + c.chunk.offset
+                driver.unmap(va, c.chunk.size)
+                done.append(c)
+                reservation.map_at(va, c.keep, c.handle)
+                reservation.chunks[c.chunk.offset] = Chunk(c.chunk.offset, c.keep, c.handle)
+        except BaseException:
+            for c in reversed(done):
+                va = reservation.va + c.chunk.offset
+                if reservation.chunks[c.chunk.offset].handle == c.handle:
+                    driver.unmap(va, c.keep)
+                reservation.map_at(va, c.chunk.size, c.chunk.handle)
+                reservation.chunks[c.chunk.offset] = c.chunk
+            for c in cuts:
+                self._drop_scratch(c, reservation)
+                driver.release(c.handle)
+            raise
+
+    def _drop_scratch(self, c: _Cut, reservation: Reservation) -> None:
+        if c.scratch_mapped:
+            reservation.driver.unmap(c.scratch_va, c.keep)
+        reservation.driver.free_reserved(c.scratch_va, c.keep)
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _bytes(self, ptr: int, nbytes: int) -> torch.Tensor:
+        return tensor_at(ptr, nbytes, self.device, None)
+
+    def _synchronize(self) -> None:
+        # Unmapping memory an in-flight kernel still touches faults the device.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,111 @@
+"""A commit that fails at any create/map/set_access leaves the tensor exactly as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvfit.vmm import ExtensibleTensor, VmmError, VmmOutOfMemoryError, get_driver
+from kvfit.vmm import reservation as reservation_module
+
+from .conftest import FaultyDriver, MiB, assert_consistent
+
+SEGMENTS = 3
+SEGMENT = 6 * MiB
+
+
+def _fill(t: ExtensibleTensor) -> list[torch.Tensor]:
+    for i in range(SEGMENTS):
+        t.segment_view(i).fill_(i + 1)
+    return [t.segment_view(i).clone() for i in range(SEGMENTS)]
+
+
+Step = Callable[[ExtensibleTensor], object]
+# Each operation: (prepare the tensor, the commit that will be made to fail).
+OPERATIONS: dict[str, tuple[Step, Step]] = {
+    "grow": (lambda t: t.commit(2 * MiB), lambda t: t.commit(SEGMENT)),
+    "shrink_cutting_chunks": (lambda t: t.commit(SEGMENT), lambda t: t.commit(2 * MiB)),
+    "defragment": (lambda t: [t.commit(n * 2 * MiB) for n in (1, 2)],
+                   lambda t: t.commit(6 * MiB, defragment=True)),
+    "recommit": (lambda t: (t.commit(SEGMENT), t.release_physical()), lambda t: t.recommit()),
+}
+KINDS = ("create", "map", "set_access")
+
+
+def _calls(device: str, operation: str) -> dict[str, int]:
+    prepare, act = OPERATIONS[operation]
+    driver = FaultyDriver(get_driver(device))
+    with ExtensibleTensor(SEGMENTS * SEGMENT, device, SEGMENTS, driver=driver) as t:
+        prepare(t)
+        driver.calls.clear()
+        act(t)
+    return dict(driver.calls)
+
+
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_failed_commit_rolls_back_exactly(device: str, operation: str) -> None:
+    prepare, act = OPERATIONS[operation]
+    counts = _calls(device, operation)
+    assert sum(counts.get(kind, 0) for kind in KINDS) >= 3
+    for kind in KINDS:
+        for k in range(1, counts.get(kind, 0) + 1):
+            driver = FaultyDriver(get_driver(device))
+            with ExtensibleTensor(SEGMENTS * SEGMENT, device, SEGMENTS, driver=driver) as t:
+                prepare(t)
+                before = (t.committed_bytes, t.physical_bytes, dict(t._live().chunks))
+                contents = None if t.physical_bytes == 0 else _fill(t)
+                driver.calls.clear()
+                driver.fail_kind, driver.fail_at = kind, k
+                with pytest.raises(VmmError, match=f"injected {kind}"):
+                    act(t)
+                assert_consistent(t, driver)
+                assert (t.committed_bytes, t.physical_bytes) == before[:2], (kind, k)
+                if operation != "defragment":  # defragment discards contents and chunks
+                    assert dict(t._live().chunks) == before[2]
+                    if contents is not None:
+                        for i in range(SEGMENTS):
+                            assert torch.equal(t.segment_view(i), contents[i]), (kind, k, i)
+                driver.fail_kind = ""
+                act(t)  # the same commit can be retried
+                assert_consistent(t, driver)
+
+
+def test_out_of_memory_retries_once_after_emptying_torch_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    emptied: list[int] = []
+    monkeypatch.setattr(reservation_module, "_torch_holds_idle_memory", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+
+    class OutOfMemoryOnce(FaultyDriver):
+        def create(self, size: int, device: int) -> int:
+            self.calls["create"] = self.calls.get("create", 0) + 1
+            if self.calls["create"] <= self.fail_at:
+                raise VmmOutOfMemoryError("create", 2)
+            return super().create(size, device)
+
+    with ExtensibleTensor(8 * MiB, "cpu", driver=OutOfMemoryOnce(get_driver("cpu"), "", 1)) as t:
+        t.commit(4 * MiB)
+        assert t.physical_bytes == 4 * MiB and emptied == [1]
+    with ExtensibleTensor(8 * MiB, "cpu", driver=OutOfMemoryOnce(get_driver("cpu"), "", 2)) as t:
+        with pytest.raises(VmmOutOfMemoryError):
+            t.commit(4 * MiB)
+        assert emptied == [1, 1] and t.physical_bytes == 0
+    monkeypatch.setattr(reservation_module, "_torch_holds_idle_memory", lambda device: False)
+    with ExtensibleTensor(8 * MiB, "cpu", driver=OutOfMemoryOnce(get_driver("cpu"), "", 1)) as t:
+        with pytest.raises(VmmOutOfMemoryError):
+            t.commit(4 * MiB)
+        assert emptied == [1, 1]
+
+
+@pytest.mark.gpu
+def test_out_of_memory_is_relieved_by_torch_idle_cache() -> None:
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - (512 << 20), dtype=torch.uint8, device="cuda")
+    del hog  # torch's caching allocator now holds nearly all free memory idle
+    assert torch.cuda.memory_reserved() > torch.cuda.memory_allocated() + (2 << 30)
+    with ExtensibleTensor(4 << 30, "cuda") as t:
+        t.commit(2 << 30)
+        assert t.physical_bytes == 2 << 30
