@@ -38,6 +38,27 @@ def test_hands_out_lowest_free_ids_first() -> None:
     assert bm.num_free_blocks == 10 - 5
 
 
+def test_uncached_free_blocks_go_before_freshly_freed_cached_ones() -> None:
+    bm = BlockManager(num_blocks=6, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    first = make_seq(list(range(9)))  # two full blocks get hashed, the third is partial
+    start(bm, first)
+    assert first.block_table == [0, 1, 2]
+    bm.free(first)
+    # Lowest uncached ids first (the partial block 2, then 3, 4, 5); the cached 0 and 1 last.
+    other = make_seq(list(range(100, 116)))
+    start(bm, other)
+    assert other.block_table == [2, 3, 4, 5]
+    hit = make_seq(list(range(9)))
+    bm.allocate(hit)
+    assert hit.num_cached_tokens == 8  # the prefix survived a request that needed 4 blocks
+    bm.free(hit)
+    # Only cached blocks left: the lowest one is evicted.
+    late = make_seq(list(range(200, 204)))
+    start(bm, late)
+    assert late.block_table == [0]
+    assert bm.hash_to_block.get(bm.blocks[1].hash) == 1
+
+
 def test_free_returns_every_block_and_usage_tracks_it() -> None:
     bm = BlockManager(num_blocks=8, block_size=BLOCK_SIZE, enable_prefix_caching=True)
     seqs = [make_seq(list(range(10 * i, 10 * i + 6))) for i in range(4)]
@@ -189,7 +210,7 @@ def test_heap_stays_bounded_under_repeated_hits() -> None:
         seq = make_seq(list(range(9)))
         start(bm, seq)
         bm.free(seq)
-    assert len(bm._free_heap) <= bm.num_blocks
+    assert sum(map(len, bm._free_heaps)) <= bm.num_blocks
     assert bm.num_free_blocks == bm.num_blocks
 
 

@@ -27,9 +27,11 @@ def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
 class BlockManager:
     """Hands out cache blocks to sequences and shares full blocks with equal prefixes.
 
-    Free ids come off a min-heap, lowest first, so live blocks pack at the front of the cache and
-    a shrink only loses its tail. A freed block keeps its hash and can be hit again until its id
-    is handed out for new tokens (eviction happens on reuse).
+    A freed block keeps its hash and can be hit again until its id is handed out for new tokens
+    (eviction happens on reuse). Free ids wait in two min-heaps: blocks holding no prefix-cache
+    entry are handed out first, so freshly freed cached blocks survive as hits as long as any
+    other block is free; within each heap the lowest id goes first, so live blocks pack at the
+    front of the cache and a shrink only loses its tail.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
@@ -43,10 +45,10 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[bytes, int] = {}
         self.num_free_blocks = num_blocks
-        # A prefix hit takes a block without removing it from the heap (that would cost O(n));
-        # such stale ids are skipped when popped. `_in_heap` keeps each id in the heap at most
-        # once, so the heap never outgrows num_blocks.
-        self._free_heap = list(range(num_blocks))
+        # (uncached, cached). A prefix hit takes a block without removing it from its heap (that
+        # would cost O(n)); such stale ids are skipped when popped. `_in_heap` keeps each id in
+        # the heaps at most once, so together they never outgrow num_blocks.
+        self._free_heaps: tuple[list[int], list[int]] = (list(range(num_blocks)), [])
         self._in_heap = [True] * num_blocks
 
     @property
@@ -125,12 +127,12 @@ class BlockManager:
             self.num_free_blocks -= 1
         block.ref_count += 1
 
+    def _is_cached(self, block: Block) -> bool:
+        """Whether `block` is the prefix-cache entry of its hash (a hit can find it)."""
+        return block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id
+
     def _pop_free(self) -> Block:
-        while True:
-            block = self.blocks[heapq.heappop(self._free_heap)]
-            self._in_heap[block.block_id] = False
-            if block.ref_count == 0:
-                break
+        block = self._pop_unreferenced()
         if block.hash is not None:
             if self.hash_to_block.get(block.hash) == block.block_id:
                 del self.hash_to_block[block.hash]
@@ -138,11 +140,21 @@ class BlockManager:
         self._take(block)
         return block
 
+    def _pop_unreferenced(self) -> Block:
+        """The lowest free uncached block, else the lowest free cached one."""
+        for heap in self._free_heaps:
+            while heap:
+                block = self.blocks[heapq.heappop(heap)]
+                self._in_heap[block.block_id] = False
+                if block.ref_count == 0:
+                    return block
+        raise RuntimeError("no free KV cache block: check num_free_blocks before allocating")
+
     def _release(self, block: Block) -> None:
         block.ref_count -= 1
         if block.ref_count > 0:
             return
         self.num_free_blocks += 1
         if not self._in_heap[block.block_id]:
-            heapq.heappush(self._free_heap, block.block_id)
+            heapq.heappush(self._free_heaps[self._is_cached(block)], block.block_id)
             self._in_heap[block.block_id] = True

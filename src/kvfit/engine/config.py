@@ -81,6 +81,15 @@ class CacheConfig:
     num_gpu_blocks: int | None = None
 
     @property
+    def sizing_method(self) -> str:
+        """How the cache size is decided (a `KVCacheReport.method`): `measured` after warmup
+        on the extensible cache, `override` by a manual size, else `estimate` by profiling."""
+        if self.enable_extensible_kv_cache:
+            return "measured"
+        manual = (self.num_gpu_blocks_override, self.kv_cache_memory_bytes)
+        return "estimate" if manual == (None, None) else "override"
+
+    @property
     def memory_utilization(self) -> float:
         """The budget's share of device memory: as given, else by sizing method."""
         if self.gpu_memory_utilization is not None:

@@ -17,6 +17,9 @@ from kvfit.kv.sizing import min_over_workers
 
 logger = logging.getLogger(__name__)
 
+MAX_PREFIX_CACHE_BLOCKS = 1 << 18
+"""Most blocks a device cache holds beyond what its sequences can use (see `_capacity`)."""
+
 
 class EngineCore:
     """Workers, KV cache sizing, scheduler and detokenizer of one engine.
@@ -30,7 +33,11 @@ class EngineCore:
                  num_workers: int = 1) -> None:
         self.config = config
         self.executor = Executor(config, num_workers)
-        self.kv_cache_report = self._initialize_kv_cache()
+        try:
+            self.kv_cache_report = self._initialize_kv_cache()
+        except BaseException:
+            self.shutdown()  # a failed startup must not keep the model and cache alive
+            raise
         cc, sc = config.cache_config, config.scheduler_config
         self.scheduler = Scheduler(
             max_num_seqs=sc.max_num_seqs,
@@ -47,19 +54,21 @@ class EngineCore:
         if cc.enable_extensible_kv_cache:
             reasons = [r for r in rpc("vmm_unavailable_reason") if r is not None]
             if reasons:
-                logger.warning("extensible KV cache unavailable (%s); sizing by estimate",
-                               reasons[0])
+                # Every rank falls back, so all of them size (and warm up) the same way; an
+                # unset utilization follows, back to the estimate's 0.92.
                 cc.enable_extensible_kv_cache = False
+                logger.warning("extensible KV cache unavailable (%s); sizing every worker by "
+                               "estimate at memory utilization %s", reasons[0],
+                               cc.memory_utilization)
+        method = cc.sizing_method
+        extensible = method == "measured"
         rpc("load_model")
-        estimate = min_over_workers(rpc("profile"))
-        method, capacity = self._capacity(estimate)
-        extensible = bool(cc.enable_extensible_kv_cache)
+        estimate = min_over_workers(rpc("profile", method == "estimate"))
+        capacity = self._capacity(method, estimate)
         committable = min_over_workers(rpc("initialize_kv_cache", capacity, extensible))
         rpc("warm_up", committable)
         rpc("capture_cuda_graphs")
-        num_blocks = capacity
-        if extensible:
-            method, num_blocks = "measured", min_over_workers(rpc("measure_kv_cache_blocks"))
+        num_blocks = min_over_workers(rpc("measure_kv_cache_blocks")) if extensible else capacity
         self._check_max_model_len_fits(num_blocks)
         if extensible:
             rpc("extend_kv_cache", num_blocks)
@@ -68,30 +77,36 @@ class EngineCore:
         logger.info("KV cache:\n%s", report.format_table())
         return report
 
-    def _capacity(self, estimate: int) -> tuple[str, int]:
-        """(method, blocks): the override when one is set, else the estimate (which the
-        extensible path reserves as capacity and measures within).
+    def _capacity(self, method: str, estimate: int) -> int:
+        """Blocks to allocate: the override when one is set, else the estimate (which the
+        measured path reserves as capacity and measures within), capped.
 
-        The estimate is capped at what `max_num_seqs` sequences of `max_model_len` can hold:
-        beyond that blocks only keep prefix-cache entries alive, and for tiny models on a large
-        device (kvfit-tiny on 141 GB: 8.5M blocks) the block manager's bookkeeping, not memory,
-        would become the cost. Real models never reach the cap.
+        Blocks beyond what `max_num_seqs` sequences of `max_model_len` hold only keep
+        prefix-cache entries alive. On the host, whose memory other processes need too, the
+        cache stops there. A device is the engine's, so the rest serves the prefix cache up to
+        `MAX_PREFIX_CACHE_BLOCKS`, past which the block manager's bookkeeping, not memory,
+        becomes the cost (kvfit-tiny on 141 GB: 8.5M blocks); real models stay below it.
         """
         cc, sc = self.config.cache_config, self.config.scheduler_config
-        if cc.num_gpu_blocks_override is not None:
-            return "override", cc.num_gpu_blocks_override
-        if cc.kv_cache_memory_bytes is not None:
-            block_bytes = self.config.kv_cache_spec().block_bytes
-            return "override", cc.kv_cache_memory_bytes // block_bytes
-        useful = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size)
-        return "estimate", max(min(estimate, useful), 1)
+        if method == "override":
+            if cc.num_gpu_blocks_override is not None:
+                return cc.num_gpu_blocks_override
+            return cc.kv_cache_memory_bytes // self.config.kv_cache_spec().block_bytes
+        cap = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size)
+        if self.config.device.type != "cpu":
+            cap = max(cap, MAX_PREFIX_CACHE_BLOCKS)
+        return max(min(estimate, cap), 1)
 
     def _check_max_model_len_fits(self, num_blocks: int) -> None:
         cc, sc = self.config.cache_config, self.config.scheduler_config
         if num_blocks * cc.block_size >= sc.max_model_len:
             return
         if cc.enable_extensible_kv_cache:
+            # Measured sizing already takes all that is free (utilization 1.0): what is left
+            # to change is what the transient and graphs take, which these two bound.
             hint = "lower max_model_len or max_num_seqs"
+            if self.config.device.type == "cpu":
+                hint += ", or raise cpu_kv_cache_space_bytes"
         elif cc.num_gpu_blocks_override is not None:
             hint = "raise num_gpu_blocks_override or lower max_model_len"
         elif cc.kv_cache_memory_bytes is not None:

@@ -260,6 +260,10 @@ class ModelRunner:
             )
         self.graphs.capture()
 
+    def drop_cuda_graphs(self) -> None:
+        """Free the captured graphs and their pool (after the estimate's throwaway pass)."""
+        self.graphs = None
+
 
 def eos_token_ids(hf_config: PretrainedConfig) -> list[int]:
     """The config's end-of-sequence ids (`eos_token_id` is an int, a list or None)."""

@@ -20,6 +20,7 @@ from kvfit.kv.sizing import (
     estimate_num_blocks,
     kv_margin,
     memory_budget,
+    memory_profile,
     non_torch_bytes,
     transient_bytes,
 )
@@ -51,40 +52,73 @@ class Worker:
         return vmm_unavailable_reason(self.device)
 
     def load_model(self) -> None:
-        """Snapshot memory, then load the weights."""
+        """Snapshot memory, check the estimate's budget against it, then load the weights."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()
         self.baseline = self.monitor.snapshot()
+        if self.config.cache_config.sizing_method == "estimate":
+            self._check_budget_is_free()
         self.runner = ModelRunner(self.config)
         model = self.runner.model
         self.weights = sum(t.numel() * t.element_size() for t in (*model.parameters(),
                                                                   *model.buffers()))
 
-    def profile(self) -> int:
+    def _check_budget_is_free(self) -> None:
+        """The estimate takes its whole budget up front, so it must be free now. (The measured
+        path tolerates more: there the budget only caps, and over-reserves address space.)"""
+        cc, b = self.config.cache_config, self.baseline
+        setting = self.monitor.budget_setting
+        budget = memory_budget(b.total, cc.memory_utilization, setting)
+        free = b.free + b.torch_reserved - b.torch_allocated
+        if budget > free:
+            raise ValueError(
+                f"sizing the KV cache by estimate needs its whole budget free ({budget} bytes: "
+                f"{cc.memory_utilization} of {b.total}), but {free} bytes are free on "
+                f"{self.device}; lower {setting} or free the device"
+            )
+
+    def profile(self, measure_graphs: bool = False) -> int:
         """Run the largest step before the cache exists; return the blocks the estimate gives
-        within the budget (the capacity to reserve, or the final size without VMM)."""
+        within the budget (the capacity to reserve, or the final size without VMM).
+
+        `measure_graphs`: capture the graphs once, against the profiling scratch cache, and
+        subtract what that took. Only the estimate path does this throwaway pass; the measured
+        path captures once, for real, and sees the graphs' memory in its measurement.
+        """
         self._measured_step(self.runner.profile_run)
+        graph_capture = self._throwaway_capture_bytes() if measure_graphs else 0
         now = self.monitor.snapshot()
         self.estimate_blocks = estimate_num_blocks(
             total=now.total,
             utilization=self.config.cache_config.memory_utilization,
             weights=self.weights,
             activation_peak=transient_bytes(self.step_peaks),
-            graph_capture=0,  # the 0.92 default's headroom covers the graphs on this path
+            graph_capture=graph_capture,
             non_torch=non_torch_bytes(self.baseline, now, 0),
             block_bytes=self.runner.kv_cache_spec.block_bytes,
             setting=self.monitor.budget_setting,
         )
         return self.estimate_blocks
 
+    def _throwaway_capture_bytes(self) -> int:
+        """Device memory one graph capture pass takes (0 when eager); the graphs are dropped."""
+        before = self.monitor.snapshot()
+        self.runner.capture_cuda_graphs()
+        self._synchronize()
+        after = self.monitor.snapshot()
+        self.runner.drop_cuda_graphs()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the dropped graph pool back for the cache
+        return max(0, before.free - after.free)
+
     def initialize_kv_cache(self, num_blocks: int, extensible: bool) -> int:
         """Create the cache (extensible: `num_blocks` is the capacity, the minimum is
         committed); return how many blocks this worker could commit for warmup."""
         self.runner.initialize_kv_cache(num_blocks, extensible)
         if extensible:
-            free = self.monitor.snapshot().free + self.runner.kv_cache.physical_bytes
-            num_blocks = min(num_blocks, self.runner.kv_cache.blocks_that_fit(free))
+            profile = self.memory_profile()
+            num_blocks = self.runner.kv_cache.blocks_that_fit(profile.free + profile.committed_kv)
         self.num_committable_blocks = num_blocks
         return num_blocks
 
@@ -117,18 +151,11 @@ class Worker:
         return graphs.num_capture_passes if graphs is not None else 0
 
     def memory_profile(self) -> MemoryProfile:
-        """The measured numbers sizing needs, read now."""
-        now = self.monitor.snapshot()
+        """The measured numbers sizing needs, read now (memory torch holds idle counts as
+        free: the transient reuses it)."""
         committed = self.runner.kv_cache.physical_bytes if self.runner.kv_cache else 0
-        return MemoryProfile(
-            total=now.total,
-            free=now.free,
-            weights=self.weights,
-            torch_live=now.torch_allocated,
-            non_torch=non_torch_bytes(self.baseline, now, committed),
-            committed_kv=committed,
-            transient=transient_bytes(self.step_peaks),
-        )
+        return memory_profile(self.baseline, self.monitor.snapshot(), self.step_peaks,
+                              self.weights, committed)
 
     def measure_kv_cache_blocks(self) -> int:
         """The most blocks that fit in what is measured free within the budget, less the
@@ -146,9 +173,13 @@ class Worker:
         self.runner.commit_blocks(num_blocks)
 
     def kv_cache_report(self, method: str, num_blocks: int) -> KVCacheReport:
-        """How this worker's cache was sized."""
+        """How this worker's cache was sized. The margin is only kept by measured sizing."""
         profile = self.memory_profile()
-        cc, spec = self.config.cache_config, self.runner.kv_cache_spec
+        cc, cache = self.config.cache_config, self.runner.kv_cache
+        margin = 0
+        if method == "measured":
+            margin = kv_margin(profile.transient, cc.kv_cache_margin_floor_bytes,
+                               cc.kv_cache_margin_fraction)
         return KVCacheReport(
             method=method,
             total=profile.total,
@@ -156,10 +187,10 @@ class Worker:
             weights=self.weights,
             non_torch=profile.non_torch,
             transient=profile.transient,
-            margin=kv_margin(profile.transient, cc.kv_cache_margin_floor_bytes,
-                             cc.kv_cache_margin_fraction),
+            margin=margin,
             # Physical (granule-rounded) bytes of the extensible cache; else what torch holds.
-            committed_bytes=profile.committed_kv or num_blocks * spec.block_bytes,
+            committed_bytes=(cache.physical_bytes if cache is not None
+                             else num_blocks * self.runner.kv_cache_spec.block_bytes),
             num_blocks=num_blocks,
             estimate_num_blocks=self.estimate_blocks,
         )
