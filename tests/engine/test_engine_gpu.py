@@ -17,27 +17,6 @@ MAX_TOKENS = 24
 UTILIZATION = 0.05
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen3 with head_dim 64 (a size the GPU kernels support), bf16 safetensors.
-
-    A larger init scale than HF's default makes next-token distributions peaked, so greedy
-    choices are not decided by bf16 rounding.
-    """
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    config = Qwen3Config(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-        initializer_range=0.15, tie_word_embeddings=False, eos_token_id=2, bos_token_id=0,
-    )
-    folder = tmp_path_factory.mktemp("qwen3-gpu")
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
-    return folder
-
-
 def prompts() -> list[dict[str, list[int]]]:
     g = torch.Generator().manual_seed(0)
     return [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()}
@@ -45,11 +24,11 @@ def prompts() -> list[dict[str, list[int]]]:
 
 
 @pytest.fixture
-def make_llm(model_dir: Path) -> Iterator:
+def make_llm(gpu_model: Path) -> Iterator:
     made: list[LLM] = []
 
     def make(**kwargs: object) -> LLM:
-        llm = LLM(str(model_dir), device="cuda", gpu_memory_utilization=UTILIZATION, **kwargs)
+        llm = LLM(str(gpu_model), device="cuda", gpu_memory_utilization=UTILIZATION, **kwargs)
         made.append(llm)
         return llm
 
@@ -58,13 +37,13 @@ def make_llm(model_dir: Path) -> Iterator:
         llm.shutdown()
 
 
-def test_greedy_first_divergence_is_within_top5(model_dir: Path, make_llm) -> None:
+def test_greedy_first_divergence_is_within_top5(gpu_model: Path, make_llm) -> None:
     from transformers import AutoModelForCausalLM
 
     llm = make_llm(enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate(prompts(), params, use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(gpu_model, dtype=torch.bfloat16).cuda().eval()
     for prompt, out in zip(prompts(), outputs, strict=True):
         ids = list(prompt["prompt_token_ids"])
         completion = out.outputs[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -66,21 +66,6 @@ def spy_sequences(llm: LLM) -> list[Sequence]:
     add = llm.engine.add_request
     llm.engine.add_request = lambda seq: (seen.append(seq), add(seq))[1]  # type: ignore[method-assign]
     return seen
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    # Tiny models gain nothing from intra-op threads; on a shared 2-core machine their
-    # spinning makes every op orders of magnitude slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def qwen3(tiny_model: Callable[[str], Path]) -> Path:
-    return tiny_model("qwen3")
 
 
 @pytest.fixture(scope="module")

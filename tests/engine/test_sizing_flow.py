@@ -29,20 +29,6 @@ MAX_TOKENS = 8
 LIMITS = dict(max_num_seqs=16, max_num_batched_tokens=256)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    # Tiny models gain nothing from intra-op threads on a shared 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def qwen3(tiny_model: Callable[[str], Path]) -> Path:
-    return tiny_model("qwen3")
-
-
 @pytest.fixture
 def make_llm(qwen3: Path) -> Iterator[Callable[..., LLM]]:
     """LLMs on the CPU with `LIMITS` unless overridden; each shut down after the test."""
@@ -462,24 +448,6 @@ def test_engines_created_in_sequence_do_not_accumulate_memory(qwen3: Path, relea
 
 
 # --- GPU -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def gpu_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny bf16 Qwen3 with head_dim 64 (a size the GPU kernels support); a large init scale
-    makes greedy choices peaked, so they are not decided by bf16 rounding."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    config = Qwen3Config(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-        initializer_range=0.15, tie_word_embeddings=False, eos_token_id=2, bos_token_id=0,
-    )
-    folder = tmp_path_factory.mktemp("qwen3-gpu-sizing")
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
-    return folder
 
 
 def gpu_llm(folder: Path, **kwargs: object) -> LLM:
