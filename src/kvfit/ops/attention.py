@@ -1,6 +1,7 @@
 """Paged attention and KV-cache writes: one entry point each, dispatched by device.
 
-CONTRACT (filled in by the ops work; signatures are fixed because models and engine use them).
+CUDA tensors go to the Triton kernels, anything else to the torch reference. The signatures are
+the contract models and engine are written against.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kvfit.ops.reference import paged_attention_reference, write_kv_reference
 
 
 @dataclass
@@ -34,7 +37,14 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    raise NotImplementedError
+    """Store each token's K/V into the cache at `slot_mapping`; slots of -1 are left untouched."""
+    _check_cache(k_cache, v_cache, key.shape[1:])
+    if key.is_cuda:
+        from kvfit.ops.triton_kv_write import write_kv_triton  # triton is a CUDA-only dependency
+
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -45,4 +55,37 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    raise NotImplementedError
+    """Causal attention of each sequence's new query rows over its cached context.
+
+    Handles prefill (with or without a cached prefix) and decode sequences in one batch, and
+    grouped-query attention. On CUDA it is graph safe: launch shapes come from host ints only.
+    Rows of `out` outside `query_start_loc[-1]` are not written.
+    """
+    num_heads, head_dim = query.shape[1:]
+    _check_cache(k_cache, v_cache, None)
+    if num_heads % k_cache.shape[2]:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({k_cache.shape[2]})"
+        )
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if out is None:
+        out = torch.empty_like(query)
+    if query.is_cuda:
+        from kvfit.ops.triton_attention import paged_attention_triton  # CUDA-only dependency
+
+        return paged_attention_triton(query, k_cache, v_cache, metadata, scale, out)
+    return paged_attention_reference(query, k_cache, v_cache, metadata, scale, out)
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_shape: torch.Size | None) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if kv_shape is not None and tuple(kv_shape) != tuple(k_cache.shape[2:]):
+        raise ValueError(
+            f"key/value are [num_tokens, {', '.join(map(str, kv_shape))}] but the cache holds "
+            f"[num_kv_heads, head_dim] = {list(k_cache.shape[2:])}"
+        )

@@ -1,0 +1,235 @@
+"""Paged attention on the GPU: decode bandwidth vs a device copy, prefill vs contiguous SDPA.
+
+    PYTHONPATH=src python3 bench/attention.py --out attn.json
+
+Decode is memory bound, so it is reported as KV bytes read per second against the bandwidth of a
+device-to-device copy (bytes read + written) measured in the same run. Prefill is reported as
+attention TFLOP/s against torch's scaled_dot_product_attention on the same sequences laid out
+contiguously (no paging, KV heads pre-expanded): an upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from kvfit.ops.attention import AttentionMetadata
+from kvfit.ops.triton_attention import paged_attention_triton
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PREFILL_SWEEP = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+    for bm, bn, w, st in [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+                          (128, 128, 8, 2)]
+]  # fmt: skip
+DECODE_SWEEP = [
+    dict(BLOCK_N=bn, num_warps=w, num_stages=st)
+    for bn, w, st in [(64, 4, 3), (64, 4, 2), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 4)]
+]  # fmt: skip
+
+
+@dataclass
+class Shape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def paged_cache(shape: Shape, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-outermost cache `[blocks, 2, block_size, kv_heads, head_dim]`: K and V views."""
+    num_blocks = -(-num_tokens // shape.block_size)
+    cache = torch.empty(
+        num_blocks,
+        2,
+        shape.block_size,
+        shape.num_kv_heads,
+        shape.head_dim,
+        dtype=shape.dtype,
+        device="cuda",
+    ).uniform_(-1, 1)
+    return cache[:, 0], cache[:, 1]
+
+
+def metadata(query_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int):
+    """Sequences on randomly scattered blocks, as a long-running cache ends up."""
+    blocks_per_seq = -(-max(seq_lens) // block_size)
+    perm = torch.randperm(num_blocks, device="cuda")[: len(seq_lens) * blocks_per_seq]
+    query_start_loc = torch.tensor([0, *query_lens], device="cuda").cumsum(0).int()
+    return AttentionMetadata(
+        slot_mapping=torch.full((sum(query_lens),), -1, dtype=torch.int64, device="cuda"),
+        query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_table=perm.view(len(seq_lens), blocks_per_seq).int(),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def time_paged(shape: Shape, k_cache, v_cache, query_lens, seq_lens, **overrides) -> float:
+    """Median ms of one paged_attention_triton call; `overrides` go to the kernel launcher."""
+    md = metadata(query_lens, seq_lens, shape.block_size, k_cache.shape[0])
+    query = torch.randn(
+        sum(query_lens), shape.num_heads, shape.head_dim, dtype=shape.dtype, device="cuda"
+    )
+    out = torch.empty_like(query)
+    scale = shape.head_dim**-0.5
+    return do_bench(
+        lambda: paged_attention_triton(query, k_cache, v_cache, md, scale, out, **overrides),
+        return_mode="median",
+    )
+
+
+def bench_decode(shape: Shape, k_cache, v_cache, batch: int, context: int, copy_bw: float):
+    ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch)
+    kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+    bandwidth = kv_bytes / (ms * 1e-3)
+    return dict(
+        batch=batch,
+        context=context,
+        ms=ms,
+        gb_per_s=bandwidth / 1e9,
+        frac_of_copy=bandwidth / copy_bw,
+    )
+
+
+def time_sdpa(shape: Shape, batch: int, length: int) -> float:
+    """Median ms of causal SDPA on contiguous sequences with KV heads pre-expanded."""
+    q, k, v = (
+        torch.randn(batch, shape.num_heads, length, shape.head_dim, dtype=shape.dtype,
+                    device="cuda")
+        for _ in range(3)
+    )  # fmt: skip
+    return do_bench(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=shape.head_dim**-0.5),
+        return_mode="median",
+    )
+
+
+def bench_prefill(shape: Shape, k_cache, v_cache, batch: int, length: int):
+    ms = time_paged(shape, k_cache, v_cache, [length] * batch, [length] * batch)
+    sdpa_ms = time_sdpa(shape, batch, length)
+    flops = 2 * 2 * batch * shape.num_heads * shape.head_dim * length * length / 2  # causal half
+    return dict(
+        batch=batch,
+        length=length,
+        ms=ms,
+        sdpa_ms=sdpa_ms,
+        tflops=flops / (ms * 1e-3) / 1e12,
+        sdpa_tflops=flops / (sdpa_ms * 1e-3) / 1e12,
+        frac_of_sdpa=sdpa_ms / ms,
+    )
+
+
+def sweep(shape: Shape, k_cache, v_cache) -> list[dict]:
+    """Tile configs and split counts at the target shapes, to choose the kernels' defaults."""
+    rows = []
+    for cfg in PREFILL_SWEEP:
+        ms = time_paged(shape, k_cache, v_cache, [16384], [16384], prefill_config=cfg)
+        rows.append(dict(case="prefill 1x16k", config=cfg, ms=ms))
+    for cfg in DECODE_SWEEP:
+        for batch, context in [(64, 4096), (1, 32768)]:
+            ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch,
+                            decode_config=cfg)  # fmt: skip
+            rows.append(dict(case=f"decode {batch}x{context}", config=cfg, ms=ms))
+    for splits in [1, 2, 4, 16, 32, 64]:
+        for batch, context in [(64, 4096), (1, 32768)]:
+            ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch,
+                            num_splits=splits)  # fmt: skip
+            rows.append(dict(case=f"decode {batch}x{context}", config=dict(splits=splits), ms=ms))
+    for r in rows:
+        print(f"{r['case']:>20} {r['ms']:>8.3f} ms  {r['config']}", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON results path")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    parser.add_argument(
+        "--max-cache-gib",
+        type=float,
+        default=40.0,
+        help="skip decode cases whose KV cache would exceed this",
+    )
+    parser.add_argument("--sweep", action="store_true", help="time tile configs, not the table")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    shape = Shape(
+        args.num_heads, args.num_kv_heads, args.head_dim, args.block_size, DTYPES[args.dtype]
+    )
+    token_bytes = 2 * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+    cases = [
+        (b, c)
+        for b in args.batches
+        for c in args.contexts
+        if b * c * token_bytes <= args.max_cache_gib * 2**30
+    ]
+    cache_tokens = max(max(b * c for b, c in cases), 65536)
+    k_cache, v_cache = paged_cache(shape, cache_tokens)
+    copy_bw = copy_bandwidth()
+    if args.sweep:
+        with open(args.out, "w") as f:
+            json.dump(sweep(shape, k_cache, v_cache), f, indent=2)
+        return
+
+    print(
+        f"{torch.cuda.get_device_name()}  {args.dtype}  heads {shape.num_heads}/"
+        f"{shape.num_kv_heads}  head_dim {shape.head_dim}  block {shape.block_size}"
+    )
+    print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s")
+    print(f"{'decode batch':>12} {'context':>8} {'ms':>8} {'GB/s':>8} {'of copy':>8}")
+    decode = []
+    for b, c in cases:
+        r = bench_decode(shape, k_cache, v_cache, b, c, copy_bw)
+        decode.append(r)
+        print(
+            f"{b:>12} {c:>8} {r['ms']:>8.3f} {r['gb_per_s']:>8.0f} {r['frac_of_copy']:>8.0%}",
+            flush=True,
+        )
+    print(
+        f"{'prefill batch':>13} {'length':>7} {'ms':>8} {'TFLOP/s':>8} {'SDPA':>8} {'of SDPA':>8}"
+    )
+    prefill = []
+    for b, n in [(1, 4096), (4, 4096), (1, 16384), (16, 1024)]:
+        r = bench_prefill(shape, k_cache, v_cache, b, n)
+        prefill.append(r)
+        print(
+            f"{b:>13} {n:>7} {r['ms']:>8.3f} {r['tflops']:>8.1f} {r['sdpa_tflops']:>8.1f} "
+            f"{r['frac_of_sdpa']:>8.0%}",
+            flush=True,
+        )
+    result = dict(
+        device=torch.cuda.get_device_name(),
+        shape={**asdict(shape), "dtype": args.dtype},
+        copy_gb_per_s=copy_bw / 1e9,
+        decode=decode,
+        prefill=prefill,
+    )
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""Triton paged attention: a varlen prefill kernel and a split-KV decode kernel with a reduction.
+
+Both read K/V straight from the paged cache through the block table, with any cache strides.
+Query heads of one KV group are packed into the rows of a tile, so each K/V byte is loaded once
+per group. Launch shapes depend only on host ints, so both are CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from kvfit.ops.attention import AttentionMetadata
+
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _load_kv_tile(
+    cache, block_table_row, n, n_mask, kv_head, d,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_N, HEAD_DIM] tile of tokens `n` of one sequence, gathered page by page."""
+    block = tl.load(block_table_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    row = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    return tl.load(cache + row[:, None] + d[None, :] * stride_cd, mask=n_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _softmax_update(s, v, m_i, l_i, acc):
+    """One online-softmax step over log2-scaled scores `s` (masked entries are -inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    query, k_cache, v_cache, out,
+    query_start_loc, seq_lens, block_table,
+    scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_bt,
+    QUERY_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # Later query tiles see more keys (causal): start them first so short ones fill the tail.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    # Single-token queries belong to the decode kernel.
+    if (q_len < 2) | (tile * BLOCK_M >= q_len * QUERY_GROUP):
+        return
+    prefix = tl.load(seq_lens + seq) - q_len
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // QUERY_GROUP
+    head = kv_head * QUERY_GROUP + rows % QUERY_GROUP
+    row_mask = tok < q_len
+    d = tl.arange(0, HEAD_DIM)
+    q_ptrs = query + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_ptrs + d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
+    pos = prefix + tok  # absolute position of each row: causal mask is lower-right aligned
+    block_table_row = block_table + seq * stride_bt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    first_tok = tile * BLOCK_M // QUERY_GROUP
+    last_tok = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // QUERY_GROUP, q_len - 1)
+    # Keys up to the tile's first position are visible to every row: no causal mask there.
+    unmasked_end = (prefix + first_tok + 1) // BLOCK_N * BLOCK_N
+    for n0 in range(0, unmasked_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < unmasked_end
+        k = _load_kv_tile(k_cache, block_table_row, n, n_mask, kv_head, d,
+                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+        v = _load_kv_tile(v_cache, block_table_row, n, n_mask, kv_head, d,
+                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
+    end = prefix + last_tok + 1
+    for n0 in range(unmasked_end, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        k = _load_kv_tile(k_cache, block_table_row, n, n_mask, kv_head, d,
+                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+        v = _load_kv_tile(v_cache, block_table_row, n, n_mask, kv_head, d,
+                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
+        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
+
+    o = acc / l_i[:, None]
+    o_ptrs = out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(o_ptrs + d[None, :] * stride_od, o.to(out.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def _decode_kernel(
+    query, k_cache, v_cache, out, part_out, part_lse,
+    query_start_loc, seq_lens, block_table,
+    scale_log2, num_splits,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    QUERY_GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(query_start_loc + seq)
+    if tl.load(query_start_loc + seq + 1) - q_row != 1:
+        return
+    seq_len = tl.load(seq_lens + seq)
+    # Splits partition the actual length (read on the device) in whole tiles, so a graph
+    # captured at max_model_len still spreads a short sequence over every split.
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    g = tl.arange(0, GROUP_P2)
+    head = kv_head * QUERY_GROUP + g
+    g_mask = g < QUERY_GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q_ptrs = query + q_row * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)
+    block_table_row = block_table + seq * stride_bt
+
+    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        k = _load_kv_tile(k_cache, block_table_row, n, n_mask, kv_head, d,
+                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+        v = _load_kv_tile(v_cache, block_table_row, n, n_mask, kv_head, d,
+                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
+
+    # An empty split (or a zero-length padded sequence) has l_i == 0: emit zeros, not NaN.
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if SPLIT:
+        part = (seq * NUM_HEADS + head) * num_splits + split
+        tl.store(part_out + part[:, None] * HEAD_DIM + d[None, :], o, mask=g_mask[:, None])
+        tl.store(part_lse + part, m_i + tl.log2(l_i), mask=g_mask)
+    else:
+        o_ptrs = out + q_row * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out, part_out, part_lse, query_start_loc,
+    num_splits,
+    stride_ot, stride_oh, stride_od,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_loc + seq)
+    if tl.load(query_start_loc + seq + 1) - q_row != 1:
+        return
+    s = tl.arange(0, SPLITS_P2)
+    d = tl.arange(0, HEAD_DIM)
+    part = (seq * NUM_HEADS + head) * num_splits + s
+    lse = tl.load(part_lse + part, mask=s < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    split_mask = (s < num_splits)[:, None]
+    parts = tl.load(part_out + part[:, None] * HEAD_DIM + d[None, :], mask=split_mask, other=0.0)
+    o = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    o_ptrs = out + q_row * stride_ot + head * stride_oh + d * stride_od
+    tl.store(o_ptrs, o.to(out.dtype.element_ty))
+
+
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # the Triton interpreter
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per sequence so decode launches about two programs per SM; a power of two.
+
+    Host ints only: under a CUDA graph `max_seq_len` is the capture-time bound.
+    """
+    wanted = -(-2 * _num_sms(device) // (num_seqs * num_kv_heads))
+    useful = -(-max_seq_len // _MIN_TOKENS_PER_SPLIT)
+    splits = max(1, min(wanted, useful, _MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
+
+
+# Tile configs: the best of `bench/attention.py --sweep` on an H200 (bf16, 32/8 heads, dim 128).
+def _prefill_config(head_dim: int) -> dict[str, int]:
+    if head_dim <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
+
+
+def _decode_config(head_dim: int) -> dict[str, int]:
+    if head_dim <= 128:
+        return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    num_splits: int | None = None,
+    prefill_config: dict[str, int] | None = None,
+    decode_config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Launch the prefill kernel (query length > 1) and the decode kernel (query length 1).
+
+    `num_splits` and the tile configs override the defaults (tests and `bench/attention.py
+    --sweep` use them).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    num_seqs = metadata.seq_lens.shape[0]
+    if k_cache.stride() != v_cache.stride() or query.dtype != k_cache.dtype:
+        raise ValueError(
+            "k_cache and v_cache must share strides and the query's dtype; got strides "
+            f"{k_cache.stride()} / {v_cache.stride()}, dtypes {query.dtype} / {k_cache.dtype}"
+        )
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two for the Triton kernels, got {head_dim}")
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    scale_log2 = scale * math.log2(math.e)
+    common = (
+        *query.stride(), *out.stride(), *k_cache.stride(), metadata.block_table.stride(0),
+    )  # fmt: skip
+    if metadata.max_query_len > 1:
+        cfg = prefill_config or _prefill_config(head_dim)
+        grid = (triton.cdiv(metadata.max_query_len * group, cfg["BLOCK_M"]), num_kv_heads, num_seqs)
+        _prefill_kernel[grid](
+            query, k_cache, v_cache, out,
+            metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
+            scale_log2, *common,
+            QUERY_GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, **cfg,
+        )  # fmt: skip
+    if num_splits is None:
+        num_splits = num_kv_splits(num_seqs, num_kv_heads, metadata.max_seq_len, query.device)
+    split = num_splits > 1
+    # Scratch shapes come from host ints, so allocating here is fine under graph capture.
+    part_out = torch.empty(
+        (num_seqs, num_heads, num_splits, head_dim) if split else (0,),
+        dtype=torch.float32, device=query.device,
+    )  # fmt: skip
+    part_lse = torch.empty(
+        (num_seqs, num_heads, num_splits) if split else (0,),
+        dtype=torch.float32, device=query.device,
+    )  # fmt: skip
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, out, part_out, part_lse,
+        metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
+        scale_log2, num_splits, *common,
+        NUM_HEADS=num_heads, QUERY_GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split,
+        **(decode_config or _decode_config(head_dim)),
+    )  # fmt: skip
+    if split:
+        _reduce_splits_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, metadata.query_start_loc, num_splits, *out.stride(),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(num_splits),
+        )  # fmt: skip
+    return out

@@ -1,0 +1,81 @@
+"""Triton kernels on tiny shapes through the Triton interpreter (no GPU needed).
+
+Runs only with `TRITON_INTERPRET=1` set before Python starts and triton installed:
+    TRITON_INTERPRET=1 python3 -m pytest tests/ops/test_triton_interpret.py -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvfit.ops.reference import paged_attention_reference, write_kv_reference
+
+pytestmark = [
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to interpret"
+    ),
+    # Empty KV splits take log2(0) = -inf on purpose; numpy warns about it.
+    pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning"),
+]
+triton_attention = pytest.importorskip("kvfit.ops.triton_attention")
+triton_kv_write = pytest.importorskip("kvfit.ops.triton_kv_write")
+
+
+@pytest.fixture(autouse=True)
+def _scalar_index_under_numpy_2_4(monkeypatch):
+    """triton 3.6's interpreter turns scalars into ints with `int(ndarray)`, which NumPy >= 2.4
+    rejects for its shape-(1,) scalars; loops with device-computed bounds need it."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+
+MIXED = [(0, 5), (13, 1), (0, 1), (17, 20), (70, 1), (3, 40)]
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("layout", ["block_outermost", "head_major"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2)])
+def test_attention_kernels_match_naive(paged_batch, naive, num_splits, layout, num_heads,
+                                       num_kv_heads):  # fmt: skip
+    batch = paged_batch(
+        MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16, layout=layout
+    )
+    out = torch.full_like(batch.query, float("nan"))
+    triton_attention.paged_attention_triton(
+        batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.3, out, num_splits
+    )
+    torch.testing.assert_close(out.double(), naive(batch, 0.3), rtol=1e-4, atol=1e-4)
+
+
+def test_decode_only_batch_with_split_reduction(paged_batch):
+    batch = paged_batch([(300, 1), (5, 1), (0, 1)], num_heads=4, num_kv_heads=1, head_dim=16)
+    out = torch.full_like(batch.query, float("nan"))
+    triton_attention.paged_attention_triton(
+        batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.3, out, 4
+    )
+    expect = paged_attention_reference(
+        batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.3
+    )
+    torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["block_outermost", "head_major"])
+def test_write_kv_kernel_matches_reference(paged_batch, layout):
+    batch = paged_batch([(0, 40)], num_kv_heads=2, head_dim=16, layout=layout)
+    expect_k, expect_v = batch.k_cache.clone(), batch.v_cache.clone()
+    key, value = torch.randn(2, 6, 2, 16)
+    slots = torch.tensor([0, -1, 17, 31, -1, 45])
+    write_kv_reference(key, value, expect_k, expect_v, slots)
+    triton_kv_write.write_kv_triton(key, value, batch.k_cache, batch.v_cache, slots)
+    assert torch.equal(batch.k_cache, expect_k)
+    assert torch.equal(batch.v_cache, expect_v)
