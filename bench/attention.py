@@ -146,11 +146,12 @@ def sweep(shape: Shape, k_cache, v_cache) -> list[dict]:
             ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch,
                             decode_config=cfg)  # fmt: skip
             rows.append(dict(case=f"decode {batch}x{context}", config=cfg, ms=ms))
-    for splits in [1, 2, 4, 16, 32, 64]:
+    for tokens in [128, 256, 512, 1024, 2048]:
         for batch, context in [(64, 4096), (1, 32768)]:
             ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch,
-                            num_splits=splits)  # fmt: skip
-            rows.append(dict(case=f"decode {batch}x{context}", config=dict(splits=splits), ms=ms))
+                            split_tokens=tokens)  # fmt: skip
+            rows.append(dict(case=f"decode {batch}x{context}", config=dict(split_tokens=tokens),
+                             ms=ms))
     for r in rows:
         print(f"{r['case']:>20} {r['ms']:>8.3f} ms  {r['config']}", flush=True)
     return rows

@@ -92,3 +92,19 @@ def test_attention_rejects_heads_not_multiple_of_kv_heads(paged_batch):
     query = torch.zeros(3, 3, 64)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         paged_attention(query, batch.k_cache, batch.v_cache, batch.metadata, 0.1)
+
+
+def test_reference_ignores_garbage_past_each_sequence(paged_batch, naive):
+    # Unwritten slots of reused device memory may hold NaN; a shorter sequence batched with a
+    # longer one reads them as padding and must not be poisoned.
+    batch = paged_batch([(3, 1), (40, 1), (2, 5), (30, 5)], spare_blocks=0)
+    clean = naive(batch, 0.5)
+    written = torch.zeros(batch.k_cache.shape[:2], dtype=torch.bool)
+    block_size = batch.k_cache.shape[1]
+    for i, n in enumerate(batch.metadata.seq_lens.tolist()):
+        for pos in range(n):
+            written[batch.metadata.block_table[i, pos // block_size], pos % block_size] = True
+    batch.k_cache[~written] = float("nan")
+    batch.v_cache[~written] = float("nan")
+    out = paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.5)
+    torch.testing.assert_close(out.double(), clean, rtol=1e-5, atol=1e-5)

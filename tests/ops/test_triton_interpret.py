@@ -42,17 +42,18 @@ def _scalar_index_under_numpy_2_4(monkeypatch):
 MIXED = [(0, 5), (13, 1), (0, 1), (17, 20), (70, 1), (3, 40)]
 
 
-@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("max_splits", [1, 3, 32])
 @pytest.mark.parametrize("layout", ["block_outermost", "head_major"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2)])
-def test_attention_kernels_match_naive(paged_batch, naive, num_splits, layout, num_heads,
+def test_attention_kernels_match_naive(paged_batch, naive, max_splits, layout, num_heads,
                                        num_kv_heads):  # fmt: skip
     batch = paged_batch(
         MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16, layout=layout
     )
     out = torch.full_like(batch.query, float("nan"))
     triton_attention.paged_attention_triton(
-        batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.3, out, num_splits
+        batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.3, out,
+        max_splits=max_splits, split_tokens=16,
     )
     torch.testing.assert_close(out.double(), naive(batch, 0.3), rtol=1e-4, atol=1e-4)
 
@@ -61,7 +62,8 @@ def test_decode_only_batch_with_split_reduction(paged_batch):
     batch = paged_batch([(300, 1), (5, 1), (0, 1)], num_heads=4, num_kv_heads=1, head_dim=16)
     out = torch.full_like(batch.query, float("nan"))
     triton_attention.paged_attention_triton(
-        batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.3, out, 4
+        batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.3, out,
+        max_splits=4, split_tokens=64,
     )
     expect = paged_attention_reference(
         batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.3

@@ -50,11 +50,14 @@ def _attend_group(
     """Attention for n sequences sharing one query length; contexts padded to the longest."""
     q_len = query.shape[1]
     context_len = int(seq_lens.max())
-    k = _gather_context(k_cache, block_table, context_len)
-    v = _gather_context(v_cache, block_table, context_len)
-    # Lower-right aligned causal mask: query row i sits at position seq_len - q_len + i.
     rows = torch.arange(q_len, device=query.device)
     cols = torch.arange(context_len, device=query.device)
+    # Slots past a sequence's length were never written (garbage, possibly NaN, on reused device
+    # memory); a masked score does not stop 0 * NaN from reaching the output, so zero them.
+    unwritten = (cols[None, :] >= seq_lens[:, None])[:, None, :, None]  # [n, 1, context, 1]
+    k = _gather_context(k_cache, block_table, context_len).masked_fill(unwritten, 0)
+    v = _gather_context(v_cache, block_table, context_len).masked_fill(unwritten, 0)
+    # Lower-right aligned causal mask: query row i sits at position seq_len - q_len + i.
     last_visible = seq_lens[:, None] - q_len + rows[None, :]  # [n, q_len]
     mask = cols[None, None, :] <= last_visible[:, :, None]  # [n, q_len, context_len]
     out = F.scaled_dot_product_attention(

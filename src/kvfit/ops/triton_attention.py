@@ -7,7 +7,6 @@ per group. Launch shapes depend only on host ints, so both are CUDA-graph safe.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -18,8 +17,14 @@ import triton.language as tl
 if TYPE_CHECKING:
     from kvfit.ops.attention import AttentionMetadata
 
-_MIN_TOKENS_PER_SPLIT = 256
-_MAX_SPLITS = 64
+SPLIT_TOKENS = 512
+"""Decode splits a sequence into parts of this many tokens (whole tiles) ..."""
+MAX_SPLITS = 32
+"""... and at most this many parts; longer sequences get longer parts.
+
+How a sequence is split depends on its own length alone, never on the batch or the launch's
+`max_seq_len`: eager decode, a CUDA graph captured at max_model_len and any batch composition
+then sum each sequence's attention in the same order, so their greedy outputs agree exactly."""
 
 
 @triton.jit
@@ -118,7 +123,7 @@ def _prefill_kernel(
 def _decode_kernel(
     query, k_cache, v_cache, out, part_out, part_lse,
     query_start_loc, seq_lens, block_table,
-    scale_log2, num_splits,
+    scale_log2, num_splits, max_splits, split_tokens,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,
@@ -138,9 +143,12 @@ def _decode_kernel(
     if tl.load(query_start_loc + seq + 1) - q_row != 1:
         return
     seq_len = tl.load(seq_lens + seq)
-    # Splits partition the actual length (read on the device) in whole tiles, so a graph
-    # captured at max_model_len still spreads a short sequence over every split.
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    # The split layout is a function of seq_len (read on the device) alone; programs past this
+    # sequence's own split count have nothing to do, and the reduction never reads them.
+    seq_splits = _num_seq_splits(seq_len, max_splits, split_tokens)
+    if split >= seq_splits:
+        return
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), seq_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
@@ -178,49 +186,48 @@ def _decode_kernel(
 
 
 @triton.jit
+def _num_seq_splits(seq_len, max_splits, split_tokens):
+    return tl.maximum(tl.minimum(tl.cdiv(seq_len, split_tokens), max_splits), 1)
+
+
+@triton.jit
 def _reduce_splits_kernel(
-    out, part_out, part_lse, query_start_loc,
-    num_splits,
+    out, part_out, part_lse, query_start_loc, seq_lens,
+    num_splits, max_splits, split_tokens,
     stride_ot, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc + seq)
     if tl.load(query_start_loc + seq + 1) - q_row != 1:
         return
-    s = tl.arange(0, SPLITS_P2)
+    seq_splits = _num_seq_splits(tl.load(seq_lens + seq), max_splits, split_tokens)
     d = tl.arange(0, HEAD_DIM)
-    part = (seq * NUM_HEADS + head) * num_splits + s
-    lse = tl.load(part_lse + part, mask=s < num_splits, other=float("-inf"))
-    m = tl.max(lse, 0)
+    base = (seq * NUM_HEADS + head) * num_splits
+    # Sequential loops over this sequence's own splits: the summation order is fixed by
+    # seq_len, whatever the grid's split count (a tree reduction's order follows its width).
+    m = float("-inf")
+    for s in range(0, seq_splits):
+        m = tl.maximum(m, tl.load(part_lse + base + s))
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    split_mask = (s < num_splits)[:, None]
-    parts = tl.load(part_out + part[:, None] * HEAD_DIM + d[None, :], mask=split_mask, other=0.0)
-    o = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    weight = 0.0
+    for s in range(0, seq_splits):
+        w = tl.exp2(tl.load(part_lse + base + s) - m)
+        acc += w * tl.load(part_out + (base + s) * HEAD_DIM + d)
+        weight += w
+    o = acc / tl.maximum(weight, 1e-30)
     o_ptrs = out + q_row * stride_ot + head * stride_oh + d * stride_od
     tl.store(o_ptrs, o.to(out.dtype.element_ty))
 
 
-@functools.lru_cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":  # the Triton interpreter
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per sequence so decode launches about two programs per SM; a power of two.
-
-    Host ints only: under a CUDA graph `max_seq_len` is the capture-time bound.
-    """
-    wanted = -(-2 * _num_sms(device) // (num_seqs * num_kv_heads))
-    useful = -(-max_seq_len // _MIN_TOKENS_PER_SPLIT)
-    splits = max(1, min(wanted, useful, _MAX_SPLITS))
-    return 1 << (splits.bit_length() - 1)
+def num_kv_splits(max_seq_len: int, max_splits: int = MAX_SPLITS,
+                  split_tokens: int = SPLIT_TOKENS) -> int:
+    """Split programs to launch per sequence: enough for the longest sequence the launch may
+    see (host ints only: under a CUDA graph `max_seq_len` is the capture-time bound)."""
+    return max(1, min(max_splits, -(-max_seq_len // split_tokens)))
 
 
 # Tile configs: the best of `bench/attention.py --sweep` on an H200 (bf16, 32/8 heads, dim 128).
@@ -243,13 +250,15 @@ def paged_attention_triton(
     metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
-    num_splits: int | None = None,
+    max_splits: int = MAX_SPLITS,
+    split_tokens: int = SPLIT_TOKENS,
     prefill_config: dict[str, int] | None = None,
     decode_config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Launch the prefill kernel (query length > 1) and the decode kernel (query length 1).
 
-    `num_splits` and the tile configs override the defaults (tests and `bench/attention.py
+    Decode splits a sequence of n tokens into min(max_splits, ceil(n / split_tokens)) parts.
+    The split settings and tile configs override the defaults (tests and `bench/attention.py
     --sweep` use them).
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -278,8 +287,7 @@ def paged_attention_triton(
             scale_log2, *common,
             QUERY_GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, **cfg,
         )  # fmt: skip
-    if num_splits is None:
-        num_splits = num_kv_splits(num_seqs, num_kv_heads, metadata.max_seq_len, query.device)
+    num_splits = num_kv_splits(metadata.max_seq_len, max_splits, split_tokens)
     split = num_splits > 1
     # Scratch shapes come from host ints, so allocating here is fine under graph capture.
     part_out = torch.empty(
@@ -293,14 +301,15 @@ def paged_attention_triton(
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_out, part_lse,
         metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-        scale_log2, num_splits, *common,
+        scale_log2, num_splits, max_splits, split_tokens, *common,
         NUM_HEADS=num_heads, QUERY_GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split,
         **(decode_config or _decode_config(head_dim)),
     )  # fmt: skip
     if split:
         _reduce_splits_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, metadata.query_start_loc, num_splits, *out.stride(),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(num_splits),
+            out, part_out, part_lse, metadata.query_start_loc, metadata.seq_lens,
+            num_splits, max_splits, split_tokens, *out.stride(),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         )  # fmt: skip
     return out
