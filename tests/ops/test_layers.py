@@ -98,3 +98,11 @@ def test_llama3_scaling_changes_long_wavelengths_only():
 def test_rotary_rejects_unknown_rope_type():
     with pytest.raises(ValueError, match="rope_scaling"):
         RotaryEmbedding(8, 10, 100.0, {"rope_type": "yarn", "factor": 2.0})
+
+
+def test_layers_accept_an_empty_batch():
+    rope = RotaryEmbedding(8, max_position=10, base=100.0)
+    q, k = rope(torch.zeros(0, dtype=torch.long), torch.zeros(0, 4 * 8), torch.zeros(0, 2, 8))
+    assert q.shape == (0, 32) and k.shape == (0, 2, 8)
+    assert rms_norm(torch.zeros(0, 16), torch.ones(16), 1e-6).shape == (0, 16)
+    assert silu_and_mul(torch.zeros(0, 16)).shape == (0, 8)

@@ -11,6 +11,15 @@ from torch import nn
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 and scaled in the input dtype (as HF does)."""
+    if x.is_cuda:
+        from kvfit.ops.triton_layers import rms_norm_triton  # triton is a CUDA-only dependency
+
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch composition of `rms_norm`: the CPU path and the fused kernel's oracle."""
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
@@ -18,6 +27,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for `x = [gate, up]` concatenated along the last dim."""
+    if x.is_cuda:
+        from kvfit.ops.triton_layers import silu_and_mul_triton  # CUDA-only dependency
+
+        return silu_and_mul_triton(x)
+    return silu_and_mul_torch(x)
+
+
+def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    """The torch composition of `silu_and_mul`: the CPU path and the fused kernel's oracle."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -69,12 +87,29 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        if q.is_cuda:
+            from kvfit.ops.triton_layers import rotary_triton  # triton is a CUDA-only dependency
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shaped = x.view(x.shape[0], -1, self.head_dim).float()
-        x1, x2 = shaped.chunk(2, dim=-1)
-        cos, sin = cos[:, None], sin[:, None]
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return rotated.to(x.dtype).view_as(x)
+            return rotary_triton(positions, q, k, self.cos_sin_cache, self.head_dim)
+        return rotary_torch(positions, q, k, self.cos_sin_cache, self.head_dim)
+
+
+def rotary_torch(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch composition of the neox rotary embedding: the CPU path and the fused kernel's
+    oracle. `cos_sin_cache` is `[max_position, head_dim]`, cos then sin."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    return _rotate(q, cos, sin, head_dim), _rotate(k, cos, sin, head_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    shaped = x.reshape(x.shape[0], math.prod(x.shape[1:]) // head_dim, head_dim).float()
+    x1, x2 = shaped.chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.to(x.dtype).view(x.shape)

@@ -1,0 +1,219 @@
+"""Fused Triton layer kernels against the torch compositions they replace.
+
+Interpreter tests (tiny shapes, fp32/fp16; the interpreter's bf16 is unreliable):
+    TRITON_INTERPRET=1 python3 -m pytest tests/ops/test_triton_layers.py -q
+GPU tests (model shapes, bf16/fp16/fp32, and a CUDA graph replay):
+    PYTHONPATH=src python3 -m pytest -m gpu tests/ops/test_triton_layers.py -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvfit.ops.layers import (
+    RotaryEmbedding,
+    rms_norm,
+    rms_norm_torch,
+    rotary_torch,
+    silu_and_mul,
+    silu_and_mul_torch,
+)
+
+triton_layers = pytest.importorskip("kvfit.ops.triton_layers")
+
+interpret = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to interpret"
+)
+
+
+@pytest.fixture(autouse=True)
+def _scalar_index_under_numpy_2_4(monkeypatch):
+    """triton 3.6's interpreter turns scalars into ints with `int(ndarray)`, which NumPy >= 2.4
+    rejects for its shape-(1,) scalars."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+
+def _close(got: torch.Tensor, expect: torch.Tensor, rtol: float) -> None:
+    assert got.shape == expect.shape and got.dtype == expect.dtype
+    torch.testing.assert_close(got.float(), expect.float(), rtol=rtol, atol=rtol)
+
+
+def _qkv_split(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, **kw):
+    """q and k as the model produces them: `[T, heads, head_dim]` views of one fused qkv row."""
+    widths = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    q, k, _ = torch.randn(num_tokens, sum(widths), **kw).split(widths, dim=-1)
+    return q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim)
+
+
+# --- interpreter -------------------------------------------------------------------------------
+
+INTERP_DTYPES = [torch.float32, torch.float16]
+
+
+@interpret
+@pytest.mark.parametrize("dtype", INTERP_DTYPES)
+@pytest.mark.parametrize("shape", [(5, 48), (3, 4, 16), (0, 48), (2, 3, 2, 8)])
+def test_rms_norm_kernel_matches_torch(dtype, shape):
+    x = torch.randn(shape, dtype=dtype) * 3
+    weight = torch.randn(shape[-1], dtype=dtype)
+    _close(triton_layers.rms_norm_triton(x, weight, 1e-6), rms_norm_torch(x, weight, 1e-6), 2e-3)
+
+
+@interpret
+def test_rms_norm_kernel_reads_split_views():
+    q, _ = _qkv_split(3, 4, 2, 16)
+    assert not q.is_contiguous()
+    weight = torch.randn(16)
+    _close(triton_layers.rms_norm_triton(q, weight, 1e-5), rms_norm_torch(q, weight, 1e-5), 1e-5)
+
+
+@interpret
+@pytest.mark.parametrize("dtype", INTERP_DTYPES)
+@pytest.mark.parametrize("shape", [(7, 2 * 40), (2, 3, 2 * 16), (0, 2 * 16)])
+def test_silu_and_mul_kernel_matches_torch(dtype, shape):
+    x = torch.randn(shape, dtype=dtype) * 4
+    _close(triton_layers.silu_and_mul_triton(x), silu_and_mul_torch(x), 2e-3)
+
+
+@interpret
+def test_silu_and_mul_kernel_rejects_odd_width():
+    with pytest.raises(ValueError, match="even last dim"):
+        triton_layers.silu_and_mul_triton(torch.randn(2, 7))
+
+
+@interpret
+@pytest.mark.parametrize("dtype", INTERP_DTYPES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 6])
+def test_rotary_kernel_matches_torch(dtype, num_tokens):
+    rope = RotaryEmbedding(16, max_position=50, base=1000.0)
+    positions = torch.randint(0, 50, (num_tokens,))
+    q, k = _qkv_split(num_tokens, 6, 2, 16, dtype=dtype)
+    got = triton_layers.rotary_triton(positions, q, k, rope.cos_sin_cache, 16)
+    expect = rotary_torch(positions, q, k, rope.cos_sin_cache, 16)
+    for g, e in zip(got, expect, strict=True):
+        _close(g, e, 2e-3)
+
+
+@interpret
+def test_rotary_kernel_keeps_flat_shape():
+    rope = RotaryEmbedding(8, max_position=10, base=100.0)
+    positions = torch.tensor([9, 0, 4])
+    q, k = torch.randn(3, 4 * 8), torch.randn(3, 2, 8)
+    got_q, got_k = triton_layers.rotary_triton(positions, q, k, rope.cos_sin_cache, 8)
+    expect_q, expect_k = rotary_torch(positions, q, k, rope.cos_sin_cache, 8)
+    _close(got_q, expect_q, 1e-5)
+    _close(got_k, expect_k, 1e-5)
+
+
+# --- GPU ---------------------------------------------------------------------------------------
+
+GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+TOKENS = [1, 7, 256, 8192]
+RTOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def _poison_next(*shapes: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Leave NaN-filled blocks at the head of the caching allocator, so outputs allocated next
+    in the same order start out as NaN and any element a kernel misses fails the comparison."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    poison = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for shape in shapes]
+    del poison
+
+
+def _close_rms_norm(got: torch.Tensor, expect: torch.Tensor) -> None:
+    """The kernel rounds in the torch path's order, so in 16-bit dtypes only the rare element
+    whose fp32 value sits on a rounding boundary (sum order, rsqrt) may land one ulp away."""
+    _close(got, expect, RTOL[got.dtype])
+    if got.dtype != torch.float32:
+        assert (got != expect).float().mean().item() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("hidden", [1024, 4096])
+def test_gpu_rms_norm_hidden(dtype, num_tokens, hidden):
+    x = torch.randn(num_tokens, hidden, dtype=dtype, device="cuda") * 3
+    weight = torch.randn(hidden, dtype=dtype, device="cuda")
+    expect = rms_norm_torch(x, weight, 1e-6)
+    _poison_next(x.shape, dtype=dtype)
+    _close_rms_norm(rms_norm(x, weight, 1e-6), expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("num_heads", [16, 32, 8])
+def test_gpu_rms_norm_per_head(dtype, num_tokens, num_heads):
+    q, _ = _qkv_split(num_tokens, num_heads, 8, 128, dtype=dtype, device="cuda")
+    weight = torch.randn(128, dtype=dtype, device="cuda")
+    expect = rms_norm_torch(q, weight, 1e-6)
+    _poison_next(q.shape, dtype=dtype)
+    _close_rms_norm(rms_norm(q, weight, 1e-6), expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("intermediate", [3072, 12288])
+def test_gpu_silu_and_mul(dtype, num_tokens, intermediate):
+    x = torch.randn(num_tokens, 2 * intermediate, dtype=dtype, device="cuda") * 4
+    expect = silu_and_mul_torch(x)
+    _poison_next(expect.shape, dtype=dtype)
+    _close(silu_and_mul(x), expect, RTOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("num_heads", [16, 32])
+def test_gpu_rotary(dtype, num_tokens, num_heads):
+    rope = RotaryEmbedding(128, max_position=40960, base=1_000_000.0).cuda()
+    positions = torch.randint(0, 40960, (num_tokens,), device="cuda")
+    q, k = _qkv_split(num_tokens, num_heads, 8, 128, dtype=dtype, device="cuda")
+    expect = rotary_torch(positions, q, k, rope.cos_sin_cache, 128)
+    _poison_next(q.shape, k.shape, dtype=dtype)
+    for got, e in zip(rope(positions, q, k), expect, strict=True):
+        _close(got, e, RTOL[dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_layers_replay_in_cuda_graph():
+    num_tokens, num_heads, head_dim, dtype = 4, 16, 128, torch.bfloat16
+    rope = RotaryEmbedding(head_dim, max_position=4096, base=1_000_000.0).cuda()
+    weight = torch.randn(head_dim, dtype=dtype, device="cuda")
+    positions = torch.zeros(num_tokens, dtype=torch.long, device="cuda")
+    qkv = torch.zeros(num_tokens, (num_heads + 16) * head_dim, dtype=dtype, device="cuda")
+    gate_up = torch.zeros(num_tokens, 2 * 3072, dtype=dtype, device="cuda")
+
+    def step() -> tuple[torch.Tensor, ...]:
+        q, k, _ = qkv.split([num_heads * head_dim, 8 * head_dim, 8 * head_dim], dim=-1)
+        q = rms_norm(q.view(num_tokens, num_heads, head_dim), weight, 1e-6)
+        return (*rope(positions, q, k), silu_and_mul(gate_up))
+
+    step()  # compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    positions.copy_(torch.randint(0, 4096, (num_tokens,)))
+    qkv.copy_(torch.randn_like(qkv))
+    gate_up.copy_(torch.randn_like(gate_up))
+    graph.replay()
+    q, k, _ = qkv.split([num_heads * head_dim, 8 * head_dim, 8 * head_dim], dim=-1)
+    q = rms_norm_torch(q.view(num_tokens, num_heads, head_dim), weight, 1e-6)
+    expect = (*rotary_torch(positions, q, k, rope.cos_sin_cache, head_dim),
+              silu_and_mul_torch(gate_up))  # fmt: skip
+    for got, e in zip(outputs, expect, strict=True):
+        _close(got, e, RTOL[dtype])
