@@ -134,8 +134,10 @@ def _poison_next(*shapes: tuple[int, ...], dtype: torch.dtype) -> None:
 
 def _close_rms_norm(got: torch.Tensor, expect: torch.Tensor) -> None:
     """The kernel rounds in the torch path's order, so in 16-bit dtypes only the rare element
-    whose fp32 value sits on a rounding boundary (sum order, rsqrt) may land one ulp away."""
-    _close(got, expect, RTOL[got.dtype])
+    whose fp32 value sits on a rounding boundary (sum order, rsqrt) may land one ulp away; the
+    weight multiply then rounds once more, so such an element may differ by two ulps in all
+    (seen on the H200: 1 element of 16.8M in bf16, relative difference 0.012)."""
+    _close(got, expect, max(RTOL[got.dtype], 2 * torch.finfo(got.dtype).eps))
     if got.dtype != torch.float32:
         assert (got != expect).float().mean().item() < 1e-3
 
