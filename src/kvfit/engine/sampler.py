@@ -14,8 +14,6 @@ from kvfit.engine.sequence import Sequence
 # Rows of prompt positions pushed through the logits head and the top-n scorer at once; warmup
 # runs one chunk of exactly this width so its memory is measured before the cache is sized.
 PROMPT_LOGPROBS_CHUNK = 1024
-# Rows normalised at once inside a chunk: bounds logsumexp's [rows, V] temporary.
-_LOGSUMEXP_ROWS = 64
 
 Logprobs = dict[int, float]
 
@@ -192,15 +190,9 @@ def compute_prompt_logprobs(
     """Logprobs of each prompt token given the ones before it, plus the top-`n`, per row.
 
     `logits_chunk` `[R, V]` holds the logits at positions p-1 and `next_token_ids` `[R]` the
-    prompt tokens at p; callers pass at most `PROMPT_LOGPROBS_CHUNK` rows at a time. A float32
-    chunk is consumed: it is overwritten with its log-softmax.
+    prompt tokens at p; callers pass at most `PROMPT_LOGPROBS_CHUNK` rows at a time.
     """
-    # In place, a few rows at a time: a second [R, V] float32 tensor (0.6 GiB for R = 1024 over a
-    # 152k vocabulary) would be the largest transient of any step, and measured sizing keeps
-    # 1.5x the largest transient free.
-    logprobs = logits_chunk.float()
-    for rows in logprobs.split(_LOGSUMEXP_ROWS):
-        rows.sub_(rows.logsumexp(dim=-1, keepdim=True))
+    logprobs = logits_chunk.float().log_softmax(dim=-1)
     ids = next_token_ids.to(logprobs.device, torch.int64)[:, None]
     if n:
         ids = torch.cat([ids, logprobs.topk(n, dim=-1).indices], dim=1)
