@@ -148,7 +148,7 @@ def adversarial(llm: LLM, num_prompts: int, max_tokens: int, seed: int) -> dict[
     return {"num_prompts": num_prompts, "max_batch": max(batch_sizes, default=0),
             "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
             "elapsed_s": time.perf_counter() - start, "headroom_kept": kept,
-            "headroom_at_ready": ready.free + ready.torch_reserved - ready.torch_allocated,
+            "headroom_at_ready": ready.usable_free,
             "need_reserved": need_reserved,
             "need_allocated": max(0, peak_allocated - ready.torch_allocated),
             "used_fraction": need_reserved / kept, "oom": oom}

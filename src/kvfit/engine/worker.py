@@ -70,7 +70,7 @@ class Worker:
         cc, b = self.config.cache_config, self.baseline
         setting = self.monitor.budget_setting
         budget = memory_budget(b.total, cc.memory_utilization, setting)
-        free = b.free + b.torch_reserved - b.torch_allocated
+        free = b.usable_free
         if budget > free:
             raise ValueError(
                 f"sizing the KV cache by estimate needs its whole budget free ({budget} bytes: "

@@ -30,6 +30,11 @@ class MemorySnapshot:
     torch_reserved: int
     torch_allocated: int
 
+    @property
+    def usable_free(self) -> int:
+        """Free memory plus what torch's caching allocator holds idle (a step can reuse it)."""
+        return self.free + self.torch_reserved - self.torch_allocated
+
 
 @dataclass(frozen=True)
 class StepPeak:
@@ -86,7 +91,7 @@ def memory_profile(
     """
     return MemoryProfile(
         total=now.total,
-        free=now.free + now.torch_reserved - now.torch_allocated,
+        free=now.usable_free,
         weights=weights,
         torch_live=now.torch_allocated,
         non_torch=non_torch_bytes(baseline, now, committed_kv),
