@@ -44,8 +44,6 @@ class Worker:
         self.baseline: MemorySnapshot | None = None
         self.weights = 0
         self.estimate_blocks = 0
-        # Blocks warmup may address; the engine overwrites it with the minimum over workers.
-        self.num_committable_blocks = 0
 
     def vmm_unavailable_reason(self) -> str | None:
         """Why this device cannot back the extensible cache, or None when it can."""
@@ -119,14 +117,12 @@ class Worker:
         if extensible:
             profile = self.memory_profile()
             num_blocks = self.runner.kv_cache.blocks_that_fit(profile.free + profile.committed_kv)
-        self.num_committable_blocks = num_blocks
         return num_blocks
 
     def warm_up(self, num_committable_blocks: int) -> None:
         """Kernel warmup, a mixed prefill+decode step at `max_num_batched_tokens` and one
         prompt-logprobs chunk, each step's memory peak recorded. Dummy block ids stay below
         `num_committable_blocks` (the engine's minimum over workers)."""
-        self.num_committable_blocks = num_committable_blocks
         sc = self.config.scheduler_config
         num_decodes = min(sc.max_num_seqs - 1, sc.max_num_batched_tokens // 2)
         self._measured_step(self.runner.dummy_run, min(16, sc.max_num_batched_tokens),
