@@ -94,6 +94,14 @@ def test_device_errors() -> None:
             EngineArgs(device="cuda").create_engine_config()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_cuda_device_resolves_to_an_index(device: str) -> None:
+    # torch.cuda.set_device and tensor-device comparisons need the index.
+    c = EngineArgs(model="kvfit-tiny", device=device).create_engine_config()
+    assert c.device == torch.device("cuda", torch.cuda.current_device())
+
+
 def test_unknown_model_names_the_setting() -> None:
     with pytest.raises(FileNotFoundError, match="model"):
         EngineArgs(model="/no/such/folder").create_engine_config()

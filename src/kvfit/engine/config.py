@@ -307,7 +307,7 @@ def _check_vmm_usable(device: torch.device) -> None:
 
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolved = torch.device(device)
     except RuntimeError as e:
@@ -317,6 +317,8 @@ def _resolve_device(device: str) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu'")
     if resolved.type == "cuda" and resolved.index is None:
+        # An index-less device would fail `torch.cuda.set_device` and compare unequal to the
+        # tensors' devices.
         resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
 
