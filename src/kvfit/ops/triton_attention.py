@@ -65,9 +65,10 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # Later query tiles see more keys (causal): start them first so short ones fill the tail.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # Later query tiles see more keys (causal): start them first, every head's before any
+    # shorter one (heads vary fastest in launch order), so short tiles fill the tail.
+    kv_head = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
     seq = tl.program_id(2)
     q_start = tl.load(query_start_loc + seq)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
@@ -280,7 +281,7 @@ def paged_attention_triton(
     )  # fmt: skip
     if metadata.max_query_len > 1:
         cfg = prefill_config or _prefill_config(head_dim)
-        grid = (triton.cdiv(metadata.max_query_len * group, cfg["BLOCK_M"]), num_kv_heads, num_seqs)
+        grid = (num_kv_heads, triton.cdiv(metadata.max_query_len * group, cfg["BLOCK_M"]), num_seqs)
         _prefill_kernel[grid](
             query, k_cache, v_cache, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
