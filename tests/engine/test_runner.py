@@ -92,7 +92,21 @@ def test_prompt_logprobs_across_chunks_have_one_entry_per_prompt_token(
         assert all(a[t] == pytest.approx(b[t], abs=1e-5) for t in a)
     # A recomputed (preempted) sequence that has them all gets no duplicates.
     chunked.num_computed_tokens, chunked.prompt_logprobs = 0, recorded
-    assert runner.execute(ScheduledBatch([chunked], [7])).prompt_logprobs == [[]]
+    assert runner.execute(ScheduledBatch([chunked], [7])).prompt_logprobs == [None]
+
+
+def test_prompt_logprobs_say_where_they_start_when_the_record_lags(runner: ModelRunner) -> None:
+    # The engine launches a chunk before the previous chunk's entries are recorded.
+    runner.ensure_blocks(8)
+    params = dict(temperature=0.0, prompt_logprobs=1)
+    [entries] = runner.execute(ScheduledBatch([seq(7, 0, [0, 1], **params)], [7])).prompt_logprobs
+    lagging = seq(7, 0, [2, 3], **params)
+    first_part = runner.execute(ScheduledBatch([lagging], [3]))
+    lagging.num_computed_tokens = 3  # nothing recorded yet
+    second_part = runner.execute(ScheduledBatch([lagging], [4]))
+    assert first_part.prompt_logprobs_first == [0] and second_part.prompt_logprobs_first == [4]
+    [part] = second_part.prompt_logprobs
+    assert [e.keys() for e in part] == [e.keys() for e in entries[4:]]
 
 
 def test_dummy_run_addresses_only_blocks_below_the_bound(runner: ModelRunner) -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvfit.engine.sampler import (
+    PROMPT_LOGPROBS_CHUNK,
     Sampler,
     SamplingMetadata,
     apply_top_k_top_p,
@@ -155,14 +156,14 @@ def test_min_tokens_bans_stop_tokens_until_reached() -> None:
 def test_prompt_logprobs_match_log_softmax() -> None:
     logits = random_logits(5)
     targets = torch.tensor([3, 1, 4, 1, 5])
-    entries = compute_prompt_logprobs(logits, targets, n=2)
     reference = torch.log_softmax(logits, dim=-1)
+    entries = compute_prompt_logprobs(logits.clone(), targets, n=2)
     for row, entry in enumerate(entries):
         expected_ids = {targets[row].item(), *reference[row].topk(2).indices.tolist()}
         assert set(entry) == expected_ids
         for token, value in entry.items():
             assert value == pytest.approx(reference[row, token].item(), abs=1e-5)
-    assert [list(e) for e in compute_prompt_logprobs(logits, targets, n=0)] == [
+    assert [list(e) for e in compute_prompt_logprobs(logits.clone(), targets, n=0)] == [
         [t] for t in targets.tolist()
     ]
 
@@ -179,3 +180,14 @@ def test_cuda_sampling_matches_the_cpu_rules() -> None:
     for row in range(4):
         for token, value in logprobs[row].items():
             assert value == pytest.approx(reference[row, token].item(), abs=1e-4)
+
+
+def test_prompt_logprobs_over_many_row_blocks_match_log_softmax() -> None:
+    # More rows than one in-place normalisation block: every block is normalised once.
+    logits = random_logits(PROMPT_LOGPROBS_CHUNK // 4 + 3, seed=1)
+    targets = torch.randint(0, logits.shape[1], (logits.shape[0],))
+    reference = torch.log_softmax(logits, dim=-1)
+    entries = compute_prompt_logprobs(logits.clone(), targets, n=1)
+    for row, entry in enumerate(entries):
+        for token, value in entry.items():
+            assert value == pytest.approx(reference[row, token].item(), abs=1e-5)

@@ -14,7 +14,13 @@ import pytest
 from kvfit.engine.block_manager import BlockManager
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.scheduler import Scheduler
-from kvfit.engine.sequence import ModelOutput, ScheduledBatch, Sequence, SequenceStatus
+from kvfit.engine.sequence import (
+    PENDING_TOKEN,
+    ModelOutput,
+    ScheduledBatch,
+    Sequence,
+    SequenceStatus,
+)
 
 VOCAB = 50
 EOS = 0
@@ -33,6 +39,7 @@ class FakeModel:
     def __init__(self, bm: BlockManager) -> None:
         self.bm = bm
         self.slots: dict[tuple[int, int], int] = {}
+        self.last_sampled: dict[int, int] = {}  # seq_id -> token, as the device keeps them
 
     def __call__(self, batch: ScheduledBatch) -> ModelOutput:
         bs = self.bm.block_size
@@ -41,7 +48,10 @@ class FakeModel:
                 block_id = seq.block_table[pos // bs]
                 # Writes only ever go to a block this sequence holds alone.
                 assert self.bm.blocks[block_id].ref_count == 1
-                self.slots[block_id, pos % bs] = seq.token_ids[pos]
+                token = seq.token_ids[pos]
+                if token == PENDING_TOKEN:  # sampled by the step before, not yet applied
+                    token = self.last_sampled[seq.seq_id]
+                self.slots[block_id, pos % bs] = token
         sampled: list[int | None] = []
         logprobs: list[dict[int, float] | None] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
@@ -53,6 +63,9 @@ class FakeModel:
             token = next_token(context)
             sampled.append(token)
             logprobs.append({token: -0.5} if seq.sampling_params.logprobs is not None else None)
+        self.last_sampled = {seq.seq_id: token for seq, token in zip(batch.seqs, sampled,
+                                                                     strict=True)
+                             if token is not None}
         return ModelOutput(sampled, logprobs, [None] * len(batch))
 
 
@@ -85,16 +98,29 @@ def make_scheduler(
     return Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len, bm, EOS, **kwargs)
 
 
-def run(scheduler: Scheduler, model: FakeModel | None = None) -> list[ScheduledBatch]:
-    """Step until done, checking the scheduler's invariants on every batch."""
+def run(
+    scheduler: Scheduler, model: FakeModel | None = None, overlap: bool = False
+) -> list[ScheduledBatch]:
+    """Step until done, checking the scheduler's invariants on every batch.
+
+    `overlap`: as the engine runs, schedule and run each step before applying the previous
+    one's output (`update`), so sequences are scheduled with their last token pending.
+    """
     model = model or FakeModel(scheduler.block_manager)
     batches = []
+    in_flight: tuple[ScheduledBatch, ModelOutput] | None = None
     for _ in range(10_000):
-        if not scheduler.has_unfinished():
+        if not scheduler.has_unfinished() and in_flight is None:
             return batches
         was_running = list(scheduler.running)
         num_preemptions = scheduler.num_preemptions
         batch = scheduler.schedule()
+        if batch is None and in_flight is not None:
+            # Only sequences whose pending token is their last are left: nothing to run.
+            assert all(seq.has_pending_token for seq in scheduler.running)
+            scheduler.update(*in_flight)
+            in_flight = None
+            continue
         assert batch is not None, "work is queued but nothing was scheduled"
         if scheduler.num_preemptions > num_preemptions:
             # Victims wait at the front of the queue, and nothing new starts in that step.
@@ -109,7 +135,14 @@ def run(scheduler: Scheduler, model: FakeModel | None = None) -> list[ScheduledB
                 seq.num_computed_tokens + n
             )
         batches.append(batch)
-        scheduler.postprocess(batch, model(batch))
+        if overlap:
+            output = model(batch)
+            if in_flight is not None:
+                scheduler.update(*in_flight)
+            scheduler.advance(batch)
+            in_flight = (batch, output)
+        else:
+            scheduler.postprocess(batch, model(batch))
         for seq in scheduler.waiting:  # preempted sequences hold nothing until re-admitted
             assert seq.num_computed_tokens == 0 and not seq.block_table
     raise AssertionError("the scheduler did not finish its work")
@@ -125,6 +158,7 @@ def random_requests(rng: random.Random, n: int, shared_prefix: list[int]) -> lis
     return seqs
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize(
     ("num_blocks", "max_num_batched_tokens", "max_num_seqs", "prefix_caching"),
     [
@@ -135,7 +169,8 @@ def random_requests(rng: random.Random, n: int, shared_prefix: list[int]) -> lis
     ],
 )
 def test_all_requests_finish_with_the_uncontended_output(
-    num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int, prefix_caching: bool
+    num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int, prefix_caching: bool,
+    overlap: bool,
 ) -> None:
     rng = random.Random(num_blocks * 1000 + max_num_batched_tokens)
     scheduler = make_scheduler(
@@ -147,7 +182,7 @@ def test_all_requests_finish_with_the_uncontended_output(
     seqs = random_requests(rng, 24, shared_prefix=[rng.randrange(1, VOCAB) for _ in range(14)])
     for seq in seqs:
         scheduler.add(seq)
-    run(scheduler)
+    run(scheduler, overlap=overlap)
     for seq in seqs:
         assert seq.status is SequenceStatus.FINISHED
         assert seq.output_token_ids == expected_output(
@@ -173,11 +208,13 @@ def test_prefix_cache_hits_skip_computation() -> None:
     assert second.output_token_ids == first.output_token_ids
 
 
-def test_chunked_prefill_spans_steps_and_samples_only_at_the_end() -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_chunked_prefill_spans_steps_and_samples_only_at_the_end(overlap: bool) -> None:
+    # Overlapped, the last token (known by max_tokens) is never scheduled: no wasted step.
     scheduler = make_scheduler(max_num_batched_tokens=8)
     seq = Sequence(list(range(1, 21)), SamplingParams(temperature=0, max_tokens=3))
     scheduler.add(seq)
-    batches = run(scheduler)
+    batches = run(scheduler, overlap=overlap)
     assert [b.num_new_tokens for b in batches] == [[8], [8], [4], [1], [1]]
     assert seq.num_output_tokens == 3
 
@@ -359,3 +396,51 @@ def test_rejects_nonpositive_limits(name: str) -> None:
     limits = {"max_num_seqs": 4, "max_num_batched_tokens": 16, "max_model_len": 32, name: 0}
     with pytest.raises(ValueError, match=name):
         make_scheduler(**limits)
+
+
+def test_a_stop_seen_one_step_late_drops_the_extra_step() -> None:
+    # The next step is scheduled before the stop token is known; its row for the stopped
+    # sequence is computed and dropped, and the sequence keeps exactly its real tokens.
+    scheduler = make_scheduler()
+    model = FakeModel(scheduler.block_manager)
+    prompt = [3, 4, 5]
+    stop = next_token(prompt)
+    seq = Sequence(prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]))
+    scheduler.add(seq)
+    first = scheduler.schedule()
+    first_output = model(first)
+    scheduler.advance(first)
+    assert seq.has_pending_token
+    second = scheduler.schedule()
+    assert second.seqs == [seq]  # scheduled with its token pending
+    second_output = model(second)
+    assert scheduler.update(first, first_output) == [seq]
+    scheduler.advance(second)
+    assert scheduler.update(second, second_output) == []
+    assert seq.output_token_ids == [stop] and seq.finish_reason == "stop"
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    assert not scheduler.has_unfinished()
+
+
+def test_a_sequence_preempted_with_its_token_pending_keeps_the_token() -> None:
+    scheduler = make_scheduler(num_blocks=3, block_size=4, max_num_batched_tokens=16)
+    model = FakeModel(scheduler.block_manager)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    old, new = Sequence([1, 2, 3, 4], params), Sequence([5, 6, 7, 8], params)
+    for seq in (old, new):
+        scheduler.add(seq)
+    first = scheduler.schedule()
+    first_output = model(first)
+    scheduler.advance(first)
+    # Both now need a second block and three exist: the newer one is preempted.
+    second = scheduler.schedule()
+    assert scheduler.num_preemptions == 1 and second.seqs == [old]
+    assert new.status is SequenceStatus.WAITING and new.has_pending_token
+    second_output = model(second)
+    scheduler.update(first, first_output)
+    assert new.output_token_ids == [next_token([5, 6, 7, 8])]  # resolved while waiting
+    scheduler.advance(second)
+    scheduler.update(second, second_output)
+    run(scheduler, model, overlap=True)
+    for seq in (old, new):
+        assert seq.output_token_ids == expected_output(seq.prompt_token_ids, params, 128)

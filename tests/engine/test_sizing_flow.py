@@ -14,11 +14,15 @@ import psutil
 import pytest
 import torch
 
+import kvfit.engine.model_runner as model_runner
+import kvfit.engine.sampler as sampler
 import kvfit.engine.worker as worker_module
 from kvfit import LLM, SamplingParams
 from kvfit.engine.config import EngineArgs
 from kvfit.engine.engine_core import EngineCore
 from kvfit.engine.model_runner import ModelRunner
+from kvfit.engine.sampler import PROMPT_LOGPROBS_CHUNK
+from kvfit.engine.sequence import ScheduledBatch
 from kvfit.engine.worker import Worker
 from kvfit.kv.monitor import MemoryMonitor
 from kvfit.kv.sizing import MemorySnapshot, StepPeak, kv_margin
@@ -214,13 +218,12 @@ def test_startup_order_commits_only_what_warmup_addresses(
     spy(ModelRunner, "execute", lambda r, b: (
         "step", sum(b.num_new_tokens), sum(n == 1 for n in b.num_new_tokens),
         max(max(s.block_table) for s in b.seqs), committed(r)))
-    spy(ModelRunner, "warmup_prompt_logprobs", lambda r: ("prompt_logprobs",))
     spy(ModelRunner, "capture_cuda_graphs", lambda r: ("capture", committed(r)))
     spy(Worker, "extend_kv_cache", lambda w, n: ("extend", n))
     llm = make_llm()
 
     names = [e[0] for e in events]
-    assert names == ["step", "warm_up", "step", "step", "prompt_logprobs", "capture", "extend"]
+    assert names == ["step", "warm_up", "step", "step", "capture", "extend"]
     _, committable, committed_at_warmup, capacity = events[1]
     assert committed_at_warmup == 1  # capacity reserved, only the minimum committed
     assert capacity == llm.engine.executor.workers[0].runner.kv_cache.capacity_blocks
@@ -230,21 +233,35 @@ def test_startup_order_commits_only_what_warmup_addresses(
         assert max_block_id < committed_now <= committable
     mixed = steps[1]
     assert mixed[1] == LIMITS["max_num_batched_tokens"] and mixed[2] > 0  # prefill + decodes
-    assert events[5][1] == steps[-1][4]  # captured with what warmup committed, nothing more
-    assert events[6][1] == llm.kv_cache_report.num_blocks
+    assert events[4][1] == steps[-1][4]  # captured with what warmup committed, nothing more
+    assert events[5][1] == llm.kv_cache_report.num_blocks
 
 
-def test_no_prompt_logprobs_warmup_when_logprobs_are_off(
-    make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("max_logprobs", [0, 20])
+def test_the_mixed_warmup_step_runs_a_prompt_logprobs_chunk_when_logprobs_are_on(
+    make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch, max_logprobs: int
 ) -> None:
-    calls: list[int] = []
-    original = ModelRunner.warmup_prompt_logprobs
-    monkeypatch.setattr(ModelRunner, "warmup_prompt_logprobs",
-                        lambda self: (calls.append(1), original(self))[1])
-    make_llm(max_logprobs=0)
-    assert calls == []
-    make_llm()
-    assert calls == [1]
+    # The chunk's logits must be measured beside the step's activations, as real steps make
+    # them, so it is part of the mixed step and not a step of its own.
+    chunks: list[int] = []
+    steps: list[ScheduledBatch] = []
+    original_step, original_chunk = ModelRunner.execute, sampler.prompt_logprobs_tensors
+    monkeypatch.setattr(ModelRunner, "execute",
+                        lambda self, b: (steps.append(b), original_step(self, b))[1])
+    monkeypatch.setattr(model_runner, "prompt_logprobs_tensors",
+                        lambda logits, *a: (chunks.append(len(logits)),
+                                            original_chunk(logits, *a))[1])
+    budget = PROMPT_LOGPROBS_CHUNK + 64
+    llm = make_llm(max_logprobs=max_logprobs, max_num_batched_tokens=budget)
+    mixed = steps[-1]
+    assert mixed.num_tokens == budget and not mixed.is_decode_only
+    if max_logprobs:
+        assert all(s.sampling_params.prompt_logprobs == max_logprobs for s in mixed.seqs)
+        # A sequence's chunk is as wide as real prompts can make it.
+        longest_prompt = llm.config.model_config.max_model_len - 1
+        assert max(chunks) >= min(PROMPT_LOGPROBS_CHUNK, longest_prompt - 1)
+    else:
+        assert chunks == []
 
 
 @pytest.mark.parametrize(("extensible", "passes"), [(None, 1), (False, 2)])

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 
+from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.block_manager import BlockManager
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.detokenizer import Detokenizer
 from kvfit.engine.executor import Executor
 from kvfit.engine.model_runner import eos_token_ids
 from kvfit.engine.scheduler import Scheduler
-from kvfit.engine.sequence import Sequence
+from kvfit.engine.sequence import ScheduledBatch, Sequence
 from kvfit.kv.report import KVCacheReport
 from kvfit.kv.sizing import min_over_workers
 
@@ -27,12 +28,16 @@ class EngineCore:
     Startup: probe VMM (fall back to the estimate where any worker cannot back the cache), load
     and profile, reserve the capacity and commit the minimum, warm up, capture graphs once,
     size the cache (measured, estimate or override) and commit that.
+
+    Steps overlap: step k + 1 is scheduled and launched before step k's tokens are read, so
+    the host's work hides behind the device's (see `step`).
     """
 
     def __init__(self, config: EngineConfig, tokenizer: object | None = None,
                  num_workers: int = 1) -> None:
         self.config = config
         self.executor = Executor(config, num_workers)
+        self._in_flight: tuple[ScheduledBatch, AsyncModelOutput] | None = None
         try:
             self.kv_cache_report = self._initialize_kv_cache()
         except BaseException:
@@ -130,16 +135,33 @@ class EngineCore:
         self.scheduler.abort(request_id)
 
     def step(self) -> list[Sequence]:
-        """Schedule and run one step; the sequences that finished in it."""
+        """Schedule and launch one step, then apply the step launched before it; returns the
+        sequences that finished.
+
+        A sequence the in-flight step samples is scheduled with its token still pending (read
+        on the device). If that token stops it, the new step computed one token for nothing,
+        which is dropped; stops by length are known in advance and never scheduled.
+        """
+        finished: list[Sequence] = []
         batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        return self.scheduler.postprocess(batch, self.executor.execute(batch))
+        launched = self.executor.launch(batch) if batch is not None else None
+        if self._in_flight is not None:
+            finished += self._apply_in_flight()
+        if batch is not None:
+            self.scheduler.advance(batch)
+            self._in_flight = (batch, launched)
+        return finished
+
+    def _apply_in_flight(self) -> list[Sequence]:
+        batch, launched = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update(batch, launched.result())
 
     def has_unfinished(self) -> bool:
-        """Whether any request is still queued or running."""
-        return self.scheduler.has_unfinished()
+        """Whether any request is still queued, running or in a step in flight."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def shutdown(self) -> None:
         """Free every worker's model and KV cache; the engine cannot run afterwards."""
         self.executor.collective_rpc("shutdown")
+

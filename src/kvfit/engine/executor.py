@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.sequence import ModelOutput, ScheduledBatch
 from kvfit.engine.worker import Worker
@@ -27,3 +28,7 @@ class Executor:
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
         """One step; rank 0 holds the sampled output (a single device, for now)."""
         return self.collective_rpc("execute", batch)[0]
+
+    def launch(self, batch: ScheduledBatch) -> AsyncModelOutput:
+        """Queue one step on every worker without waiting; rank 0's output to wait on."""
+        return self.collective_rpc("launch", batch)[0]

@@ -10,16 +10,19 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from kvfit.engine.async_output import AsyncModelOutput, PromptLogprobsPart
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.cuda_graph import CUDAGraphRunner
 from kvfit.engine.sampler import (
     PROMPT_LOGPROBS_CHUNK,
     Sampler,
     SamplingMetadata,
-    compute_prompt_logprobs,
+    prompt_logprobs_tensors,
+    to_device,
+    to_host,
 )
 from kvfit.engine.sampling_params import SamplingParams
-from kvfit.engine.sequence import ModelOutput, ScheduledBatch, Sequence
+from kvfit.engine.sequence import PENDING_TOKEN, ModelOutput, ScheduledBatch, Sequence
 from kvfit.kv.cache import ExtensibleKVCache
 from kvfit.models.loader import load_model
 from kvfit.ops.attention import AttentionMetadata
@@ -49,6 +52,9 @@ class ModelRunner:
         self.kv_cache_spec = config.kv_cache_spec()
         self._num_allocated_blocks = 0
         self.graphs: CUDAGraphRunner | None = None
+        # The last launched step's sampled ids (on the device) and the row of each sequence:
+        # where the next step reads the tokens its sequences still hold as PENDING_TOKEN.
+        self._last_sampled: tuple[torch.Tensor, dict[int, int]] | None = None
 
     # -- KV cache -----------------------------------------------------------------------------
 
@@ -107,7 +113,8 @@ class ModelRunner:
 
         Tokens of all sequences are packed along dim 0; `logits_indices` are the rows of the
         sequences whose chunk reaches their last token (the ones sampled). Vectorized over the
-        batch: only the block table and token gathers touch each sequence in Python.
+        batch: only the block table and token gathers touch each sequence in Python. A
+        `PENDING_TOKEN` is read on the device from the last step's sampled ids.
         """
         bs, num_seqs = self.block_size, len(batch)
         num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
@@ -129,6 +136,8 @@ class ModelRunner:
             ),
             np.int64, num_tokens,
         )
+        pending = np.flatnonzero(input_ids == PENDING_TOKEN)
+        input_ids[pending] = 0
         ends = np.fromiter((len(s) for s in batch.seqs), np.int64, num_seqs)
         logits_indices = query_start_loc[1:][seq_lens == ends] - 1
         metadata = AttentionMetadata(
@@ -139,49 +148,68 @@ class ModelRunner:
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        return (self._to_device(input_ids), self._to_device(positions), metadata,
+        input_ids_t = self._to_device(input_ids)
+        if len(pending):
+            seq_of_token = np.searchsorted(query_start_loc, pending, side="right") - 1
+            self._read_pending_tokens(input_ids_t, pending, [batch.seqs[i] for i in seq_of_token])
+        return (input_ids_t, self._to_device(positions), metadata,
                 self._to_device(logits_indices))
 
+    def _read_pending_tokens(
+        self, input_ids: torch.Tensor, positions: np.ndarray, seqs: list[Sequence]
+    ) -> None:
+        """Fill `input_ids[positions]` from the last step's sampled ids, on the device."""
+        sampled, rows = self._last_sampled or (None, {})
+        missing = [seq.seq_id for seq in seqs if seq.seq_id not in rows]
+        if missing:
+            raise RuntimeError(f"sequences {missing} hold a pending token that the last step "
+                               f"did not sample")
+        src = np.fromiter((rows[seq.seq_id] for seq in seqs), np.int64, len(seqs))
+        input_ids[self._to_device(positions)] = sampled[self._to_device(src)]
+
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return to_device(torch.from_numpy(array), self.device)
 
     # -- execution ----------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
-        """Run one step: forward, sample the sequences whose chunk ends, logprobs as asked."""
+        """Run one step and wait for its output."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> AsyncModelOutput:
+        """Queue one step: forward, sampling of the sequences whose chunk ends, logprobs as
+        asked, and the copies of the results to the host; returns without waiting for them."""
         input_ids, positions, metadata, logits_indices = self.prepare_inputs(batch)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(input_ids, positions, metadata)
         else:
             hidden = self.model(input_ids, positions, metadata)
         sampled = [i for i, (s, n) in enumerate(_items(batch)) if _reaches_end(s, n)]
-        token_ids: list[int | None] = [None] * len(batch)
-        logprobs: list[dict[int, float] | None] = [None] * len(batch)
+        output = AsyncModelOutput(len(batch), sampled, self._prompt_logprobs(batch, hidden))
         if sampled:
+            seqs = [batch.seqs[i] for i in sampled]
             logits = self.model.compute_logits(hidden[logits_indices])
-            meta = SamplingMetadata.from_seqs(
-                [batch.seqs[i] for i in sampled], logits.shape[-1], self.device,
-                self.eos_token_ids,
-            )
-            ids, lps = self.sampler(logits, meta).to_lists(meta.num_logprobs)
-            for row, i in enumerate(sampled):
-                token_ids[i], logprobs[i] = ids[row], lps[row]
-        return ModelOutput(token_ids, logprobs, self._prompt_logprobs(batch, hidden))
+            meta = SamplingMetadata.from_seqs(seqs, logits.shape[-1], self.device,
+                                              self.eos_token_ids)
+            sampler_output = self.sampler(logits, meta)
+            self._last_sampled = (sampler_output.sampled_token_ids,
+                                  {seq.seq_id: row for row, seq in enumerate(seqs)})
+            output.sampler_output, output.num_logprobs = sampler_output.to_host(), meta.num_logprobs
+        output.record_event(self.device)
+        return output
 
     def _prompt_logprobs(
         self, batch: ScheduledBatch, hidden: torch.Tensor
-    ) -> list[list[dict[int, float] | None] | None]:
+    ) -> list[PromptLogprobsPart | None]:
         """Per sequence, the entries to append to its `prompt_logprobs` after this chunk.
 
-        Row r scores token r + 1, so a chunk from `start` scores tokens `start + 1 ..`. Token 0
-        has no logprob (None); tokens already recorded (a preempted sequence being recomputed)
-        are not repeated.
+        Row r scores token r + 1, so a chunk from `start` scores tokens `start + 1 ..`; token 0
+        has no logprob (None). Entries already recorded are not computed again (a preempted
+        sequence being recomputed); what is recorded may lag behind the steps in flight, so
+        each part says which token it starts at and the scheduler drops what it already has.
         """
-        out: list[list[dict[int, float] | None] | None] = [None] * len(batch)
+        out: list[PromptLogprobsPart | None] = [None] * len(batch)
         starts = np.cumsum([0, *batch.num_new_tokens])  # host copy of query_start_loc
         for i, (seq, n) in enumerate(_items(batch)):
             num = seq.sampling_params.prompt_logprobs
@@ -189,37 +217,46 @@ class ModelRunner:
                 continue
             start, done = seq.num_computed_tokens, len(seq.prompt_logprobs)
             last = min(start + n, seq.num_prompt_tokens - 1)
-            # Tokens in done..start cannot be scored from this chunk's rows: only token 0 can
-            # be among them, as prompt-logprobs requests take no prefix-cache hits.
-            entries: list[dict[int, float] | None] = [None] * max(0, min(start, last) - done + 1)
             first = max(start + 1, done)
+            with_token_0 = start == 0 and done == 0
+            if first > last and not with_token_0:
+                continue  # nothing left to score (a decode step)
+            part = out[i] = PromptLogprobsPart(first_token=0 if with_token_0 else first,
+                                               num_unscored=int(with_token_0))
             if first <= last:
                 rows = hidden[starts[i] + first - 1 - start : starts[i] + last - start]
-                targets = torch.tensor(seq.token_ids[first : last + 1], device=hidden.device)
+                targets = to_device(torch.tensor(seq.token_ids[first : last + 1]), hidden.device)
                 for c in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
                     logits = self.model.compute_logits(rows[c : c + PROMPT_LOGPROBS_CHUNK])
-                    entries += compute_prompt_logprobs(
+                    ids, values = prompt_logprobs_tensors(
                         logits, targets[c : c + PROMPT_LOGPROBS_CHUNK], num
                     )
-            out[i] = entries
+                    part.chunks.append((to_host(ids), to_host(values)))
         return out
 
     # -- warmup -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def dummy_run(self, num_tokens: int, max_blocks: int, num_decodes: int = 0) -> None:
+    def dummy_run(self, num_tokens: int, max_blocks: int, num_decodes: int = 0,
+                  logprobs: int | None = None) -> None:
         """One step of `num_tokens` dummy tokens: `num_decodes` decodes, the rest prefill
         sequences of at most `max_model_len` tokens. Block ids wrap at the blocks the step
-        addresses or `max_blocks`, whichever is fewer, and those are committed first."""
+        addresses or `max_blocks`, whichever is fewer, and those are committed first.
+
+        `logprobs`: every sequence asks for that many logprobs and prompt logprobs, so the
+        prompt-logprobs chunks run beside the step's live activations, as in a real step.
+        """
         decode_context = min(self.max_model_len, self.block_size)  # one block per decode
         lengths = [1] * num_decodes + _split(num_tokens - num_decodes, self.max_model_len)
         contexts = [decode_context] * num_decodes + lengths[num_decodes:]
         num_blocks = min(max_blocks, sum(-(-c // self.block_size) for c in contexts))
         self.ensure_blocks(num_blocks)
+        params = _GREEDY if logprobs is None else SamplingParams(
+            temperature=0.0, max_tokens=1, logprobs=logprobs, prompt_logprobs=logprobs)
         block_ids = itertools.count()
         seqs = []
         for n, context in zip(lengths, contexts, strict=True):
-            seq = Sequence([0] * context, _GREEDY)
+            seq = Sequence([0] * context, params)
             seq.num_computed_tokens = context - n
             seq.block_table = [next(block_ids) % num_blocks
                                for _ in range(-(-context // self.block_size))]
@@ -236,18 +273,6 @@ class ModelRunner:
         self.model.bind_kv_cache(spec.layer_views(scratch))
         self._num_allocated_blocks = 1
         self.dummy_run(self.config.scheduler_config.max_num_batched_tokens, 1)
-
-    @torch.inference_mode()
-    def warmup_prompt_logprobs(self) -> None:
-        """One `PROMPT_LOGPROBS_CHUNK` through the logits head and the top-k scorer: the
-        largest logits tensor a step makes, which no other warmup step allocates."""
-        hidden = torch.zeros(
-            PROMPT_LOGPROBS_CHUNK, self.config.model_config.hf_config.hidden_size,
-            dtype=self.config.model_config.dtype, device=self.device,
-        )
-        targets = torch.zeros(PROMPT_LOGPROBS_CHUNK, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden)
-        compute_prompt_logprobs(logits, targets, self.config.model_config.max_logprobs)
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs against the current cache views (no-op under enforce_eager)."""

@@ -14,6 +14,8 @@ from kvfit.engine.sequence import Sequence
 # Rows of prompt positions pushed through the logits head and the top-n scorer at once; warmup
 # runs one chunk of exactly this width so its memory is measured before the cache is sized.
 PROMPT_LOGPROBS_CHUNK = 1024
+# Rows normalised at once inside a chunk: bounds logsumexp's [rows, V] temporary.
+_LOGSUMEXP_ROWS = 64
 
 Logprobs = dict[int, float]
 
@@ -57,7 +59,7 @@ class SamplingMetadata:
                 banned_ids += sorted(stop_ids)
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         return cls(
             temperature=tensor([p.temperature or 1.0 for p in params], torch.float32),
@@ -75,6 +77,27 @@ class SamplingMetadata:
             else None,
             num_logprobs=[p.logprobs for p in params],
         )
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy a host tensor to `device` without waiting for the device.
+
+    A copy from pageable memory waits for all work queued before it, which would stall the host
+    behind the step in flight; staging through pinned memory makes it a queued copy like any
+    kernel. (The pinned buffer is not reused until the copy has run: torch records it.)
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Queue a copy of a device tensor into pinned host memory; read it after the step's event."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def token_seed(seed: int, index: int) -> int:
@@ -95,6 +118,14 @@ class SamplerOutput:
     logprob_rows: list[int]  # rows of the batch that asked for logprobs
     logprob_token_ids: torch.Tensor | None  # [R, 1 + max_n]: sampled token, then top-n
     logprobs: torch.Tensor | None  # [R, 1 + max_n]
+
+    def to_host(self) -> SamplerOutput:
+        """The same output with its tensors being copied to pinned host memory (no wait)."""
+        return SamplerOutput(
+            to_host(self.sampled_token_ids), self.logprob_rows,
+            None if self.logprob_token_ids is None else to_host(self.logprob_token_ids),
+            None if self.logprobs is None else to_host(self.logprobs),
+        )
 
     def to_lists(self, num_logprobs: list[int | None]) -> tuple[list[int], list[Logprobs | None]]:
         """Host-side ids and per-row {token id: logprob} dicts (None where not requested)."""
@@ -127,7 +158,7 @@ class Sampler:
         logits = logits.float()
         raw_logits = logits
         if meta.banned is not None:
-            neg_inf = torch.tensor(float("-inf"), device=logits.device)
+            neg_inf = torch.full((), float("-inf"), device=logits.device)
             logits = logits.index_put(meta.banned, neg_inf)
         token_ids = logits.argmax(dim=-1)
         if not meta.all_greedy:
@@ -151,7 +182,7 @@ class Sampler:
         rows = [row for row, n in enumerate(num_logprobs) if n is not None]
         if not rows:
             return SamplerOutput(token_ids, rows, None, None)
-        index = torch.tensor(rows, device=raw_logits.device)
+        index = to_device(torch.tensor(rows), raw_logits.device)
         logprobs = raw_logits[index].log_softmax(dim=-1)
         ids = token_ids[index, None]
         max_n = max(num_logprobs[row] for row in rows)
@@ -184,18 +215,36 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def compute_prompt_logprobs(
+def prompt_logprobs_tensors(
     logits_chunk: torch.Tensor, next_token_ids: torch.Tensor, n: int
-) -> list[Logprobs]:
-    """Logprobs of each prompt token given the ones before it, plus the top-`n`, per row.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(ids, logprobs)` `[R, 1 + n]`: each prompt token given the ones before it, then the
+    top-`n`, per row, left on the device.
 
     `logits_chunk` `[R, V]` holds the logits at positions p-1 and `next_token_ids` `[R]` the
-    prompt tokens at p; callers pass at most `PROMPT_LOGPROBS_CHUNK` rows at a time.
+    prompt tokens at p; callers pass at most `PROMPT_LOGPROBS_CHUNK` rows at a time. A float32
+    chunk is consumed: it is overwritten with its log-softmax.
     """
-    logprobs = logits_chunk.float().log_softmax(dim=-1)
+    # In place, a few rows at a time: a second [R, V] float32 tensor (0.6 GiB for R = 1024 over a
+    # 152k vocabulary) would be the largest transient of any step, and measured sizing keeps
+    # 1.5x the largest transient free.
+    logprobs = logits_chunk.float()
+    for rows in logprobs.split(_LOGSUMEXP_ROWS):
+        rows.sub_(rows.logsumexp(dim=-1, keepdim=True))
     ids = next_token_ids.to(logprobs.device, torch.int64)[:, None]
     if n:
         ids = torch.cat([ids, logprobs.topk(n, dim=-1).indices], dim=1)
-    values = logprobs.gather(1, ids)
+    return ids, logprobs.gather(1, ids)
+
+
+def logprob_dicts(ids: torch.Tensor, values: torch.Tensor) -> list[Logprobs]:
+    """One {token id: logprob} dict per row of `prompt_logprobs_tensors`' output."""
     rows = zip(ids.tolist(), values.tolist(), strict=True)
     return [dict(zip(i, v, strict=True)) for i, v in rows]
+
+
+def compute_prompt_logprobs(
+    logits_chunk: torch.Tensor, next_token_ids: torch.Tensor, n: int
+) -> list[Logprobs]:
+    """`prompt_logprobs_tensors` as dicts (waits for the device)."""
+    return logprob_dicts(*prompt_logprobs_tensors(logits_chunk, next_token_ids, n))

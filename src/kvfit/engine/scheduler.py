@@ -7,7 +7,13 @@ from collections.abc import Iterable
 
 from kvfit.engine.block_manager import BlockManager
 from kvfit.engine.detokenizer import Detokenizer
-from kvfit.engine.sequence import ModelOutput, ScheduledBatch, Sequence, SequenceStatus
+from kvfit.engine.sequence import (
+    PENDING_TOKEN,
+    ModelOutput,
+    ScheduledBatch,
+    Sequence,
+    SequenceStatus,
+)
 
 
 class Scheduler:
@@ -19,6 +25,10 @@ class Scheduler:
     When blocks run out, the newest running sequence is preempted: its blocks are freed and it
     goes back to the front of the waiting queue, to be recomputed with its generated tokens as
     prompt (its full blocks usually come back as prefix-cache hits).
+
+    A step's results are applied in two parts, so the next step can be scheduled while this one
+    runs: `advance` when it is launched (tokens computed, a `PENDING_TOKEN` per sampled
+    sequence), `update` when its output arrives (tokens, logprobs, stop checks).
     """
 
     def __init__(
@@ -78,6 +88,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if self._awaits_final_token(seq):
+                continue
             num_new = self._chunk_size(seq, budget)
             if self._reserve_slots(seq, num_new, batch):
                 batch.seqs.append(seq)
@@ -102,18 +114,34 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch, output: ModelOutput) -> list[Sequence]:
         """Apply a step's model output to its sequences; returns those that finished."""
-        finished = []
-        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            if seq.status is not SequenceStatus.RUNNING:  # aborted while the step ran
+        self.advance(batch)
+        return self.update(batch, output)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Account for a launched step: its chunks are computed (their full blocks become
+        prefix-cache hits) and each sequence it samples ends with a `PENDING_TOKEN`."""
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.status is not SequenceStatus.RUNNING:  # finished or aborted meanwhile
                 continue
-            if output.prompt_logprobs[i] is not None:
-                seq.prompt_logprobs.extend(output.prompt_logprobs[i])
             seq.num_computed_tokens += num_new
             self.block_manager.cache_computed_blocks(seq)
+            if seq.num_computed_tokens == len(seq):
+                seq.append_token(PENDING_TOKEN)
+
+    def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[Sequence]:
+        """Apply an advanced step's output: sampled tokens in place of the pending ones,
+        logprobs, stop checks. Returns the sequences that finished."""
+        finished = []
+        for i, seq in enumerate(batch.seqs):
+            if seq.is_finished:  # aborted, or stopped by an earlier step's token
+                continue
+            if output.prompt_logprobs[i] is not None:
+                self._record_prompt_logprobs(seq, output, i)
             token_id = output.sampled_token_ids[i]
             if token_id is None:
                 continue
-            seq.append_token(token_id)
+            # A sequence preempted while this step ran is waiting: it keeps the token.
+            seq.resolve_pending_token(token_id)
             if output.logprobs[i] is not None:
                 seq.logprobs.append(output.logprobs[i])
             if self._check_stop(seq, token_id):
@@ -121,6 +149,8 @@ class Scheduler:
                 finished.append(seq)
         if finished:
             self.running = [seq for seq in self.running if not seq.is_finished]
+            if any(seq.is_finished for seq in self.waiting):
+                self.waiting = deque(seq for seq in self.waiting if not seq.is_finished)
         return finished
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -133,6 +163,22 @@ class Scheduler:
                     self._finish(seq)
                     return seq
         return None
+
+    @staticmethod
+    def _record_prompt_logprobs(seq: Sequence, output: ModelOutput, i: int) -> None:
+        done = len(seq.prompt_logprobs)
+        first = done if output.prompt_logprobs_first is None else output.prompt_logprobs_first[i]
+        if first > done:
+            raise RuntimeError(f"sequence {seq.seq_id}: prompt logprobs from token {first} "
+                               f"arrived with only {done} recorded")
+        seq.prompt_logprobs.extend(output.prompt_logprobs[i][done - first :])
+
+    def _awaits_final_token(self, seq: Sequence) -> bool:
+        """Whether `seq`'s pending token is its last (by length): it needs no further step."""
+        return seq.has_pending_token and (
+            seq.num_output_tokens >= seq.sampling_params.max_tokens
+            or len(seq) >= self.max_model_len
+        )
 
     def _check_fits(self, seq: Sequence) -> None:
         num_prompt = seq.num_prompt_tokens

@@ -10,6 +10,10 @@ from kvfit.engine.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
 
+PENDING_TOKEN = -1
+"""Stands for a sampled token whose value is still on the device: the engine schedules the next
+step before the last one's tokens reach the host, and the model runner reads the value there."""
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -23,7 +27,8 @@ class Sequence:
 
     `num_computed_tokens` counts the tokens whose K/V are in the cache (prefix-cache hits
     included); the next step computes `token_ids[num_computed_tokens:num_computed_tokens + n]`.
-    `block_table` lists the cache block ids holding the sequence, in order.
+    `block_table` lists the cache block ids holding the sequence, in order. The last token may
+    be `PENDING_TOKEN` while the step that sampled it is in flight (`has_pending_token`).
     """
 
     token_ids: list[int]
@@ -71,8 +76,18 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def has_pending_token(self) -> bool:
+        return self.token_ids[-1] == PENDING_TOKEN
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def resolve_pending_token(self, token_id: int) -> None:
+        """Put the sampled value in place of the `PENDING_TOKEN` the sequence ends with."""
+        if not self.has_pending_token:
+            raise RuntimeError(f"sequence {self.seq_id} has no pending token to resolve")
+        self.token_ids[-1] = token_id
 
 
 @dataclass
@@ -106,10 +121,12 @@ class ModelOutput:
 
     `sampled_token_ids[i]` is None when sequence i ran a non-final prefill chunk.
     `logprobs[i]` maps token id -> logprob (top-n plus the sampled token) when requested.
-    `prompt_logprobs[i]` holds the entries to append to `seq.prompt_logprobs` (None for the
-    first prompt token; positions already recorded before a preemption are not repeated).
+    `prompt_logprobs[i]` holds prompt-logprob entries (None for the first prompt token) from
+    prompt token `prompt_logprobs_first[i]` on (None: from the first one not yet recorded);
+    entries already in `seq.prompt_logprobs` are skipped when applied.
     """
 
     sampled_token_ids: list[int | None]
     logprobs: list[dict[int, float] | None]
     prompt_logprobs: list[list[dict[int, float] | None] | None]
+    prompt_logprobs_first: list[int] | None = None

@@ -7,8 +7,10 @@ from collections.abc import Callable
 
 import torch
 
+from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.model_runner import ModelRunner
+from kvfit.engine.sampler import PROMPT_LOGPROBS_CHUNK
 from kvfit.engine.sequence import ModelOutput, ScheduledBatch
 from kvfit.kv.monitor import CudaMemoryMonitor, HostMemoryMonitor, MemoryMonitor
 from kvfit.kv.report import KVCacheReport
@@ -120,17 +122,24 @@ class Worker:
         return num_blocks
 
     def warm_up(self, num_committable_blocks: int) -> None:
-        """Kernel warmup, a mixed prefill+decode step at `max_num_batched_tokens` and one
-        prompt-logprobs chunk, each step's memory peak recorded. Dummy block ids stay below
-        `num_committable_blocks` (the engine's minimum over workers)."""
+        """Kernel warmup, then a mixed prefill+decode step at `max_num_batched_tokens`, each
+        step's memory peak recorded. Dummy block ids stay below `num_committable_blocks` (the
+        engine's minimum over workers).
+
+        With logprobs enabled the mixed step asks for `max_logprobs` logprobs and prompt
+        logprobs, and keeps a whole `PROMPT_LOGPROBS_CHUNK` of prefill rows where the budget
+        allows: the largest logits tensor any step makes, allocated beside the step's
+        activations, which is how a real step meets it.
+        """
         sc = self.config.scheduler_config
+        max_logprobs = self.config.model_config.max_logprobs
         num_decodes = min(sc.max_num_seqs - 1, sc.max_num_batched_tokens // 2)
+        if max_logprobs > 0 and sc.max_num_batched_tokens > PROMPT_LOGPROBS_CHUNK:
+            num_decodes = min(num_decodes, sc.max_num_batched_tokens - PROMPT_LOGPROBS_CHUNK - 1)
         self._measured_step(self.runner.dummy_run, min(16, sc.max_num_batched_tokens),
                             num_committable_blocks)
         self._measured_step(self.runner.dummy_run, sc.max_num_batched_tokens,
-                            num_committable_blocks, num_decodes)
-        if self.config.model_config.max_logprobs > 0:
-            self._measured_step(self.runner.warmup_prompt_logprobs)
+                            num_committable_blocks, num_decodes, max_logprobs or None)
 
     def _measured_step(self, step: Callable[..., None], *args: int) -> None:
         """Run `step(*args)` and record its memory peak (the transient sizing keeps free)."""
@@ -194,6 +203,10 @@ class Worker:
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
         """Run one scheduled step."""
         return self.runner.execute(batch)
+
+    def launch(self, batch: ScheduledBatch) -> AsyncModelOutput:
+        """Queue one scheduled step; its output arrives later."""
+        return self.runner.launch(batch)
 
     def shutdown(self) -> None:
         """Release the model, graphs and KV cache, and return cached device memory."""
