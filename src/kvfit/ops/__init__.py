@@ -1,11 +1,13 @@
-"""Attention and cache-write kernels: Triton on the GPU, a torch reference on the CPU."""
+"""Attention, cache-write, layer and sampling kernels: Triton on the GPU, torch on the CPU."""
 
 from kvfit.ops.attention import AttentionMetadata, paged_attention, write_kv
 from kvfit.ops.layers import RotaryEmbedding, rms_norm, silu_and_mul
+from kvfit.ops.sampling import gumbel_sample
 
 __all__ = [
     "AttentionMetadata",
     "RotaryEmbedding",
+    "gumbel_sample",
     "paged_attention",
     "rms_norm",
     "silu_and_mul",
