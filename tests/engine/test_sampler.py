@@ -157,13 +157,13 @@ def test_prompt_logprobs_match_log_softmax() -> None:
     logits = random_logits(5)
     targets = torch.tensor([3, 1, 4, 1, 5])
     reference = torch.log_softmax(logits, dim=-1)
-    entries = compute_prompt_logprobs(logits.clone(), targets, n=2)
+    entries = compute_prompt_logprobs(logits, targets, n=2)
     for row, entry in enumerate(entries):
         expected_ids = {targets[row].item(), *reference[row].topk(2).indices.tolist()}
         assert set(entry) == expected_ids
         for token, value in entry.items():
             assert value == pytest.approx(reference[row, token].item(), abs=1e-5)
-    assert [list(e) for e in compute_prompt_logprobs(logits.clone(), targets, n=0)] == [
+    assert [list(e) for e in compute_prompt_logprobs(logits, targets, n=0)] == [
         [t] for t in targets.tolist()
     ]
 
@@ -182,12 +182,14 @@ def test_cuda_sampling_matches_the_cpu_rules() -> None:
             assert value == pytest.approx(reference[row, token].item(), abs=1e-4)
 
 
-def test_prompt_logprobs_over_many_row_blocks_match_log_softmax() -> None:
-    # More rows than one in-place normalisation block: every block is normalised once.
-    logits = random_logits(PROMPT_LOGPROBS_CHUNK // 4 + 3, seed=1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_logprobs_over_many_row_blocks_match_log_softmax(dtype: torch.dtype) -> None:
+    # More rows than one normalisation block, and bf16 logits normalised in float32.
+    logits = random_logits(PROMPT_LOGPROBS_CHUNK // 4 + 3, seed=1).to(dtype)
     targets = torch.randint(0, logits.shape[1], (logits.shape[0],))
-    reference = torch.log_softmax(logits, dim=-1)
-    entries = compute_prompt_logprobs(logits.clone(), targets, n=1)
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    entries = compute_prompt_logprobs(logits, targets, n=3)
     for row, entry in enumerate(entries):
+        assert set(entry) == {targets[row].item(), *reference[row].topk(3).indices.tolist()}
         for token, value in entry.items():
             assert value == pytest.approx(reference[row, token].item(), abs=1e-5)

@@ -227,9 +227,10 @@ class ModelRunner:
                 rows = hidden[starts[i] + first - 1 - start : starts[i] + last - start]
                 targets = to_device(torch.tensor(seq.token_ids[first : last + 1]), hidden.device)
                 for c in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
-                    logits = self.model.compute_logits(rows[c : c + PROMPT_LOGPROBS_CHUNK])
+                    # Inline, so a chunk's logits are freed before the next chunk's exist.
                     ids, values = prompt_logprobs_tensors(
-                        logits, targets[c : c + PROMPT_LOGPROBS_CHUNK], num
+                        self.model.compute_logits(rows[c : c + PROMPT_LOGPROBS_CHUNK]),
+                        targets[c : c + PROMPT_LOGPROBS_CHUNK], num,
                     )
                     part.chunks.append((to_host(ids), to_host(values)))
         return out

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from kvfit.engine.sequence import Sequence
+from kvfit.ops import gumbel_sample
 
 # Rows of prompt positions pushed through the logits head and the top-n scorer at once; warmup
 # runs one chunk of exactly this width so its memory is measured before the cache is sized.
 PROMPT_LOGPROBS_CHUNK = 1024
-# Rows normalised at once inside a chunk: bounds logsumexp's [rows, V] temporary.
+# Rows normalised at once inside a chunk: bounds logsumexp's float32 [rows, V] temporary.
 _LOGSUMEXP_ROWS = 64
 
 Logprobs = dict[int, float]
@@ -107,7 +108,7 @@ def token_seed(seed: int, index: int) -> int:
     depend only on its seed and logits: not on batch mates, preemption, or which worker ran it.
     """
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    return int.from_bytes(digest, "little", signed=True)  # an int64, as the kernels take it
 
 
 @dataclass
@@ -142,11 +143,12 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per logits row; runs outside CUDA graphs, batched over rows.
 
-    Greedy rows take the argmax. Others draw by the exponential-race trick (argmax of
-    probs / Exp(1) noise), which equals sampling from probs and needs no per-row Python. The noise
-    of unseeded rows comes from the engine's generator, of seeded rows from `token_seed`.
-    Logprobs are the log-softmax of the raw logits (before temperature and filters), as vLLM
-    returns by default.
+    Greedy rows take the argmax. Others take the Gumbel-max draw of `kvfit.ops.gumbel_sample`
+    (the argmax of logits / T plus Gumbel noise, which is a sample from softmax(logits / T)), one
+    pass over the logits with no per-row Python. Each row's noise comes from its own 64-bit seed:
+    drawn from the engine's generator for unseeded rows, `token_seed` for seeded ones. Logprobs
+    are the log-softmax of the raw logits (before temperature and filters), as vLLM returns by
+    default.
     """
 
     def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
@@ -154,26 +156,34 @@ class Sampler:
         self.generator = torch.Generator(self.device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample from `logits` `[N, V]` (float32) with `meta` built for the same N rows."""
-        logits = logits.float()
+        """Sample from `logits` `[N, V]` (any float dtype) with `meta` built for the same N
+        rows."""
         raw_logits = logits
         if meta.banned is not None:
-            neg_inf = torch.full((), float("-inf"), device=logits.device)
+            neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
             logits = logits.index_put(meta.banned, neg_inf)
-        token_ids = logits.argmax(dim=-1)
-        if not meta.all_greedy:
-            token_ids = torch.where(meta.greedy, token_ids, self._sample(logits, meta))
+        token_ids = logits.argmax(dim=-1) if meta.all_greedy else self._sample(logits, meta)
         return self._with_logprobs(raw_logits, token_ids, meta.num_logprobs)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        logits = apply_top_k_top_p(logits / meta.temperature[:, None], meta.top_k, meta.top_p)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, seed in meta.token_seeds:
-            generator = torch.Generator(logits.device).manual_seed(seed)
-            noise[row].exponential_(generator=generator)
-        # Exponential noise can be exactly 0; a floor keeps masked tokens (prob 0) at 0, not NaN.
-        return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        temperature = meta.temperature
+        if meta.top_k is not None or meta.top_p is not None:
+            # The filters act on the tempered distribution: temper first, then draw at T = 1.
+            logits = apply_top_k_top_p(logits.float() / temperature[:, None], meta.top_k,
+                                       meta.top_p)
+            temperature = torch.ones_like(temperature)
+        temperature = temperature.masked_fill(meta.greedy, 0.0)  # T <= 0: the plain argmax
+        return gumbel_sample(logits, temperature, self._seeds(meta, logits.shape[0]))
+
+    def _seeds(self, meta: SamplingMetadata, num_rows: int) -> torch.Tensor:
+        """One int64 seed per row: the generator's, or the row's `token_seed`."""
+        seeds = torch.randint(-(2**63), 2**63 - 1, (num_rows,), dtype=torch.int64,
+                              generator=self.generator, device=self.device)
+        if meta.token_seeds:
+            rows, values = zip(*meta.token_seeds, strict=True)
+            seeds[to_device(torch.tensor(rows), self.device)] = to_device(
+                torch.tensor(values, dtype=torch.int64), self.device)
+        return seeds
 
     @staticmethod
     def _with_logprobs(
@@ -183,7 +193,7 @@ class Sampler:
         if not rows:
             return SamplerOutput(token_ids, rows, None, None)
         index = to_device(torch.tensor(rows), raw_logits.device)
-        logprobs = raw_logits[index].log_softmax(dim=-1)
+        logprobs = raw_logits[index].float().log_softmax(dim=-1)
         ids = token_ids[index, None]
         max_n = max(num_logprobs[row] for row in rows)
         if max_n:
@@ -222,19 +232,18 @@ def prompt_logprobs_tensors(
     top-`n`, per row, left on the device.
 
     `logits_chunk` `[R, V]` holds the logits at positions p-1 and `next_token_ids` `[R]` the
-    prompt tokens at p; callers pass at most `PROMPT_LOGPROBS_CHUNK` rows at a time. A float32
-    chunk is consumed: it is overwritten with its log-softmax.
+    prompt tokens at p; callers pass at most `PROMPT_LOGPROBS_CHUNK` rows at a time.
     """
-    # In place, a few rows at a time: a second [R, V] float32 tensor (0.6 GiB for R = 1024 over a
-    # 152k vocabulary) would be the largest transient of any step, and measured sizing keeps
-    # 1.5x the largest transient free.
-    logprobs = logits_chunk.float()
-    for rows in logprobs.split(_LOGSUMEXP_ROWS):
-        rows.sub_(rows.logsumexp(dim=-1, keepdim=True))
-    ids = next_token_ids.to(logprobs.device, torch.int64)[:, None]
+    # No [R, V] float32 log-softmax: only the few entries returned are normalised. A float32
+    # copy of a chunk (0.6 GiB for R = 1024 over a 152k vocabulary) would be the largest
+    # transient of any step, and measured sizing keeps 1.5x the largest transient free. The
+    # top-n of the logits are the top-n of the logprobs (one shift per row).
+    lse = torch.cat([rows.float().logsumexp(dim=-1)
+                     for rows in logits_chunk.split(_LOGSUMEXP_ROWS)])
+    ids = next_token_ids.to(logits_chunk.device, torch.int64)[:, None]
     if n:
-        ids = torch.cat([ids, logprobs.topk(n, dim=-1).indices], dim=1)
-    return ids, logprobs.gather(1, ids)
+        ids = torch.cat([ids, logits_chunk.topk(n, dim=-1).indices], dim=1)
+    return ids, logits_chunk.gather(1, ids).float() - lse[:, None]
 
 
 def logprob_dicts(ids: torch.Tensor, values: torch.Tensor) -> list[Logprobs]:
