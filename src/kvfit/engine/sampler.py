@@ -15,7 +15,7 @@ from kvfit.ops import gumbel_sample
 # Rows of prompt positions pushed through the logits head and the top-n scorer at once; warmup
 # runs one chunk of exactly this width so its memory is measured before the cache is sized.
 PROMPT_LOGPROBS_CHUNK = 1024
-# Rows normalised at once inside a chunk: bounds logsumexp's float32 [rows, V] temporary.
+# Rows normalised at once: bounds logsumexp's float32 [rows, V] temporary.
 _LOGSUMEXP_ROWS = 64
 
 Logprobs = dict[int, float]
@@ -193,13 +193,28 @@ class Sampler:
         if not rows:
             return SamplerOutput(token_ids, rows, None, None)
         index = to_device(torch.tensor(rows), raw_logits.device)
-        logprobs = raw_logits[index].float().log_softmax(dim=-1)
-        ids = token_ids[index, None]
         max_n = max(num_logprobs[row] for row in rows)
-        if max_n:
-            top = logprobs.topk(max_n, dim=-1)
-            ids = torch.cat([ids, top.indices], dim=1)
-        return SamplerOutput(token_ids, rows, ids, logprobs.gather(1, ids))
+        ids, values = logprobs_at(raw_logits[index], token_ids[index], max_n)
+        return SamplerOutput(token_ids, rows, ids, values)
+
+
+def logprobs_at(
+    logits: torch.Tensor, token_ids: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(ids, logprobs)` `[R, 1 + n]`: per row of `logits` `[R, V]`, the log-softmax at
+    `token_ids[r]`, then at the row's top-`n`, left on the device.
+
+    No [R, V] float32 log-softmax is made: each row's log-sum-exp is taken in float32 a few
+    rows at a time and only the returned entries are normalised. A float32 copy of the logits
+    would be the largest transient of a step (0.6 GiB for 1024 rows over a 152k vocabulary), and
+    measured sizing keeps 1.5x the largest transient free. The top-n of the logits are the top-n
+    of the logprobs (one shift per row).
+    """
+    lse = torch.cat([rows.float().logsumexp(dim=-1) for rows in logits.split(_LOGSUMEXP_ROWS)])
+    ids = token_ids.to(logits.device, torch.int64)[:, None]
+    if n:
+        ids = torch.cat([ids, logits.topk(n, dim=-1).indices], dim=1)
+    return ids, logits.gather(1, ids).float() - lse[:, None]
 
 
 def apply_top_k_top_p(
@@ -229,21 +244,12 @@ def prompt_logprobs_tensors(
     logits_chunk: torch.Tensor, next_token_ids: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(ids, logprobs)` `[R, 1 + n]`: each prompt token given the ones before it, then the
-    top-`n`, per row, left on the device.
+    top-`n`, per row (`logprobs_at`).
 
     `logits_chunk` `[R, V]` holds the logits at positions p-1 and `next_token_ids` `[R]` the
     prompt tokens at p; callers pass at most `PROMPT_LOGPROBS_CHUNK` rows at a time.
     """
-    # No [R, V] float32 log-softmax: only the few entries returned are normalised. A float32
-    # copy of a chunk (0.6 GiB for R = 1024 over a 152k vocabulary) would be the largest
-    # transient of any step, and measured sizing keeps 1.5x the largest transient free. The
-    # top-n of the logits are the top-n of the logprobs (one shift per row).
-    lse = torch.cat([rows.float().logsumexp(dim=-1)
-                     for rows in logits_chunk.split(_LOGSUMEXP_ROWS)])
-    ids = next_token_ids.to(logits_chunk.device, torch.int64)[:, None]
-    if n:
-        ids = torch.cat([ids, logits_chunk.topk(n, dim=-1).indices], dim=1)
-    return ids, logits_chunk.gather(1, ids).float() - lse[:, None]
+    return logprobs_at(logits_chunk, next_token_ids, n)
 
 
 def logprob_dicts(ids: torch.Tensor, values: torch.Tensor) -> list[Logprobs]:
