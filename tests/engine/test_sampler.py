@@ -138,6 +138,12 @@ def test_logprobs_are_the_raw_log_softmax() -> None:
         for token, value in logprobs[row].items():
             assert value == pytest.approx(reference[row, token].item(), abs=1e-5)
     assert list(logprobs[2]) == [ids[2]]
+    # Every row asking: the logits are read in place, not gathered.
+    ids, logprobs = sample(logits, seqs_for(*[SamplingParams(temperature=0, logprobs=2)] * 3))
+    for row in range(3):
+        assert set(logprobs[row]) == {ids[row], *reference[row].topk(2).indices.tolist()}
+        for token, value in logprobs[row].items():
+            assert value == pytest.approx(reference[row, token].item(), abs=1e-5)
 
 
 def test_min_tokens_bans_stop_tokens_until_reached() -> None:

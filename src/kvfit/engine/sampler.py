@@ -15,8 +15,9 @@ from kvfit.ops import gumbel_sample
 # Rows of prompt positions pushed through the logits head and the top-n scorer at once; warmup
 # runs one chunk of exactly this width so its memory is measured before the cache is sized.
 PROMPT_LOGPROBS_CHUNK = 1024
-# Rows normalised at once: bounds logsumexp's float32 [rows, V] temporary.
-_LOGSUMEXP_ROWS = 64
+# Rows normalised at once: bounds logsumexp's float32 [rows, V] temporaries (~10 MB each
+# over a 152k vocabulary), small next to one chunk's logits.
+_LOGSUMEXP_ROWS = 16
 
 Logprobs = dict[int, float]
 
@@ -192,9 +193,12 @@ class Sampler:
         rows = [row for row, n in enumerate(num_logprobs) if n is not None]
         if not rows:
             return SamplerOutput(token_ids, rows, None, None)
-        index = to_device(torch.tensor(rows), raw_logits.device)
         max_n = max(num_logprobs[row] for row in rows)
-        ids, values = logprobs_at(raw_logits[index], token_ids[index], max_n)
+        if len(rows) == len(num_logprobs):  # every row: no gathered copy of the logits
+            ids, values = logprobs_at(raw_logits, token_ids, max_n)
+        else:
+            index = to_device(torch.tensor(rows), raw_logits.device)
+            ids, values = logprobs_at(raw_logits[index], token_ids[index], max_n)
         return SamplerOutput(token_ids, rows, ids, values)
 
 
