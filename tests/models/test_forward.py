@@ -75,7 +75,7 @@ class PagedRunner:
                 torch.tensor(positions, device=device),
                 metadata,
             )
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden).float()
         return dict(zip(chunks, logits.split([len(t) for t in chunks.values()]), strict=True))
 
 

@@ -174,8 +174,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, vocab_size]."""
-        return self.lm_head(hidden).float()
+        """hidden [N, H] -> logits [N, vocab_size] in the model's dtype.
+
+        Not upcast here: a float32 copy of a 1024-row prompt-logprobs chunk over a 152k
+        vocabulary is 0.6 GiB, the largest transient of any step. Consumers upcast where they
+        reduce (log-sum-exp, sampling), a few rows or one tile at a time.
+        """
+        return self.lm_head(hidden)
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Give layer i the `(k_cache, v_cache)` views kv_caches[i], each
