@@ -97,9 +97,9 @@ class CUDAGraphRunner:
         self.slot_mapping[:n].copy_(metadata.slot_mapping)
         self.seq_lens[:n].copy_(metadata.seq_lens)
         self.block_table[:n, :width].copy_(metadata.block_table)
-        # Padded rows: nothing written, one token of block 0 read.
-        self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[n:bs].fill_(1)
-        self.block_table[n:bs, 0].zero_()
+        if n < bs:  # padded rows: nothing written, one token of block 0 read
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].fill_(1)
+            self.block_table[n:bs, 0].zero_()
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -28,6 +28,7 @@ from kvfit.models.loader import load_model
 from kvfit.ops.attention import AttentionMetadata
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
 
 
 class ModelRunner:
@@ -138,37 +139,49 @@ class ModelRunner:
         )
         pending = np.flatnonzero(input_ids == PENDING_TOKEN)
         input_ids[pending] = 0
+        pending_src = self._pending_token_rows(
+            [batch.seqs[i] for i in np.searchsorted(query_start_loc, pending, side="right") - 1])
         ends = np.fromiter((len(s) for s in batch.seqs), np.int64, num_seqs)
         logits_indices = query_start_loc[1:][seq_lens == ends] - 1
+        (input_ids_t, positions_t, slot_mapping_t, logits_indices_t, pending_t, pending_src_t,
+         query_start_loc_t, seq_lens_t, block_table_t) = self._to_device_packed(
+            input_ids, positions, slot_mapping, logits_indices, pending, pending_src,
+            query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_table)
+        if len(pending):
+            input_ids_t[pending_t] = self._last_sampled[0][pending_src_t]
         metadata = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            block_table=self._to_device(block_table),
+            slot_mapping=slot_mapping_t,
+            query_start_loc=query_start_loc_t,
+            seq_lens=seq_lens_t,
+            block_table=block_table_t,
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        input_ids_t = self._to_device(input_ids)
-        if len(pending):
-            seq_of_token = np.searchsorted(query_start_loc, pending, side="right") - 1
-            self._read_pending_tokens(input_ids_t, pending, [batch.seqs[i] for i in seq_of_token])
-        return (input_ids_t, self._to_device(positions), metadata,
-                self._to_device(logits_indices))
+        return input_ids_t, positions_t, metadata, logits_indices_t
 
-    def _read_pending_tokens(
-        self, input_ids: torch.Tensor, positions: np.ndarray, seqs: list[Sequence]
-    ) -> None:
-        """Fill `input_ids[positions]` from the last step's sampled ids, on the device."""
-        sampled, rows = self._last_sampled or (None, {})
+    def _pending_token_rows(self, seqs: list[Sequence]) -> np.ndarray:
+        """Rows of the last step's sampled ids holding the pending tokens of `seqs`."""
+        rows = self._last_sampled[1] if self._last_sampled is not None else {}
         missing = [seq.seq_id for seq in seqs if seq.seq_id not in rows]
         if missing:
             raise RuntimeError(f"sequences {missing} hold a pending token that the last step "
                                f"did not sample")
-        src = np.fromiter((rows[seq.seq_id] for seq in seqs), np.int64, len(seqs))
-        input_ids[self._to_device(positions)] = sampled[self._to_device(src)]
+        return np.fromiter((rows[seq.seq_id] for seq in seqs), np.int64, len(seqs))
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return to_device(torch.from_numpy(array), self.device)
+    def _to_device_packed(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """All of a step's host inputs in one host-to-device copy: packed at 8-byte aligned
+        offsets into one (pinned) buffer, viewed back by dtype and shape on the device. Each copy
+        costs host time whatever its size, and the host sets the pace of small steps."""
+        sizes = [-(-a.nbytes // 8) * 8 for a in arrays]
+        offsets = np.cumsum([0, *sizes]).tolist()
+        host = torch.empty(offsets[-1], dtype=torch.uint8,
+                           pin_memory=self.device.type == "cuda")
+        flat = host.numpy()
+        for array, offset in zip(arrays, offsets, strict=False):
+            flat[offset : offset + array.nbytes] = array.ravel().view(np.uint8)
+        device = host.to(self.device, non_blocking=True)
+        return [device[offset : offset + array.nbytes].view(_TORCH_DTYPES[array.dtype])
+                .view(array.shape) for array, offset in zip(arrays, offsets, strict=False)]
 
     # -- execution ----------------------------------------------------------------------------
 
