@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvfit.engine.sampler as sampler
 from kvfit.engine.sampler import (
     PROMPT_LOGPROBS_CHUNK,
     Sampler,
@@ -189,8 +190,11 @@ def test_cuda_sampling_matches_the_cpu_rules() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prompt_logprobs_over_many_row_blocks_match_log_softmax(dtype: torch.dtype) -> None:
-    # More rows than one normalisation block, and bf16 logits normalised in float32.
+def test_prompt_logprobs_over_many_row_blocks_match_log_softmax(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Many normalisation blocks, the last one short, and bf16 logits normalised in float32.
+    monkeypatch.setattr(sampler, "_LOGSUMEXP_BYTES", 7 * 4 * VOCAB)
     logits = random_logits(PROMPT_LOGPROBS_CHUNK // 4 + 3, seed=1).to(dtype)
     targets = torch.randint(0, logits.shape[1], (logits.shape[0],))
     reference = torch.log_softmax(logits.float(), dim=-1)

@@ -15,9 +15,9 @@ from kvfit.ops import gumbel_sample
 # Rows of prompt positions pushed through the logits head and the top-n scorer at once; warmup
 # runs one chunk of exactly this width so its memory is measured before the cache is sized.
 PROMPT_LOGPROBS_CHUNK = 1024
-# Rows normalised at once: bounds logsumexp's float32 [rows, V] temporaries (~10 MB each
-# over a 152k vocabulary), small next to one chunk's logits.
-_LOGSUMEXP_ROWS = 16
+# Bytes of float32 logits normalised at once: bounds log-sum-exp's [rows, V] temporaries
+# (26 rows of a 152k vocabulary), small next to one chunk's logits.
+_LOGSUMEXP_BYTES = 16 << 20
 
 Logprobs = dict[int, float]
 
@@ -214,7 +214,8 @@ def logprobs_at(
     measured sizing keeps 1.5x the largest transient free. The top-n of the logits are the top-n
     of the logprobs (one shift per row).
     """
-    lse = torch.cat([rows.float().logsumexp(dim=-1) for rows in logits.split(_LOGSUMEXP_ROWS)])
+    block = max(1, _LOGSUMEXP_BYTES // (4 * logits.shape[-1]))
+    lse = torch.cat([rows.float().logsumexp(dim=-1) for rows in logits.split(block)])
     ids = token_ids.to(logits.device, torch.int64)[:, None]
     if n:
         ids = torch.cat([ids, logits.topk(n, dim=-1).indices], dim=1)
