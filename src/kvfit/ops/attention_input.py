@@ -1,0 +1,124 @@
+"""The attention input in one op: per-head q/k RMSNorm, neox rotary, and the K/V cache store.
+
+Everything an attention layer does between its qkv GEMM and the attention kernel. CUDA tensors
+go to one fused Triton kernel; anything else to the composition of the torch functions it
+replaces, which is also the kernel's oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfit.ops.attention import _check_cache
+from kvfit.ops.layers import rms_norm_torch, rotary_torch
+from kvfit.ops.reference import write_kv_reference
+
+
+def attention_input(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, num_heads, head_dim], any strides
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim], any strides
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim], any strides
+    q_norm_weight: torch.Tensor | None,  # [head_dim], or None for no q/k norm
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos then sin
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], any strides
+    v_cache: torch.Tensor,  # same shape and strides as k_cache
+    slot_mapping: torch.Tensor,  # [T] int64; -1 = skip
+) -> torch.Tensor:
+    """Prepare one layer's attention input and store this step's K/V.
+
+    Per token: RMS-normalise each q and k head when the norm weights are given (Qwen3), apply the
+    neox rotary embedding at `positions` to q and k, store k and v at the token's cache slot
+    (slots of -1 are left untouched). Returns the rotated q as a new contiguous
+    `[T, num_heads, head_dim]` in q's dtype. On CUDA it is one kernel launch and graph safe.
+    """
+    _check_inputs(positions, q, k, v, q_norm_weight, k_norm_weight, cos_sin_cache, k_cache,
+                  v_cache, slot_mapping)  # fmt: skip
+    if q.is_cuda:
+        from kvfit.ops.triton_attention_input import attention_input_triton  # CUDA-only dependency
+
+        return attention_input_triton(
+            positions, q, k, v, q_norm_weight, k_norm_weight, eps,
+            cos_sin_cache, k_cache, v_cache, slot_mapping,
+        )  # fmt: skip
+    return attention_input_torch(
+        positions, q, k, v, q_norm_weight, k_norm_weight, eps,
+        cos_sin_cache, k_cache, v_cache, slot_mapping,
+    )  # fmt: skip
+
+
+def attention_input_torch(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """The unfused torch composition of `attention_input`: the CPU path and the kernel's oracle."""
+    if q_norm_weight is not None:
+        q, k = rms_norm_torch(q, q_norm_weight, eps), rms_norm_torch(k, k_norm_weight, eps)
+    q, k = rotary_torch(positions, q, k, cos_sin_cache, q.shape[-1])
+    write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def _check_inputs(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Shapes, dtypes, strides and devices only: reads no values (no device sync)."""
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0]:
+        raise ValueError(
+            "q must be [T, num_heads, head_dim] and k, v [T, num_kv_heads, head_dim], got "
+            f"{list(q.shape)}, {list(k.shape)} and {list(v.shape)}"
+        )
+    _check_cache(k_cache, v_cache, k.shape[1:])
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            f"k_cache strides {k_cache.stride()} differ from v_cache strides {v_cache.stride()}"
+        )
+    num_tokens, _, head_dim = q.shape
+    if k.shape[2] != head_dim or head_dim % 2:
+        raise ValueError(f"q and k head_dim ({head_dim}, {k.shape[2]}) must be equal and even")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(
+            f"cos_sin_cache must be [max_position, head_dim={head_dim}], "
+            f"got {list(cos_sin_cache.shape)}"
+        )
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight must be given together or both None")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        # The fused kernel rounds the norm to q's dtype; a wider weight would promote it.
+        if w is not None and (w.shape != (head_dim,) or w.dtype != q.dtype):
+            raise ValueError(
+                f"{name} must be [{head_dim}] {q.dtype}, got {list(w.shape)} {w.dtype}"
+            )
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.shape != (num_tokens,) or t.dtype.is_floating_point:
+            raise ValueError(
+                f"{name} must be [{num_tokens}] integer, got {list(t.shape)} {t.dtype}"
+            )
+    named = {"k": k, "v": v, "positions": positions, "slot_mapping": slot_mapping,
+             "cos_sin_cache": cos_sin_cache, "q_norm_weight": q_norm_weight,
+             "k_norm_weight": k_norm_weight, "k_cache": k_cache, "v_cache": v_cache}  # fmt: skip
+    for name, t in named.items():
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: move it to q's device")

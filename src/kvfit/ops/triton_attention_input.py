@@ -1,0 +1,145 @@
+"""Triton kernel for the attention input: q/k RMSNorm, neox rotary and the K/V cache store fused.
+
+One program per token handles all its heads. It replaces up to four launches per layer
+(`q_norm`, `k_norm`, rotary, `write_kv`); each launch costs host time in eager steps and a node
+in every decode CUDA graph. The rounding points are those of the unfused kernels in
+`triton_layers.py` and `triton_kv_write.py`, so results match them. Launch shape comes from
+tensor shapes only and nothing is read back or allocated per value: graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfit.ops.triton_layers import _num_warps
+
+
+@triton.jit
+def _load_halves(src, token, stride_t, stride_h, stride_d,
+                 HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HALF: tl.constexpr,
+                 HALF_P2: tl.constexpr):  # fmt: skip
+    """Both rotate-half halves `[HEADS_P2, HALF_P2]` of every head of one token; padding is 0."""
+    h = tl.arange(0, HEADS_P2)[:, None]
+    d = tl.arange(0, HALF_P2)[None, :]
+    mask = (h < HEADS) & (d < HALF)
+    base = src + token * stride_t + h * stride_h
+    x1 = tl.load(base + d * stride_d, mask=mask, other=0.0)
+    x2 = tl.load(base + (d + HALF) * stride_d, mask=mask, other=0.0)
+    return x1, x2
+
+
+@triton.jit
+def _rms_norm_halves(x1, x2, weight, eps, HALF: tl.constexpr, HALF_P2: tl.constexpr):
+    """Per-head RMSNorm, rounded like `_rms_norm_kernel`: normalise in fp32, round to x's dtype,
+    scale by the weight in fp32, round again."""
+    d = tl.arange(0, HALF_P2)[None, :]
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    inv_rms = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
+    a = (a * inv_rms[:, None]).to(x1.dtype).to(tl.float32)
+    b = (b * inv_rms[:, None]).to(x2.dtype).to(tl.float32)
+    w1 = tl.load(weight + d, mask=d < HALF, other=0.0).to(tl.float32)
+    w2 = tl.load(weight + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+    return (a * w1).to(x1.dtype), (b * w2).to(x2.dtype)
+
+
+@triton.jit
+def _rotate_halves(x1, x2, cos, sin):
+    """Neox rotary in fp32, rounded back to x's dtype (as `_rotary_kernel`)."""
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    return (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x2.dtype)
+
+
+@triton.jit
+def _attention_input_kernel(
+    positions, cos_sin_cache, q, k, v, q_norm_weight, k_norm_weight, eps,
+    k_cache, v_cache, slot_mapping, q_out,
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    block_size,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    KV_HEADS_P2: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    QK_NORM: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    pos = tl.load(positions + token).to(tl.int64)
+    d = tl.arange(0, HALF_P2)[None, :]
+    cos = tl.load(cos_sin_cache + pos * 2 * HALF + d, mask=d < HALF, other=0.0)
+    sin = tl.load(cos_sin_cache + pos * 2 * HALF + HALF + d, mask=d < HALF, other=0.0)
+
+    q1, q2 = _load_halves(q, token, stride_qt, stride_qh, stride_qd,
+                          NUM_HEADS, HEADS_P2, HALF, HALF_P2)  # fmt: skip
+    if QK_NORM:
+        q1, q2 = _rms_norm_halves(q1, q2, q_norm_weight, eps, HALF, HALF_P2)
+    q1, q2 = _rotate_halves(q1, q2, cos, sin)
+    h = tl.arange(0, HEADS_P2)[:, None]
+    out = q_out + token * NUM_HEADS * 2 * HALF + h * 2 * HALF + d
+    mask = (h < NUM_HEADS) & (d < HALF)
+    tl.store(out, q1.to(q_out.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, q2.to(q_out.dtype.element_ty), mask=mask)
+
+    slot = tl.load(slot_mapping + token)
+    if slot < 0:  # padded CUDA-graph slot: its K/V are not stored, so not computed either
+        return
+    k1, k2 = _load_halves(k, token, stride_kt, stride_kh, stride_kd,
+                          NUM_KV_HEADS, KV_HEADS_P2, HALF, HALF_P2)  # fmt: skip
+    if QK_NORM:
+        k1, k2 = _rms_norm_halves(k1, k2, k_norm_weight, eps, HALF, HALF_P2)
+    k1, k2 = _rotate_halves(k1, k2, cos, sin)
+    v1, v2 = _load_halves(v, token, stride_vt, stride_vh, stride_vd,
+                          NUM_KV_HEADS, KV_HEADS_P2, HALF, HALF_P2)  # fmt: skip
+    h = tl.arange(0, KV_HEADS_P2)[:, None]
+    mask = (h < NUM_KV_HEADS) & (d < HALF)
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch
+    lo, hi = dst + d * stride_cd, dst + (d + HALF) * stride_cd
+    tl.store(k_cache + lo, k1.to(k_cache.dtype.element_ty), mask=mask)
+    tl.store(k_cache + hi, k2.to(k_cache.dtype.element_ty), mask=mask)
+    tl.store(v_cache + lo, v1.to(v_cache.dtype.element_ty), mask=mask)
+    tl.store(v_cache + hi, v2.to(v_cache.dtype.element_ty), mask=mask)
+
+
+def attention_input_triton(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """The fused kernel behind `kvfit.ops.attention_input` (which validates the arguments).
+
+    Returns the normalised, rotated q as a new contiguous `[T, num_heads, head_dim]`.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    qk_norm = q_norm_weight is not None
+    half = head_dim // 2
+    heads_p2 = triton.next_power_of_2(num_heads)
+    _attention_input_kernel[(num_tokens,)](
+        positions, cos_sin_cache.contiguous(), q, k, v,
+        q_norm_weight.contiguous() if qk_norm else q,  # never read without QK_NORM
+        k_norm_weight.contiguous() if qk_norm else k,
+        eps, k_cache, v_cache, slot_mapping, q_out,
+        *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(),
+        k_cache.shape[1],
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        HEADS_P2=heads_p2, KV_HEADS_P2=triton.next_power_of_2(num_kv_heads),
+        HALF=half, HALF_P2=triton.next_power_of_2(half), QK_NORM=qk_norm,
+        num_warps=_num_warps(heads_p2 * triton.next_power_of_2(head_dim)),
+    )  # fmt: skip
+    return q_out
