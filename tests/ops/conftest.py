@@ -1,13 +1,34 @@
-"""Random paged batches and a naive float64 oracle shared by the ops tests."""
+"""Random paged batches and a naive float64 oracle shared by the ops tests, and the patch the
+Triton interpreter needs under NumPy >= 2.4."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from kvfit.ops.attention import AttentionMetadata
+
+
+@pytest.fixture(autouse=True)
+def _scalar_index_under_numpy_2_4(monkeypatch: pytest.MonkeyPatch) -> None:
+    """triton 3.6's interpreter turns scalars into ints with `int(ndarray)`, which NumPy >= 2.4
+    rejects for its shape-(1,) scalars; loops with device-computed bounds need it."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # no triton: nothing is interpreted
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor: object, scope: object) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
 
 
 @dataclass

@@ -37,22 +37,6 @@ EPS = 1e-6
 NAN = float("nan")
 
 
-@pytest.fixture(autouse=True)
-def _scalar_index_under_numpy_2_4(monkeypatch):
-    """triton 3.6's interpreter turns scalars into ints with `int(ndarray)`, which NumPy >= 2.4
-    rejects for its shape-(1,) scalars."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
-
 
 def _qkv_split(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, **kw):
     """q, k, v as the model produces them: `[T, heads, head_dim]` views of one fused qkv row."""

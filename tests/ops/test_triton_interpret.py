@@ -24,20 +24,6 @@ triton_attention = pytest.importorskip("kvfit.ops.triton_attention")
 triton_kv_write = pytest.importorskip("kvfit.ops.triton_kv_write")
 
 
-@pytest.fixture(autouse=True)
-def _scalar_index_under_numpy_2_4(monkeypatch):
-    """triton 3.6's interpreter turns scalars into ints with `int(ndarray)`, which NumPy >= 2.4
-    rejects for its shape-(1,) scalars; loops with device-computed bounds need it."""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
-
 
 MIXED = [(0, 5), (13, 1), (0, 1), (17, 20), (70, 1), (3, 40)]
 

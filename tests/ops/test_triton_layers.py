@@ -29,20 +29,6 @@ interpret = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(autouse=True)
-def _scalar_index_under_numpy_2_4(monkeypatch):
-    """triton 3.6's interpreter turns scalars into ints with `int(ndarray)`, which NumPy >= 2.4
-    rejects for its shape-(1,) scalars."""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
-
 
 def _close(got: torch.Tensor, expect: torch.Tensor, rtol: float) -> None:
     assert got.shape == expect.shape and got.dtype == expect.dtype

@@ -38,22 +38,6 @@ interpret = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(autouse=True)
-def _scalar_index_under_numpy_2_4(monkeypatch):
-    """triton 3.6's interpreter turns scalars into ints with `int(ndarray)`, which NumPy >= 2.4
-    rejects for its shape-(1,) scalars; the kernel's loop bound is such a scalar."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
-
 
 def _triton_sample(logits, temperature, seeds, **knobs) -> torch.Tensor:
     # A tile smaller than the tiny test vocabularies, so rows span several tiles and splits.
