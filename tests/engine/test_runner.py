@@ -10,7 +10,7 @@ import torch
 from kvfit.engine.config import EngineArgs
 from kvfit.engine.model_runner import ModelRunner
 from kvfit.engine.sampling_params import SamplingParams
-from kvfit.engine.sequence import ScheduledBatch, Sequence
+from kvfit.engine.sequence import PENDING_TOKEN, ScheduledBatch, Sequence
 
 BLOCK_SIZE = 4
 
@@ -55,6 +55,22 @@ def test_prepare_inputs_packs_a_mixed_batch(runner: ModelRunner) -> None:
     assert md.block_table.tolist() == [[7, 3, 0], [5, 9, 0], [2, 4, 8]]
     assert (md.max_query_len, md.max_seq_len) == (6, 9)
     assert logits_indices.tolist() == [5, 11]  # the chunk is not sampled
+    # One packed copy, viewed back with each input's dtype.
+    assert input_ids.dtype == positions.dtype == md.slot_mapping.dtype == torch.int64
+    assert md.query_start_loc.dtype == md.seq_lens.dtype == md.block_table.dtype == torch.int32
+
+
+def test_prepare_inputs_reads_pending_tokens_from_the_last_sampled_ids(
+    runner: ModelRunner,
+) -> None:
+    waiting, decoding = seq(5, 4, [1, 2]), seq(7, 6, [3, 4])
+    decoding.token_ids[-1] = PENDING_TOKEN  # sampled by a step whose output is not back yet
+    runner._last_sampled = (torch.tensor([41, 42]), {decoding.seq_id: 1, waiting.seq_id: 0})
+    input_ids, *_ = runner.prepare_inputs(ScheduledBatch([waiting, decoding], [1, 1]))
+    assert input_ids.tolist() == [104, 42]
+    runner._last_sampled = (torch.tensor([41]), {waiting.seq_id: 0})
+    with pytest.raises(RuntimeError, match="pending token"):
+        runner.prepare_inputs(ScheduledBatch([decoding], [1]))
 
 
 def test_execute_samples_only_sequences_whose_chunk_ends(runner: ModelRunner) -> None:
