@@ -18,17 +18,15 @@ from kvfit.engine.sampler import (
     Sampler,
     SamplingMetadata,
     prompt_logprobs_tensors,
-    to_device,
-    to_host,
 )
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import PENDING_TOKEN, ModelOutput, ScheduledBatch, Sequence
+from kvfit.engine.transfer import to_device, to_device_packed, to_host
 from kvfit.kv.cache import ExtensibleKVCache
 from kvfit.models.loader import load_model
 from kvfit.ops.attention import AttentionMetadata
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
-_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
 
 
 class ModelRunner:
@@ -144,8 +142,8 @@ class ModelRunner:
         ends = np.fromiter((len(s) for s in batch.seqs), np.int64, num_seqs)
         logits_indices = query_start_loc[1:][seq_lens == ends] - 1
         (input_ids_t, positions_t, slot_mapping_t, logits_indices_t, pending_t, pending_src_t,
-         query_start_loc_t, seq_lens_t, block_table_t) = self._to_device_packed(
-            input_ids, positions, slot_mapping, logits_indices, pending, pending_src,
+         query_start_loc_t, seq_lens_t, block_table_t) = to_device_packed(
+            self.device, input_ids, positions, slot_mapping, logits_indices, pending, pending_src,
             query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_table)
         if len(pending):
             input_ids_t[pending_t] = self._last_sampled[0][pending_src_t]
@@ -167,21 +165,6 @@ class ModelRunner:
             raise RuntimeError(f"sequences {missing} hold a pending token that the last step "
                                f"did not sample")
         return np.fromiter((rows[seq.seq_id] for seq in seqs), np.int64, len(seqs))
-
-    def _to_device_packed(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """All of a step's host inputs in one host-to-device copy: packed at 8-byte aligned
-        offsets into one (pinned) buffer, viewed back by dtype and shape on the device. Each copy
-        costs host time whatever its size, and the host sets the pace of small steps."""
-        sizes = [-(-a.nbytes // 8) * 8 for a in arrays]
-        offsets = np.cumsum([0, *sizes]).tolist()
-        host = torch.empty(offsets[-1], dtype=torch.uint8,
-                           pin_memory=self.device.type == "cuda")
-        flat = host.numpy()
-        for array, offset in zip(arrays, offsets, strict=False):
-            flat[offset : offset + array.nbytes] = array.ravel().view(np.uint8)
-        device = host.to(self.device, non_blocking=True)
-        return [device[offset : offset + array.nbytes].view(_TORCH_DTYPES[array.dtype])
-                .view(array.shape) for array, offset in zip(arrays, offsets, strict=False)]
 
     # -- execution ----------------------------------------------------------------------------
 

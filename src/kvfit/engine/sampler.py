@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfit.engine.sequence import Sequence
+from kvfit.engine.transfer import to_device, to_host
 from kvfit.ops import gumbel_sample
 
 # Rows of prompt positions pushed through the logits head and the top-n scorer at once; warmup
@@ -79,27 +80,6 @@ class SamplingMetadata:
             else None,
             num_logprobs=[p.logprobs for p in params],
         )
-
-
-def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Copy a host tensor to `device` without waiting for the device.
-
-    A copy from pageable memory waits for all work queued before it, which would stall the host
-    behind the step in flight; staging through pinned memory makes it a queued copy like any
-    kernel. (The pinned buffer is not reused until the copy has run: torch records it.)
-    """
-    device = torch.device(device)
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """Queue a copy of a device tensor into pinned host memory; read it after the step's event."""
-    if tensor.device.type == "cpu":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
 
 
 def token_seed(seed: int, index: int) -> int:

@@ -1,0 +1,48 @@
+"""Host <-> device copies that never make the host wait for the device.
+
+The engine launches step k + 1 before it reads step k's results, so a copy that blocks on the
+work queued before it would stall the host behind the step in flight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy a host tensor to `device` without waiting for the device.
+
+    A copy from pageable memory waits for all work queued before it, which would stall the host
+    behind the step in flight; staging through pinned memory makes it a queued copy like any
+    kernel. (The pinned buffer is not reused until the copy has run: torch records it.)
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Queue a copy of a device tensor into pinned host memory; read it after the step's event."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+def to_device_packed(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
+    """`arrays` (int32/int64) on `device` in one host-to-device copy: packed at 8-byte aligned
+    offsets into one pinned buffer, viewed back by dtype and shape there. Each copy costs host
+    time whatever its size, and the host sets the pace of small steps."""
+    sizes = [-(-a.nbytes // 8) * 8 for a in arrays]
+    offsets = np.cumsum([0, *sizes]).tolist()
+    host = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=device.type == "cuda")
+    flat = host.numpy()
+    for array, offset in zip(arrays, offsets, strict=False):
+        flat[offset : offset + array.nbytes] = array.ravel().view(np.uint8)
+    packed = host.to(device, non_blocking=True)
+    return [packed[offset : offset + array.nbytes].view(_TORCH_DTYPES[array.dtype])
+            .view(array.shape) for array, offset in zip(arrays, offsets, strict=False)]
