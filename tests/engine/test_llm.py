@@ -273,3 +273,32 @@ def test_vmm_probe_failure_falls_back_to_the_estimate(
 def test_cache_smaller_than_max_model_len_is_an_error_naming_it(qwen3: Path) -> None:
     with pytest.raises(ValueError, match="num_gpu_blocks_override or lower max_model_len"):
         make_llm(qwen3, num_gpu_blocks_override=4)
+
+
+def test_a_stop_token_ends_the_output_though_the_next_step_is_in_flight(
+    qwen3_llm: LLM, qwen3: Path
+) -> None:
+    # The step after the stop token is launched before the token reaches the host; its extra
+    # token must not reach the output.
+    prompts = make_prompts((9, 23), seed=3)
+    expected = [hf_greedy(qwen3, prompt) for prompt in prompts]
+    params = [greedy(stop_token_ids=[tokens[2]]) for tokens in expected]
+    outputs = qwen3_llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    for tokens, out in zip(expected, outputs, strict=True):
+        assert out.outputs[0].token_ids == tokens[: tokens.index(tokens[2]) + 1]
+        assert out.outputs[0].finish_reason == "stop"
+
+
+def test_abort_while_a_step_is_in_flight_frees_everything(qwen3_llm: LLM) -> None:
+    engine = qwen3_llm.engine
+    seq = qwen3_llm._make_sequence(0, {"prompt_token_ids": make_prompts((12,))[0]},
+                                   greedy(max_tokens=20))
+    engine.add_request(seq)
+    engine.step()
+    engine.step()  # decoding, with the next token still on the device
+    engine.abort_request(seq.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.finish_reason == "abort"
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
