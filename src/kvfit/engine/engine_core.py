@@ -162,6 +162,8 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def shutdown(self) -> None:
-        """Free every worker's model and KV cache; the engine cannot run afterwards."""
+        """Free every worker's model and KV cache; the engine cannot run afterwards. A step
+        still in flight is dropped (the cache waits for the device before it unmaps)."""
+        self._in_flight = None
         self.executor.collective_rpc("shutdown")
 
