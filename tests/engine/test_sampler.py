@@ -11,7 +11,8 @@ from kvfit.engine.sampler import (
     Sampler,
     SamplingMetadata,
     apply_top_k_top_p,
-    compute_prompt_logprobs,
+    logprob_dicts,
+    logprobs_at,
 )
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
@@ -164,13 +165,13 @@ def test_prompt_logprobs_match_log_softmax() -> None:
     logits = random_logits(5)
     targets = torch.tensor([3, 1, 4, 1, 5])
     reference = torch.log_softmax(logits, dim=-1)
-    entries = compute_prompt_logprobs(logits, targets, n=2)
+    entries = logprob_dicts(*logprobs_at(logits, targets, n=2))
     for row, entry in enumerate(entries):
         expected_ids = {targets[row].item(), *reference[row].topk(2).indices.tolist()}
         assert set(entry) == expected_ids
         for token, value in entry.items():
             assert value == pytest.approx(reference[row, token].item(), abs=1e-5)
-    assert [list(e) for e in compute_prompt_logprobs(logits, targets, n=0)] == [
+    assert [list(e) for e in logprob_dicts(*logprobs_at(logits, targets, n=0))] == [
         [t] for t in targets.tolist()
     ]
 
@@ -198,7 +199,7 @@ def test_prompt_logprobs_over_many_row_blocks_match_log_softmax(
     logits = random_logits(PROMPT_LOGPROBS_CHUNK // 4 + 3, seed=1).to(dtype)
     targets = torch.randint(0, logits.shape[1], (logits.shape[0],))
     reference = torch.log_softmax(logits.float(), dim=-1)
-    entries = compute_prompt_logprobs(logits, targets, n=3)
+    entries = logprob_dicts(*logprobs_at(logits, targets, n=3))
     for row, entry in enumerate(entries):
         assert set(entry) == {targets[row].item(), *reference[row].topk(3).indices.tolist()}
         for token, value in entry.items():

@@ -245,10 +245,10 @@ def test_the_mixed_warmup_step_runs_a_prompt_logprobs_chunk_when_logprobs_are_on
     # them, so it is part of the mixed step and not a step of its own.
     chunks: list[int] = []
     steps: list[ScheduledBatch] = []
-    original_step, original_chunk = ModelRunner.execute, sampler.prompt_logprobs_tensors
+    original_step, original_chunk = ModelRunner.execute, sampler.logprobs_at
     monkeypatch.setattr(ModelRunner, "execute",
                         lambda self, b: (steps.append(b), original_step(self, b))[1])
-    monkeypatch.setattr(model_runner, "prompt_logprobs_tensors",
+    monkeypatch.setattr(model_runner, "logprobs_at",
                         lambda logits, *a: (chunks.append(len(logits)),
                                             original_chunk(logits, *a))[1])
     budget = PROMPT_LOGPROBS_CHUNK + 64

@@ -17,7 +17,7 @@ from kvfit.engine.sampler import (
     PROMPT_LOGPROBS_CHUNK,
     Sampler,
     SamplingMetadata,
-    prompt_logprobs_tensors,
+    logprobs_at,
 )
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import PENDING_TOKEN, ModelOutput, ScheduledBatch, Sequence
@@ -223,8 +223,8 @@ class ModelRunner:
                 rows = hidden[starts[i] + first - 1 - start : starts[i] + last - start]
                 targets = to_device(torch.tensor(seq.token_ids[first : last + 1]), hidden.device)
                 for c in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
-                    # Inline, so a chunk's logits are freed before the next chunk's exist.
-                    ids, values = prompt_logprobs_tensors(
+                    # Logits inline, so a chunk's are freed before the next chunk's exist.
+                    ids, values = logprobs_at(
                         self.model.compute_logits(rows[c : c + PROMPT_LOGPROBS_CHUNK]),
                         targets[c : c + PROMPT_LOGPROBS_CHUNK], num,
                     )

@@ -225,26 +225,8 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def prompt_logprobs_tensors(
-    logits_chunk: torch.Tensor, next_token_ids: torch.Tensor, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(ids, logprobs)` `[R, 1 + n]`: each prompt token given the ones before it, then the
-    top-`n`, per row (`logprobs_at`).
-
-    `logits_chunk` `[R, V]` holds the logits at positions p-1 and `next_token_ids` `[R]` the
-    prompt tokens at p; callers pass at most `PROMPT_LOGPROBS_CHUNK` rows at a time.
-    """
-    return logprobs_at(logits_chunk, next_token_ids, n)
-
-
 def logprob_dicts(ids: torch.Tensor, values: torch.Tensor) -> list[Logprobs]:
-    """One {token id: logprob} dict per row of `prompt_logprobs_tensors`' output."""
+    """One {token id: logprob} dict per row of `logprobs_at`'s output (waits for its device)."""
     rows = zip(ids.tolist(), values.tolist(), strict=True)
     return [dict(zip(i, v, strict=True)) for i, v in rows]
 
-
-def compute_prompt_logprobs(
-    logits_chunk: torch.Tensor, next_token_ids: torch.Tensor, n: int
-) -> list[Logprobs]:
-    """`prompt_logprobs_tensors` as dicts (waits for the device)."""
-    return logprob_dicts(*prompt_logprobs_tensors(logits_chunk, next_token_ids, n))
