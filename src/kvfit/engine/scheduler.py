@@ -175,10 +175,11 @@ class Scheduler:
 
     def _awaits_final_token(self, seq: Sequence) -> bool:
         """Whether `seq`'s pending token is its last (by length): it needs no further step."""
-        return seq.has_pending_token and (
-            seq.num_output_tokens >= seq.sampling_params.max_tokens
-            or len(seq) >= self.max_model_len
-        )
+        return seq.has_pending_token and self._at_length_limit(seq)
+
+    def _at_length_limit(self, seq: Sequence) -> bool:
+        return (seq.num_output_tokens >= seq.sampling_params.max_tokens
+                or len(seq) >= self.max_model_len)
 
     def _check_fits(self, seq: Sequence) -> None:
         num_prompt = seq.num_prompt_tokens
@@ -244,7 +245,7 @@ class Scheduler:
         if stop is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
             return True
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+        if self._at_length_limit(seq):
             seq.finish_reason = "length"
             return True
         return False
