@@ -23,6 +23,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -37,19 +38,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def median_seconds(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Median wall time of `fn()`, the device synchronised before and after each call."""
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = GiB, iters: int = 10) -> float:
     """Bytes moved per second (read + write) by a device-to-device copy, median."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    times = []
-    for _ in range(iters):
-        _sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / statistics.median(times)
+    return 2 * nbytes / median_seconds(lambda: dst.copy_(src), device, iters)
 
 
 def offline_workload(args: argparse.Namespace, vocab: int, seed: int) -> tuple[list, list]:
@@ -142,17 +148,10 @@ def engine_decode_step(
 def runner_step(llm: LLM, batch: ScheduledBatch, iters: int) -> float:
     """Median seconds of one synchronous model-runner step (host preparation, forward,
     sampling, results on the host), nothing overlapped."""
-    runner, device = llm.engine.executor.workers[0].runner, llm.config.device
+    runner = llm.engine.executor.workers[0].runner
     for _ in range(3):
         runner.execute(batch)
-    times = []
-    for _ in range(iters):
-        _sync(device)
-        start = time.perf_counter()
-        runner.execute(batch)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(lambda: runner.execute(batch), llm.config.device, iters)
 
 
 def bench_decode(model: str, args: argparse.Namespace, bandwidth: float) -> list[dict]:
