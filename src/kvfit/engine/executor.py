@@ -6,7 +6,7 @@ from typing import Any
 
 from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.config import EngineConfig
-from kvfit.engine.sequence import ModelOutput, ScheduledBatch
+from kvfit.engine.sequence import ScheduledBatch
 from kvfit.engine.worker import Worker
 
 
@@ -25,10 +25,7 @@ class Executor:
         """Call `method(*args)` on every worker; the answers in rank order."""
         return [getattr(worker, method)(*args) for worker in self.workers]
 
-    def execute(self, batch: ScheduledBatch) -> ModelOutput:
-        """One step; rank 0 holds the sampled output (a single device, for now)."""
-        return self.collective_rpc("execute", batch)[0]
-
     def launch(self, batch: ScheduledBatch) -> AsyncModelOutput:
-        """Queue one step on every worker without waiting; rank 0's output to wait on."""
+        """Queue one step on every worker without waiting; rank 0's output to wait on (rank 0
+        holds the sampled output: a single device, for now)."""
         return self.collective_rpc("launch", batch)[0]

@@ -11,7 +11,7 @@ from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.model_runner import ModelRunner
 from kvfit.engine.sampler import PROMPT_LOGPROBS_CHUNK
-from kvfit.engine.sequence import ModelOutput, ScheduledBatch
+from kvfit.engine.sequence import ScheduledBatch
 from kvfit.kv.monitor import CudaMemoryMonitor, HostMemoryMonitor, MemoryMonitor
 from kvfit.kv.report import KVCacheReport
 from kvfit.kv.sizing import (
@@ -199,10 +199,6 @@ class Worker:
             num_blocks=num_blocks,
             estimate_num_blocks=self.estimate_blocks,
         )
-
-    def execute(self, batch: ScheduledBatch) -> ModelOutput:
-        """Run one scheduled step."""
-        return self.runner.execute(batch)
 
     def launch(self, batch: ScheduledBatch) -> AsyncModelOutput:
         """Queue one scheduled step; its output arrives later."""
