@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfit.ops.layers import RotaryEmbedding, rms_norm, silu_and_mul
+from kvfit.ops.layers import RotaryEmbedding, add_rms_norm, rms_norm, silu_and_mul
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -26,6 +26,16 @@ def test_rms_norm(dtype):
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.double(), expect, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_residual_add_then_the_norm(dtype):
+    x, residual = torch.randn(5, 64, dtype=dtype), torch.randn(5, 64, dtype=dtype) * 4
+    weight = torch.randn(64, dtype=dtype)
+    normed, summed = add_rms_norm(x, residual, weight, 1e-6)
+    # The sum is the residual stream's next value, rounded like the unfused `x + residual`.
+    assert torch.equal(summed, x + residual)
+    assert torch.equal(normed, rms_norm(x + residual, weight, 1e-6))
 
 
 def test_silu_and_mul():

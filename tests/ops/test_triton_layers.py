@@ -15,6 +15,8 @@ import torch
 
 from kvfit.ops.layers import (
     RotaryEmbedding,
+    add_rms_norm,
+    add_rms_norm_torch,
     rms_norm,
     rms_norm_torch,
     rotary_torch,
@@ -62,6 +64,23 @@ def test_rms_norm_kernel_reads_split_views():
     assert not q.is_contiguous()
     weight = torch.randn(16)
     _close(triton_layers.rms_norm_triton(q, weight, 1e-5), rms_norm_torch(q, weight, 1e-5), 1e-5)
+
+
+@interpret
+@pytest.mark.parametrize("dtype", INTERP_DTYPES)
+@pytest.mark.parametrize("shape", [(5, 48), (1, 64), (0, 48)])
+def test_add_rms_norm_kernel_matches_torch(dtype, shape):
+    x, residual = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype) * 3
+    weight = torch.randn(shape[-1], dtype=dtype)
+    got = triton_layers.add_rms_norm_triton(x, residual, weight, 1e-6)
+    for g, e in zip(got, add_rms_norm_torch(x, residual, weight, 1e-6), strict=True):
+        _close(g, e, 2e-3)
+
+
+@interpret
+def test_add_rms_norm_kernel_rejects_mismatched_residual():
+    with pytest.raises(ValueError, match="residual"):
+        triton_layers.add_rms_norm_triton(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
 
 
 @interpret
@@ -143,6 +162,21 @@ def test_gpu_rms_norm_hidden(dtype, num_tokens, hidden):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("hidden", [1024, 4096])
+def test_gpu_add_rms_norm(dtype, num_tokens, hidden):
+    x = torch.randn(num_tokens, hidden, dtype=dtype, device="cuda")
+    residual = torch.randn(num_tokens, hidden, dtype=dtype, device="cuda") * 3
+    weight = torch.randn(hidden, dtype=dtype, device="cuda")
+    expect_normed, expect_summed = add_rms_norm_torch(x, residual, weight, 1e-6)
+    _poison_next(x.shape, x.shape, dtype=dtype)
+    normed, summed = add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, expect_summed)  # one rounding of an exact fp32 sum, as torch
+    _close_rms_norm(normed, expect_normed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
 @pytest.mark.parametrize("num_heads", [16, 32, 8])
 def test_gpu_rms_norm_per_head(dtype, num_tokens, num_heads):
     q, _ = _qkv_split(num_tokens, num_heads, 8, 128, dtype=dtype, device="cuda")
@@ -185,11 +219,14 @@ def test_gpu_layers_replay_in_cuda_graph():
     positions = torch.zeros(num_tokens, dtype=torch.long, device="cuda")
     qkv = torch.zeros(num_tokens, (num_heads + 16) * head_dim, dtype=dtype, device="cuda")
     gate_up = torch.zeros(num_tokens, 2 * 3072, dtype=dtype, device="cuda")
+    hidden, residual = (torch.zeros(num_tokens, 1024, dtype=dtype, device="cuda") for _ in "hr")
+    hidden_weight = torch.randn(1024, dtype=dtype, device="cuda")
 
     def step() -> tuple[torch.Tensor, ...]:
         q, k, _ = qkv.split([num_heads * head_dim, 8 * head_dim, 8 * head_dim], dim=-1)
         q = rms_norm(q.view(num_tokens, num_heads, head_dim), weight, 1e-6)
-        return (*rope(positions, q, k), silu_and_mul(gate_up))
+        return (*rope(positions, q, k), silu_and_mul(gate_up),
+                *add_rms_norm(hidden, residual, hidden_weight, 1e-6))  # fmt: skip
 
     step()  # compile the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -198,10 +235,13 @@ def test_gpu_layers_replay_in_cuda_graph():
     positions.copy_(torch.randint(0, 4096, (num_tokens,)))
     qkv.copy_(torch.randn_like(qkv))
     gate_up.copy_(torch.randn_like(gate_up))
+    hidden.copy_(torch.randn_like(hidden))
+    residual.copy_(torch.randn_like(residual))
     graph.replay()
     q, k, _ = qkv.split([num_heads * head_dim, 8 * head_dim, 8 * head_dim], dim=-1)
     q = rms_norm_torch(q.view(num_tokens, num_heads, head_dim), weight, 1e-6)
     expect = (*rotary_torch(positions, q, k, rope.cos_sin_cache, head_dim),
-              silu_and_mul_torch(gate_up))  # fmt: skip
+              silu_and_mul_torch(gate_up),
+              *add_rms_norm_torch(hidden, residual, hidden_weight, 1e-6))  # fmt: skip
     for got, e in zip(outputs, expect, strict=True):
         _close(got, e, RTOL[dtype])

@@ -8,7 +8,7 @@ from transformers import PretrainedConfig
 
 from kvfit.ops.attention import AttentionMetadata, paged_attention
 from kvfit.ops.attention_input import attention_input
-from kvfit.ops.layers import RotaryEmbedding, rms_norm, silu_and_mul
+from kvfit.ops.layers import RotaryEmbedding, add_rms_norm, rms_norm, silu_and_mul
 
 
 def head_dim(config: PretrainedConfig) -> int:
@@ -36,8 +36,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`norm(x)`, or with a residual `(norm(x + residual), x + residual)` in one pass."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class MergedLinear(nn.Linear):
@@ -130,10 +135,21 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the next norm adds the two,
+        so each residual add rides in the norm kernel after it. `residual` is None in layer 0."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -153,10 +169,10 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(positions, hidden, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the small layers: RMSNorm, SiLU-and-mul and neox rotary embedding.
+"""Fused Triton kernels for the small layers: RMSNorm (optionally after the residual add),
+SiLU-and-mul and neox rotary embedding.
 
 Each replaces a chain of torch elementwise kernels with one launch, which matters under CUDA
 graphs where every kernel node costs a few microseconds regardless of its size. Launch shapes
@@ -28,46 +29,75 @@ def _as_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 @triton.jit
 def _rms_norm_kernel(
-    x, weight, out, eps,
+    x, residual, weight, out, sum_out, eps,
     stride_xt, stride_xr, stride_xd,
     ROWS: tl.constexpr,
     DIM: tl.constexpr,
     ROWS_P2: tl.constexpr,
     DIM_P2: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
     r = tl.arange(0, ROWS_P2)[:, None]
     d = tl.arange(0, DIM_P2)[None, :]
     mask = (r < ROWS) & (d < DIM)
+    dense = token * ROWS * DIM + r * DIM + d  # offsets into the contiguous outputs
     v = tl.load(x + token * stride_xt + r * stride_xr + d * stride_xd, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        # The sum is rounded to x's dtype before the norm reads it, as `x + residual` would be.
+        v = (v.to(tl.float32) + tl.load(residual + dense, mask=mask, other=0.0).to(tl.float32)
+             ).to(v.dtype)  # fmt: skip
+        tl.store(sum_out + dense, v, mask=mask)
     v32 = v.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(v32 * v32, axis=1) / DIM + eps)
     # Same rounding order as the torch path: normalise in fp32, round to x's dtype, then scale.
     normed = (v32 * inv_rms[:, None]).to(v.dtype).to(tl.float32)
     w = tl.load(weight + d, mask=d < DIM, other=0.0).to(tl.float32)
-    tl.store(out + token * ROWS * DIM + r * DIM + d, (normed * w).to(out.dtype.element_ty),
-             mask=mask)  # fmt: skip
+    tl.store(out + dense, (normed * w).to(out.dtype.element_ty), mask=mask)
+
+
+def _launch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"rms_norm weight shape {tuple(weight.shape)} != ({dim},)")
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    summed = None
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"residual {tuple(residual.shape)} {residual.dtype} must match x "
+                f"{tuple(x.shape)} {x.dtype}"
+            )
+        residual = residual.contiguous()
+        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # A `[T, heads, head_dim]` input is normalised a token per program; anything else a row.
+    heads = x.shape[-2] if x.dim() > 2 and 0 < x.shape[-2] * dim <= _MAX_TILE else 1
+    rows = x.reshape(math.prod(x.shape[:-1]) // heads, heads, dim)
+    if rows.numel() == 0:
+        return out, summed
+    rows_p2, dim_p2 = triton.next_power_of_2(rows.shape[1]), triton.next_power_of_2(dim)
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows, residual, weight.contiguous(), out, summed, eps, *rows.stride(),
+        ROWS=rows.shape[1], DIM=dim, ROWS_P2=rows_p2, DIM_P2=dim_p2,
+        ADD_RESIDUAL=residual is not None, num_warps=_num_warps(rows_p2 * dim_p2),
+    )  # fmt: skip
+    return out, summed
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim; one program per leading index (all heads of a `[T, heads, D]`
     view at once). Returns a new contiguous tensor of `x`'s shape."""
-    dim = x.shape[-1]
-    if weight.shape != (dim,):
-        raise ValueError(f"rms_norm weight shape {tuple(weight.shape)} != ({dim},)")
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    # A `[T, heads, head_dim]` input is normalised a token per program; anything else a row.
-    heads = x.shape[-2] if x.dim() > 2 and 0 < x.shape[-2] * dim <= _MAX_TILE else 1
-    rows = x.reshape(math.prod(x.shape[:-1]) // heads, heads, dim)
-    if rows.numel() == 0:
-        return out
-    rows_p2, dim_p2 = triton.next_power_of_2(rows.shape[1]), triton.next_power_of_2(dim)
-    _rms_norm_kernel[(rows.shape[0],)](
-        rows, weight.contiguous(), out, eps, *rows.stride(),
-        ROWS=rows.shape[1], DIM=dim, ROWS_P2=rows_p2, DIM_P2=dim_p2,
-        num_warps=_num_warps(rows_p2 * dim_p2),
-    )  # fmt: skip
-    return out
+    return _launch_rms_norm(x, weight, eps, None)[0]
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(x + residual), x + residual)` in one launch: the residual add folded into the
+    norm that reads its result. Both outputs are new contiguous tensors of `x`'s shape."""
+    return _launch_rms_norm(x, weight, eps, residual)  # type: ignore[return-value]
 
 
 @triton.jit
