@@ -86,6 +86,8 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, float]:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     _sync(llm.config.device)
     elapsed = time.perf_counter() - start
+    if args.profile:
+        profile_offline(llm, args, vocab)
     llm.shutdown()
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
@@ -96,6 +98,44 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, float]:
         "total_tokens_per_s": (output_tokens + prompt_tokens) / elapsed,
         "warmup": args.warmup,
     }
+
+
+def busy_fractions(events: list, start_us: float, end_us: float, bins: int) -> list[float]:
+    """Share of each of `bins` equal slices of [start_us, end_us] in which a kernel ran."""
+    width = (end_us - start_us) / bins
+    busy = [0.0] * bins
+    merged_end = start_us
+    for begin, end in sorted((e.time_range.start, e.time_range.end) for e in events):
+        begin = max(begin, merged_end)  # overlapping kernels count once
+        if end <= begin:
+            continue
+        merged_end = end
+        first, last = int((begin - start_us) // width), int((end - start_us) // width)
+        for i in range(first, min(last, bins - 1) + 1):
+            lo, hi = start_us + i * width, start_us + (i + 1) * width
+            busy[i] += max(0.0, min(end, hi) - max(begin, lo))
+    return [b / width for b in busy]
+
+
+def profile_offline(llm: LLM, args: argparse.Namespace, vocab: int) -> None:
+    """The offline workload once more (other token ids) under torch.profiler: the kernels by
+    device time and how busy the device was through the run, written to `--profile`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts, params = offline_workload(args, vocab, args.seed + 2)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        _sync(llm.config.device)
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    start = min(e.time_range.start for e in events)
+    end = max(e.time_range.end for e in events)
+    busy = busy_fractions(kernels, start, end, bins=20)
+    with open(args.profile, "w") as f:
+        f.write(f"offline workload under the profiler: {(end - start) / 1e6:.2f} s, device busy "
+                f"{sum(busy) / len(busy):.0%}\nbusy by twentieth of the run: "
+                f"{' '.join(f'{b:.0%}' for b in busy)}\n\n")
+        f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
 
 
 def decode_batch(batch_size: int, context: int, block_size: int) -> ScheduledBatch:
@@ -205,6 +245,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--profile", metavar="PATH",
+                        help="after the timed run, profile the offline workload once more and "
+                             "write the kernel table and device busy time to PATH")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="an untimed run of the offline workload's shape first (kernel "
                              "compilation)")
