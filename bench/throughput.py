@@ -7,7 +7,7 @@
 
 Throughput: `--num-seqs` requests of random token ids, prompt and output lengths uniform in
 [`--min-len`, `--max-len`], ignore_eos, sampled at temperature 1 (dummy weights), after an
-untimed run of the same shape (kernel compilation). Decode: the mean engine step while a batch of
+untimed run of the same shape (kernel compilation); the median of `--repeat` timed runs. Decode: the mean engine step while a batch of
 sequences of about `--decode-context` tokens all decode, over `--iters` steps of the engine loop
 as it runs (overlapped: step k + 1 is launched before step k's tokens are read; CUDA graphs
 unless --enforce-eager); and, for reference, the median synchronous model-runner step (host work
@@ -70,34 +70,39 @@ def offline_workload(args: argparse.Namespace, vocab: int, seed: int) -> tuple[l
     return prompts, params
 
 
-def bench_throughput(args: argparse.Namespace) -> dict[str, float]:
-    """The offline workload: tokens per second from submission to the last completion."""
+def bench_throughput(args: argparse.Namespace) -> dict:
+    """The offline workload: tokens per second from submission to the last completion, median
+    of `--repeat` timed runs of the same shape (other token ids each, so no prefix-cache hits)."""
     llm = LLM(args.model, device=args.device, load_format="dummy",
               max_model_len=2 * args.max_len + 1, enforce_eager=args.enforce_eager)
     vocab = llm.config.model_config.hf_config.vocab_size
+    seeds = [args.seed + i for i in range(args.repeat)]
     if args.warmup:
         # Triton compiles a kernel specialization the first time its shapes occur, a one-time
-        # cost that is not throughput: run a workload of the same shape, other token ids (no
-        # prefix-cache hits in the timed run), untimed first.
-        llm.generate(*offline_workload(args, vocab, args.seed + 1), use_tqdm=False)
-    prompts, params = offline_workload(args, vocab, args.seed)
-    _sync(llm.config.device)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    _sync(llm.config.device)
-    elapsed = time.perf_counter() - start
+        # cost that is not throughput: run a workload of the same shape untimed first.
+        llm.generate(*offline_workload(args, vocab, seeds[-1] + 1), use_tqdm=False)
+    runs = []
+    for seed in seeds:
+        prompts, params = offline_workload(args, vocab, seed)
+        _sync(llm.config.device)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        _sync(llm.config.device)
+        elapsed = time.perf_counter() - start
+        output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        runs.append({
+            "seed": seed, "elapsed_s": elapsed,
+            "output_tokens": output_tokens, "prompt_tokens": prompt_tokens,
+            "output_tokens_per_s": output_tokens / elapsed,
+            "total_tokens_per_s": (output_tokens + prompt_tokens) / elapsed,
+        })
     if args.profile:
-        profile_offline(llm, args, vocab)
+        profile_offline(llm, args, vocab, seeds[-1] + 2)
     llm.shutdown()
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    return {
-        "model": args.model, "num_seqs": args.num_seqs, "elapsed_s": elapsed,
-        "output_tokens": output_tokens, "prompt_tokens": prompt_tokens,
-        "output_tokens_per_s": output_tokens / elapsed,
-        "total_tokens_per_s": (output_tokens + prompt_tokens) / elapsed,
-        "warmup": args.warmup,
-    }
+    median = sorted(runs, key=lambda r: r["output_tokens_per_s"])[(len(runs) - 1) // 2]
+    return {"model": args.model, "num_seqs": args.num_seqs, "warmup": args.warmup, **median,
+            "runs": runs}
 
 
 def busy_fractions(events: list, start_us: float, end_us: float, bins: int) -> list[float]:
@@ -117,12 +122,12 @@ def busy_fractions(events: list, start_us: float, end_us: float, bins: int) -> l
     return [b / width for b in busy]
 
 
-def profile_offline(llm: LLM, args: argparse.Namespace, vocab: int) -> None:
+def profile_offline(llm: LLM, args: argparse.Namespace, vocab: int, seed: int) -> None:
     """The offline workload once more (other token ids) under torch.profiler: the kernels by
     device time and how busy the device was through the run, written to `--profile`."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompts, params = offline_workload(args, vocab, args.seed + 2)
+    prompts, params = offline_workload(args, vocab, seed)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
         _sync(llm.config.device)
@@ -244,6 +249,8 @@ def main() -> None:
     parser.add_argument("--decode-context", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="timed offline runs; the median (lower middle) is reported")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--profile", metavar="PATH",
                         help="after the timed run, profile the offline workload once more and "
@@ -272,9 +279,10 @@ def main() -> None:
     print(f"device: {result['device']}, copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s")
     if "throughput" in result:
         t = result["throughput"]
-        print(f"offline {t['model']}: {t['num_seqs']} seqs in {t['elapsed_s']:.1f} s, "
+        each = ", ".join(f"{r['output_tokens_per_s']:,.0f}" for r in t["runs"])
+        print(f"offline {t['model']}: {t['num_seqs']} seqs in {t['elapsed_s']:.2f} s, "
               f"{t['output_tokens_per_s']:,.0f} output tok/s, "
-              f"{t['total_tokens_per_s']:,.0f} total tok/s")
+              f"{t['total_tokens_per_s']:,.0f} total tok/s (median of {len(t['runs'])}: {each})")
     print(f"{'model':<18} {'batch':>5} {'context':>7} {'step ms':>8} {'roofline ms':>11} "
           f"{'ratio':>5} {'sync step ms':>12} {'sync ratio':>10} graphs")
     for r in result["decode"]:
