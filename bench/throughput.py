@@ -6,13 +6,14 @@
         --out t.json
 
 Throughput: `--num-seqs` requests of random token ids, prompt and output lengths uniform in
-[`--min-len`, `--max-len`], ignore_eos, sampled at temperature 1 (dummy weights), after an
-untimed run of the same shape (kernel compilation); the median of `--repeat` timed runs. Decode: the mean engine step while a batch of
-sequences of about `--decode-context` tokens all decode, over `--iters` steps of the engine loop
-as it runs (overlapped: step k + 1 is launched before step k's tokens are read; CUDA graphs
-unless --enforce-eager); and, for reference, the median synchronous model-runner step (host work
-and device work one after the other). The roofline is (weight bytes + KV bytes read) over the
-device-to-device copy bandwidth measured in the same run. Writes JSON to --out and prints a table.
+[`--min-len`, `--max-len`], ignore_eos, sampled at temperature 1 (dummy weights), after an untimed
+run of the same shape (kernel compilation); the median of `--repeat` timed runs. Decode: the mean
+engine step while a batch of sequences of about `--decode-context` tokens all decode, over
+`--iters` steps of the engine loop as it runs (overlapped: step k + 1 is launched before step k's
+tokens are read; CUDA graphs unless --enforce-eager); and, for reference, the median synchronous
+model-runner step (host work and device work one after the other). The roofline is (weight bytes +
+KV bytes read) over the device-to-device copy bandwidth measured in the same run. Writes JSON to
+--out and prints a table.
 """
 
 from __future__ import annotations
