@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvfit import LLM, SamplingParams
+from kvfit.ops.compiles import triton_compiles
 
 pytestmark = pytest.mark.gpu
 
@@ -79,3 +80,21 @@ def test_cuda_graphs_match_eager_and_capture_once(make_llm) -> None:
     assert replays >= MAX_TOKENS - 1  # every decode step replayed a graph
     assert got == expected
     assert graphed.kv_cache_report.method == "measured"
+
+
+def test_a_warm_engine_compiles_no_kernel_for_new_batch_shapes(make_llm) -> None:
+    """Triton compiles a variant of a kernel for each specialisation it meets (an int that is
+    1 or a multiple of 16, a pointer 16-byte aligned or not). Nothing that moves from step to
+    step may be specialised, or serving stalls ~1 s whenever a batch takes a new shape."""
+    llm = make_llm()
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm.generate(prompts(), params, use_tqdm=False)
+    g = torch.Generator().manual_seed(1)
+    lengths = (2, 5, 9, 17, 31, 47, 80, 129, 255)
+    other = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()}
+             for n in lengths]
+    other_params = [SamplingParams(temperature=1.0, max_tokens=3 + 5 * i, ignore_eos=True)
+                    for i in range(len(lengths))]
+    with triton_compiles() as compiled:
+        llm.generate(other, other_params, use_tqdm=False)
+    assert compiled == []

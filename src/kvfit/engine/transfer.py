@@ -33,11 +33,16 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host.copy_(tensor, non_blocking=True)
 
 
+# Triton compiles one variant of a kernel per pointer alignment it sees (16 bytes or not): views
+# at offsets that move with the batch would compile new variants in the middle of serving.
+_ALIGN = 16
+
+
 def to_device_packed(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
-    """`arrays` (int32/int64) on `device` in one host-to-device copy: packed at 8-byte aligned
+    """`arrays` (int32/int64) on `device` in one host-to-device copy: packed at 16-byte aligned
     offsets into one pinned buffer, viewed back by dtype and shape there. Each copy costs host
     time whatever its size, and the host sets the pace of small steps."""
-    sizes = [-(-a.nbytes // 8) * 8 for a in arrays]
+    sizes = [-(-a.nbytes // _ALIGN) * _ALIGN for a in arrays]
     offsets = np.cumsum([0, *sizes]).tolist()
     host = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=device.type == "cuda")
     flat = host.numpy()

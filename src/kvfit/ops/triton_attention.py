@@ -50,7 +50,9 @@ def _softmax_update(s, v, m_i, l_i, acc):
     return m_new, l_i, acc
 
 
-@triton.jit
+# Arguments that change from step to step (block-table width, split counts) are not specialised:
+# Triton would otherwise compile a new variant whenever one became 1 or a multiple of 16.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     query, k_cache, v_cache, out,
     query_start_loc, seq_lens, block_table,
@@ -120,7 +122,7 @@ def _prefill_kernel(
     tl.store(o_ptrs + d[None, :] * stride_od, o.to(out.dtype.element_ty), mask=row_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     query, k_cache, v_cache, out, part_out, part_lse,
     query_start_loc, seq_lens, block_table,
@@ -191,7 +193,7 @@ def _num_seq_splits(seq_len, max_splits, split_tokens):
     return tl.maximum(tl.minimum(tl.cdiv(seq_len, split_tokens), max_splits), 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     out, part_out, part_lse, query_start_loc, seq_lens,
     num_splits, max_splits, split_tokens,

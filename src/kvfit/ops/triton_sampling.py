@@ -53,7 +53,8 @@ def _gumbel(seed, counter, j, FAST_LOG: tl.constexpr):
     return -_log2(e, FAST_LOG)
 
 
-@triton.jit
+# tiles_per_split follows the row count: not specialised, or a new row count could compile anew.
+@triton.jit(do_not_specialize=["tiles_per_split"])
 def _gumbel_argmax_kernel(
     logits, temperature, seeds, split_max, split_argmax,
     stride_n, stride_v, vocab_size, tiles_per_split,
