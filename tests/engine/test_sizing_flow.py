@@ -147,6 +147,18 @@ def test_each_configuration_sizes_by_its_method_and_budget(
     assert greedy_tokens(llm) == estimate_tokens
 
 
+@pytest.mark.parametrize("extensible", [None, False])
+def test_host_cache_stops_at_what_max_num_seqs_of_max_model_len_use_and_says_so(
+    make_llm: Callable[..., LLM], extensible: bool | None
+) -> None:
+    llm = make_llm(enable_extensible_kv_cache=extensible, max_model_len=256)
+    report, sc = llm.kv_cache_report, llm.config.scheduler_config
+    cap = sc.max_num_seqs * -(-sc.max_model_len // llm.config.cache_config.block_size)
+    assert report.estimate_num_blocks > cap  # the default budget would hold more
+    assert report.num_blocks == report.max_blocks == cap
+    assert f"{cap:,}" in report.format_table().splitlines()[-1]  # the table names the cap
+
+
 def test_cpu_budget_is_a_modest_share_of_the_host_changed_by_its_flag(
     make_llm: Callable[..., LLM],
 ) -> None:

@@ -22,6 +22,7 @@ def report(**kw: object) -> KVCacheReport:
         committed_bytes=56 * GiB,
         num_blocks=28672,
         estimate_num_blocks=26000,
+        max_blocks=65536,
     )
     args.update(kw)
     return KVCacheReport(**args)
@@ -36,18 +37,19 @@ def test_format_bytes() -> None:
 
 def test_table_has_every_figure_aligned() -> None:
     lines = report().format_table().splitlines()
-    assert len(lines) == 10
+    assert len(lines) == 11
     assert len({len(line) for line in lines}) == 1  # right-aligned values end in one column
     table = "\n".join(lines)
     for text in ("measured", "80.00 GiB", "16.00 GiB", "768.00 MiB", "1.50 GiB", "56.00 GiB"):
         assert text in table
-    assert "28,672" in table and "26,000" in table
+    assert "28,672" in table and "26,000" in table and "65,536" in table
     assert str(report()) == report().format_table()
 
 
-def test_missing_estimate_is_shown_as_a_dash() -> None:
-    last = report(method="override", estimate_num_blocks=None).format_table().splitlines()[-1]
-    assert last.split()[-1] == "-"
+def test_missing_estimate_and_cap_are_shown_as_dashes() -> None:
+    table = report(method="override", estimate_num_blocks=None, max_blocks=None).format_table()
+    rows = {line.rsplit(maxsplit=1)[0].strip(): line.split()[-1] for line in table.splitlines()}
+    assert rows["blocks by estimate"] == rows["blocks cap"] == "-"
 
 
 def test_unknown_method_is_an_error() -> None:

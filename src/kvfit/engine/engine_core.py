@@ -78,13 +78,22 @@ class EngineCore:
         if extensible:
             rpc("extend_kv_cache", num_blocks)
         cc.num_gpu_blocks = num_blocks
-        report = rpc("kv_cache_report", method, num_blocks)[0]
+        report = rpc("kv_cache_report", method, num_blocks, self._max_blocks(method))[0]
         logger.info("KV cache:\n%s", report.format_table())
         return report
 
     def _capacity(self, method: str, estimate: int) -> int:
         """Blocks to allocate: the override when one is set, else the estimate (which the
-        measured path reserves as capacity and measures within), capped.
+        measured path reserves as capacity and measures within), capped by `_max_blocks`."""
+        cc = self.config.cache_config
+        if method == "override":
+            if cc.num_gpu_blocks_override is not None:
+                return cc.num_gpu_blocks_override
+            return cc.kv_cache_memory_bytes // self.config.kv_cache_spec().block_bytes
+        return max(min(estimate, self._max_blocks(method)), 1)
+
+    def _max_blocks(self, method: str) -> int | None:
+        """The most blocks worth holding (None under an override, which is taken as given).
 
         Blocks beyond what `max_num_seqs` sequences of `max_model_len` hold only keep
         prefix-cache entries alive. On the host, whose memory other processes need too, the
@@ -92,15 +101,13 @@ class EngineCore:
         `MAX_PREFIX_CACHE_BLOCKS`, past which the block manager's bookkeeping, not memory,
         becomes the cost (kvfit-tiny on 141 GB: 8.5M blocks); real models stay below it.
         """
-        cc, sc = self.config.cache_config, self.config.scheduler_config
         if method == "override":
-            if cc.num_gpu_blocks_override is not None:
-                return cc.num_gpu_blocks_override
-            return cc.kv_cache_memory_bytes // self.config.kv_cache_spec().block_bytes
+            return None
+        cc, sc = self.config.cache_config, self.config.scheduler_config
         cap = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size)
         if self.config.device.type != "cpu":
             cap = max(cap, MAX_PREFIX_CACHE_BLOCKS)
-        return max(min(estimate, cap), 1)
+        return cap
 
     def _check_max_model_len_fits(self, num_blocks: int) -> None:
         cc, sc = self.config.cache_config, self.config.scheduler_config

@@ -177,8 +177,11 @@ class Worker:
         """Commit exactly `num_blocks` (growing, or shrinking below what warmup used)."""
         self.runner.commit_blocks(num_blocks)
 
-    def kv_cache_report(self, method: str, num_blocks: int) -> KVCacheReport:
-        """How this worker's cache was sized. The margin is only kept by measured sizing."""
+    def kv_cache_report(
+        self, method: str, num_blocks: int, max_blocks: int | None = None
+    ) -> KVCacheReport:
+        """How this worker's cache was sized (`max_blocks`: the engine's cap on any method's
+        size). The margin is only kept by measured sizing."""
         profile = self.memory_profile()
         cc, cache = self.config.cache_config, self.runner.kv_cache
         margin = 0
@@ -198,6 +201,7 @@ class Worker:
                              else num_blocks * self.runner.kv_cache_spec.block_bytes),
             num_blocks=num_blocks,
             estimate_num_blocks=self.estimate_blocks,
+            max_blocks=max_blocks,
         )
 
     def launch(self, batch: ScheduledBatch) -> AsyncModelOutput:

@@ -20,7 +20,10 @@ class KVCacheReport:
 
     `method` is `measured` (after warmup), `estimate` (profiling estimate, the fallback) or
     `override` (`kv_cache_memory_bytes` / `num_gpu_blocks_override`). `estimate_num_blocks` is
-    what the estimate would have given, for comparison; None where it was not computed.
+    what the estimate's budget arithmetic gives, for comparison; None where it was not computed.
+    `max_blocks` caps both methods (what `max_num_seqs` sequences of `max_model_len` can use,
+    raised on a device to keep a prefix cache), so a size below the estimate shows its reason;
+    None under an override.
     """
 
     method: str
@@ -33,6 +36,7 @@ class KVCacheReport:
     committed_bytes: int
     num_blocks: int
     estimate_num_blocks: int | None = None
+    max_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -41,6 +45,7 @@ class KVCacheReport:
     def _rows(self) -> list[tuple[str, str]]:
         """The table's (label, value) rows."""
         estimate = "-" if self.estimate_num_blocks is None else f"{self.estimate_num_blocks:,}"
+        cap = "-" if self.max_blocks is None else f"{self.max_blocks:,}"
         return [
             ("method", self.method),
             ("device total", format_bytes(self.total)),
@@ -52,6 +57,7 @@ class KVCacheReport:
             ("KV cache committed", format_bytes(self.committed_bytes)),
             ("KV cache blocks", f"{self.num_blocks:,}"),
             ("blocks by estimate", estimate),
+            ("blocks cap", cap),
         ]
 
     def format_table(self) -> str:
