@@ -13,21 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfit.ops.triton_layers import _num_warps
-
-
-@triton.jit
-def _load_halves(src, token, stride_t, stride_h, stride_d,
-                 HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HALF: tl.constexpr,
-                 HALF_P2: tl.constexpr):  # fmt: skip
-    """Both rotate-half halves `[HEADS_P2, HALF_P2]` of every head of one token; padding is 0."""
-    h = tl.arange(0, HEADS_P2)[:, None]
-    d = tl.arange(0, HALF_P2)[None, :]
-    mask = (h < HEADS) & (d < HALF)
-    base = src + token * stride_t + h * stride_h
-    x1 = tl.load(base + d * stride_d, mask=mask, other=0.0)
-    x2 = tl.load(base + (d + HALF) * stride_d, mask=mask, other=0.0)
-    return x1, x2
+from kvfit.ops.triton_layers import (
+    _cos_sin,
+    _load_halves,
+    _num_warps,
+    _rotate_halves,
+    _store_halves,
+)
 
 
 @triton.jit
@@ -42,13 +34,6 @@ def _rms_norm_halves(x1, x2, weight, eps, HALF: tl.constexpr, HALF_P2: tl.conste
     w1 = tl.load(weight + d, mask=d < HALF, other=0.0).to(tl.float32)
     w2 = tl.load(weight + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
     return (a * w1).to(x1.dtype), (b * w2).to(x2.dtype)
-
-
-@triton.jit
-def _rotate_halves(x1, x2, cos, sin):
-    """Neox rotary in fp32, rounded back to x's dtype (as `_rotary_kernel`)."""
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    return (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x2.dtype)
 
 
 @triton.jit
@@ -69,21 +54,14 @@ def _attention_input_kernel(
     QK_NORM: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
-    pos = tl.load(positions + token).to(tl.int64)
-    d = tl.arange(0, HALF_P2)[None, :]
-    cos = tl.load(cos_sin_cache + pos * 2 * HALF + d, mask=d < HALF, other=0.0)
-    sin = tl.load(cos_sin_cache + pos * 2 * HALF + HALF + d, mask=d < HALF, other=0.0)
+    cos, sin = _cos_sin(cos_sin_cache, positions, token, HALF, HALF_P2)
 
     q1, q2 = _load_halves(q, token, stride_qt, stride_qh, stride_qd,
                           NUM_HEADS, HEADS_P2, HALF, HALF_P2)  # fmt: skip
     if QK_NORM:
         q1, q2 = _rms_norm_halves(q1, q2, q_norm_weight, eps, HALF, HALF_P2)
     q1, q2 = _rotate_halves(q1, q2, cos, sin)
-    h = tl.arange(0, HEADS_P2)[:, None]
-    out = q_out + token * NUM_HEADS * 2 * HALF + h * 2 * HALF + d
-    mask = (h < NUM_HEADS) & (d < HALF)
-    tl.store(out, q1.to(q_out.dtype.element_ty), mask=mask)
-    tl.store(out + HALF, q2.to(q_out.dtype.element_ty), mask=mask)
+    _store_halves(q_out, token, q1, q2, NUM_HEADS, HEADS_P2, HALF, HALF_P2)
 
     slot = tl.load(slot_mapping + token)
     if slot < 0:  # padded CUDA-graph slot: its K/V are not stored, so not computed either
@@ -96,6 +74,7 @@ def _attention_input_kernel(
     v1, v2 = _load_halves(v, token, stride_vt, stride_vh, stride_vd,
                           NUM_KV_HEADS, KV_HEADS_P2, HALF, HALF_P2)  # fmt: skip
     h = tl.arange(0, KV_HEADS_P2)[:, None]
+    d = tl.arange(0, HALF_P2)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HALF)
     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch
     lo, hi = dst + d * stride_cd, dst + (d + HALF) * stride_cd

@@ -132,18 +132,56 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_heads(src, dst, token, stride_t, stride_h, stride_d, cos, sin,
-                  HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HALF: tl.constexpr,
-                  HALF_P2: tl.constexpr):  # fmt: skip
+def _cos_sin(cos_sin_cache, positions, token, HALF: tl.constexpr, HALF_P2: tl.constexpr):
+    """cos and sin `[1, HALF_P2]` at this token's position, from the fp32 `[max_position,
+    2 * HALF]` table (cos then sin); padding is 0."""
+    pos = tl.load(positions + token).to(tl.int64)
+    d = tl.arange(0, HALF_P2)[None, :]
+    row = cos_sin_cache + pos * 2 * HALF + d
+    return tl.load(row, mask=d < HALF, other=0.0), tl.load(row + HALF, mask=d < HALF, other=0.0)
+
+
+@triton.jit
+def _load_halves(src, token, stride_t, stride_h, stride_d,
+                 HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HALF: tl.constexpr,
+                 HALF_P2: tl.constexpr):  # fmt: skip
+    """Both rotate-half halves `[HEADS_P2, HALF_P2]` of every head of one token; padding is 0."""
     h = tl.arange(0, HEADS_P2)[:, None]
     d = tl.arange(0, HALF_P2)[None, :]
     mask = (h < HEADS) & (d < HALF)
     base = src + token * stride_t + h * stride_h
-    x1 = tl.load(base + d * stride_d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + (d + HALF) * stride_d, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(base + d * stride_d, mask=mask, other=0.0)
+    x2 = tl.load(base + (d + HALF) * stride_d, mask=mask, other=0.0)
+    return x1, x2
+
+
+@triton.jit
+def _store_halves(dst, token, x1, x2, HEADS: tl.constexpr, HEADS_P2: tl.constexpr,
+                  HALF: tl.constexpr, HALF_P2: tl.constexpr):  # fmt: skip
+    """Write the halves of every head of one token into a contiguous `[T, HEADS, 2 * HALF]`."""
+    h = tl.arange(0, HEADS_P2)[:, None]
+    d = tl.arange(0, HALF_P2)[None, :]
+    mask = (h < HEADS) & (d < HALF)
     out = dst + token * HEADS * 2 * HALF + h * 2 * HALF + d
-    tl.store(out, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
-    tl.store(out + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(out, x1.to(dst.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, x2.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_halves(x1, x2, cos, sin):
+    """Neox rotary in fp32, rounded back to x's dtype."""
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    return (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x2.dtype)
+
+
+@triton.jit
+def _rotate_heads(src, dst, token, stride_t, stride_h, stride_d, cos, sin,
+                  HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HALF: tl.constexpr,
+                  HALF_P2: tl.constexpr):  # fmt: skip
+    x1, x2 = _load_halves(src, token, stride_t, stride_h, stride_d, HEADS, HEADS_P2, HALF,
+                          HALF_P2)  # fmt: skip
+    x1, x2 = _rotate_halves(x1, x2, cos, sin)
+    _store_halves(dst, token, x1, x2, HEADS, HEADS_P2, HALF, HALF_P2)
 
 
 @triton.jit
@@ -159,10 +197,7 @@ def _rotary_kernel(
     HALF_P2: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
-    pos = tl.load(positions + token).to(tl.int64)
-    d = tl.arange(0, HALF_P2)[None, :]
-    cos = tl.load(cos_sin_cache + pos * 2 * HALF + d, mask=d < HALF, other=0.0)
-    sin = tl.load(cos_sin_cache + pos * 2 * HALF + HALF + d, mask=d < HALF, other=0.0)
+    cos, sin = _cos_sin(cos_sin_cache, positions, token, HALF, HALF_P2)
     _rotate_heads(q, q_out, token, stride_qt, stride_qh, stride_qd, cos, sin,
                   Q_HEADS, Q_HEADS_P2, HALF, HALF_P2)  # fmt: skip
     _rotate_heads(k, k_out, token, stride_kt, stride_kh, stride_kd, cos, sin,
