@@ -135,7 +135,8 @@ def test_logprobs_and_prompt_logprobs_match_log_softmax(qwen3: Path) -> None:
             assert set(row.topk(2).indices.tolist()) <= set(entry)
             assert prompt[pos] in entry
             for token, lp in entry.items():
-                assert lp == pytest.approx(row[token].item(), abs=1e-4)
+                assert lp.logprob == pytest.approx(row[token].item(), abs=1e-4)
+                assert lp.rank == 1 + int((row > row[token]).sum())
         assert len(completion.logprobs) == len(completion.token_ids)
         for i, (token, entry) in enumerate(
             zip(completion.token_ids, completion.logprobs, strict=True)
@@ -143,11 +144,12 @@ def test_logprobs_and_prompt_logprobs_match_log_softmax(qwen3: Path) -> None:
             row = ref[len(prompt) + i - 1]
             assert token in entry and len(entry) == 3  # greedy: the sampled one is the top-1
             for t, lp in entry.items():
-                assert lp == pytest.approx(row[t].item(), abs=1e-4)
+                assert lp.logprob == pytest.approx(row[t].item(), abs=1e-4)
+                assert lp.rank == 1 + int((row > row[t]).sum())
+                assert lp.decoded_token == llm.get_tokenizer().decode([t])
         assert completion.cumulative_logprob == pytest.approx(
-            sum(
-                entry[t] for t, entry in zip(completion.token_ids, completion.logprobs, strict=True)
-            )
+            sum(entry[t].logprob
+                for t, entry in zip(completion.token_ids, completion.logprobs, strict=True))
         )
 
 
@@ -291,8 +293,8 @@ def test_a_stop_token_ends_the_output_though_the_next_step_is_in_flight(
 
 def test_abort_while_a_step_is_in_flight_frees_everything(qwen3_llm: LLM) -> None:
     engine = qwen3_llm.engine
-    seq = qwen3_llm._make_sequence(0, {"prompt_token_ids": make_prompts((12,))[0]},
-                                   greedy(max_tokens=20))
+    [seq] = qwen3_llm._make_sequences(0, {"prompt_token_ids": make_prompts((12,))[0]},
+                                      greedy(max_tokens=20))
     engine.add_request(seq)
     engine.step()
     engine.step()  # decoding, with the next token still on the device

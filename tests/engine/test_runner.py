@@ -105,7 +105,8 @@ def test_prompt_logprobs_across_chunks_have_one_entry_per_prompt_token(
     assert entries[0] is None and recorded[0] is None
     for a, b in zip(entries[1:], recorded[1:], strict=True):
         assert a.keys() == b.keys()
-        assert all(a[t] == pytest.approx(b[t], abs=1e-5) for t in a)
+        assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5) for t in a)
+        assert all(a[t].rank == b[t].rank for t in a)
     # A recomputed (preempted) sequence that has them all gets no duplicates.
     chunked.num_computed_tokens, chunked.prompt_logprobs = 0, recorded
     assert runner.execute(ScheduledBatch([chunked], [7])).prompt_logprobs == [None]
@@ -127,25 +128,30 @@ def test_prompt_logprobs_say_where_they_start_when_the_record_lags(runner: Model
 
 def test_dummy_run_addresses_only_blocks_below_the_bound(runner: ModelRunner) -> None:
     cache = runner.kv_cache
-    before = cache.committed_blocks
-    num_blocks = before + 3
-    seen: list[torch.Tensor] = []
+    runner.commit_blocks(1)
+    seen: list = []
     original = runner.prepare_inputs
 
     def spy(batch: ScheduledBatch) -> tuple:
         inputs = original(batch)
-        seen.append(inputs[2].slot_mapping)
+        seen.append(inputs[2])
         return inputs
 
     runner.prepare_inputs = spy  # type: ignore[method-assign]
     try:
-        runner.dummy_run(32, num_blocks, num_decodes=5)
+        # 27 prefill tokens address 7 blocks; the bound allows 3.
+        runner.dummy_run(32, 3, num_decodes=5)
+        runner.dummy_run(32, 1, num_decodes=5)
     finally:
         del runner.prepare_inputs
-    slots = torch.cat(seen)
-    assert cache.committed_blocks == num_blocks  # warmup commits the prefix it addresses
-    assert int(slots.max()) < num_blocks * BLOCK_SIZE
-    assert len(slots) == 32
+    wide, narrow = seen
+    assert cache.committed_blocks == 3  # warmup commits the prefix it addresses
+    assert int(wide.slot_mapping.max()) < 3 * BLOCK_SIZE
+    assert int(narrow.slot_mapping.max()) < BLOCK_SIZE  # ids wrap at the bound
+    assert len(wide.slot_mapping) == 32
+    # Decodes attend over max_model_len (the decode kernel's most splits) within those blocks.
+    assert wide.seq_lens[:5].tolist() == [runner.max_model_len] * 5
+    assert int(wide.block_table.max()) < 3
 
 
 def test_commit_grows_and_shrinks_in_place(runner: ModelRunner) -> None:

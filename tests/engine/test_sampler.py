@@ -10,7 +10,6 @@ from kvfit.engine.sampler import (
     PROMPT_LOGPROBS_CHUNK,
     Sampler,
     SamplingMetadata,
-    apply_top_k_top_p,
     logprob_dicts,
     logprobs_at,
 )
@@ -49,42 +48,18 @@ def test_greedy_rows_take_the_argmax_even_beside_sampled_rows() -> None:
     assert [ids[i] for i in (1, 3, 5)] == [expected[i] for i in (1, 3, 5)]
 
 
-def naive_filter(row: torch.Tensor, top_k: int, top_p: float) -> set[int]:
-    order = row.argsort(descending=True).tolist()
-    kept = order[:top_k] if top_k > 0 else order
-    if top_p >= 1.0:
-        return set(kept)
-    probs = torch.softmax(row[kept], dim=0).tolist()
-    mass, nucleus = 0.0, []
-    for token, prob in zip(kept, probs, strict=True):
-        nucleus.append(token)
-        mass += prob
-        if mass >= top_p:
-            break
-    return set(nucleus)
-
-
-@pytest.mark.parametrize(
-    ("top_k", "top_p"),
-    [(1, 1.0), (5, 1.0), (VOCAB, 1.0), (-1, 0.5), (10, 0.7), (3, 0.05), (-1, 1e-9)],
-)
-def test_top_k_top_p_keep_exactly_the_expected_tokens(top_k: int, top_p: float) -> None:
-    logits = random_logits(4, seed=top_k)
-    k = torch.full((4,), top_k if top_k > 0 else VOCAB)
-    p = torch.full((4,), top_p)
-    filtered = apply_top_k_top_p(logits, k, p)
-    for row in range(4):
-        kept = set(torch.isfinite(filtered[row]).nonzero().flatten().tolist())
-        assert kept == naive_filter(logits[row], top_k, top_p)
-        assert torch.equal(filtered[row][list(kept)], logits[row][list(kept)])
-
-
-def test_sampled_tokens_respect_top_k_and_unfiltered_rows_pass() -> None:
-    logits = random_logits(1).expand(400, VOCAB).contiguous()
-    ids, _ = sample(logits, seqs_for(*[SamplingParams(top_k=3)] * 400))
-    assert set(ids) <= set(logits[0].topk(3).indices.tolist())
-    filtered = apply_top_k_top_p(logits[:2], torch.tensor([3, VOCAB]), None)
-    assert torch.equal(filtered[1], logits[1])
+def test_sampled_tokens_stay_inside_each_rows_filters() -> None:
+    logits = random_logits(1).expand(300, VOCAB).contiguous()
+    params = [SamplingParams(top_k=3), SamplingParams(top_p=0.3), SamplingParams(min_p=0.5),
+              SamplingParams()] * 75
+    ids, _ = sample(logits, seqs_for(*params))
+    probs = torch.softmax(logits[0], dim=0)
+    order = probs.argsort(descending=True).tolist()
+    nucleus = order[: 1 + int((probs[order].cumsum(0) < 0.3).sum())]
+    assert set(ids[0::4]) <= set(order[:3])
+    assert set(ids[1::4]) <= set(nucleus)
+    assert set(ids[2::4]) <= set((probs >= 0.5 * probs.max()).nonzero().flatten().tolist())
+    assert len(set(ids[3::4])) > len(nucleus)  # unfiltered rows reach further
 
 
 def test_sampling_frequencies_follow_the_tempered_distribution() -> None:
@@ -137,15 +112,16 @@ def test_logprobs_are_the_raw_log_softmax() -> None:
     top4 = reference[0].topk(4).indices.tolist()
     assert set(logprobs[0]) == {ids[0], *top4}
     for row in (0, 2):
-        for token, value in logprobs[row].items():
-            assert value == pytest.approx(reference[row, token].item(), abs=1e-5)
+        for token, entry in logprobs[row].items():
+            assert entry.logprob == pytest.approx(reference[row, token].item(), abs=1e-5)
+            assert entry.rank == 1 + int((logits[row] > logits[row, token]).sum())
     assert list(logprobs[2]) == [ids[2]]
     # Every row asking: the logits are read in place, not gathered.
     ids, logprobs = sample(logits, seqs_for(*[SamplingParams(temperature=0, logprobs=2)] * 3))
     for row in range(3):
         assert set(logprobs[row]) == {ids[row], *reference[row].topk(2).indices.tolist()}
-        for token, value in logprobs[row].items():
-            assert value == pytest.approx(reference[row, token].item(), abs=1e-5)
+        for token, entry in logprobs[row].items():
+            assert entry.logprob == pytest.approx(reference[row, token].item(), abs=1e-5)
 
 
 def test_min_tokens_bans_stop_tokens_until_reached() -> None:
@@ -170,7 +146,7 @@ def test_prompt_logprobs_match_log_softmax() -> None:
         expected_ids = {targets[row].item(), *reference[row].topk(2).indices.tolist()}
         assert set(entry) == expected_ids
         for token, value in entry.items():
-            assert value == pytest.approx(reference[row, token].item(), abs=1e-5)
+            assert value.logprob == pytest.approx(reference[row, token].item(), abs=1e-5)
     assert [list(e) for e in logprob_dicts(*logprobs_at(logits, targets, n=0))] == [
         [t] for t in targets.tolist()
     ]
@@ -187,7 +163,7 @@ def test_cuda_sampling_matches_the_cpu_rules() -> None:
     reference = torch.log_softmax(logits, dim=-1)
     for row in range(4):
         for token, value in logprobs[row].items():
-            assert value == pytest.approx(reference[row, token].item(), abs=1e-4)
+            assert value.logprob == pytest.approx(reference[row, token].item(), abs=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -203,4 +179,4 @@ def test_prompt_logprobs_over_many_row_blocks_match_log_softmax(
     for row, entry in enumerate(entries):
         assert set(entry) == {targets[row].item(), *reference[row].topk(3).indices.tolist()}
         for token, value in entry.items():
-            assert value == pytest.approx(reference[row, token].item(), abs=1e-5)
+            assert value.logprob == pytest.approx(reference[row, token].item(), abs=1e-5)

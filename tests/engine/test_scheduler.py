@@ -16,6 +16,7 @@ from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.sequence import (
     PENDING_TOKEN,
+    Logprob,
     ModelOutput,
     ScheduledBatch,
     Sequence,
@@ -62,7 +63,8 @@ class FakeModel:
             context = [self.slots[seq.block_table[p // bs], p % bs] for p in range(len(seq))]
             token = next_token(context)
             sampled.append(token)
-            logprobs.append({token: -0.5} if seq.sampling_params.logprobs is not None else None)
+            logprobs.append({token: Logprob(-0.5)} if seq.sampling_params.logprobs is not None
+                            else None)
         self.last_sampled = {seq.seq_id: token for seq, token in zip(batch.seqs, sampled,
                                                                      strict=True)
                              if token is not None}
@@ -344,10 +346,10 @@ def test_logprobs_and_prompt_logprobs_are_recorded() -> None:
     seq = Sequence([1, 2, 3], SamplingParams(max_tokens=3, logprobs=0, ignore_eos=True))
     scheduler.add(seq)
     batch = scheduler.schedule()
-    entries = [None, {2: -1.0}, {3: -2.0}]
-    scheduler.postprocess(batch, ModelOutput([7], [{7: -0.1}], [entries]))
+    entries = [None, {2: Logprob(-1.0, 1)}, {3: Logprob(-2.0, 4)}]
+    scheduler.postprocess(batch, ModelOutput([7], [{7: Logprob(-0.1, 1)}], [entries]))
     assert seq.prompt_logprobs == entries
-    assert seq.logprobs == [{7: -0.1}]
+    assert seq.logprobs == [{7: Logprob(-0.1, 1)}]
     assert seq.output_token_ids == [7]
 
 
@@ -362,9 +364,9 @@ def test_abort_frees_blocks_and_leaves_others_running() -> None:
     batch = scheduler.schedule()
     output = model(batch)  # the step is in flight when the abort arrives
     scheduler.add(queued)
-    assert scheduler.abort("drop") is drop
-    assert scheduler.abort("queued") is queued
-    assert scheduler.abort("missing") is None
+    assert scheduler.abort("drop") == [drop]
+    assert scheduler.abort("queued") == [queued]
+    assert scheduler.abort("missing") == []
     assert drop.finish_reason == queued.finish_reason == "abort"
     assert drop.block_table == []
     scheduler.postprocess(batch, output)

@@ -21,7 +21,6 @@ from kvfit import LLM, SamplingParams
 from kvfit.engine.config import EngineArgs
 from kvfit.engine.engine_core import EngineCore
 from kvfit.engine.model_runner import ModelRunner
-from kvfit.engine.sampler import PROMPT_LOGPROBS_CHUNK
 from kvfit.engine.sequence import ScheduledBatch
 from kvfit.engine.worker import Worker
 from kvfit.kv.monitor import MemoryMonitor
@@ -235,7 +234,7 @@ def test_startup_order_commits_only_what_warmup_addresses(
     llm = make_llm()
 
     names = [e[0] for e in events]
-    assert names == ["step", "warm_up", "step", "step", "capture", "extend"]
+    assert names == ["step", "warm_up", "step", "step", "step", "capture", "extend"]
     _, committable, committed_at_warmup, capacity = events[1]
     assert committed_at_warmup == 1  # capacity reserved, only the minimum committed
     assert capacity == llm.engine.executor.workers[0].runner.kv_cache.capacity_blocks
@@ -243,18 +242,24 @@ def test_startup_order_commits_only_what_warmup_addresses(
     for _, _, _, max_block_id, committed_now in steps:
         # Dummy ids stay within what the step committed, and within the engine's bound.
         assert max_block_id < committed_now <= committable
-    mixed = steps[1]
+    mixed, decode = steps[1], steps[2]
     assert mixed[1] == LIMITS["max_num_batched_tokens"] and mixed[2] > 0  # prefill + decodes
-    assert events[4][1] == steps[-1][4]  # captured with what warmup committed, nothing more
-    assert events[5][1] == llm.kv_cache_report.num_blocks
+    assert decode[1] == decode[2] == LIMITS["max_num_seqs"]  # the most rows a step samples
+    assert events[5][1] == steps[-1][4]  # captured with what warmup committed, nothing more
+    assert events[6][1] == llm.kv_cache_report.num_blocks
 
 
 @pytest.mark.parametrize("max_logprobs", [0, 20])
-def test_the_mixed_warmup_step_runs_a_prompt_logprobs_chunk_when_logprobs_are_on(
+def test_the_mixed_warmup_step_runs_a_whole_prompt_logprobs_chunk(
     make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch, max_logprobs: int
 ) -> None:
     # The chunk's logits must be measured beside the step's activations, as real steps make
-    # them, so it is part of the mixed step and not a step of its own.
+    # them, so it is part of the mixed step and not a step of its own. A chunk narrower than
+    # the tiny model's max_model_len (512) shows that warmup's chunk is a whole one, even
+    # when decodes would take most of the token budget (max_num_seqs of 256); prompt logprobs
+    # of 0 are allowed whatever max_logprobs is, so the chunk always runs.
+    chunk = 128
+    monkeypatch.setattr(sampler, "PROMPT_LOGPROBS_CHUNK", chunk)
     chunks: list[int] = []
     steps: list[ScheduledBatch] = []
     original_step, original_chunk = ModelRunner.execute, sampler.logprobs_at
@@ -263,17 +268,12 @@ def test_the_mixed_warmup_step_runs_a_prompt_logprobs_chunk_when_logprobs_are_on
     monkeypatch.setattr(model_runner, "logprobs_at",
                         lambda logits, *a: (chunks.append(len(logits)),
                                             original_chunk(logits, *a))[1])
-    budget = PROMPT_LOGPROBS_CHUNK + 64
-    llm = make_llm(max_logprobs=max_logprobs, max_num_batched_tokens=budget)
-    mixed = steps[-1]
+    budget = chunk + 64
+    make_llm(max_logprobs=max_logprobs, max_num_seqs=256, max_num_batched_tokens=budget)
+    mixed = steps[-2]
     assert mixed.num_tokens == budget and not mixed.is_decode_only
-    if max_logprobs:
-        assert all(s.sampling_params.prompt_logprobs == max_logprobs for s in mixed.seqs)
-        # A sequence's chunk is as wide as real prompts can make it.
-        longest_prompt = llm.config.model_config.max_model_len - 1
-        assert max(chunks) >= min(PROMPT_LOGPROBS_CHUNK, longest_prompt - 1)
-    else:
-        assert chunks == []
+    assert all(s.sampling_params.prompt_logprobs == max_logprobs for s in mixed.seqs)
+    assert max(chunks) == chunk
 
 
 @pytest.mark.parametrize(("extensible", "passes"), [(None, 1), (False, 2)])
@@ -313,7 +313,7 @@ def test_final_commit_shrinks_below_what_warmup_used(
     # One granule is all that is measured free: fewer blocks than the full-size warmup used.
     monkeypatch.setattr(worker_module, "available_kv_bytes", lambda profile, *args: 2 * MiB)
     before = spy_extend(monkeypatch)
-    llm = make_llm(max_num_seqs=256, max_num_batched_tokens=2048)
+    llm = make_llm(max_num_seqs=256, max_num_batched_tokens=4096)
     cache = worker(llm).runner.kv_cache
     fits = cache.blocks_that_fit(2 * MiB)
     assert before["committed"] > fits == cache.committed_blocks == llm.kv_cache_report.num_blocks

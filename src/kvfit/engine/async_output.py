@@ -11,24 +11,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfit.engine.sampler import Logprobs, SamplerOutput, logprob_dicts
-from kvfit.engine.sequence import ModelOutput
+from kvfit.engine.sampler import SamplerOutput, logprob_dicts
+from kvfit.engine.sequence import Logprobs, ModelOutput
 
 
 @dataclass
 class PromptLogprobsPart:
     """One sequence's prompt logprobs from one step, from prompt token `first_token` on:
     `num_unscored` None entries (token 0), then one dict per row of each chunk's
-    `(ids, logprobs)` host tensors."""
+    `(ids, logprobs, ranks)` host tensors."""
 
     first_token: int
     num_unscored: int = 0
-    chunks: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def entries(self) -> list[Logprobs | None]:
         entries: list[Logprobs | None] = [None] * self.num_unscored
-        for ids, values in self.chunks:
-            entries += logprob_dicts(ids, values)
+        for ids, values, ranks in self.chunks:
+            entries += logprob_dicts(ids, values, ranks)
         return entries
 
 

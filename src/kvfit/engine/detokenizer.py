@@ -7,7 +7,7 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from kvfit.engine.sequence import Sequence
+from kvfit.engine.sequence import Logprobs, Sequence
 
 # Prompt tokens fed to a new stream as context: enough for decoders that drop a leading space
 # at the start of text, or merge bytes of a character split across tokens.
@@ -34,12 +34,30 @@ class Detokenizer:
         self.tokenizer: Tokenizer | None = tokenizer
         # seq_id -> (stream, number of output tokens fed to it)
         self._streams: dict[int, tuple[DecodeStream, int]] = {}
+        self._token_texts: dict[int, str] = {}
+
+    def decode_token(self, token_id: int) -> str | None:
+        """The text of one token on its own (cached; None without a tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False)
+        return text
+
+    def annotate(self, logprobs: Logprobs) -> Logprobs:
+        """Fill each entry's `decoded_token` (in place); returns `logprobs`."""
+        for token_id, entry in logprobs.items():
+            entry.decoded_token = self.decode_token(token_id)
+        return logprobs
 
     def step(self, seq: Sequence, check_stop: bool = True) -> str | None:
         """Append the text of `seq`'s new output tokens to `seq.output_text`.
 
         With `check_stop`, looks for the request's stop strings in the new text (one may start in
-        earlier text); on a match truncates `output_text` before it and returns the stop string.
+        earlier text); on a match truncates `output_text` before it (after it with
+        `include_stop_str_in_output`) and returns the stop string.
         """
         if self.tokenizer is None:
             return None
@@ -79,5 +97,7 @@ class Detokenizer:
         if not found:
             return None
         index, stop = min(found)
+        if seq.sampling_params.include_stop_str_in_output:
+            index += len(stop)
         seq.output_text = seq.output_text[:index]
         return stop

@@ -147,9 +147,14 @@ class EngineCore:
 
         A sequence the in-flight step samples is scheduled with its token still pending (read
         on the device). If that token stops it, the new step computed one token for nothing,
-        which is dropped; stops by length are known in advance and never scheduled.
+        which is dropped; stops by length are known in advance and never scheduled. Sampling
+        that reads earlier output tokens on the host (penalties, multi-token bad words) cannot
+        wait for its token on the device: while such a sequence runs, the step in flight is
+        applied before the next one is scheduled.
         """
         finished: list[Sequence] = []
+        if self._in_flight is not None and self._pending_tokens_needed():
+            finished += self._apply_in_flight()
         batch = self.scheduler.schedule()
         launched = self.executor.launch(batch) if batch is not None else None
         if self._in_flight is not None:
@@ -158,6 +163,10 @@ class EngineCore:
             self.scheduler.advance(batch)
             self._in_flight = (batch, launched)
         return finished
+
+    def _pending_tokens_needed(self) -> bool:
+        return any(seq.sampling_params.needs_output_history and seq.has_pending_token
+                   for seq in self.scheduler.running)
 
     def _apply_in_flight(self) -> list[Sequence]:
         batch, launched = self._in_flight

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as SequenceOf
 from typing import Any
@@ -93,9 +94,13 @@ class LLM:
                 f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
                 f"pass one SamplingParams or one per prompt"
             )
-        seqs = [self._make_sequence(i, p, sp)
-                for i, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True))]
-        return self._run(seqs, use_tqdm)
+        resolved: dict[int, SamplingParams] = {}  # one tokenization per distinct params
+        for sp in sampling_params:
+            if id(sp) not in resolved:
+                resolved[id(sp)] = self._resolve_bad_words(sp)
+        requests = [self._make_sequences(i, p, resolved[id(sp)])
+                    for i, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True))]
+        return self._run(requests, use_tqdm)
 
     def chat(
         self,
@@ -123,8 +128,26 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _make_sequence(self, index: int, prompt: Prompt, params: SamplingParams) -> Sequence:
-        """Tokenize and validate one request; errors name the request and the setting."""
+    def _resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its `bad_words` tokenized into `bad_words_token_ids`: each word as
+        written and after a space (a word inside text is usually another token)."""
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer and the model has none; "
+                             "use bad_words_token_ids instead")
+        ids = list(params.bad_words_token_ids)
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                tokens = self.tokenizer.encode(text, add_special_tokens=False)
+                if tokens and tokens not in ids:
+                    ids.append(tokens)
+        return dataclasses.replace(params, bad_words=[], bad_words_token_ids=ids)
+
+    def _make_sequences(self, index: int, prompt: Prompt,
+                        params: SamplingParams) -> list[Sequence]:
+        """Tokenize and validate one request; its `n` sequences, the first the parent of the
+        rest. Errors name the request and the setting."""
         where = f"request {index}"
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -136,7 +159,7 @@ class LLM:
         else:
             raise ValueError(f"{where}: a prompt is a string or {{'prompt_token_ids': [...]}}, "
                              f"got {type(prompt).__name__}")
-        mc = self.config.model_config
+        mc, sc = self.config.model_config, self.config.scheduler_config
         vocab_size = mc.hf_config.vocab_size
         if not token_ids:
             raise ValueError(f"{where}: the prompt is empty")
@@ -153,21 +176,31 @@ class LLM:
             if n is not None and n > mc.max_logprobs:
                 raise ValueError(f"{where}: SamplingParams.{name}={n} is above max_logprobs="
                                  f"{mc.max_logprobs}; lower it or raise max_logprobs")
+        if params.n > sc.max_num_seqs:
+            raise ValueError(f"{where}: SamplingParams.n={params.n} is above max_num_seqs="
+                             f"{sc.max_num_seqs}; lower n or raise max_num_seqs")
+        try:
+            params.check_token_ids(vocab_size)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{where}: SamplingParams.stop needs a tokenizer; use "
                              f"stop_token_ids instead")
-        return Sequence(token_ids, params, request_id=str(next(self._request_counter)),
-                        prompt=text)
+        request_id = str(next(self._request_counter))
+        parent = Sequence(token_ids, params, request_id=request_id, prompt=text)
+        siblings = [Sequence(token_ids, params, request_id=request_id, prompt=text,
+                             sibling_index=i, parent=parent) for i in range(1, params.n)]
+        return [parent, *siblings]
 
-    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> list[RequestOutput]:
         try:
-            for seq in seqs:
+            for seq in itertools.chain.from_iterable(requests):
                 self.engine.add_request(seq)
         except ValueError:
-            for seq in seqs:
-                self.engine.abort_request(seq.request_id)
+            for seqs in requests:
+                self.engine.abort_request(seqs[0].request_id)
             raise
-        with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm) as bar:
+        with tqdm(total=sum(map(len, requests)), desc="Generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 bar.update(len(self.engine.step()))
-        return [RequestOutput.from_seq(seq) for seq in seqs]
+        return [RequestOutput.from_seqs(seqs) for seqs in requests]

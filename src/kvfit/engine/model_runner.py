@@ -10,23 +10,18 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from kvfit.engine import sampler as sampler_module
 from kvfit.engine.async_output import AsyncModelOutput, PromptLogprobsPart
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.cuda_graph import CUDAGraphRunner
-from kvfit.engine.sampler import (
-    PROMPT_LOGPROBS_CHUNK,
-    Sampler,
-    SamplingMetadata,
-    logprobs_at,
-)
+from kvfit.engine.sampler import Sampler, SamplingMetadata, logprobs_at
+from kvfit.engine.sampling_features import WarmupLimits, worst_case_params
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import PENDING_TOKEN, ModelOutput, ScheduledBatch, Sequence
 from kvfit.engine.transfer import to_device, to_device_packed, to_host
 from kvfit.kv.cache import ExtensibleKVCache
 from kvfit.models.loader import load_model
 from kvfit.ops.attention import AttentionMetadata
-
-_GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class ModelRunner:
@@ -222,38 +217,51 @@ class ModelRunner:
             if first <= last:
                 rows = hidden[starts[i] + first - 1 - start : starts[i] + last - start]
                 targets = to_device(torch.tensor(seq.token_ids[first : last + 1]), hidden.device)
-                for c in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
+                chunk = sampler_module.PROMPT_LOGPROBS_CHUNK
+                for c in range(0, len(rows), chunk):
                     # Logits inline, so a chunk's are freed before the next chunk's exist.
-                    ids, values = logprobs_at(
-                        self.model.compute_logits(rows[c : c + PROMPT_LOGPROBS_CHUNK]),
-                        targets[c : c + PROMPT_LOGPROBS_CHUNK], num,
-                    )
-                    part.chunks.append((to_host(ids), to_host(values)))
+                    result = logprobs_at(self.model.compute_logits(rows[c : c + chunk]),
+                                         targets[c : c + chunk], num)
+                    part.chunks.append(tuple(to_host(t) for t in result))
         return out
 
     # -- warmup -------------------------------------------------------------------------------
 
+    @property
+    def warmup_params(self) -> SamplingParams:
+        """Every sampling feature at its worst case (`worst_case_params`) for this model."""
+        mc = self.config.model_config
+        return worst_case_params(WarmupLimits(mc.hf_config.vocab_size, self.max_model_len,
+                                              mc.max_logprobs))
+
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, max_blocks: int, num_decodes: int = 0,
-                  logprobs: int | None = None) -> None:
+                  params: SamplingParams | None = None) -> None:
         """One step of `num_tokens` dummy tokens: `num_decodes` decodes, the rest prefill
-        sequences of at most `max_model_len` tokens. Block ids wrap at the blocks the step
-        addresses or `max_blocks`, whichever is fewer, and those are committed first.
+        sequences of at most `max_model_len` tokens, every sequence sampled with `params`
+        (greedy when None).
 
-        `logprobs`: every sequence asks for that many logprobs and prompt logprobs, so the
-        prompt-logprobs chunks run beside the step's live activations, as in a real step.
+        The step is as large as a real one can be in every dimension that allocates: decodes
+        attend over `max_model_len` tokens (the decode kernel's most KV splits), prefill chunks
+        score prompt logprobs when `params` asks (beside the step's live activations, as in a
+        real step), and contexts are distinct tokens (the most penalty entries); decodes come
+        in sibling pairs. Block ids wrap at the blocks the prefills address (at least one) or
+        `max_blocks`, whichever is fewer, and those are committed first: reading a block twice
+        costs no memory.
         """
-        decode_context = min(self.max_model_len, self.block_size)  # one block per decode
+        params = params or SamplingParams(temperature=0.0, max_tokens=1)
+        vocab_size = self.config.model_config.hf_config.vocab_size
         lengths = [1] * num_decodes + _split(num_tokens - num_decodes, self.max_model_len)
-        contexts = [decode_context] * num_decodes + lengths[num_decodes:]
-        num_blocks = min(max_blocks, sum(-(-c // self.block_size) for c in contexts))
+        contexts = [self.max_model_len] * num_decodes + lengths[num_decodes:]
+        prefill_blocks = sum(-(-c // self.block_size) for c in contexts[num_decodes:])
+        num_blocks = min(max_blocks, max(1, prefill_blocks))
         self.ensure_blocks(num_blocks)
-        params = _GREEDY if logprobs is None else SamplingParams(
-            temperature=0.0, max_tokens=1, logprobs=logprobs, prompt_logprobs=logprobs)
         block_ids = itertools.count()
         seqs = []
-        for n, context in zip(lengths, contexts, strict=True):
-            seq = Sequence([0] * context, params)
+        for i, (n, context) in enumerate(zip(lengths, contexts, strict=True)):
+            decode = i < num_decodes
+            seq = Sequence([t % vocab_size for t in range(context)], params,
+                           num_prompt_tokens=1 if decode else context, sibling_index=i % 2)
             seq.num_computed_tokens = context - n
             seq.block_table = [next(block_ids) % num_blocks
                                for _ in range(-(-context // self.block_size))]
@@ -269,7 +277,8 @@ class ModelRunner:
         # The scratch cache stays bound until `initialize_kv_cache` binds the real one.
         self.model.bind_kv_cache(spec.layer_views(scratch))
         self._num_allocated_blocks = 1
-        self.dummy_run(self.config.scheduler_config.max_num_batched_tokens, 1)
+        self.dummy_run(self.config.scheduler_config.max_num_batched_tokens, 1,
+                       params=self.warmup_params)
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs against the current cache views (no-op under enforce_eager)."""

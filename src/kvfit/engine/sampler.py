@@ -1,4 +1,9 @@
-"""Token sampling from logits: greedy, temperature, top-k, top-p, seeds and logprobs."""
+"""Token sampling from logits: penalties, bias, bans, temperature, filters, seeds, logprobs.
+
+The step's logits are the sampler's own (the model runner computes them for the sampled rows
+only), so every change is made in place and sparse, and undone before logprobs are read: the
+memory of sampling is the logits plus O(rows + entries) (see `Sampler`).
+"""
 
 from __future__ import annotations
 
@@ -9,31 +14,32 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfit.engine.sequence import Sequence
+from kvfit.engine.logits_processors import BannedTokens, LogitBias, Penalties
+from kvfit.engine.sequence import Logprob, Logprobs, Sequence
 from kvfit.engine.transfer import to_device, to_host
-from kvfit.ops import gumbel_sample
+from kvfit.ops import filter_thresholds, gumbel_sample
 
 # Rows of prompt positions pushed through the logits head and the top-n scorer at once; warmup
 # runs one chunk of exactly this width so its memory is measured before the cache is sized.
 PROMPT_LOGPROBS_CHUNK = 1024
-# Bytes of float32 logits normalised at once: bounds log-sum-exp's [rows, V] temporaries
-# (26 rows of a 152k vocabulary), small next to one chunk's logits.
+# Bytes of float32 logits normalised at once: bounds log-sum-exp's and the rank count's
+# [rows, V] temporaries (26 rows of a 152k vocabulary), small next to one chunk's logits.
 _LOGSUMEXP_BYTES = 16 << 20
 
-Logprobs = dict[int, float]
+LogitsProcessor = Penalties | LogitBias | BannedTokens
 
 
 @dataclass
 class SamplingMetadata:
     """Per-row sampling settings of one step as tensors, built once per step by `from_seqs`."""
 
-    temperature: torch.Tensor  # [N] float32, 1.0 on greedy rows so division is safe
-    greedy: torch.Tensor  # [N] bool
+    temperature: torch.Tensor  # [N] float32, 0.0 on greedy rows
     all_greedy: bool
-    top_k: torch.Tensor | None  # [N] int64, vocab size where off; None when no row filters
-    top_p: torch.Tensor | None  # [N] float32, 1.0 where off; None when no row filters
+    top_k: torch.Tensor | None  # [N] int32, vocab size where off; None when no row filters
+    top_p: torch.Tensor | None  # [N] float32, 1.0 where off
+    min_p: torch.Tensor | None  # [N] float32, 0.0 where off
     token_seeds: list[tuple[int, int]]  # (row, seed of this row's current token)
-    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) that must not be sampled
+    processors: list[LogitsProcessor]  # applied in this order, undone in reverse
     num_logprobs: list[int | None]  # per row, None = not requested
 
     @classmethod
@@ -49,87 +55,96 @@ class SamplingMetadata:
         Below `min_tokens`, the stop token ids (and `eos_token_ids` unless `ignore_eos`) are
         banned so generation cannot end early.
         """
+        device = torch.device(device)
         params = [seq.sampling_params for seq in seqs]
-        greedy = [p.greedy for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        top_p = [p.top_p for p in params]
-        banned_rows, banned_ids = [], []
-        for row, seq in enumerate(seqs):
-            p = seq.sampling_params
-            if seq.num_output_tokens < p.min_tokens:
-                stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-                banned_rows += [row] * len(stop_ids)
-                banned_ids += sorted(stop_ids)
 
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+        def tensor(values: list, dtype: torch.dtype, off: float) -> torch.Tensor | None:
+            if all(v == off for v in values):
+                return None
             return to_device(torch.tensor(values, dtype=dtype), device)
 
+        processors = [
+            Penalties.from_seqs(seqs, vocab_size, device),
+            LogitBias.from_seqs(seqs, vocab_size, device),
+            BannedTokens.from_seqs(seqs, vocab_size, device, eos_token_ids),
+        ]
         return cls(
-            temperature=tensor([p.temperature or 1.0 for p in params], torch.float32),
-            greedy=tensor(greedy, torch.bool),
-            all_greedy=all(greedy),
-            top_k=tensor(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
-            top_p=tensor(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
+            temperature=to_device(torch.tensor([p.temperature for p in params],
+                                               dtype=torch.float32), device),
+            all_greedy=all(p.greedy for p in params),
+            top_k=tensor(top_k, torch.int32, vocab_size),
+            top_p=tensor([p.top_p for p in params], torch.float32, 1.0),
+            min_p=tensor([p.min_p for p in params], torch.float32, 0.0),
             token_seeds=[
-                (row, token_seed(p.seed, seq.num_output_tokens))
+                (row, token_seed(p.seed, seq.num_output_tokens, seq.sibling_index))
                 for row, (seq, p) in enumerate(zip(seqs, params, strict=True))
                 if p.seed is not None and not p.greedy
             ],
-            banned=(tensor(banned_rows, torch.int64), tensor(banned_ids, torch.int64))
-            if banned_rows
-            else None,
+            processors=[p for p in processors if p is not None],
             num_logprobs=[p.logprobs for p in params],
         )
 
+    @property
+    def filters(self) -> bool:
+        return any(t is not None for t in (self.top_k, self.top_p, self.min_p))
 
-def token_seed(seed: int, index: int) -> int:
-    """Seed for output token `index` of a request seeded with `seed`.
+
+def token_seed(seed: int, index: int, sibling: int = 0) -> int:
+    """Seed for output token `index` of completion `sibling` of a request seeded with `seed`.
 
     Drawing each token from its own generator seeded this way makes a seeded request's samples
-    depend only on its seed and logits: not on batch mates, preemption, or which worker ran it.
+    depend only on its seed and logits: not on batch mates, preemption, or which worker ran it;
+    the `n` completions of one request draw apart.
     """
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    key = f"{seed}:{index}" if sibling == 0 else f"{seed}:{sibling}:{index}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)  # an int64, as the kernels take it
 
 
 @dataclass
 class SamplerOutput:
-    """Sampled ids, plus for the rows that asked, the sampled token's logprob and the top-n."""
+    """Sampled ids, plus for the rows that asked, the sampled token's logprob and rank and the
+    top-n."""
 
     sampled_token_ids: torch.Tensor  # [N] int64
     logprob_rows: list[int]  # rows of the batch that asked for logprobs
     logprob_token_ids: torch.Tensor | None  # [R, 1 + max_n]: sampled token, then top-n
     logprobs: torch.Tensor | None  # [R, 1 + max_n]
+    ranks: torch.Tensor | None = None  # [R]: the sampled token's rank
 
     def to_host(self) -> SamplerOutput:
         """The same output with its tensors being copied to pinned host memory (no wait)."""
         return SamplerOutput(
             to_host(self.sampled_token_ids), self.logprob_rows,
-            None if self.logprob_token_ids is None else to_host(self.logprob_token_ids),
-            None if self.logprobs is None else to_host(self.logprobs),
+            *(None if t is None else to_host(t)
+              for t in (self.logprob_token_ids, self.logprobs, self.ranks)),
         )
 
     def to_lists(self, num_logprobs: list[int | None]) -> tuple[list[int], list[Logprobs | None]]:
-        """Host-side ids and per-row {token id: logprob} dicts (None where not requested)."""
+        """Host-side ids and per-row {token id: Logprob} dicts (None where not requested)."""
         token_ids = self.sampled_token_ids.tolist()
         dicts: list[Logprobs | None] = [None] * len(token_ids)
         if self.logprobs is not None:
-            ids, values = self.logprob_token_ids.tolist(), self.logprobs.tolist()
-            for r, row in enumerate(self.logprob_rows):
-                n = 1 + num_logprobs[row]
-                dicts[row] = dict(zip(ids[r][:n], values[r][:n], strict=True))
+            nums = [num_logprobs[row] for row in self.logprob_rows]
+            entries = logprob_dicts(self.logprob_token_ids, self.logprobs, self.ranks, nums)
+            for entry, row in zip(entries, self.logprob_rows, strict=True):
+                dicts[row] = entry
         return token_ids, dicts
 
 
 class Sampler:
     """Samples one token per logits row; runs outside CUDA graphs, batched over rows.
 
-    Greedy rows take the argmax. Others take the Gumbel-max draw of `kvfit.ops.gumbel_sample`
-    (the argmax of logits / T plus Gumbel noise, which is a sample from softmax(logits / T)), one
-    pass over the logits with no per-row Python. Each row's noise comes from its own 64-bit seed:
-    drawn from the engine's generator for unseeded rows, `token_seed` for seeded ones. Logprobs
-    are the log-softmax of the raw logits (before temperature and filters), as vLLM returns by
-    default.
+    Order (vLLM's): penalties, logit bias and bans change the logits in place; greedy rows take
+    the argmax of the result; the others take the Gumbel-max draw of `kvfit.ops.gumbel_sample`
+    at their temperature, over the tokens that pass their top-k / top-p / min-p threshold
+    (`kvfit.ops.filter_thresholds`, no sort). Each row's noise comes from its own 64-bit seed:
+    the engine's generator for unseeded rows, `token_seed` for seeded ones. The changes are
+    then undone, and logprobs are the log-softmax of the raw logits, as vLLM returns by default.
+
+    Device memory beyond the `[N, V]` logits: the processors' entries (see each), the filter
+    thresholds' O(N) and one `_LOGSUMEXP_BYTES` block of float32 for logprobs.
     """
 
     def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
@@ -137,24 +152,22 @@ class Sampler:
         self.generator = torch.Generator(self.device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample from `logits` `[N, V]` (any float dtype) with `meta` built for the same N
-        rows."""
-        raw_logits = logits
-        if meta.banned is not None:
-            neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
-            logits = logits.index_put(meta.banned, neg_inf)
+        """Sample from `logits` `[N, V]` (any float dtype; changed and restored in place) with
+        `meta` built for the same N rows."""
+        logits = logits.contiguous()
+        undo = [processor.apply(logits) for processor in meta.processors]
         token_ids = logits.argmax(dim=-1) if meta.all_greedy else self._sample(logits, meta)
-        return self._with_logprobs(raw_logits, token_ids, meta.num_logprobs)
+        for change in reversed(undo):
+            change.restore(logits)
+        return self._with_logprobs(logits, token_ids, meta.num_logprobs)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        temperature = meta.temperature
-        if meta.top_k is not None or meta.top_p is not None:
-            # The filters act on the tempered distribution: temper first, then draw at T = 1.
-            logits = apply_top_k_top_p(logits.float() / temperature[:, None], meta.top_k,
-                                       meta.top_p)
-            temperature = torch.ones_like(temperature)
-        temperature = temperature.masked_fill(meta.greedy, 0.0)  # T <= 0: the plain argmax
-        return gumbel_sample(logits, temperature, self._seeds(meta, logits.shape[0]))
+        thresholds = None
+        if meta.filters:
+            thresholds = filter_thresholds(logits, meta.temperature, meta.top_k, meta.top_p,
+                                           meta.min_p)
+        return gumbel_sample(logits, meta.temperature, self._seeds(meta, logits.shape[0]),
+                             thresholds)
 
     def _seeds(self, meta: SamplingMetadata, num_rows: int) -> torch.Tensor:
         """One int64 seed per row: the generator's, or the row's `token_seed`."""
@@ -168,65 +181,64 @@ class Sampler:
 
     @staticmethod
     def _with_logprobs(
-        raw_logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
+        logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
     ) -> SamplerOutput:
         rows = [row for row, n in enumerate(num_logprobs) if n is not None]
         if not rows:
             return SamplerOutput(token_ids, rows, None, None)
         max_n = max(num_logprobs[row] for row in rows)
-        if len(rows) == len(num_logprobs):  # every row: no gathered copy of the logits
-            ids, values = logprobs_at(raw_logits, token_ids, max_n)
-        else:
-            index = to_device(torch.tensor(rows), raw_logits.device)
-            ids, values = logprobs_at(raw_logits[index], token_ids[index], max_n)
-        return SamplerOutput(token_ids, rows, ids, values)
+        index = None
+        if len(rows) < len(num_logprobs):
+            index = to_device(torch.tensor(rows), logits.device)
+        ids, values, ranks = logprobs_at(logits, token_ids if index is None else token_ids[index],
+                                         max_n, index)
+        return SamplerOutput(token_ids, rows, ids, values, ranks)
 
 
 def logprobs_at(
-    logits: torch.Tensor, token_ids: torch.Tensor, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(ids, logprobs)` `[R, 1 + n]`: per row of `logits` `[R, V]`, the log-softmax at
-    `token_ids[r]`, then at the row's top-`n`, left on the device.
+    logits: torch.Tensor, token_ids: torch.Tensor, n: int, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(ids, logprobs, ranks)` for rows `rows` of `logits` `[N, V]` (all rows when None), left
+    on the device: `ids` and `logprobs` `[R, 1 + n]` hold the log-softmax at `token_ids[r]`
+    (`token_ids` has one id per selected row), then at the row's top-`n`; `ranks` `[R]` is
+    `token_ids[r]`'s rank (1 + the number of larger logits).
 
-    No [R, V] float32 log-softmax is made: each row's log-sum-exp is taken in float32 a few
-    rows at a time and only the returned entries are normalised. A float32 copy of the logits
-    would be the largest transient of a step (0.6 GiB for 1024 rows over a 152k vocabulary), and
-    measured sizing keeps 1.5x the largest transient free. The top-n of the logits are the top-n
-    of the logprobs (one shift per row).
+    No [R, V] float32 log-softmax (and no gathered copy of the selected rows) is made: rows are
+    taken a `_LOGSUMEXP_BYTES` block at a time, and only the returned entries are normalised.
+    A float32 copy of the logits would be the largest transient of a step (0.6 GiB for 1024 rows
+    over a 152k vocabulary), and measured sizing keeps 1.5x the largest transient free. The
+    top-n of the logits are the top-n of the logprobs (one shift per row).
     """
+    num_rows = logits.shape[0] if rows is None else rows.shape[0]
     block = max(1, _LOGSUMEXP_BYTES // (4 * logits.shape[-1]))
-    lse = torch.cat([rows.float().logsumexp(dim=-1) for rows in logits.split(block)])
-    ids = token_ids.to(logits.device, torch.int64)[:, None]
-    if n:
-        ids = torch.cat([ids, logits.topk(n, dim=-1).indices], dim=1)
-    return ids, logits.gather(1, ids).float() - lse[:, None]
+    token_ids = token_ids.to(logits.device, torch.int64)
+    parts = []
+    for start in range(0, num_rows, block):
+        end = min(start + block, num_rows)
+        part = logits[start:end] if rows is None else logits[rows[start:end]]
+        ids = token_ids[start:end, None]
+        if n:
+            ids = torch.cat([ids, part.topk(n, dim=-1).indices], dim=1)
+        picked = part.gather(1, ids)
+        rank = 1 + (part > picked[:, :1]).sum(dim=-1)
+        lse = part.float().logsumexp(dim=-1)
+        parts.append((ids, picked.float() - lse[:, None], rank))
+    ids, values, ranks = (torch.cat(t) for t in zip(*parts, strict=True))
+    return ids, values, ranks
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Set to -inf every logit outside each row's top-k and outside its top-p nucleus.
-
-    The nucleus is the smallest set of most likely tokens whose probability reaches top_p
-    (computed after top-k). One sort serves every row; rows with filters off pass unchanged.
-    """
-    if top_k is None and top_p is None:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1)  # ascending: the most likely token is last
-    vocab_size = logits.shape[-1]
-    if top_k is not None:
-        below_k = torch.arange(vocab_size, device=logits.device) < (vocab_size - top_k)[:, None]
-        sorted_logits.masked_fill_(below_k, float("-inf"))
-    if top_p is not None:
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        outside = cumulative <= (1 - top_p)[:, None]
-        outside[:, -1] = False
-        sorted_logits.masked_fill_(outside, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def logprob_dicts(ids: torch.Tensor, values: torch.Tensor) -> list[Logprobs]:
-    """One {token id: logprob} dict per row of `logprobs_at`'s output (waits for its device)."""
-    rows = zip(ids.tolist(), values.tolist(), strict=True)
-    return [dict(zip(i, v, strict=True)) for i, v in rows]
-
+def logprob_dicts(ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor | None = None,
+                  nums: list[int] | None = None) -> list[Logprobs]:
+    """One {token id: Logprob} dict per row of `logprobs_at`'s output (waits for its device):
+    the token of column 0 with `ranks[r]`, then the top-`nums[r]` (all columns when None) with
+    ranks 1, 2, ..."""
+    first_ranks = [None] * len(ids) if ranks is None else ranks.tolist()
+    nums = nums or [ids.shape[1] - 1] * len(ids)
+    dicts = []
+    for row_ids, row_values, rank, n in zip(ids.tolist(), values.tolist(), first_ranks, nums,
+                                            strict=True):
+        entry = {row_ids[0]: Logprob(row_values[0], rank)}
+        for i in range(1, 1 + n):
+            entry.setdefault(row_ids[i], Logprob(row_values[i], i))
+        dicts.append(entry)
+    return dicts

@@ -1,59 +1,123 @@
-"""Per-request sampling settings, named as in vLLM."""
+"""Per-request sampling settings, with vLLM's names and semantics."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_TOKEN_LIST = 1024
+"""Most entries of `logit_bias`, of `stop_token_ids` and of `bad_words` (token sequences) one
+request may carry. Warmup samples every row with this many of each, so the step that holds the
+most of them is one that was measured before the KV cache was sized."""
 
 
 @dataclass
 class SamplingParams:
     """How to sample one request.
 
-    `temperature=0` is greedy. `top_k` of 0 or -1 and `top_p=1` disable those filters.
-    `logprobs=n` returns the top-n log-probabilities of every generated token (plus the sampled
-    one); `prompt_logprobs=n` does the same for every prompt token after the first.
+    `temperature=0` is greedy. `top_k` of 0 or -1, `top_p=1` and `min_p=0` disable those
+    filters, which act on the tempered distribution in vLLM's order: min-p, top-k, then top-p
+    over what is left. Penalties act on the raw logits before them: `repetition_penalty` (> 1
+    discourages) on every token of the prompt and output, `presence_penalty` and
+    `frequency_penalty` on output tokens (once, and per occurrence); `logit_bias` adds to given
+    token ids. `bad_words` are never generated: a one-token word is banned outright, a longer
+    one when the output ends with all but its last token (`bad_words_token_ids` holds them
+    tokenized; the `LLM` front end fills it).
+
+    `n` completions share the prompt (and, with prefix caching, its KV blocks). `stop` strings
+    end generation and are cut from the text unless `include_stop_str_in_output`.
+    `logprobs=n` returns the top-n log-probabilities of every generated token plus the sampled
+    one; `prompt_logprobs=n` the same for every prompt token after the first. They are computed
+    from the raw logits (vLLM's default), before penalties, temperature and filters.
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        for name in ("stop", "bad_words"):
+            value = getattr(self, name)
+            setattr(self, name, [value] if isinstance(value, str) else list(value or []))
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(
-                f"SamplingParams.top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}"
-            )
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], "
-                f"got {self.min_tokens}"
-            )
+        self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids or []]
+        if self.logit_bias is not None:
+            # JSON object keys arrive as strings.
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(self.n >= 1, "n", "must be >= 1", self.n)
+        _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k >= -1, "top_k", "must be -1 (off), 0 (off) or >= 1", self.top_k)
+        _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check(-2 <= getattr(self, name) <= 2, name, "must be in [-2, 2]", getattr(self, name))
+        _check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1 = off)",
+               self.repetition_penalty)
+        _check(self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens)
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"SamplingParams.{name} must be >= 0 or None, got {value}")
-        if any(not s for s in self.stop):
-            raise ValueError("SamplingParams.stop must not contain an empty string")
+            _check(value is None or value >= 0, name, "must be >= 0 or None", value)
+        _check(all(self.stop), "stop", "must not contain an empty string", self.stop)
+        _check(all(self.bad_words_token_ids), "bad_words_token_ids",
+               "must not contain an empty token list", self.bad_words_token_ids)
+        if self.logit_bias is not None:
+            _check(all(math.isfinite(v) for v in self.logit_bias.values()), "logit_bias",
+                   "values must be finite", self.logit_bias)
+        for name in ("logit_bias", "stop_token_ids", "bad_words", "bad_words_token_ids"):
+            size = len(getattr(self, name) or ())
+            _check(size <= MAX_TOKEN_LIST, name,
+                   f"holds at most {MAX_TOKEN_LIST} entries (warmup measures that many)",
+                   f"{size} entries")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ValueError if a token id this request names is outside `[0, vocab_size)`."""
+        for name, ids in (("logit_bias", self.logit_bias or ()),
+                          ("stop_token_ids", self.stop_token_ids),
+                          ("bad_words_token_ids", [t for w in self.bad_words_token_ids
+                                                   for t in w])):  # fmt: skip
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            _check(not bad, name, f"token ids must be in [0, {vocab_size})", bad[:8])
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Whether sampling the next token reads earlier output tokens on the host (penalties,
+        multi-token bad words): such a row cannot be scheduled while its last token is still
+        on the device."""
+        return self.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
+
+
+def _check(ok: bool, name: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")

@@ -97,14 +97,18 @@ class Scheduler:
                 budget -= num_new
         # After a preemption the cache is full: admitting new work would only thrash.
         if self.num_preemptions == num_preempted:
-            while self.waiting and budget and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
+            i = 0
+            while i < len(self.waiting) and budget and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[i]
+                if self._waits_for_parent(seq):
+                    i += 1
+                    continue
                 self.block_manager.allocate(seq)
                 num_new = self._chunk_size(seq, budget)
                 if not self.block_manager.append_slots(seq, num_new):
                     self._release(seq)
                     break
-                self.waiting.popleft()
+                del self.waiting[i]
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 batch.seqs.append(seq)
@@ -143,7 +147,7 @@ class Scheduler:
             # A sequence preempted while this step ran is waiting: it keeps the token.
             seq.resolve_pending_token(token_id)
             if output.logprobs[i] is not None:
-                seq.logprobs.append(output.logprobs[i])
+                seq.logprobs.append(self.detokenizer.annotate(output.logprobs[i]))
             if self._check_stop(seq, token_id):
                 self._finish(seq)
                 finished.append(seq)
@@ -153,25 +157,35 @@ class Scheduler:
                 self.waiting = deque(seq for seq in self.waiting if not seq.is_finished)
         return finished
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Finish the request with `request_id` now (finish_reason "abort"), if it is queued."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    seq.finish_reason = "abort"
-                    self._finish(seq)
-                    return seq
-        return None
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of the request `request_id` now (finish_reason "abort"): all
+        of its `n` completions that are queued or running."""
+        aborted = [seq for queue in (self.waiting, self.running) for seq in queue
+                   if seq.request_id == request_id]
+        for seq in aborted:
+            (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
+            seq.finish_reason = "abort"
+            self._finish(seq)
+        return aborted
 
-    @staticmethod
-    def _record_prompt_logprobs(seq: Sequence, output: ModelOutput, i: int) -> None:
+    def _waits_for_parent(self, seq: Sequence) -> bool:
+        """Whether a sibling completion should wait for its parent to compute the shared
+        prompt, whose full blocks then become its prefix-cache hits (rather than computing
+        the same prompt twice in one step)."""
+        parent = seq.parent
+        return (parent is not None and not parent.is_finished
+                and self.block_manager.enable_prefix_caching
+                and seq.sampling_params.prompt_logprobs is None
+                and parent.num_computed_tokens < parent.num_prompt_tokens - 1)
+
+    def _record_prompt_logprobs(self, seq: Sequence, output: ModelOutput, i: int) -> None:
         done = len(seq.prompt_logprobs)
         first = done if output.prompt_logprobs_first is None else output.prompt_logprobs_first[i]
         if first > done:
             raise RuntimeError(f"sequence {seq.seq_id}: prompt logprobs from token {first} "
                                f"arrived with only {done} recorded")
-        seq.prompt_logprobs.extend(output.prompt_logprobs[i][done - first :])
+        seq.prompt_logprobs.extend(None if entry is None else self.detokenizer.annotate(entry)
+                                   for entry in output.prompt_logprobs[i][done - first :])
 
     def _awaits_final_token(self, seq: Sequence) -> bool:
         """Whether `seq`'s pending token is its last (by length): it needs no further step."""

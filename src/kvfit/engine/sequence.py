@@ -6,6 +6,8 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+import numpy as np
+
 from kvfit.engine.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -13,6 +15,19 @@ _seq_counter = itertools.count()
 PENDING_TOKEN = -1
 """Stands for a sampled token whose value is still on the device: the engine schedules the next
 step before the last one's tokens reach the host, and the model runner reads the value there."""
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability, its rank in the distribution (1 = most likely) and its
+    text, as vLLM returns them."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+Logprobs = dict[int, Logprob]
 
 
 class SequenceStatus(Enum):
@@ -29,6 +44,8 @@ class Sequence:
     included); the next step computes `token_ids[num_computed_tokens:num_computed_tokens + n]`.
     `block_table` lists the cache block ids holding the sequence, in order. The last token may
     be `PENDING_TOKEN` while the step that sampled it is in flight (`has_pending_token`).
+    Completion `sibling_index` of a request with `n` > 1 shares its prompt with `parent` (the
+    first one), which it waits for so that the prompt's full blocks become prefix-cache hits.
     """
 
     token_ids: list[int]
@@ -36,6 +53,8 @@ class Sequence:
     request_id: str = ""
     prompt: str | None = None
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    sibling_index: int = 0
+    parent: Sequence | None = None
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -44,14 +63,39 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # Filled by the model runner's sampler, one entry per generated token / prompt token.
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
     output_text: str = ""
+    # `token_counts` cache: distinct context tokens, their output counts, tokens consumed.
+    _counts: tuple[np.ndarray, np.ndarray, int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
+
+    def token_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(token_ids, output_counts)`: the distinct tokens of prompt and output (sorted,
+        int64) and how often each occurs in the output (int32); a pending token is not counted.
+
+        Kept up to date incrementally, so a step costs O(distinct tokens) in numpy, not a pass
+        over the whole context in Python.
+        """
+        if self._counts is None:
+            prompt = np.unique(np.asarray(self.prompt_token_ids, dtype=np.int64))
+            self._counts = (prompt, np.zeros(len(prompt), np.int32), self.num_prompt_tokens)
+        tokens, counts, seen = self._counts
+        end = len(self) - self.has_pending_token
+        if end > seen:
+            new = np.asarray(self.token_ids[seen:end], dtype=np.int64)
+            merged = np.union1d(tokens, new)
+            if len(merged) != len(tokens):
+                grown = np.zeros(len(merged), np.int32)
+                grown[np.searchsorted(merged, tokens)] = counts
+                tokens, counts = merged, grown
+            np.add.at(counts, np.searchsorted(tokens, new), 1)
+            self._counts = (tokens, counts, end)
+        return tokens, counts
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -120,13 +164,13 @@ class ModelOutput:
     """What the model runner returns for a `ScheduledBatch`, aligned with its `seqs`.
 
     `sampled_token_ids[i]` is None when sequence i ran a non-final prefill chunk.
-    `logprobs[i]` maps token id -> logprob (top-n plus the sampled token) when requested.
+    `logprobs[i]` maps token id -> `Logprob` (top-n plus the sampled token) when requested.
     `prompt_logprobs[i]` holds prompt-logprob entries (None for the first prompt token) from
     prompt token `prompt_logprobs_first[i]` on (None: from the first one not yet recorded);
     entries already in `seq.prompt_logprobs` are skipped when applied.
     """
 
     sampled_token_ids: list[int | None]
-    logprobs: list[dict[int, float] | None]
-    prompt_logprobs: list[list[dict[int, float] | None] | None]
+    logprobs: list[Logprobs | None]
+    prompt_logprobs: list[list[Logprobs | None] | None]
     prompt_logprobs_first: list[int] | None = None

@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 import torch
 
+from kvfit.engine import sampler
 from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.model_runner import ModelRunner
-from kvfit.engine.sampler import PROMPT_LOGPROBS_CHUNK
 from kvfit.engine.sequence import ScheduledBatch
 from kvfit.kv.monitor import CudaMemoryMonitor, HostMemoryMonitor, MemoryMonitor
 from kvfit.kv.report import KVCacheReport
@@ -122,26 +122,32 @@ class Worker:
         return num_blocks
 
     def warm_up(self, num_committable_blocks: int) -> None:
-        """Kernel warmup, then a mixed prefill+decode step at `max_num_batched_tokens`, each
-        step's memory peak recorded. Dummy block ids stay below `num_committable_blocks` (the
-        engine's minimum over workers).
+        """Kernel warmup, then the two steps that make every allocation a real step can make at
+        its largest, each step's memory peak recorded. Dummy block ids stay below
+        `num_committable_blocks` (the engine's minimum over workers).
 
-        With logprobs enabled the mixed step asks for `max_logprobs` logprobs and prompt
-        logprobs, and keeps a whole `PROMPT_LOGPROBS_CHUNK` of prefill rows where the budget
-        allows: the largest logits tensor any step makes, allocated beside the step's
-        activations, which is how a real step meets it.
+        - A mixed prefill+decode step at `max_num_batched_tokens`: the prefill activations, the
+          decode kernel's split-KV scratch at `max_model_len`, and a whole
+          `PROMPT_LOGPROBS_CHUNK` of prompt logprobs where the budget allows (the largest
+          logits tensor any step makes, beside the step's activations, as a real step meets it).
+        - A decode step at the most rows one step samples (`max_num_seqs`, within the token
+          budget), every sampling feature at its worst case (`ModelRunner.warmup_params`).
+        Both sample with those worst-case settings.
         """
         sc = self.config.scheduler_config
-        max_logprobs = self.config.model_config.max_logprobs
+        runner, params = self.runner, self.runner.warmup_params
+        max_rows = min(sc.max_num_seqs, sc.max_num_batched_tokens)
         num_decodes = min(sc.max_num_seqs - 1, sc.max_num_batched_tokens // 2)
-        if max_logprobs > 0 and sc.max_num_batched_tokens > PROMPT_LOGPROBS_CHUNK:
-            num_decodes = min(num_decodes, sc.max_num_batched_tokens - PROMPT_LOGPROBS_CHUNK - 1)
-        self._measured_step(self.runner.dummy_run, min(16, sc.max_num_batched_tokens),
+        if sc.max_num_batched_tokens > sampler.PROMPT_LOGPROBS_CHUNK:
+            num_decodes = min(num_decodes,
+                              sc.max_num_batched_tokens - sampler.PROMPT_LOGPROBS_CHUNK - 1)
+        self._measured_step(runner.dummy_run, min(16, sc.max_num_batched_tokens),
                             num_committable_blocks)
-        self._measured_step(self.runner.dummy_run, sc.max_num_batched_tokens,
-                            num_committable_blocks, num_decodes, max_logprobs or None)
+        self._measured_step(runner.dummy_run, sc.max_num_batched_tokens, num_committable_blocks,
+                            num_decodes, params)
+        self._measured_step(runner.dummy_run, max_rows, num_committable_blocks, max_rows, params)
 
-    def _measured_step(self, step: Callable[..., None], *args: int) -> None:
+    def _measured_step(self, step: Callable[..., None], *args: object) -> None:
         """Run `step(*args)` and record its memory peak (the transient sizing keeps free)."""
         self.monitor.reset_peak()
         step(*args)

@@ -1,0 +1,146 @@
+"""The sampling options end to end through `LLM`, against transformers on the same weights."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvfit import LLM, SamplingParams
+
+
+@cache
+def hf_model(folder: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy_penalized(folder: Path, prompt: list[int], max_tokens: int,
+                        params: SamplingParams) -> list[int]:
+    """Greedy decoding with vLLM's penalties and logit bias written out densely."""
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        logits = hf_model(folder)(torch.tensor([ids])).logits[0, -1]
+        vocab = logits.shape[0]
+        output = torch.bincount(torch.tensor(ids[len(prompt):], dtype=torch.long),
+                                minlength=vocab).float()
+        seen = torch.bincount(torch.tensor(ids), minlength=vocab) > 0
+        rp = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+        logits = logits - params.frequency_penalty * output - params.presence_penalty * (output > 0)
+        for token, bias in (params.logit_bias or {}).items():
+            logits[token] += bias
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3: Path) -> LLM:
+    llm = LLM(str(qwen3), device="cpu", num_gpu_blocks_override=256, max_num_batched_tokens=256,
+              max_num_seqs=16)
+    yield llm
+    llm.shutdown()
+
+
+def prompts(*lengths: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, repetition_penalty=1.8),
+    SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.8),
+    SamplingParams(temperature=0, repetition_penalty=0.7, frequency_penalty=-0.5),
+    SamplingParams(temperature=0, logit_bias={7: 3.0, 9: -50.0}, frequency_penalty=2.0),
+], ids=["repetition", "presence+frequency", "encouraging", "bias"])
+def test_penalties_and_bias_match_a_dense_reference(llm: LLM, qwen3: Path,
+                                                    params: SamplingParams) -> None:
+    # Penalties read each step's previous token, which the overlapped engine would otherwise
+    # still hold on the device: any stale count changes the greedy path.
+    batch = prompts(5, 23, 40)
+    params.max_tokens, params.ignore_eos = 16, True
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    for prompt, out in zip(batch, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy_penalized(qwen3, prompt, 16, params)
+
+
+def test_n_completions_share_the_prompts_blocks_and_sample_apart(llm: LLM) -> None:
+    [prompt] = prompts(70, seed=2)
+    bm = llm.engine.scheduler.block_manager
+    seen: list = []
+    add = llm.engine.add_request
+    llm.engine.add_request = lambda seq: (seen.append(seq), add(seq))[1]
+    try:
+        params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+        [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        [again] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    finally:
+        del llm.engine.add_request
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # siblings draw apart
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in again.outputs]
+    # Each sibling found the parent's full prompt blocks in the prefix cache.
+    full_blocks = (len(prompt) - 1) // bm.block_size * bm.block_size
+    assert [s.num_cached_tokens for s in seen[1:4]] == [full_blocks] * 3
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_greedy_n_gives_n_equal_completions(llm: LLM) -> None:
+    [out] = llm.generate({"prompt_token_ids": prompts(9)[0]},
+                         SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True),
+                         use_tqdm=False)
+    assert len(out.outputs) == 3 and len({tuple(c.token_ids) for c in out.outputs}) == 1
+
+
+def test_bad_words_are_never_generated(llm: LLM) -> None:
+    batch = prompts(12, 30, seed=4)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = llm.generate([{"prompt_token_ids": p} for p in batch], greedy, use_tqdm=False)
+    first = plain[0].outputs[0].token_ids[0]
+    pair = plain[1].outputs[0].token_ids[3:5]
+    banned = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                            bad_words_token_ids=[[first], pair])
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], banned, use_tqdm=False)
+    for out in outs:
+        tokens = out.outputs[0].token_ids
+        assert first not in tokens
+        assert all(tokens[i:i + 2] != pair for i in range(len(tokens) - 1))
+    text = llm.get_tokenizer().decode([first])
+    by_text = llm.generate({"prompt_token_ids": batch[0]},
+                           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                          bad_words=[text]), use_tqdm=False)
+    assert by_text[0].outputs[0].token_ids[0] != first
+
+
+def test_stop_strings_are_cut_or_kept_as_asked(llm: LLM) -> None:
+    [prompt] = prompts(15, seed=5)
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    [plain] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(**greedy),
+                           use_tqdm=False)
+    text = plain.outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop.strip()
+    for include in (False, True):
+        [out] = llm.generate({"prompt_token_ids": prompt},
+                             SamplingParams(**greedy, stop=[stop],
+                                            include_stop_str_in_output=include),
+                             use_tqdm=False)
+        cut = text.index(stop) + (len(stop) if include else 0)
+        assert out.outputs[0].text == text[:cut]
+        assert out.outputs[0].stop_reason == stop
+
+
+@pytest.mark.parametrize(("params", "setting"), [
+    (SamplingParams(n=17), "max_num_seqs"),
+    (SamplingParams(logit_bias={512: 1.0}), "logit_bias"),
+    (SamplingParams(stop_token_ids=[-1]), "stop_token_ids"),
+])
+def test_requests_the_engine_cannot_serve_are_rejected_naming_the_setting(
+    llm: LLM, params: SamplingParams, setting: str,
+) -> None:
+    with pytest.raises(ValueError, match=setting):
+        llm.generate([{"prompt_token_ids": [5]}], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
