@@ -28,14 +28,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         prompts = list(_DEFAULT_PROMPTS) if llm.get_tokenizer() else [{"prompt_token_ids": [1]}]
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
-        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed, stop=args.stop or [], max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
     )
     for out in llm.generate(prompts, params):
         prompt = out.prompt if out.prompt is not None else out.prompt_token_ids
-        completion = out.outputs[0]
-        text = completion.text if llm.get_tokenizer() else completion.token_ids
-        print(f"prompt: {prompt!r}\ncompletion: {text!r} ({completion.finish_reason})\n")
+        print(f"prompt: {prompt!r}")
+        for completion in out.outputs:
+            text = completion.text if llm.get_tokenizer() else completion.token_ids
+            print(f"completion: {text!r} ({completion.finish_reason})")
+        print()
     print(llm.kv_cache_report)
     return 0
 
@@ -55,6 +60,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--ignore-eos", action="store_true")
     EngineArgs.add_cli_args(gen)

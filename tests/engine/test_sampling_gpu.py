@@ -1,0 +1,76 @@
+"""Sampling on a CUDA device: the same rules as on the CPU, and no allocation that warmup did
+not measure, with every feature on at a full batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfit import LLM, SamplingParams
+from kvfit.engine.sampler import Sampler, SamplingMetadata
+from kvfit.engine.sequence import Sequence
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 512
+
+
+def everything(**overrides: object) -> SamplingParams:
+    """A request with every sampling option on, as a chat client might send it."""
+    kwargs = dict(
+        n=2, temperature=0.9, top_p=0.9, top_k=40, min_p=0.02, presence_penalty=0.3,
+        frequency_penalty=0.2, repetition_penalty=1.1, logit_bias={t: 0.5 for t in range(64)},
+        seed=3, min_tokens=4, stop_token_ids=[5, 6], bad_words_token_ids=[[9], [10, 11]],
+        logprobs=20, prompt_logprobs=20, max_tokens=24, ignore_eos=True,
+    )
+    return SamplingParams(**{**kwargs, **overrides})
+
+
+def test_gpu_processors_and_greedy_match_the_cpu() -> None:
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for i in range(16):
+        seq = Sequence(torch.randint(0, VOCAB, (40,), generator=g).tolist(),
+                       everything(temperature=0.0))
+        seq.token_ids += torch.randint(0, VOCAB, (i,), generator=g).tolist()
+        seqs.append(seq)
+    logits = torch.randn(16, VOCAB, generator=g) * 3
+    results = []
+    for device in ("cpu", "cuda"):
+        meta = SamplingMetadata.from_seqs(seqs, VOCAB, device, [2])
+        results.append(Sampler(device).__call__(logits.to(device), meta)
+                       .to_lists(meta.num_logprobs))
+    (cpu_ids, cpu_lps), (gpu_ids, gpu_lps) = results
+    assert cpu_ids == gpu_ids
+    for a, b in zip(cpu_lps, gpu_lps, strict=True):
+        assert a.keys() == b.keys()
+        for t in a:
+            assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+
+
+def test_gpu_every_feature_at_a_full_batch_needs_no_more_than_sizing_kept(
+    gpu_model: Path,
+) -> None:
+    llm = LLM(str(gpu_model), device="cuda", gpu_memory_utilization=0.05, max_num_seqs=64,
+              max_model_len=1024, max_num_batched_tokens=1024)
+    try:
+        device = llm.config.device
+        g = torch.Generator().manual_seed(1)
+        prompts = [{"prompt_token_ids": torch.randint(3, VOCAB, (int(n),), generator=g).tolist()}
+                   for n in torch.randint(8, 900, (48,), generator=g)]
+        torch.cuda.synchronize(device)
+        ready = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        outputs = llm.generate(prompts, everything(), use_tqdm=False)
+        torch.cuda.synchronize(device)
+        need = torch.cuda.max_memory_reserved(device) - ready
+        report = llm.kv_cache_report
+        assert all(len(o.outputs) == 2 and o.finished for o in outputs)
+        assert need <= report.transient + report.margin, (need, report.transient)
+        # The warmup's worst case is the true worst case: a real full batch needs no more than
+        # the transient it measured (allocator rounding aside).
+        assert need <= report.transient + (8 << 20), (need, report.transient)
+    finally:
+        llm.shutdown()
