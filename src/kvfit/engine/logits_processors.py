@@ -30,10 +30,6 @@ class Undo:
         logits.view(-1).index_put_((self.index,), self.values)
 
 
-def _flat(rows: np.ndarray, token_ids: np.ndarray, vocab_size: int) -> np.ndarray:
-    return rows.astype(np.int64) * vocab_size + token_ids
-
-
 class Penalties:
     """Repetition, presence and frequency penalties on each row's distinct context tokens.
 
@@ -54,16 +50,16 @@ class Penalties:
                      if seq.sampling_params.has_penalties]
         if not penalized:
             return None
-        parts = [(row, *seq.token_counts()) for row, seq in penalized]
-        rows = np.concatenate([np.full(len(t), row, np.int32) for row, t, _ in parts])
-        tokens = np.concatenate([t for _, t, _ in parts])
-        counts = np.concatenate([c for _, _, c in parts])
+        tokens, counts = zip(*(seq.token_counts() for _, seq in penalized), strict=True)
+        rows = np.repeat(np.array([row for row, _ in penalized], np.int64),
+                         [len(t) for t in tokens])
         penalties = torch.tensor(
             [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
              for p in (seq.sampling_params for seq in seqs)], dtype=torch.float32)
-        return cls(to_device(torch.from_numpy(_flat(rows, tokens, vocab_size)), device),
-                   to_device(torch.from_numpy(rows).long(), device),
-                   to_device(torch.from_numpy(counts), device), to_device(penalties, device))
+        index = rows * vocab_size + np.concatenate(tokens)
+        return cls(*(to_device(torch.from_numpy(a), device)
+                     for a in (index, rows, np.concatenate(counts))),
+                   to_device(penalties, device))
 
     def apply(self, logits: torch.Tensor) -> Undo:
         flat = logits.view(-1)
@@ -88,15 +84,14 @@ class LogitBias:
     @classmethod
     def from_seqs(cls, seqs: SequenceOf[Sequence], vocab_size: int,
                   device: torch.device) -> LogitBias | None:
-        index, bias = [], []
-        for row, seq in enumerate(seqs):
-            for token_id, value in (seq.sampling_params.logit_bias or {}).items():
-                index.append(row * vocab_size + token_id)
-                bias.append(value)
-        if not index:
+        parts = [(row, *seq.sampling_params.logit_bias_arrays) for row, seq in enumerate(seqs)
+                 if seq.sampling_params.logit_bias]
+        if not parts:
             return None
-        return cls(to_device(torch.tensor(index, dtype=torch.int64), device),
-                   to_device(torch.tensor(bias, dtype=torch.float32), device))
+        index = np.concatenate([row * vocab_size + ids for row, ids, _ in parts])
+        bias = np.concatenate([values for _, _, values in parts])
+        return cls(to_device(torch.from_numpy(index), device),
+                   to_device(torch.from_numpy(bias), device))
 
     def apply(self, logits: torch.Tensor) -> Undo:
         flat = logits.view(-1)
@@ -117,13 +112,16 @@ class BannedTokens:
     def from_seqs(cls, seqs: SequenceOf[Sequence], vocab_size: int, device: torch.device,
                   eos_token_ids: Iterable[int] = ()) -> BannedTokens | None:
         eos = set(eos_token_ids)
-        index: list[int] = []
+        parts = []
         for row, seq in enumerate(seqs):
-            banned = banned_token_ids(seq, eos)
-            index += [row * vocab_size + t for t in sorted(banned)]
-        if not index:
+            p = seq.sampling_params
+            if p.bad_words_token_ids or seq.num_output_tokens < p.min_tokens:
+                banned = banned_token_ids(seq, eos)
+                parts.append(row * vocab_size + np.fromiter(banned, np.int64, len(banned)))
+        index = np.concatenate(parts) if parts else np.empty(0, np.int64)
+        if not len(index):
             return None
-        return cls(to_device(torch.tensor(index, dtype=torch.int64), device))
+        return cls(to_device(torch.from_numpy(index), device))
 
     def apply(self, logits: torch.Tensor) -> Undo:
         flat = logits.view(-1)
@@ -135,13 +133,14 @@ class BannedTokens:
 def banned_token_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:
     """The tokens `seq` must not sample next."""
     p = seq.sampling_params
-    banned: set[int] = set()
+    banned = set(p.single_token_bad_words)
     if seq.num_output_tokens < p.min_tokens:
-        banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
-    if p.bad_words_token_ids:
-        output = seq.output_token_ids
-        for word in p.bad_words_token_ids:
-            prefix = word[:-1]
-            if not prefix or (len(prefix) <= len(output) and output[-len(prefix):] == prefix):
-                banned.add(word[-1])
+        banned.update(p.stop_token_ids)
+        if not p.ignore_eos:
+            banned.update(eos_token_ids)
+    n = seq.num_output_tokens
+    for word in p.multi_token_bad_words:
+        k = len(word) - 1
+        if k <= n and seq.token_ids[len(seq) - k:] == word[:-1]:
+            banned.add(word[-1])
     return banned

@@ -257,11 +257,12 @@ class ModelRunner:
         num_blocks = min(max_blocks, max(1, prefill_blocks))
         self.ensure_blocks(num_blocks)
         block_ids = itertools.count()
+        distinct = (np.arange(max(contexts)) % vocab_size).tolist()
         seqs = []
         for i, (n, context) in enumerate(zip(lengths, contexts, strict=True)):
             decode = i < num_decodes
-            seq = Sequence([t % vocab_size for t in range(context)], params,
-                           num_prompt_tokens=1 if decode else context, sibling_index=i % 2)
+            seq = Sequence(distinct[:context], params, num_prompt_tokens=1 if decode else context,
+                           sibling_index=i % 2)
             seq.num_computed_tokens = context - n
             seq.block_table = [next(block_ids) % num_blocks
                                for _ in range(-(-context // self.block_size))]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
 
 MAX_TOKEN_LIST = 1024
 """Most entries of `logit_bias`, of `stop_token_ids` and of `bad_words` (token sequences) one
@@ -101,6 +104,24 @@ class SamplingParams:
             bad = [t for t in ids if not 0 <= t < vocab_size]
             _check(not bad, name, f"token ids must be in [0, {vocab_size})", bad[:8])
 
+    @cached_property
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """`logit_bias` as `(token ids int64, biases float32)`, built once per params object
+        (requests of one batch share it; steps read it every time)."""
+        bias = self.logit_bias or {}
+        return (np.fromiter(bias.keys(), np.int64, len(bias)),
+                np.fromiter(bias.values(), np.float32, len(bias)))
+
+    @cached_property
+    def single_token_bad_words(self) -> frozenset[int]:
+        """Bad words of one token: banned at every step."""
+        return frozenset(w[0] for w in self.bad_words_token_ids if len(w) == 1)
+
+    @cached_property
+    def multi_token_bad_words(self) -> tuple[list[int], ...]:
+        """Bad words of several tokens: their last token is banned after the others."""
+        return tuple(w for w in self.bad_words_token_ids if len(w) > 1)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -115,7 +136,7 @@ class SamplingParams:
         """Whether sampling the next token reads earlier output tokens on the host (penalties,
         multi-token bad words): such a row cannot be scheduled while its last token is still
         on the device."""
-        return self.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
+        return self.has_penalties or bool(self.multi_token_bad_words)
 
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:

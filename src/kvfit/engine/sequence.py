@@ -87,13 +87,15 @@ class Sequence:
         tokens, counts, seen = self._counts
         end = len(self) - self.has_pending_token
         if end > seen:
-            new = np.asarray(self.token_ids[seen:end], dtype=np.int64)
-            merged = np.union1d(tokens, new)
-            if len(merged) != len(tokens):
-                grown = np.zeros(len(merged), np.int32)
-                grown[np.searchsorted(merged, tokens)] = counts
-                tokens, counts = merged, grown
-            np.add.at(counts, np.searchsorted(tokens, new), 1)
+            new, times = np.unique(np.asarray(self.token_ids[seen:end], dtype=np.int64),
+                                   return_counts=True)
+            at = np.searchsorted(tokens, new)
+            unseen = (at == len(tokens)) | (tokens[np.minimum(at, len(tokens) - 1)] != new)
+            if unseen.any():  # a decode step usually brings none, so no O(distinct) copy
+                tokens = np.insert(tokens, at[unseen], new[unseen])
+                counts = np.insert(counts, at[unseen], 0)
+                at = np.searchsorted(tokens, new)
+            counts[at] += times
             self._counts = (tokens, counts, end)
         return tokens, counts
 
