@@ -384,9 +384,11 @@ class FakeMonitor(MemoryMonitor):
         return StepPeak(reserved_peak=self.reserved, live_allocated=self.allocated)
 
 
-def fake_worker(monitor: FakeMonitor, **runner: object) -> Worker:
+def fake_worker(monitor: FakeMonitor, engine_args: dict[str, object] | None = None,
+                **runner: object) -> Worker:
     """A worker over `monitor` and a stand-in runner: sizing arithmetic without a model."""
-    config = EngineArgs(model="kvfit-tiny", device="cpu").create_engine_config()
+    config = EngineArgs(model="kvfit-tiny", device="cpu",
+                        **(engine_args or {})).create_engine_config()
     w = Worker(config)
     w.monitor = monitor
     w.baseline = monitor.snapshot()
@@ -402,6 +404,38 @@ def test_memory_torch_holds_idle_counts_as_free_in_the_measurement() -> None:
     profile = w.memory_profile()
     assert profile.free == 9 << 30
     assert profile.non_kv_use == 1 << 30
+
+
+class MiBBlockCache:
+    """Stands in for the extensible cache: one block per MiB, so block counts are exact."""
+
+    capacity_blocks = 1 << 30
+    physical_bytes = 0
+
+    def blocks_that_fit(self, nbytes: int) -> int:
+        return nbytes // MiB
+
+
+@pytest.mark.parametrize(("floor", "fraction", "margin"), [
+    pytest.param(0, 0.25, 512 * MiB, id="quarter"),
+    pytest.param(0, 0.5, 1024 * MiB, id="half"),
+    pytest.param(0, 1.5, 3072 * MiB, id="one-and-a-half"),
+    # The floor wins over a small share of the transient.
+    pytest.param(1536 * MiB, 0.5, 1536 * MiB, id="floor"),
+])
+def test_measured_block_count_keeps_the_configured_margin(
+    floor: int, fraction: float, margin: int
+) -> None:
+    # Through the worker, not the pure function: the knobs must reach the sizing itself.
+    monitor = FakeMonitor(total=16 << 30)
+    w = fake_worker(monitor, {"kv_cache_margin_floor_bytes": floor,
+                              "kv_cache_margin_fraction": fraction})
+    w.runner.kv_cache = MiBBlockCache()
+    w.step_peaks = [StepPeak(reserved_peak=3 << 30, live_allocated=1 << 30)]  # transient 2 GiB
+    # After warmup: 1 GiB of weights in torch, 3 GiB taken outside torch, 12 GiB free.
+    monitor.free, monitor.reserved, monitor.allocated = 12 << 30, 1 << 30, 1 << 30
+    usable = (16 << 30) - (4 << 30)  # min(budget - non-KV use, free + committed KV)
+    assert w.measure_kv_cache_blocks() == (usable - (2 << 30) - margin) // MiB
 
 
 def test_estimate_subtracts_what_its_throwaway_capture_took() -> None:
@@ -441,6 +475,34 @@ def test_vmm_unavailable_at_startup_warns_and_sizes_by_estimate(
     assert report.budget == int(report.total * expected)
     assert worker(llm).runner.kv_cache is None  # a plain torch cache
     assert greedy_tokens(llm) == estimate_tokens
+
+
+def test_one_rank_without_vmm_sizes_every_rank_by_estimate(
+    qwen3: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Ranks must agree on one sizing and one cache kind: rank 0 could back the cache, but
+    # rank 1 cannot, so both fall back.
+    monkeypatch.setattr(Worker, "vmm_unavailable_reason",
+                        lambda self: "no VMM on rank 1" if self.rank == 1 else None)
+    profiled: list[tuple[int, bool]] = []
+    profile = Worker.profile
+    monkeypatch.setattr(Worker, "profile", lambda self, measure_graphs=False: (
+        profiled.append((self.rank, measure_graphs)), profile(self, measure_graphs))[1])
+    config = EngineArgs(model=str(qwen3), device="cpu", **LIMITS).create_engine_config()
+    with caplog.at_level(logging.WARNING):
+        engine = EngineCore(config, num_workers=2)
+    try:
+        [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert "no VMM on rank 1" in warning.getMessage()
+        report = engine.kv_cache_report
+        assert report.method == "estimate"
+        assert report.budget == int(report.total * 0.92)  # the estimate's utilization
+        assert profiled == [(0, True), (1, True)]  # each with its throwaway graph capture
+        workers = engine.executor.workers
+        assert [w.runner.kv_cache for w in workers] == [None, None]  # plain torch caches
+        assert [w.runner.num_blocks for w in workers] == [report.num_blocks] * 2
+    finally:
+        engine.shutdown()
 
 
 def test_report_is_logged_as_a_table_at_startup(
