@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvfit.vmm import ExtensibleTensor
+from kvfit.vmm.host import HostDriver
 
 from .conftest import MiB, committed_memory
 
@@ -206,3 +207,31 @@ def test_commit_after_release_asks_for_recommit(device: str) -> None:
         t.recommit()
         t.commit(4 * MiB)
         assert t.physical_bytes == 4 * MiB
+
+
+class RecyclingHostDriver(HostDriver):
+    """Hands released pages back out as they were, as a GPU driver may: nothing promised."""
+
+    new_pages_are_zero = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool: list[int] = []
+
+    def create(self, size: int, device: int) -> int:
+        return self.pool.pop() if self.pool else super().create(size, device)
+
+    def release(self, handle: int) -> None:
+        self.pool.append(handle)
+
+
+def test_recommit_zeroes_pages_a_driver_hands_back_dirty() -> None:
+    driver = RecyclingHostDriver()
+    with ExtensibleTensor(8 * MiB, "cpu", driver=driver) as t:
+        t.commit(8 * MiB)
+        view = t.full_view()
+        view.fill_(0x5A)
+        t.release_physical()
+        assert driver.pool  # the pages (and their bytes) are waiting to be reused
+        t.recommit()
+        assert not driver.pool and int(view.count_nonzero()) == 0

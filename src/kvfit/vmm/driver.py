@@ -31,6 +31,10 @@ class VmmDriver(ABC):
     (`set_access`). Every failing call raises `VmmError`.
     """
 
+    #: Whether `create` promises zeroed memory (memfd pages do; GPU drivers promise nothing
+    #: for reused memory, so what must read as zero is zeroed after mapping).
+    new_pages_are_zero: bool = False
+
     @abstractmethod
     def granularity(self, device: int) -> int:
         """Smallest size and alignment `create` and `map` accept, in bytes."""

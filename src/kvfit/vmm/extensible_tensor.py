@@ -159,8 +159,7 @@ class ExtensibleTensor:
             return
         self._grow(self.committed_bytes, BULK_CHUNK_BYTES, reservation)
         self._released = False
-        if self.device.type != "cpu":
-            # memfd pages are zero by construction; GPU drivers promise nothing for reused memory.
+        if not reservation.driver.new_pages_are_zero:
             for chunk in reservation.chunks.values():
                 self._bytes(reservation.va + chunk.offset, chunk.size).zero_()
 

@@ -42,6 +42,8 @@ def _raise_errno(call: str, code: int) -> None:
 class HostDriver(VmmDriver):
     """`VmmDriver` over process memory (device `"cpu"`); handles are memfd descriptors."""
 
+    new_pages_are_zero = True
+
     def __init__(self) -> None:
         self._libc = _load_libc()
 
