@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the `gpu` test suite, then the benchmarks named as arguments, each
 # a bench name optionally followed by its flags in one quoted argument (vmm attention throughput
-# capacity sampling; none = tests only). Output goes to $OUT (or ./gpu-out): run.log with every
-# log, gpu_tests$TAG.log and <bench>$TAG.json; few files, since the device returns at most 8.
-#   bash bench/run_gpu.sh vmm attention "capacity --num-prompts 128 48 --startup-rounds 3"
+# capacity sampling adversarial; none = tests only). Output goes to $OUT (or ./gpu-out): run.log
+# with every log, gpu_tests$TAG.log and <bench>$TAG.json; few files, since the device returns at
+# most 8. BENCH_TIMEOUT (default 240 s) bounds each bench.
+#   bash bench/run_gpu.sh vmm attention "capacity --startup-rounds 3"
+#   TESTS=none BENCH_TIMEOUT=360 bash bench/run_gpu.sh \
+#     "adversarial --models qwen3-0.6b-shape --deadline-s 270"   # bench/adversarial.py: both models
 #   TESTS=tests/engine TAG=_wired bash bench/run_gpu.sh throughput   # a second pass, same $OUT
 set -uo pipefail
 out=${OUT:-gpu-out}
