@@ -3,12 +3,13 @@
 from kvfit.ops.attention import AttentionMetadata, paged_attention, write_kv
 from kvfit.ops.attention_input import attention_input
 from kvfit.ops.layers import RotaryEmbedding, rms_norm, silu_and_mul
-from kvfit.ops.sampling import gumbel_sample
+from kvfit.ops.sampling import filter_thresholds, gumbel_sample
 
 __all__ = [
     "AttentionMetadata",
     "RotaryEmbedding",
     "attention_input",
+    "filter_thresholds",
     "gumbel_sample",
     "paged_attention",
     "rms_norm",
