@@ -134,7 +134,8 @@ def filter_thresholds(
     On the tempered distribution p = softmax(logits / T), in vLLM's order: min-p keeps p_i >=
     min_p * max(p) (x_i >= max(x) + T ln(min_p)), top-k keeps the k largest, and of the tokens
     both keep, top-p keeps the smallest most likely set whose probability renormalised over them
-    reaches top_p (at least one token). Masses are exp((x - max) / T) in float32. Equal logits at
+    reaches top_p (at least one token). Masses are exp((x - max) / T) in float32, summed in
+    float64 so that the result does not depend on the order of summation. Equal logits at
     a threshold are all kept: a sort would keep an arbitrary subset of them, this is the
     deterministic choice. Otherwise the kept set is the sort's (`reference.sort_filter_reference`).
 
@@ -195,7 +196,7 @@ def _block_thresholds(
     top = x.amax(dim=1)
     lo, hi = keys.amin(dim=1).long(), keys.amax(dim=1).long() + 1
     # top-k: the k-th largest value is the largest key with at least k keys at or above it.
-    lo_k = _search(keys, None, lo, torch.where(on_k, hi, lo + 1), k.float(), None)
+    lo_k = _search(keys, None, lo, torch.where(on_k, hi, lo + 1), k.double(), None)
     t_k = torch.where(on_k, key_values(lo_k, logits.dtype), neg_inf)
     t_min_p = top + temperature * min_p.log()  # -inf where min-p is off
     t_s = torch.maximum(t_k, t_min_p)  # S = {x >= t_s}: both filters keep a top prefix
@@ -227,9 +228,11 @@ def _search(
     while bool((hi - lo > 1).any()):
         step = (hi - lo + _TORCH_CANDIDATES - 1) // _TORCH_CANDIDATES
         cand = torch.minimum(lo[:, None] + d * step[:, None], hi[:, None])
-        totals = torch.stack([_weight_at_or_above(keys, weights, c) for c in cand.unbind(1)], 1)
+        cuts = cand.int().unbind(1)  # int32 like the keys: an int64 cut would widen every key
+        totals = torch.stack([_weight_at_or_above(keys, weights, c) for c in cuts], 1)
         if target is None:
-            target = fraction * totals[:, 0]  # candidate 0 is lo: W(>= lo) is the whole mass
+            # Candidate 0 is lo, so W(>= lo) is the whole mass.
+            target = fraction.double() * totals[:, 0]
         ok = ((totals >= target[:, None]) | (d == 0)) & (cand < hi[:, None])
         new_lo = torch.where(ok, cand, lo[:, None]).amax(dim=1)
         hi = torch.where(~ok & (cand > new_lo[:, None]), cand, hi[:, None]).amin(dim=1)
@@ -242,8 +245,10 @@ def _weight_at_or_above(
 ) -> torch.Tensor:
     above = keys >= cut[:, None]
     if weights is None:
-        return above.sum(dim=1, dtype=torch.float32)
-    return torch.where(above, weights, 0.0).sum(dim=1)
+        return above.sum(dim=1, dtype=torch.float64)
+    # float64 sums of the float32 masses: exact enough that no summation order (this path's,
+    # the kernel's, any tile size) moves a threshold.
+    return torch.where(above, weights, 0.0).sum(dim=1, dtype=torch.float64)
 
 
 def sortable_keys(values: torch.Tensor) -> torch.Tensor:

@@ -69,22 +69,27 @@ def _search(
         step = (hi - lo + CANDIDATES - 1) // CANDIDATES
         cand = tl.minimum(lo + d * step, hi)  # int64: hi - lo may not fit an int32
         cut = cand.to(tl.int32)
-        # Per lane and cut, summed over tiles: one reduction per pass, not per tile. The same
-        # summation tree for every cut keeps W monotone in the cut.
-        acc = tl.zeros((BLOCK, CANDIDATES), tl.float32)
+        # Per lane and cut, summed over tiles: one reduction per pass, not per tile. Masses are
+        # summed in float64, so no summation order (tile size, the torch path's) moves the
+        # threshold; counts in int32, exactly.
+        if MASS:
+            acc = tl.zeros((BLOCK, CANDIDATES), tl.float64)
+        else:
+            acc = tl.zeros((BLOCK, CANDIDATES), tl.int32)
         for tile in range(num_tiles):
             c = tile * BLOCK + cols
             x = tl.load(row_logits + c * stride_v, mask=c < vocab_size, other=float("-inf"))
+            above = _keys(x, KEY_BITS)[:, None] >= cut[None, :]
             if MASS:
                 xf = x.to(tl.float32)
-                w = tl.where(xf >= floor, tl.exp2((xf - top) * scale), 0.0)
+                w = tl.where(xf >= floor, tl.exp2((xf - top) * scale), 0.0).to(tl.float64)
+                acc += tl.where(above, w[:, None], 0.0)
             else:
-                w = (c < vocab_size).to(tl.float32)
-            above = _keys(x, KEY_BITS)[:, None] >= cut[None, :]
-            acc += tl.where(above, w[:, None], 0.0)
-        totals = tl.sum(acc, axis=0)
+                acc += (above & (c < vocab_size)[:, None]).to(tl.int32)
+        totals = tl.sum(acc, axis=0).to(tl.float64)
         # Candidate 0 is lo, so its total is W(>= lo): the whole mass on the first pass.
-        target = tl.where(target < 0, fraction * tl.sum(tl.where(d == 0, totals, 0.0)), target)
+        whole = tl.sum(tl.where(d == 0, totals, 0.0))
+        target = tl.where(target < 0, fraction.to(tl.float64) * whole, target)
         ok = ((totals >= target) | (d == 0)) & (cand < hi)
         new_lo = tl.max(tl.where(ok, cand, lo))
         hi = tl.min(tl.where(~ok & (cand > new_lo), cand, hi))
@@ -132,7 +137,7 @@ def _filter_threshold_kernel(
 
     # top-k: the k-th largest value is the largest key with at least k keys at or above it.
     lo_k = _search(row_logits, stride_v, vocab_size, num_tiles, lo, tl.where(on_k, hi, lo + 1),
-                   k.to(tl.float32), p, top, top, scale,
+                   k.to(tl.float64), p, top, top, scale,
                    False, KEY_BITS, BLOCK, CANDIDATES)  # fmt: skip
     t_k = tl.where(on_k, _key_value(lo_k, dtype, KEY_BITS), float("-inf"))
     t_min_p = top + t * tl.log(min_p_)  # -inf where min-p is off
@@ -141,7 +146,7 @@ def _filter_threshold_kernel(
     # rounded to the logits' dtype (rounding moves it by at most one key).
     lo_p = tl.maximum(lo_k, _keys(t_min_p.to(dtype), KEY_BITS).to(tl.int64) - 1)
     lo_p = _search(row_logits, stride_v, vocab_size, num_tiles, lo_p,
-                   tl.where(on_p, hi, lo_p + 1), p * 0.0 - 1.0, p, t_s, top, scale,
+                   tl.where(on_p, hi, lo_p + 1), p.to(tl.float64) * 0.0 - 1.0, p, t_s, top, scale,
                    True, KEY_BITS, BLOCK, CANDIDATES)  # fmt: skip
     t_p = tl.where(on_p, _key_value(lo_p, dtype, KEY_BITS), float("-inf"))
     thr = tl.maximum(t_s, t_p)
