@@ -5,9 +5,10 @@ logit, min-p's is closed form, top-p's is the logit where the mass at or above i
 The kernel finds them by bisection over each value's order-preserving integer key (16-bit keys
 for bf16/fp16, 32-bit for fp32): a pass over the row counts (or weighs) the keys at or above
 CANDIDATES cut points at once and keeps the sub-interval holding the answer, so a 16-bit
-search takes at most 4 passes and usually fewer (it starts on the row's [min, max] keys). One
-program per row loops over the row in tiles; the row (300 KB of bf16 at a 152k vocabulary) is
-re-read from L2, and the only memory written is the [N] output.
+search takes at most 4 passes and usually fewer (it starts on the row's [min, max] keys). Only
+keys inside the current interval need the per-cut test, so after the first pass most tiles
+skip it. One program per row loops over the row in tiles; the row (300 KB of bf16 at a 152k
+vocabulary) is re-read from L2, and the only memory written is the [N] output.
 """
 
 from __future__ import annotations
@@ -69,24 +70,36 @@ def _search(
         step = (hi - lo + CANDIDATES - 1) // CANDIDATES
         cand = tl.minimum(lo + d * step, hi)  # int64: hi - lo may not fit an int32
         cut = cand.to(tl.int32)
-        # Per lane and cut, summed over tiles: one reduction per pass, not per tile. Masses are
-        # summed in float64, so no summation order (tile size, the torch path's) moves the
-        # threshold; counts in int32, exactly.
+        lo32 = lo.to(tl.int32)
+        last = (hi - 1).to(tl.int32)  # hi itself may be 2**31
+        # W(>= cut) = W(inside [lo, hi) and >= cut) + W(>= hi). Only the keys inside need a
+        # test per cut, and after the first pass few are: tiles without one skip that work.
+        # Per lane, summed over tiles: one reduction per pass, not per tile. Masses are summed
+        # in float64, so no summation order (tile size, the torch path's) moves the threshold;
+        # counts in int32, exactly.
         if MASS:
             acc = tl.zeros((BLOCK, CANDIDATES), tl.float64)
+            above = tl.zeros((BLOCK,), tl.float64)
         else:
             acc = tl.zeros((BLOCK, CANDIDATES), tl.int32)
+            above = tl.zeros((BLOCK,), tl.int32)
         for tile in range(num_tiles):
             c = tile * BLOCK + cols
             x = tl.load(row_logits + c * stride_v, mask=c < vocab_size, other=float("-inf"))
-            above = _keys(x, KEY_BITS)[:, None] >= cut[None, :]
+            key = _keys(x, KEY_BITS)
             if MASS:
                 xf = x.to(tl.float32)
                 w = tl.where(xf >= floor, tl.exp2((xf - top) * scale), 0.0).to(tl.float64)
-                acc += tl.where(above, w[:, None], 0.0)
+                counted = w > 0
             else:
-                acc += (above & (c < vocab_size)[:, None]).to(tl.int32)
-        totals = tl.sum(acc, axis=0).to(tl.float64)
+                w = (c < vocab_size).to(tl.int32)
+                counted = c < vocab_size
+            above += tl.where(key > last, w, 0)
+            inside = counted & (key >= lo32) & (key <= last)
+            if tl.max(inside.to(tl.int32), axis=0) > 0:
+                at_or_above = inside[:, None] & (key[:, None] >= cut[None, :])
+                acc += tl.where(at_or_above, w[:, None], 0)
+        totals = tl.sum(acc, axis=0).to(tl.float64) + tl.sum(above, axis=0).to(tl.float64)
         # Candidate 0 is lo, so its total is W(>= lo): the whole mass on the first pass.
         whole = tl.sum(tl.where(d == 0, totals, 0.0))
         target = tl.where(target < 0, fraction.to(tl.float64) * whole, target)
