@@ -8,14 +8,14 @@ import math
 import torch
 
 LOGITS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Bytes of [rows, V] temporaries the torch threshold search holds at once (at most 13 per logit:
-# int32 keys, a float copy, masses and a mask; 16 leaves room): 3 rows of a 152k vocabulary,
-# under 1/8 of 256 such rows of bf16 logits.
+# Bytes of [rows, V] temporaries the torch threshold search holds at once (at most 21 per logit:
+# int32 keys, float64 masses, int64 bucket ids and a mask): 2 rows of a 152k vocabulary, under
+# 1/8 of 256 such rows of bf16 logits.
 _FILTER_BYTES = 8 << 20
-_FILTER_BYTES_PER_LOGIT = 16
-# Candidate thresholds per pass of the torch search: each costs a pass over the block, so few
-# candidates and more passes is cheapest (the Triton kernel tests many per pass in registers).
-_TORCH_CANDIDATES = 4
+_FILTER_BYTES_PER_LOGIT = 24
+# Cuts per pass of the torch search: one histogram weighs them all, so a 16-bit key takes 2
+# passes and a 32-bit key 4.
+_TORCH_CANDIDATES = 256
 
 
 def gumbel_sample(
@@ -206,7 +206,8 @@ def _block_thresholds(
     lo_p = torch.maximum(lo_k, floor)
     scale = math.log2(math.e) / torch.where(temperature > 0, temperature, 1.0)
     mass = (x - top[:, None]).mul_(scale[:, None]).exp2_().masked_fill_(x < t_s[:, None], 0.0)
-    del x  # the search needs only keys and masses
+    del x  # the search needs only keys and masses, summed in float64 (see `_search`)
+    mass = mass.double()
     lo_p = _search(keys, mass, lo_p, torch.where(on_p, hi, lo_p + 1), None, p)
     t_p = torch.where(on_p, key_values(lo_p, logits.dtype), neg_inf)
     thresholds = torch.maximum(t_s, t_p)
@@ -222,33 +223,35 @@ def _search(
     fraction: torch.Tensor | None,
 ) -> torch.Tensor:
     """Per row, the largest key t in [lo, hi) with W(keys >= t) >= target, where W counts keys
-    (`weights` None) or sums `weights`; `target` None means `fraction` x W(keys >= lo). Needs
-    W(>= lo) >= target and W(>= hi) < target; each pass splits [lo, hi) at a few candidates."""
-    d = torch.arange(_TORCH_CANDIDATES, device=keys.device)
+    (`weights` None) or sums `weights` (float64); `target` None means `fraction` x W(>= lo).
+    Needs W(>= lo) >= target and W(>= hi) < target. Each pass cuts [lo, hi) at
+    `_TORCH_CANDIDATES` evenly spaced keys and weighs every key's bucket in one histogram."""
+    num_rows, num_cuts = keys.shape[0], _TORCH_CANDIDATES
+    d = torch.arange(num_cuts, device=keys.device)
+    # W(>= cut d) is the sum of the buckets above d: a [cuts, cuts] triangle, not a cumsum.
+    above_cut = torch.ones(num_cuts, num_cuts, dtype=torch.float64, device=keys.device).tril()
+    first_bin = (torch.arange(num_rows, device=keys.device) * (num_cuts + 1))[:, None]
     while bool((hi - lo > 1).any()):
-        step = (hi - lo + _TORCH_CANDIDATES - 1) // _TORCH_CANDIDATES
+        step = (hi - lo + num_cuts - 1) // num_cuts
         cand = torch.minimum(lo[:, None] + d * step[:, None], hi[:, None])
-        cuts = cand.int().unbind(1)  # int32 like the keys: an int64 cut would widen every key
-        totals = torch.stack([_weight_at_or_above(keys, weights, c) for c in cuts], 1)
+        # Bucket j holds the keys at or above exactly j cuts (cuts clamped to hi count only
+        # for keys at or above hi, which are at or above every cut).
+        bucket = keys.long().sub_(lo[:, None]).div_(step[:, None], rounding_mode="floor")
+        bucket.add_(1).clamp_(0, num_cuts).masked_fill_(keys >= hi[:, None], num_cuts)
+        hist = torch.bincount(
+            bucket.add_(first_bin).flatten(),
+            None if weights is None else weights.flatten(),
+            minlength=num_rows * (num_cuts + 1),
+        ).view(num_rows, num_cuts + 1)
+        del bucket
+        totals = hist[:, 1:].double() @ above_cut
         if target is None:
-            # Candidate 0 is lo, so W(>= lo) is the whole mass.
-            target = fraction.double() * totals[:, 0]
+            target = fraction.double() * totals[:, 0]  # cut 0 is lo: the whole mass
         ok = ((totals >= target[:, None]) | (d == 0)) & (cand < hi[:, None])
         new_lo = torch.where(ok, cand, lo[:, None]).amax(dim=1)
         hi = torch.where(~ok & (cand > new_lo[:, None]), cand, hi[:, None]).amin(dim=1)
         lo = new_lo
     return lo
-
-
-def _weight_at_or_above(
-    keys: torch.Tensor, weights: torch.Tensor | None, cut: torch.Tensor
-) -> torch.Tensor:
-    above = keys >= cut[:, None]
-    if weights is None:
-        return above.sum(dim=1, dtype=torch.float64)
-    # float64 sums of the float32 masses: exact enough that no summation order (this path's,
-    # the kernel's, any tile size) moves a threshold.
-    return torch.where(above, weights, 0.0).sum(dim=1, dtype=torch.float64)
 
 
 def sortable_keys(values: torch.Tensor) -> torch.Tensor:
