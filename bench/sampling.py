@@ -3,6 +3,7 @@ and the top-k / top-p / min-p filters: the former sort path vs per-row threshold
 
     PYTHONPATH=src python3 bench/sampling.py --out sampling.json
     PYTHONPATH=src python3 bench/sampling.py --out sampling_sweep.json --sweep
+    PYTHONPATH=src python3 bench/sampling.py --out filters_sweep.json --sweep-filters
     PYTHONPATH=src python3 bench/sampling.py --out sampling_cpu.json --device cpu
 
 Bf16 logits `[N, V]` over Qwen3's vocabulary, every row sampling at temperature 0.8. The first
@@ -34,6 +35,9 @@ from kvfit.ops.reference import sort_filter_reference
 QWEN3_VOCAB = 151936
 SWEEP_TILES = [(512, 4), (1024, 4), (2048, 4), (2048, 8), (4096, 8)]  # (block, num_warps)
 SWEEP_SPLITS = [None, 1, 2, 4, 8, 16, 32, 64, 149]
+SWEEP_FILTERS = [  # (block, num_warps, candidates) of the filter kernel
+    (b, w, c) for b in (128, 256, 512) for w in (4, 8, 16) for c in (8, 16)
+]
 # (label, top_k, top_p, min_p) of every row in a filter-table row; None: that filter is off.
 FILTER_SETTINGS = [
     ("k50 p0.9", 50, 0.9, None),
@@ -201,6 +205,31 @@ def sweep(batches: list[int], vocab_size: int) -> list[dict]:
     return rows
 
 
+def sweep_filters(num_rows: int, vocab_size: int) -> list[dict]:
+    """Filter kernel time per (block, num_warps, candidates) and setting, to choose the
+    defaults of `kvfit.ops.triton_filters`; every config must give the default's thresholds."""
+    from kvfit.ops.triton_filters import filter_thresholds_triton  # CUDA only
+
+    device = torch.device("cuda")
+    logits, temperature, _ = inputs(num_rows, vocab_size, device)
+    rows = []
+    for label, *values in FILTER_SETTINGS:
+        filters = [None if v is None else torch.full((num_rows,), v, dtype=dtype, device=device)
+                   for v, dtype in zip(values, (torch.int64, torch.float32, torch.float32),
+                                       strict=True)]  # fmt: skip
+        expect = filter_thresholds_triton(logits, temperature, *filters)
+        for block, num_warps, candidates in SWEEP_FILTERS:
+            run = partial(filter_thresholds_triton, logits, temperature, *filters, block=block,
+                          num_warps=num_warps, candidates=candidates)  # fmt: skip
+            same = bool(torch.equal(run(), expect))
+            ms = do_bench(run, return_mode="median")
+            rows.append(dict(setting=label, num_rows=num_rows, block=block, num_warps=num_warps,
+                             candidates=candidates, ms=ms, same=same))  # fmt: skip
+            print(f"{label:>20} {block:>5} {num_warps:>3} {candidates:>3} {ms:>8.4f} ms"
+                  f"{'' if same else '  DIFFERS'}", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON results path")
@@ -210,6 +239,8 @@ def main() -> None:
     parser.add_argument("--filter-rows", type=int, help="rows of the filter table (default "
                         "256, cpu: 8; 0: no filter table)")  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="time kernel configs, not the table")
+    parser.add_argument("--sweep-filters", action="store_true",
+                        help="time filter kernel configs at --filter-rows rows, not the tables")
     args = parser.parse_args()
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"
@@ -218,6 +249,12 @@ def main() -> None:
     batches = args.batches or ([1, 64, 256] if on_cuda else [4])
     vocab_size = args.vocab_size or (QWEN3_VOCAB if on_cuda else 4096)
     filter_rows = (256 if on_cuda else 8) if args.filter_rows is None else args.filter_rows
+    if args.sweep_filters:
+        if not on_cuda:
+            parser.error("--sweep-filters times the CUDA kernel")
+        with open(args.out, "w") as f:
+            json.dump(sweep_filters(filter_rows, vocab_size), f, indent=2)
+        return
     if args.sweep:
         if not on_cuda:
             parser.error("--sweep times the CUDA kernel")

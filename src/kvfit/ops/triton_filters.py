@@ -22,8 +22,12 @@ import triton.language as tl
 
 from kvfit.ops.sampling import check_filter_inputs
 
-BLOCK = 1024  # columns per tile
-CANDIDATES = 16  # cut points per pass: 4 bits of the key per pass over the row
+# Columns per tile, cut points per pass (4 bits of the key per pass over the row) and warps.
+# ptxas for sm_90: 120 registers, no spills, so two programs fit an SM and 256 rows run in one
+# wave on an H200; a [1024, 16] float64 accumulator at 8 warps spills. Untimed: see
+# `bench/sampling.py --sweep-filters`.
+BLOCK = 256
+CANDIDATES = 16
 NUM_WARPS = 8
 _LOG2E = tl.constexpr(1 / math.log(2))
 _INT32_MIN = tl.constexpr(-(2**31))
