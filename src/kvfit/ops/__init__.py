@@ -1,9 +1,9 @@
 """Attention, cache-write, layer and sampling kernels: Triton on the GPU, torch on the CPU."""
 
-from kvfit.ops._filters_placeholder import filter_thresholds, gumbel_sample
 from kvfit.ops.attention import AttentionMetadata, paged_attention, write_kv
 from kvfit.ops.attention_input import attention_input
 from kvfit.ops.layers import RotaryEmbedding, rms_norm, silu_and_mul
+from kvfit.ops.sampling import filter_thresholds, gumbel_sample
 
 __all__ = [
     "AttentionMetadata",

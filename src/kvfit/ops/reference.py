@@ -1,4 +1,6 @@
-"""Torch reference for the cache write and paged attention: the CPU path and the GPU oracle."""
+"""Torch reference for the cache write and paged attention: the CPU path and the GPU oracle.
+Also the sort-based sampling filters, the oracle of `filter_thresholds` (tests and benchmarks
+only: its float copy, sort and scatter are what the threshold search replaces)."""
 
 from __future__ import annotations
 
@@ -104,3 +106,37 @@ def paged_attention_reference(
             scale,
         ).to(out.dtype)
     return out
+
+
+def sort_filter_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """`logits / temperature` in float32 with -inf outside each row's min-p, top-k and top-p
+    sets, by sorting the vocabulary (the sampler's former `apply_top_k_top_p`, plus min-p).
+
+    On p = softmax(logits / T): min-p drops p_i < min_p * max(p), top-k keeps the k largest,
+    and top-p then keeps the smallest set of the most likely survivors whose probability,
+    renormalised over them, reaches top_p. Among equal logits the sort's choice is arbitrary.
+    Rows with temperature <= 0 (greedy) are divided by 1 and not filtered. [N, V] float32.
+    """
+    sample = temperature > 0
+    tempered = logits.float() / torch.where(sample, temperature, 1.0)[:, None]
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = tempered.sort(dim=-1)  # ascending: the most likely token is last
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if min_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        drop |= probs < (min_p * probs[:, -1])[:, None]
+    if top_k is not None:
+        drop |= torch.arange(vocab_size, device=logits.device) < (vocab_size - top_k)[:, None]
+    sorted_logits.masked_fill_(drop & sample[:, None], float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        outside = (cumulative <= (1 - top_p)[:, None]) & sample[:, None]
+        outside[:, -1] = False
+        sorted_logits.masked_fill_(outside, float("-inf"))
+    return torch.empty_like(tempered).scatter_(-1, order, sorted_logits)

@@ -54,10 +54,11 @@ def _gumbel(seed, counter, j, FAST_LOG: tl.constexpr):
 
 
 # tiles_per_split follows the row count: not specialised, or a new row count could compile anew.
-@triton.jit(do_not_specialize=["tiles_per_split"])
+# Neither is has_thresholds, so calls with and without thresholds share one compiled kernel.
+@triton.jit(do_not_specialize=["tiles_per_split", "has_thresholds"])
 def _gumbel_argmax_kernel(
-    logits, temperature, seeds, split_max, split_argmax,
-    stride_n, stride_v, vocab_size, tiles_per_split,
+    logits, temperature, seeds, thresholds, split_max, split_argmax,
+    stride_n, stride_v, vocab_size, tiles_per_split, has_thresholds,
     BLOCK: tl.constexpr,
     FAST_LOG: tl.constexpr,
 ):  # fmt: skip
@@ -66,6 +67,9 @@ def _gumbel_argmax_kernel(
     t = tl.load(temperature + row)
     seed = tl.load(seeds + row)
     sample = t > 0  # temperature <= 0: greedy, no noise
+    # Columns below the row's threshold are out (-inf). Greedy rows and absent thresholds get
+    # -inf, which leaves every value as it was: the same bits as without thresholds.
+    floor = tl.load(thresholds + row, mask=sample & (has_thresholds != 0), other=float("-inf"))
     # Scores in base 2, (x / T + g) * log2(e): same argmax, and log2 is the cheap log.
     scale = _LOG2E / tl.where(sample, t, 1.0)
     q = tl.arange(0, BLOCK // 4)[:, None]
@@ -79,6 +83,7 @@ def _gumbel_argmax_kernel(
         cols = 4 * counter + j
         x = tl.load(row_logits + cols * stride_v, mask=cols < vocab_size, other=float("-inf"))
         x = x.to(tl.float32)
+        x = tl.where(x < floor, float("-inf"), x)
         score = tl.where(sample, x * scale + _gumbel(seed, counter, j, FAST_LOG), x)
         # Strict `>`: each lane keeps its first maximum; -inf and NaN never replace anything.
         better = score > best
@@ -109,6 +114,7 @@ def gumbel_sample_triton(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     seeds: torch.Tensor,
+    thresholds: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     block: int = BLOCK,
@@ -117,13 +123,15 @@ def gumbel_sample_triton(
     """One token id per row of `logits` `[N, V]` (bf16/fp16/fp32, any strides): the argmax over
     columns c of `logits[n, c] / temperature[n] + g(seeds[n], c)`, with g Gumbel noise from
     Philox, i.e. a sample from softmax(logits[n] / temperature[n]). Rows with temperature <= 0
-    take the plain argmax. -inf logits never win unless the whole row is -inf.
+    take the plain argmax. -inf logits never win unless the whole row is -inf. With
+    `thresholds` (`[N]` float32, see `filter_thresholds`), sampled rows draw only among columns
+    with `logits[n, c] >= thresholds[n]`.
 
     `temperature` is `[N]` float32 and `seeds` `[N]` int64; the same seed and logits give the
     same token. `num_splits` (programs per row, default: enough to fill the GPU), `block` and
     `num_warps` are tuning knobs that never change the result. Returns `[N]` int64.
     """
-    check_sample_inputs(logits, temperature, seeds)
+    check_sample_inputs(logits, temperature, seeds, thresholds)
     num_rows, vocab_size = logits.shape
     if block < 4 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 4, got {block}")
@@ -136,8 +144,10 @@ def gumbel_sample_triton(
     split_max = torch.empty(num_rows, splits, dtype=torch.float32, device=logits.device)
     split_argmax = torch.empty(num_rows, splits, dtype=torch.int64, device=logits.device)
     _gumbel_argmax_kernel[(num_rows, splits)](
-        logits, temperature, seeds, split_max, split_argmax,
-        *logits.stride(), vocab_size, tiles_per_split,
+        logits, temperature, seeds,
+        temperature if thresholds is None else thresholds,  # float32 [N]: never read if None
+        split_max, split_argmax,
+        *logits.stride(), vocab_size, tiles_per_split, int(thresholds is not None),
         BLOCK=block, FAST_LOG=not triton.knobs.runtime.interpret, num_warps=num_warps,
     )  # fmt: skip
     if splits == 1:
