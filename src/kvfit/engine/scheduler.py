@@ -164,6 +164,16 @@ class Scheduler:
                     return seq
         return None
 
+    def preempt_tail_holders(self, num_blocks: int) -> list[Sequence]:
+        """Preempt every running sequence holding a block id >= `num_blocks`, so the cache can
+        shrink to `num_blocks`; returns them. They are recomputed like any preempted sequence,
+        and keep their admission order at the front of the waiting queue."""
+        victims = [seq for seq in reversed(self.running)
+                   if any(block_id >= num_blocks for block_id in seq.block_table)]
+        for seq in victims:
+            self._preempt(seq)
+        return victims
+
     @staticmethod
     def _record_prompt_logprobs(seq: Sequence, output: ModelOutput, i: int) -> None:
         done = len(seq.prompt_logprobs)
