@@ -122,7 +122,8 @@ class OOMGuard:
             return self._record(requested, before, before, 0, 0, message)
         if attempt >= self.max_shrinks_per_step:
             raise self._error(f"a step still ran the device out of memory after the KV cache "
-                              f"shrank {attempt} times for it, to {before} blocks", message)
+                              f"shrank for it as often as one step may (max_shrinks_per_step="
+                              f"{self.max_shrinks_per_step}), to {before} blocks", message)
         after = self._shrink_target(requested, attempt)
         if after >= before:
             raise self._error(f"a step ran the device out of memory and the KV cache cannot "
