@@ -21,6 +21,7 @@ from kvfit.engine.oom_guard import (
     is_device_oom,
     requested_bytes,
 )
+from kvfit.vmm import VmmOutOfMemoryError
 
 MiB = 1 << 20
 MAX_TOKENS = 8
@@ -339,6 +340,22 @@ def test_a_cache_that_cannot_shrink_empties_torchs_cache_and_retries_once(
     for text in (f"sized by {method} cannot shrink", knob, "max_num_seqs (16)",
                  "max_model_len (512)", "kv_cache_margin_floor_bytes"):
         assert text in message
+
+
+def test_a_shrink_that_runs_out_of_memory_itself_raises_a_clear_error(
+    make_llm: Callable[..., LLM],
+) -> None:
+    llm = make_llm()
+    worker = llm.engine.executor.workers[0]
+
+    def failing_shrink(num_blocks: int) -> int:
+        raise VmmOutOfMemoryError("cuMemCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY")
+
+    worker.shrink_kv_cache = failing_shrink  # type: ignore[method-assign]
+    inject(llm, "decode_forward")
+    with pytest.raises(KVCacheOutOfMemoryError, match="shrinking the KV cache did too.*"
+                       "max_num_seqs.*cuMemCreate"):
+        generate(llm, PARAMS["greedy"])
 
 
 def test_other_errors_are_not_absorbed(make_llm: Callable[..., LLM]) -> None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvfit.kv.report import format_bytes
+from kvfit.vmm import VmmOutOfMemoryError
 
 if TYPE_CHECKING:
     from kvfit.engine.config import EngineConfig
@@ -131,7 +132,12 @@ class OOMGuard:
                               f"max_model_len sequence needs", message)
         victims = self.scheduler.preempt_tail_holders(after)
         self.scheduler.block_manager.shrink(after)
-        freed = max(self.executor.collective_rpc("shrink_kv_cache", after))
+        try:
+            freed = max(self.executor.collective_rpc("shrink_kv_cache", after))
+        except VmmOutOfMemoryError as error:
+            # A shrink copies the kept part of the physical chunk it cuts, so it needs memory.
+            raise self._error("a step ran the device out of memory and shrinking the KV cache "
+                              "did too", f"{message}; the shrink: {error}") from error
         cc.num_gpu_blocks = after
         self.freed_bytes += freed
         return self._record(requested, before, after, freed, len(victims), message)
