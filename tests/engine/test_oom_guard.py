@@ -31,6 +31,7 @@ REQUESTED = 2 * MiB
 OOM_MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has a total capacity of "
                "139.81 GiB of which 1.19 MiB is free.")
 PROMPT_LENGTHS = (1, 17, 40, 100)
+LONG_LENGTHS = tuple(range(380, 392))  # twelve requests of ~24 blocks: ~290 of the 512
 
 
 def make_prompts(lengths: tuple[int, ...] = PROMPT_LENGTHS, seed: int = 0) -> list[dict]:
@@ -255,7 +256,7 @@ def test_tail_in_use_preempts_its_holders_and_they_are_recomputed(
 ) -> None:
     # Twelve ~380-token requests take ~290 of the 512 blocks: a cut at 256 lands inside the
     # blocks of the last admitted ones when decoding starts.
-    lengths = (380, 381, 382, 383, 384, 385, 386, 387, 388, 389, 390, 391)
+    lengths = LONG_LENGTHS
     llm = make_llm()
     shrinks = spy_shrinks(llm)
     scheduler = llm.engine.scheduler
@@ -275,6 +276,25 @@ def test_tail_in_use_preempts_its_holders_and_they_are_recomputed(
     assert event.num_preempted == holders[0] > 0
     assert shrinks == [(256, False)]
     assert scheduler.num_preemptions >= event.num_preempted
+    assert_nothing_leaked(llm)
+
+
+def test_prefix_hits_in_the_tail_are_preempted_and_evicted(
+    make_llm: Callable[..., LLM], reference: Callable[..., list[Any]],
+) -> None:
+    llm = make_llm()
+    generate(llm, PARAMS["greedy"], LONG_LENGTHS)  # leaves ~290 blocks cached, all free
+    bm = llm.engine.scheduler.block_manager
+    assert max(bm.hash_to_block.values()) >= 256
+    hits: list[int] = []
+    add = llm.engine.add_request
+    llm.engine.add_request = lambda seq: (hits.append(seq), add(seq))[1]  # type: ignore[method-assign]
+    inject(llm, "prefill_forward")  # the first step of the rerun: its hits hold the tail
+    assert_same(generate(llm, PARAMS["greedy"], LONG_LENGTHS), reference("greedy", LONG_LENGTHS))
+    [event] = llm.engine.oom_guard.events
+    assert event.num_blocks_after == 256 and event.num_preempted > 0
+    assert max(bm.hash_to_block.values()) < 256
+    assert sum(seq.num_cached_tokens for seq in hits) > 0  # the entries below the cut still hit
     assert_nothing_leaked(llm)
 
 
