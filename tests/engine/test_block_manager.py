@@ -218,3 +218,56 @@ def test_heap_stays_bounded_under_repeated_hits() -> None:
 def test_rejects_empty_cache_or_blocks(num_blocks: int, block_size: int) -> None:
     with pytest.raises(ValueError, match="num_blocks|block_size"):
         BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+
+
+def assert_consistent(bm: BlockManager) -> None:
+    """Ref counts, free count, heaps and hash table agree, and nothing names a dropped id."""
+    assert len(bm.blocks) == len(bm._in_heap) == bm.num_blocks
+    free = {b.block_id for b in bm.blocks if b.ref_count == 0}
+    assert bm.num_free_blocks == len(free)
+    in_heaps = [i for heap in bm._free_heaps for i in heap]
+    assert len(in_heaps) == len(set(in_heaps))  # each id at most once
+    assert set(in_heaps) == {i for i, flag in enumerate(bm._in_heap) if flag}
+    assert free <= set(in_heaps)  # every free block can be handed out
+    for h, block_id in bm.hash_to_block.items():
+        assert block_id < bm.num_blocks and bm.blocks[block_id].hash == h
+
+
+def test_shrink_drops_the_free_tail_and_evicts_its_cache_entries() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    low, high = make_seq(list(range(9))), make_seq(list(range(100, 113)))
+    start(bm, low)  # blocks 0-2, two of them hashed
+    start(bm, high)  # blocks 3-6, three of them hashed
+    assert high.block_table == [3, 4, 5, 6]
+    bm.free(high)
+    bm.shrink(4)
+    assert bm.num_blocks == 4 and bm.num_free_blocks == 1
+    assert_consistent(bm)
+    again = make_seq(list(range(100, 113)))
+    bm.allocate(again)
+    assert again.num_cached_tokens == 4  # block 3 survives; the tail's entries are gone
+    bm.free(again)
+    hit = make_seq(list(range(9)))
+    bm.allocate(hit)
+    assert hit.num_cached_tokens == 8  # entries below the cut are kept
+    bm.free(hit)
+    bm.free(low)
+    late = make_seq(list(range(200, 216)))
+    start(bm, late)
+    assert sorted(late.block_table) == [0, 1, 2, 3]  # never an id past the cut
+    bm.free(late)
+    assert bm.num_free_blocks == bm.num_blocks == 4
+    assert_consistent(bm)
+
+
+def test_shrink_refuses_blocks_in_use_and_changes_nothing() -> None:
+    bm = BlockManager(num_blocks=6, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    seq = make_seq(list(range(20)))  # blocks 0-4
+    start(bm, seq)
+    with pytest.raises(RuntimeError, match="in use"):
+        bm.shrink(3)
+    assert bm.num_blocks == 6 and bm.num_free_blocks == 1
+    assert_consistent(bm)
+    for bad in (0, 7):
+        with pytest.raises(ValueError):
+            bm.shrink(bad)

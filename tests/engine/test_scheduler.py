@@ -226,7 +226,8 @@ def test_decodes_go_first_and_prefills_take_the_rest_of_the_budget() -> None:
     model = FakeModel(scheduler.block_manager)
     old = Sequence([1, 2, 3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     scheduler.add(old)
-    scheduler.postprocess(batch := scheduler.schedule(), model(batch))
+    batch = scheduler.schedule()
+    scheduler.postprocess(batch, model(batch))
     new = Sequence(list(range(1, 31)), SamplingParams(temperature=0, max_tokens=1))
     scheduler.add(new)
     batch = scheduler.schedule()
@@ -446,3 +447,28 @@ def test_a_sequence_preempted_with_its_token_pending_keeps_the_token() -> None:
     run(scheduler, model, overlap=True)
     for seq in (old, new):
         assert seq.output_token_ids == expected_output(seq.prompt_token_ids, params, 128)
+
+
+def test_preempt_tail_holders_frees_the_tail_and_the_run_completes() -> None:
+    scheduler = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=64)
+    model = FakeModel(scheduler.block_manager)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    seqs = [Sequence([k] * 7, params, request_id=str(k)) for k in (1, 2, 3, 4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    scheduler.postprocess(batch := scheduler.schedule(), model(batch))
+    assert [seq.block_table for seq in seqs] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    victims = scheduler.preempt_tail_holders(5)
+    assert victims == [seqs[3], seqs[2]]  # newest first, as preemption goes
+    assert list(scheduler.waiting) == [seqs[2], seqs[3]]  # admission order kept
+    assert scheduler.running == seqs[:2] and scheduler.num_preemptions == 2
+    for seq in victims:
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table
+        assert seq.num_computed_tokens == 0
+    scheduler.block_manager.shrink(5)
+    run(scheduler, model, overlap=True)
+    for seq in seqs:
+        assert seq.output_token_ids == expected_output(seq.prompt_token_ids, params, 128)
+        assert seq.status is SequenceStatus.FINISHED
+    bm = scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks == 5

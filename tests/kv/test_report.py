@@ -55,3 +55,10 @@ def test_missing_estimate_and_cap_are_shown_as_dashes() -> None:
 def test_unknown_method_is_an_error() -> None:
     with pytest.raises(ValueError, match="measured"):
         report(method="guessed")
+
+
+def test_oom_guard_shrinks_get_a_row_once_there_is_one() -> None:
+    assert "OOM guard" not in report().format_table()
+    lines = report(oom_guard_shrinks=3).format_table().splitlines()
+    assert len(lines) == 12 and len({len(line) for line in lines}) == 1
+    assert lines[-1].split()[:3] == ["OOM", "guard", "shrinks"] and lines[-1].split()[-1] == "3"

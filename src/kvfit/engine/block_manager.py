@@ -115,6 +115,28 @@ class BlockManager:
             # Two sequences may compute the same block at once; the first one stays the hit.
             self.hash_to_block.setdefault(parent, block.block_id)
 
+    def shrink(self, num_blocks: int) -> None:
+        """Drop blocks [num_blocks, self.num_blocks) so the cache can shrink to `num_blocks`.
+
+        Their prefix-cache entries are evicted. Every dropped block must be free: preempt the
+        sequences holding one first (`Scheduler.preempt_tail_holders`).
+        """
+        if not 1 <= num_blocks <= self.num_blocks:
+            raise ValueError(f"cannot shrink {self.num_blocks} blocks to {num_blocks}")
+        tail = self.blocks[num_blocks:]
+        held = [block.block_id for block in tail if block.ref_count]
+        if held:
+            raise RuntimeError(f"cannot drop KV cache blocks still in use: {held[:8]}")
+        for block in tail:
+            if self._is_cached(block):
+                del self.hash_to_block[block.hash]
+        del self.blocks[num_blocks:], self._in_heap[num_blocks:]
+        for heap in self._free_heaps:
+            heap[:] = [block_id for block_id in heap if block_id < num_blocks]
+            heapq.heapify(heap)
+        self.num_free_blocks -= len(tail)
+        self.num_blocks = num_blocks
+
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)

@@ -4,6 +4,7 @@ scheduler steps. The only place that knows the startup order."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.block_manager import BlockManager
@@ -11,6 +12,7 @@ from kvfit.engine.config import EngineConfig
 from kvfit.engine.detokenizer import Detokenizer
 from kvfit.engine.executor import Executor
 from kvfit.engine.model_runner import eos_token_ids
+from kvfit.engine.oom_guard import OOMGuard, is_device_oom
 from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.sequence import ScheduledBatch, Sequence
 from kvfit.kv.report import KVCacheReport
@@ -30,7 +32,8 @@ class EngineCore:
     size the cache (measured, estimate or override) and commit that.
 
     Steps overlap: step k + 1 is scheduled and launched before step k's tokens are read, so
-    the host's work hides behind the device's (see `step`).
+    the host's work hides behind the device's (see `step`). A step that runs the device out of
+    memory shrinks the cache and runs again (`oom_guard`).
     """
 
     def __init__(self, config: EngineConfig, tokenizer: object | None = None,
@@ -52,6 +55,8 @@ class EngineCore:
             eos_token_id=eos_token_ids(config.model_config.hf_config),
             detokenizer=Detokenizer(tokenizer),
         )
+        self.oom_guard = OOMGuard(config, self.executor, self.scheduler,
+                                  self.kv_cache_report.margin)
 
     def _initialize_kv_cache(self) -> KVCacheReport:
         cc = self.config.cache_config
@@ -155,8 +160,7 @@ class EngineCore:
         finished: list[Sequence] = []
         if self._in_flight is not None and self._pending_tokens_needed():
             finished += self._apply_in_flight()
-        batch = self.scheduler.schedule()
-        launched = self.executor.launch(batch) if batch is not None else None
+        batch, launched = self._launch_next(finished)
         if self._in_flight is not None:
             finished += self._apply_in_flight()
         if batch is not None:
@@ -167,6 +171,32 @@ class EngineCore:
     def _pending_tokens_needed(self) -> bool:
         return any(seq.sampling_params.needs_output_history and seq.has_pending_token
                    for seq in self.scheduler.running)
+
+    def _launch_next(
+        self, finished: list[Sequence]
+    ) -> tuple[ScheduledBatch | None, AsyncModelOutput | None]:
+        """Schedule and launch the next step. On a device out-of-memory error, apply the step
+        in flight (adding what finishes to `finished`), let the guard make room and schedule
+        again: the failed batch was not advanced, so scheduling it again recomputes it."""
+        attempt = 0
+        while True:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return None, None
+            try:
+                return batch, self.executor.launch(batch)
+            except RuntimeError as error:
+                if not is_device_oom(error):
+                    raise
+                message = str(error)
+            # Outside the except block the traceback is gone, and with it the failed step's
+            # tensors, so the guard's empty_cache can return them.
+            if self._in_flight is not None:
+                finished += self._apply_in_flight()  # never shrink under a running step
+            self.oom_guard.recover(message, attempt)
+            self.kv_cache_report = replace(self.kv_cache_report,
+                                           oom_guard_shrinks=self.oom_guard.num_shrinks)
+            attempt += 1
 
     def _apply_in_flight(self) -> list[Sequence]:
         batch, launched = self._in_flight

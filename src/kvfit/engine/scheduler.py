@@ -178,6 +178,16 @@ class Scheduler:
                 and seq.sampling_params.prompt_logprobs is None
                 and parent.num_computed_tokens < parent.num_prompt_tokens - 1)
 
+    def preempt_tail_holders(self, num_blocks: int) -> list[Sequence]:
+        """Preempt every running sequence holding a block id >= `num_blocks`, so the cache can
+        shrink to `num_blocks`; returns them. They are recomputed like any preempted sequence,
+        and keep their admission order at the front of the waiting queue."""
+        victims = [seq for seq in reversed(self.running)
+                   if any(block_id >= num_blocks for block_id in seq.block_table)]
+        for seq in victims:
+            self._preempt(seq)
+        return victims
+
     def _record_prompt_logprobs(self, seq: Sequence, output: ModelOutput, i: int) -> None:
         done = len(seq.prompt_logprobs)
         first = done if output.prompt_logprobs_first is None else output.prompt_logprobs_first[i]

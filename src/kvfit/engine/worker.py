@@ -183,6 +183,29 @@ class Worker:
         """Commit exactly `num_blocks` (growing, or shrinking below what warmup used)."""
         self.runner.commit_blocks(num_blocks)
 
+    def kv_cache_shrink_target(self, nbytes: int, num_granules: int = 1) -> int:
+        """The most blocks the extensible cache can commit in `nbytes` and `num_granules` commit
+        granules less than it holds now (the out-of-memory guard's shrink target)."""
+        cache = self.runner.kv_cache
+        keep = cache.physical_bytes - nbytes - num_granules * cache.granularity
+        return cache.blocks_that_fit(max(0, keep))
+
+    def shrink_kv_cache(self, num_blocks: int) -> int:
+        """Commit `num_blocks` of the extensible cache (fewer than now; same addresses, so
+        graphs stay valid) and hand what torch holds idle back to the device. Returns the
+        physical bytes freed. The blocks dropped must be unused and no step may be running."""
+        cache = self.runner.kv_cache
+        before = cache.physical_bytes
+        self.runner.commit_blocks(num_blocks)
+        self.empty_cache()
+        return before - cache.physical_bytes
+
+    def empty_cache(self) -> None:
+        """Release the memory torch's caching allocator holds idle (after an out-of-memory
+        error, so the retried step can have it)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def kv_cache_report(
         self, method: str, num_blocks: int, max_blocks: int | None = None
     ) -> KVCacheReport:

@@ -23,7 +23,9 @@ class KVCacheReport:
     what the estimate's budget arithmetic gives, for comparison; None where it was not computed.
     `max_blocks` caps both methods (what `max_num_seqs` sequences of `max_model_len` can use,
     raised on a device to keep a prefix cache), so a size below the estimate shows its reason;
-    None under an override.
+    None under an override. `oom_guard_shrinks` counts the times the engine's out-of-memory
+    guard has shrunk the cache since (the other figures stay those of startup); its row is
+    shown once there is one.
     """
 
     method: str
@@ -37,6 +39,7 @@ class KVCacheReport:
     num_blocks: int
     estimate_num_blocks: int | None = None
     max_blocks: int | None = None
+    oom_guard_shrinks: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -46,7 +49,7 @@ class KVCacheReport:
         """The table's (label, value) rows."""
         estimate = "-" if self.estimate_num_blocks is None else f"{self.estimate_num_blocks:,}"
         cap = "-" if self.max_blocks is None else f"{self.max_blocks:,}"
-        return [
+        rows = [
             ("method", self.method),
             ("device total", format_bytes(self.total)),
             ("budget", format_bytes(self.budget)),
@@ -59,6 +62,9 @@ class KVCacheReport:
             ("blocks by estimate", estimate),
             ("blocks cap", cap),
         ]
+        if self.oom_guard_shrinks:
+            rows.append(("OOM guard shrinks", f"{self.oom_guard_shrinks:,}"))
+        return rows
 
     def format_table(self) -> str:
         """Labels left-aligned, values right-aligned, one row per figure."""
