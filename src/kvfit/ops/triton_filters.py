@@ -202,7 +202,7 @@ def filter_thresholds_triton(
     device = logits.device
     _filter_threshold_kernel[(num_rows,)](
         logits, temperature,
-        _absent(device, torch.int64) if top_k is None else top_k,
+        _absent(device, torch.int32) if top_k is None else top_k,  # the engine passes int32
         _absent(device, torch.float32) if top_p is None else top_p,
         _absent(device, torch.float32) if min_p is None else min_p,
         out, *logits.stride(), vocab_size,
