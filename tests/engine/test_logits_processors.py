@@ -9,6 +9,7 @@ from kvfit.engine.logits_processors import BannedTokens, LogitBias, Penalties
 from kvfit.engine.sampler import Sampler, SamplingMetadata
 from kvfit.engine.sampling_params import MAX_TOKEN_LIST, SamplingParams
 from kvfit.engine.sequence import PENDING_TOKEN, Sequence
+from kvfit.ops.memwatch import watch_memory
 
 VOCAB = 50
 
@@ -124,3 +125,19 @@ def test_lists_longer_than_warmup_measures_are_rejected_naming_the_field() -> No
         SamplingParams(stop_token_ids=list(range(MAX_TOKEN_LIST + 1)))
     with pytest.raises(ValueError, match="logit_bias.*token ids"):
         SamplingParams(logit_bias={VOCAB: 1.0}).check_token_ids(VOCAB)
+
+
+def test_penalty_memory_is_a_few_bytes_per_entry_not_rows_by_vocabulary() -> None:
+    vocab, rows, context = 151936, 64, 2048
+    distinct = list(range(context))
+    seqs = [make_seq(distinct[:1], distinct[1:], repetition_penalty=1.2, presence_penalty=0.5,
+                     frequency_penalty=0.5) for _ in range(rows)]
+    logits = torch.zeros(rows, vocab, dtype=torch.bfloat16)
+    penalties = Penalties.from_seqs(seqs, vocab, torch.device("cpu"))
+    entries = len(penalties.index)
+    assert entries == rows * context
+    with watch_memory("cpu") as watch:
+        penalties.apply(logits).restore(logits)
+    # The docstring's bound, 40 bytes per entry (5 MiB here; the index, rows and counts are
+    # built beforehand), where one float32 [rows, V] temporary per feature would be 39 MiB.
+    assert watch.peak_bytes <= 40 * entries, watch.peak_bytes / entries

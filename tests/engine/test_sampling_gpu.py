@@ -74,3 +74,27 @@ def test_gpu_every_feature_at_a_full_batch_needs_no_more_than_sizing_kept(
         assert need <= report.transient + (8 << 20), (need, report.transient)
     finally:
         llm.shutdown()
+
+
+def test_gpu_sampling_memory_beyond_the_logits_is_entries_and_one_block() -> None:
+    from kvfit.engine import sampler as sampler_module
+    from kvfit.engine.sampling_features import WarmupLimits, worst_case_params
+    from kvfit.ops.memwatch import watch_memory
+
+    vocab, rows, context = 151936, 256, 1024
+    params = worst_case_params(WarmupLimits(vocab, context, 20))
+    distinct = list(range(context))
+    seqs = [Sequence(distinct, params, num_prompt_tokens=1, sibling_index=i % 2)
+            for i in range(rows)]
+    logits = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
+    sampler = Sampler("cuda")
+    meta = SamplingMetadata.from_seqs(seqs, vocab, "cuda", [2])
+    sampler(logits, meta)  # compile
+    entries = sum(len(p.index) for p in meta.processors)
+    with watch_memory("cuda") as watch:
+        sampler(logits, meta)
+    # The processors' working copies, one log-sum-exp block and O(rows): no [N, V] temporary
+    # (the logits are 78 MiB here).
+    bound = 40 * entries + 2 * sampler_module._LOGSUMEXP_BYTES + 64 * rows * 8
+    assert watch.peak_bytes <= bound, (watch.peak_bytes, bound)
+    assert watch.peak_bytes < logits.nbytes / 2

@@ -34,8 +34,9 @@ class Penalties:
     """Repetition, presence and frequency penalties on each row's distinct context tokens.
 
     Entries are the distinct tokens of prompt and output (E <= rows x min(context, V)), each
-    with its count in the output. Device memory: about 40 bytes per entry (index, row and count,
-    the original values, a float32 working copy and two float32 temporaries).
+    with its count in the output. Device memory: 20 bytes per entry held for the step (int64
+    index and row, int32 count) and at most 40 more while `apply` runs (the original values, a
+    float32 working copy and its temporaries); 23 measured on the CPU.
     """
 
     def __init__(self, index: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor,
