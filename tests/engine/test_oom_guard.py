@@ -176,6 +176,14 @@ def reference(qwen3: Path) -> Callable[..., list[Any]]:
     llm.shutdown()
 
 
+def expected_cut(llm: LLM, granules: int = 1) -> int:
+    """Where the guard cuts the cache now: past the request and `granules` granules, down to a
+    physical chunk's start (cutting a chunk would need memory for a copy)."""
+    cache = runner(llm).kv_cache
+    fits = cache.blocks_that_fit(cache.physical_bytes - REQUESTED - granules * cache.granularity)
+    return cache.uncut_blocks(fits)
+
+
 def spy_shrinks(llm: LLM) -> list[tuple[int, bool]]:
     """Record each worker shrink: (blocks, whether a step was in flight then)."""
     calls: list[tuple[int, bool]] = []
@@ -213,6 +221,7 @@ def test_an_oom_in_any_phase_shrinks_the_tail_and_reruns_the_step(
     cache, report = runner(llm).kv_cache, llm.kv_cache_report
     base, physical_before = cache.tensor.base_ptr, cache.physical_bytes
     before = report.num_blocks
+    expected_after = expected_cut(llm)
     fault = inject(llm, phase)
     with caplog.at_level(logging.WARNING, logger="kvfit.engine.oom_guard"):
         outputs = generate(llm, PARAMS[params])
@@ -221,7 +230,6 @@ def test_an_oom_in_any_phase_shrinks_the_tail_and_reruns_the_step(
     assert_same(outputs, reference(params))
     assert all(o.finished for o in outputs)
     [event] = llm.engine.oom_guard.events
-    expected_after = cache.blocks_that_fit(physical_before - REQUESTED - cache.granularity)
     assert event == OOMGuardEvent(
         requested_bytes=REQUESTED,
         num_blocks_before=before,
@@ -256,10 +264,11 @@ def test_an_oom_in_any_phase_shrinks_the_tail_and_reruns_the_step(
 def test_tail_in_use_preempts_its_holders_and_they_are_recomputed(
     make_llm: Callable[..., LLM], reference: Callable[..., list[Any]],
 ) -> None:
-    # Twelve ~380-token requests take ~290 of the 512 blocks: a cut at 256 lands inside the
-    # blocks of the last admitted ones when decoding starts.
+    # Twelve ~380-token requests take ~290 of the 512 blocks: the cut lands inside the blocks
+    # of the last admitted ones when decoding starts.
     lengths = LONG_LENGTHS
     llm = make_llm()
+    cut = expected_cut(llm)
     shrinks = spy_shrinks(llm)
     scheduler = llm.engine.scheduler
     holders: list[int] = []
@@ -267,16 +276,16 @@ def test_tail_in_use_preempts_its_holders_and_they_are_recomputed(
     def tail_holders(*args: Any) -> bool:
         if args[2].max_query_len > 1:
             return False
-        holders.append(sum(max(s.block_table) >= 256 for s in scheduler.running))
+        holders.append(sum(max(s.block_table) >= cut for s in scheduler.running))
         return True
 
     runner(llm).model.forward = Fault(runner(llm).model.forward, tail_holders)
     outputs = generate(llm, PARAMS["greedy"], lengths)
     assert_same(outputs, reference("greedy", lengths))
     [event] = llm.engine.oom_guard.events
-    assert event.num_blocks_after == 256 < event.num_blocks_before == 512
+    assert event.num_blocks_after == cut < event.num_blocks_before == 512
     assert event.num_preempted == holders[0] > 0
-    assert shrinks == [(256, False)]
+    assert shrinks == [(cut, False)]
     assert scheduler.num_preemptions >= event.num_preempted
     assert_nothing_leaked(llm)
 
@@ -285,17 +294,18 @@ def test_prefix_hits_in_the_tail_are_preempted_and_evicted(
     make_llm: Callable[..., LLM], reference: Callable[..., list[Any]],
 ) -> None:
     llm = make_llm()
+    cut = expected_cut(llm)
     generate(llm, PARAMS["greedy"], LONG_LENGTHS)  # leaves ~290 blocks cached, all free
     bm = llm.engine.scheduler.block_manager
-    assert max(bm.hash_to_block.values()) >= 256
+    assert max(bm.hash_to_block.values()) >= cut
     hits: list[int] = []
     add = llm.engine.add_request
     llm.engine.add_request = lambda seq: (hits.append(seq), add(seq))[1]  # type: ignore[method-assign]
     inject(llm, "prefill_forward")  # the first step of the rerun: its hits hold the tail
     assert_same(generate(llm, PARAMS["greedy"], LONG_LENGTHS), reference("greedy", LONG_LENGTHS))
     [event] = llm.engine.oom_guard.events
-    assert event.num_blocks_after == 256 and event.num_preempted > 0
-    assert max(bm.hash_to_block.values()) < 256
+    assert event.num_blocks_after == cut and event.num_preempted > 0
+    assert max(bm.hash_to_block.values()) < cut
     assert sum(seq.num_cached_tokens for seq in hits) > 0  # the entries below the cut still hit
     assert_nothing_leaked(llm)
 
@@ -307,6 +317,7 @@ def test_a_cache_at_one_max_model_len_sequence_raises_naming_the_settings(
     make_llm: Callable[..., LLM],
 ) -> None:
     llm = make_llm()
+    cut = expected_cut(llm)
     fault = inject(llm, "decode_forward", times=float("inf"))
     with pytest.raises(KVCacheOutOfMemoryError) as error:
         generate(llm, PARAMS["greedy"])
@@ -315,8 +326,8 @@ def test_a_cache_at_one_max_model_len_sequence_raises_naming_the_settings(
                     "kv_cache_margin_fraction", "cannot shrink", "Tried to allocate 2.00 MiB"):
         assert setting in message
     events = llm.engine.oom_guard.events
-    # 512 -> 256 blocks, then down to the 32 one max_model_len sequence needs, then no further.
-    assert [(e.num_blocks_before, e.num_blocks_after) for e in events] == [(512, 256), (256, 32)]
+    # 512 -> the first cut, then down to the 32 one max_model_len sequence needs, no further.
+    assert [(e.num_blocks_before, e.num_blocks_after) for e in events] == [(512, cut), (cut, 32)]
     assert fault.fired == 3
     assert runner(llm).kv_cache.committed_blocks == 32
     assert events[-1].implied_margin_bytes == llm.kv_cache_report.margin + sum(

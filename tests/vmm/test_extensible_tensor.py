@@ -235,3 +235,19 @@ def test_recommit_zeroes_pages_a_driver_hands_back_dirty() -> None:
         assert driver.pool  # the pages (and their bytes) are waiting to be reused
         t.recommit()
         assert not driver.pool and int(view.count_nonzero()) == 0
+
+
+def test_uncut_sizes_end_on_chunk_boundaries_so_a_shrink_there_copies_nothing() -> None:
+    driver = RecyclingHostDriver()
+    with ExtensibleTensor(64 * MiB, "cpu", driver=driver) as t:
+        t.commit(2 * MiB)  # one 2 MiB chunk
+        t.commit(10 * MiB)  # and one bulk chunk of 8 MiB after it
+        assert t.num_physical_chunks == 2
+        assert t.uncut_bytes(10 * MiB) == 10 * MiB
+        assert t.uncut_bytes(9 * MiB) == t.uncut_bytes(4 * MiB) == 2 * MiB
+        assert t.uncut_bytes(64 * MiB) == 10 * MiB  # never more than is committed
+        creates = []
+        original = driver.create
+        driver.create = lambda size, device: (creates.append(size), original(size, device))[1]
+        t.commit(t.uncut_bytes(9 * MiB))
+        assert creates == [] and t.num_physical_chunks == 1 and t.physical_bytes == 2 * MiB

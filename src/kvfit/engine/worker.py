@@ -185,10 +185,11 @@ class Worker:
 
     def kv_cache_shrink_target(self, nbytes: int, num_granules: int = 1) -> int:
         """The most blocks the extensible cache can commit in `nbytes` and `num_granules` commit
-        granules less than it holds now (the out-of-memory guard's shrink target)."""
+        granules less than it holds now, by unmapping whole physical chunks (the out-of-memory
+        guard's shrink target: cutting a chunk would need memory for a copy)."""
         cache = self.runner.kv_cache
         keep = cache.physical_bytes - nbytes - num_granules * cache.granularity
-        return cache.blocks_that_fit(max(0, keep))
+        return cache.uncut_blocks(cache.blocks_that_fit(max(0, keep)))
 
     def shrink_kv_cache(self, num_blocks: int) -> int:
         """Commit `num_blocks` of the extensible cache (fewer than now; same addresses, so

@@ -112,6 +112,14 @@ class ExtensibleKVCache:
                 hi = mid - 1
         return lo
 
+    def uncut_blocks(self, num_blocks: int) -> int:
+        """The most blocks <= `num_blocks` that a shrink reaches by unmapping whole physical
+        chunks, with no copy (`ExtensibleTensor.uncut_bytes`): how to shrink when the device is
+        out of memory. Never more than are committed."""
+        stride = self.spec.block_stride_bytes
+        num_blocks = min(num_blocks, self.committed_blocks)
+        return self.tensor.uncut_bytes(num_blocks * stride) // stride
+
     def granule_aligned_blocks(self, num_blocks: int) -> int:
         """Largest count <= num_blocks at which every segment starts and ends on a granule."""
         return self.spec.granule_aligned_blocks(num_blocks, self.granularity)

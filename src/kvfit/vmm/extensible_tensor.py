@@ -178,6 +178,20 @@ class ExtensibleTensor:
 
     # --- planning --------------------------------------------------------------------------
 
+    def uncut_bytes(self, bytes_per_segment: int) -> int:
+        """The largest size <= `bytes_per_segment` that a shrink reaches by unmapping whole
+        physical chunks: a chunk the shrink cuts is copied onto a smaller allocation, which
+        needs memory that a device out of memory does not have. A multiple of the granule."""
+        chunks = list(self._live().chunks.values())
+        size = min(bytes_per_segment, self.committed_bytes) // self.granularity * self.granularity
+        while size > 0 and any(self._cuts(chunk, size) for chunk in chunks):
+            size -= self.granularity
+        return size
+
+    def _cuts(self, chunk: Chunk, committed: int) -> bool:
+        end = self._needed_end(self._home_of(chunk.offset), committed)
+        return chunk.offset < end < chunk.end
+
     def _needed_end(self, home: int, committed: int) -> int:
         """End offset of what home range `home` must map for `committed` bytes per segment.
 
@@ -236,7 +250,7 @@ class ExtensibleTensor:
             end = self._needed_end(self._home_of(chunk.offset), target)
             if chunk.offset >= end:
                 dropped.append(chunk)
-            elif chunk.end > end:
+            elif self._cuts(chunk, target):
                 cut.append((chunk, end - chunk.offset))
         self._synchronize()
         cuts = self._copy_kept(cut, reservation)
