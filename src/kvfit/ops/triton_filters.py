@@ -64,6 +64,7 @@ def _key_value(key, DTYPE: tl.constexpr, KEY_BITS: tl.constexpr):
 def _search(
     row_logits, stride_v, vocab_size, num_tiles, lo, hi, target, fraction, floor, top, scale,
     MASS: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, CANDIDATES: tl.constexpr,
+    MASS_F64: tl.constexpr,
 ):  # fmt: skip
     """The largest key t in [lo, hi) with W(key >= t) >= target. W counts the row's keys, or with
     MASS sums exp((x - top) / T) over the x >= floor; a negative target means `fraction` x
@@ -81,9 +82,12 @@ def _search(
         # Per lane, summed over tiles: one reduction per pass, not per tile. Masses are summed
         # in float64, so no summation order (tile size, the torch path's) moves the threshold;
         # counts in int32, exactly.
-        if MASS:
+        if MASS and MASS_F64:
             acc = tl.zeros((BLOCK, CANDIDATES), tl.float64)
             above = tl.zeros((BLOCK,), tl.float64)
+        elif MASS:
+            acc = tl.zeros((BLOCK, CANDIDATES), tl.float32)
+            above = tl.zeros((BLOCK,), tl.float32)
         else:
             acc = tl.zeros((BLOCK, CANDIDATES), tl.int32)
             above = tl.zeros((BLOCK,), tl.int32)
@@ -93,7 +97,9 @@ def _search(
             key = _keys(x, KEY_BITS)
             if MASS:
                 xf = x.to(tl.float32)
-                w = tl.where(xf >= floor, tl.exp2((xf - top) * scale), 0.0).to(tl.float64)
+                w = tl.where(xf >= floor, tl.exp2((xf - top) * scale), 0.0)
+                if MASS_F64:
+                    w = w.to(tl.float64)
                 counted = w > 0
             else:
                 w = (c < vocab_size).to(tl.int32)
@@ -121,6 +127,7 @@ def _filter_threshold_kernel(
     logits, temperature, top_k, top_p, min_p, thresholds,
     stride_n, stride_v, vocab_size, has_top_k, has_top_p, has_min_p,
     KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, CANDIDATES: tl.constexpr,
+    MASS_F64: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     t = tl.load(temperature + row)
@@ -155,7 +162,7 @@ def _filter_threshold_kernel(
     # top-k: the k-th largest value is the largest key with at least k keys at or above it.
     lo_k = _search(row_logits, stride_v, vocab_size, num_tiles, lo, tl.where(on_k, hi, lo + 1),
                    k.to(tl.float64), p, top, top, scale,
-                   False, KEY_BITS, BLOCK, CANDIDATES)  # fmt: skip
+                   False, KEY_BITS, BLOCK, CANDIDATES, MASS_F64)  # fmt: skip
     t_k = tl.where(on_k, _key_value(lo_k, dtype, KEY_BITS), float("-inf"))
     t_min_p = top + t * tl.log(min_p_)  # -inf where min-p is off
     t_s = tl.maximum(t_k, t_min_p)  # S = {x >= t_s}: both filters keep a top prefix
@@ -164,7 +171,7 @@ def _filter_threshold_kernel(
     lo_p = tl.maximum(lo_k, _keys(t_min_p.to(dtype), KEY_BITS).to(tl.int64) - 1)
     lo_p = _search(row_logits, stride_v, vocab_size, num_tiles, lo_p,
                    tl.where(on_p, hi, lo_p + 1), p.to(tl.float64) * 0.0 - 1.0, p, t_s, top, scale,
-                   True, KEY_BITS, BLOCK, CANDIDATES)  # fmt: skip
+                   True, KEY_BITS, BLOCK, CANDIDATES, MASS_F64)  # fmt: skip
     t_p = tl.where(on_p, _key_value(lo_p, dtype, KEY_BITS), float("-inf"))
     thr = tl.maximum(t_s, t_p)
     tl.store(thresholds + row, tl.where(active & (top > float("-inf")), thr, float("-inf")))
@@ -187,10 +194,13 @@ def filter_thresholds_triton(
     block: int = BLOCK,
     candidates: int = CANDIDATES,
     num_warps: int = NUM_WARPS,
+    mass_float64: bool = True,
 ) -> torch.Tensor:
     """`kvfit.ops.sampling.filter_thresholds` as one Triton program per row. `block`,
     `candidates` (powers of two >= 2) and `num_warps` are tuning knobs that never change the
-    result. Extra memory: the `[N]` float32 output only."""
+    result. `mass_float64=False` sums top-p's masses per lane in float32 (an experiment: the
+    result may then differ from the torch path's where a mass lies within rounding of top_p).
+    Extra memory: the `[N]` float32 output only."""
     check_filter_inputs(logits, temperature, top_k, top_p, min_p)
     for name, value in (("block", block), ("candidates", candidates)):
         if value < 2 or value & (value - 1):
@@ -202,12 +212,14 @@ def filter_thresholds_triton(
     device = logits.device
     _filter_threshold_kernel[(num_rows,)](
         logits, temperature,
-        _absent(device, torch.int32) if top_k is None else top_k,  # the engine passes int32
+        # One dtype whether top_k is given or not (int32, as the engine passes it): a second
+        # would compile a second kernel.
+        _absent(device, torch.int32) if top_k is None else top_k.int(),
         _absent(device, torch.float32) if top_p is None else top_p,
         _absent(device, torch.float32) if min_p is None else min_p,
         out, *logits.stride(), vocab_size,
         int(top_k is not None), int(top_p is not None), int(min_p is not None),
         KEY_BITS=8 * logits.element_size(), BLOCK=block, CANDIDATES=candidates,
-        num_warps=num_warps,
+        MASS_F64=mass_float64, num_warps=num_warps,
     )  # fmt: skip
     return out
