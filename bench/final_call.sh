@@ -20,6 +20,7 @@ grep SUMMARY "$log" | tail -1
 step capacity
 timeout 100 python3 bench/capacity.py --startup-rounds 1 --out "$o/capacity.json" >> "$log" 2>&1
 tail -14 "$log"
+[ "${1:-}" = short ] && exit 0  # the device time left allows no more
 step adversarial 0.6B 4096 default
 timeout 50 python3 $A --models qwen3-0.6b-shape --max-model-len 4096 --margins default \
   --deadline-s 30 --out "$o/adv_4k.json" >> "$log" 2>&1; grep SUMMARY "$log" | tail -1
