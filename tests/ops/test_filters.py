@@ -417,7 +417,7 @@ def test_gumbel_draws_only_kept_columns_and_minus_inf_changes_nothing(sample):
 def _triton_thresholds(logits, temperature, top_k, top_p, min_p, **knobs):
     # A tile much smaller than the vocabulary, so every pass loops over several tiles.
     return triton_filters.filter_thresholds_triton(
-        logits, temperature, top_k, top_p, min_p, **{"block": 64, **knobs}
+        logits, temperature, top_k, top_p, min_p, **{"block": 64, "chunk": 128, **knobs}
     )
 
 

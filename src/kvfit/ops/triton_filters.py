@@ -2,13 +2,18 @@
 
 Every filter keeps a top prefix of the row, so each is a threshold: top-k's is the k-th largest
 logit, min-p's is closed form, top-p's is the logit where the mass at or above it reaches top_p.
-The kernel finds them by bisection over each value's order-preserving integer key (16-bit keys
-for bf16/fp16, 32-bit for fp32): a pass over the row counts (or weighs) the keys at or above
-CANDIDATES cut points at once and keeps the sub-interval holding the answer, so a 16-bit
-search takes at most 4 passes and usually fewer (it starts on the row's [min, max] keys). Only
-keys inside the current interval need the per-cut test, so after the first pass most tiles
-skip it. One program per row loops over the row in tiles; the row (300 KB of bf16 at a 152k
-vocabulary) is re-read from L2, and the only memory written is the [N] output.
+Both searches bisect over each value's order-preserving integer key (16-bit keys for bf16/fp16,
+32-bit for fp32): a pass counts (or weighs) the keys at or above CANDIDATES cut points at once
+and keeps the sub-interval holding the answer, so a 16-bit search takes 4 passes of 16 cuts.
+
+A row is split into CHUNK-column pieces, one program each, so that 256 rows x 152k columns run
+as ~19k programs rather than 256 serial loops (the former one-program-per-row kernel was
+latency bound at the speed of the sort it replaced). A pass is two launches: `_count_kernel`
+writes each piece's totals per cut, `_update_kernel` sums them in a fixed order (so the result
+is deterministic) and narrows the row's interval. The launch count is fixed by the key width,
+not by the data: nothing syncs with the host, and rows that have converged skip their work.
+A piece whose largest key is below the interval reads nothing, so after the first pass of a
+search only the few pieces holding the row's top values are read again.
 """
 
 from __future__ import annotations
@@ -22,16 +27,18 @@ import triton.language as tl
 
 from kvfit.ops.sampling import check_filter_inputs
 
-# Columns per tile, cut points per pass (4 bits of the key per pass over the row) and warps.
-# ptxas for sm_90: 120 registers, no spills, so two programs fit an SM and 256 rows run in one
-# wave on an H200; a [1024, 16] float64 accumulator at 8 warps spills. Untimed: see
-# `bench/sampling.py --sweep-filters`.
+# Columns per tile, columns per program (a multiple of BLOCK), cut points per pass (4 bits of
+# the key) and warps. Untimed defaults: see `bench/sampling.py --sweep-filters`.
 BLOCK = 256
+CHUNK = 2048
 CANDIDATES = 16
-NUM_WARPS = 8
+NUM_WARPS = 4
 _LOG2E = tl.constexpr(1 / math.log(2))
 _INT32_MIN = tl.constexpr(-(2**31))
 _INT32_MAX = tl.constexpr(2**31 - 1)
+# Flags that say whether a filter tensor was given; specialised, each mix of filters would
+# compile its own kernels the first time a batch used it.
+_FLAGS = ["has_top_k", "has_top_p", "has_min_p"]
 
 
 @triton.jit
@@ -61,127 +68,222 @@ def _key_value(key, DTYPE: tl.constexpr, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _search(
-    row_logits, stride_v, vocab_size, num_tiles, lo, hi, target, fraction, floor, top, scale,
-    MASS: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, CANDIDATES: tl.constexpr,
-    MASS_F64: tl.constexpr,
-):  # fmt: skip
-    """The largest key t in [lo, hi) with W(key >= t) >= target. W counts the row's keys, or with
-    MASS sums exp((x - top) / T) over the x >= floor; a negative target means `fraction` x
-    W(key >= lo). Needs W(>= lo) >= target and W(>= hi) < target."""
-    d = tl.arange(0, CANDIDATES)
-    cols = tl.arange(0, BLOCK)
-    while hi - lo > 1:
-        step = (hi - lo + CANDIDATES - 1) // CANDIDATES
-        cand = tl.minimum(lo + d * step, hi)  # int64: hi - lo may not fit an int32
-        cut = cand.to(tl.int32)
-        lo32 = lo.to(tl.int32)
-        last = (hi - 1).to(tl.int32)  # hi itself may be 2**31
-        # W(>= cut) = W(inside [lo, hi) and >= cut) + W(>= hi). Only the keys inside need a
-        # test per cut, and after the first pass few are: tiles without one skip that work.
-        # Per lane, summed over tiles: one reduction per pass, not per tile. Masses are summed
-        # in float64, so no summation order (tile size, the torch path's) moves the threshold;
-        # counts in int32, exactly.
-        if MASS and MASS_F64:
-            acc = tl.zeros((BLOCK, CANDIDATES), tl.float64)
-            above = tl.zeros((BLOCK,), tl.float64)
-        elif MASS:
-            acc = tl.zeros((BLOCK, CANDIDATES), tl.float32)
-            above = tl.zeros((BLOCK,), tl.float32)
-        else:
-            acc = tl.zeros((BLOCK, CANDIDATES), tl.int32)
-            above = tl.zeros((BLOCK,), tl.int32)
-        for tile in range(num_tiles):
-            c = tile * BLOCK + cols
-            x = tl.load(row_logits + c * stride_v, mask=c < vocab_size, other=float("-inf"))
-            key = _keys(x, KEY_BITS)
-            if MASS:
-                xf = x.to(tl.float32)
-                w = tl.where(xf >= floor, tl.exp2((xf - top) * scale), 0.0)
-                if MASS_F64:
-                    w = w.to(tl.float64)
-                counted = w > 0
-            else:
-                w = (c < vocab_size).to(tl.int32)
-                counted = c < vocab_size
-            above += tl.where(key > last, w, 0)
-            inside = counted & (key >= lo32) & (key <= last)
-            if tl.max(inside.to(tl.int32), axis=0) > 0:
-                at_or_above = inside[:, None] & (key[:, None] >= cut[None, :])
-                acc += tl.where(at_or_above, w[:, None], 0)
-        totals = tl.sum(acc, axis=0).to(tl.float64) + tl.sum(above, axis=0).to(tl.float64)
-        # Candidate 0 is lo, so its total is W(>= lo): the whole mass on the first pass.
-        whole = tl.sum(tl.where(d == 0, totals, 0.0))
-        target = tl.where(target < 0, fraction.to(tl.float64) * whole, target)
-        ok = ((totals >= target) | (d == 0)) & (cand < hi)
-        new_lo = tl.max(tl.where(ok, cand, lo))
-        hi = tl.min(tl.where(~ok & (cand > new_lo), cand, hi))
-        lo = new_lo
-    return lo
-
-
-# The has_* flags say whether a filter tensor was given; specialised, each mix of filters
-# would compile its own kernel the first time a batch used it.
-@triton.jit(do_not_specialize=["has_top_k", "has_top_p", "has_min_p"])
-def _filter_threshold_kernel(
-    logits, temperature, top_k, top_p, min_p, thresholds,
-    stride_n, stride_v, vocab_size, has_top_k, has_top_p, has_min_p,
-    KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, CANDIDATES: tl.constexpr,
-    MASS_F64: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0)
+def _row_filters(row, temperature, top_k, top_p, min_p, vocab_size,
+                 has_top_k, has_top_p, has_min_p):  # fmt: skip
+    """Row `row`'s temperature and filters, which of them are on, and whether any is."""
     t = tl.load(temperature + row)
     k = tl.load(top_k + row, mask=has_top_k != 0, other=vocab_size).to(tl.int32)
     p = tl.load(top_p + row, mask=has_top_p != 0, other=1.0)
-    min_p_ = tl.load(min_p + row, mask=has_min_p != 0, other=0.0)
+    m = tl.load(min_p + row, mask=has_min_p != 0, other=0.0)
     on_k = k < vocab_size
     on_p = p < 1.0
-    active = (t > 0) & (on_k | on_p | (min_p_ > 0.0))
-    # Inactive rows (greedy or unfiltered) read nothing: every loop runs zero times.
-    num_tiles = tl.where(active, tl.cdiv(vocab_size, BLOCK), 0)
-    row_logits = logits + row.to(tl.int64) * stride_n
-    cols = tl.arange(0, BLOCK)
+    return t, k, p, m, on_k, on_p, (t > 0) & (on_k | on_p | (m > 0.0))
 
-    x_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+
+@triton.jit
+def _cuts(lo, hi, CANDIDATES: tl.constexpr):
+    """CANDIDATES cut points evenly spaced over [lo, hi), clamped to hi (int64: hi - lo may not
+    fit an int32); cut 0 is lo."""
+    step = (hi - lo + CANDIDATES - 1) // CANDIDATES
+    return tl.minimum(lo + tl.arange(0, CANDIDATES) * step, hi)
+
+
+@triton.jit(do_not_specialize=_FLAGS)
+def _key_range_kernel(
+    logits, temperature, top_k, top_p, min_p, piece_max, partials,
+    stride_n, stride_v, vocab_size, num_pieces, has_top_k, has_top_p, has_min_p,
+    KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    CANDIDATES: tl.constexpr,
+):  # fmt: skip
+    """Each piece's smallest and largest key: into `partials` (for the row's range) and into
+    `piece_max` (so later passes skip pieces below their interval)."""
+    row, piece = tl.program_id(0), tl.program_id(1)
+    *_, active = _row_filters(row, temperature, top_k, top_p, min_p, vocab_size,
+                              has_top_k, has_top_p, has_min_p)  # fmt: skip
+    # Inactive rows (greedy or unfiltered) read nothing.
+    num_tiles = tl.where(active, CHUNK // BLOCK, 0)
+    row_logits = logits + row.to(tl.int64) * stride_n
+    cols = piece * CHUNK + tl.arange(0, BLOCK)
     key_min = tl.full((BLOCK,), _INT32_MAX, tl.int32)
     key_max = tl.full((BLOCK,), _INT32_MIN, tl.int32)
     for tile in range(num_tiles):
-        c = tile * BLOCK + cols
+        c = cols + tile * BLOCK
+        valid = c < vocab_size
+        key = _keys(tl.load(row_logits + c * stride_v, mask=valid, other=0.0), KEY_BITS)
+        key_min = tl.minimum(key_min, tl.where(valid, key, _INT32_MAX))
+        key_max = tl.maximum(key_max, tl.where(valid, key, _INT32_MIN))
+    at = row.to(tl.int64) * num_pieces + piece
+    tl.store(piece_max + at, tl.max(key_max))
+    tl.store(partials + at * CANDIDATES, tl.min(key_min).to(tl.float64))
+    tl.store(partials + at * CANDIDATES + 1, tl.max(key_max).to(tl.float64))
+
+
+@triton.jit(do_not_specialize=_FLAGS)
+def _begin_kernel(
+    logits, temperature, top_k, top_p, min_p, partials, state, fstate,
+    vocab_size, num_pieces, has_top_k, has_top_p, has_min_p,
+    KEY_BITS: tl.constexpr, CANDIDATES: tl.constexpr, PIECES: tl.constexpr,
+):  # fmt: skip
+    """The row's key range and largest logit; the top-k search's interval and target."""
+    row = tl.program_id(0).to(tl.int64)
+    t, k, p, m, on_k, on_p, active = _row_filters(
+        row, temperature, top_k, top_p, min_p, vocab_size, has_top_k, has_top_p, has_min_p
+    )
+    s = tl.arange(0, PIECES)
+    at = partials + (row * num_pieces + s) * CANDIDATES
+    lo = tl.min(tl.load(at, mask=s < num_pieces, other=_INT32_MAX)).to(tl.int64)
+    key_max = tl.max(tl.load(at + 1, mask=s < num_pieces, other=_INT32_MIN)).to(tl.int64)
+    # top-k: the k-th largest value is the largest key with at least k keys at or above it.
+    tl.store(state + row * 3, lo)
+    tl.store(state + row * 3 + 1, tl.where(active & on_k, key_max + 1, lo + 1))
+    tl.store(state + row * 3 + 2, key_max + 1)
+    tl.store(fstate + row * 3, k.to(tl.float64))
+    top = _key_value(key_max, logits.dtype.element_ty, KEY_BITS)
+    tl.store(fstate + row * 3 + 1, top.to(tl.float64))
+
+
+@triton.jit
+def _count_kernel(
+    logits, temperature, piece_max, partials, state, fstate,
+    stride_n, stride_v, vocab_size, num_pieces,
+    MASS: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    CANDIDATES: tl.constexpr, MASS_F64: tl.constexpr,
+):  # fmt: skip
+    """One piece's W(key >= cut) for each cut of its row's interval [lo, hi): W counts keys, or
+    with MASS sums exp((x - top) / T) over the x >= floor."""
+    row, piece = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    lo = tl.load(state + row * 3)
+    hi = tl.load(state + row * 3 + 1)
+    at = row * num_pieces + piece
+    # Keys below lo weigh nothing at any cut: a piece whose largest key is below lo is skipped.
+    needed = (hi - lo > 1) & (tl.load(piece_max + at).to(tl.int64) >= lo)
+    num_tiles = tl.where(needed, CHUNK // BLOCK, 0)
+    cand = _cuts(lo, hi, CANDIDATES)
+    cut = cand.to(tl.int32)
+    lo32 = lo.to(tl.int32)
+    last = (hi - 1).to(tl.int32)  # hi itself may be 2**31
+    top = tl.load(fstate + row * 3 + 1).to(tl.float32)
+    floor = tl.load(fstate + row * 3 + 2).to(tl.float32)
+    t = tl.load(temperature + row)
+    scale = _LOG2E / tl.where(t > 0, t, 1.0)
+    row_logits = logits + row * stride_n
+    cols = piece * CHUNK + tl.arange(0, BLOCK)
+    # W(>= cut) = W(inside [lo, hi) and >= cut) + W(>= hi). Only the keys inside need a test per
+    # cut, and after a search's first pass few are: tiles without one skip that work. Summed
+    # per lane over the tiles, reduced once. Masses in float64, so the summation order (tile,
+    # piece and the torch path's) does not move a threshold; counts exactly in int32.
+    if MASS and MASS_F64:
+        acc = tl.zeros((BLOCK, CANDIDATES), tl.float64)
+        above = tl.zeros((BLOCK,), tl.float64)
+    elif MASS:
+        acc = tl.zeros((BLOCK, CANDIDATES), tl.float32)
+        above = tl.zeros((BLOCK,), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK, CANDIDATES), tl.int32)
+        above = tl.zeros((BLOCK,), tl.int32)
+    for tile in range(num_tiles):
+        c = cols + tile * BLOCK
         valid = c < vocab_size
         x = tl.load(row_logits + c * stride_v, mask=valid, other=float("-inf"))
         key = _keys(x, KEY_BITS)
-        x_max = tl.maximum(x_max, x.to(tl.float32))
-        key_min = tl.minimum(key_min, tl.where(valid, key, _INT32_MAX))
-        key_max = tl.maximum(key_max, tl.where(valid, key, _INT32_MIN))
-    top = tl.max(x_max)
-    lo = tl.min(key_min).to(tl.int64)
-    hi = tl.max(key_max).to(tl.int64) + 1
-    scale = _LOG2E / tl.where(t > 0, t, 1.0)
-    dtype = logits.dtype.element_ty
+        if MASS:
+            xf = x.to(tl.float32)
+            w = tl.where(xf >= floor, tl.exp2((xf - top) * scale), 0.0)
+            if MASS_F64:
+                w = w.to(tl.float64)
+            counted = w > 0
+        else:
+            w = valid.to(tl.int32)
+            counted = valid
+        above += tl.where(key > last, w, 0)
+        inside = counted & (key >= lo32) & (key <= last)
+        if tl.max(inside.to(tl.int32), axis=0) > 0:
+            acc += tl.where(inside[:, None] & (key[:, None] >= cut[None, :]), w[:, None], 0)
+    totals = tl.sum(acc, axis=0).to(tl.float64) + tl.sum(above, axis=0).to(tl.float64)
+    tl.store(partials + at * CANDIDATES + tl.arange(0, CANDIDATES), totals)
 
-    # top-k: the k-th largest value is the largest key with at least k keys at or above it.
-    lo_k = _search(row_logits, stride_v, vocab_size, num_tiles, lo, tl.where(on_k, hi, lo + 1),
-                   k.to(tl.float64), p, top, top, scale,
-                   False, KEY_BITS, BLOCK, CANDIDATES, MASS_F64)  # fmt: skip
+
+@triton.jit(do_not_specialize=["has_top_p"])
+def _update_kernel(
+    top_p, partials, state, fstate, num_pieces, has_top_p,
+    CANDIDATES: tl.constexpr, PIECES: tl.constexpr,
+):  # fmt: skip
+    """Narrow the row's [lo, hi) to the largest key t with W(>= t) >= target, from the pieces'
+    totals summed in piece order; a negative target means top_p x W(>= lo) (top-p's first
+    pass). Needs W(>= lo) >= target and W(>= hi) < target."""
+    row = tl.program_id(0).to(tl.int64)
+    lo = tl.load(state + row * 3)
+    hi = tl.load(state + row * 3 + 1)
+    if hi - lo > 1:
+        d = tl.arange(0, CANDIDATES)
+        s = tl.arange(0, PIECES)
+        at = partials + (row * num_pieces + s[:, None]) * CANDIDATES + d[None, :]
+        totals = tl.sum(tl.load(at, mask=(s < num_pieces)[:, None], other=0.0), axis=0)
+        cand = _cuts(lo, hi, CANDIDATES)
+        p = tl.load(top_p + row, mask=has_top_p != 0, other=1.0)
+        target = tl.load(fstate + row * 3)
+        # Cut 0 is lo, so its total is W(>= lo): on top-p's first pass, the whole mass.
+        whole = tl.sum(tl.where(d == 0, totals, 0.0))
+        target = tl.where(target < 0, p.to(tl.float64) * whole, target)
+        ok = ((totals >= target) | (d == 0)) & (cand < hi)
+        new_lo = tl.max(tl.where(ok, cand, lo))
+        tl.store(state + row * 3, new_lo)
+        tl.store(state + row * 3 + 1, tl.min(tl.where(~ok & (cand > new_lo), cand, hi)))
+        tl.store(fstate + row * 3, target)
+
+
+@triton.jit(do_not_specialize=_FLAGS)
+def _between_kernel(
+    logits, temperature, top_k, top_p, min_p, state, fstate,
+    vocab_size, has_top_k, has_top_p, has_min_p, KEY_BITS: tl.constexpr,
+):  # fmt: skip
+    """top-k's and min-p's threshold t_s; the top-p search over S = {x >= t_s}."""
+    row = tl.program_id(0).to(tl.int64)
+    t, k, p, m, on_k, on_p, active = _row_filters(
+        row, temperature, top_k, top_p, min_p, vocab_size, has_top_k, has_top_p, has_min_p
+    )
+    dtype = logits.dtype.element_ty
+    lo_k = tl.load(state + row * 3)
+    top = tl.load(fstate + row * 3 + 1).to(tl.float32)
     t_k = tl.where(on_k, _key_value(lo_k, dtype, KEY_BITS), float("-inf"))
-    t_min_p = top + t * tl.log(min_p_)  # -inf where min-p is off
-    t_s = tl.maximum(t_k, t_min_p)  # S = {x >= t_s}: both filters keep a top prefix
-    # top-p over S, searched from a key at or below S's smallest: one below t_min_p's key once
-    # rounded to the logits' dtype (rounding moves it by at most one key).
+    t_min_p = top + t * tl.log(m)  # -inf where min-p is off
+    t_s = tl.maximum(t_k, t_min_p)  # both filters keep a top prefix
+    # Searched from a key at or below S's smallest: one below t_min_p's key once rounded to the
+    # logits' dtype (rounding moves it by at most one key).
     lo_p = tl.maximum(lo_k, _keys(t_min_p.to(dtype), KEY_BITS).to(tl.int64) - 1)
-    lo_p = _search(row_logits, stride_v, vocab_size, num_tiles, lo_p,
-                   tl.where(on_p, hi, lo_p + 1), p.to(tl.float64) * 0.0 - 1.0, p, t_s, top, scale,
-                   True, KEY_BITS, BLOCK, CANDIDATES, MASS_F64)  # fmt: skip
-    t_p = tl.where(on_p, _key_value(lo_p, dtype, KEY_BITS), float("-inf"))
-    thr = tl.maximum(t_s, t_p)
+    tl.store(state + row * 3, lo_p)
+    tl.store(state + row * 3 + 1, tl.where(active & on_p, tl.load(state + row * 3 + 2), lo_p + 1))
+    tl.store(fstate + row * 3, -1.0)
+    tl.store(fstate + row * 3 + 2, t_s.to(tl.float64))
+
+
+@triton.jit(do_not_specialize=_FLAGS)
+def _finish_kernel(
+    logits, temperature, top_k, top_p, min_p, state, fstate, thresholds,
+    vocab_size, has_top_k, has_top_p, has_min_p, KEY_BITS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    *_, on_p, active = _row_filters(row, temperature, top_k, top_p, min_p, vocab_size,
+                                    has_top_k, has_top_p, has_min_p)  # fmt: skip
+    lo_p = tl.load(state + row * 3)
+    t_p = tl.where(on_p, _key_value(lo_p, logits.dtype.element_ty, KEY_BITS), float("-inf"))
+    thr = tl.maximum(tl.load(fstate + row * 3 + 2).to(tl.float32), t_p)
+    top = tl.load(fstate + row * 3 + 1)
     tl.store(thresholds + row, tl.where(active & (top > float("-inf")), thr, float("-inf")))
 
 
 @functools.cache
 def _absent(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A stand-in for a filter tensor that is None (never read), of a fixed dtype so that
-    passing None does not change the kernel's signature."""
+    passing None does not change the kernels' signatures."""
     return torch.zeros(1, dtype=dtype, device=device)
+
+
+def workspace_bytes(num_rows: int, vocab_size: int, chunk: int = CHUNK,
+                    candidates: int = CANDIDATES) -> int:  # fmt: skip
+    """Device bytes `filter_thresholds_triton` allocates besides its `[N]` output:
+    per row, 8 x candidates + 4 bytes per piece of `chunk` columns, plus 48."""
+    return num_rows * (triton.cdiv(vocab_size, chunk) * (8 * candidates + 4) + 48)
 
 
 def filter_thresholds_triton(
@@ -192,34 +294,80 @@ def filter_thresholds_triton(
     min_p: torch.Tensor | None = None,
     *,
     block: int = BLOCK,
+    chunk: int = CHUNK,
     candidates: int = CANDIDATES,
     num_warps: int = NUM_WARPS,
     mass_float64: bool = True,
 ) -> torch.Tensor:
-    """`kvfit.ops.sampling.filter_thresholds` as one Triton program per row. `block`,
-    `candidates` (powers of two >= 2) and `num_warps` are tuning knobs that never change the
-    result. `mass_float64=False` sums top-p's masses per lane in float32 (an experiment: the
-    result may then differ from the torch path's where a mass lies within rounding of top_p).
-    Extra memory: the `[N]` float32 output only."""
+    """`kvfit.ops.sampling.filter_thresholds` in Triton, a row split over `chunk`-column
+    programs. `block`, `chunk` (a multiple of `block`), `candidates` (powers of two >= 2) and
+    `num_warps` are tuning knobs that never change the result. `mass_float64=False` sums
+    top-p's masses per lane in float32 (an experiment: the result may then differ from the
+    torch path's where a mass lies within rounding of top_p).
+
+    Extra memory: the `[N]` float32 output and `workspace_bytes(N, V)`: 1.25 MiB at 256 rows x
+    151,936 columns with the defaults, 1/62 of the bf16 logits. Launches: 2 + 2 x (the search
+    passes of each filter given: 4 for 16-bit keys) + 2, none waiting on the host."""
     check_filter_inputs(logits, temperature, top_k, top_p, min_p)
-    for name, value in (("block", block), ("candidates", candidates)):
+    for name, value in (("block", block), ("chunk", chunk), ("candidates", candidates)):
         if value < 2 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 2, got {value}")
+    if chunk < block:
+        raise ValueError(f"chunk ({chunk}) must be at least block ({block})")
     num_rows, vocab_size = logits.shape
     out = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     if num_rows == 0:
         return out
     device = logits.device
-    _filter_threshold_kernel[(num_rows,)](
-        logits, temperature,
-        # One dtype whether top_k is given or not (int32, as the engine passes it): a second
-        # would compile a second kernel.
+    num_pieces = triton.cdiv(vocab_size, chunk)
+    pieces = triton.next_power_of_2(num_pieces)
+    piece_max = torch.empty(num_rows, num_pieces, dtype=torch.int32, device=device)
+    partials = torch.empty(num_rows, num_pieces, candidates, dtype=torch.float64, device=device)
+    state = torch.empty(num_rows, 3, dtype=torch.int64, device=device)  # lo, hi, row's hi
+    fstate = torch.empty(num_rows, 3, dtype=torch.float64, device=device)  # target, top, floor
+    # One dtype whether top_k is given or not (int32, as the engine passes it): a second would
+    # compile second kernels.
+    filters = (
         _absent(device, torch.int32) if top_k is None else top_k.int(),
         _absent(device, torch.float32) if top_p is None else top_p,
         _absent(device, torch.float32) if min_p is None else min_p,
-        out, *logits.stride(), vocab_size,
-        int(top_k is not None), int(top_p is not None), int(min_p is not None),
-        KEY_BITS=8 * logits.element_size(), BLOCK=block, CANDIDATES=candidates,
-        MASS_F64=mass_float64, num_warps=num_warps,
+    )
+    flags = (int(top_k is not None), int(top_p is not None), int(min_p is not None))
+    key_bits = 8 * logits.element_size()
+    # Each pass leaves at most ceil(width / candidates) keys of the interval.
+    passes = -(-key_bits // (candidates.bit_length() - 1))
+    split = (num_rows, num_pieces)
+    _key_range_kernel[split](
+        logits, temperature, *filters, piece_max, partials, *logits.stride(), vocab_size,
+        num_pieces, *flags, KEY_BITS=key_bits, BLOCK=block, CHUNK=chunk, CANDIDATES=candidates,
+        num_warps=num_warps,
     )  # fmt: skip
+    _begin_kernel[(num_rows,)](
+        logits, temperature, *filters, partials, state, fstate, vocab_size, num_pieces, *flags,
+        KEY_BITS=key_bits, CANDIDATES=candidates, PIECES=pieces,
+    )  # fmt: skip
+
+    def search(mass: bool) -> None:
+        for _ in range(passes):
+            _count_kernel[split](
+                logits, temperature, piece_max, partials, state, fstate, *logits.stride(),
+                vocab_size, num_pieces, MASS=mass, KEY_BITS=key_bits, BLOCK=block, CHUNK=chunk,
+                CANDIDATES=candidates, MASS_F64=mass_float64, num_warps=num_warps,
+            )  # fmt: skip
+            _update_kernel[(num_rows,)](
+                filters[1], partials, state, fstate, num_pieces, flags[1],
+                CANDIDATES=candidates, PIECES=pieces,
+            )  # fmt: skip
+
+    # A filter given for no row has nothing to search: its passes are left out, not skipped.
+    if top_k is not None:
+        search(mass=False)
+    _between_kernel[(num_rows,)](
+        logits, temperature, *filters, state, fstate, vocab_size, *flags, KEY_BITS=key_bits
+    )
+    if top_p is not None:
+        search(mass=True)
+    _finish_kernel[(num_rows,)](
+        logits, temperature, *filters, state, fstate, out, vocab_size, *flags, KEY_BITS=key_bits
+    )
     return out
