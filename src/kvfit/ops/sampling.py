@@ -143,9 +143,10 @@ def filter_thresholds(
     int32/int64 in [1, V] (V: off), `top_p` `[N]` float32 in (0, 1] (1: off), `min_p` `[N]`
     float32 in [0, 1] (0: off); None turns a filter off for every row.
 
-    Extra device memory: the `[N]` float32 output, plus on CUDA nothing (one Triton program per
-    row re-reads the row, which stays in L2) and on the torch path at most `_FILTER_BYTES` (8 MiB)
-    of row-block temporaries: 1/9 of 256 x 151,936 bf16 logits and O(1) in N.
+    Extra device memory: the `[N]` float32 output, plus on CUDA
+    `triton_filters.workspace_bytes(N, V)` (1.25 MiB at 256 x 151,936: per-piece partial sums)
+    and on the torch path at most `_FILTER_BYTES` (8 MiB) of row-block temporaries: 1/9 of
+    256 x 151,936 bf16 logits and O(1) in N.
     """
     if logits.is_cuda:
         from kvfit.ops.triton_filters import filter_thresholds_triton  # CUDA-only dependency
