@@ -98,8 +98,9 @@ def _key_range_kernel(
     """Each piece's smallest and largest key: into `partials` (for the row's range) and into
     `piece_max` (so later passes skip pieces below their interval)."""
     row, piece = tl.program_id(0), tl.program_id(1)
-    *_, active = _row_filters(row, temperature, top_k, top_p, min_p, vocab_size,
-                              has_top_k, has_top_p, has_min_p)  # fmt: skip
+    t, k, p, m, on_k, on_p, active = _row_filters(
+        row, temperature, top_k, top_p, min_p, vocab_size, has_top_k, has_top_p, has_min_p
+    )
     # Inactive rows (greedy or unfiltered) read nothing.
     num_tiles = tl.where(active, CHUNK // BLOCK, 0)
     row_logits = logits + row.to(tl.int64) * stride_n
@@ -263,8 +264,9 @@ def _finish_kernel(
     vocab_size, has_top_k, has_top_p, has_min_p, KEY_BITS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    *_, on_p, active = _row_filters(row, temperature, top_k, top_p, min_p, vocab_size,
-                                    has_top_k, has_top_p, has_min_p)  # fmt: skip
+    t, k, p, m, on_k, on_p, active = _row_filters(
+        row, temperature, top_k, top_p, min_p, vocab_size, has_top_k, has_top_p, has_min_p
+    )
     lo_p = tl.load(state + row * 3)
     t_p = tl.where(on_p, _key_value(lo_p, logits.dtype.element_ty, KEY_BITS), float("-inf"))
     thr = tl.maximum(tl.load(fstate + row * 3 + 2).to(tl.float32), t_p)
