@@ -35,16 +35,17 @@ from kvfit.ops.reference import sort_filter_reference
 QWEN3_VOCAB = 151936
 SWEEP_TILES = [(512, 4), (1024, 4), (2048, 4), (2048, 8), (4096, 8)]  # (block, num_warps)
 SWEEP_SPLITS = [None, 1, 2, 4, 8, 16, 32, 64, 149]
-SWEEP_FILTERS = [  # (block, chunk, num_warps, candidates, float64 masses) of the filter kernel
-    (256, 2048, 4, 16, True),
-    (256, 2048, 4, 16, False),
-    (128, 1024, 4, 16, True),
-    (256, 1024, 4, 16, True),
-    (256, 4096, 4, 16, True),
-    (512, 4096, 4, 16, True),
-    (256, 2048, 8, 16, True),
-    (512, 8192, 8, 16, True),
-    (128, 2048, 4, 32, True),
+SWEEP_FILTERS = [  # (chunk, num_warps, candidates, float64 masses) of the filter kernel
+    (2048, 4, 16, True),
+    (2048, 4, 16, False),
+    (1024, 4, 16, True),
+    (1024, 2, 16, True),
+    (2048, 8, 16, True),
+    (4096, 4, 16, True),
+    (4096, 8, 16, True),
+    (8192, 8, 16, True),
+    (2048, 4, 32, True),
+    (2048, 4, 8, True),
 ]
 # (label, top_k, top_p, min_p) of every row in a filter-table row; None: that filter is off.
 FILTER_SETTINGS = [
@@ -214,7 +215,7 @@ def sweep(batches: list[int], vocab_size: int) -> list[dict]:
 
 
 def sweep_filters(num_rows: int, vocab_size: int) -> list[dict]:
-    """Filter kernel time per (block, chunk, num_warps, candidates) and setting, to choose the
+    """Filter kernel time per (chunk, num_warps, candidates) and setting, to choose the
     defaults of `kvfit.ops.triton_filters`; every config must give the default's thresholds."""
     from kvfit.ops.triton_filters import filter_thresholds_triton  # CUDA only
 
@@ -226,16 +227,15 @@ def sweep_filters(num_rows: int, vocab_size: int) -> list[dict]:
                    for v, dtype in zip(values, (torch.int64, torch.float32, torch.float32),
                                        strict=True)]  # fmt: skip
         expect = filter_thresholds_triton(logits, temperature, *filters)
-        for block, chunk, num_warps, candidates, f64 in SWEEP_FILTERS:
-            run = partial(filter_thresholds_triton, logits, temperature, *filters, block=block,
-                          chunk=chunk, num_warps=num_warps, candidates=candidates,
-                          mass_float64=f64)  # fmt: skip
+        for chunk, num_warps, candidates, f64 in SWEEP_FILTERS:
+            run = partial(filter_thresholds_triton, logits, temperature, *filters, chunk=chunk,
+                          num_warps=num_warps, candidates=candidates, mass_float64=f64)  # fmt: skip
             same = bool(torch.equal(run(), expect))
             ms = do_bench(run, return_mode="median")
-            rows.append(dict(setting=label, num_rows=num_rows, block=block, chunk=chunk,
+            rows.append(dict(setting=label, num_rows=num_rows, chunk=chunk,
                              num_warps=num_warps, candidates=candidates, mass_float64=f64,
                              ms=ms, same=same))  # fmt: skip
-            print(f"{label:>20} {block:>5} {chunk:>5} {num_warps:>3} {candidates:>3} "
+            print(f"{label:>20} {chunk:>5} {num_warps:>3} {candidates:>3} "
                   f"{'f64' if f64 else 'f32'} {ms:>8.4f} ms{'' if same else '  DIFFERS'}",
                   flush=True)  # fmt: skip
     return rows

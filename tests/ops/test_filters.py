@@ -73,6 +73,7 @@ def _away(value: float, boundaries: torch.Tensor, low: float, high: float) -> fl
     two boundaries (or of low / high) that is."""
     if boundaries.numel() == 0:
         return value
+    boundaries = boundaries.cpu()  # the helper tensors below live on the CPU
     ordered = boundaries.sort().values
 
     def clear(v: torch.Tensor) -> torch.Tensor:
@@ -415,9 +416,9 @@ def test_gumbel_draws_only_kept_columns_and_minus_inf_changes_nothing(sample):
 
 
 def _triton_thresholds(logits, temperature, top_k, top_p, min_p, **knobs):
-    # A tile much smaller than the vocabulary, so every pass loops over several tiles.
+    # Pieces much smaller than the vocabulary, so every row is split over several programs.
     return triton_filters.filter_thresholds_triton(
-        logits, temperature, top_k, top_p, min_p, **{"block": 64, "chunk": 128, **knobs}
+        logits, temperature, top_k, top_p, min_p, **{"chunk": 64, **knobs}
     )
 
 
@@ -449,7 +450,7 @@ def test_kernel_knobs_none_filters_and_strides():
     t, k, p, m = random_filters(10, 300, gen, off=0.2)
     p, m = safe_filters(logits, t, k, p, m)
     expect = filter_thresholds_torch(logits, t, k, p, m)
-    for knobs in (dict(), dict(block=32, candidates=2), dict(block=128, candidates=4)):
+    for knobs in (dict(), dict(chunk=32, candidates=2), dict(chunk=128, candidates=4)):
         got = _triton_thresholds(logits, t, k, p, m, **knobs)
         torch.testing.assert_close(kept(logits, got), kept(logits, expect), msg=str(knobs))
     for filters in ((k, None, None), (None, p, None), (None, None, m), (None, None, None)):

@@ -27,9 +27,8 @@ import triton.language as tl
 
 from kvfit.ops.sampling import check_filter_inputs
 
-# Columns per tile, columns per program (a multiple of BLOCK), cut points per pass (4 bits of
-# the key) and warps. Untimed defaults: see `bench/sampling.py --sweep-filters`.
-BLOCK = 256
+# Columns per program (one load), cut points per pass (4 bits of the key) and warps. Chosen by
+# `bench/sampling.py --sweep-filters` on the H200.
 CHUNK = 2048
 CANDIDATES = 16
 NUM_WARPS = 4
@@ -92,31 +91,23 @@ def _cuts(lo, hi, CANDIDATES: tl.constexpr):
 def _key_range_kernel(
     logits, temperature, top_k, top_p, min_p, piece_max, partials,
     stride_n, stride_v, vocab_size, num_pieces, has_top_k, has_top_p, has_min_p,
-    KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-    CANDIDATES: tl.constexpr,
+    KEY_BITS: tl.constexpr, CHUNK: tl.constexpr, CANDIDATES: tl.constexpr,
 ):  # fmt: skip
     """Each piece's smallest and largest key: into `partials` (for the row's range) and into
     `piece_max` (so later passes skip pieces below their interval)."""
-    row, piece = tl.program_id(0), tl.program_id(1)
+    row, piece = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t, k, p, m, on_k, on_p, active = _row_filters(
         row, temperature, top_k, top_p, min_p, vocab_size, has_top_k, has_top_p, has_min_p
     )
+    c = piece * CHUNK + tl.arange(0, CHUNK)
     # Inactive rows (greedy or unfiltered) read nothing.
-    num_tiles = tl.where(active, CHUNK // BLOCK, 0)
-    row_logits = logits + row.to(tl.int64) * stride_n
-    cols = piece * CHUNK + tl.arange(0, BLOCK)
-    key_min = tl.full((BLOCK,), _INT32_MAX, tl.int32)
-    key_max = tl.full((BLOCK,), _INT32_MIN, tl.int32)
-    for tile in range(num_tiles):
-        c = cols + tile * BLOCK
-        valid = c < vocab_size
-        key = _keys(tl.load(row_logits + c * stride_v, mask=valid, other=0.0), KEY_BITS)
-        key_min = tl.minimum(key_min, tl.where(valid, key, _INT32_MAX))
-        key_max = tl.maximum(key_max, tl.where(valid, key, _INT32_MIN))
-    at = row.to(tl.int64) * num_pieces + piece
-    tl.store(piece_max + at, tl.max(key_max))
-    tl.store(partials + at * CANDIDATES, tl.min(key_min).to(tl.float64))
-    tl.store(partials + at * CANDIDATES + 1, tl.max(key_max).to(tl.float64))
+    valid = c < tl.where(active, vocab_size, 0)
+    key = _keys(tl.load(logits + row * stride_n + c * stride_v, mask=valid, other=0.0), KEY_BITS)
+    key_max = tl.max(tl.where(valid, key, _INT32_MIN))
+    at = row * num_pieces + piece
+    tl.store(piece_max + at, key_max)
+    tl.store(partials + at * CANDIDATES, tl.min(tl.where(valid, key, _INT32_MAX)).to(tl.float64))
+    tl.store(partials + at * CANDIDATES + 1, key_max.to(tl.float64))
 
 
 @triton.jit(do_not_specialize=_FLAGS)
@@ -147,7 +138,7 @@ def _begin_kernel(
 def _count_kernel(
     logits, temperature, piece_max, partials, state, fstate,
     stride_n, stride_v, vocab_size, num_pieces,
-    MASS: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    MASS: tl.constexpr, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr,
     CANDIDATES: tl.constexpr, MASS_F64: tl.constexpr,
 ):  # fmt: skip
     """One piece's W(key >= cut) for each cut of its row's interval [lo, hi): W counts keys, or
@@ -156,52 +147,38 @@ def _count_kernel(
     lo = tl.load(state + row * 3)
     hi = tl.load(state + row * 3 + 1)
     at = row * num_pieces + piece
-    # Keys below lo weigh nothing at any cut: a piece whose largest key is below lo is skipped.
-    needed = (hi - lo > 1) & (tl.load(piece_max + at).to(tl.int64) >= lo)
-    num_tiles = tl.where(needed, CHUNK // BLOCK, 0)
-    cand = _cuts(lo, hi, CANDIDATES)
-    cut = cand.to(tl.int32)
-    lo32 = lo.to(tl.int32)
-    last = (hi - 1).to(tl.int32)  # hi itself may be 2**31
-    top = tl.load(fstate + row * 3 + 1).to(tl.float32)
-    floor = tl.load(fstate + row * 3 + 2).to(tl.float32)
-    t = tl.load(temperature + row)
-    scale = _LOG2E / tl.where(t > 0, t, 1.0)
-    row_logits = logits + row * stride_n
-    cols = piece * CHUNK + tl.arange(0, BLOCK)
-    # W(>= cut) = W(inside [lo, hi) and >= cut) + W(>= hi). Only the keys inside need a test per
-    # cut, and after a search's first pass few are: tiles without one skip that work. Summed
-    # per lane over the tiles, reduced once. Masses in float64, so the summation order (tile,
-    # piece and the torch path's) does not move a threshold; counts exactly in int32.
-    if MASS and MASS_F64:
-        acc = tl.zeros((BLOCK, CANDIDATES), tl.float64)
-        above = tl.zeros((BLOCK,), tl.float64)
-    elif MASS:
-        acc = tl.zeros((BLOCK, CANDIDATES), tl.float32)
-        above = tl.zeros((BLOCK,), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK, CANDIDATES), tl.int32)
-        above = tl.zeros((BLOCK,), tl.int32)
-    for tile in range(num_tiles):
-        c = cols + tile * BLOCK
+    out = partials + at * CANDIDATES
+    # Keys below lo weigh nothing at any cut: a piece whose largest key is below lo reads
+    # nothing. The whole piece is one load, a 1-D tensor: each cut is one reduction over it.
+    if (hi - lo > 1) & (tl.load(piece_max + at).to(tl.int64) >= lo):
+        c = piece * CHUNK + tl.arange(0, CHUNK)
         valid = c < vocab_size
-        x = tl.load(row_logits + c * stride_v, mask=valid, other=float("-inf"))
+        x = tl.load(logits + row * stride_n + c * stride_v, mask=valid, other=float("-inf"))
         key = _keys(x, KEY_BITS)
         if MASS:
+            t = tl.load(temperature + row)
+            top = tl.load(fstate + row * 3 + 1).to(tl.float32)
+            floor = tl.load(fstate + row * 3 + 2).to(tl.float32)
             xf = x.to(tl.float32)
-            w = tl.where(xf >= floor, tl.exp2((xf - top) * scale), 0.0)
+            w = tl.where(xf >= floor, tl.exp2((xf - top) * (_LOG2E / tl.where(t > 0, t, 1.0))), 0.0)
+            counted = w > 0
+            # Masses summed in float64, so the summation order (the piece's, the torch path's)
+            # does not move a threshold; counts exactly in int32.
             if MASS_F64:
                 w = w.to(tl.float64)
-            counted = w > 0
         else:
             w = valid.to(tl.int32)
             counted = valid
-        above += tl.where(key > last, w, 0)
-        inside = counted & (key >= lo32) & (key <= last)
-        if tl.max(inside.to(tl.int32), axis=0) > 0:
-            acc += tl.where(inside[:, None] & (key[:, None] >= cut[None, :]), w[:, None], 0)
-    totals = tl.sum(acc, axis=0).to(tl.float64) + tl.sum(above, axis=0).to(tl.float64)
-    tl.store(partials + at * CANDIDATES + tl.arange(0, CANDIDATES), totals)
+        last = (hi - 1).to(tl.int32)  # hi itself may be 2**31
+        # W(>= cut) = W(inside [lo, hi) and >= cut) + W(>= hi).
+        above = tl.sum(tl.where(key > last, w, 0)).to(tl.float64)
+        w_in = tl.where(counted & (key >= lo.to(tl.int32)) & (key <= last), w, 0)
+        step = (hi - lo + CANDIDATES - 1) // CANDIDATES
+        for d in tl.static_range(CANDIDATES):
+            cut = tl.minimum(lo + d * step, hi).to(tl.int32)
+            tl.store(out + d, tl.sum(tl.where(key >= cut, w_in, 0)).to(tl.float64) + above)
+    else:
+        tl.store(out + tl.arange(0, CANDIDATES), tl.zeros((CANDIDATES,), tl.float64))
 
 
 @triton.jit(do_not_specialize=["has_top_p"])
@@ -295,27 +272,24 @@ def filter_thresholds_triton(
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
     *,
-    block: int = BLOCK,
     chunk: int = CHUNK,
     candidates: int = CANDIDATES,
     num_warps: int = NUM_WARPS,
     mass_float64: bool = True,
 ) -> torch.Tensor:
     """`kvfit.ops.sampling.filter_thresholds` in Triton, a row split over `chunk`-column
-    programs. `block`, `chunk` (a multiple of `block`), `candidates` (powers of two >= 2) and
-    `num_warps` are tuning knobs that never change the result. `mass_float64=False` sums
-    top-p's masses per lane in float32 (an experiment: the result may then differ from the
-    torch path's where a mass lies within rounding of top_p).
+    programs. `chunk`, `candidates` (powers of two >= 2) and `num_warps` are tuning knobs
+    that never change the result. `mass_float64=False` sums top-p's masses in float32 (an
+    experiment: the result may then differ from the torch path's where a mass lies within
+    rounding of top_p).
 
     Extra memory: the `[N]` float32 output and `workspace_bytes(N, V)`: 1.25 MiB at 256 rows x
     151,936 columns with the defaults, 1/62 of the bf16 logits. Launches: 2 + 2 x (the search
     passes of each filter given: 4 for 16-bit keys) + 2, none waiting on the host."""
     check_filter_inputs(logits, temperature, top_k, top_p, min_p)
-    for name, value in (("block", block), ("chunk", chunk), ("candidates", candidates)):
+    for name, value in (("chunk", chunk), ("candidates", candidates)):
         if value < 2 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 2, got {value}")
-    if chunk < block:
-        raise ValueError(f"chunk ({chunk}) must be at least block ({block})")
     num_rows, vocab_size = logits.shape
     out = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     if num_rows == 0:
@@ -341,7 +315,7 @@ def filter_thresholds_triton(
     split = (num_rows, num_pieces)
     _key_range_kernel[split](
         logits, temperature, *filters, piece_max, partials, *logits.stride(), vocab_size,
-        num_pieces, *flags, KEY_BITS=key_bits, BLOCK=block, CHUNK=chunk, CANDIDATES=candidates,
+        num_pieces, *flags, KEY_BITS=key_bits, CHUNK=chunk, CANDIDATES=candidates,
         num_warps=num_warps,
     )  # fmt: skip
     _begin_kernel[(num_rows,)](
@@ -353,7 +327,7 @@ def filter_thresholds_triton(
         for _ in range(passes):
             _count_kernel[split](
                 logits, temperature, piece_max, partials, state, fstate, *logits.stride(),
-                vocab_size, num_pieces, MASS=mass, KEY_BITS=key_bits, BLOCK=block, CHUNK=chunk,
+                vocab_size, num_pieces, MASS=mass, KEY_BITS=key_bits, CHUNK=chunk,
                 CANDIDATES=candidates, MASS_F64=mass_float64, num_warps=num_warps,
             )  # fmt: skip
             _update_kernel[(num_rows,)](
