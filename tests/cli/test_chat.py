@@ -4,6 +4,7 @@ history, /reset, /exit, and a failed turn that does not end the session."""
 from __future__ import annotations
 
 import io
+import socket
 import sys
 from collections.abc import Callable
 
@@ -104,3 +105,11 @@ def test_chat_loop_ends_at_end_of_input() -> None:
     assert out.getvalue() == "r\nr\n"
     assert seen[1] == [{"role": "user", "content": "x"}, {"role": "assistant", "content": "r"},
                        {"role": "user", "content": "y"}]
+
+
+def test_remote_unreachable_names_the_url(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    with pytest.raises(SystemExit, match=r"cannot list the served models at .*/v1/models.*--url"):
+        main(["chat", "--url", url])

@@ -85,7 +85,11 @@ def remote_reply(args: argparse.Namespace) -> tuple[Reply, Callable[[], None]]:
         headers["Authorization"] = f"Bearer {api_key}"
     base = args.url.rstrip("/")
     client = httpx.Client(base_url=base, headers=headers, timeout=args.request_timeout)
-    model = args.model or _first_model(client, base)
+    try:
+        model = args.model or _first_model(client, base)
+    except SystemExit:
+        client.close()
+        raise
     body_extra = sampling_overrides(args)
 
     def reply(messages: list[Message], out: IO[str]) -> str:
@@ -108,9 +112,13 @@ def remote_reply(args: argparse.Namespace) -> tuple[Reply, Callable[[], None]]:
 
 
 def _first_model(client: Any, base: str) -> str:
-    response = client.get("/models")
-    response.raise_for_status()
-    models = response.json().get("data") or []
+    try:
+        response = client.get("/models")
+        response.raise_for_status()
+        models = response.json().get("data") or []
+    except Exception as e:  # unreachable, not an OpenAI server, ...: say which URL failed
+        raise SystemExit(f"cannot list the served models at {base}/models ({type(e).__name__}: "
+                         f"{e}); check --url, or pass --model") from None
     if not models:
         raise SystemExit(f"{base}/models lists no models; pass --model")
     return models[0]["id"]
@@ -140,7 +148,7 @@ def read_turns(stdin: IO[str], prompt: str) -> Iterator[str]:
         if interactive:
             try:
                 line = input(prompt)
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: leave
                 print()
                 return
         else:
@@ -187,5 +195,8 @@ def run(args: argparse.Namespace) -> int:
     reply, close = remote_reply(args) if args.url else local_reply(args)
     try:
         return chat_loop(reply, sys.stdin, sys.stdout, args.system_prompt)
+    except KeyboardInterrupt:  # Ctrl-C during a reply ends the session without a traceback
+        print("\n(interrupted)")
+        return 130
     finally:
         close()
