@@ -61,6 +61,18 @@ def test_input_file_text_and_jsonl_with_output_file(
     assert all(r["outputs"][0]["finish_reason"] == "length" for r in records)
 
 
+def test_positional_prompts_and_dash_for_stdin(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    engine_flags: list[str],
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("from stdin\n"))
+    assert main(["generate", "first", "-", "--prompt", "flag", "--max-tokens", "2",
+                 *engine_flags]) == 0
+    out = capsys.readouterr().out
+    order = [line for line in out.splitlines() if line.startswith("prompt: ")]
+    assert order == ["prompt: 'first'", "prompt: 'flag'", "prompt: 'from stdin'"]
+
+
 def test_input_file_dash_reads_stdin(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
     engine_flags: list[str],
@@ -99,6 +111,8 @@ def test_bad_input_file_names_the_line(tmp_path: Path, content: str, match: str)
 def test_missing_input_file_names_the_flag(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--input-file .*no such file"):
         main(["generate", "--input-file", str(tmp_path / "nope.txt")])
+    with pytest.raises(ValueError, match="'-' .*and --input-file .* give one"):
+        main(["generate", "-", "--input-file", str(tmp_path / "nope.txt")])
 
 
 def test_bad_flags_name_them(capsys: pytest.CaptureFixture[str]) -> None:

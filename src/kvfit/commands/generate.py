@@ -27,11 +27,13 @@ def add_parser(sub: Subparsers) -> None:
 
     p = sub.add_parser(
         "generate", help="generate completions offline (default model: kvfit-tiny)",
-        description="Generate completions offline. Prompts come from --prompt, "
+        description="Generate completions offline. Prompts come from the arguments, --prompt, "
         "--prompt-token-ids and --input-file, else from stdin when it is piped, else three "
         "built-in examples.",
     )
     g = p.add_argument_group("input")
+    g.add_argument("prompts", nargs="*", metavar="PROMPT",
+                   help="text prompts; '-' reads prompts from stdin like --input-file -")
     g.add_argument("--prompt", action="append", help="a text prompt (repeatable)")
     g.add_argument("--prompt-token-ids", action="append", type=token_ids, metavar="IDS",
                    help="a prompt as comma-separated token ids (repeatable)")
@@ -80,12 +82,18 @@ def _stdin_is_piped(stdin: IO[str] | None) -> bool:
 
 
 def collect_prompts(args: argparse.Namespace) -> list[str | dict[str, Any]]:
-    """The prompts of a `generate` invocation, in flag order: token ids, text, file; stdin
-    when none of those is given and it is piped."""
+    """The prompts of a `generate` invocation: token ids, then text (arguments, then
+    --prompt), then the file (or stdin for `-`); stdin when none is given and it is piped."""
     prompts: list[str | dict[str, Any]] = [
         {"prompt_token_ids": ids} for ids in args.prompt_token_ids or []
     ]
-    prompts += args.prompt or []
+    positional = [text for text in args.prompts if text != "-"]
+    prompts += positional + (args.prompt or [])
+    if "-" in args.prompts:
+        if args.input_file not in (None, "-"):
+            raise ValueError(f"the prompt '-' (stdin) and --input-file {args.input_file} both "
+                             f"name a prompt source; give one")
+        args.input_file = "-"
     if args.input_file == "-":
         prompts += parse_prompt_lines(sys.stdin, "<stdin>")
     elif args.input_file:
