@@ -1,9 +1,42 @@
-"""`kvfit` command line: `generate`, `probe` (and more as the engine grows)."""
+"""kvfit: an LLM inference engine whose KV cache is sized from measured memory.
+
+Commands: `serve` (OpenAI-compatible server), `generate` (offline completions), `chat`
+(terminal chat with a server or a local model), `bench {throughput,latency,serve}`, `probe`
+(whether the VMM-backed KV cache works here). `kvfit COMMAND --help` lists each one's flags.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from kvfit.commands import bench_offline, bench_serve, chat, generate
+from kvfit.commands.common import Subparsers
+
+SERVER_EXTRA = "pip install 'kvfit[server]'"
+
+
+def _add_serve(sub: Subparsers) -> None:
+    """`serve` comes from the server package; without it (or its extra's dependencies) a
+    stand-in says what to install."""
+    try:
+        from kvfit.server.serve import add_serve_parser
+    except ImportError as e:
+        reason = str(e)
+        p = sub.add_parser("serve", help=f"OpenAI-compatible server (needs {SERVER_EXTRA})",
+                           description=f"Unavailable here ({reason}); install {SERVER_EXTRA}.",
+                           add_help=True)
+        p.add_argument("args", nargs="*", help="the server's flags (ignored here)")
+
+        def unavailable(args: argparse.Namespace) -> int:
+            print(f"kvfit serve is unavailable: {reason}. Install the server extra: "
+                  f"{SERVER_EXTRA}", file=sys.stderr)
+            return 1
+
+        # Any server flag given is accepted, so the message is the install hint.
+        p.set_defaults(func=unavailable, accepts_unknown_args=True)
+        return
+    add_serve_parser(sub)
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
@@ -13,69 +46,21 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
-_DEFAULT_PROMPTS = ("Hello, my name is", "The capital of France is", "The future of AI is")
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from kvfit.engine.config import EngineArgs
-    from kvfit.engine.llm import LLM
-    from kvfit.engine.sampling_params import SamplingParams
-
-    engine_args = EngineArgs.from_cli_args(args)
-    llm = LLM(**vars(engine_args))
-    prompts: list = [{"prompt_token_ids": ids} for ids in args.prompt_token_ids or []]
-    prompts += args.prompt or []
-    if not prompts:
-        prompts = list(_DEFAULT_PROMPTS) if llm.get_tokenizer() else [{"prompt_token_ids": [1]}]
-    params = SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-        seed=args.sampling_seed, stop=args.stop or [], max_tokens=args.max_tokens,
-        ignore_eos=args.ignore_eos,
-    )
-    for out in llm.generate(prompts, params):
-        prompt = out.prompt if out.prompt is not None else out.prompt_token_ids
-        print(f"prompt: {prompt!r}")
-        for completion in out.outputs:
-            text = completion.text if llm.get_tokenizer() else completion.token_ids
-            print(f"completion: {text!r} ({completion.finish_reason})")
-        print()
-    print(llm.kv_cache_report)
-    return 0
-
-
-def _token_ids(text: str) -> list[int]:
-    return [int(t) for t in text.split(",") if t.strip()]
-
-
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    from kvfit.engine.config import EngineArgs
-
-    gen = sub.add_parser("generate", help="generate completions (default model: kvfit-tiny)")
-    gen.add_argument("--prompt", action="append", help="a text prompt (repeatable)")
-    gen.add_argument("--prompt-token-ids", action="append", type=_token_ids,
-                     help="a prompt as comma-separated token ids (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--presence-penalty", type=float, default=0.0)
-    gen.add_argument("--frequency-penalty", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
-    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
-    gen.add_argument("--ignore-eos", action="store_true")
-    EngineArgs.add_cli_args(gen)
-    gen.set_defaults(func=_cmd_generate)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvfit", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
+    """The `kvfit` parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="kvfit", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub)
+    generate.add_parser(sub)
+    chat.add_parser(sub)
+
+    bench = sub.add_parser("bench", help="benchmarks: offline throughput and latency, or a "
+                           "load generator against a server",
+                           description="Benchmarks. `kvfit bench MODE --help` for each mode.")
+    modes = bench.add_subparsers(dest="bench_mode", required=True, metavar="MODE")
+    bench_offline.add_parsers(modes)
+    bench_serve.add_parser(modes)
 
     probe = sub.add_parser("probe", help="report whether the VMM-backed KV cache works here")
     probe.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda' or 'cuda:N'")
@@ -84,8 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Parse `argv` (default: the process's arguments) and run the command; its exit status."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "accepts_unknown_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    status = args.func(args)
+    return 0 if status is None else int(status)
 
 
 if __name__ == "__main__":

@@ -165,32 +165,63 @@ class EngineArgs:
         p = parser.add_argument_group("engine")
         p.add_argument("--model", default=d.model,
                        help="local Hugging Face folder or built-in name (kvfit-tiny, "
-                       "qwen3-0.6b-shape, qwen3-8b-shape)")
-        p.add_argument("--dtype", default=d.dtype, choices=["auto", *_DTYPES])
+                       "qwen3-0.6b-shape, qwen3-8b-shape; default: %(default)s)")
+        p.add_argument("--dtype", default=d.dtype, choices=["auto", *_DTYPES],
+                       help="weights and activations; auto is float32 on the CPU, the "
+                       "checkpoint's bf16/fp16 (else bf16) on a GPU")
         p.add_argument("--device", default=d.device, help="'auto', 'cpu', 'cuda' or 'cuda:N'")
-        p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-        p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-        p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-        p.add_argument("--block-size", type=int, default=d.block_size)
+        p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                       help="context window in tokens (default: the model's, capped at "
+                       f"{_DEFAULT_MAX_MODEL_LEN_CAP['cuda']} on a GPU and "
+                       f"{_DEFAULT_MAX_MODEL_LEN_CAP['cpu']} on the CPU)")
+        p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                       help="most sequences in one batch (default: %(default)s)")
+        p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="most tokens in one step, also the profiling step's size (default: "
+                       f"{_DEFAULT_MAX_NUM_BATCHED_TOKENS['cuda']} on a GPU, "
+                       f"{_DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} on the CPU)")
+        p.add_argument("--block-size", type=int, default=d.block_size,
+                       help="tokens per KV cache block, a power of two (default: %(default)s)")
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=d.enable_prefix_caching)
-        p.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager)
+                       default=d.enable_prefix_caching,
+                       help="reuse the KV blocks of shared prompt prefixes")
+        p.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+                       help="no CUDA graphs (always so on the CPU)")
         p.add_argument("--load-format", default=d.load_format,
                        help="auto (dummy for built-in models), safetensors or dummy")
-        p.add_argument("--seed", type=int, default=d.seed)
-        p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
-        p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=d.cuda_graph_sizes)
-        p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-        p.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes)
-        p.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
+        p.add_argument("--seed", type=int, default=d.seed,
+                       help="engine random seed (dummy weights, unseeded sampling)")
+        p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                       help="most logprobs / prompt_logprobs a request may ask for; warmup "
+                       "measures this many (default: %(default)s)")
+        p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=d.cuda_graph_sizes,
+                       metavar="N", help="batch sizes to capture (default: 1 2 4 8 16..512 "
+                       "by 16, up to max-num-seqs)")
+        p.add_argument("--gpu-memory-utilization", type=float,
+                       default=d.gpu_memory_utilization,
+                       help="share of device memory the engine may use, in (0, 1] (default: "
+                       f"{_UTILIZATION_EXTENSIBLE} with the extensible cache, "
+                       f"{_UTILIZATION_ESTIMATE} otherwise)")
+        p.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes,
+                       help="a fixed KV cache size (turns the extensible default off)")
+        p.add_argument("--num-gpu-blocks-override", type=int,
+                       default=d.num_gpu_blocks_override,
+                       help="a fixed KV cache block count (turns the extensible default off)")
         p.add_argument("--enable-extensible-kv-cache", action=argparse.BooleanOptionalAction,
-                       default=d.enable_extensible_kv_cache)
+                       default=d.enable_extensible_kv_cache,
+                       help="size the KV cache from measured memory on a VMM reservation "
+                       "(default: on wherever supported)")
         p.add_argument("--kv-cache-margin-fraction", type=float,
-                       default=d.kv_cache_margin_fraction)
+                       default=d.kv_cache_margin_fraction,
+                       help="safety margin as a share of the measured transient peak "
+                       "(default: %(default)s)")
         p.add_argument("--kv-cache-margin-floor-bytes", type=int,
-                       default=d.kv_cache_margin_floor_bytes)
+                       default=d.kv_cache_margin_floor_bytes,
+                       help="least safety margin in bytes (default: %(default)s)")
         p.add_argument("--cpu-kv-cache-space-bytes", type=int,
-                       default=d.cpu_kv_cache_space_bytes)
+                       default=d.cpu_kv_cache_space_bytes,
+                       help="memory budget on the CPU device (default: 4 GiB, at most a "
+                       "quarter of the host)")
         return parser
 
     @classmethod

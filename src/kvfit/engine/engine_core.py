@@ -4,6 +4,9 @@ scheduler steps. The only place that knows the startup order."""
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 from kvfit.engine.async_output import AsyncModelOutput
@@ -22,6 +25,16 @@ logger = logging.getLogger(__name__)
 
 MAX_PREFIX_CACHE_BLOCKS = 1 << 18
 """Most blocks a device cache holds beyond what its sequences can use (see `_capacity`)."""
+
+
+@contextmanager
+def _stage(what: str) -> Iterator[None]:
+    """Log a startup stage as it starts and ends: the progress a front end (the CLI, the
+    server) shows while a large model starts."""
+    logger.info("%s ...", what)
+    start = time.perf_counter()
+    yield
+    logger.info("%s: done in %.2f s", what, time.perf_counter() - start)
 
 
 class EngineCore:
@@ -72,16 +85,23 @@ class EngineCore:
                                cc.memory_utilization)
         method = cc.sizing_method
         extensible = method == "measured"
-        rpc("load_model")
-        estimate = min_over_workers(rpc("profile", method == "estimate"))
+        with _stage("loading weights"):
+            rpc("load_model")
+        with _stage("profiling"):
+            estimate = min_over_workers(rpc("profile", method == "estimate"))
         capacity = self._capacity(method, estimate)
         committable = min_over_workers(rpc("initialize_kv_cache", capacity, extensible))
-        rpc("warm_up", committable)
-        rpc("capture_cuda_graphs")
-        num_blocks = min_over_workers(rpc("measure_kv_cache_blocks")) if extensible else capacity
-        self._check_max_model_len_fits(num_blocks)
-        if extensible:
-            rpc("extend_kv_cache", num_blocks)
+        with _stage("warming up"):
+            rpc("warm_up", committable)
+        # Eager (always so on the CPU) captures nothing: no stage to show.
+        with nullcontext() if self.config.enforce_eager else _stage("capturing CUDA graphs"):
+            rpc("capture_cuda_graphs")
+        with _stage(f"sizing the KV cache ({method})"):
+            num_blocks = (min_over_workers(rpc("measure_kv_cache_blocks")) if extensible
+                          else capacity)
+            self._check_max_model_len_fits(num_blocks)
+            if extensible:
+                rpc("extend_kv_cache", num_blocks)
         cc.num_gpu_blocks = num_blocks
         report = rpc("kv_cache_report", method, num_blocks, self._max_blocks(method))[0]
         logger.info("KV cache:\n%s", report.format_table())

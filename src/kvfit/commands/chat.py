@@ -1,0 +1,202 @@
+"""`kvfit chat`: an interactive terminal chat, against a running OpenAI-compatible server
+(`--url`, streamed) or a model loaded in this process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+from kvfit.commands.common import (
+    SSE_DONE,
+    Subparsers,
+    add_logging_args,
+    add_sampling_args,
+    build_llm,
+    parse_sse_line,
+    sampling_overrides,
+    sampling_params_from_args,
+    sse_error,
+)
+
+Message = dict[str, str]
+Reply = Callable[[list[Message], IO[str]], str]
+"""Writes the assistant's reply to a conversation to the stream as it comes; returns it."""
+
+HELP = "commands: /reset (forget the conversation), /exit or /quit (leave), /help"
+
+
+def add_parser(sub: Subparsers) -> None:
+    """Register `kvfit chat`."""
+    from kvfit.engine.config import EngineArgs
+
+    p = sub.add_parser(
+        "chat", help="chat in the terminal with a running server or a local model",
+        description="Chat in the terminal. With --url, talk to a running OpenAI-compatible "
+        "server (streamed); without it, load --model in this process (the engine flags apply "
+        "then). Reads one user turn per line; " + HELP + ". Works with piped stdin too.",
+    )
+    r = p.add_argument_group("remote server")
+    r.add_argument("--url", metavar="URL",
+                   help="the server's API base, e.g. http://localhost:8000/v1")
+    r.add_argument("--api-key", default=None,
+                   help="sent as a bearer token (default: $OPENAI_API_KEY if set)")
+    r.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="per-request timeout (default: %(default)s)")
+    c = p.add_argument_group("conversation")
+    c.add_argument("--system-prompt", default=None, help="a system message to start with")
+    add_sampling_args(p, max_tokens=256, temperature=0.7, with_n=False)
+    EngineArgs.add_cli_args(p)
+    # --model also names the served model with --url; unset there, the server's first model.
+    p.set_defaults(model=None, func=run)
+    for action in p._actions:
+        if action.dest == "model":
+            action.help = (f"the model to load (default: {EngineArgs.model}), or with --url the "
+                           "served model's name (default: the first of {url}/models)")
+    add_logging_args(p)
+
+
+def iter_sse_data(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    """The JSON payloads of a server-sent-event stream's `data:` lines, up to `[DONE]`.
+    An `{"error": ...}` payload raises RuntimeError with the server's message."""
+    for line in lines:
+        payload = parse_sse_line(line)
+        if payload == SSE_DONE:
+            return
+        if isinstance(payload, dict):
+            error = sse_error(payload)
+            if error is not None:
+                raise RuntimeError(error)
+            yield payload
+
+
+def remote_reply(args: argparse.Namespace) -> tuple[Reply, Callable[[], None]]:
+    """A `Reply` over `POST {url}/chat/completions` with stream=true, and its closer."""
+    import os
+
+    try:
+        import httpx
+    except ImportError:
+        raise SystemExit("kvfit chat --url needs httpx: pip install 'kvfit[server]'") from None
+    headers = {}
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    base = args.url.rstrip("/")
+    client = httpx.Client(base_url=base, headers=headers, timeout=args.request_timeout)
+    try:
+        model = args.model or _first_model(client, base)
+    except SystemExit:
+        client.close()
+        raise
+    body_extra = sampling_overrides(args)
+
+    def reply(messages: list[Message], out: IO[str]) -> str:
+        body = {"model": model, "messages": messages, "stream": True, **body_extra}
+        parts: list[str] = []
+        with client.stream("POST", "/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                raise RuntimeError(f"HTTP {response.status_code} from {base}/chat/completions: "
+                                   f"{response.text[:500]}")
+            for payload in iter_sse_data(response.iter_lines()):
+                for choice in payload.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") or ""
+                    parts.append(text)
+                    out.write(text)
+                    out.flush()
+        return "".join(parts)
+
+    return reply, client.close
+
+
+def _first_model(client: Any, base: str) -> str:
+    try:
+        response = client.get("/models")
+        response.raise_for_status()
+        models = response.json().get("data") or []
+    except Exception as e:  # unreachable, not an OpenAI server, ...: say which URL failed
+        raise SystemExit(f"cannot list the served models at {base}/models ({type(e).__name__}: "
+                         f"{e}); check --url, or pass --model") from None
+    if not models:
+        raise SystemExit(f"{base}/models lists no models; pass --model")
+    return models[0]["id"]
+
+
+def local_reply(args: argparse.Namespace) -> tuple[Reply, Callable[[], None]]:
+    """A `Reply` from a model loaded here with the engine flags (`LLM.chat`)."""
+    from kvfit.engine.config import EngineArgs
+
+    if args.model is None:
+        args.model = EngineArgs.model
+    params = sampling_params_from_args(args)
+    llm = build_llm(args)
+
+    def reply(messages: list[Message], out: IO[str]) -> str:
+        text = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        out.write(text)
+        return text
+
+    return reply, llm.shutdown
+
+
+def read_turns(stdin: IO[str], prompt: str) -> Iterator[str]:
+    """User turns: `input()` with a prompt on a terminal (line editing), plain lines else."""
+    interactive = stdin.isatty()
+    while True:
+        if interactive:
+            try:
+                line = input(prompt)
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: leave
+                print()
+                return
+        else:
+            line = stdin.readline()
+            if not line:
+                return
+        yield line.rstrip("\r\n")
+
+
+def chat_loop(reply: Reply, stdin: IO[str], out: IO[str],
+              system_prompt: str | None = None) -> int:
+    """Read turns until /exit or end of input; keep the history; a failed turn is reported
+    and dropped from the history, and the loop goes on."""
+    start: list[Message] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    history = list(start)
+    for line in read_turns(stdin, "> "):
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            history = list(start)
+            out.write("(conversation reset)\n")
+            continue
+        if text == "/help":
+            out.write(HELP + "\n")
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            answer = reply(history, out)
+        except Exception as e:  # a server error or a bad turn must not end the session
+            history.pop()
+            out.write(f"\nerror: {e}\n")
+            continue
+        out.write("\n")
+        out.flush()
+        history.append({"role": "assistant", "content": answer})
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the remote or local backend and chat on stdin/stdout."""
+    reply, close = remote_reply(args) if args.url else local_reply(args)
+    try:
+        return chat_loop(reply, sys.stdin, sys.stdout, args.system_prompt)
+    except KeyboardInterrupt:  # Ctrl-C during a reply ends the session without a traceback
+        print("\n(interrupted)")
+        return 130
+    finally:
+        close()

@@ -1,0 +1,192 @@
+"""Pieces shared by the subcommands: sampling flags, logging, engine startup, statistics."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvfit.engine.llm import LLM
+    from kvfit.engine.sampling_params import SamplingParams
+
+Subparsers = argparse._SubParsersAction
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+# `--flag` -> SamplingParams field, for the flags `add_sampling_args` adds.
+_SAMPLING_FIELDS = {
+    "n": "n", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+    "min_p": "min_p", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
+    "sampling_seed": "seed", "stop": "stop", "max_tokens": "max_tokens",
+    "ignore_eos": "ignore_eos",
+}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 32,
+                      temperature: float = 0.0, with_n: bool = True) -> None:
+    """The `sampling` group: SamplingParams fields under vLLM's flag names."""
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help="most tokens to generate per completion (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=temperature,
+                   help="0 is greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus filter; 1 is off")
+    g.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest; -1 is off")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below min-p x the likeliest's probability; 0 is off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; 0 is off")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]; 0 is off")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages repeats; 1 is off")
+    if with_n:
+        g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--stop", action="append", metavar="STRING",
+                   help="a stop string (repeatable)")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="per-request sampling seed (default: none, the engine's generator)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    """A `SamplingParams` from the flags of `add_sampling_args`."""
+    from kvfit.engine.sampling_params import SamplingParams
+
+    return SamplingParams(**{field: getattr(args, flag) for flag, field in _SAMPLING_FIELDS.items()
+                             if hasattr(args, flag) and getattr(args, flag) is not None})
+
+
+def sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags that differ from SamplingParams' defaults, as request-body fields
+    (vLLM's names; the OpenAI ones plus vLLM's extras), for a remote server."""
+    from kvfit.engine.sampling_params import SamplingParams
+
+    default = SamplingParams()
+    body: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    for flag, field in _SAMPLING_FIELDS.items():
+        value = getattr(args, flag, None)
+        if value is not None and field not in body and value != getattr(default, field):
+            body[field] = value
+    return body
+
+
+def add_logging_args(parser: argparse.ArgumentParser) -> None:
+    """`--log-level`, in a group of its own."""
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                   help="kvfit's log level on stderr; startup progress and the KV cache table "
+                        "are logged at info (default: %(default)s)")
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is at emit time (it may be replaced after setup, as
+    pytest's capture does), not the stream of the first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self) -> Any:  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def setup_logging(level: str = "info") -> None:
+    """Log kvfit's records (startup stages, the KV cache table, warnings) to stderr."""
+    logger = logging.getLogger("kvfit")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s",
+                                               datefmt="%H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+
+
+def build_llm(args: argparse.Namespace) -> LLM:
+    """Start an engine from the `engine` flags, logging its startup stages as it goes."""
+    from kvfit.engine.config import EngineArgs
+    from kvfit.engine.llm import LLM
+
+    setup_logging(getattr(args, "log_level", "info"))
+    return LLM(**vars(EngineArgs.from_cli_args(args)))
+
+
+def percentiles(values: list[float], ps: list[float]) -> dict[str, float]:
+    """`mean` and `p{p}` for each p of `values` (all 0.0 for no values, so a run in which
+    every request failed still reports)."""
+    import numpy as np
+
+    if not values:
+        return {"mean": 0.0, **{f"p{p:g}": 0.0 for p in ps}}
+    arr = np.asarray(values, dtype=np.float64)
+    return {"mean": float(arr.mean()), **{f"p{p:g}": float(np.percentile(arr, p)) for p in ps}}
+
+
+def parse_percentiles(text: str) -> list[float]:
+    """`--percentiles 50,90,99` -> [50.0, 90.0, 99.0], each in [0, 100]."""
+    try:
+        ps = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--percentiles takes numbers like 50,99; got {text!r}") from None
+    if not ps or any(not 0 <= p <= 100 for p in ps):
+        raise argparse.ArgumentTypeError(f"--percentiles must be in [0, 100]; got {text!r}")
+    return ps
+
+
+def token_ids(text: str) -> list[int]:
+    """`--prompt-token-ids 5,6,7` -> [5, 6, 7]."""
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--prompt-token-ids takes comma-separated integers like 5,6,7; got {text!r}") from None
+
+
+def format_table(title: str, rows: list[tuple[str, str]]) -> str:
+    """A titled two-column table, labels left and values right (like vLLM's bench output)."""
+    width = max(len(label) for label, _ in rows) + 2 + max(len(value) for _, value in rows)
+    width = max(width, len(title) + 4)
+    lines = [f" {title} ".center(width, "="),
+             *(f"{label}{value:>{width - len(label)}}" for label, value in rows), "=" * width]
+    return "\n".join(lines)
+
+
+def write_json(path: str, result: dict[str, Any]) -> None:
+    """Write a benchmark's result to `--result-file`."""
+    import json
+
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+
+
+SSE_DONE = "[DONE]"
+
+
+def parse_sse_line(line: str) -> dict[str, Any] | str | None:
+    """One line of an OpenAI-style server-sent-event stream: the JSON payload of a `data:`
+    line, `SSE_DONE` for `data: [DONE]`, None for anything else (blank separators, comments,
+    `event:` lines). Raises ValueError for a payload that is not JSON."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == SSE_DONE:
+        return SSE_DONE
+    import json
+
+    return json.loads(data)
+
+
+def sse_error(payload: dict[str, Any]) -> str | None:
+    """The message of an `{"error": ...}` payload (how servers report a failure mid-stream)."""
+    error = payload.get("error")
+    if error is None:
+        return None
+    return str(error.get("message", error)) if isinstance(error, dict) else str(error)

@@ -1,0 +1,148 @@
+"""`kvfit bench`: throughput and latency on the tiny model; serve against a fake server whose
+chunk timing and failures are scripted, so TTFT, ITL and E2E can be checked against it."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvfit.cli import main
+from kvfit.commands.bench_serve import RequestResult, summarize
+
+
+def test_bench_throughput(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                          engine_flags: list[str]) -> None:
+    path = tmp_path / "t.json"
+    argv = ["bench", "throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "5",
+            "--result-file", str(path), *engine_flags]
+    assert main(argv) == 0
+    result = json.loads(path.read_text())
+    assert result["num_prompts"] == 4 and result["output_tokens"] == 4 * 5  # EOS ignored
+    assert result["output_tokens_per_s"] == pytest.approx(20 / result["elapsed_s"])
+    assert result["requests_per_s"] == pytest.approx(4 / result["elapsed_s"])
+    assert "Output tokens/s:" in capsys.readouterr().out
+
+
+def test_bench_latency(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                       engine_flags: list[str]) -> None:
+    path = tmp_path / "l.json"
+    argv = ["bench", "latency", "--batch-size", "2", "--input-len", "4", "--output-len", "3",
+            "--num-iters-warmup", "0", "--num-iters", "3", "--percentiles", "50,99",
+            "--result-file", str(path), *engine_flags]
+    assert main(argv) == 0
+    result = json.loads(path.read_text())
+    latencies = result["latencies_s"]
+    assert len(latencies) == 3 and all(t > 0 for t in latencies)
+    assert result["latency_mean_s"] == pytest.approx(sum(latencies) / 3)
+    assert result["latency_p50_s"] == pytest.approx(sorted(latencies)[1])
+    assert "P99 latency (s):" in capsys.readouterr().out
+
+
+def test_bench_offline_bad_flag_names_it(engine_flags: list[str]) -> None:
+    with pytest.raises(ValueError, match="--num-prompts must be >= 1"):
+        main(["bench", "throughput", "--num-prompts", "0", *engine_flags])
+
+
+def test_summarize_derives_metrics_from_request_times() -> None:
+    ok = [RequestResult(ok=True, prompt_tokens=3, output_tokens=3, ttft=0.1, itl=[0.02, 0.04],
+                        e2e=0.2),
+          RequestResult(ok=True, prompt_tokens=3, output_tokens=1, ttft=0.3, itl=[], e2e=0.3)]
+    failed = [RequestResult(error="HTTP 500: x"), RequestResult(error="HTTP 500: x"),
+              RequestResult(error="drop")]
+    m = summarize([*ok, *failed], duration=2.0, ps=[50.0, 99.0])
+    assert (m["completed"], m["failed"]) == (2, 3)
+    assert m["errors"] == {"HTTP 500: x": 2, "drop": 1}
+    assert m["request_throughput"] == 1.0 and m["output_throughput"] == 2.0
+    assert m["total_token_throughput"] == 5.0
+    assert m["mean_ttft_ms"] == pytest.approx(200) and m["p50_ttft_ms"] == pytest.approx(200)
+    assert m["mean_itl_ms"] == pytest.approx(30) and m["p99_itl_ms"] == pytest.approx(39.8)
+    assert m["mean_e2el_ms"] == pytest.approx(250)
+    # TPOT only over requests with more than one token: (0.2 - 0.1) / 2.
+    assert m["mean_tpot_ms"] == pytest.approx(50)
+
+
+def test_summarize_with_no_success_reports_zeros() -> None:
+    m = summarize([RequestResult(error="refused")], duration=0.5, ps=[50.0])
+    assert m["completed"] == 0 and m["mean_ttft_ms"] == 0.0 and m["p50_itl_ms"] == 0.0
+
+
+TTFT, ITL, OUTPUT_LEN = 0.2, 0.05, 4
+
+
+def test_bench_serve_times_chunks_and_counts_failures(
+    fake_server: Callable, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = fake_server(behaviors=("ok", "500", "ok", "drop", "error"), ttft=TTFT, itl=ITL)
+    path = tmp_path / "s.json"
+    argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "10",
+            "--max-concurrency", "5", "--input-len", "6", "--output-len", str(OUTPUT_LEN),
+            "--result-file", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    result = json.loads(path.read_text())
+    assert (result["completed"], result["failed"]) == (4, 6)
+    errors = result["errors"]
+    assert sum(errors.values()) == 6
+    assert sum(n for e, n in errors.items() if e.startswith("HTTP 500")) == 2
+    assert sum(n for e, n in errors.items() if "RemoteProtocolError" in e) == 2
+    assert errors["error event: engine died"] == 2
+    assert result["model"] == "fake-model" and result["request_rate"] is None
+    body = server.bodies[0]
+    assert body["stream"] is True and body["ignore_eos"] is True
+    assert body["max_tokens"] == OUTPUT_LEN and len(body["prompt"]) == 6
+    ok = [r for r in result["requests"] if r["ok"]]
+    for r in ok:
+        # TTFT is the first content chunk (the empty one before it is sent at once), ITL the
+        # gaps after it, E2E runs to [DONE]; output tokens from the streamed usage.
+        assert TTFT <= r["ttft"] < TTFT + 0.5
+        assert len(r["itl"]) == OUTPUT_LEN - 1
+        assert sum(r["itl"]) >= (OUTPUT_LEN - 1) * ITL * 0.9
+        assert r["e2e"] >= r["ttft"] + sum(r["itl"])
+        assert r["output_tokens"] == OUTPUT_LEN and r["prompt_tokens"] == 7
+    assert ITL * 0.5 <= result["p50_itl_ms"] / 1000 < ITL + 0.2
+    assert result["output_throughput"] == pytest.approx(4 * OUTPUT_LEN / result["duration_s"])
+    assert "Successful requests:" in out and "failed x2: HTTP 500" in out
+
+
+def test_bench_serve_request_rate_spreads_arrivals(fake_server: Callable,
+                                                   tmp_path: Path) -> None:
+    server = fake_server()
+    path = tmp_path / "s.json"
+    argv = ["bench", "serve", "--base-url", server.url, "--model", "m", "--num-prompts", "4",
+            "--request-rate", "20", "--output-len", "2", "--input-len", "3",
+            "--prompt-kind", "words", "--result-file", str(path)]
+    assert main(argv) == 0
+    result = json.loads(path.read_text())
+    assert result["completed"] == 4 and result["request_rate"] == 20
+    assert all(isinstance(b["prompt"], str) and len(b["prompt"].split()) == 3
+               for b in server.bodies)
+    assert all(b["model"] == "m" for b in server.bodies)
+
+
+def test_bench_serve_unreachable_server_fails_every_request_without_crashing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = tmp_path / "s.json"
+    argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "m",
+            "--num-prompts", "3", "--result-file", str(path)]
+    assert main(argv) == 1
+    result = json.loads(path.read_text())
+    assert result["failed"] == 3 and result["completed"] == 0
+    assert all("ConnectError" in e for e in result["errors"])
+    assert math.isclose(result["request_throughput"], 0.0)
+    assert "Failed requests:" in capsys.readouterr().out
+
+
+def test_bench_serve_bad_flags_name_them() -> None:
+    with pytest.raises(ValueError, match="--request-rate must be > 0"):
+        main(["bench", "serve", "--base-url", "http://x", "--request-rate", "0"])
+    with pytest.raises(ValueError, match="--max-concurrency must be >= 1"):
+        main(["bench", "serve", "--base-url", "http://x", "--max-concurrency", "0"])

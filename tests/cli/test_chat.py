@@ -1,0 +1,115 @@
+"""`kvfit chat`: piped turns against a local tiny model and against a fake streaming server;
+history, /reset, /exit, and a failed turn that does not end the session."""
+
+from __future__ import annotations
+
+import io
+import socket
+import sys
+from collections.abc import Callable
+
+import pytest
+
+from kvfit.cli import main
+from kvfit.commands.chat import chat_loop, iter_sse_data
+
+
+def _chat(argv: list[str], turns: str, monkeypatch: pytest.MonkeyPatch,
+          capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(turns))
+    status = main(["chat", *argv])
+    return status, capsys.readouterr().out
+
+
+def test_local_model_over_piped_stdin(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    engine_flags: list[str],
+) -> None:
+    from kvfit.engine.llm import LLM
+
+    calls: list[tuple[list[dict[str, str]], str]] = []
+    real_chat = LLM.chat
+
+    def recording_chat(self: LLM, messages: list, *args: object, **kwargs: object) -> list:
+        outputs = real_chat(self, messages, *args, **kwargs)
+        calls.append(([dict(m) for m in messages], outputs[0].outputs[0].text))
+        return outputs
+
+    monkeypatch.setattr(LLM, "chat", recording_chat)
+    status, out = _chat(["--max-tokens", "4", "--temperature", "0", "--ignore-eos",
+                         *engine_flags], "hello\n\n/help\nagain\n/exit\nnever read\n",
+                        monkeypatch, capsys)
+    assert status == 0
+    # Two turns (the blank line and /help are no turns, nothing is read after /exit); the
+    # second carries the first exchange; both replies are printed.
+    assert [len(messages) for messages, _ in calls] == [1, 3]
+    (first, reply1), (second, reply2) = calls
+    assert first == [{"role": "user", "content": "hello"}]
+    assert second[1:] == [{"role": "assistant", "content": reply1},
+                          {"role": "user", "content": "again"}]
+    assert reply1 and out.index(reply1) < out.index("/reset") < out.rindex(reply2)
+
+
+def test_remote_streams_keeps_history_and_resets(
+    fake_server: Callable, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = fake_server()
+    status, out = _chat(["--url", f"{server.url}/v1", "--system-prompt", "be brief",
+                         "--max-tokens", "9", "--top-k", "5"],
+                        "one\ntwo\n/reset\nthree\n", monkeypatch, capsys)
+    assert status == 0
+    # system+user, then system+user+assistant+user, then after /reset system+user again.
+    assert out.splitlines() == ["seen 2", "seen 4", "(conversation reset)", "seen 2"]
+    bodies = server.bodies
+    assert [len(b["messages"]) for b in bodies] == [2, 4, 2]
+    assert bodies[1]["messages"][2] == {"role": "assistant", "content": "seen 2"}
+    # The model comes from /v1/models; sampling flags that differ from the defaults are sent.
+    assert all(b["model"] == "fake-model" and b["stream"] is True for b in bodies)
+    assert bodies[0]["max_tokens"] == 9 and bodies[0]["top_k"] == 5
+    assert "top_p" not in bodies[0]
+
+
+def test_remote_error_is_reported_and_the_session_goes_on(
+    fake_server: Callable, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = fake_server(behaviors=("500", "ok"))
+    status, out = _chat(["--url", f"{server.url}/v1", "--model", "named"], "a\nb\n",
+                        monkeypatch, capsys)
+    assert status == 0
+    assert "error: HTTP 500" in out and "boom" in out
+    # The failed turn left the history: the second request holds only its own message.
+    assert out.strip().endswith("seen 1")
+    assert [len(b["messages"]) for b in server.bodies] == [1, 1]
+    assert server.bodies[0]["model"] == "named"
+
+
+def test_sse_parsing_skips_non_data_lines_and_raises_error_events() -> None:
+    lines = [": comment", "event: x", "", 'data: {"a": 1}', "data:[DONE]", 'data: {"b": 2}']
+    assert list(iter_sse_data(iter(lines))) == [{"a": 1}]
+    with pytest.raises(RuntimeError, match="engine died"):
+        list(iter_sse_data(iter(['data: {"error": {"message": "engine died"}}'])))
+
+
+def test_chat_loop_ends_at_end_of_input() -> None:
+    seen: list[list[dict[str, str]]] = []
+
+    def reply(messages: list[dict[str, str]], out: io.StringIO) -> str:
+        seen.append(list(messages))
+        out.write("r")
+        return "r"
+
+    out = io.StringIO()
+    assert chat_loop(reply, io.StringIO("x\ny"), out) == 0  # no trailing newline either
+    assert out.getvalue() == "r\nr\n"
+    assert seen[1] == [{"role": "user", "content": "x"}, {"role": "assistant", "content": "r"},
+                       {"role": "user", "content": "y"}]
+
+
+def test_remote_unreachable_names_the_url(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    with pytest.raises(SystemExit, match=r"cannot list the served models at .*/v1/models.*--url"):
+        main(["chat", "--url", url])
