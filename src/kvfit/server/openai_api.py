@@ -89,11 +89,12 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0]
+        if first.get("type") == "json_invalid":
+            reason = first.get("ctx", {}).get("error", "")
+            return error(APIError(f"the request body is not valid JSON ({reason})"))
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = ".".join(loc) or None
-        message = first.get("msg", "invalid request")
-        if param:
-            message = f"{param}: {message}"
+        message = f"{param or 'the request body'}: {first.get('msg', 'invalid')}"
         return error(APIError(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)

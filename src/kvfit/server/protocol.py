@@ -100,7 +100,7 @@ class _SamplingFields(_Body):
         """An engine ValueError as a 400, its `param` the request field it names."""
         message = str(error)
         match = re.search(r"SamplingParams\.(\w+)", message)
-        param = None
+        param = "prompt" if "prompt" in message else None
         if match:
             param = self._renamed.get(match.group(1), match.group(1))
             message = message.replace(f"SamplingParams.{match.group(1)}", param)
