@@ -125,6 +125,17 @@ def test_n_completions(client: openai.OpenAI, llm: LLM) -> None:
     assert texts == [c.text for c in r.choices]
 
 
+def test_several_prompts_in_one_request(client: openai.OpenAI, llm: LLM) -> None:
+    refs = llm.generate(PROMPTS[8:10], greedy(4), use_tqdm=False)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[8:10], max_tokens=4,
+                                  temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [o.outputs[0].text for o in refs for _ in range(2)]
+    ids = client.completions.create(model=MODEL_NAME, prompt=[refs[0].prompt_token_ids],
+                                    max_tokens=4, temperature=0)
+    assert ids.choices[0].text == refs[0].outputs[0].text
+
+
 def test_stop_strings(client: openai.OpenAI, llm: LLM) -> None:
     (ref,) = llm.generate(PROMPTS[3], greedy(16), use_tqdm=False)
     text = ref.outputs[0].text
@@ -300,7 +311,8 @@ def test_bad_requests_get_openai_errors(http: httpx.Client, path: str, body: dic
 
 def test_invalid_json_is_a_400_and_the_server_survives(http: httpx.Client,
                                                        client: openai.OpenAI) -> None:
-    for content in (b"{not json", b"[1, 2]", b"\xff\xfe", b""):
+    for content in (b"{not json", b"[1, 2]", b"\xff\xfe", b"", b'{"prompt": "x", "top_p": NaN}',
+                    b'{"prompt": "x", "temperature": Infinity}'):
         r = http.post("/v1/completions", content=content,
                       headers={"content-type": "application/json"})
         assert r.status_code == 400, content
@@ -461,3 +473,20 @@ def test_load_run(server: ServerThread, http: httpx.Client) -> None:
           f"errors {len(errors)}, p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms")
     assert not errors, errors[:5]
     assert http.get("/health").status_code == 200
+
+
+def test_a_stopped_engine_answers_503(model_path: Path) -> None:
+    from kvfit.engine.config import EngineArgs
+    from kvfit.server.openai_api import ServeConfig, build_app
+
+    dead = AsyncLLM(EngineArgs(**engine_kwargs(model_path)))
+    dead.shutdown()
+    server = ServerThread(build_app(dead, ServeConfig([MODEL_NAME])))
+    try:
+        with httpx.Client(base_url=server.url) as http:
+            assert http.get("/health").status_code == 503
+            r = http.post("/v1/completions", json={"prompt": "x"})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+            assert http.get("/metrics").status_code == 200
+    finally:
+        server.stop()

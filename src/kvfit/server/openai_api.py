@@ -231,13 +231,27 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                 pass
         return output
 
+    async def all_final(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+        # A task group: when one prompt's request fails, the others are aborted.
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(final(s)) for s in streams]
+        except ExceptionGroup as e:
+            raise e.exceptions[0] from None
+        return [task.result() for task in tasks]
+
     async def run_all(request: Request, streams: list[AsyncIterator[RequestOutput]]
                       ) -> list[RequestOutput]:
         try:
-            return await _unless_disconnected(
-                request, asyncio.gather(*(final(s) for s in streams)))
+            return await _unless_disconnected(request, all_final(streams))
         except (ValueError, RequestFailedError, EngineDeadError) as e:
             raise engine_error(e) from None
+
+    def stream_error(e: Exception) -> APIError:
+        """An engine error met after a stream's headers went out: sent as an event."""
+        api_error = engine_error(e)
+        metrics.failure(api_error.status_code)
+        return api_error
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -265,7 +279,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         echo = [engine_prompt_text(p) for p in prompts] if body.echo else None
         if body.stream:
             return _sse(_stream_completion(streams, body, ids, created, model_name, engine,
-                                           echo, engine_error), slots)
+                                           echo, stream_error), slots)
         try:
             outputs = await run_all(request, streams)
         finally:
@@ -314,7 +328,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         created = int(time.time())
         if body.stream:
             return _sse(_stream_chat(streams[0], body, ids, created, model_name, engine,
-                                     num_logprobs, engine_error), slots)
+                                     num_logprobs, stream_error), slots)
         try:
             (out,) = await run_all(request, streams)
         finally:

@@ -36,7 +36,7 @@ def error_body(message: str, type: str, param: str | None = None,
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
