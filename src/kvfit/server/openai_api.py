@@ -70,6 +70,25 @@ class _Slots:
         self.in_use -= 1
 
 
+@dataclass
+class _Admission:
+    """A generation request's slot and engine requests, released once however the HTTP
+    request ends: the slot given back and every engine request aborted (a no-op for those
+    that finished), so nothing outlives its client."""
+
+    slots: _Slots
+    engine: AsyncLLM
+    request_ids: list[str] = field(default_factory=list)
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.slots.give()
+            for request_id in self.request_ids:
+                self.engine.abort(request_id)
+
+
 def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     """A FastAPI app serving `engine` (which it does not own: shut it down after the app)."""
     app = FastAPI(title="kvfit", version=kvfit.__version__)
@@ -200,22 +219,26 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             raise APIError(f"{param}={n} is above the server's max_logprobs="
                            f"{engine.max_logprobs}", param=param)
 
-    async def start(body: _SamplingFields, prompts: list[dict[str, Any]],
-                    params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
-        """Queue every prompt of a request; all or none (a refused one aborts the rest)."""
+    def start(body: _SamplingFields, prompts: list[dict[str, Any]], params: list[SamplingParams]
+              ) -> tuple[list[AsyncIterator[RequestOutput]], _Admission]:
+        """Take a slot and queue every prompt of a request: all or none."""
+        slots.take()
+        admission = _Admission(slots, engine)
         streams: list[AsyncIterator[RequestOutput]] = []
         request_id = uuid.uuid4().hex
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 stream = engine.add_request(prompt, sp, f"{request_id}-{i}")
+                admission.request_ids.append(stream.request_id)
                 streams.append(metrics.track(aiter(stream), len(prompt["prompt_token_ids"])))
-        except ValueError as e:
-            for stream in streams:
-                await stream.aclose()
-            raise body.value_error(e) from None
-        except EngineDeadError as e:
-            raise APIError(str(e), 503, "service_unavailable") from None
-        return streams
+        except BaseException as e:
+            admission.release()
+            if isinstance(e, ValueError):
+                raise body.value_error(e) from None
+            if isinstance(e, EngineDeadError):
+                raise APIError(str(e), 503, "service_unavailable") from None
+            raise
+        return streams, admission
 
     def engine_error(e: Exception) -> APIError:
         if isinstance(e, ValueError):
@@ -268,22 +291,22 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         params = [body.sampling_params(
             check_length(len(p["prompt_token_ids"]), body.max_tokens, "prompt", "max_tokens"),
             body.logprobs, prompt_logprobs) for p in prompts]
-        slots.take()
-        try:
-            streams = await start(body, prompts, params)
-        except BaseException:
-            slots.give()
-            raise
+        streams, admission = start(body, prompts, params)
         ids = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        echo = [engine_prompt_text(p) for p in prompts] if body.echo else None
-        if body.stream:
-            return _sse(_stream_completion(streams, body, ids, created, model_name, engine,
-                                           echo, stream_error), slots)
+        streaming = False
         try:
+            echo = [engine_prompt_text(p) for p in prompts] if body.echo else None
+            if body.stream:
+                response = _EventStream(_stream_completion(
+                    streams, body, ids, created, model_name, engine, echo, stream_error),
+                    admission.release)
+                streaming = True
+                return response
             outputs = await run_all(request, streams)
         finally:
-            slots.give()
+            if not streaming:
+                admission.release()
         choices = []
         for i, out in enumerate(outputs):
             for c in out.outputs:
@@ -318,21 +341,21 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                                   max_field)
         body._renamed = {"max_tokens": max_field, "logprobs": "top_logprobs"}
         params = body.sampling_params(max_tokens, num_logprobs)
-        slots.take()
-        try:
-            streams = await start(body, [prompt], [params])
-        except BaseException:
-            slots.give()
-            raise
+        streams, admission = start(body, [prompt], [params])
         ids = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
-            return _sse(_stream_chat(streams[0], body, ids, created, model_name, engine,
-                                     num_logprobs, stream_error), slots)
+            try:
+                return _EventStream(_stream_chat(streams[0], body, ids, created, model_name,
+                                                 engine, num_logprobs, stream_error),
+                                    admission.release)
+            except BaseException:
+                admission.release()
+                raise
         try:
             (out,) = await run_all(request, streams)
         finally:
-            slots.give()
+            admission.release()
         choices = [{"index": c.index,
                     "message": {"role": "assistant", "content": c.text},
                     "logprobs": (None if num_logprobs is None
@@ -421,19 +444,27 @@ def _chat_logprobs(c: CompletionOutput, start: int, num: int) -> list[dict[str, 
     return content
 
 
-def _sse(events: AsyncIterator[dict[str, Any]], slots: _Slots) -> StreamingResponse:
-    """Server-sent events of `events`, then `[DONE]`; the slot is given back at the end
-    (a client that leaves cancels the iteration, which aborts its requests)."""
-    async def body() -> AsyncIterator[str]:
-        try:
-            async with aclosing(events):
-                async for event in events:
-                    yield f"data: {json.dumps(event)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            slots.give()
+class _EventStream(StreamingResponse):
+    """Server-sent events, then `[DONE]`. `release` runs however the response ends, even
+    one whose client left before it started (a client that leaves mid-stream cancels the
+    iteration, which aborts its requests too)."""
 
-    return StreamingResponse(body(), media_type="text/event-stream")
+    def __init__(self, events: AsyncIterator[dict[str, Any]], release: Callable[[], None]
+                 ) -> None:
+        self._events, self._release = events, release
+        super().__init__(self._lines(), media_type="text/event-stream")
+
+    async def _lines(self) -> AsyncIterator[str]:
+        async with aclosing(self._events):
+            async for event in self._events:
+                yield f"data: {json.dumps(event)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 async def _merged(streams: list[AsyncIterator[RequestOutput]]
