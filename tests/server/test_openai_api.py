@@ -191,11 +191,21 @@ async def _concurrent(url: str, prompts: list[str]) -> list[str]:
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def test_32_concurrent_clients_get_their_own_greedy_answer(server: ServerThread, llm: LLM,
-                                                           engine: AsyncLLM) -> None:
+def test_32_concurrent_clients_get_their_own_greedy_answer(
+        server: ServerThread, llm: LLM, engine: AsyncLLM,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     refs = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
     assert len(set(refs)) > 1  # the prompts' answers differ, so a mix-up would show
+    executor = engine._core.executor
+    launch, batch_sizes = executor.launch, []
+
+    def recorded(batch):
+        batch_sizes.append(len(batch))
+        return launch(batch)
+
+    monkeypatch.setattr(executor, "launch", recorded)
     assert asyncio.run(_concurrent(server.url, PROMPTS)) == refs
+    assert max(batch_sizes) > 1  # clients shared steps
 
 
 def test_abort_frees_the_blocks(http: httpx.Client, engine: AsyncLLM) -> None:
@@ -490,3 +500,27 @@ def test_a_stopped_engine_answers_503(model_path: Path) -> None:
             assert http.get("/metrics").status_code == 200
     finally:
         server.stop()
+
+
+def test_text_is_decoded_off_the_engine_step(engine: AsyncLLM, llm: LLM,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    detokenizer = engine._core.scheduler.detokenizer
+    step, calls = detokenizer.step, []
+
+    def counted(seq, check_stop=True):
+        calls.append(seq.request_id)
+        return step(seq, check_stop)
+
+    monkeypatch.setattr(detokenizer, "step", counted)
+
+    async def text(params: SamplingParams, request_id: str) -> str:
+        output = None
+        async for output in engine.generate(PROMPTS[11], params, request_id):  # noqa: B007
+            pass
+        return output.outputs[0].text
+
+    (ref,) = llm.generate(PROMPTS[11], greedy(10), use_tqdm=False)
+    assert asyncio.run(text(greedy(10), "plain")) == ref.outputs[0].text
+    assert "plain" not in calls  # the engine thread decoded nothing
+    asyncio.run(text(greedy(10, stop=["never"]), "with-stop"))
+    assert "with-stop" in calls  # stop strings need the text on the step
