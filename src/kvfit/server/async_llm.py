@@ -117,7 +117,7 @@ class RequestStream:
     def __init__(self, engine: AsyncLLM, request_id: str, seqs: list[Sequence],
                  params: SamplingParams) -> None:
         self.request_id = request_id
-        self._engine, self._params = engine, params
+        self._engine = engine
         self._stream = _Stream()
         first = seqs[0]
         self.prompt_token_ids = first.prompt_token_ids
