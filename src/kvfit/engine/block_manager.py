@@ -50,6 +50,9 @@ class BlockManager:
         # the heaps at most once, so together they never outgrow num_blocks.
         self._free_heaps: tuple[list[int], list[int]] = (list(range(num_blocks)), [])
         self._in_heap = [True] * num_blocks
+        # Prefix-cache lookups, in tokens, for metrics: what allocations asked for and hit.
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def usage(self) -> float:
@@ -76,6 +79,9 @@ class BlockManager:
                 seq.block_table.append(block_id)
                 parent = h
         seq.num_cached_tokens = seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        if self.enable_prefix_caching:
+            self.num_queried_tokens += len(seq)
+            self.num_hit_tokens += seq.num_cached_tokens
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow `seq.block_table` to hold `num_computed_tokens + num_new_tokens` tokens.

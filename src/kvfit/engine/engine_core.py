@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.block_manager import BlockManager
@@ -35,6 +35,24 @@ def _stage(what: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     logger.info("%s: done in %.2f s", what, time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state for metrics (sequences, not requests: a request with
+    `n` completions counts `n`)."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    committed_kv_bytes: int
+    reserved_kv_bytes: int
+    num_preemptions: int
+    oom_guard_events: int
+    oom_guard_shrinks: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
 
 
 class EngineCore:
@@ -222,6 +240,38 @@ class EngineCore:
         batch, launched = self._in_flight
         self._in_flight = None
         return self.scheduler.update(batch, launched.result())
+
+    def fail_step(self) -> list[str]:
+        """After `step` raised: drop the step in flight and abort every request it or the
+        scheduler's running set holds (their state is unknown); returns their request ids.
+        Waiting requests never ran and stay queued, so the engine can go on stepping."""
+        seqs = list(self.scheduler.running)
+        if self._in_flight is not None:
+            seqs += self._in_flight[0].seqs
+            self._in_flight = None
+        request_ids = list(dict.fromkeys(seq.request_id for seq in seqs))
+        for request_id in request_ids:
+            self.scheduler.abort(request_id)
+        return request_ids
+
+    def stats(self) -> EngineStats:
+        """The scheduler's, block manager's and KV cache's figures now; call it between steps
+        (from the thread that steps)."""
+        bm = self.scheduler.block_manager
+        committed, reserved = self.executor.collective_rpc("kv_cache_bytes")[0]
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            committed_kv_bytes=committed,
+            reserved_kv_bytes=reserved,
+            num_preemptions=self.scheduler.num_preemptions,
+            oom_guard_events=self.oom_guard.num_events,
+            oom_guard_shrinks=self.oom_guard.num_shrinks,
+            prefix_cache_queried_tokens=bm.num_queried_tokens,
+            prefix_cache_hit_tokens=bm.num_hit_tokens,
+        )
 
     def has_unfinished(self) -> bool:
         """Whether any request is still queued, running or in a step in flight."""

@@ -128,6 +128,19 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def make_request(self, prompt: Prompt, params: SamplingParams,
+                     request_id: str) -> list[Sequence]:
+        """Tokenize and validate one request without queueing it: its `n` sequences, named
+        `request_id` (front ends that queue requests themselves, e.g. the async engine).
+        Raises ValueError naming the setting, like `generate`."""
+        try:
+            seqs = self._make_sequences(0, prompt, self._resolve_bad_words(params))
+        except ValueError as e:
+            raise ValueError(str(e).removeprefix("request 0: ")) from None
+        for seq in seqs:
+            seq.request_id = request_id
+        return seqs
+
     def _resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
         """`params` with its `bad_words` tokenized into `bad_words_token_ids`: each word as
         written and after a space (a word inside text is usually another token)."""

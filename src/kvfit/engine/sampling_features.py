@@ -182,7 +182,7 @@ SAMPLING_FEATURES: tuple[type[SamplingFeature], ...] = (
 )
 
 HOST_ONLY_FIELDS = frozenset({"max_tokens", "stop", "include_stop_str_in_output",
-                              "skip_special_tokens"})
+                              "skip_special_tokens", "detokenize"})
 """Fields that never reach the device: they only decide when a request stops and its text."""
 
 

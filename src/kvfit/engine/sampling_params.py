@@ -32,6 +32,8 @@ class SamplingParams:
     `logprobs=n` returns the top-n log-probabilities of every generated token plus the sampled
     one; `prompt_logprobs=n` the same for every prompt token after the first. They are computed
     from the raw logits (vLLM's default), before penalties, temperature and filters.
+    `detokenize=False` leaves `output_text` empty unless stop strings need the text (a front
+    end that decodes text itself keeps that work off the engine's step).
     """
 
     n: int = 1
@@ -55,6 +57,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):

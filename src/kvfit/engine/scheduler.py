@@ -265,7 +265,9 @@ class Scheduler:
         if may_stop and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
             return True
-        stop = self.detokenizer.step(seq, check_stop=may_stop)
+        stop = None
+        if params.detokenize or params.stop:
+            stop = self.detokenizer.step(seq, check_stop=may_stop)
         if stop is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
             return True

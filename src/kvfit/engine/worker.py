@@ -234,6 +234,15 @@ class Worker:
             max_blocks=max_blocks,
         )
 
+    def kv_cache_bytes(self) -> tuple[int, int]:
+        """`(committed, reserved)` bytes of the KV cache now; without the extensible cache
+        both are what torch allocated for it."""
+        cache, spec = self.runner.kv_cache, self.runner.kv_cache_spec
+        if cache is None:
+            nbytes = self.config.cache_config.num_gpu_blocks * spec.block_bytes
+            return nbytes, nbytes
+        return cache.physical_bytes, cache.capacity_blocks * spec.block_bytes
+
     def launch(self, batch: ScheduledBatch) -> AsyncModelOutput:
         """Queue one scheduled step; its output arrives later."""
         return self.runner.launch(batch)

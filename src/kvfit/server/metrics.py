@@ -1,0 +1,138 @@
+"""Prometheus metrics of one server app, named like vLLM's where one exists (`kvfit:` prefix).
+
+Each app has its own `CollectorRegistry`, so two apps (or tests) in one process never share
+counts. Request figures (tokens, latencies, outcomes) are observed as requests stream; engine
+figures (queues, KV cache, sizing report, out-of-memory guard, prefix cache) are read from the
+engine's latest stats snapshot at every scrape.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvfit.engine.outputs import RequestOutput
+from kvfit.server.async_llm import AsyncLLM
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# Status code -> failure reason label.
+_FAILURE_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 503: "rejected"}
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's stats snapshot and KV sizing report when scraped."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        s, report = self.engine.stats(), self.engine.kv_cache_report
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"kvfit:{name}", doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"kvfit:{name}", doc, value=value)
+
+        yield gauge("num_requests_running", "Sequences in the running batch (a request with "
+                    "n completions counts n).", s.num_running)
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        in_use = s.num_blocks - s.num_free_blocks
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+                    in_use / s.num_blocks)
+        yield gauge("kv_cache_blocks_total", "KV cache blocks the cache holds now.", s.num_blocks)
+        yield gauge("kv_cache_blocks_in_use", "KV cache blocks referenced by a sequence.", in_use)
+        yield gauge("kv_cache_committed_bytes", "Physical bytes committed to the KV cache.",
+                    s.committed_kv_bytes)
+        yield gauge("kv_cache_reserved_bytes", "Bytes of address space reserved for the KV "
+                    "cache (its capacity).", s.reserved_kv_bytes)
+        info = GaugeMetricFamily("kvfit:kv_cache_sizing_info", "How the KV cache was sized "
+                                 "at startup (value 1).", labels=["method"])
+        info.add_metric([report.method], 1)
+        yield info
+        yield gauge("kv_cache_sizing_transient_bytes", "Transient peak measured at startup.",
+                    report.transient)
+        yield gauge("kv_cache_sizing_margin_bytes", "Margin kept free at startup.", report.margin)
+        yield gauge("kv_cache_sizing_blocks", "KV cache blocks sized at startup.",
+                    report.num_blocks)
+        if report.estimate_num_blocks is not None:
+            yield gauge("kv_cache_sizing_estimate_blocks", "Blocks the profiling estimate "
+                        "gives, for comparison.", report.estimate_num_blocks)
+        yield counter("oom_guard_events", "Device out-of-memory errors the guard absorbed.",
+                      s.oom_guard_events)
+        yield counter("oom_guard_shrinks", "Times the guard shrank the KV cache.",
+                      s.oom_guard_shrinks)
+        yield counter("num_preemptions", "Sequences preempted for want of blocks.",
+                      s.num_preemptions)
+        yield counter("prefix_cache_queries", "Tokens looked up in the prefix cache.",
+                      s.prefix_cache_queried_tokens)
+        yield counter("prefix_cache_hits", "Tokens found in the prefix cache.",
+                      s.prefix_cache_hit_tokens)
+        yield gauge("prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, since "
+                    "startup.", s.prefix_cache_hit_tokens / max(s.prefix_cache_queried_tokens, 1))
+
+
+class ServerMetrics:
+    """The collectors of one app and the hooks that feed them."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        r.register(_EngineCollector(engine))
+        self.prompt_tokens = Counter("kvfit:prompt_tokens", "Prompt tokens of finished and "
+                                     "aborted requests.", registry=r)
+        self.generation_tokens = Counter("kvfit:generation_tokens", "Generated tokens.",
+                                         registry=r)
+        self.request_success = Counter("kvfit:request_success", "Requests that ran to the "
+                                       "end, by finish reason of each completion.",
+                                       ["finished_reason"], registry=r)
+        self.request_failure = Counter("kvfit:request_failure", "Requests answered with an "
+                                       "error, by reason.", ["reason"], registry=r)
+        self.ttft = Histogram("kvfit:time_to_first_token_seconds", "Time to the first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvfit:inter_token_latency_seconds", "Time between tokens.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvfit:e2e_request_latency_seconds", "Time from arrival to the "
+                             "last token.", buckets=_LATENCY_BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        """The exposition text of every collector."""
+        return generate_latest(self.registry)
+
+    def failure(self, status_code: int) -> None:
+        """Count a request answered with an error status."""
+        self.request_failure.labels(_FAILURE_REASONS.get(status_code, "error")).inc()
+
+    async def track(self, outputs: AsyncIterator[RequestOutput],
+                    num_prompt_tokens: int) -> AsyncIterator[RequestOutput]:
+        """Pass a request's outputs through, timing its tokens; counts its tokens and outcome
+        when it ends (one left early counts as aborted)."""
+        start = last = time.perf_counter()
+        num_tokens, output, failed = 0, None, False
+        try:
+            async for output in outputs:
+                now, total = time.perf_counter(), sum(len(o.token_ids) for o in output.outputs)
+                if total > num_tokens:
+                    if num_tokens == 0:
+                        self.ttft.observe(now - start)
+                    else:
+                        self.itl.observe((now - last) / (total - num_tokens))
+                    last, num_tokens = now, total
+                yield output
+        except Exception:
+            failed = True  # counted by the error handler that answers it
+            raise
+        finally:
+            self.prompt_tokens.inc(num_prompt_tokens)
+            self.generation_tokens.inc(num_tokens)
+            if output is not None and output.finished:
+                self.e2e.observe(time.perf_counter() - start)
+                for completion in output.outputs:
+                    self.request_success.labels(completion.finish_reason).inc()
+            elif not failed:
+                self.request_success.labels("abort").inc()

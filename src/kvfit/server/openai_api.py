@@ -1,0 +1,580 @@
+"""The OpenAI-compatible HTTP API over an `AsyncLLM`: `build_app(engine, ServeConfig)`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, suppress
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import kvfit
+from kvfit.engine.outputs import CompletionOutput, RequestOutput
+from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.sequence import Logprobs
+from kvfit.server.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from kvfit.server.metrics import ServerMetrics
+from kvfit.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _SamplingFields,
+    usage,
+)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class ServeConfig:
+    """Server settings (the engine's are `EngineArgs`).
+
+    `served_model_names`: the names clients may ask for (the first is reported); `api_key`:
+    when set, every route but `/health` needs `Authorization: Bearer <key>`;
+    `max_concurrent_requests`: generation requests in progress at once, beyond which new ones
+    get 503 (None: unbounded).
+    """
+
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_concurrent_requests: int | None = 1024
+    root: str | None = None  # the model folder, shown by /v1/models
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class _Slots:
+    """Counts generation requests in progress against the bound (one event loop: no lock)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit, self.in_use = limit, 0
+
+    def take(self) -> None:
+        if self.limit is not None and self.in_use >= self.limit:
+            raise APIError(f"the server is at max_concurrent_requests={self.limit}; retry later",
+                           status_code=503, type="service_unavailable")
+        self.in_use += 1
+
+    def give(self) -> None:
+        self.in_use -= 1
+
+
+@dataclass
+class _Admission:
+    """A generation request's slot and engine requests, released once however the HTTP
+    request ends: the slot given back and every engine request aborted (a no-op for those
+    that finished), so nothing outlives its client."""
+
+    slots: _Slots
+    engine: AsyncLLM
+    request_ids: list[str] = field(default_factory=list)
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.slots.give()
+            for request_id in self.request_ids:
+                self.engine.abort(request_id)
+
+
+def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
+    """A FastAPI app serving `engine` (which it does not own: shut it down after the app)."""
+    app = FastAPI(title="kvfit", version=kvfit.__version__)
+    metrics = ServerMetrics(engine)
+    slots = _Slots(config.max_concurrent_requests)
+    app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
+    model_name = config.served_model_names[0]
+
+    def error(e: APIError) -> JSONResponse:
+        metrics.failure(e.status_code)
+        return JSONResponse(e.body(), status_code=e.status_code)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        if first.get("type") == "json_invalid":
+            reason = first.get("ctx", {}).get("error", "")
+            return error(APIError(f"the request body is not valid JSON ({reason})"))
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        message = f"{param or 'the request body'}: {first.get('msg', 'invalid')}"
+        return error(APIError(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error(APIError(str(e.detail), status_code=e.status_code, type=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return error(APIError(f"internal error: {e}", 500, "internal_server_error"))
+
+    async def check_api_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+            raise APIError("a valid API key is needed: send 'Authorization: Bearer <key>'",
+                           status_code=401, type="authentication_error", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_alive else 503)
+
+    api = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @api.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": kvfit.__version__}
+
+    @api.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": name, "object": "model", "created": config.created, "owned_by": "kvfit",
+                 "root": config.root, "max_model_len": engine.max_model_len}
+                for name in config.served_model_names]
+        return {"object": "list", "data": data}
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in config.served_model_names:
+            raise APIError(f"the model {name!r} does not exist; this server serves "
+                           f"{', '.join(config.served_model_names)}", param="model",
+                           code="model_not_found")
+
+    def tokenizer() -> Any:
+        if engine.tokenizer is None:
+            raise APIError("the model has no tokenizer: send token ids")
+        return engine.tokenizer
+
+    def render_chat(messages: list[Any], add_generation_prompt: bool) -> str:
+        try:
+            return tokenizer().apply_chat_template(
+                [m.template_dict() for m in messages], tokenize=False,
+                add_generation_prompt=add_generation_prompt)
+        except APIError:
+            raise
+        except Exception as e:  # a template error is the messages' fault (or no template)
+            raise APIError(f"the chat template could not render the messages: {e}",
+                           param="messages") from None
+
+    @api.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("send one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            text = render_chat(body.messages, body.add_generation_prompt)
+            tokens = tokenizer().encode(text, add_special_tokens=False)
+        else:
+            tokens = tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+
+    @api.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        check_model(body.model)
+        vocab = len(tokenizer())
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(f"tokens must be ids in [0, {vocab})", param="tokens")
+        return {"prompt": tokenizer().decode(body.tokens)}
+
+    def check_length(num_prompt: int, max_tokens: int | None, where: str,
+                     max_field: str) -> int:
+        """The request's max_tokens (unset: the rest of the context) after checking that
+        prompt and completion fit in max_model_len."""
+        limit = engine.max_model_len
+        if num_prompt >= limit:
+            raise APIError(f"this model's maximum context length is {limit} tokens; the "
+                           f"{where} has {num_prompt} (one more is needed to generate)",
+                           param=where, code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - num_prompt
+        if max_tokens >= 1 and num_prompt + max_tokens > limit:
+            raise APIError(f"this model's maximum context length is {limit} tokens; you asked "
+                           f"for {num_prompt + max_tokens} ({num_prompt} in the {where}, "
+                           f"{max_tokens} in the completion)", param=max_field,
+                           code="context_length_exceeded")
+        return max_tokens
+
+    def check_logprobs(n: int | None, param: str) -> None:
+        if n is not None and n > engine.max_logprobs:
+            raise APIError(f"{param}={n} is above the server's max_logprobs="
+                           f"{engine.max_logprobs}", param=param)
+
+    def start(body: _SamplingFields, prompts: list[dict[str, Any]], params: list[SamplingParams]
+              ) -> tuple[list[AsyncIterator[RequestOutput]], _Admission]:
+        """Take a slot and queue every prompt of a request: all or none."""
+        slots.take()
+        admission = _Admission(slots, engine)
+        streams: list[AsyncIterator[RequestOutput]] = []
+        request_id = uuid.uuid4().hex
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+                stream = engine.add_request(prompt, sp, f"{request_id}-{i}")
+                admission.request_ids.append(stream.request_id)
+                streams.append(metrics.track(aiter(stream), len(prompt["prompt_token_ids"])))
+        except BaseException as e:
+            admission.release()
+            if isinstance(e, ValueError):
+                raise body.value_error(e) from None
+            if isinstance(e, EngineDeadError):
+                raise APIError(str(e), 503, "service_unavailable") from None
+            raise
+        return streams, admission
+
+    def engine_error(e: Exception) -> APIError:
+        if isinstance(e, ValueError):
+            return APIError(str(e))
+        if isinstance(e, EngineDeadError):
+            return APIError(str(e), 503, "service_unavailable")
+        return APIError(str(e), 500, "internal_server_error")
+
+    async def final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        output = None
+        async with aclosing(stream):
+            async for output in stream:  # noqa: B007 (the last one is the result)
+                pass
+        return output
+
+    async def all_final(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+        # A task group: when one prompt's request fails, the others are aborted.
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(final(s)) for s in streams]
+        except ExceptionGroup as e:
+            raise e.exceptions[0] from None
+        return [task.result() for task in tasks]
+
+    async def run_all(request: Request, streams: list[AsyncIterator[RequestOutput]]
+                      ) -> list[RequestOutput]:
+        try:
+            return await _unless_disconnected(request, all_final(streams))
+        except (ValueError, RequestFailedError, EngineDeadError) as e:
+            raise engine_error(e) from None
+
+    def stream_error(e: Exception) -> APIError:
+        """An engine error met after a stream's headers went out: sent as an event."""
+        api_error = engine_error(e)
+        metrics.failure(api_error.status_code)
+        return api_error
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        body.check()
+        check_logprobs(body.logprobs, "logprobs")
+        prompts = []
+        for p in body.prompts():
+            if isinstance(p, str):
+                prompts.append({"prompt_token_ids": tokenizer().encode(p), "prompt": p})
+            else:
+                prompts.append({"prompt_token_ids": p, "prompt": None})
+        prompt_logprobs = body.logprobs if body.echo and not body.stream else None
+        params = [body.sampling_params(
+            check_length(len(p["prompt_token_ids"]), body.max_tokens, "prompt", "max_tokens"),
+            body.logprobs, prompt_logprobs) for p in prompts]
+        streams, admission = start(body, prompts, params)
+        ids = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streaming = False
+        try:
+            echo = [engine_prompt_text(p) for p in prompts] if body.echo else None
+            if body.stream:
+                response = _EventStream(_stream_completion(
+                    streams, body, ids, created, model_name, engine, echo, stream_error),
+                    admission.release)
+                streaming = True
+                return response
+            outputs = await run_all(request, streams)
+        finally:
+            if not streaming:
+                admission.release()
+        choices = []
+        for i, out in enumerate(outputs):
+            for c in out.outputs:
+                text = c.text if echo is None else echo[i] + c.text
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = _completion_logprobs(engine, c, body.logprobs, out, bool(echo))
+                choices.append({"index": i * body.n + c.index, "text": text,
+                                "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+        return {"id": ids, "object": "text_completion", "created": created, "model": model_name,
+                "choices": choices, "usage": _usage(outputs)}
+
+    def engine_prompt_text(prompt: dict[str, Any]) -> str:
+        if prompt["prompt"] is not None:
+            return prompt["prompt"]
+        return "" if engine.tokenizer is None else engine.tokenizer.decode(
+            prompt["prompt_token_ids"])
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        num_logprobs = body.num_logprobs()
+        check_logprobs(num_logprobs, "top_logprobs")
+        text = render_chat(body.messages, body.add_generation_prompt)
+        prompt = {"prompt_token_ids": tokenizer().encode(text, add_special_tokens=False),
+                  "prompt": text}
+        if not prompt["prompt_token_ids"]:
+            raise APIError("the messages render to an empty prompt", param="messages")
+        max_tokens, max_field = body.requested_max_tokens()
+        max_tokens = check_length(len(prompt["prompt_token_ids"]), max_tokens, "messages",
+                                  max_field)
+        body._renamed = {"max_tokens": max_field, "logprobs": "top_logprobs"}
+        params = body.sampling_params(max_tokens, num_logprobs)
+        streams, admission = start(body, [prompt], [params])
+        ids = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if body.stream:
+            try:
+                return _EventStream(_stream_chat(streams[0], body, ids, created, model_name,
+                                                 engine, num_logprobs, stream_error),
+                                    admission.release)
+            except BaseException:
+                admission.release()
+                raise
+        try:
+            (out,) = await run_all(request, streams)
+        finally:
+            admission.release()
+        choices = [{"index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": (None if num_logprobs is None
+                                 else {"content": _chat_logprobs(c, 0, num_logprobs)}),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in out.outputs]
+        return {"id": ids, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": choices, "usage": _usage([out])}
+
+    app.include_router(api)
+    return app
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+        raise APIError("the client disconnected", 499, "client_disconnected")
+    return task.result()
+
+
+def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    return usage(sum(len(o.prompt_token_ids) for o in outputs),
+                 sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
+
+def _top(entries: Logprobs, num: int) -> list[tuple[int, Any]]:
+    """The `num` most likely entries, most likely first."""
+    ranked = sorted(entries.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
+    return ranked[:num]
+
+
+def _completion_logprobs(engine: AsyncLLM, c: CompletionOutput, num: int, out: RequestOutput,
+                         echo: bool, start: int = 0, text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions logprobs of tokens `start:` of `c` (with the prompt's first when
+    `echo`): token texts, their logprobs, the top `num` of each, and text offsets."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    pairs: list[tuple[int, Logprobs | None]] = []
+    if echo and out.prompt_logprobs is not None:
+        pairs += list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=False))
+    pairs += list(zip(c.token_ids[start:], c.logprobs[start:], strict=False))
+    offsets, offset = [], text_offset
+    for token_id, entries in pairs:
+        text = engine.decode_token(token_id) or ""
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entries is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        chosen = entries.get(token_id)
+        token_logprobs.append(None if chosen is None else chosen.logprob)
+        top_logprobs.append({(e.decoded_token or ""): e.logprob for _, e in _top(entries, num)})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def _chat_logprobs(c: CompletionOutput, start: int, num: int) -> list[dict[str, Any]]:
+    """OpenAI's chat logprobs `content` entries of tokens `start:` of `c`."""
+    def entry(text: str | None, logprob: float) -> dict[str, Any]:
+        text = text or ""
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for token_id, entries in zip(c.token_ids[start:], c.logprobs[start:], strict=False):
+        chosen = entries[token_id]
+        item = entry(chosen.decoded_token, chosen.logprob)
+        item["top_logprobs"] = [entry(e.decoded_token, e.logprob) for _, e in _top(entries, num)]
+        content.append(item)
+    return content
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events, then `[DONE]`. `release` runs however the response ends, even
+    one whose client left before it started (a client that leaves mid-stream cancels the
+    iteration, which aborts its requests too)."""
+
+    def __init__(self, events: AsyncIterator[dict[str, Any]], release: Callable[[], None]
+                 ) -> None:
+        self._events, self._release = events, release
+        super().__init__(self._lines(), media_type="text/event-stream")
+
+    async def _lines(self) -> AsyncIterator[str]:
+        async with aclosing(self._events):
+            async for event in self._events:
+                yield f"data: {json.dumps(event)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]]
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """`(prompt index, output)` of several streams as they arrive."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]):
+            async for out in streams[0]:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            queue.put_nowait(None)
+        except Exception as e:
+            queue.put_nowait(e)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _stream_completion(streams: list[AsyncIterator[RequestOutput]],
+                             body: CompletionRequest, ids: str, created: int, model: str,
+                             engine: AsyncLLM, echo: list[str] | None,
+                             engine_error: Callable[[Exception], APIError]
+                             ) -> AsyncIterator[dict[str, Any]]:
+    sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, index) -> (chars, tokens)
+    done: set[tuple[int, int]] = set()
+    outputs: dict[int, RequestOutput] = {}
+    base = {"id": ids, "object": "text_completion", "created": created, "model": model}
+    extra = {"usage": None} if body.include_usage else {}
+    try:
+        async for i, out in _merged(streams):
+            outputs[i] = out
+            choices = []
+            for c in out.outputs:
+                key = (i, c.index)
+                chars, tokens = sent.get(key, (0, 0))
+                if key in done or (len(c.text) == chars and len(c.token_ids) == tokens
+                                   and c.finish_reason is None):
+                    continue
+                text = c.text[chars:]
+                if echo is not None and key not in sent:
+                    text = echo[i] + text
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = _completion_logprobs(engine, c, body.logprobs, out, False,
+                                                    tokens, chars)
+                sent[key] = (len(c.text), len(c.token_ids))
+                if c.finish_reason is not None:
+                    done.add(key)
+                choices.append({"index": i * body.n + c.index, "text": text,
+                                "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+            if choices:
+                yield {**base, "choices": choices, **extra}
+    except (ValueError, RequestFailedError, EngineDeadError) as e:
+        yield engine_error(e).body()
+        return
+    if body.include_usage:
+        yield {**base, "choices": [], "usage": _usage(list(outputs.values()))}
+
+
+async def _stream_chat(stream: AsyncIterator[RequestOutput], body: ChatCompletionRequest,
+                       ids: str, created: int, model: str, engine: AsyncLLM,
+                       num_logprobs: int | None, engine_error: Callable[[Exception], APIError]
+                       ) -> AsyncIterator[dict[str, Any]]:
+    base = {"id": ids, "object": "chat.completion.chunk", "created": created, "model": model}
+    extra = {"usage": None} if body.include_usage else {}
+    yield {**base, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}
+                               for j in range(body.n)], **extra}
+    sent = [(0, 0, False)] * body.n  # chars, tokens, finished
+    out = None
+    try:
+        async with aclosing(stream):
+            async for out in stream:
+                choices = []
+                for c in out.outputs:
+                    chars, tokens, done = sent[c.index]
+                    if done or (len(c.text) == chars and len(c.token_ids) == tokens
+                                and c.finish_reason is None):
+                        continue
+                    logprobs = None
+                    if num_logprobs is not None:
+                        logprobs = {"content": _chat_logprobs(c, tokens, num_logprobs)}
+                    choices.append({"index": c.index, "delta": {"content": c.text[chars:]},
+                                    "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason})
+                    sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
+                if choices:
+                    yield {**base, "choices": choices, **extra}
+    except (ValueError, RequestFailedError, EngineDeadError) as e:
+        yield engine_error(e).body()
+        return
+    if body.include_usage and out is not None:
+        yield {**base, "choices": [], "usage": _usage([out])}

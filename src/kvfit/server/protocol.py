@@ -1,0 +1,200 @@
+"""OpenAI-compatible request bodies (pydantic) and their conversion to `SamplingParams`.
+
+Field names follow OpenAI's API, plus vLLM's extra sampling fields (`top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, ...). Unknown fields are refused, so a misspelt setting
+is an error naming it rather than silently ignored. Every error here is an `APIError`, which
+the app answers with OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvfit.engine.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, message: str, status_code: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status_code, self.type = message, status_code, type
+        self.param, self.code = param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields every generation request shares."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    # Request field -> SamplingParams field, where the names differ.
+    _renamed: dict[str, str] = {}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The request as `SamplingParams`; an invalid value is an `APIError` naming its field."""
+        fields: dict[str, Any] = dict(
+            n=self.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            logit_bias=self.logit_bias, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        defaults = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, presence_penalty=0.0,
+                        frequency_penalty=0.0, repetition_penalty=1.0)
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            fields[name] = default if value is None else value
+        if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            raise APIError("logit_bias values must be in [-100, 100]", param="logit_bias")
+        try:
+            return SamplingParams(**fields)
+        except ValueError as e:
+            raise self.value_error(e) from None
+
+    def value_error(self, error: ValueError) -> APIError:
+        """An engine ValueError as a 400, its `param` the request field it names."""
+        message = str(error)
+        match = re.search(r"SamplingParams\.(\w+)", message)
+        param = "prompt" if "prompt" in message else None
+        if match:
+            param = self._renamed.get(match.group(1), match.group(1))
+            message = message.replace(f"SamplingParams.{match.group(1)}", param)
+        return APIError(message, param=param)
+
+
+class CompletionRequest(_SamplingFields):
+    """`POST /v1/completions`."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: a text or a token id list."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            p = [p]
+        if not p:
+            raise APIError("prompt must not be empty", param="prompt")
+        return list(p)
+
+    def check(self) -> None:
+        if self.suffix is not None:
+            raise APIError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("best_of other than n is not supported", param="best_of")
+
+
+class ContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool and function fields pass to the template
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template reads it (text parts joined)."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
+        message.setdefault("content", "")
+        return message
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    _renamed = {"logprobs": "top_logprobs"}
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The completion-length limit asked for and the field that asked (None: unset)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    """`POST /tokenize`: a prompt, or messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    """`POST /detokenize`."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

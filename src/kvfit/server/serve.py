@@ -1,0 +1,88 @@
+"""`kvfit serve MODEL`: the OpenAI-compatible server on uvicorn.
+
+Importing this module costs nothing beyond argparse: FastAPI, uvicorn and the engine load in
+`run_serve`, so the CLI builds its parser (and runs other commands) without the `server` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+SERVER_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `serve` (every engine flag, plus the server's) on a CLI's subparsers."""
+    from kvfit.engine.config import EngineArgs
+
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (a Hugging Face folder or a built-in name) over HTTP: "
+        "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
+        "/health, /metrics, /version.")
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                        help="model folder or built-in name (the same as --model)")
+    EngineArgs.add_cli_args(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (0.0.0.0 for every interface)")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="names clients use for the model (default: MODEL); the first "
+                        "is the one reported")
+    server.add_argument("--api-key", default=os.environ.get("KVFIT_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $KVFIT_API_KEY)")
+    server.add_argument("--max-concurrent-requests", type=int, default=1024,
+                        help="generation requests in progress at once; more get HTTP 503 "
+                        "(0: unbounded)")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.set_defaults(func=run_serve)
+    return parser
+
+
+def missing_server_modules() -> list[str]:
+    """The `server` extra's modules that are not installed."""
+    return [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Start the engine, print its KV cache sizing, and serve until interrupted."""
+    missing = missing_server_modules()
+    if missing:
+        print(f"kvfit serve needs the server extra ({', '.join(missing)} missing): "
+              f"pip install 'kvfit[server]'", file=sys.stderr)
+        return 1
+    if args.max_concurrent_requests < 0:
+        print("--max-concurrent-requests must be >= 0 (0: unbounded)", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from kvfit.engine.config import EngineArgs
+    from kvfit.server.async_llm import AsyncLLM
+    from kvfit.server.openai_api import ServeConfig, build_app
+
+    if args.model_tag:
+        args.model = args.model_tag
+    engine_args = EngineArgs.from_cli_args(args)
+    print(f"kvfit serve: loading {engine_args.model} and sizing the KV cache ...", flush=True)
+    engine = AsyncLLM(engine_args)
+    try:
+        print(f"KV cache:\n{engine.kv_cache_report.format_table()}", flush=True)
+        config = ServeConfig(
+            served_model_names=args.served_model_name or [engine_args.model],
+            api_key=args.api_key or None,
+            max_concurrent_requests=args.max_concurrent_requests or None,
+            root=engine_args.model,
+        )
+        app = build_app(engine, config)
+        print(f"kvfit serve: {', '.join(config.served_model_names)} on "
+              f"http://{args.host}:{args.port}/v1", flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,73 @@
+"""The engine's hooks for front ends that queue requests themselves (the async server)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvfit import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3: Path) -> Iterator[LLM]:
+    llm = LLM(str(qwen3), device="cpu", num_gpu_blocks_override=64, max_model_len=128,
+              max_num_batched_tokens=128, max_num_seqs=8)
+    yield llm
+    llm.shutdown()
+
+
+def run(llm: LLM) -> None:
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+
+
+def test_make_request_validates_and_names_the_request(llm: LLM) -> None:
+    seqs = llm.make_request("Hello", SamplingParams(n=2, max_tokens=3), "abc")
+    assert [s.request_id for s in seqs] == ["abc", "abc"] and seqs[1].parent is seqs[0]
+    with pytest.raises(ValueError, match=r"^the prompt has \d+ tokens, max_model_len"):
+        llm.make_request("word " * 200, SamplingParams(), "long")
+    with pytest.raises(ValueError, match="SamplingParams.n=9 is above max_num_seqs"):
+        llm.make_request("x", SamplingParams(n=9), "wide")
+
+
+def test_detokenize_false_leaves_text_to_the_caller_unless_stop_strings(llm: LLM) -> None:
+    (plain,) = llm.make_request("Hello", SamplingParams(temperature=0, max_tokens=4,
+                                                        detokenize=False), "a")
+    (stop,) = llm.make_request("Hello", SamplingParams(temperature=0, max_tokens=4,
+                                                       detokenize=False, stop=["never"]), "b")
+    (ref,) = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    llm.engine.add_request(plain)
+    llm.engine.add_request(stop)
+    run(llm)
+    assert plain.output_token_ids == stop.output_token_ids == ref.outputs[0].token_ids
+    assert plain.output_text == "" and stop.output_text == ref.outputs[0].text
+
+
+def test_stats_and_fail_step(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    core = llm.engine
+    stats = core.stats()
+    assert stats.num_blocks == stats.num_free_blocks == 64
+    assert stats.committed_kv_bytes == core.kv_cache_report.committed_bytes
+    queried = stats.prefix_cache_queried_tokens
+    prompt = {"prompt_token_ids": list(range(3, 40))}  # two full blocks
+    for _ in range(2):  # the second one hits the first one's blocks
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    stats = core.stats()
+    assert stats.prefix_cache_queried_tokens > queried and stats.prefix_cache_hit_tokens >= 32
+
+    running = llm.make_request("run", SamplingParams(max_tokens=50, ignore_eos=True), "run")
+    core.add_request(running[0])
+    core.step()  # now running, with a step in flight
+    monkeypatch.setattr(core.executor, "launch", lambda batch: 1 / 0)
+    waiting = llm.make_request("wait", SamplingParams(max_tokens=2), "wait")
+    with pytest.raises(ZeroDivisionError):
+        core.step()
+    core.add_request(waiting[0])
+    assert core.fail_step() == ["run"]
+    assert running[0].finish_reason == "abort" and not waiting[0].is_finished
+    monkeypatch.undo()
+    run(llm)
+    assert waiting[0].finish_reason == "length"
+    assert core.stats().num_free_blocks == 64

@@ -1,0 +1,526 @@
+"""The OpenAI-compatible server end to end: a real uvicorn server on 127.0.0.1 queried with the
+official `openai` client (and httpx where a client would refuse to send what is tested)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvfit import LLM, SamplingParams
+from kvfit.engine.outputs import RequestOutput
+from kvfit.server.async_llm import AsyncLLM
+
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerThread, engine_kwargs
+
+PROMPTS = [f"The number {i} is followed by" for i in range(32)]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def llm(model_path: Path) -> Iterator[LLM]:
+    """The offline engine on the same weights and settings: the reference outputs."""
+    llm = LLM(**engine_kwargs(model_path))
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        yield http
+
+
+def greedy(max_tokens: int = 8, **kwargs: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    """Every sample of /metrics by name (labels joined into the name), parsed by
+    prometheus_client's parser."""
+    r = http.get("/metrics")
+    assert r.status_code == 200
+    samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def test_completion_matches_llm_generate(client: openai.OpenAI, llm: LLM) -> None:
+    (ref,) = llm.generate(PROMPTS[0], greedy(), use_tqdm=False)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8,
+                                  temperature=0)
+    assert r.choices[0].text == ref.outputs[0].text
+    assert r.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streamed_completion_equals_the_whole_one(client: openai.OpenAI, llm: LLM) -> None:
+    (ref,) = llm.generate(PROMPTS[1], greedy(12), use_tqdm=False)
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert len(chunks) > 2  # streamed as it was generated, not in one piece
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    plain = list(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=4,
+                                           temperature=0, stream=True))
+    assert all(c.usage is None for c in plain) and all(c.choices for c in plain)
+
+
+def test_chat_matches_llm_chat_streaming_and_not(client: openai.OpenAI, llm: LLM) -> None:
+    (ref,) = llm.chat(MESSAGES, greedy(10), use_tqdm=False)
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES,
+                                       max_completion_tokens=10, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.outputs[0].text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_n_completions(client: openai.OpenAI, llm: LLM) -> None:
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=6, n=3,
+                                  temperature=1.0, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 18
+    # Seeded: the same request gives the same three completions.
+    again = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=6, n=3,
+                                      temperature=1.0, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4,
+                                          n=3, temperature=0)
+    assert len({c.message.content for c in chat.choices}) == 1  # greedy: all the same
+    assert chat.usage.completion_tokens == 12
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=6,
+                                            n=3, temperature=1.0, seed=7, stream=True))
+    texts = ["", "", ""]
+    for chunk in chunks:  # one chunk carries every choice that advanced in a step
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in r.choices]
+
+
+def test_several_prompts_in_one_request(client: openai.OpenAI, llm: LLM) -> None:
+    refs = llm.generate(PROMPTS[8:10], greedy(4), use_tqdm=False)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[8:10], max_tokens=4,
+                                  temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [o.outputs[0].text for o in refs for _ in range(2)]
+    ids = client.completions.create(model=MODEL_NAME, prompt=[refs[0].prompt_token_ids],
+                                    max_tokens=4, temperature=0)
+    assert ids.choices[0].text == refs[0].outputs[0].text
+
+
+def test_stop_strings(client: openai.OpenAI, llm: LLM) -> None:
+    (ref,) = llm.generate(PROMPTS[3], greedy(16), use_tqdm=False)
+    text = ref.outputs[0].text
+    stop = text[5:8]
+    expected = text[: text.index(stop)]
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=16,
+                                  temperature=0, stop=[stop, "never appears"])
+    assert r.choices[0].text == expected
+    assert r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=16,
+                                         temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_logprobs(client: openai.OpenAI, llm: LLM) -> None:
+    (ref,) = llm.generate(PROMPTS[4], greedy(5, logprobs=3), use_tqdm=False)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[4], max_tokens=5,
+                                  temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    ref_lp = [entries[t].logprob for t, entries in
+              zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs, strict=True)]
+    assert lp.token_logprobs == pytest.approx(ref_lp, abs=1e-5)
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    # Greedy: the chosen token is the most likely one.
+    assert all(max(top.values()) == pytest.approx(chosen, abs=1e-6)
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    assert "".join(lp.tokens) == r.choices[0].text
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+
+
+def test_echo(client: openai.OpenAI, llm: LLM) -> None:
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[5], max_tokens=4,
+                                  temperature=0, echo=True, logprobs=1)
+    (ref,) = llm.generate(PROMPTS[5], greedy(4), use_tqdm=False)
+    assert r.choices[0].text == PROMPTS[5] + ref.outputs[0].text
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ref.prompt_token_ids) + 4
+    assert lp.token_logprobs[0] is None and None not in lp.token_logprobs[1:]
+
+
+async def _concurrent(url: str, prompts: list[str]) -> list[str]:
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused",
+                                  max_retries=0) as aclient:
+        async def one(prompt: str) -> str:
+            r = await aclient.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8,
+                                                 temperature=0)
+            return r.choices[0].text
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def test_32_concurrent_clients_get_their_own_greedy_answer(
+        server: ServerThread, llm: LLM, engine: AsyncLLM,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    refs = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
+    assert len(set(refs)) > 1  # the prompts' answers differ, so a mix-up would show
+    executor = engine._core.executor
+    launch, batch_sizes = executor.launch, []
+
+    def recorded(batch):
+        batch_sizes.append(len(batch))
+        return launch(batch)
+
+    monkeypatch.setattr(executor, "launch", recorded)
+    assert asyncio.run(_concurrent(server.url, PROMPTS)) == refs
+    assert max(batch_sizes) > 1  # clients shared steps
+
+
+def test_abort_frees_the_blocks(http: httpx.Client, engine: AsyncLLM) -> None:
+    body = {"prompt": PROMPTS[6], "max_tokens": 100, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    before = metrics(http)
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert engine.stats().num_free_blocks < engine.stats().num_blocks  # it holds blocks
+    deadline = time.monotonic() + 10
+    while (m := metrics(http))["kvfit:kv_cache_blocks_in_use"] or m["kvfit:num_requests_running"]:
+        assert time.monotonic() < deadline, "the aborted request kept its blocks"
+        time.sleep(0.05)
+    key = "kvfit:request_success_total{finished_reason=abort}"
+    assert m[key] == before.get(key, 0) + 1
+    assert m["kvfit:generation_tokens_total"] < before["kvfit:generation_tokens_total"] + 100
+
+
+def test_a_client_that_leaves_a_plain_request_aborts_it(server: ServerThread, http: httpx.Client,
+                                                       engine: AsyncLLM,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+    executor = engine._core.executor
+    launch = executor.launch
+
+    def stalled(batch):  # the request is still running when its client gives up
+        if any(seq.prompt == "slow" for seq in batch.seqs):
+            release.wait(timeout=30)
+        return launch(batch)
+
+    monkeypatch.setattr(executor, "launch", stalled)
+    before = metrics(http)
+    body = {"prompt": "slow", "max_tokens": 100, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while engine._commands.empty():  # the stalled engine has the abort to apply next
+        assert time.monotonic() < deadline, "the server did not notice the client leave"
+        time.sleep(0.01)
+    release.set()
+    deadline = time.monotonic() + 10
+    key = "kvfit:request_success_total{finished_reason=abort}"
+    while (m := metrics(http)).get(key, 0) == before.get(key, 0) or \
+            m["kvfit:kv_cache_blocks_in_use"]:
+        assert time.monotonic() < deadline, "the abandoned request was not aborted"
+        time.sleep(0.05)
+    assert m["kvfit:generation_tokens_total"] < before["kvfit:generation_tokens_total"] + 100
+
+
+def test_async_llm_abort_by_id(engine: AsyncLLM) -> None:
+    async def run() -> RequestOutput:
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        output = None
+        async for output in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "mine"):
+            if output.outputs[0].token_ids:
+                engine.abort("mine")
+        return output
+
+    output = asyncio.run(run())
+    assert output.finished and output.outputs[0].finish_reason == "abort"
+    assert len(output.outputs[0].token_ids) < 100
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1000}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"word": 1}}, 400, "logit_bias.word.[key]"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 400, "model"),
+    ("/v1/completions", {"prompt": "x", "temprature": 0}, 400, "temprature"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, -5]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 65}, 400, "n"),  # above max_num_seqs
+    ("/v1/completions", {"prompt": "word " * MAX_MODEL_LEN}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 25, "logprobs": True},
+     400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w " * MAX_MODEL_LEN}]},
+     400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stream": True, "model": "other"}, 400,
+     "model"),
+    ("/detokenize", {"tokens": [100000]}, 400, "tokens"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/v1/nothing-here", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS,
+                         ids=[f"{p}-{'-'.join(map(str, b)) or 'empty'}"[:60]
+                              for p, b, _, _ in BAD_REQUESTS])
+def test_bad_requests_get_openai_errors(http: httpx.Client, path: str, body: dict,
+                                        status: int, param: str | None) -> None:
+    r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"]
+    assert error["param"] == param
+    assert http.get("/health").status_code == 200
+
+
+def test_invalid_json_is_a_400_and_the_server_survives(http: httpx.Client,
+                                                       client: openai.OpenAI) -> None:
+    for content in (b"{not json", b"[1, 2]", b"\xff\xfe", b"", b'{"prompt": "x", "top_p": NaN}',
+                    b'{"prompt": "x", "temperature": Infinity}'):
+        r = http.post("/v1/completions", content=content,
+                      headers={"content-type": "application/json"})
+        assert r.status_code == 400, content
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    r = client.completions.create(model=MODEL_NAME, prompt="still here", max_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
+def test_a_failing_step_fails_only_its_request(http: httpx.Client, engine: AsyncLLM,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    executor = engine._core.executor
+    launch = executor.launch
+
+    def poisoned(batch):  # an engine bug that only this prompt's requests hit
+        if any(seq.prompt == "poison" for seq in batch.seqs):
+            raise RuntimeError("injected failure")
+        return launch(batch)
+
+    monkeypatch.setattr(executor, "launch", poisoned)
+    r = http.post("/v1/completions", json={"prompt": "poison", "max_tokens": 4})
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "internal_server_error"
+    with http.stream("POST", "/v1/completions",
+                     json={"prompt": "poison", "max_tokens": 4, "stream": True}) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data:")]
+    assert "internal_server_error" in events[0] and events[-1] == "data: [DONE]"
+    r = http.post("/v1/completions", json={"prompt": "healthy", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert http.get("/health").status_code == 200
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_metrics(http: httpx.Client, engine: AsyncLLM) -> None:
+    http.post("/v1/completions", json={"prompt": PROMPTS[7], "max_tokens": 3})
+    m = metrics(http)
+    report = engine.kv_cache_report
+    assert m["kvfit:kv_cache_blocks_total"] == 256
+    assert m["kvfit:kv_cache_blocks_in_use"] == 0 and m["kvfit:num_requests_waiting"] == 0
+    assert m["kvfit:kv_cache_usage_perc"] == 0
+    assert m[f"kvfit:kv_cache_sizing_info{{method={report.method}}}"] == 1
+    assert m["kvfit:kv_cache_committed_bytes"] == report.committed_bytes > 0
+    assert m["kvfit:kv_cache_reserved_bytes"] >= m["kvfit:kv_cache_committed_bytes"]
+    assert m["kvfit:kv_cache_sizing_transient_bytes"] == report.transient
+    assert m["kvfit:oom_guard_events_total"] == 0
+    assert m["kvfit:prompt_tokens_total"] > 0 and m["kvfit:generation_tokens_total"] >= 3
+    assert m["kvfit:time_to_first_token_seconds_count"] >= 1
+    assert m["kvfit:inter_token_latency_seconds_count"] >= 2
+    assert m["kvfit:e2e_request_latency_seconds_count"] >= 1
+    assert m["kvfit:request_success_total{finished_reason=length}"] >= 1
+    assert m["kvfit:request_failure_total{reason=invalid}"] >= 1  # from the tests above
+    assert m["kvfit:prefix_cache_queries_total"] > 0
+    # The same prompt again: its full blocks are prefix-cache hits.
+    hits = m["kvfit:prefix_cache_hits_total"]
+    http.post("/v1/completions", json={"prompt": "word " * 40, "max_tokens": 2})
+    http.post("/v1/completions", json={"prompt": "word " * 40, "max_tokens": 2})
+    m = metrics(http)
+    assert m["kvfit:prefix_cache_hits_total"] >= hits + 32
+    assert 0 < m["kvfit:prefix_cache_hit_rate"] <= 1
+
+
+def test_models_tokenize_detokenize_version(http: httpx.Client, client: openai.OpenAI,
+                                            engine: AsyncLLM) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    tokens = http.post("/tokenize", json={"prompt": "Hello world"}).json()
+    assert tokens["tokens"] == engine.tokenizer.encode("Hello world")
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
+    text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text == "Hello world"
+    chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1)
+    assert chat["count"] == r.usage.prompt_tokens
+    import kvfit
+
+    assert http.get("/version").json() == {"version": kvfit.__version__}
+
+
+def test_api_key_and_queue_bound(start_server, engine: AsyncLLM,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    server = start_server(api_key="sekret", max_concurrent_requests=1)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.get("/health").status_code == 200  # no key needed
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sekret"}):
+            for path in ("/v1/models", "/metrics", "/version"):
+                r = http.get(path, headers=headers)
+                assert r.status_code == 401
+                assert r.json()["error"]["type"] == "authentication_error"
+            r = http.post("/v1/completions", json={"prompt": "x"}, headers=headers)
+            assert r.status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong",
+                          max_retries=0).models.list()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sekret", max_retries=0)
+        assert client.completions.create(model=MODEL_NAME, prompt="x",
+                                         max_tokens=2).usage.completion_tokens == 2
+        auth = {"authorization": "Bearer sekret"}
+        # The engine stalls on the held request's step, so its slot stays taken.
+        release = threading.Event()
+        executor = engine._core.executor
+        launch = executor.launch
+
+        def stalled(batch):
+            if any(seq.prompt == "hold" for seq in batch.seqs):
+                release.wait(timeout=30)
+            return launch(batch)
+
+        monkeypatch.setattr(executor, "launch", stalled)
+        body = {"prompt": "hold", "max_tokens": 4, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body, headers=auth) as held:
+            assert held.status_code == 200
+            r = http.post("/v1/completions", json={"prompt": "x"}, headers=auth)
+            assert r.status_code == 503
+            assert r.json()["error"]["type"] == "service_unavailable"
+            release.set()
+            assert "data: [DONE]" in list(held.iter_lines())
+        deadline = time.monotonic() + 10
+        while (r := http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                              headers=auth)).status_code == 503:
+            assert time.monotonic() < deadline, "the slot was never given back"
+            time.sleep(0.05)
+        assert r.status_code == 200
+
+
+def test_load_run(server: ServerThread, http: httpx.Client) -> None:
+    """500 requests, 16 at a time: every one answered; latencies printed, not asserted."""
+    num_requests, concurrency = 500, 16
+
+    async def run() -> tuple[list[float], list[str]]:
+        latencies: list[float] = []
+        errors: list[str] = []
+        gate = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as aclient:
+            async def one(i: int) -> None:
+                body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 4, "temperature": 0,
+                        "stream": i % 4 == 0}
+                async with gate:
+                    start = time.perf_counter()
+                    r = await aclient.post("/v1/completions", json=body)
+                    latencies.append(time.perf_counter() - start)
+                    if r.status_code != 200:
+                        errors.append(f"{r.status_code}: {r.text[:200]}")
+                    elif body["stream"]:
+                        events = [e for e in r.text.split("\n\n") if e.startswith("data:")]
+                        if events[-1] != "data: [DONE]":
+                            errors.append("stream without [DONE]")
+                    elif json.loads(r.text)["usage"]["completion_tokens"] != 4:
+                        errors.append(f"short answer: {r.text[:200]}")
+
+            await asyncio.gather(*(one(i) for i in range(num_requests)))
+        return latencies, errors
+
+    start = time.perf_counter()
+    latencies, errors = asyncio.run(run())
+    elapsed = time.perf_counter() - start
+    latencies.sort()
+    p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
+    print(f"\nload run: {num_requests} requests, {concurrency} concurrent, {elapsed:.1f} s, "
+          f"errors {len(errors)}, p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms")
+    assert not errors, errors[:5]
+    assert http.get("/health").status_code == 200
+
+
+def test_a_stopped_engine_answers_503(model_path: Path) -> None:
+    from kvfit.engine.config import EngineArgs
+    from kvfit.server.openai_api import ServeConfig, build_app
+
+    dead = AsyncLLM(EngineArgs(**engine_kwargs(model_path)))
+    dead.shutdown()
+    server = ServerThread(build_app(dead, ServeConfig([MODEL_NAME])))
+    try:
+        with httpx.Client(base_url=server.url) as http:
+            assert http.get("/health").status_code == 503
+            r = http.post("/v1/completions", json={"prompt": "x"})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+            assert http.get("/metrics").status_code == 200
+    finally:
+        server.stop()
+
+
+def test_text_is_decoded_off_the_engine_step(engine: AsyncLLM, llm: LLM,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    detokenizer = engine._core.scheduler.detokenizer
+    step, calls = detokenizer.step, []
+
+    def counted(seq, check_stop=True):
+        calls.append(seq.request_id)
+        return step(seq, check_stop)
+
+    monkeypatch.setattr(detokenizer, "step", counted)
+
+    async def text(params: SamplingParams, request_id: str) -> str:
+        output = None
+        async for output in engine.generate(PROMPTS[11], params, request_id):  # noqa: B007
+            pass
+        return output.outputs[0].text
+
+    (ref,) = llm.generate(PROMPTS[11], greedy(10), use_tqdm=False)
+    assert asyncio.run(text(greedy(10), "plain")) == ref.outputs[0].text
+    assert "plain" not in calls  # the engine thread decoded nothing
+    asyncio.run(text(greedy(10, stop=["never"]), "with-stop"))
+    assert "with-stop" in calls  # stop strings need the text on the step

@@ -1,0 +1,101 @@
+"""`kvfit serve`'s parser and entry point, and the package's lazy imports."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvfit.server import serve
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="kvfit")
+    serve.add_serve_parser(root.add_subparsers(dest="command", required=True))
+    return root
+
+
+def test_serve_takes_the_engine_and_server_flags() -> None:
+    args = parser().parse_args([
+        "serve", "/models/x", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.5",
+        "--host", "0.0.0.0", "--port", "9000", "--served-model-name", "a", "b",
+        "--api-key", "k", "--max-concurrent-requests", "7"])
+    assert args.func is serve.run_serve
+    assert (args.model_tag, args.max_num_seqs, args.gpu_memory_utilization) == ("/models/x", 4, 0.5)
+    assert (args.host, args.port, args.served_model_name) == ("0.0.0.0", 9000, ["a", "b"])
+    assert (args.api_key, args.max_concurrent_requests) == ("k", 7)
+    sub = argparse.ArgumentParser().add_subparsers()
+    assert {"engine", "server"} <= {g.title for g in serve.add_serve_parser(sub)._action_groups}
+
+
+def test_serve_without_the_extra_names_the_install_command(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(serve, "missing_server_modules", lambda: ["fastapi", "uvicorn"])
+    args = parser().parse_args(["serve", "kvfit-tiny"])
+    assert serve.run_serve(args) == 1
+    err = capsys.readouterr().err
+    assert "pip install 'kvfit[server]'" in err and "fastapi" in err
+
+
+def test_imports_stay_lazy() -> None:
+    code = ("import sys, kvfit.server.serve, kvfit.cli, kvfit.engine.llm; "
+            "bad = [m for m in ('fastapi', 'uvicorn', 'prometheus_client', 'kvfit.server."
+            "openai_api') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=SRC)
+
+
+def test_the_engine_never_imports_the_server() -> None:
+    for path in (SRC / "kvfit").rglob("*.py"):
+        if "server" not in path.relative_to(SRC / "kvfit").parts:
+            assert "kvfit.server" not in path.read_text(), path
+
+
+def test_python_dash_m_kvfit_is_the_cli() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvfit", "--help"], capture_output=True,
+                         text=True, check=True, cwd=SRC)
+    assert "usage: kvfit" in out.stdout
+
+
+def test_run_serve_prints_the_sizing_report_and_serves() -> None:
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = ("import argparse, sys, torch; torch.set_num_threads(1); "
+            "from kvfit.server import serve; root = argparse.ArgumentParser(); "
+            "serve.add_serve_parser(root.add_subparsers()); "
+            "args = root.parse_args(sys.argv[1:]); sys.exit(args.func(args))")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "serve", "kvfit-tiny", "--device", "cpu", "--port",
+         str(port), "--max-model-len", "128", "--num-gpu-blocks-override", "64",
+         "--uvicorn-log-level", "warning"],
+        cwd=SRC, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["kvfit-tiny"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, output
+    assert "loading kvfit-tiny" in output
+    assert "KV cache blocks" in output and "64" in output  # the sizing report
+    assert f"http://127.0.0.1:{port}/v1" in output
