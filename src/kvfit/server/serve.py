@@ -29,7 +29,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",
                         help="address to bind (0.0.0.0 for every interface)")
-    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="names clients use for the model (default: MODEL); the first "
                         "is the one reported")
@@ -40,7 +40,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="generation requests in progress at once; more get HTTP 503 "
                         "(0: unbounded)")
     server.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's own log level (access and server logs)")
     parser.set_defaults(func=run_serve)
     return parser
 
