@@ -1,0 +1,320 @@
+"""Serving benchmark: `kvfit bench serve` against `kvfit serve`, then offline `LLM.generate` on
+the same prompts. The server's output tokens/s at saturation should be >= 85% of offline (the
+HTTP layer must not be the bottleneck).
+
+    PYTHONPATH=/tmp/site:src python3 bench/serving.py --out $OUT/serving.json    # GPU machine
+    TESTS=none BENCH_TIMEOUT=300 bash bench/run_gpu.sh serving     # once run_gpu.sh keeps /tmp/site
+    PYTHONPATH=src python3 bench/serving.py --device cpu --model kvfit-tiny --num-prompts 8 \\
+        --input-len 16 --output-len 8 --request-rates inf --max-num-seqs 4 --max-model-len 64 \\
+        --no-warmup --out /tmp/serving.json                            # CPU smoke (seconds)
+
+On the GPU machine fastapi/uvicorn/pydantic come from wheels installed to /tmp/site: run with
+PYTHONPATH=/tmp/site:src (run_gpu.sh exports PYTHONPATH=src, dropping it); the server subprocess
+inherits the environment (with kvfit's source folder put first on its PYTHONPATH).
+Defaults on an H200 (qwen3-0.6b-shape, 512 prompts of 128 tokens, 128 output tokens): about 3
+minutes (an estimate), most of it the two engine start-ups.
+
+The workload: `--num-prompts` prompts of `--input-len` random token ids (bench_serve's own
+`make_prompts` from `--seed`, so they are exactly what its load sends), `--output-len` tokens
+each, ignore_eos, greedy. Steps:
+1. `python3 -m kvfit serve` in a subprocess (log beside --out), wait for /health, one untimed
+   pass of the workload at rate inf (kernel compilation), then per `--request-rates` rate
+   bench_serve's load under `--max-concurrency` (default --max-num-seqs). A finite rate sends
+   the first rate x `--rate-duration-s` prompts of the workload (the whole workload at 4 req/s
+   would take minutes); inf sends them all. Then SIGINT, wait, kill after 30 s.
+2. In this process, once the server is gone: `LLM(...)` with the same engine flags, one untimed
+   pass, then `generate` on the same prompts and sampling params, timed (startup excluded).
+3. A table (latencies in ms; "client cpu": this process's CPU time over the row's duration,
+   near 100% meaning the load generator, not the server, was the limit), and serve output
+   tok/s at saturation (the inf row, else the best row) / offline.
+
+Prefix caching is off in both by default (`--enable-prefix-caching` turns it on): every pass
+sends the same prompts, so later passes would otherwise hit the cache and skip their prefills.
+bench_serve times content chunks by their text, and a model without a tokenizer (the shape
+models) streams empty text: the bench serves a copy of the model folder (links to its files)
+with a synthetic word-level tokenizer over the whole vocabulary, one word per token, so every
+token is a chunk; offline then detokenizes the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kvfit
+from kvfit import LLM, SamplingParams
+from kvfit.commands import bench_serve
+from kvfit.models.loader import load_hf_config, resolve_model
+
+TARGET = 0.85
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                    "merges.txt", "special_tokens_map.json")
+
+
+def with_word_tokenizer(model: str, folder: Path) -> Path:
+    """`folder` made a copy of `model` (links to its files) whose tokenizer decodes token i as
+    the word `w{i}`: every token has text, whatever the model."""
+    from tokenizers import Tokenizer, models
+
+    source = resolve_model(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.name not in _TOKENIZER_FILES:
+            (folder / path.name).symlink_to(path.resolve())
+    vocab = load_hf_config(model).vocab_size
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}))
+    return folder
+
+
+def load_args(args: argparse.Namespace, base_url: str, rate: float,
+              num_prompts: int) -> argparse.Namespace:
+    """bench_serve's flags for one pass of the workload (or its first `num_prompts`)."""
+    return argparse.Namespace(
+        base_url=base_url, endpoint="/v1/completions", model=args.model, api_key=None,
+        request_timeout=600.0, num_prompts=num_prompts, request_rate=rate,
+        max_concurrency=args.max_concurrency, input_len=args.input_len,
+        output_len=args.output_len, prompt_kind="token-ids", random_vocab_size=args.vocab_size,
+        temperature=0.0, seed=args.seed, percentiles=[50.0, 99.0])
+
+
+def workload(args: argparse.Namespace) -> list[list[int]]:
+    """The prompts bench_serve's load sends for `args` (its `run_load` draws them first)."""
+    ns = load_args(args, "", math.inf, args.num_prompts)
+    return bench_serve.make_prompts(ns, random.Random(args.seed))  # type: ignore[return-value]
+
+
+def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {"device": args.device, "load_format": args.load_format,
+            "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
+            "enable_prefix_caching": args.enable_prefix_caching}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(log: Path, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def start_server(args: argparse.Namespace, model_dir: Path, port: int,
+                 log: Path) -> subprocess.Popen:
+    """`python3 -m kvfit serve` with the bench's engine flags; returns once /health answers."""
+    cmd = [sys.executable, "-m", "kvfit", "serve", str(model_dir), "--port", str(port),
+           "--served-model-name", args.model, "--uvicorn-log-level", "warning"]
+    for name, value in engine_flags(args).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            cmd.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            cmd += [flag, str(value)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # the GPU machine's PYTHONPATH goes along
+    src = str(Path(kvfit.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    print(f"server: {shlex.join(cmd)} (log {log})", flush=True)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + args.server_timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            why = (f"exited with {proc.returncode}" if proc.poll() is not None
+                   else f"no /health after {args.server_timeout:.0f} s")
+            stop_server(proc)
+            raise RuntimeError(f"kvfit serve {why}; its log ({log}) ends:\n{log_tail(log)}")
+        time.sleep(0.5)
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGINT (uvicorn's clean shutdown, which shuts the engine down), kill after `timeout`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path) -> dict[str, Any]:
+    """The rate sweep against a fresh server; the server is stopped before this returns."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    started = time.perf_counter()
+    proc = start_server(args, model_dir, port, log)
+    result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "rows": []}
+    try:
+        if args.warmup:
+            warm = asyncio.run(bench_serve._main(
+                load_args(args, base_url, math.inf, args.num_prompts)))
+            result["warmup_s"] = warm["duration_s"]
+        for rate in args.request_rates:
+            n = args.num_prompts if math.isinf(rate) else min(
+                args.num_prompts, max(1, math.ceil(rate * args.rate_duration_s)))
+            cpu = time.process_time()
+            m = asyncio.run(bench_serve._main(load_args(args, base_url, rate, n)))
+            cpu = time.process_time() - cpu
+            row = {k: m[k] for k in (
+                "num_prompts", "completed", "failed", "errors", "duration_s",
+                "total_output_tokens", "request_throughput", "output_throughput",
+                "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms")}
+            # Near 1: this process (the load generator) was the bottleneck, not the server.
+            row["client_cpu"] = cpu / m["duration_s"]
+            result["rows"].append({"request_rate": None if math.isinf(rate) else rate, **row})
+            print(f"rate {rate:g}: {row['completed']}/{n} done, "
+                  f"{row['output_throughput']:,.0f} output tok/s", flush=True)
+    finally:
+        stop_server(proc)
+    result["returncode"] = proc.returncode
+    return result
+
+
+def offline(args: argparse.Namespace, model_dir: Path,
+            prompts: list[list[int]]) -> dict[str, Any]:
+    """`LLM.generate` on the same prompts and sampling params, timed after one untimed pass."""
+    started = time.perf_counter()
+    llm = LLM(str(model_dir), **engine_flags(args))
+    startup = time.perf_counter() - started
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    if args.warmup:
+        llm.generate(inputs, params, use_tqdm=False)
+    device = llm.config.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    llm.shutdown()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"startup_s": startup, "elapsed_s": elapsed, "num_prompts": len(prompts),
+            "total_output_tokens": tokens, "output_throughput": tokens / elapsed,
+            "request_throughput": len(prompts) / elapsed}
+
+
+def print_report(result: dict[str, Any]) -> None:
+    print(f"\n{result['model']} on {result['device']}: {result['args']['num_prompts']} prompts, "
+          f"input {result['args']['input_len']}, output {result['args']['output_len']}, "
+          f"max concurrency {result['args']['max_concurrency']}")
+    print(f"{'rate':>6} {'reqs':>5} {'err':>4} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} "
+          f"{'p99':>8} {'ITL p50':>8} {'p99':>8} {'E2E p50':>8} {'client cpu':>10}")
+    for r in result["serve"]["rows"]:
+        rate = "inf" if r["request_rate"] is None else f"{r['request_rate']:g}"
+        print(f"{rate:>6} {r['completed']:>5} {r['failed']:>4} {r['request_throughput']:>7.2f} "
+              f"{r['output_throughput']:>10,.0f} {r['p50_ttft_ms']:>9.1f} {r['p99_ttft_ms']:>8.1f} "
+              f"{r['p50_itl_ms']:>8.2f} {r['p99_itl_ms']:>8.2f} {r['p50_e2el_ms']:>8.1f} "
+              f"{r['client_cpu']:>10.0%}")
+        for reason, count in r["errors"].items():
+            print(f"       failed x{count}: {reason}")
+    o = result["offline"]
+    print(f"offline LLM.generate: {o['total_output_tokens']} tokens in {o['elapsed_s']:.2f} s, "
+          f"{o['output_throughput']:,.0f} output tok/s")
+    print(f"serve at saturation (rate {result['saturation_rate']}) / offline: "
+          f"{result['ratio']:.1%} (target >= {TARGET:.0%}: "
+          f"{'met' if result['target_met'] else 'not met'})")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON output path (the server log goes beside)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--model", default=None,
+                   help="default: qwen3-0.6b-shape on CUDA, kvfit-tiny on the CPU")
+    p.add_argument("--load-format", default="dummy", help="auto, safetensors or dummy")
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--request-rates", type=float, nargs="+", default=[4, 16, 64, math.inf],
+                   help="requests per second, each a row; inf sends all at once")
+    p.add_argument("--rate-duration-s", type=float, default=15.0,
+                   help="a finite rate sends at most rate x this many prompts")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight (default: --max-num-seqs)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: input + output length")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=False)
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="one untimed pass of the workload before the timed ones, in both")
+    p.add_argument("--server-timeout", type=float, default=240.0,
+                   help="seconds to wait for the server's /health")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.model is None:
+        args.model = "qwen3-0.6b-shape" if args.device.startswith("cuda") else "kvfit-tiny"
+    args.max_concurrency = args.max_concurrency or args.max_num_seqs
+    args.max_model_len = args.max_model_len or args.input_len + args.output_len
+    args.vocab_size = load_hf_config(args.model).vocab_size
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.with_name(out.stem + "_server.log")
+    prompts = workload(args)
+    with tempfile.TemporaryDirectory(prefix="kvfit-serving-") as tmp:
+        model_dir = with_word_tokenizer(args.model, Path(tmp) / "model")
+        serve = serve_sweep(args, model_dir, log)
+        off = offline(args, model_dir, prompts)
+    rows = serve["rows"]
+    saturation = next((r for r in rows if r["request_rate"] is None),
+                      max(rows, key=lambda r: r["output_throughput"]))
+    ratio = saturation["output_throughput"] / off["output_throughput"]
+    result = {
+        "command": shlex.join([sys.executable, *sys.argv]) if argv is None
+        else shlex.join(["bench/serving.py", *argv]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": args.model, "torch": torch.__version__, "cuda": torch.version.cuda,
+        # Asked only now: a CUDA context in this process would have shrunk the server's cache.
+        "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
+        else "cpu",
+        "args": {k: (None if isinstance(v, float) and math.isinf(v) else v)
+                 for k, v in vars(args).items() if k != "request_rates"}
+        | {"request_rates": [None if math.isinf(r) else r for r in args.request_rates]},
+        "server_log": str(log), "serve": serve, "offline": off,
+        "saturation_rate": "inf" if saturation["request_rate"] is None
+        else saturation["request_rate"],
+        "ratio": ratio, "target": TARGET, "target_met": ratio >= TARGET,
+    }
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print_report(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""bench/serving.py end to end on the CPU: kvfit-tiny served, swept at rate inf, then offline."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "serving.py"
+
+
+def test_serving_bench_smoke(tmp_path: Path) -> None:
+    for module in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(module)
+    spec = importlib.util.spec_from_file_location("bench_serving", BENCH)
+    assert spec is not None and spec.loader is not None
+    serving = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serving)
+
+    out = tmp_path / "serving.json"
+    result = serving.main(["--device", "cpu", "--model", "kvfit-tiny", "--num-prompts", "6",
+                           "--input-len", "12", "--output-len", "6", "--request-rates", "inf",
+                           "--max-num-seqs", "4", "--max-model-len", "32", "--no-warmup",
+                           "--out", str(out)])
+
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    (row,) = result["serve"]["rows"]
+    assert row["request_rate"] is None and row["completed"] == 6
+    assert row["failed"] == 0 and row["errors"] == {}
+    assert row["total_output_tokens"] == result["offline"]["total_output_tokens"] == 6 * 6
+    assert row["output_throughput"] > 0 and row["p99_itl_ms"] >= row["p50_itl_ms"] > 0
+    assert result["ratio"] > 0 and result["saturation_rate"] == "inf"
+    # The server exited on its own (SIGINT) and left no process behind.
+    assert result["serve"]["returncode"] == 0
+    assert not [p for p in psutil.Process().children(recursive=True)
+                if "serve" in " ".join(p.cmdline())]
+    assert "kvfit serve" in Path(result["server_log"]).read_text()
