@@ -50,7 +50,9 @@ def test_imports_stay_lazy() -> None:
 
 
 def test_the_engine_never_imports_the_server() -> None:
-    for path in (SRC / "kvfit").rglob("*.py"):
+    # Only the CLI, the top layer, may: it registers `serve`.
+    top = {SRC / "kvfit" / "cli.py", SRC / "kvfit" / "__main__.py"}
+    for path in set((SRC / "kvfit").rglob("*.py")) - top:
         if "server" not in path.relative_to(SRC / "kvfit").parts:
             assert "kvfit.server" not in path.read_text(), path
 
