@@ -13,7 +13,7 @@ out=${OUT:-gpu-out}
 tag=${TAG:-}
 mkdir -p "$out"
 log="$out/run.log"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 {
   echo "== run_gpu.sh $* (TESTS=${TESTS:-tests} TAG=$tag) $(date -u +%FT%TZ)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -3,13 +3,13 @@ the same prompts. The server's output tokens/s at saturation should be >= 85% of
 HTTP layer must not be the bottleneck).
 
     PYTHONPATH=/tmp/site:src python3 bench/serving.py --out $OUT/serving.json    # GPU machine
-    TESTS=none BENCH_TIMEOUT=300 bash bench/run_gpu.sh serving     # once run_gpu.sh keeps /tmp/site
+    PYTHONPATH=/tmp/site TESTS=none BENCH_TIMEOUT=300 bash bench/run_gpu.sh serving
     PYTHONPATH=src python3 bench/serving.py --device cpu --model kvfit-tiny --num-prompts 8 \\
         --input-len 16 --output-len 8 --request-rates inf --max-num-seqs 4 --max-model-len 64 \\
         --no-warmup --out /tmp/serving.json                            # CPU smoke (seconds)
 
 On the GPU machine fastapi/uvicorn/pydantic come from wheels installed to /tmp/site: run with
-PYTHONPATH=/tmp/site:src (run_gpu.sh exports PYTHONPATH=src, dropping it); the server subprocess
+PYTHONPATH=/tmp/site:src (run_gpu.sh puts src before what PYTHONPATH holds); the server subprocess
 inherits the environment (with kvfit's source folder put first on its PYTHONPATH).
 Defaults on an H200 (qwen3-0.6b-shape, 512 prompts of 128 tokens, 128 output tokens): about 3
 minutes (an estimate), most of it the two engine start-ups.
