@@ -4,7 +4,7 @@ random-weight Hugging Face models for the models and engine tests."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,13 +15,31 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
+# Folders whose tests run whole engines on tiny models: one intra-op thread each (see
+# `one_thread`).
+_ENGINE_TEST_FOLDERS = {"engine", "server", "cli", "bench"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _ENGINE_TEST_FOLDERS & set(item.path.relative_to(config.rootpath).parts[1:2]):
+            item.fixturenames.insert(0, "one_thread")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (marker `gpu`)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    # Tiny models gain nothing from intra-op threads; on a shared 2-core machine their
+    # spinning makes every op orders of magnitude slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 # --- Tiny random-weight Hugging Face models, shared by the models and engine tests. ---

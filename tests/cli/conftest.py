@@ -12,7 +12,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-import torch
 
 
 @pytest.fixture
@@ -21,16 +20,6 @@ def engine_flags() -> list[str]:
     (measured sizing, the default): an engine starts in well under a second."""
     return ["--device", "cpu", "--max-num-batched-tokens", "128", "--max-num-seqs", "4",
             "--max-model-len", "128"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    # Tiny models gain nothing from intra-op threads; on a shared 2-core machine their
-    # spinning makes every op far slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class FakeOpenAIServer(ThreadingHTTPServer):
