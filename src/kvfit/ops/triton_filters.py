@@ -150,10 +150,12 @@ def _count_kernel(
     at = row * num_pieces + piece
     out = partials + at * CANDIDATES
     # Keys below lo weigh nothing at any cut: a piece whose largest key is below lo reads
-    # nothing, except on top-p's first pass (a negative target), which needs the whole mass.
+    # nothing. Top-p's first pass (a negative target) also sums the whole mass, so there the
+    # bound is the key below S's smallest value (slot 2), under which every mass is 0.
     # The whole piece is one load, a 1-D tensor: each cut is one reduction over it.
     first = tl.load(fstate + row * 3) < 0
-    if (hi - lo > 1) & ((tl.load(piece_max + at).to(tl.int64) >= lo) | first):
+    bound = tl.where(first, tl.load(state + row * 3 + 2), lo)
+    if (hi - lo > 1) & (tl.load(piece_max + at).to(tl.int64) >= bound):
         c = piece * CHUNK + tl.arange(0, CHUNK)
         valid = c < vocab_size
         x = tl.load(logits + row * stride_n + c * stride_v, mask=valid, other=float("-inf"))
@@ -238,10 +240,12 @@ def _between_kernel(
     # the first pass cuts a far narrower interval (top - 12 at T 0.8, p 0.95: a few hundred
     # bf16 keys, not 30,000), so top-p converges a pass sooner.
     t_z = top + t * tl.log((1.0 - p) / (2.0 * vocab_size))
-    lo_p = tl.maximum(lo_k, _keys(t_min_p.to(dtype), KEY_BITS).to(tl.int64) - 1)
-    lo_p = tl.maximum(lo_p, _keys(t_z.to(dtype), KEY_BITS).to(tl.int64) - 1)
+    lo_s = tl.maximum(lo_k, _keys(t_min_p.to(dtype), KEY_BITS).to(tl.int64) - 1)
+    lo_p = tl.maximum(lo_s, _keys(t_z.to(dtype), KEY_BITS).to(tl.int64) - 1)
+    row_hi = tl.load(state + row * 3 + 2)
     tl.store(state + row * 3, lo_p)
-    tl.store(state + row * 3 + 1, tl.where(active & on_p, tl.load(state + row * 3 + 2), lo_p + 1))
+    tl.store(state + row * 3 + 1, tl.where(active & on_p, row_hi, lo_p + 1))
+    tl.store(state + row * 3 + 2, lo_s)
     tl.store(fstate + row * 3, -1.0)
     tl.store(fstate + row * 3 + 2, t_s.to(tl.float64))
 
@@ -311,7 +315,8 @@ def filter_thresholds_triton(
     piece_max = torch.empty(num_rows, num_pieces, dtype=torch.int32, device=device)
     piece_mass = torch.empty(num_rows, num_pieces, dtype=torch.float64, device=device)
     partials = torch.empty(num_rows, num_pieces, candidates, dtype=torch.float64, device=device)
-    state = torch.empty(num_rows, 3, dtype=torch.int64, device=device)  # lo, hi, row's hi
+    # lo, hi, and the row's largest key + 1 (top-k) or a key at or below S's smallest (top-p)
+    state = torch.empty(num_rows, 3, dtype=torch.int64, device=device)
     fstate = torch.empty(num_rows, 3, dtype=torch.float64, device=device)  # target, top, floor
     # One dtype whether top_k is given or not (int32, as the engine passes it): a second would
     # compile second kernels.
