@@ -271,3 +271,17 @@ def test_shrink_refuses_blocks_in_use_and_changes_nothing() -> None:
     for bad in (0, 7):
         with pytest.raises(ValueError):
             bm.shrink(bad)
+
+
+def test_reset_prefix_cache_forgets_every_hit_and_refuses_blocks_in_use() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    first = make_seq(list(range(9)))
+    start(bm, first)
+    with pytest.raises(RuntimeError, match="in use"):
+        bm.reset_prefix_cache()
+    bm.free(first)
+    bm.reset_prefix_cache()
+    assert not bm.hash_to_block and bm.num_free_blocks == 8
+    again = make_seq(list(range(9)))
+    bm.allocate(again)
+    assert again.num_cached_tokens == 0 and again.block_table == []

@@ -73,6 +73,7 @@ class FaultyDriver(VmmDriver):
         self.mappings[va] = (size, True)
 
     def unmap(self, va: int, size: int) -> None:
+        self._count("unmap")
         self.inner.unmap(va, size)
         assert self.mappings.pop(va)[0] == size, "unmapped a range that is not one mapping"
 

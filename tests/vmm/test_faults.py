@@ -72,6 +72,27 @@ def test_failed_commit_rolls_back_exactly(device: str, operation: str) -> None:
                 assert_consistent(t, driver)
 
 
+def test_release_failing_part_way_leaves_a_tensor_recommit_restores(device: str) -> None:
+    driver = FaultyDriver(get_driver(device))
+    with ExtensibleTensor(SEGMENTS * SEGMENT, device, SEGMENTS, driver=driver) as t:
+        t.commit(SEGMENT)
+        _fill(t)
+        chunks = t.num_physical_chunks
+        driver.calls.clear()
+        driver.fail_kind, driver.fail_at = "unmap", 2
+        with pytest.raises(VmmError, match="injected unmap"):
+            t.release_physical()
+        assert t.is_released and 0 < t.num_physical_chunks < chunks
+        assert_consistent(t, driver)
+        with pytest.raises(RuntimeError, match="recommit"):
+            t.commit(SEGMENT)
+        driver.fail_kind = ""
+        t.recommit()
+        assert not t.is_released and t.committed_bytes == SEGMENT
+        assert_consistent(t, driver)
+        assert all(not t.segment_view(i).any() for i in range(SEGMENTS))
+
+
 def test_out_of_memory_retries_once_after_emptying_torch_cache(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -143,6 +143,19 @@ class BlockManager:
         self.num_free_blocks -= len(tail)
         self.num_blocks = num_blocks
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every prefix-cache entry: the KV contents are gone (sleep) or were computed
+        by other weights. Every block must be free."""
+        held = [block.block_id for block in self.blocks if block.ref_count]
+        if held:
+            raise RuntimeError(f"cannot reset the prefix cache while blocks are in use: "
+                               f"{held[:8]}")
+        for block in self.blocks:
+            block.hash = None
+        self.hash_to_block.clear()
+        self._free_heaps = (list(range(self.num_blocks)), [])
+        self._in_heap = [True] * self.num_blocks
+
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)

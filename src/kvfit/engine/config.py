@@ -116,6 +116,7 @@ class EngineConfig:
     device: torch.device
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] = field(default_factory=list)
+    enable_sleep_mode: bool = False
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """What one KV cache block holds (block-outermost layout)."""
@@ -157,6 +158,7 @@ class EngineArgs:
     kv_cache_margin_fraction: float = 0.5
     kv_cache_margin_floor_bytes: int = 256 * MiB
     cpu_kv_cache_space_bytes: int | None = None
+    enable_sleep_mode: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -222,6 +224,9 @@ class EngineArgs:
                        default=d.cpu_kv_cache_space_bytes,
                        help="memory budget on the CPU device (default: 4 GiB, at most a "
                        "quarter of the host)")
+        p.add_argument("--enable-sleep-mode", action="store_true", default=d.enable_sleep_mode,
+                       help="place the weights in a VMM arena so LLM.sleep() can release them "
+                       "and the KV cache without recapturing graphs")
         return parser
 
     @classmethod
@@ -268,7 +273,18 @@ class EngineArgs:
             cuda_graph_sizes=_resolve_graph_sizes(
                 self.cuda_graph_sizes, min(max_num_seqs, max_batched)
             ),
+            enable_sleep_mode=self._check_sleep_mode(device),
         )
+
+    def _check_sleep_mode(self, device: torch.device) -> bool:
+        if self.enable_sleep_mode:
+            from kvfit.vmm import vmm_unavailable_reason
+
+            reason = vmm_unavailable_reason(device)
+            if reason is not None:
+                raise ValueError(f"enable_sleep_mode=True needs virtual memory management on "
+                                 f"{device} for the weight arena: {reason}; leave it False")
+        return self.enable_sleep_mode
 
     def _cache_config(self, device: torch.device, block_size: int) -> CacheConfig:
         manual = [

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+
+import torch
 
 from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.block_manager import BlockManager
@@ -18,6 +20,7 @@ from kvfit.engine.model_runner import eos_token_ids
 from kvfit.engine.oom_guard import OOMGuard, is_device_oom
 from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.sequence import ScheduledBatch, Sequence
+from kvfit.engine.sleep import SleepReport, SleepState, check_sleep_args, resolve_tags
 from kvfit.kv.report import KVCacheReport
 from kvfit.kv.sizing import min_over_workers
 
@@ -72,6 +75,9 @@ class EngineCore:
         self.config = config
         self.executor = Executor(config, num_workers)
         self._in_flight: tuple[ScheduledBatch, AsyncModelOutput] | None = None
+        self._sleep_state = SleepState()
+        # Sequences a sleep finished (drained or aborted) that no `step` has returned yet.
+        self._finished_by_sleep: list[Sequence] = []
         try:
             self.kv_cache_report = self._initialize_kv_cache()
         except BaseException:
@@ -177,8 +183,97 @@ class EngineCore:
         )
 
     def add_request(self, seq: Sequence) -> None:
-        """Queue `seq`; raises `ValueError` if it can never be scheduled."""
+        """Queue `seq`; raises `ValueError` if it can never be scheduled, `RuntimeError` while
+        asleep or while woken weights are not loaded (`check_can_run`)."""
+        self.check_can_run()
         self.scheduler.add(seq)
+
+    def check_can_run(self) -> None:
+        """Raise `RuntimeError` naming the call to make if a step could not run now (asleep,
+        or weights woken without contents)."""
+        self._sleep_state.check_can_run()
+
+    # -- sleep mode ---------------------------------------------------------------------------
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether the weights or the KV cache are released (`sleep`, partly woken)."""
+        return self._sleep_state.is_sleeping
+
+    def sleep(self, level: int = 1, mode: str = "wait") -> SleepReport:
+        """Release the KV cache's pages and the weights' (level 1: to a host copy; level 2:
+        discarded), keeping every address and graph; rank 0's report.
+
+        Requests still queued or running are first finished (`mode="wait"`: stepped to the end)
+        or aborted (`"abort"`); either way the step in flight completes before any page goes,
+        and the sequences are returned by the next `step`. The prefix cache is invalidated.
+        """
+        check_sleep_args(level, mode)
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep() needs the weights in a VMM arena: create the engine with "
+                             "enable_sleep_mode=True")
+        if self.is_sleeping:
+            raise RuntimeError(f"sleep() but the engine is already asleep "
+                               f"({', '.join(self._sleep_state.asleep_tags())}); call "
+                               f"wake_up() first")
+        self._drain(mode)
+        self.scheduler.block_manager.reset_prefix_cache()
+        try:
+            reports = self.executor.collective_rpc("sleep", level)
+        finally:
+            self._refresh_sleep_state()
+        logger.info("asleep (level %d): released %s, kept %s", level, reports[0].released,
+                    reports[0].kept)
+        return reports[0]
+
+    def _drain(self, mode: str) -> None:
+        finished: list[Sequence] = []
+        if mode == "wait":
+            while self.scheduler.has_unfinished() or self._in_flight is not None:
+                finished += self.step()  # also takes what an earlier sleep left to return
+        else:
+            if self._in_flight is not None:
+                finished += self._apply_in_flight()  # waits for the device
+            queued = (self.scheduler.waiting, self.scheduler.running)
+            for request_id in dict.fromkeys(s.request_id for queue in queued for s in queue):
+                finished += self.scheduler.abort(request_id)
+        self._finished_by_sleep += finished
+
+    def wake_up(self, tags: list[str] | None = None, reload_weights: bool = True) -> None:
+        """Wake `tags` (`weights`, `kv_cache`; None: all that sleep) at the same addresses.
+
+        Weights come back from their host copy (level 1) or, after level 2, are reloaded from
+        the model's source unless `reload_weights=False` (an RL trainer's `load_weights` then
+        fills them; generating refuses to run until every weight is loaded). Raises if a tag
+        is not asleep; a failed recommit leaves that part asleep.
+        """
+        tags = resolve_tags(tags, self._sleep_state)
+        try:
+            self.executor.collective_rpc("wake_up", tags, reload_weights)
+        finally:
+            self._refresh_sleep_state()
+        if self._sleep_state.missing_weights and not self._sleep_state.weights_asleep:
+            logger.warning("weights woken without contents: %d not loaded; generating refuses "
+                           "to run until LLM.load_weights() fills them",
+                           len(self._sleep_state.missing_weights))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint-named tensors into the weights in place (asleep weights are woken
+        for it, the KV cache stays as it is); invalidates the prefix cache, whose K/V the old
+        weights computed. No request may be unfinished."""
+        if self.scheduler.has_unfinished() or self._in_flight is not None:
+            raise RuntimeError("load_weights() while requests are unfinished; finish or abort "
+                               "them first (or sleep(mode='abort'))")
+        if len(self.executor.workers) > 1:
+            weights = list(weights)  # every worker reads them
+        try:
+            self.executor.collective_rpc("load_weights", weights)
+        finally:
+            self._refresh_sleep_state()
+        self.scheduler.block_manager.reset_prefix_cache()
+
+    def _refresh_sleep_state(self) -> None:
+        self._sleep_state = SleepState.merge(self.executor.collective_rpc("sleep_state"))
 
     def abort_request(self, request_id: str) -> None:
         """Drop a queued or running request (a no-op for unknown ids)."""
@@ -195,7 +290,9 @@ class EngineCore:
         wait for its token on the device: while such a sequence runs, the step in flight is
         applied before the next one is scheduled.
         """
-        finished: list[Sequence] = []
+        finished, self._finished_by_sleep = self._finished_by_sleep, []
+        if self.scheduler.has_unfinished():
+            self.check_can_run()  # never schedule onto released memory or unloaded weights
         if self._in_flight is not None and self._pending_tokens_needed():
             finished += self._apply_in_flight()
         batch, launched = self._launch_next(finished)
@@ -274,8 +371,10 @@ class EngineCore:
         )
 
     def has_unfinished(self) -> bool:
-        """Whether any request is still queued, running or in a step in flight."""
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        """Whether any request is still queued, running or in a step in flight, or a sleep
+        finished sequences that `step` has not returned yet."""
+        return (self.scheduler.has_unfinished() or self._in_flight is not None
+                or bool(self._finished_by_sleep))
 
     def shutdown(self) -> None:
         """Free every worker's model and KV cache; the engine cannot run afterwards. A step

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from kvfit.engine.config import EngineArgs
@@ -14,6 +16,7 @@ from kvfit.engine.engine_core import EngineCore
 from kvfit.engine.outputs import RequestOutput
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
+from kvfit.engine.sleep import SleepReport
 from kvfit.kv.report import KVCacheReport
 from kvfit.models.loader import load_tokenizer
 
@@ -70,6 +73,47 @@ class LLM:
         """Free the model and the KV cache now rather than at garbage collection (to start
         another engine in the same process)."""
         self.engine.shutdown()
+
+    # -- sleep mode (needs enable_sleep_mode=True) ---------------------------------------------
+
+    def sleep(self, level: int = 1, mode: str = "wait") -> SleepReport:
+        """Hand the device's memory back while keeping the engine: the KV cache's pages are
+        released (its reservation and every view stay) and the weights' too, level 1 after a
+        copy to pinned host memory, level 2 discarded. Buffers (rotary tables) and captured
+        graphs stay, so `wake_up` recaptures nothing; torch's idle cache is returned.
+
+        Requests still running are finished first (`mode="wait"`) or aborted (`"abort"`);
+        no step touches released memory. Returns what was released and what stays resident,
+        by kind (`SleepReport`). Generating while asleep raises `RuntimeError`.
+        """
+        return self.engine.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None, reload_weights: bool = True) -> None:
+        """Restore what `tags` names (`"weights"`, `"kv_cache"`; None: everything asleep), each
+        on its own if asked, at the addresses the graphs captured. The KV cache comes back
+        zeroed for the same block count (the prefix cache was invalidated); weights from their
+        host copy, or after level 2 reloaded from the model's source, unless
+        `reload_weights=False`: then `load_weights` must fill them before generating, which
+        refuses to run until it has. Raises `RuntimeError` when a tag is not asleep."""
+        self.engine.wake_up(tags, reload_weights)
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether `sleep` released the weights or the KV cache and they are not all awake."""
+        return self.engine.is_sleeping
+
+    def load_weights(
+        self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Replace weights in place from a state dict or `(name, tensor)` pairs with Hugging
+        Face checkpoint names (e.g. from an RL trainer); any subset may be given. Asleep
+        weights are woken for it (the KV cache is not), so after `sleep(level=2)` nothing is
+        reloaded from disk. Graphs stay valid; the prefix cache is invalidated."""
+        if isinstance(weights, Mapping):
+            weights = weights.items()
+        self.engine.load_weights(weights)
+
+    update_weights = load_weights
 
     def get_tokenizer(self) -> Any | None:
         """The model's tokenizer, or None for a folder without one (token-id prompts only)."""
@@ -206,6 +250,7 @@ class LLM:
         return [parent, *siblings]
 
     def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> list[RequestOutput]:
+        self.engine.check_can_run()
         try:
             for seq in itertools.chain.from_iterable(requests):
                 self.engine.add_request(seq)

@@ -21,6 +21,7 @@ from kvfit.engine.sequence import PENDING_TOKEN, ModelOutput, ScheduledBatch, Se
 from kvfit.engine.transfer import to_device, to_device_packed, to_host
 from kvfit.kv.cache import ExtensibleKVCache
 from kvfit.models.loader import load_model
+from kvfit.models.weight_arena import WeightArena
 from kvfit.ops.attention import AttentionMetadata
 
 
@@ -40,6 +41,10 @@ class ModelRunner:
         self.max_model_len = mc.max_model_len
         self.max_num_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.model = load_model(mc.hf_config, mc.model, mc.dtype, self.device, mc.load_format)
+        # Sleep mode moves the parameters into a VMM arena before anything (graphs) captures
+        # their addresses, so sleep can drop the pages and wake restore them in place.
+        self.weight_arena = (WeightArena(self.model, self.device) if config.enable_sleep_mode
+                             else None)
         self.sampler = Sampler(self.device, mc.seed)
         self.eos_token_ids = eos_token_ids(mc.hf_config)
         self.kv_cache: ExtensibleKVCache | None = None
@@ -93,7 +98,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Free the graphs and the KV cache (the reservation too); the runner is done."""
         self.graphs = None
-        self.model = None
+        self.model = self.weight_arena = None
         if self.kv_cache is not None:
             self.kv_cache.free()
             self.kv_cache = None

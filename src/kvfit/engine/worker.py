@@ -3,7 +3,7 @@ captures graphs and executes steps. The engine drives it through `collective_rpc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -12,6 +12,7 @@ from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.model_runner import ModelRunner
 from kvfit.engine.sequence import ScheduledBatch
+from kvfit.engine.sleep import SleepReport, SleepState
 from kvfit.kv.monitor import CudaMemoryMonitor, HostMemoryMonitor, MemoryMonitor
 from kvfit.kv.report import KVCacheReport
 from kvfit.kv.sizing import (
@@ -26,6 +27,8 @@ from kvfit.kv.sizing import (
     non_torch_bytes,
     transient_bytes,
 )
+from kvfit.models.loader import fill_weights
+from kvfit.models.weights import canonical_names, load_weights
 from kvfit.vmm import vmm_unavailable_reason
 
 
@@ -46,6 +49,8 @@ class Worker:
         self.baseline: MemorySnapshot | None = None
         self.weights = 0
         self.estimate_blocks = 0
+        # Weights woken without contents (sleep level 2, no reload) and not loaded since.
+        self.missing_weights: set[str] = set()
 
     def vmm_unavailable_reason(self) -> str | None:
         """Why this device cannot back the extensible cache, or None when it can."""
@@ -95,7 +100,7 @@ class Worker:
             weights=self.weights,
             activation_peak=transient_bytes(self.step_peaks),
             graph_capture=graph_capture,
-            non_torch=non_torch_bytes(self.baseline, now, 0),
+            non_torch=non_torch_bytes(self.baseline, now, self._arena_bytes()),
             block_bytes=self.runner.kv_cache_spec.block_bytes,
             setting=self.monitor.budget_setting,
         )
@@ -166,7 +171,11 @@ class Worker:
         free: the transient reuses it)."""
         committed = self.runner.kv_cache.physical_bytes if self.runner.kv_cache else 0
         return memory_profile(self.baseline, self.monitor.snapshot(), self.step_peaks,
-                              self.weights, committed)
+                              self.weights, committed, self._arena_bytes())
+
+    def _arena_bytes(self) -> int:
+        arena = self.runner.weight_arena if self.runner is not None else None
+        return arena.physical_bytes if arena is not None else 0
 
     def measure_kv_cache_blocks(self) -> int:
         """The most blocks that fit in what is measured free within the budget, less the
@@ -242,6 +251,75 @@ class Worker:
             nbytes = self.config.cache_config.num_gpu_blocks * spec.block_bytes
             return nbytes, nbytes
         return cache.physical_bytes, cache.capacity_blocks * spec.block_bytes
+
+    # -- sleep mode ---------------------------------------------------------------------------
+
+    def sleep(self, level: int) -> SleepReport:
+        """Release the weights' pages (level 1: after a host copy; level 2: discarded) and the
+        extensible KV cache's, keeping every address; then hand torch's idle cache back.
+
+        No step may be in flight (the engine drains first; the releases also wait for the
+        device). A failure part way leaves what was released released: `sleep_state` tells.
+        Without the extensible cache the KV cache stays allocated and is reported as kept.
+        """
+        runner, released, kept = self.runner, {}, {}
+        arena, cache = runner.weight_arena, runner.kv_cache
+        if arena is None:
+            raise RuntimeError("Worker.sleep() needs the weight arena: set enable_sleep_mode")
+        self._synchronize()
+        released["weights"] = arena.physical_bytes
+        if level == 1:
+            host_bytes = arena.offload()
+        else:
+            arena.discard()
+            host_bytes = 0
+            self.missing_weights = canonical_names(runner.model)
+        if cache is not None:
+            released["kv_cache"] = cache.physical_bytes
+            cache.release_physical()
+        else:
+            kept["kv_cache"] = self.kv_cache_bytes()[0]
+        kept["buffers"] = sum(b.numel() * b.element_size() for b in runner.model.buffers())
+        if self.device.type == "cuda":
+            before = torch.cuda.memory_reserved(self.device)
+            torch.cuda.empty_cache()
+            # What torch keeps is live: graph pools, the graphs' inputs, buffers, sampler state.
+            kept["torch"] = torch.cuda.memory_reserved(self.device) - kept["buffers"]
+            released["torch_cache"] = before - torch.cuda.memory_reserved(self.device)
+        return SleepReport(level, released, kept, host_bytes)
+
+    def wake_up(self, tags: list[str], reload_weights: bool = True) -> None:
+        """Recommit what `tags` name at the same addresses (nothing is recaptured): the weights
+        from their host copy, else reloaded from the model's source (`reload_weights`), else
+        left zeroed and missing until `load_weights`; the KV cache zeroed, for the same block
+        count, in large chunks. A failed recommit leaves that part asleep."""
+        arena, cache = self.runner.weight_arena, self.runner.kv_cache
+        if "weights" in tags and arena is not None and arena.is_released:
+            restored = arena.restore()
+            if not restored and reload_weights:
+                mc = self.config.model_config
+                fill_weights(self.runner.model, mc.model, self.device, mc.load_format)
+                self.missing_weights = set()
+        if "kv_cache" in tags and cache is not None and cache.is_released:
+            cache.recommit()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint-named tensors into the parameters, in place. Asleep weights are
+        woken first (from their host copy, else zeroed: then only what is given is loaded)."""
+        arena = self.runner.weight_arena
+        if arena is not None and arena.is_released:
+            self.wake_up(["weights"], reload_weights=False)
+        self.missing_weights -= load_weights(self.runner.model, weights)
+        self._synchronize()
+
+    def sleep_state(self) -> SleepState:
+        """What is asleep on this worker now."""
+        arena, cache = self.runner.weight_arena, self.runner.kv_cache
+        return SleepState(
+            kv_cache_asleep=cache is not None and cache.is_released,
+            weights_asleep=arena is not None and arena.is_released,
+            missing_weights=tuple(sorted(self.missing_weights)),
+        )
 
     def launch(self, batch: ScheduledBatch) -> AsyncModelOutput:
         """Queue one scheduled step; its output arrives later."""

@@ -149,8 +149,14 @@ class ExtensibleKVCache:
         self.tensor.release_physical()
 
     def recommit(self) -> None:
-        """Back the same blocks again after `release_physical()`, zeroed."""
+        """Back the same blocks again after `release_physical()`, zeroed, in large chunks; a
+        failure leaves the cache released (retry, or `free()`)."""
         self.tensor.recommit()
+
+    @property
+    def is_released(self) -> bool:
+        """Whether the pages are dropped (asleep) and not yet recommitted."""
+        return self.tensor.is_released
 
     def free(self) -> None:
         """Return the reservation. Views over it must not be used afterwards."""

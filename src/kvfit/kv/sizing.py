@@ -83,18 +83,21 @@ def memory_profile(
     steps: Iterable[StepPeak],
     weights: int,
     committed_kv: int,
+    vmm_weights: int = 0,
 ) -> MemoryProfile:
     """The profile of a worker from a snapshot taken before it loaded anything (`baseline`),
     one taken after warmup (`now`) and the step peaks in between.
 
     Memory torch's caching allocator holds idle counts as free: the transient reuses it.
+    `vmm_weights`: bytes of weights mapped by VMM (a sleep-mode weight arena), invisible to
+    torch's statistics: counted as live, not as non-torch use.
     """
     return MemoryProfile(
         total=now.total,
         free=now.usable_free,
         weights=weights,
-        torch_live=now.torch_allocated,
-        non_torch=non_torch_bytes(baseline, now, committed_kv),
+        torch_live=now.torch_allocated + vmm_weights,
+        non_torch=non_torch_bytes(baseline, now, committed_kv + vmm_weights),
         committed_kv=committed_kv,
         transient=transient_bytes(steps),
     )

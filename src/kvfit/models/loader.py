@@ -84,17 +84,24 @@ def load_model(
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
-    if load_format == "auto":
-        load_format = "dummy" if is_builtin(model) else "safetensors"
-    elif load_format == "safetensors" and is_builtin(model):
+    if load_format == "safetensors" and is_builtin(model):
         raise ValueError(f"built-in model {model!r} has no weights; use load_format='dummy'")
     model_class = get_model_class(hf_config)
     device = torch.device(device)
     # Parameters are created on the device in their final dtype: weights are never held twice.
     with torch.device(device), _default_dtype(dtype):
         module = model_class(hf_config)
+    fill_weights(module, model, device, load_format)
+    return module.eval()
+
+
+def fill_weights(module: nn.Module, model: str, device: torch.device, load_format: str) -> None:
+    """Fill `module`'s parameters in place from `model`'s source (`load_model`'s
+    `load_format`): the checkpoint, or the same seeded dummy values every time. Sleep level 2
+    reloads through this, into the addresses the parameters already have."""
+    if load_format == "auto":
+        load_format = "dummy" if is_builtin(model) else "safetensors"
     if load_format == "dummy":
         init_dummy(module)
     else:
-        load_safetensors(module, resolve_model(model), device)
-    return module.eval()
+        load_safetensors(module, resolve_model(model), torch.device(device))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -52,7 +53,46 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def canonical_names(model: nn.Module) -> set[str]:
+    """The names a complete load must fill (one per tied parameter, one per fused shard)."""
+    return {canonical for _, canonical in checkpoint_targets(model).values()}
+
+
 @torch.no_grad()
+def load_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    where: str = "the weights given",
+    targets: dict[str, tuple[torch.Tensor, str]] | None = None,
+) -> set[str]:
+    """Copy each `(checkpoint name, tensor)` into its parameter rows, in place (same addresses;
+    dtype and device converted); returns the canonical names filled.
+
+    Names are the Hugging Face checkpoint's (`...q_proj.weight`, as a trainer's state dict
+    has them). Raises on a name with no place in the model or a shape that differs; tensors
+    copied before the bad one stay copied.
+    """
+    targets = targets if targets is not None else checkpoint_targets(model)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name not in targets:
+            raise ValueError(
+                f"checkpoint tensor {name!r} in {where} has no place in "
+                f"{type(model).__name__}: is `architectures` in config.json right?"
+            )
+        rows, canonical = targets[name]
+        if tensor.shape != rows.shape:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
+                f"expects {tuple(rows.shape)}: does config.json match the weights?"
+            )
+        rows.copy_(tensor)
+        loaded.add(canonical)
+    return loaded
+
+
 def load_safetensors(model: nn.Module, folder: Path, device: torch.device) -> None:
     """Copy every checkpoint tensor into its parameter, reading it straight onto `device`.
 
@@ -62,24 +102,9 @@ def load_safetensors(model: nn.Module, folder: Path, device: torch.device) -> No
     loaded: set[str] = set()
     for file in safetensors_files(folder):
         with safe_open(file, framework="pt", device=str(device)) as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name not in targets:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} in {file.name} has no place in "
-                        f"{type(model).__name__}: is `architectures` in config.json right?"
-                    )
-                rows, canonical = targets[name]
-                tensor = f.get_tensor(name)
-                if tensor.shape != rows.shape:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
-                        f"expects {tuple(rows.shape)}: does config.json match the weights?"
-                    )
-                rows.copy_(tensor)
-                loaded.add(canonical)
-    missing = sorted({canonical for _, canonical in targets.values()} - loaded)
+            tensors = ((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
+            loaded |= load_weights(model, tensors, file.name, targets)
+    missing = sorted(canonical_names(model) - loaded)
     if missing:
         raise ValueError(f"weights missing from the checkpoint in {folder}: {', '.join(missing)}")
 

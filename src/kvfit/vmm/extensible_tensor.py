@@ -149,14 +149,24 @@ class ExtensibleTensor:
         """Drop every physical page; the reservation, `committed_bytes` and views stay."""
         reservation = self._live()
         self._synchronize()
-        reservation.unmap_all()
+        # Marked released even if a driver call fails part way: the contents are forfeit
+        # either way, and `recommit` starts from whatever is still mapped.
         self._released = True
+        reservation.unmap_all()
+
+    @property
+    def is_released(self) -> bool:
+        """Whether `release_physical` dropped the pages and no `recommit` has restored them."""
+        return self._released
 
     def recommit(self) -> None:
-        """Back the committed size again after `release_physical`, with zeroed pages."""
+        """Back the committed size again after `release_physical`, with zeroed pages, in chunks
+        of up to `BULK_CHUNK_BYTES`. A failure leaves the tensor released (nothing mapped), so
+        it can be retried."""
         reservation = self._live()
         if not self._released:
             return
+        reservation.unmap_all()  # what a release that failed part way left mapped
         self._grow(self.committed_bytes, BULK_CHUNK_BYTES, reservation)
         self._released = False
         if not reservation.driver.new_pages_are_zero:

@@ -76,9 +76,10 @@ class Reservation:
         return chunk
 
     def unmap(self, chunk: Chunk) -> None:
-        """Unmap and release `chunk`; its pages go back to the driver, the addresses stay."""
-        del self.chunks[chunk.offset]
+        """Unmap and release `chunk`; its pages go back to the driver, the addresses stay.
+        Forgotten only once unmapped: a failed unmap leaves it listed, so it can be retried."""
         self.driver.unmap(self.va + chunk.offset, chunk.size)
+        del self.chunks[chunk.offset]
         self.driver.release(chunk.handle)
 
     def unmap_all(self) -> None:
