@@ -238,3 +238,16 @@ def test_level_2_regenerates_dummy_weights_from_the_seed() -> None:
         assert outputs(builtin) == before
     finally:
         builtin.shutdown()
+
+
+def test_a_fixed_size_kv_cache_is_kept_and_reported(qwen3, reference) -> None:
+    fixed = LLM(str(qwen3), **{**SETTINGS, "num_gpu_blocks_override": 64})
+    try:
+        report = fixed.sleep(level=1)
+        assert report.kept["kv_cache"] > 0 and "kv_cache" not in report.released
+        with pytest.raises(RuntimeError, match="kv_cache is not asleep"):
+            fixed.wake_up(tags=["kv_cache"])
+        fixed.wake_up()
+        assert not fixed.is_sleeping and outputs(fixed) == reference
+    finally:
+        fixed.shutdown()

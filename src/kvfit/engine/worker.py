@@ -3,6 +3,7 @@ captures graphs and executes steps. The engine drives it through `collective_rpc
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
@@ -30,6 +31,8 @@ from kvfit.kv.sizing import (
 from kvfit.models.loader import fill_weights
 from kvfit.models.weights import canonical_names, load_weights
 from kvfit.vmm import vmm_unavailable_reason
+
+logger = logging.getLogger(__name__)
 
 
 class Worker:
@@ -277,8 +280,11 @@ class Worker:
         if cache is not None:
             released["kv_cache"] = cache.physical_bytes
             cache.release_physical()
-        else:
+        else:  # a torch allocation: releasing it would move the addresses the graphs hold
             kept["kv_cache"] = self.kv_cache_bytes()[0]
+            logger.warning("sleep keeps the %d-byte KV cache: it is not extensible (a manual "
+                           "size or no VMM); leave num_gpu_blocks_override and "
+                           "kv_cache_memory_bytes unset to release it too", kept["kv_cache"])
         kept["buffers"] = sum(b.numel() * b.element_size() for b in runner.model.buffers())
         if self.device.type == "cuda":
             before = torch.cuda.memory_reserved(self.device)
