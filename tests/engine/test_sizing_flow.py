@@ -392,7 +392,8 @@ def fake_worker(monitor: FakeMonitor, engine_args: dict[str, object] | None = No
     w = Worker(config)
     w.monitor = monitor
     w.baseline = monitor.snapshot()
-    w.runner = SimpleNamespace(kv_cache=None, kv_cache_spec=config.kv_cache_spec(), **runner)
+    w.runner = SimpleNamespace(kv_cache=None, weight_arena=None,
+                               kv_cache_spec=config.kv_cache_spec(), **runner)
     return w
 
 
