@@ -165,13 +165,6 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
             proc.wait()
 
 
-def client_cpu_time() -> float:
-    """CPU seconds of this process and of its children waited for (the load's client
-    processes; the server, waited for only at the end, is not among them yet)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
 def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path) -> dict[str, Any]:
     """The rate sweep against a fresh server; the server is stopped before this returns."""
     port = free_port()
@@ -187,15 +180,13 @@ def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path) -> dict[st
         for rate in args.request_rates:
             n = args.num_prompts if math.isinf(rate) else min(
                 args.num_prompts, max(1, math.ceil(rate * args.rate_duration_s)))
-            cpu = client_cpu_time()
             m = asyncio.run(bench_serve._main(load_args(args, base_url, rate, n)))
-            cpu = (client_cpu_time() - cpu) / m["num_client_processes"]
             row = {k: m[k] for k in (
                 "num_prompts", "completed", "failed", "errors", "duration_s",
                 "total_output_tokens", "request_throughput", "output_throughput",
                 "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms")}
             # Near 1: the load generator (its mean process) was the bottleneck, not the server.
-            row["client_cpu"] = cpu / m["duration_s"]
+            row["client_cpu"] = m["client_cpu_s"] / m["num_client_processes"] / m["duration_s"]
             result["rows"].append({"request_rate": None if math.isinf(rate) else rate, **row})
             print(f"rate {rate:g}: {row['completed']}/{n} done, "
                   f"{row['output_throughput']:,.0f} output tok/s", flush=True)

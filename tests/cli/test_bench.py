@@ -161,6 +161,7 @@ def test_bench_serve_merges_client_processes(fake_server: Callable, tmp_path: Pa
     assert main(argv) == 0
     result = json.loads(path.read_text())
     assert result["num_client_processes"] == 3 and len(result["requests"]) == 10
+    assert result["client_cpu_s"] > 0
     assert (result["completed"], result["failed"]) == (4, 6)
     errors = result["errors"]
     assert sum(n for e, n in errors.items() if e.startswith("HTTP 500")) == 2

@@ -318,27 +318,28 @@ def _shares(total: int | None, n: int) -> list[int | None]:
 def _worker(args: argparse.Namespace, model: str, work: list[tuple[str | list[int], float]],
             max_concurrency: int | None, barrier: Any, results: Any, k: int) -> None:
     """One client process: its share of the load, started with the others at the barrier."""
-    async def go() -> tuple[list[RequestResult], float, float]:
+    async def go() -> tuple[list[RequestResult], float, float, float]:
         async with _client(args, max_concurrency or len(work)) as client:
             barrier.wait()
-            start = time.monotonic()
+            start, cpu = time.monotonic(), time.process_time()
             out, end = await run_load(args, client, model, work, max_concurrency, start)
-            return out, start, end
+            return out, start, end, time.process_time() - cpu
 
     try:
-        out, start, end = asyncio.run(go())
-        results.put((k, [asdict(r) for r in out], start, end, None))
+        out, start, end, cpu = asyncio.run(go())
+        results.put((k, [asdict(r) for r in out], start, end, cpu, None))
     except BaseException as e:  # reported, so the parent counts its requests as failed
         with contextlib.suppress(Exception):
             barrier.abort()
-        results.put((k, None, 0.0, 0.0, f"{type(e).__name__}: {e}"[:200]))
+        results.put((k, None, 0.0, 0.0, 0.0, f"{type(e).__name__}: {e}"[:200]))
 
 
 def _run_processes(args: argparse.Namespace, model: str,
                    work: list[tuple[str | list[int], float]], n: int
-                   ) -> tuple[list[RequestResult], float]:
+                   ) -> tuple[list[RequestResult], float, float]:
     """The load over `n` spawned processes, request `i` in process `i % n`; the merged
-    results in request order and the wall time from the first start to the last end."""
+    results in request order, the wall time from the first start to the last end and the
+    CPU seconds the processes spent on the load."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads
@@ -350,9 +351,10 @@ def _run_processes(args: argparse.Namespace, model: str,
     for proc in procs:
         proc.start()
     parts: dict[int, tuple[list[RequestResult], float, float]] = {}
+    cpu = 0.0
     while len(parts) < n:
         try:
-            k, rows, start, end, error = queue.get(timeout=1.0)
+            k, rows, start, end, cpu_k, error = queue.get(timeout=1.0)
         except Exception:  # queue.Empty: is anyone still running?
             dead = [k for k, p in enumerate(procs) if not p.is_alive() and k not in parts]
             if dead and queue.empty():
@@ -366,6 +368,7 @@ def _run_processes(args: argparse.Namespace, model: str,
                     ] * len(work[k::n])
             start, end = math.inf, -math.inf
         parts[k] = ([RequestResult(**r) for r in rows], start, end)
+        cpu += cpu_k
     for proc in procs:
         proc.join()
     results: list[RequestResult] = [RequestResult()] * len(work)
@@ -373,7 +376,7 @@ def _run_processes(args: argparse.Namespace, model: str,
         results[k::n] = rows
     starts = [p[1] for p in parts.values() if math.isfinite(p[1])]
     ends = [p[2] for p in parts.values() if math.isfinite(p[2])]
-    return results, (max(ends) - min(starts)) if starts else 0.0
+    return results, (max(ends) - min(starts)) if starts else 0.0, cpu
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
@@ -394,17 +397,19 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     n = num_client_processes(args)
     if n == 1:
         async with _client(args, args.max_concurrency or args.num_prompts) as client:
-            start = time.monotonic()
+            start, cpu = time.monotonic(), time.process_time()
             results, end = await run_load(args, client, model, work, args.max_concurrency,
                                           start)
-        duration = end - start
+        duration, cpu = end - start, time.process_time() - cpu
     else:
-        results, duration = await asyncio.to_thread(_run_processes, args, model, work, n)
+        results, duration, cpu = await asyncio.to_thread(_run_processes, args, model, work, n)
     metrics = summarize(results, duration, args.percentiles)
     return {"base_url": base, "endpoint": args.endpoint, "model": model,
             "num_prompts": args.num_prompts, "request_rate": args.request_rate,
             "max_concurrency": args.max_concurrency, "input_len": args.input_len,
-            "output_len": args.output_len, "num_client_processes": n, **metrics,
+            "output_len": args.output_len, "num_client_processes": n,
+            # The load's own CPU time (all client processes, their start-up excluded).
+            "client_cpu_s": cpu, **metrics,
             "requests": [asdict(r) for r in results]}
 
 
