@@ -95,6 +95,7 @@ def test_bench_serve_times_chunks_and_counts_failures(
     body = server.bodies[0]
     assert body["stream"] is True and body["ignore_eos"] is True
     assert body["max_tokens"] == OUTPUT_LEN and len(body["prompt"]) == 6
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     ok = [r for r in result["requests"] if r["ok"]]
     for r in ok:
         # TTFT is the first content chunk (the empty one before it is sent at once), ITL the
@@ -115,10 +116,11 @@ def test_bench_serve_request_rate_spreads_arrivals(fake_server: Callable,
     path = tmp_path / "s.json"
     argv = ["bench", "serve", "--base-url", server.url, "--model", "m", "--num-prompts", "4",
             "--request-rate", "20", "--output-len", "2", "--input-len", "3",
-            "--prompt-kind", "words", "--result-file", str(path)]
+            "--prompt-kind", "words", "--no-continuous-usage", "--result-file", str(path)]
     assert main(argv) == 0
     result = json.loads(path.read_text())
     assert result["completed"] == 4 and result["request_rate"] == 20
+    assert all(b["stream_options"] == {"include_usage": True} for b in server.bodies)
     assert all(isinstance(b["prompt"], str) and len(b["prompt"].split()) == 3
                for b in server.bodies)
     assert all(b["model"] == "m" for b in server.bodies)

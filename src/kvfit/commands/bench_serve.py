@@ -91,6 +91,10 @@ def add_parser(sub: Subparsers) -> None:
                    help="sampling temperature sent (default: %(default)s)")
     w.add_argument("--seed", type=int, default=0,
                    help="seeds the prompts and arrival times (default: %(default)s)")
+    w.add_argument("--continuous-usage", action=argparse.BooleanOptionalAction, default=True,
+                   help="ask for stream_options.continuous_usage_stats (usage on every chunk, "
+                        "to count the tokens of each); --no-continuous-usage for servers that "
+                        "refuse the field (default: on)")
     w.add_argument("--num-client-processes", type=int, default=None, metavar="N",
                    help="processes sending the load (default: min(4, CPUs, --num-prompts))")
     o = p.add_argument_group("output")
@@ -199,7 +203,9 @@ def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]
                  ) -> dict[str, Any]:
     return {"model": model, "prompt": prompt, "max_tokens": args.output_len,
             "temperature": args.temperature, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            "stream_options": {"include_usage": True} | (
+                {"continuous_usage_stats": True}
+                if getattr(args, "continuous_usage", True) else {})}
 
 
 async def run_load(args: argparse.Namespace, client: Any, model: str,
