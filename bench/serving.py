@@ -24,8 +24,9 @@ each, ignore_eos, greedy. Steps:
    would take minutes); inf sends them all. Then SIGINT, wait, kill after 30 s.
 2. In this process, once the server is gone: `LLM(...)` with the same engine flags, one untimed
    pass, then `generate` on the same prompts and sampling params, timed (startup excluded).
-3. A table (latencies in ms; "client cpu": this process's CPU time over the row's duration,
-   near 100% meaning the load generator, not the server, was the limit), and serve output
+3. A table (latencies in ms; "client cpu": the load generator's CPU time over the row's
+   duration, per client process (`--num-client-processes`, bench serve's default), near 100%
+   meaning the load generator, not the server, was the limit), and serve output
    tok/s at saturation (the inf row, else the best row) / offline.
 
 Prefix caching is off in both by default (`--enable-prefix-caching` turns it on): every pass
@@ -94,7 +95,8 @@ def load_args(args: argparse.Namespace, base_url: str, rate: float,
         request_timeout=600.0, num_prompts=num_prompts, request_rate=rate,
         max_concurrency=args.max_concurrency, input_len=args.input_len,
         output_len=args.output_len, prompt_kind="token-ids", random_vocab_size=args.vocab_size,
-        temperature=0.0, seed=args.seed, percentiles=[50.0, 99.0])
+        temperature=0.0, seed=args.seed, percentiles=[50.0, 99.0],
+        num_client_processes=args.num_client_processes)
 
 
 def workload(args: argparse.Namespace) -> list[list[int]]:
@@ -178,15 +180,13 @@ def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path) -> dict[st
         for rate in args.request_rates:
             n = args.num_prompts if math.isinf(rate) else min(
                 args.num_prompts, max(1, math.ceil(rate * args.rate_duration_s)))
-            cpu = time.process_time()
             m = asyncio.run(bench_serve._main(load_args(args, base_url, rate, n)))
-            cpu = time.process_time() - cpu
             row = {k: m[k] for k in (
                 "num_prompts", "completed", "failed", "errors", "duration_s",
                 "total_output_tokens", "request_throughput", "output_throughput",
                 "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms")}
-            # Near 1: this process (the load generator) was the bottleneck, not the server.
-            row["client_cpu"] = cpu / m["duration_s"]
+            # Near 1: the load generator (its mean process) was the bottleneck, not the server.
+            row["client_cpu"] = m["client_cpu_s"] / m["num_client_processes"] / m["duration_s"]
             result["rows"].append({"request_rate": None if math.isinf(rate) else rate, **row})
             print(f"rate {rate:g}: {row['completed']}/{n} done, "
                   f"{row['output_throughput']:,.0f} output tok/s", flush=True)
@@ -260,6 +260,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a finite rate sends at most rate x this many prompts")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in flight (default: --max-num-seqs)")
+    p.add_argument("--num-client-processes", type=int, default=None,
+                   help="load generator processes (default: bench serve's, min(4, CPUs))")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default: input + output length")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvfit.cli import main
-from kvfit.commands.bench_serve import RequestResult, summarize
+from kvfit.commands.bench_serve import RequestResult, per_token_itl, summarize
 
 
 def test_bench_throughput(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -95,6 +95,7 @@ def test_bench_serve_times_chunks_and_counts_failures(
     body = server.bodies[0]
     assert body["stream"] is True and body["ignore_eos"] is True
     assert body["max_tokens"] == OUTPUT_LEN and len(body["prompt"]) == 6
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     ok = [r for r in result["requests"] if r["ok"]]
     for r in ok:
         # TTFT is the first content chunk (the empty one before it is sent at once), ITL the
@@ -115,10 +116,11 @@ def test_bench_serve_request_rate_spreads_arrivals(fake_server: Callable,
     path = tmp_path / "s.json"
     argv = ["bench", "serve", "--base-url", server.url, "--model", "m", "--num-prompts", "4",
             "--request-rate", "20", "--output-len", "2", "--input-len", "3",
-            "--prompt-kind", "words", "--result-file", str(path)]
+            "--prompt-kind", "words", "--no-continuous-usage", "--result-file", str(path)]
     assert main(argv) == 0
     result = json.loads(path.read_text())
     assert result["completed"] == 4 and result["request_rate"] == 20
+    assert all(b["stream_options"] == {"include_usage": True} for b in server.bodies)
     assert all(isinstance(b["prompt"], str) and len(b["prompt"].split()) == 3
                for b in server.bodies)
     assert all(b["model"] == "m" for b in server.bodies)
@@ -146,3 +148,45 @@ def test_bench_serve_bad_flags_name_them() -> None:
         main(["bench", "serve", "--base-url", "http://x", "--request-rate", "0"])
     with pytest.raises(ValueError, match="--max-concurrency must be >= 1"):
         main(["bench", "serve", "--base-url", "http://x", "--max-concurrency", "0"])
+    with pytest.raises(ValueError, match="--num-client-processes must be >= 1"):
+        main(["bench", "serve", "--base-url", "http://x", "--num-client-processes", "0"])
+
+
+def test_bench_serve_merges_client_processes(fake_server: Callable, tmp_path: Path) -> None:
+    """Three client processes share the load: every request is in the merged results, in
+    order, with the failures counted by reason as one process would."""
+    server = fake_server(behaviors=("ok", "500", "ok", "drop", "error"))
+    path = tmp_path / "s.json"
+    argv = ["bench", "serve", "--base-url", server.url, "--model", "m", "--num-prompts", "10",
+            "--max-concurrency", "4", "--input-len", "5", "--output-len", "3",
+            "--num-client-processes", "3", "--result-file", str(path)]
+    assert main(argv) == 0
+    result = json.loads(path.read_text())
+    assert result["num_client_processes"] == 3 and len(result["requests"]) == 10
+    assert result["client_cpu_s"] > 0
+    assert (result["completed"], result["failed"]) == (4, 6)
+    errors = result["errors"]
+    assert sum(n for e, n in errors.items() if e.startswith("HTTP 500")) == 2
+    assert sum(n for e, n in errors.items() if "RemoteProtocolError" in e) == 2
+    assert errors["error event: engine died"] == 2
+    assert sorted(len(b["prompt"]) for b in server.bodies) == [5] * 10
+    assert all(len(r["itl"]) == 2 and r["output_tokens"] == 3
+               for r in result["requests"] if r["ok"])
+    assert result["output_throughput"] == pytest.approx(4 * 3 / result["duration_s"])
+
+
+def test_bench_serve_a_failing_client_process_fails_its_requests(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:notaport", "--model", "m",
+            "--num-prompts", "4", "--num-client-processes", "2", "--result-file", str(path)]
+    assert main(argv) == 1
+    result = json.loads(path.read_text())
+    assert result["failed"] == 4 and len(result["requests"]) == 4
+    assert all(e.startswith("client process failed: InvalidURL") for e in result["errors"])
+
+
+def test_per_token_itl_spreads_a_chunk_over_its_tokens() -> None:
+    # Chunks at 1.0 (2 tokens: the second is part of TTFT), 1.3 (3 tokens), 1.4 (1 token).
+    assert per_token_itl([(1.0, 2), (1.3, 3), (1.4, 1)]) == pytest.approx(
+        [0.1, 0.1, 0.1, 0.1])
+    assert per_token_itl([(1.0, 1)]) == []

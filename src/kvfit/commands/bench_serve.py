@@ -2,18 +2,25 @@
 
 Requests go to `/v1/completions` with `stream=true`, arrive as a Poisson process at
 `--request-rate` (all at once when infinite) and are capped at `--max-concurrency` in flight.
-Per request it records the time to the first content chunk (TTFT), the gaps between content
-chunks (ITL), the end-to-end time (E2E) and the output tokens (from the streamed `usage`
-when the server sends it, else one per content chunk). A failed request (an HTTP error
-status, an error event, a dropped connection, a stream without `[DONE]`) is counted with its
-reason; it never stops the run.
+Per request it records the time to the first content chunk (TTFT), the inter-token latency
+(ITL), the end-to-end time (E2E) and the output tokens. Tokens are counted from the streamed
+`usage` (`stream_options.continuous_usage_stats` asks for it on every chunk; without it, one
+token per content chunk): a server may send several tokens in one chunk. ITL is per token: a
+chunk carrying k tokens after a gap g adds k gaps of g/k (tokens in the first chunk beyond
+its first are part of the TTFT and add none). A failed request (an HTTP error status, an
+error event, a dropped connection, a stream without `[DONE]`) is counted with its reason; it
+never stops the run. The load is spread over `--num-client-processes` processes (requests
+dealt round-robin, each with its arrival time and a share of `--max-concurrency`) whose
+results are merged, so the load generator's own CPU is not the limit.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
+import os
 import random
 import time
 from collections import Counter
@@ -84,6 +91,12 @@ def add_parser(sub: Subparsers) -> None:
                    help="sampling temperature sent (default: %(default)s)")
     w.add_argument("--seed", type=int, default=0,
                    help="seeds the prompts and arrival times (default: %(default)s)")
+    w.add_argument("--continuous-usage", action=argparse.BooleanOptionalAction, default=True,
+                   help="ask for stream_options.continuous_usage_stats (usage on every chunk, "
+                        "to count the tokens of each); --no-continuous-usage for servers that "
+                        "refuse the field (default: on)")
+    w.add_argument("--num-client-processes", type=int, default=None, metavar="N",
+                   help="processes sending the load (default: min(4, CPUs, --num-prompts))")
     o = p.add_argument_group("output")
     o.add_argument("--percentiles", type=parse_percentiles, default=[50.0, 99.0], metavar="P,P",
                    help="percentiles of TTFT, TPOT, ITL and E2E to report (default: 50,99)")
@@ -120,7 +133,7 @@ async def send_request(client: Any, endpoint: str, body: dict[str, Any],
     as an error result, never raised."""
     result = RequestResult(prompt_tokens=prompt_tokens)
     start = time.perf_counter()
-    chunk_times: list[float] = []
+    chunks: list[tuple[float, int]] = []  # (arrival, tokens it carried) of content chunks
     usage_tokens = None
     try:
         async with client.stream("POST", endpoint, json=body) as response:
@@ -140,12 +153,15 @@ async def send_request(client: Any, endpoint: str, body: dict[str, Any],
                 if error is not None:
                     result.error = f"error event: {error[:200]}"
                     return result
+                counted, tokens = usage_tokens or 0, 1
                 usage = payload.get("usage")
                 if usage:
                     usage_tokens = usage.get("completion_tokens", usage_tokens)
                     result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
+                    if usage_tokens is not None:  # continuous usage: this chunk's tokens
+                        tokens = max(1, usage_tokens - counted)
                 if any(choice.get("text") for choice in payload.get("choices") or []):
-                    chunk_times.append(time.perf_counter())
+                    chunks.append((time.perf_counter(), tokens))
             if not done:
                 result.error = "stream ended before [DONE]"
                 return result
@@ -153,42 +169,68 @@ async def send_request(client: Any, endpoint: str, body: dict[str, Any],
         result.error = f"{type(e).__name__}: {e}"[:200]
         return result
     result.e2e = time.perf_counter() - start
-    if not chunk_times:
+    if not chunks:
         result.error = "no content in the stream"
         return result
     result.ok = True
-    result.ttft = chunk_times[0] - start
-    result.itl = [b - a for a, b in zip(chunk_times, chunk_times[1:], strict=False)]
-    result.output_tokens = usage_tokens if usage_tokens is not None else len(chunk_times)
+    result.ttft = chunks[0][0] - start
+    result.itl = per_token_itl(chunks)
+    result.output_tokens = usage_tokens if usage_tokens is not None else len(chunks)
     return result
 
 
-async def run_load(args: argparse.Namespace, client: Any, model: str) -> tuple[
-        list[RequestResult], float]:
-    """Send every request at its arrival time under the concurrency cap; the results in
-    request order and the wall time from the first send to the last completion."""
-    rng = random.Random(args.seed)
-    prompts = make_prompts(args, rng)
-    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+def per_token_itl(chunks: list[tuple[float, int]]) -> list[float]:
+    """Inter-token latencies of content chunks `(arrival, tokens)`: each chunk after the first
+    spreads the gap since the one before evenly over its tokens."""
+    itl: list[float] = []
+    for (before, _), (at, tokens) in zip(chunks, chunks[1:], strict=False):
+        itl += [(at - before) / tokens] * tokens
+    return itl
+
+
+def arrival_times(args: argparse.Namespace, rng: random.Random) -> list[float]:
+    """Seconds from the start at which each request is sent: a Poisson process at
+    `--request-rate`, all at 0 when infinite."""
+    times, t = [0.0], 0.0
+    for _ in range(args.num_prompts - 1):
+        if math.isfinite(args.request_rate):
+            t += rng.expovariate(args.request_rate)
+        times.append(t)
+    return times
+
+
+def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]
+                 ) -> dict[str, Any]:
+    return {"model": model, "prompt": prompt, "max_tokens": args.output_len,
+            "temperature": args.temperature, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True} | (
+                {"continuous_usage_stats": True}
+                if getattr(args, "continuous_usage", True) else {})}
+
+
+async def run_load(args: argparse.Namespace, client: Any, model: str,
+                   work: list[tuple[str | list[int], float]], max_concurrency: int | None,
+                   start: float) -> tuple[list[RequestResult], float]:
+    """Send each `(prompt, arrival)` of `work` at `start` (a `time.monotonic()` reading) +
+    its arrival under the concurrency cap; the results in order and the monotonic time the
+    last one ended."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def one(prompt: str | list[int]) -> RequestResult:
-        body = {"model": model, "prompt": prompt, "max_tokens": args.output_len,
-                "temperature": args.temperature, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
         n = len(prompt) if isinstance(prompt, list) else args.input_len
+        body = request_body(args, model, prompt)
         if limit is None:
             return await send_request(client, args.endpoint, body, n)
         async with limit:
             return await send_request(client, args.endpoint, body, n)
 
-    start = time.perf_counter()
     tasks = []
-    for i, prompt in enumerate(prompts):
+    for prompt, arrival in work:
+        if (wait := start + arrival - time.monotonic()) > 0:
+            await asyncio.sleep(wait)
         tasks.append(asyncio.create_task(one(prompt)))
-        if math.isfinite(args.request_rate) and i + 1 < len(prompts):
-            await asyncio.sleep(rng.expovariate(args.request_rate))
     results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+    return list(results), time.monotonic()
 
 
 def summarize(results: list[RequestResult], duration: float,
@@ -249,9 +291,11 @@ def _check_args(args: argparse.Namespace) -> None:
                          f"got {args.request_rate}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.num_client_processes is not None and args.num_client_processes < 1:
+        raise ValueError(f"--num-client-processes must be >= 1, got {args.num_client_processes}")
 
 
-async def _main(args: argparse.Namespace) -> dict[str, Any]:
+def _client(args: argparse.Namespace, connections: int) -> Any:
     import os
 
     import httpx
@@ -260,13 +304,92 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    connections = args.max_concurrency or args.num_prompts
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
+                             limits=limits, timeout=args.request_timeout)
+
+
+def num_client_processes(args: argparse.Namespace) -> int:
+    n = getattr(args, "num_client_processes", None)
+    return n if n is not None else min(4, os.cpu_count() or 1, args.num_prompts)
+
+
+def _shares(total: int | None, n: int) -> list[int | None]:
+    """`--max-concurrency` split over `n` processes (None: no limit in any)."""
+    if total is None:
+        return [None] * n
+    return [total // n + (k < total % n) for k in range(n)]
+
+
+def _worker(args: argparse.Namespace, model: str, work: list[tuple[str | list[int], float]],
+            max_concurrency: int | None, barrier: Any, results: Any, k: int) -> None:
+    """One client process: its share of the load, started with the others at the barrier."""
+    async def go() -> tuple[list[RequestResult], float, float, float]:
+        async with _client(args, max_concurrency or len(work)) as client:
+            barrier.wait()
+            start, cpu = time.monotonic(), time.process_time()
+            out, end = await run_load(args, client, model, work, max_concurrency, start)
+            return out, start, end, time.process_time() - cpu
+
+    try:
+        out, start, end, cpu = asyncio.run(go())
+        results.put((k, [asdict(r) for r in out], start, end, cpu, None))
+    except BaseException as e:  # reported, so the parent counts its requests as failed
+        with contextlib.suppress(Exception):
+            barrier.abort()
+        results.put((k, None, 0.0, 0.0, 0.0, f"{type(e).__name__}: {e}"[:200]))
+
+
+def _run_processes(args: argparse.Namespace, model: str,
+                   work: list[tuple[str | list[int], float]], n: int
+                   ) -> tuple[list[RequestResult], float, float]:
+    """The load over `n` spawned processes, request `i` in process `i % n`; the merged
+    results in request order, the wall time from the first start to the last end and the
+    CPU seconds the processes spent on the load."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads
+    # The timeout: a process killed before the start must not hold the others forever.
+    barrier, queue = ctx.Barrier(n, timeout=120), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(args, model, work[k::n], share, barrier, queue, k),
+                         daemon=True)
+             for k, share in enumerate(_shares(args.max_concurrency, n))]
+    for proc in procs:
+        proc.start()
+    parts: dict[int, tuple[list[RequestResult], float, float]] = {}
+    cpu = 0.0
+    while len(parts) < n:
+        try:
+            k, rows, start, end, cpu_k, error = queue.get(timeout=1.0)
+        except Exception:  # queue.Empty: is anyone still running?
+            dead = [k for k, p in enumerate(procs) if not p.is_alive() and k not in parts]
+            if dead and queue.empty():
+                for k in dead:  # died without a word (killed)
+                    failed = RequestResult(error=f"client process exited with "
+                                                 f"{procs[k].exitcode}")
+                    parts[k] = ([failed] * len(work[k::n]), math.inf, -math.inf)
+            continue
+        if rows is None:
+            rows = [asdict(RequestResult(error=f"client process failed: {error}"))
+                    ] * len(work[k::n])
+            start, end = math.inf, -math.inf
+        parts[k] = ([RequestResult(**r) for r in rows], start, end)
+        cpu += cpu_k
+    for proc in procs:
+        proc.join()
+    results: list[RequestResult] = [RequestResult()] * len(work)
+    for k, (rows, _, _) in parts.items():
+        results[k::n] = rows
+    starts = [p[1] for p in parts.values() if math.isfinite(p[1])]
+    ends = [p[2] for p in parts.values() if math.isfinite(p[2])]
+    return results, (max(ends) - min(starts)) if starts else 0.0, cpu
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
     base = args.base_url.rstrip("/")
-    async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits,
-                                 timeout=args.request_timeout) as client:
-        model = args.model
-        if model is None:
+    model = args.model
+    if model is None:
+        async with _client(args, 1) as client:
             try:
                 response = await client.get("/v1/models")
                 response.raise_for_status()
@@ -274,12 +397,25 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             except Exception as e:
                 raise SystemExit(f"cannot read the served model from {base}/v1/models "
                                  f"({type(e).__name__}: {e}); pass --model") from None
-        results, duration = await run_load(args, client, model)
+    rng = random.Random(args.seed)
+    prompts = make_prompts(args, rng)
+    work = list(zip(prompts, arrival_times(args, rng), strict=True))
+    n = num_client_processes(args)
+    if n == 1:
+        async with _client(args, args.max_concurrency or args.num_prompts) as client:
+            start, cpu = time.monotonic(), time.process_time()
+            results, end = await run_load(args, client, model, work, args.max_concurrency,
+                                          start)
+        duration, cpu = end - start, time.process_time() - cpu
+    else:
+        results, duration, cpu = await asyncio.to_thread(_run_processes, args, model, work, n)
     metrics = summarize(results, duration, args.percentiles)
     return {"base_url": base, "endpoint": args.endpoint, "model": model,
             "num_prompts": args.num_prompts, "request_rate": args.request_rate,
             "max_concurrency": args.max_concurrency, "input_len": args.input_len,
-            "output_len": args.output_len, **metrics,
+            "output_len": args.output_len, "num_client_processes": n,
+            # The load's own CPU time (all client processes, their start-up excluded).
+            "client_cpu_s": cpu, **metrics,
             "requests": [asdict(r) for r in results]}
 
 

@@ -53,15 +53,51 @@ class _Delta:
 
 
 class _Stream:
-    """Carries one request's deltas from the engine thread to its event loop."""
+    """Carries one request's deltas from the engine thread to its event loop.
+
+    Items land in a plain list on the loop's thread (`_deliver`) and the reader takes all of
+    them at once, so a reader that fell behind catches up in one go: its deltas are merged
+    into one output (one SSE event) instead of one per step.
+    """
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[_Delta | BaseException] = asyncio.Queue()
+        self.items: list[_Delta | BaseException] = []
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: _Delta | BaseException) -> None:
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        """Send one item from any thread."""
+        _deliver_threadsafe(self.loop, [(self, item)])
+
+    def push(self, item: _Delta | BaseException) -> None:
+        """Append on the loop's thread and wake the reader."""
+        self.items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> list[_Delta | BaseException]:
+        """Every item queued so far (at least one), oldest first."""
+        while not self.items:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self.items = self.items, []
+        return items
+
+
+def _deliver(batch: list[tuple[_Stream, _Delta | BaseException]]) -> None:
+    for stream, item in batch:
+        stream.push(item)
+
+
+def _deliver_threadsafe(loop: asyncio.AbstractEventLoop,
+                        batch: list[tuple[_Stream, _Delta | BaseException]]) -> None:
+    """One wake-up of `loop` for the whole batch (a wake-up costs a syscall and a GIL hand-off:
+    per step, not per request)."""
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
+        loop.call_soon_threadsafe(_deliver, batch)
 
 
 @dataclass
@@ -111,7 +147,9 @@ class RequestStream:
     copy them to keep a snapshot. Text is decoded here, on the caller's event loop, not on the
     engine's step; requests with stop strings take the engine's text (it must look for them),
     held back by the longest stop string less one character until finished, so streamed text
-    is never taken back. Closing the iterator before the end aborts the request.
+    is never taken back. A reader that falls behind the engine gets one output for all the
+    steps it missed (never a timer: what is ready is yielded at once). Closing the iterator
+    before the end aborts the request.
     """
 
     def __init__(self, engine: AsyncLLM, request_id: str, seqs: list[Sequence],
@@ -141,10 +179,16 @@ class RequestStream:
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.output.finished:
-                item = await self._stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                self._apply(item)
+                items = await self._stream.take()
+                deltas: list[_Delta] = []
+                for i, item in enumerate(items):
+                    if isinstance(item, BaseException):
+                        if not deltas:
+                            raise item
+                        self._stream.items[:0] = items[i:]  # raised once the rest is out
+                        break
+                    deltas.append(item)
+                self._apply(deltas)
                 yield self.output
         finally:
             self._close()
@@ -157,25 +201,31 @@ class RequestStream:
             for mirror in self._mirrors:
                 self._engine._detokenizer.free(mirror)
 
-    def _apply(self, delta: _Delta) -> None:
-        for part in delta.seqs:
-            out, mirror = self.output.outputs[part.index], self._mirrors[part.index]
-            out.token_ids.extend(part.token_ids)
-            if out.logprobs is not None:
-                out.logprobs.extend(part.logprobs)
-                out.cumulative_logprob += sum(lp[t].logprob for t, lp in
-                                              zip(part.token_ids, part.logprobs, strict=True))
-            out.finish_reason, out.stop_reason = part.finish_reason, part.stop_reason
-            if part.text is None:
-                mirror.token_ids.extend(part.token_ids)
-                self._engine._detokenizer.step(mirror, check_stop=False)
-                out.text = mirror.output_text
-            elif part.finish_reason is not None:
-                out.text = part.text
-            else:
-                out.text = part.text[: max(len(out.text), len(part.text) - self._hold_back)]
-        if delta.prompt_logprobs is not None:
-            self.output.prompt_logprobs = delta.prompt_logprobs
+    def _apply(self, deltas: list[_Delta]) -> None:
+        """Fold every delta taken into the output; text is decoded once per completion."""
+        decode: set[int] = set()
+        for delta in deltas:
+            for part in delta.seqs:
+                out = self.output.outputs[part.index]
+                out.token_ids.extend(part.token_ids)
+                if out.logprobs is not None:
+                    out.logprobs.extend(part.logprobs)
+                    out.cumulative_logprob += sum(lp[t].logprob for t, lp in
+                                                  zip(part.token_ids, part.logprobs, strict=True))
+                out.finish_reason, out.stop_reason = part.finish_reason, part.stop_reason
+                if part.text is None:
+                    self._mirrors[part.index].token_ids.extend(part.token_ids)
+                    decode.add(part.index)
+                elif part.finish_reason is not None:
+                    out.text = part.text
+                else:
+                    out.text = part.text[: max(len(out.text), len(part.text) - self._hold_back)]
+            if delta.prompt_logprobs is not None:
+                self.output.prompt_logprobs = delta.prompt_logprobs
+        for index in decode:
+            mirror = self._mirrors[index]
+            self._engine._detokenizer.step(mirror, check_stop=False)
+            self.output.outputs[index].text = mirror.output_text
         self.output.finished = all(o.finish_reason is not None for o in self.output.outputs)
 
 
@@ -326,12 +376,19 @@ class AsyncLLM:
         self._tracked[request_id] = _Tracked(seqs, stream, [0] * len(seqs), [False] * len(seqs))
 
     def _publish(self) -> None:
-        for request_id, tracked in list(self._tracked.items()):
+        """Send this step's deltas: one batch, one wake-up per event loop."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Delta | BaseException]]] = {}
+        finished = []
+        for request_id, tracked in self._tracked.items():
             delta = tracked.delta()
             if delta is not None:
-                tracked.stream.put(delta)
+                batches.setdefault(tracked.stream.loop, []).append((tracked.stream, delta))
             if tracked.finished:
-                del self._tracked[request_id]
+                finished.append(request_id)
+        for request_id in finished:
+            del self._tracked[request_id]
+        for loop, batch in batches.items():
+            _deliver_threadsafe(loop, batch)
 
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestFailedError", "RequestStream"]

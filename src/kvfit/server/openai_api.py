@@ -35,6 +35,7 @@ from kvfit.server.protocol import (
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+_COMPACT = (",", ":")  # no spaces in SSE payloads: fewer bytes to build and send
 
 
 @dataclass
@@ -457,7 +458,7 @@ class _EventStream(StreamingResponse):
     async def _lines(self) -> AsyncIterator[str]:
         async with aclosing(self._events):
             async for event in self._events:
-                yield f"data: {json.dumps(event)}\n\n"
+                yield f"data: {json.dumps(event, separators=_COMPACT)}\n\n"
         yield "data: [DONE]\n\n"
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -536,6 +537,8 @@ async def _stream_completion(streams: list[AsyncIterator[RequestOutput]],
                                 "logprobs": logprobs, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason})
             if choices:
+                if body.continuous_usage:
+                    extra = {"usage": _usage(list(outputs.values()))}
                 yield {**base, "choices": choices, **extra}
     except (ValueError, RequestFailedError, EngineDeadError) as e:
         yield engine_error(e).body()
@@ -572,6 +575,8 @@ async def _stream_chat(stream: AsyncIterator[RequestOutput], body: ChatCompletio
                                     "stop_reason": c.stop_reason})
                     sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
                 if choices:
+                    if body.continuous_usage:
+                        extra = {"usage": _usage([out])}
                     yield {**base, "choices": choices, **extra}
     except (ValueError, RequestFailedError, EngineDeadError) as e:
         yield engine_error(e).body()

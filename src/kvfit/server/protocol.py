@@ -41,6 +41,9 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's extension: every chunk carries the usage so far (how a client counts the tokens
+    # of a chunk that holds several).
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Body):
@@ -73,6 +76,10 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:

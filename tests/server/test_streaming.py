@@ -1,0 +1,107 @@
+"""Coalesced streaming: a reader (or an event loop) that falls behind the engine gets the steps
+it missed in one output / one SSE event, with every token exactly once, in order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvfit import LLM, SamplingParams
+from kvfit.server.async_llm import AsyncLLM
+
+from .conftest import MODEL_NAME, ServerThread, engine_kwargs
+
+PROMPT = "The number 7 is followed by"
+
+
+@pytest.fixture(scope="module")
+def llm(model_path: Path) -> Iterator[LLM]:
+    llm = LLM(**engine_kwargs(model_path))
+    yield llm
+    llm.shutdown()
+
+
+def _finished_queued(stream: Any) -> bool:
+    return any(part.finish_reason is not None
+               for item in stream._stream.items if not isinstance(item, BaseException)
+               for part in item.seqs)
+
+
+def test_a_reader_behind_gets_the_missed_steps_in_one_output(engine: AsyncLLM,
+                                                             llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
+    (ref,) = llm.generate(PROMPT, params, use_tqdm=False)
+    want = ref.outputs[0]
+
+    async def read() -> tuple[int, list[int], Any]:
+        stream = engine.add_request(PROMPT, params)
+        outputs = aiter(stream)
+        first = len((await anext(outputs)).outputs[0].token_ids)
+        deadline = time.monotonic() + 30
+        while not _finished_queued(stream):  # the engine runs on; this reader does not
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        sizes = [len(out.outputs[0].token_ids) async for out in outputs]
+        return first, sizes, stream.output
+
+    first, sizes, out = asyncio.run(read())
+    # Everything after the first output came as one: its tokens once each, in order.
+    assert first < 48 and sizes == [48] and out.finished
+    got = out.outputs[0]
+    assert got.token_ids == want.token_ids and got.text == want.text
+    assert got.finish_reason == want.finish_reason == "length"
+    assert len(got.logprobs) == 48
+    assert [lp[t].logprob for t, lp in zip(got.token_ids, got.logprobs, strict=True)] == \
+        pytest.approx([lp[t].logprob for t, lp in zip(want.token_ids, want.logprobs,
+                                                      strict=True)], abs=1e-4)
+    assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
+
+
+def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def test_a_stalled_event_loop_sends_the_backlog_as_one_event(server: ServerThread) -> None:
+    """The server's loop is blocked mid-stream while the engine finishes: the backlog goes out
+    as one event whose text, logprobs and continuous usage carry all its tokens."""
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 64, "temperature": 0,
+            "ignore_eos": True, "logprobs": 1}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        whole = http.post("/v1/completions", json=body).json()
+        stream_body = {**body, "stream": True,
+                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        with http.stream("POST", "/v1/completions", json=stream_body) as r:
+            assert r.status_code == 200
+            events = _events(r.iter_lines())
+            chunks = [next(events)]
+            # Stall the server's event loop; the engine thread keeps generating meanwhile.
+            loop = server.server.servers[0].get_loop()
+            loop.call_soon_threadsafe(time.sleep, 0.5)
+            chunks += list(events)
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage == whole["usage"]
+    content = [c for c in chunks if c["choices"]]
+    assert len(content) < 64  # coalesced
+    counts = [c["usage"]["completion_tokens"] for c in content]
+    assert counts == sorted(counts) and counts[-1] == 64
+    per_event = [b - a for a, b in zip([0, *counts], counts, strict=False)]
+    assert max(per_event) > 1
+    # Each event's logprobs list one entry per token it carries; all in order.
+    assert [len(c["choices"][0]["logprobs"]["tokens"]) for c in content] == per_event
+    want = whole["choices"][0]
+    assert "".join(c["choices"][0]["text"] for c in content) == want["text"]
+    def joined(key: str) -> list[Any]:
+        return [x for c in content for x in c["choices"][0]["logprobs"][key]]
+
+    assert joined("tokens") == want["logprobs"]["tokens"]
+    assert joined("token_logprobs") == pytest.approx(want["logprobs"]["token_logprobs"])
+    assert content[-1]["choices"][0]["finish_reason"] == "length"
