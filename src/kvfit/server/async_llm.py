@@ -10,7 +10,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from kvfit.engine.llm import LLM, Prompt
 from kvfit.engine.outputs import CompletionOutput, RequestOutput
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Logprobs, Sequence
+from kvfit.engine.sleep import SleepReport
 from kvfit.kv.report import KVCacheReport
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped (shut down, or an error outside any one step)."""
+
+
+class EngineSleepingError(RuntimeError):
+    """A request sent while the engine sleeps (`AsyncLLM.sleep`): wake it up first."""
 
 
 class RequestFailedError(RuntimeError):
@@ -273,6 +278,29 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether `sleep` released the weights or the KV cache (read from any thread)."""
+        return self._core.is_sleeping
+
+    async def sleep(self, level: int = 1, mode: str = "wait") -> SleepReport:
+        """`LLM.sleep` on the engine thread, between two steps: requests queued before it
+        are run to the end (`mode="wait"`) or aborted (`"abort"`) and their streams end; any
+        sent later get `EngineSleepingError` until `wake_up`."""
+        return await self._call(self._llm.sleep, level, mode)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """`LLM.wake_up(tags)` on the engine thread (weights reloaded after level 2)."""
+        await self._call(self._llm.wake_up, tags)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` on the engine thread between steps; its result or error here."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running") from self._dead
+        future = asyncio.get_running_loop().create_future()
+        self._submit("call", fn, args, future)
+        return await future
+
     def stats(self) -> EngineStats:
         """The engine's figures after its latest step (a snapshot; safe from any thread)."""
         return self._stats
@@ -287,6 +315,8 @@ class AsyncLLM:
         for its outputs. Raises ValueError for a request the engine would refuse."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running") from self._dead
+        if self.is_sleeping:
+            raise EngineSleepingError("the engine is asleep: wake it up first (POST /wake_up)")
         request_id = request_id or uuid.uuid4().hex
         # The engine decodes text only where stop strings need it; the stream decodes the rest.
         engine_params = dataclasses.replace(params, detokenize=False)
@@ -358,6 +388,8 @@ class AsyncLLM:
                 return False
             if kind == "add":
                 self._add(*args)
+            elif kind == "call":
+                self._run_call(*args)
             elif kind == "abort":
                 self._core.abort_request(args[0])
                 tracked = self._tracked.pop(args[0], None)
@@ -365,12 +397,34 @@ class AsyncLLM:
                     tracked.stream.put(delta)
                 self._stats = self._core.stats()
 
+    def _run_call(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                  future: asyncio.Future[Any]) -> None:
+        try:
+            result, error = fn(*args), None
+        except Exception as e:  # the caller's to handle; the engine serves on
+            result, error = None, e
+        self._publish()  # what a sleep finished or aborted ends its streams
+        self._stats = self._core.stats()
+
+        def settle() -> None:
+            if not future.done():
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(error)
+
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+            future.get_loop().call_soon_threadsafe(settle)
+
     def _add(self, request_id: str, seqs: list[Sequence], stream: _Stream) -> None:
         try:
             for seq in seqs:
                 self._core.add_request(seq)
-        except ValueError as error:
+        except (ValueError, RuntimeError) as error:
+            # A RuntimeError: a sleep queued before this request ran first.
             self._core.abort_request(request_id)
+            if isinstance(error, RuntimeError) and self._core.is_sleeping:
+                error = EngineSleepingError(f"the engine is asleep: {error}")
             stream.put(error)
             return
         self._tracked[request_id] = _Tracked(seqs, stream, [0] * len(seqs), [False] * len(seqs))
@@ -391,4 +445,5 @@ class AsyncLLM:
             _deliver_threadsafe(loop, batch)
 
 
-__all__ = ["AsyncLLM", "EngineDeadError", "RequestFailedError", "RequestStream"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineSleepingError", "RequestFailedError",
+           "RequestStream"]

@@ -10,9 +10,9 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -21,7 +21,12 @@ import kvfit
 from kvfit.engine.outputs import CompletionOutput, RequestOutput
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Logprobs
-from kvfit.server.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from kvfit.server.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineSleepingError,
+    RequestFailedError,
+)
 from kvfit.server.metrics import ServerMetrics
 from kvfit.server.protocol import (
     APIError,
@@ -45,13 +50,16 @@ class ServeConfig:
     `served_model_names`: the names clients may ask for (the first is reported); `api_key`:
     when set, every route but `/health` needs `Authorization: Bearer <key>`;
     `max_concurrent_requests`: generation requests in progress at once, beyond which new ones
-    get 503 (None: unbounded).
+    get 503 (None: unbounded). `enable_sleep_endpoints`: serve `/sleep`, `/wake_up` and
+    `/is_sleeping` (an engine with sleep mode, behind the development flag: they let any
+    client take the model away from every other).
     """
 
     served_model_names: list[str]
     api_key: str | None = None
     max_concurrent_requests: int | None = 1024
     root: str | None = None  # the model folder, shown by /v1/models
+    enable_sleep_endpoints: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -236,7 +244,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             admission.release()
             if isinstance(e, ValueError):
                 raise body.value_error(e) from None
-            if isinstance(e, EngineDeadError):
+            if isinstance(e, EngineDeadError | EngineSleepingError):
                 raise APIError(str(e), 503, "service_unavailable") from None
             raise
         return streams, admission
@@ -244,7 +252,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     def engine_error(e: Exception) -> APIError:
         if isinstance(e, ValueError):
             return APIError(str(e))
-        if isinstance(e, EngineDeadError):
+        if isinstance(e, EngineDeadError | EngineSleepingError):
             return APIError(str(e), 503, "service_unavailable")
         return APIError(str(e), 500, "internal_server_error")
 
@@ -268,7 +276,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                       ) -> list[RequestOutput]:
         try:
             return await _unless_disconnected(request, all_final(streams))
-        except (ValueError, RequestFailedError, EngineDeadError) as e:
+        except (ValueError, RequestFailedError, EngineDeadError, EngineSleepingError) as e:
             raise engine_error(e) from None
 
     def stream_error(e: Exception) -> APIError:
@@ -276,6 +284,31 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         api_error = engine_error(e)
         metrics.failure(api_error.status_code)
         return api_error
+
+    if config.enable_sleep_endpoints:
+
+        @api.post("/sleep")
+        async def sleep(level: int = 1, mode: str = "wait") -> dict[str, Any]:
+            """Release the KV cache and weights (`LLM.sleep`); what went and what stays."""
+            try:
+                report = await engine.sleep(level, mode)
+            except (ValueError, RuntimeError) as e:
+                raise APIError(str(e), param="level" if "level" in str(e) else None) from None
+            return {"level": report.level, "released": report.released, "kept": report.kept,
+                    "host_bytes": report.host_bytes}
+
+        @api.post("/wake_up")
+        async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
+            """Restore `tags` (`weights`, `kv_cache`; none: everything asleep)."""
+            try:
+                await engine.wake_up(tags)
+            except (ValueError, RuntimeError) as e:
+                raise APIError(str(e), param="tags") from None
+            return {"is_sleeping": engine.is_sleeping}
+
+        @api.get("/is_sleeping")
+        async def is_sleeping() -> dict[str, bool]:
+            return {"is_sleeping": engine.is_sleeping}
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -540,7 +573,7 @@ async def _stream_completion(streams: list[AsyncIterator[RequestOutput]],
                 if body.continuous_usage:
                     extra = {"usage": _usage(list(outputs.values()))}
                 yield {**base, "choices": choices, **extra}
-    except (ValueError, RequestFailedError, EngineDeadError) as e:
+    except (ValueError, RequestFailedError, EngineDeadError, EngineSleepingError) as e:
         yield engine_error(e).body()
         return
     if body.include_usage:
@@ -578,7 +611,7 @@ async def _stream_chat(stream: AsyncIterator[RequestOutput], body: ChatCompletio
                     if body.continuous_usage:
                         extra = {"usage": _usage([out])}
                     yield {**base, "choices": choices, **extra}
-    except (ValueError, RequestFailedError, EngineDeadError) as e:
+    except (ValueError, RequestFailedError, EngineDeadError, EngineSleepingError) as e:
         yield engine_error(e).body()
         return
     if body.include_usage and out is not None:

@@ -10,6 +10,10 @@ import argparse
 import importlib.util
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvfit.engine.config import EngineArgs
 
 SERVER_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 
@@ -22,7 +26,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (a Hugging Face folder or a built-in name) over HTTP: "
         "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
-        "/health, /metrics, /version.")
+        "/health, /metrics, /version; with --enable-sleep-mode and KVFIT_SERVER_DEV_MODE=1 "
+        "also /sleep, /wake_up, /is_sleeping.")
     parser.add_argument("model_tag", nargs="?", metavar="MODEL",
                         help="model folder or built-in name (the same as --model)")
     EngineArgs.add_cli_args(parser)
@@ -49,6 +54,22 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def missing_server_modules() -> list[str]:
     """The `server` extra's modules that are not installed."""
     return [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
+
+
+DEV_MODE_ENV = "KVFIT_SERVER_DEV_MODE"
+"""Set to 1 to serve the development routes (`/sleep`, `/wake_up`, `/is_sleeping`): any client
+of them can take the model away from every other, so a flag alone does not turn them on."""
+
+
+def sleep_endpoints(engine_args: EngineArgs) -> bool:
+    """Whether to serve the sleep routes: sleep mode on and `KVFIT_SERVER_DEV_MODE=1`."""
+    if not engine_args.enable_sleep_mode:
+        return False
+    if os.environ.get(DEV_MODE_ENV) != "1":
+        print(f"kvfit serve: --enable-sleep-mode without {DEV_MODE_ENV}=1: the /sleep, "
+              "/wake_up and /is_sleeping routes are off", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -79,6 +100,7 @@ def run_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key or None,
             max_concurrent_requests=args.max_concurrent_requests or None,
             root=engine_args.model,
+            enable_sleep_endpoints=sleep_endpoints(engine_args),
         )
         app = build_app(engine, config)
         print(f"kvfit serve: {', '.join(config.served_model_names)} on "

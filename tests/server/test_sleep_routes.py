@@ -1,0 +1,123 @@
+"""`/sleep`, `/wake_up` and `/is_sleeping`: served only with sleep mode and the development
+flag; a sleeping engine answers generation with 503, gives the same greedy text after wake,
+and finishes (or aborts) what ran when it went to sleep."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvfit.engine.config import EngineArgs
+from kvfit.server import serve
+from kvfit.server.async_llm import AsyncLLM
+
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerThread, engine_kwargs
+
+COMPLETION = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8, 9], "max_tokens": 8,
+              "temperature": 0, "ignore_eos": True}
+
+
+def _sleep_mode_kwargs(model: Path) -> dict[str, Any]:
+    kwargs = engine_kwargs(model)
+    del kwargs["num_gpu_blocks_override"]  # a fixed-size cache stays resident while asleep
+    return {**kwargs, "enable_sleep_mode": True}
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: Path) -> Iterator[AsyncLLM]:
+    engine = AsyncLLM(EngineArgs(**_sleep_mode_kwargs(model_path)))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(start_server: Callable[..., ServerThread]) -> Iterator[httpx.Client]:
+    server = start_server(enable_sleep_endpoints=True)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        yield http
+
+
+@pytest.fixture(autouse=True)
+def awake(http: httpx.Client, engine: AsyncLLM) -> Iterator[None]:
+    yield
+    if engine.is_sleeping:
+        assert http.post("/wake_up").status_code == 200
+
+
+def _text(http: httpx.Client) -> str:
+    response = http.post("/v1/completions", json=COMPLETION)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_refuses_generation_and_wake_gives_the_same_text(http: httpx.Client,
+                                                               level: int) -> None:
+    before = _text(http)
+    response = http.post("/sleep", params={"level": level})
+    assert response.status_code == 200, response.text
+    report = response.json()
+    assert report["level"] == level
+    assert report["released"]["kv_cache"] > 0 and report["released"]["weights"] > 0
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    refused = http.post("/v1/completions", json=COMPLETION)
+    assert refused.status_code == 503
+    assert "asleep" in refused.json()["error"]["message"]
+    assert http.get("/health").status_code == 200  # asleep, not dead
+    assert http.post("/wake_up").json() == {"is_sleeping": False}
+    assert _text(http) == before
+
+
+def test_bad_sleep_and_wake_requests_are_400(http: httpx.Client) -> None:
+    response = http.post("/sleep", params={"level": 3})
+    assert response.status_code == 400 and "level" in response.json()["error"]["message"]
+    assert http.post("/wake_up").status_code == 400  # awake already
+    assert http.post("/sleep").status_code == 200
+    assert http.post("/sleep").status_code == 400  # asleep already
+    response = http.post("/wake_up", params={"tags": "nonsense"})
+    assert response.status_code == 400
+    assert http.post("/wake_up", params={"tags": ["weights", "kv_cache"]}).status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+
+
+def _running(http: httpx.Client) -> bool:
+    return "kvfit:num_requests_running 1.0" in http.get("/metrics").text
+
+
+@pytest.mark.parametrize(("mode", "finish_reason"), [("wait", "length"), ("abort", "abort")])
+def test_sleep_waits_for_a_running_request_or_aborts_it(http: httpx.Client, mode: str,
+                                                        finish_reason: str) -> None:
+    long = {**COMPLETION, "max_tokens": MAX_MODEL_LEN - len(COMPLETION["prompt"])}
+    results: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: results.append(
+        http.post("/v1/completions", json=long)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while not _running(http):  # sleep must meet the request running
+        assert worker.is_alive() and time.monotonic() < deadline, "it never ran, or ran out"
+    assert http.post("/sleep", params={"mode": mode}).status_code == 200
+    worker.join(timeout=60)
+    assert results[0].status_code == 200, results[0].text
+    assert results[0].json()["choices"][0]["finish_reason"] == finish_reason
+    assert not _running(http)
+
+
+def test_the_routes_need_sleep_mode_and_the_development_flag(
+        monkeypatch: pytest.MonkeyPatch, start_server: Callable[..., ServerThread],
+        model_path: Path) -> None:
+    with httpx.Client(base_url=start_server().url, timeout=60) as plain:
+        assert plain.post("/sleep").status_code == 404
+        assert plain.get("/is_sleeping").status_code == 404
+    args = EngineArgs(**_sleep_mode_kwargs(model_path))
+    monkeypatch.delenv(serve.DEV_MODE_ENV, raising=False)
+    assert not serve.sleep_endpoints(args)
+    monkeypatch.setenv(serve.DEV_MODE_ENV, "1")
+    assert serve.sleep_endpoints(args)
+    args.enable_sleep_mode = False
+    assert not serve.sleep_endpoints(args)
