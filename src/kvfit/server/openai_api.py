@@ -27,6 +27,7 @@ from kvfit.server.async_llm import (
     EngineSleepingError,
     RequestFailedError,
 )
+from kvfit.server.body_limit import BodyLimit
 from kvfit.server.metrics import ServerMetrics
 from kvfit.server.protocol import (
     APIError,
@@ -50,7 +51,8 @@ class ServeConfig:
     `served_model_names`: the names clients may ask for (the first is reported); `api_key`:
     when set, every route but `/health` needs `Authorization: Bearer <key>`;
     `max_concurrent_requests`: generation requests in progress at once, beyond which new ones
-    get 503 (None: unbounded). `enable_sleep_endpoints`: serve `/sleep`, `/wake_up` and
+    get 503 (None: unbounded). `max_request_body_bytes`: larger request bodies get 413 before
+    they are read whole (None: unbounded). `enable_sleep_endpoints`: serve `/sleep`, `/wake_up` and
     `/is_sleeping` (an engine with sleep mode, behind the development flag: they let any
     client take the model away from every other).
     """
@@ -60,6 +62,7 @@ class ServeConfig:
     max_concurrent_requests: int | None = 1024
     root: str | None = None  # the model folder, shown by /v1/models
     enable_sleep_endpoints: bool = False
+    max_request_body_bytes: int | None = 64 << 20
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -400,6 +403,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                 "choices": choices, "usage": _usage([out])}
 
     app.include_router(api)
+    if config.max_request_body_bytes is not None:
+        app.add_middleware(BodyLimit, limit=config.max_request_body_bytes)
     return app
 
 

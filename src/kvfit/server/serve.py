@@ -44,6 +44,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     server.add_argument("--max-concurrent-requests", type=int, default=1024,
                         help="generation requests in progress at once; more get HTTP 503 "
                         "(0: unbounded)")
+    server.add_argument("--max-request-body-bytes", type=int, default=64 << 20,
+                        help="request bodies over this many bytes get HTTP 413 (0: unbounded; "
+                        "default: %(default)s)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's own log level (access and server logs)")
@@ -79,6 +82,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvfit serve needs the server extra ({', '.join(missing)} missing): "
               f"pip install 'kvfit[server]'", file=sys.stderr)
         return 1
+    if args.max_request_body_bytes < 0:
+        print("--max-request-body-bytes must be >= 0 (0: unbounded)", file=sys.stderr)
+        return 2
     if args.max_concurrent_requests < 0:
         print("--max-concurrent-requests must be >= 0 (0: unbounded)", file=sys.stderr)
         return 2
@@ -99,6 +105,7 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_names=args.served_model_name or [engine_args.model],
             api_key=args.api_key or None,
             max_concurrent_requests=args.max_concurrent_requests or None,
+            max_request_body_bytes=args.max_request_body_bytes or None,
             root=engine_args.model,
             enable_sleep_endpoints=sleep_endpoints(engine_args),
         )
