@@ -30,6 +30,8 @@ from typing import Any
 from kvfit.commands.common import (
     SSE_DONE,
     Subparsers,
+    add_remote_args,
+    auth_headers,
     format_table,
     parse_percentiles,
     parse_sse_line,
@@ -63,10 +65,7 @@ def add_parser(sub: Subparsers) -> None:
                    help="the completions path (default: %(default)s)")
     s.add_argument("--model", default=None,
                    help="the served model's name (default: the first of /v1/models)")
-    s.add_argument("--api-key", default=None,
-                   help="sent as a bearer token (default: $OPENAI_API_KEY if set)")
-    s.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="per-request timeout (default: %(default)s)")
+    add_remote_args(s)
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=100,
                    help="requests to send (default: %(default)s)")
@@ -296,16 +295,10 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _client(args: argparse.Namespace, connections: int) -> Any:
-    import os
-
     import httpx
 
-    headers = {}
-    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    return httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
+    return httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=auth_headers(args),
                              limits=limits, timeout=args.request_timeout)
 
 

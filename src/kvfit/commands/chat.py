@@ -12,7 +12,9 @@ from kvfit.commands.common import (
     SSE_DONE,
     Subparsers,
     add_logging_args,
+    add_remote_args,
     add_sampling_args,
+    auth_headers,
     build_llm,
     parse_sse_line,
     sampling_overrides,
@@ -40,10 +42,7 @@ def add_parser(sub: Subparsers) -> None:
     r = p.add_argument_group("remote server")
     r.add_argument("--url", metavar="URL",
                    help="the server's API base, e.g. http://localhost:8000/v1")
-    r.add_argument("--api-key", default=None,
-                   help="sent as a bearer token (default: $OPENAI_API_KEY if set)")
-    r.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="per-request timeout (default: %(default)s)")
+    add_remote_args(r)
     c = p.add_argument_group("conversation")
     c.add_argument("--system-prompt", default=None, help="a system message to start with")
     add_sampling_args(p, max_tokens=256, temperature=0.7, with_n=False)
@@ -73,18 +72,12 @@ def iter_sse_data(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
 
 def remote_reply(args: argparse.Namespace) -> tuple[Reply, Callable[[], None]]:
     """A `Reply` over `POST {url}/chat/completions` with stream=true, and its closer."""
-    import os
-
     try:
         import httpx
     except ImportError:
         raise SystemExit("kvfit chat --url needs httpx: pip install 'kvfit[server]'") from None
-    headers = {}
-    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
     base = args.url.rstrip("/")
-    client = httpx.Client(base_url=base, headers=headers, timeout=args.request_timeout)
+    client = httpx.Client(base_url=base, headers=auth_headers(args), timeout=args.request_timeout)
     try:
         model = args.model or _first_model(client, base)
     except SystemExit:

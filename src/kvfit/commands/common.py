@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -168,6 +169,20 @@ def write_json(path: str, result: dict[str, Any]) -> None:
 
 
 SSE_DONE = "[DONE]"
+
+
+def add_remote_args(group: argparse._ArgumentGroup) -> None:
+    """`--api-key` and `--request-timeout`: how a command reaches a running server."""
+    group.add_argument("--api-key", default=None,
+                       help="sent as a bearer token (default: $OPENAI_API_KEY if set)")
+    group.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="per-request timeout (default: %(default)s)")
+
+
+def auth_headers(args: argparse.Namespace) -> dict[str, str]:
+    """The `Authorization` header for `--api-key` (else $OPENAI_API_KEY), or none."""
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def parse_sse_line(line: str) -> dict[str, Any] | str | None:
