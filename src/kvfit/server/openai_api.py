@@ -41,6 +41,10 @@ from kvfit.server.protocol import (
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# Engine errors a request can meet: 503 for an engine that cannot serve now, 400 for a refused
+# request, 500 for a step that failed on it (`engine_error`).
+_UNAVAILABLE = (EngineDeadError, EngineSleepingError)
+_ENGINE_ERRORS = (ValueError, RequestFailedError, *_UNAVAILABLE)
 _COMPACT = (",", ":")  # no spaces in SSE payloads: fewer bytes to build and send
 
 
@@ -247,15 +251,15 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             admission.release()
             if isinstance(e, ValueError):
                 raise body.value_error(e) from None
-            if isinstance(e, EngineDeadError | EngineSleepingError):
-                raise APIError(str(e), 503, "service_unavailable") from None
+            if isinstance(e, _UNAVAILABLE):
+                raise engine_error(e) from None
             raise
         return streams, admission
 
     def engine_error(e: Exception) -> APIError:
         if isinstance(e, ValueError):
             return APIError(str(e))
-        if isinstance(e, EngineDeadError | EngineSleepingError):
+        if isinstance(e, _UNAVAILABLE):
             return APIError(str(e), 503, "service_unavailable")
         return APIError(str(e), 500, "internal_server_error")
 
@@ -279,7 +283,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                       ) -> list[RequestOutput]:
         try:
             return await _unless_disconnected(request, all_final(streams))
-        except (ValueError, RequestFailedError, EngineDeadError, EngineSleepingError) as e:
+        except _ENGINE_ERRORS as e:
             raise engine_error(e) from None
 
     def stream_error(e: Exception) -> APIError:
@@ -578,7 +582,7 @@ async def _stream_completion(streams: list[AsyncIterator[RequestOutput]],
                 if body.continuous_usage:
                     extra = {"usage": _usage(list(outputs.values()))}
                 yield {**base, "choices": choices, **extra}
-    except (ValueError, RequestFailedError, EngineDeadError, EngineSleepingError) as e:
+    except _ENGINE_ERRORS as e:
         yield engine_error(e).body()
         return
     if body.include_usage:
@@ -616,7 +620,7 @@ async def _stream_chat(stream: AsyncIterator[RequestOutput], body: ChatCompletio
                     if body.continuous_usage:
                         extra = {"usage": _usage([out])}
                     yield {**base, "choices": choices, **extra}
-    except (ValueError, RequestFailedError, EngineDeadError, EngineSleepingError) as e:
+    except _ENGINE_ERRORS as e:
         yield engine_error(e).body()
         return
     if body.include_usage and out is not None:
