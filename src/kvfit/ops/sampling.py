@@ -144,7 +144,7 @@ def filter_thresholds(
     float32 in [0, 1] (0: off); None turns a filter off for every row.
 
     Extra device memory: the `[N]` float32 output, plus on CUDA
-    `triton_filters.workspace_bytes(N, V)` (2.6 MiB at 256 x 151,936: per-piece partial sums)
+    `triton_filters.workspace_bytes(N, V)` (2.8 MiB at 256 x 151,936: per-piece partial sums)
     and on the torch path at most `_FILTER_BYTES` (8 MiB) of row-block temporaries: 1/9 of
     256 x 151,936 bf16 logits and O(1) in N.
     """

@@ -2,18 +2,22 @@
 
 Every filter keeps a top prefix of the row, so each is a threshold: top-k's is the k-th largest
 logit, min-p's is closed form, top-p's is the logit where the mass at or above it reaches top_p.
-Both searches bisect over each value's order-preserving integer key (16-bit keys for bf16/fp16,
-32-bit for fp32): a pass counts (or weighs) the keys at or above CANDIDATES cut points at once
-and keeps the sub-interval holding the answer, so a 16-bit search takes 4 passes of 16 cuts.
+Both searches work on each value's order-preserving integer key (16-bit keys for bf16/fp16,
+32-bit for fp32). Top-k is a radix select, a byte of the key per pass: each pass builds the
+256-bin histogram of the next byte among the keys that share the bytes found so far, so a
+16-bit key takes 2 passes. Top-p bisects: a pass weighs the keys at or above CANDIDATES cut
+points at once and keeps the sub-interval holding the answer (4 passes of 16 cuts for 16 bits;
+masses are floats, which integer atomics cannot sum, so each piece writes its own totals).
 
 A row is split into CHUNK-column pieces, one program each, so that 256 rows x 152k columns run
 as ~19k programs rather than 256 serial loops (the former one-program-per-row kernel was
-latency bound at the speed of the sort it replaced). A pass is two launches: `_count_kernel`
-writes each piece's totals per cut, `_update_kernel` sums them in a fixed order (so the result
-is deterministic) and narrows the row's interval. The launch count is fixed by the key width,
-not by the data: nothing syncs with the host, and rows that have converged skip their work.
-A piece whose largest key is below the interval reads nothing, so after the first pass of a
-search only the few pieces holding the row's top values are read again.
+latency bound at the speed of the sort it replaced). A pass is two launches: the pieces'
+kernel (`_radix_kernel` adds its histogram into the row's, `_mass_kernel` writes its totals
+per cut) and a per-row kernel that sums them in a fixed order (so the result is deterministic)
+and narrows the row's search. The launch count is fixed by the key width, not by the data:
+nothing syncs with the host, and rows that have converged skip their work. A piece whose
+largest key is below the search reads nothing, so later passes read only the pieces holding
+the row's top values.
 """
 
 from __future__ import annotations
@@ -110,13 +114,66 @@ def _key_range_kernel(
     tl.store(partials + at * CANDIDATES + 1, key_max.to(tl.float64))
 
 
+@triton.jit
+def _radix_kernel(
+    logits, select, piece_max, histogram, stride_n, stride_v, vocab_size, num_pieces,
+    SHIFT: tl.constexpr, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Top-k's radix pass at bit SHIFT: the 256-bin histogram of the digit (key >> SHIFT) & 255
+    of the row's keys whose higher digits equal the row's prefix so far, added into the row's
+    histogram. Integer atomics, so the sum is exact in any order."""
+    row, piece = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    FIRST: tl.constexpr = SHIFT + 8 >= KEY_BITS
+    prefix = tl.load(select + row * 3 + 1).to(tl.int32)  # key >> (SHIFT + 8) of the answer
+    go = tl.load(select + row * 3 + 2) != 0
+    if not FIRST:
+        # A piece whose largest key has a smaller prefix holds no key of the set.
+        go = go & ((tl.load(piece_max + row * num_pieces + piece) >> (SHIFT + 8)) >= prefix)
+    if go:
+        c = piece * CHUNK + tl.arange(0, CHUNK)
+        valid = c < vocab_size
+        key = _keys(tl.load(logits + row * stride_n + c * stride_v, mask=valid, other=0.0),
+                    KEY_BITS)
+        high = key >> SHIFT
+        if FIRST:
+            digit = high + 128  # the top digit is signed
+            in_set = valid
+        else:
+            digit = high & 255
+            in_set = valid & ((high >> 8) == prefix)
+        h = tl.histogram(digit, 256, mask=in_set)
+        tl.atomic_add(histogram + row * 256 + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+
+
+@triton.jit
+def _radix_update_kernel(histogram, select, SHIFT: tl.constexpr, KEY_BITS: tl.constexpr):
+    """The digit of the k-th largest key: the largest d with at least k' keys of the set at
+    digit >= d; k' drops by the keys above d. Clears the histogram for the next pass."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(select + row * 3 + 2) != 0:
+        bins = tl.arange(0, 256)
+        h = tl.load(histogram + row * 256 + bins)
+        tl.store(histogram + row * 256 + bins, tl.zeros((256,), tl.int32))
+        need = tl.load(select + row * 3)
+        at_or_above = tl.cumsum(h, axis=0, reverse=True).to(tl.int64)
+        d = tl.max(tl.where(at_or_above >= need, bins, 0))
+        above = tl.sum(tl.where(bins > d, h, 0)).to(tl.int64)
+        tl.store(select + row * 3, need - above)
+        if SHIFT + 8 >= KEY_BITS:
+            prefix = (d - 128).to(tl.int64)
+        else:
+            prefix = (tl.load(select + row * 3 + 1) << 8) | d
+        tl.store(select + row * 3 + 1, prefix)
+
+
 @triton.jit(do_not_specialize=_FLAGS)
 def _begin_kernel(
-    logits, temperature, top_k, top_p, min_p, partials, state, fstate,
+    logits, temperature, top_k, top_p, min_p, partials, state, fstate, select, histogram,
     vocab_size, num_pieces, has_top_k, has_top_p, has_min_p,
     KEY_BITS: tl.constexpr, CANDIDATES: tl.constexpr, PIECES: tl.constexpr,
 ):  # fmt: skip
-    """The row's key range and largest logit; the top-k search's interval and target."""
+    """The row's key range and largest logit; top-k's radix select set up (k keys still to
+    find, an empty prefix, whether the row selects at all) over a cleared histogram."""
     row = tl.program_id(0).to(tl.int64)
     t, k, p, m, on_k, on_p, active = _row_filters(
         row, temperature, top_k, top_p, min_p, vocab_size, has_top_k, has_top_p, has_min_p
@@ -125,32 +182,32 @@ def _begin_kernel(
     at = partials + (row * num_pieces + s) * CANDIDATES
     lo = tl.min(tl.load(at, mask=s < num_pieces, other=_INT32_MAX)).to(tl.int64)
     key_max = tl.max(tl.load(at + 1, mask=s < num_pieces, other=_INT32_MIN)).to(tl.int64)
-    # top-k: the k-th largest value is the largest key with at least k keys at or above it.
     tl.store(state + row * 3, lo)
-    tl.store(state + row * 3 + 1, tl.where(active & on_k, key_max + 1, lo + 1))
     tl.store(state + row * 3 + 2, key_max + 1)
-    tl.store(fstate + row * 3, k.to(tl.float64))
+    tl.store(select + row * 3, k.to(tl.int64))
+    tl.store(select + row * 3 + 1, 0)
+    tl.store(select + row * 3 + 2, (active & on_k).to(tl.int64))
+    tl.store(histogram + row * 256 + tl.arange(0, 256), tl.zeros((256,), tl.int32))
     top = _key_value(key_max, logits.dtype.element_ty, KEY_BITS)
     tl.store(fstate + row * 3 + 1, top.to(tl.float64))
 
 
 @triton.jit
-def _count_kernel(
+def _mass_kernel(
     logits, temperature, piece_max, piece_mass, partials, state, fstate,
     stride_n, stride_v, vocab_size, num_pieces,
-    MASS: tl.constexpr, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr,
-    CANDIDATES: tl.constexpr, MASS_F64: tl.constexpr,
+    KEY_BITS: tl.constexpr, CHUNK: tl.constexpr, CANDIDATES: tl.constexpr,
+    MASS_F64: tl.constexpr,
 ):  # fmt: skip
     """One piece's W(key >= cut) for each cut of its row's interval [lo, hi), and its whole W
-    (top-p's first pass takes the total from it): W counts keys, or with MASS sums
-    exp((x - top) / T) over the x >= floor."""
+    (top-p's first pass takes the total from it): W sums exp((x - top) / T) over x >= floor."""
     row, piece = tl.program_id(0).to(tl.int64), tl.program_id(1)
     lo = tl.load(state + row * 3)
     hi = tl.load(state + row * 3 + 1)
     at = row * num_pieces + piece
     out = partials + at * CANDIDATES
     # Keys below lo weigh nothing at any cut: a piece whose largest key is below lo reads
-    # nothing. Top-p's first pass (a negative target) also sums the whole mass, so there the
+    # nothing. The first pass (a negative target) also sums the whole mass, so there the
     # bound is the key below S's smallest value (slot 2), under which every mass is 0.
     # The whole piece is one load, a 1-D tensor: each cut is one reduction over it.
     first = tl.load(fstate + row * 3) < 0
@@ -160,20 +217,16 @@ def _count_kernel(
         valid = c < vocab_size
         x = tl.load(logits + row * stride_n + c * stride_v, mask=valid, other=float("-inf"))
         key = _keys(x, KEY_BITS)
-        if MASS:
-            t = tl.load(temperature + row)
-            top = tl.load(fstate + row * 3 + 1).to(tl.float32)
-            floor = tl.load(fstate + row * 3 + 2).to(tl.float32)
-            xf = x.to(tl.float32)
-            w = tl.where(xf >= floor, tl.exp2((xf - top) * (_LOG2E / tl.where(t > 0, t, 1.0))), 0.0)
-            counted = w > 0
-            # Masses summed in float64, so the summation order (the piece's, the torch path's)
-            # does not move a threshold; counts exactly in int32.
-            if MASS_F64:
-                w = w.to(tl.float64)
-        else:
-            w = valid.to(tl.int32)
-            counted = valid
+        t = tl.load(temperature + row)
+        top = tl.load(fstate + row * 3 + 1).to(tl.float32)
+        floor = tl.load(fstate + row * 3 + 2).to(tl.float32)
+        xf = x.to(tl.float32)
+        w = tl.where(xf >= floor, tl.exp2((xf - top) * (_LOG2E / tl.where(t > 0, t, 1.0))), 0.0)
+        counted = w > 0
+        # Masses summed in float64, so the summation order (the piece's, the torch path's)
+        # does not move a threshold.
+        if MASS_F64:
+            w = w.to(tl.float64)
         last = (hi - 1).to(tl.int32)  # hi itself may be 2**31
         tl.store(piece_mass + at, tl.sum(w).to(tl.float64))
         # W(>= cut) = W(inside [lo, hi) and >= cut) + W(>= hi).
@@ -194,7 +247,7 @@ def _update_kernel(
     CANDIDATES: tl.constexpr, PIECES: tl.constexpr,
 ):  # fmt: skip
     """Narrow the row's [lo, hi) to the largest key t with W(>= t) >= target, from the pieces'
-    totals summed in piece order; a negative target means top_p x the row's whole W (top-p's
+    totals summed in piece order; a negative target means top_p x the row's whole W (the
     first pass). Needs W(>= lo) >= target and W(>= hi) < target."""
     row = tl.program_id(0).to(tl.int64)
     lo = tl.load(state + row * 3)
@@ -219,7 +272,7 @@ def _update_kernel(
 
 @triton.jit(do_not_specialize=_FLAGS)
 def _between_kernel(
-    logits, temperature, top_k, top_p, min_p, state, fstate,
+    logits, temperature, top_k, top_p, min_p, state, fstate, select,
     vocab_size, has_top_k, has_top_p, has_min_p, KEY_BITS: tl.constexpr,
 ):  # fmt: skip
     """top-k's and min-p's threshold t_s; the top-p search over S = {x >= t_s}."""
@@ -228,7 +281,8 @@ def _between_kernel(
         row, temperature, top_k, top_p, min_p, vocab_size, has_top_k, has_top_p, has_min_p
     )
     dtype = logits.dtype.element_ty
-    lo_k = tl.load(state + row * 3)
+    # The k-th largest key where top-k selected, else the row's smallest.
+    lo_k = tl.where(active & on_k, tl.load(select + row * 3 + 1), tl.load(state + row * 3))
     top = tl.load(fstate + row * 3 + 1).to(tl.float32)
     t_k = tl.where(on_k, _key_value(lo_k, dtype, KEY_BITS), float("-inf"))
     t_min_p = top + t * tl.log(m)  # -inf where min-p is off
@@ -276,8 +330,9 @@ def _absent(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 def workspace_bytes(num_rows: int, vocab_size: int, chunk: int = CHUNK,
                     candidates: int = CANDIDATES) -> int:  # fmt: skip
     """Device bytes `filter_thresholds_triton` allocates besides its `[N]` output:
-    per row, 8 x candidates + 12 bytes per piece of `chunk` columns, plus 48."""
-    return num_rows * (triton.cdiv(vocab_size, chunk) * (8 * candidates + 12) + 48)
+    per row, 8 x candidates + 12 bytes per piece of `chunk` columns, plus 72 of search state
+    and top-k's 1 KiB histogram."""
+    return num_rows * (triton.cdiv(vocab_size, chunk) * (8 * candidates + 12) + 72 + 1024)
 
 
 def filter_thresholds_triton(
@@ -298,9 +353,10 @@ def filter_thresholds_triton(
     experiment: the result may then differ from the torch path's where a mass lies within
     rounding of top_p).
 
-    Extra memory: the `[N]` float32 output and `workspace_bytes(N, V)`: 2.6 MiB at 256 rows x
-    151,936 columns with the defaults, 1/29 of the bf16 logits. Launches: 2 + 2 x (the search
-    passes of each filter given: 4 for 16-bit keys) + 2, none waiting on the host."""
+    Extra memory: the `[N]` float32 output and `workspace_bytes(N, V)`: 2.8 MiB at 256 rows x
+    151,936 columns with the defaults, 1/26 of the bf16 logits. Launches: 2 + 2 x (the passes
+    of each filter given: 2 for top-k and 4 for top-p with 16-bit keys) + 2, none waiting on
+    the host."""
     check_filter_inputs(logits, temperature, top_k, top_p, min_p)
     for name, value in (("chunk", chunk), ("candidates", candidates)):
         if value < 2 or value & (value - 1):
@@ -315,9 +371,12 @@ def filter_thresholds_triton(
     piece_max = torch.empty(num_rows, num_pieces, dtype=torch.int32, device=device)
     piece_mass = torch.empty(num_rows, num_pieces, dtype=torch.float64, device=device)
     partials = torch.empty(num_rows, num_pieces, candidates, dtype=torch.float64, device=device)
-    # lo, hi, and the row's largest key + 1 (top-k) or a key at or below S's smallest (top-p)
+    # lo, hi, and the row's largest key + 1 or (top-p) a key at or below S's smallest
     state = torch.empty(num_rows, 3, dtype=torch.int64, device=device)
     fstate = torch.empty(num_rows, 3, dtype=torch.float64, device=device)  # target, top, floor
+    # top-k's radix select: keys still to find, the prefix found, whether the row selects
+    select = torch.empty(num_rows, 3, dtype=torch.int64, device=device)
+    histogram = torch.empty(num_rows, 256, dtype=torch.int32, device=device)
     # One dtype whether top_k is given or not (int32, as the engine passes it): a second would
     # compile second kernels.
     filters = (
@@ -327,8 +386,6 @@ def filter_thresholds_triton(
     )
     flags = (int(top_k is not None), int(top_p is not None), int(min_p is not None))
     key_bits = 8 * logits.element_size()
-    # Each pass leaves at most ceil(width / candidates) keys of the interval.
-    passes = -(-key_bits // (candidates.bit_length() - 1))
     split = (num_rows, num_pieces)
     _key_range_kernel[split](
         logits, temperature, *filters, piece_max, partials, *logits.stride(), vocab_size,
@@ -336,31 +393,33 @@ def filter_thresholds_triton(
         num_warps=num_warps,
     )  # fmt: skip
     _begin_kernel[(num_rows,)](
-        logits, temperature, *filters, partials, state, fstate, vocab_size, num_pieces, *flags,
-        KEY_BITS=key_bits, CANDIDATES=candidates, PIECES=pieces,
+        logits, temperature, *filters, partials, state, fstate, select, histogram, vocab_size,
+        num_pieces, *flags, KEY_BITS=key_bits, CANDIDATES=candidates, PIECES=pieces,
     )  # fmt: skip
-
-    def search(mass: bool) -> None:
-        for _ in range(passes):
-            _count_kernel[split](
+    # A filter given for no row has nothing to search: its passes are left out, not skipped.
+    if top_k is not None:
+        for shift in range(key_bits - 8, -1, -8):
+            _radix_kernel[split](
+                logits, select, piece_max, histogram, *logits.stride(), vocab_size, num_pieces,
+                SHIFT=shift, KEY_BITS=key_bits, CHUNK=chunk, num_warps=num_warps,
+            )  # fmt: skip
+            _radix_update_kernel[(num_rows,)](histogram, select, SHIFT=shift, KEY_BITS=key_bits)
+    _between_kernel[(num_rows,)](
+        logits, temperature, *filters, state, fstate, select, vocab_size, *flags,
+        KEY_BITS=key_bits,
+    )  # fmt: skip
+    if top_p is not None:
+        # Each pass leaves at most ceil(width / candidates) keys of the interval.
+        for _ in range(-(-key_bits // (candidates.bit_length() - 1))):
+            _mass_kernel[split](
                 logits, temperature, piece_max, piece_mass, partials, state, fstate,
-                *logits.stride(),
-                vocab_size, num_pieces, MASS=mass, KEY_BITS=key_bits, CHUNK=chunk,
+                *logits.stride(), vocab_size, num_pieces, KEY_BITS=key_bits, CHUNK=chunk,
                 CANDIDATES=candidates, MASS_F64=mass_float64, num_warps=num_warps,
             )  # fmt: skip
             _update_kernel[(num_rows,)](
                 filters[1], piece_mass, partials, state, fstate, num_pieces, flags[1],
                 CANDIDATES=candidates, PIECES=pieces,
             )  # fmt: skip
-
-    # A filter given for no row has nothing to search: its passes are left out, not skipped.
-    if top_k is not None:
-        search(mass=False)
-    _between_kernel[(num_rows,)](
-        logits, temperature, *filters, state, fstate, vocab_size, *flags, KEY_BITS=key_bits
-    )
-    if top_p is not None:
-        search(mass=True)
     _finish_kernel[(num_rows,)](
         logits, temperature, *filters, state, fstate, out, vocab_size, *flags, KEY_BITS=key_bits
     )
