@@ -11,9 +11,9 @@ masses are floats, which integer atomics cannot sum, so each piece writes its ow
 
 A row is split into CHUNK-column pieces, one program each, so that 256 rows x 152k columns run
 as ~19k programs rather than 256 serial loops (the former one-program-per-row kernel was
-latency bound at the speed of the sort it replaced). A pass is two launches: the pieces'
-kernel (`_radix_kernel` adds its histogram into the row's, `_mass_kernel` writes its totals
-per cut) and a per-row kernel that sums them in a fixed order (so the result is deterministic)
+latency bound at the speed of the sort it replaced). A pass is one launch: each piece adds its
+histogram into the row's (`_radix_kernel`) or writes its totals per cut (`_mass_kernel`), and
+the row's last piece to finish sums them in a fixed order (so the result is deterministic)
 and narrows the row's search. The launch count is fixed by the key width, not by the data:
 nothing syncs with the host, and rows that have converged skip their work. A piece whose
 largest key is below the search reads nothing, so later passes read only the pieces holding
@@ -115,13 +115,28 @@ def _key_range_kernel(
 
 
 @triton.jit
+def _last_to_arrive(arrived, row, num_pieces):
+    """Whether this program is the last of its row's pieces to get here; it resets the count
+    for the next pass. A pass's per-row step runs in that program rather than in a launch of
+    its own (half the launches; they dominate at 256 rows): acq_rel makes every other piece's
+    writes of the pass visible to it (the barrier first orders this program's own threads'
+    writes before the one thread that does the atomic)."""
+    tl.debug_barrier()
+    last = tl.atomic_add(arrived + row, 1, sem="acq_rel") == num_pieces - 1
+    if last:
+        tl.store(arrived + row, 0)
+    return last
+
+
+@triton.jit
 def _radix_kernel(
-    logits, select, piece_max, histogram, stride_n, stride_v, vocab_size, num_pieces,
+    logits, select, piece_max, histogram, arrived, stride_n, stride_v, vocab_size, num_pieces,
     SHIFT: tl.constexpr, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Top-k's radix pass at bit SHIFT: the 256-bin histogram of the digit (key >> SHIFT) & 255
     of the row's keys whose higher digits equal the row's prefix so far, added into the row's
-    histogram. Integer atomics, so the sum is exact in any order."""
+    histogram (integer atomics, so the sum is exact in any order); the row's last piece to
+    finish takes the digit."""
     row, piece = tl.program_id(0).to(tl.int64), tl.program_id(1)
     FIRST: tl.constexpr = SHIFT + 8 >= KEY_BITS
     prefix = tl.load(select + row * 3 + 1).to(tl.int32)  # key >> (SHIFT + 8) of the answer
@@ -143,13 +158,14 @@ def _radix_kernel(
             in_set = valid & ((high >> 8) == prefix)
         h = tl.histogram(digit, 256, mask=in_set)
         tl.atomic_add(histogram + row * 256 + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+    if _last_to_arrive(arrived, row, num_pieces):
+        _take_digit(row, histogram, select, SHIFT, KEY_BITS)
 
 
 @triton.jit
-def _radix_update_kernel(histogram, select, SHIFT: tl.constexpr, KEY_BITS: tl.constexpr):
+def _take_digit(row, histogram, select, SHIFT: tl.constexpr, KEY_BITS: tl.constexpr):
     """The digit of the k-th largest key: the largest d with at least k' keys of the set at
     digit >= d; k' drops by the keys above d. Clears the histogram for the next pass."""
-    row = tl.program_id(0).to(tl.int64)
     if tl.load(select + row * 3 + 2) != 0:
         bins = tl.arange(0, 256)
         h = tl.load(histogram + row * 256 + bins)
@@ -169,11 +185,12 @@ def _radix_update_kernel(histogram, select, SHIFT: tl.constexpr, KEY_BITS: tl.co
 @triton.jit(do_not_specialize=_FLAGS)
 def _begin_kernel(
     logits, temperature, top_k, top_p, min_p, partials, state, fstate, select, histogram,
-    vocab_size, num_pieces, has_top_k, has_top_p, has_min_p,
+    arrived, vocab_size, num_pieces, has_top_k, has_top_p, has_min_p,
     KEY_BITS: tl.constexpr, CANDIDATES: tl.constexpr, PIECES: tl.constexpr,
 ):  # fmt: skip
     """The row's key range and largest logit; top-k's radix select set up (k keys still to
-    find, an empty prefix, whether the row selects at all) over a cleared histogram."""
+    find, an empty prefix, whether the row selects at all) over a cleared histogram; no piece
+    of the row has arrived."""
     row = tl.program_id(0).to(tl.int64)
     t, k, p, m, on_k, on_p, active = _row_filters(
         row, temperature, top_k, top_p, min_p, vocab_size, has_top_k, has_top_p, has_min_p
@@ -188,19 +205,21 @@ def _begin_kernel(
     tl.store(select + row * 3 + 1, 0)
     tl.store(select + row * 3 + 2, (active & on_k).to(tl.int64))
     tl.store(histogram + row * 256 + tl.arange(0, 256), tl.zeros((256,), tl.int32))
+    tl.store(arrived + row, 0)
     top = _key_value(key_max, logits.dtype.element_ty, KEY_BITS)
     tl.store(fstate + row * 3 + 1, top.to(tl.float64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["has_top_p"])
 def _mass_kernel(
-    logits, temperature, piece_max, piece_mass, partials, state, fstate,
-    stride_n, stride_v, vocab_size, num_pieces,
+    logits, temperature, top_p, piece_max, piece_mass, partials, state, fstate, arrived,
+    stride_n, stride_v, vocab_size, num_pieces, has_top_p,
     KEY_BITS: tl.constexpr, CHUNK: tl.constexpr, CANDIDATES: tl.constexpr,
-    MASS_F64: tl.constexpr,
+    PIECES: tl.constexpr, MASS_F64: tl.constexpr,
 ):  # fmt: skip
     """One piece's W(key >= cut) for each cut of its row's interval [lo, hi), and its whole W
-    (top-p's first pass takes the total from it): W sums exp((x - top) / T) over x >= floor."""
+    (top-p's first pass takes the total from it): W sums exp((x - top) / T) over x >= floor.
+    The row's last piece to finish narrows the interval."""
     row, piece = tl.program_id(0).to(tl.int64), tl.program_id(1)
     lo = tl.load(state + row * 3)
     hi = tl.load(state + row * 3 + 1)
@@ -239,17 +258,19 @@ def _mass_kernel(
     else:
         tl.store(out + tl.arange(0, CANDIDATES), tl.zeros((CANDIDATES,), tl.float64))
         tl.store(piece_mass + at, 0.0)
+    if _last_to_arrive(arrived, row, num_pieces):
+        _narrow(row, top_p, piece_mass, partials, state, fstate, num_pieces, has_top_p,
+                CANDIDATES, PIECES)
 
 
-@triton.jit(do_not_specialize=["has_top_p"])
-def _update_kernel(
-    top_p, piece_mass, partials, state, fstate, num_pieces, has_top_p,
+@triton.jit
+def _narrow(
+    row, top_p, piece_mass, partials, state, fstate, num_pieces, has_top_p,
     CANDIDATES: tl.constexpr, PIECES: tl.constexpr,
 ):  # fmt: skip
     """Narrow the row's [lo, hi) to the largest key t with W(>= t) >= target, from the pieces'
     totals summed in piece order; a negative target means top_p x the row's whole W (the
     first pass). Needs W(>= lo) >= target and W(>= hi) < target."""
-    row = tl.program_id(0).to(tl.int64)
     lo = tl.load(state + row * 3)
     hi = tl.load(state + row * 3 + 1)
     if hi - lo > 1:
@@ -330,9 +351,9 @@ def _absent(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 def workspace_bytes(num_rows: int, vocab_size: int, chunk: int = CHUNK,
                     candidates: int = CANDIDATES) -> int:  # fmt: skip
     """Device bytes `filter_thresholds_triton` allocates besides its `[N]` output:
-    per row, 8 x candidates + 12 bytes per piece of `chunk` columns, plus 72 of search state
+    per row, 8 x candidates + 12 bytes per piece of `chunk` columns, plus 76 of search state
     and top-k's 1 KiB histogram."""
-    return num_rows * (triton.cdiv(vocab_size, chunk) * (8 * candidates + 12) + 72 + 1024)
+    return num_rows * (triton.cdiv(vocab_size, chunk) * (8 * candidates + 12) + 76 + 1024)
 
 
 def filter_thresholds_triton(
@@ -354,8 +375,8 @@ def filter_thresholds_triton(
     rounding of top_p).
 
     Extra memory: the `[N]` float32 output and `workspace_bytes(N, V)`: 2.8 MiB at 256 rows x
-    151,936 columns with the defaults, 1/26 of the bf16 logits. Launches: 2 + 2 x (the passes
-    of each filter given: 2 for top-k and 4 for top-p with 16-bit keys) + 2, none waiting on
+    151,936 columns with the defaults, 1/26 of the bf16 logits. Launches: 3 + the passes of
+    each filter given (2 for top-k and 4 for top-p with 16-bit keys) + 1, none waiting on
     the host."""
     check_filter_inputs(logits, temperature, top_k, top_p, min_p)
     for name, value in (("chunk", chunk), ("candidates", candidates)):
@@ -377,6 +398,7 @@ def filter_thresholds_triton(
     # top-k's radix select: keys still to find, the prefix found, whether the row selects
     select = torch.empty(num_rows, 3, dtype=torch.int64, device=device)
     histogram = torch.empty(num_rows, 256, dtype=torch.int32, device=device)
+    arrived = torch.empty(num_rows, dtype=torch.int32, device=device)  # pieces done this pass
     # One dtype whether top_k is given or not (int32, as the engine passes it): a second would
     # compile second kernels.
     filters = (
@@ -393,17 +415,16 @@ def filter_thresholds_triton(
         num_warps=num_warps,
     )  # fmt: skip
     _begin_kernel[(num_rows,)](
-        logits, temperature, *filters, partials, state, fstate, select, histogram, vocab_size,
-        num_pieces, *flags, KEY_BITS=key_bits, CANDIDATES=candidates, PIECES=pieces,
+        logits, temperature, *filters, partials, state, fstate, select, histogram, arrived,
+        vocab_size, num_pieces, *flags, KEY_BITS=key_bits, CANDIDATES=candidates, PIECES=pieces,
     )  # fmt: skip
     # A filter given for no row has nothing to search: its passes are left out, not skipped.
     if top_k is not None:
         for shift in range(key_bits - 8, -1, -8):
             _radix_kernel[split](
-                logits, select, piece_max, histogram, *logits.stride(), vocab_size, num_pieces,
-                SHIFT=shift, KEY_BITS=key_bits, CHUNK=chunk, num_warps=num_warps,
+                logits, select, piece_max, histogram, arrived, *logits.stride(), vocab_size,
+                num_pieces, SHIFT=shift, KEY_BITS=key_bits, CHUNK=chunk, num_warps=num_warps,
             )  # fmt: skip
-            _radix_update_kernel[(num_rows,)](histogram, select, SHIFT=shift, KEY_BITS=key_bits)
     _between_kernel[(num_rows,)](
         logits, temperature, *filters, state, fstate, select, vocab_size, *flags,
         KEY_BITS=key_bits,
@@ -412,13 +433,10 @@ def filter_thresholds_triton(
         # Each pass leaves at most ceil(width / candidates) keys of the interval.
         for _ in range(-(-key_bits // (candidates.bit_length() - 1))):
             _mass_kernel[split](
-                logits, temperature, piece_max, piece_mass, partials, state, fstate,
-                *logits.stride(), vocab_size, num_pieces, KEY_BITS=key_bits, CHUNK=chunk,
-                CANDIDATES=candidates, MASS_F64=mass_float64, num_warps=num_warps,
-            )  # fmt: skip
-            _update_kernel[(num_rows,)](
-                filters[1], piece_mass, partials, state, fstate, num_pieces, flags[1],
-                CANDIDATES=candidates, PIECES=pieces,
+                logits, temperature, filters[1], piece_max, piece_mass, partials, state, fstate,
+                arrived, *logits.stride(), vocab_size, num_pieces, flags[1], KEY_BITS=key_bits,
+                CHUNK=chunk, CANDIDATES=candidates, PIECES=pieces, MASS_F64=mass_float64,
+                num_warps=num_warps,
             )  # fmt: skip
     _finish_kernel[(num_rows,)](
         logits, temperature, *filters, state, fstate, out, vocab_size, *flags, KEY_BITS=key_bits
