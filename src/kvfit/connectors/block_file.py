@@ -21,7 +21,8 @@ import torch
 
 FORMAT = "kvfit-kv-block-v1"
 SUFFIX = ".safetensors"
-TMP_PREFIX = ".tmp-"
+TMP_SUFFIX = ".tmp"
+"""A file being written: hidden, and never a name a reader opens."""
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _HEADER_LEN = struct.Struct("<Q")
@@ -66,7 +67,7 @@ def write_block(path: Path, fmt: BlockFormat, key: str, data: torch.Tensor,
         raise ValueError(f"block data {data.dtype} {tuple(data.shape)} does not match the "
                          f"store's {fmt.dtype} {fmt.shape}")
     payload = memoryview(data.contiguous().view(torch.uint8).numpy()).cast("B")
-    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}{SUFFIX}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex}{TMP_SUFFIX}")
     try:
         with open(tmp, "wb") as f:
             f.write(_header(fmt, key, zlib.crc32(payload), extra or {}))
