@@ -134,6 +134,23 @@ def test_registered_storages_are_the_committed_bytes_in_one_chunk_per_segment(
         llm.shutdown()
 
 
+def test_a_shrink_registers_the_smaller_cache(qwen3, tmp_path) -> None:
+    """A shrink (the out-of-memory guard's) re-registers: the connector's storages follow the
+    committed bytes."""
+    llm = connected(qwen3, tmp_path, max_num_seqs=32)
+    try:
+        w = worker(llm)
+        cache = w.runner.kv_cache
+        target = cache.granule_aligned_blocks(cache.committed_blocks // 2)
+        assert 0 < target < cache.committed_blocks
+        w.shrink_kv_cache(target)
+        views = connector(llm).registered_caches
+        assert [v.untyped_storage().nbytes() for v in views] == [cache.physical_bytes]
+        assert views[0].shape[0] == target == cache.committed_blocks
+    finally:
+        llm.shutdown()
+
+
 def _damage(kind: str, path: Path, key: str, fmt: BlockFormat) -> None:
     if kind == "corrupt":  # a whole header, flipped bytes in the data: only the checksum sees it
         raw = bytearray(path.read_bytes())

@@ -233,7 +233,13 @@ class Worker:
         physical bytes freed. The blocks dropped must be unused and no step may be running."""
         cache = self.runner.kv_cache
         before = cache.physical_bytes
-        self.runner.commit_blocks(num_blocks)
+        if self.kv_connector is not None:  # its storages end where the committed bytes do
+            self.kv_connector.unregister_kv_caches()
+        try:
+            self.runner.commit_blocks(num_blocks)
+        finally:
+            if self.kv_connector is not None:
+                self.kv_connector.register_kv_caches(self.runner.kv_cache_views())
         self.empty_cache()
         return before - cache.physical_bytes
 
