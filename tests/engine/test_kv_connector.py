@@ -134,6 +134,22 @@ def test_registered_storages_are_the_committed_bytes_in_one_chunk_per_segment(
         llm.shutdown()
 
 
+def test_a_torch_allocated_cache_registers_and_loads_too(qwen3, store, reference) -> None:
+    """Without VMM (sizing by estimate) the cache is one torch tensor: its per-segment views
+    are registered and the store's blocks load the same way."""
+    llm = connected(qwen3, store, enable_extensible_kv_cache=False)
+    try:
+        runner = worker(llm).runner
+        assert runner.kv_cache is None
+        num_blocks = llm.engine.config.cache_config.num_gpu_blocks
+        assert [tuple(v.shape) for v in connector(llm).registered_caches] == [
+            (num_blocks, *runner.kv_cache_spec.block_shape)]
+        assert outputs(llm) == reference
+        assert connector(llm).stats.loaded_blocks == sum(FULL_PREFIX_BLOCKS)
+    finally:
+        llm.shutdown()
+
+
 def test_a_shrink_registers_the_smaller_cache(qwen3, tmp_path) -> None:
     """A shrink (the out-of-memory guard's) re-registers: the connector's storages follow the
     committed bytes."""

@@ -88,7 +88,6 @@ class SharedStorageConnector(KVConnector):
         self._chains: dict[int, list[str]] = {}  # seq_id -> keys of its leading full blocks
         self._pending_loads: list[BlockTransfer] = []
         self._bad_keys: set[str] = set()
-        self._planned_saves: set[str] = set()
         # Worker side.
         self._caches: list[torch.Tensor] | None = None
         self._staging: torch.Tensor | None = None
@@ -161,26 +160,28 @@ class SharedStorageConnector(KVConnector):
         meta = KVConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
         bs = self.block_size
+        planned: set[str] = set()  # two sequences may fill the same block in one step
         for seq, num_new in zip(seqs, num_new_tokens, strict=True):
             first, filled = seq.num_computed_tokens // bs, (seq.num_computed_tokens + num_new) // bs
             for i, key in enumerate(self.block_keys(seq, filled)[first:], first):
-                if self._needs_save(key):
-                    self._planned_saves.add(key)
+                if key not in planned and self._needs_save(key):
+                    planned.add(key)
                     meta.saves.append(BlockTransfer(seq.block_table[i], key))
         return meta
 
     def _needs_save(self, key: str) -> bool:
-        if key in self._bad_keys:  # replace what could not be loaded
+        """Whether the store lacks `key` (earlier steps' saves are done: they are synchronous)
+        or holds a file that could not be used, which the save replaces."""
+        if key in self._bad_keys:
             self._bad_keys.discard(key)
             return True
-        return key not in self._planned_saves and not self.path(key).exists()
+        return not self.path(key).exists()
 
     def request_finished(self, seq: ScheduledSeq) -> None:
         self._chains.pop(seq.seq_id, None)
 
     def loads_failed(self, error: KVLoadError) -> None:
         self._bad_keys |= error.bad_keys
-        self._planned_saves -= error.bad_keys
 
     # -- worker side --------------------------------------------------------------------------
 
