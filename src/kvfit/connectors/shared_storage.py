@@ -267,9 +267,13 @@ class SharedStorageConnector(KVConnector):
 
     def _staging_buffer(self, num_blocks: int) -> torch.Tensor:
         if self._staging is None or len(self._staging) < num_blocks:
-            device = self._caches[0].device
-            self._staging = torch.empty((num_blocks, *self.format.shape), dtype=self.format.dtype,
-                                        pin_memory=device.type == "cuda")
+            shape, pin = (num_blocks, *self.format.shape), self._caches[0].device.type == "cuda"
+            try:
+                self._staging = torch.empty(shape, dtype=self.format.dtype, pin_memory=pin)
+            except RuntimeError as error:  # pinned memory is capped (ulimit -l, containers)
+                logger.warning("KV store: no pinned host memory for staging (%s); copies run "
+                               "from pageable memory, slower", error)
+                self._staging = torch.empty(shape, dtype=self.format.dtype)
         return self._staging
 
     def _io(self, op: Callable[[BlockTransfer, torch.Tensor], None],

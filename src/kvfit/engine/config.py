@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvfit.connectors.config import KVConnectorConfig
+from kvfit.connectors.config import CONNECTOR_NAMES, KVConnectorConfig
 from kvfit.kv.spec import LAYOUTS, KVCacheSpec
 
 if TYPE_CHECKING:
@@ -237,7 +237,7 @@ class EngineArgs:
         p.add_argument("--kv-cache-layout", default=d.kv_cache_layout, choices=sorted(LAYOUTS),
                        help="dimension order of the KV cache (default: %(default)s, one "
                        "contiguous region per block)")
-        p.add_argument("--kv-connector", default=d.kv_connector, choices=["shared_storage"],
+        p.add_argument("--kv-connector", default=d.kv_connector, choices=CONNECTOR_NAMES,
                        help="move KV blocks to and from a store outside the engine: "
                        "shared_storage keeps full blocks as files in --kv-connector-path, so "
                        "other engines on the same model get prefix hits from them")

@@ -85,7 +85,6 @@ class EngineCore:
             self.shutdown()  # a failed startup must not keep the model and cache alive
             raise
         cc, sc = config.cache_config, config.scheduler_config
-        self.kv_connector = self._create_kv_connector()
         self.scheduler = Scheduler(
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -93,7 +92,7 @@ class EngineCore:
             block_manager=BlockManager(cc.num_gpu_blocks, cc.block_size, cc.enable_prefix_caching),
             eos_token_id=eos_token_ids(config.model_config.hf_config),
             detokenizer=Detokenizer(tokenizer),
-            kv_connector=self.kv_connector,
+            kv_connector=self._create_kv_connector(),
         )
         self.oom_guard = OOMGuard(config, self.executor, self.scheduler,
                                   self.kv_cache_report.margin)
