@@ -1,6 +1,6 @@
 """The shared-storage connector on a CUDA device: the CPU test's two engines (the second loads
-every full prefix block, with the outputs of a local prefix-cache hit), and the registration
-of the committed, defragmented cache."""
+every full prefix block, with the outputs of a local prefix-cache hit), the registration of
+the committed, defragmented cache, and its release and registration again around sleep."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def outputs(llm: LLM) -> list[list[int]]:
 def connected(model: Path, store: Path, layout: str) -> LLM:
     return LLM(str(model), device="cuda", gpu_memory_utilization=0.05, max_num_seqs=16,
                max_model_len=512, block_size=BLOCK_SIZE, kv_cache_layout=layout,
-               kv_connector="shared_storage", kv_connector_path=str(store))
+               enable_sleep_mode=True, kv_connector="shared_storage",
+               kv_connector_path=str(store))
 
 
 def connector(llm: LLM) -> SharedStorageConnector:
@@ -52,12 +53,24 @@ def test_second_engine_loads_every_full_prefix_block_on_gpu(gpu_model, tmp_path,
     try:
         runner = second.engine.executor.workers[0].runner
         cache, spec = runner.kv_cache, runner.kv_cache_spec
-        views = connector(second).registered_caches
-        assert sum(v.untyped_storage().nbytes() for v in views) == cache.physical_bytes
-        assert cache.tensor.num_physical_chunks == spec.num_segments == len(views)
+
+        def check_registration() -> None:
+            views = connector(second).registered_caches
+            assert sum(v.untyped_storage().nbytes() for v in views) == cache.physical_bytes
+            assert cache.tensor.num_physical_chunks == spec.num_segments == len(views)
+
+        check_registration()
         assert outputs(second) == local_hits
         full_blocks = sum((n - 1) // BLOCK_SIZE for n in LENGTHS)
         assert connector(second).stats.loaded_blocks == full_blocks
         assert second.engine.scheduler.num_external_hit_tokens == full_blocks * BLOCK_SIZE
+        # Sleep lets go of the cache; wake registers it again, one chunk per segment, and the
+        # store (not the prefix cache, which sleep dropped) serves the prompts once more.
+        second.sleep(level=1)
+        assert connector(second).registered_caches is None
+        second.wake_up()
+        check_registration()
+        assert outputs(second) == local_hits
+        assert connector(second).stats.loaded_blocks == 2 * full_blocks
     finally:
         second.shutdown()
