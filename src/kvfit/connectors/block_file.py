@@ -16,6 +16,7 @@ import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -78,22 +79,41 @@ def write_block(path: Path, fmt: BlockFormat, key: str, data: torch.Tensor,
         raise
 
 
-def read_header(path: Path, fmt: BlockFormat, key: str) -> tuple[dict[str, str], int]:
-    """The file's metadata and where its data starts; `BlockFileError` if it is not a whole
-    block of `fmt` named `key` (`FileNotFoundError` if there is none)."""
+def read_header(path: Path, fmt: BlockFormat, key: str) -> dict[str, str]:
+    """The file's metadata; `BlockFileError` if it is not a whole block of `fmt` named `key`
+    (`FileNotFoundError` if there is none)."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(_HEADER_LEN.size)
-        if len(head) < _HEADER_LEN.size:
-            raise BlockFileError(f"truncated: {size} bytes")
-        (n,) = _HEADER_LEN.unpack(head)
-        if n > _MAX_HEADER or n > size:
-            raise BlockFileError(f"not a safetensors file (header of {n} bytes in {size})")
-        try:
-            header = json.loads(f.read(n))
-            meta, tensor = header["__metadata__"], header["kv"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise BlockFileError(f"unreadable header ({e})") from None
+        return _check_header(f, fmt, key)
+
+
+def read_block(path: Path, fmt: BlockFormat, key: str, out: torch.Tensor) -> None:
+    """Read the block named `key` into `out` (a contiguous host tensor of `fmt.nbytes`),
+    checking its header and checksum; `BlockFileError` / `OSError` if it cannot be used.
+
+    Header and data come from one open file: a writer may replace the name in between."""
+    buffer = memoryview(out.view(torch.uint8).numpy()).cast("B")
+    with open(path, "rb") as f:
+        meta = _check_header(f, fmt, key)
+        if f.readinto(buffer) != fmt.nbytes:
+            raise BlockFileError("truncated while reading")
+    if str(zlib.crc32(buffer)) != meta.get("crc32"):
+        raise BlockFileError("checksum mismatch (corrupt data)")
+
+
+def _check_header(f: BinaryIO, fmt: BlockFormat, key: str) -> dict[str, str]:
+    """Read and check the header of the open file `f`, leaving it at the data."""
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(_HEADER_LEN.size)
+    if len(head) < _HEADER_LEN.size:
+        raise BlockFileError(f"truncated: {size} bytes")
+    (n,) = _HEADER_LEN.unpack(head)
+    if n > _MAX_HEADER or n > size:
+        raise BlockFileError(f"not a safetensors file (header of {n} bytes in {size})")
+    try:
+        header = json.loads(f.read(n))
+        meta, tensor = header["__metadata__"], header["kv"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise BlockFileError(f"unreadable header ({e})") from None
     if meta.get("format") != FORMAT:
         raise BlockFileError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
     if meta.get("namespace") != fmt.namespace:
@@ -104,20 +124,7 @@ def read_header(path: Path, fmt: BlockFormat, key: str) -> tuple[dict[str, str],
     if (tensor.get("dtype"), tensor.get("shape")) != (_ST_DTYPES[fmt.dtype], list(fmt.shape)):
         raise BlockFileError(f"tensor {tensor.get('dtype')} {tensor.get('shape')}, expected "
                              f"{_ST_DTYPES[fmt.dtype]} {list(fmt.shape)}")
-    start = _HEADER_LEN.size + n
-    if size != start + fmt.nbytes:
-        raise BlockFileError(f"truncated or padded: {size} bytes, expected {start + fmt.nbytes}")
-    return meta, start
-
-
-def read_block(path: Path, fmt: BlockFormat, key: str, out: torch.Tensor) -> None:
-    """Read the block named `key` into `out` (a contiguous host tensor of `fmt.nbytes`),
-    checking its header and checksum; `BlockFileError` / `OSError` if it cannot be used."""
-    meta, start = read_header(path, fmt, key)
-    buffer = memoryview(out.view(torch.uint8).numpy()).cast("B")
-    with open(path, "rb") as f:
-        f.seek(start)
-        if f.readinto(buffer) != fmt.nbytes:
-            raise BlockFileError("truncated while reading")
-    if str(zlib.crc32(buffer)) != meta.get("crc32"):
-        raise BlockFileError("checksum mismatch (corrupt data)")
+    if size != _HEADER_LEN.size + n + fmt.nbytes:
+        raise BlockFileError(f"truncated or padded: {size} bytes, expected "
+                             f"{_HEADER_LEN.size + n + fmt.nbytes}")
+    return meta
