@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvfit.kv.spec import KVCacheSpec
+from kvfit.connectors.config import CONNECTOR_NAMES, KVConnectorConfig
+from kvfit.kv.spec import LAYOUTS, KVCacheSpec
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -117,9 +118,11 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] = field(default_factory=list)
     enable_sleep_mode: bool = False
+    kv_cache_layout: str = "block_outer"
+    kv_connector_config: KVConnectorConfig | None = None
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        """What one KV cache block holds (block-outermost layout)."""
+        """What one KV cache block holds, in `kv_cache_layout`."""
         mc = self.model_config
         return KVCacheSpec(
             num_layers=mc.num_layers,
@@ -127,6 +130,7 @@ class EngineConfig:
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
             dtype=mc.dtype,
+            layout=self.kv_cache_layout,
         )
 
 
@@ -159,6 +163,9 @@ class EngineArgs:
     kv_cache_margin_floor_bytes: int = 256 * MiB
     cpu_kv_cache_space_bytes: int | None = None
     enable_sleep_mode: bool = False
+    kv_cache_layout: str = "block_outer"
+    kv_connector: str | None = None
+    kv_connector_path: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -227,6 +234,15 @@ class EngineArgs:
         p.add_argument("--enable-sleep-mode", action="store_true", default=d.enable_sleep_mode,
                        help="place the weights in a VMM arena so LLM.sleep() can release them "
                        "and the KV cache without recapturing graphs")
+        p.add_argument("--kv-cache-layout", default=d.kv_cache_layout, choices=sorted(LAYOUTS),
+                       help="dimension order of the KV cache (default: %(default)s, one "
+                       "contiguous region per block)")
+        p.add_argument("--kv-connector", default=d.kv_connector, choices=CONNECTOR_NAMES,
+                       help="move KV blocks to and from a store outside the engine: "
+                       "shared_storage keeps full blocks as files in --kv-connector-path, so "
+                       "other engines on the same model get prefix hits from them")
+        p.add_argument("--kv-connector-path", default=d.kv_connector_path, metavar="DIR",
+                       help="the shared_storage connector's directory (created if missing)")
         return parser
 
     @classmethod
@@ -274,6 +290,10 @@ class EngineArgs:
                 self.cuda_graph_sizes, min(max_num_seqs, max_batched)
             ),
             enable_sleep_mode=self._check_sleep_mode(device),
+            kv_cache_layout=_check_choice("kv_cache_layout", self.kv_cache_layout,
+                                          tuple(LAYOUTS)),
+            kv_connector_config=KVConnectorConfig.create(
+                self.kv_connector, self.kv_connector_path, self.kv_cache_layout),
         )
 
     def _check_sleep_mode(self, device: torch.device) -> bool:

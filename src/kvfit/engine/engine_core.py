@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvfit.connectors import KVConnector, KVLoadError, create_kv_connector, model_identity
 from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.block_manager import BlockManager
 from kvfit.engine.config import EngineConfig
@@ -91,6 +92,7 @@ class EngineCore:
             block_manager=BlockManager(cc.num_gpu_blocks, cc.block_size, cc.enable_prefix_caching),
             eos_token_id=eos_token_ids(config.model_config.hf_config),
             detokenizer=Detokenizer(tokenizer),
+            kv_connector=self._create_kv_connector(),
         )
         self.oom_guard = OOMGuard(config, self.executor, self.scheduler,
                                   self.kv_cache_report.margin)
@@ -126,10 +128,20 @@ class EngineCore:
             self._check_max_model_len_fits(num_blocks)
             if extensible:
                 rpc("extend_kv_cache", num_blocks)
+            if self.config.kv_connector_config is not None:  # it sees the final size only
+                rpc("init_kv_connector")
         cc.num_gpu_blocks = num_blocks
         report = rpc("kv_cache_report", method, num_blocks, self._max_blocks(method))[0]
         logger.info("KV cache:\n%s", report.format_table())
         return report
+
+    def _create_kv_connector(self) -> KVConnector | None:
+        """The scheduler side of the configured connector (after the workers registered)."""
+        cfg, mc = self.config.kv_connector_config, self.config.model_config
+        if cfg is None:
+            return None
+        return create_kv_connector(cfg, "scheduler", self.config.kv_cache_spec(),
+                                   model_identity(mc.model, mc.load_format))
 
     def _capacity(self, method: str, estimate: int) -> int:
         """Blocks to allocate: the override when one is set, else the estimate (which the
@@ -271,6 +283,19 @@ class EngineCore:
         finally:
             self._refresh_sleep_state()
         self.scheduler.block_manager.reset_prefix_cache()
+        if self.scheduler.kv_connector is not None:
+            # The store is keyed by the model's source weights: K/V of these must not enter it.
+            logger.warning("weights replaced: the KV connector is off for this engine (its "
+                           "store holds K/V of the model's own weights)")
+            self.scheduler.kv_connector = None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every local prefix-cache entry (a connector's store keeps its blocks); no
+        request may be unfinished."""
+        if self.has_unfinished():
+            raise RuntimeError("reset_prefix_cache() while requests are unfinished; finish or "
+                               "abort them first")
+        self.scheduler.block_manager.reset_prefix_cache()
 
     def _refresh_sleep_state(self) -> None:
         self._sleep_state = SleepState.merge(self.executor.collective_rpc("sleep_state"))
@@ -320,6 +345,9 @@ class EngineCore:
                 return None, None
             try:
                 return batch, self.executor.launch(batch)
+            except KVLoadError as error:  # raised before the step ran: compute those blocks
+                self.scheduler.recompute_lost_blocks(error)
+                continue
             except RuntimeError as error:
                 if not is_device_oom(error):
                     raise

@@ -69,6 +69,11 @@ class LLM:
         """How the KV cache was sized (method, blocks, the memory figures behind them)."""
         return self.engine.kv_cache_report
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the local prefix cache (a KV connector's store keeps its blocks); no request
+        may be running."""
+        self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Free the model and the KV cache now rather than at garbage collection (to start
         another engine in the same process)."""

@@ -50,6 +50,7 @@ class ModelRunner:
         self.kv_cache: ExtensibleKVCache | None = None
         self.kv_cache_spec = config.kv_cache_spec()
         self._num_allocated_blocks = 0
+        self._allocated_cache: torch.Tensor | None = None  # without the extensible cache
         self.graphs: CUDAGraphRunner | None = None
         # The last launched step's sampled ids (on the device) and the row of each sequence:
         # where the next step reads the tokens its sequences still hold as PENDING_TOKEN.
@@ -73,6 +74,7 @@ class ModelRunner:
             # seq_len would leak through a masked (0 * NaN) product.
             cache = torch.zeros(spec.shape(num_blocks), dtype=spec.dtype, device=self.device)
             self.model.bind_kv_cache(spec.layer_views(cache))
+            self._allocated_cache = cache
         self._num_allocated_blocks = num_blocks
 
     @property
@@ -89,16 +91,29 @@ class ModelRunner:
         elif num_blocks > self.num_blocks:
             raise ValueError(f"the KV cache holds {self.num_blocks} blocks, {num_blocks} asked")
 
-    def commit_blocks(self, num_blocks: int) -> None:
-        """Commit exactly `num_blocks` of the extensible cache (grow or shrink); same addresses."""
+    def commit_blocks(self, num_blocks: int, defragment: bool = False) -> None:
+        """Commit exactly `num_blocks` of the extensible cache (grow or shrink); same addresses.
+        `defragment`: each segment one physical allocation, contents zeroed (for a connector)."""
         if self.kv_cache is None:
             raise RuntimeError("commit_blocks needs the extensible KV cache")
-        self.kv_cache.commit(num_blocks)
+        self.kv_cache.commit(num_blocks, defragment=defragment)
+        if defragment:  # fresh device pages hold garbage, which a masked product can leak
+            for view in self.kv_cache.committed_views():
+                view.zero_()
+
+    def kv_cache_views(self) -> list[torch.Tensor]:
+        """Per segment `[num_blocks, *block_shape]` over the backed blocks only (each storage
+        exactly their bytes under the extensible cache): what a KV connector registers."""
+        if self.kv_cache is not None:
+            return self.kv_cache.committed_views()
+        spec = self.kv_cache_spec
+        return list(self._allocated_cache.view(spec.num_segments, self._num_allocated_blocks,
+                                               *spec.block_shape))
 
     def shutdown(self) -> None:
         """Free the graphs and the KV cache (the reservation too); the runner is done."""
         self.graphs = None
-        self.model = self.weight_arena = None
+        self.model = self.weight_arena = self._allocated_cache = None
         if self.kv_cache is not None:
             self.kv_cache.free()
             self.kv_cache = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from kvfit.connectors import KVConnector, KVLoadError
 from kvfit.engine.block_manager import BlockManager
 from kvfit.engine.detokenizer import Detokenizer
 from kvfit.engine.sequence import (
@@ -29,6 +30,10 @@ class Scheduler:
     A step's results are applied in two parts, so the next step can be scheduled while this one
     runs: `advance` when it is launched (tokens computed, a `PENDING_TOKEN` per sampled
     sequence), `update` when its output arrives (tokens, logprobs, stop checks).
+
+    With a KV connector (its scheduler side), a starting sequence also takes the blocks an
+    external store holds past its local prefix hit: they count as computed, and the step's
+    `kv_connector_meta` has the worker load them before the forward (and save what it fills).
     """
 
     def __init__(
@@ -40,6 +45,7 @@ class Scheduler:
         eos_token_id: int | Iterable[int] | None,
         long_prefill_token_threshold: int = 0,
         detokenizer: Detokenizer | None = None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -67,6 +73,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is last
         self.num_preemptions = 0
+        self.kv_connector = kv_connector
+        # Prompt tokens whose K/V came from the connector's store (not the local prefix cache).
+        self.num_external_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue `seq`; a request that could never run raises ValueError and changes nothing."""
@@ -104,17 +113,45 @@ class Scheduler:
                     i += 1
                     continue
                 self.block_manager.allocate(seq)
+                num_external = self._take_external_hits(seq)
                 num_new = self._chunk_size(seq, budget)
                 if not self.block_manager.append_slots(seq, num_new):
                     self._release(seq)
                     break
+                if num_external:
+                    self.kv_connector.update_state_after_alloc(seq, num_external)
+                    self.num_external_hit_tokens += num_external
                 del self.waiting[i]
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
-        return batch if batch.seqs else None
+        if not batch.seqs:
+            return None
+        if self.kv_connector is not None:
+            batch.kv_connector_meta = self.kv_connector.build_connector_meta(
+                batch.seqs, batch.num_new_tokens)
+        return batch
+
+    def _take_external_hits(self, seq: Sequence) -> int:
+        """Count the tokens the connector's store holds past `seq`'s local hit as computed;
+        how many. Like local hits, none for a request that wants prompt logprobs."""
+        if self.kv_connector is None or seq.sampling_params.prompt_logprobs is not None:
+            return 0
+        num_external = self.kv_connector.get_num_new_matched_tokens(seq)
+        seq.num_computed_tokens += num_external
+        return num_external
+
+    def recompute_lost_blocks(self, error: KVLoadError) -> None:
+        """A launch could not load some external blocks (and ran nothing): each sequence they
+        belong to computes again from its first lost token; the store stops offering them."""
+        for seq in self.running:
+            first = error.first_lost_token.get(seq.seq_id)
+            if first is not None and first < seq.num_computed_tokens:
+                self.num_external_hit_tokens -= seq.num_computed_tokens - first
+                seq.num_computed_tokens = first
+        self.kv_connector.loads_failed(error)
 
     def postprocess(self, batch: ScheduledBatch, output: ModelOutput) -> list[Sequence]:
         """Apply a step's model output to its sequences; returns those that finished."""
@@ -277,6 +314,8 @@ class Scheduler:
         return False
 
     def _finish(self, seq: Sequence) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(seq)
         self.block_manager.free(seq)
         self.detokenizer.free(seq)
         seq.status = SequenceStatus.FINISHED

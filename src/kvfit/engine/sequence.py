@@ -5,10 +5,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvfit.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvfit.connectors import KVConnectorMetadata
 
 _seq_counter = itertools.count()
 
@@ -148,6 +152,8 @@ class ScheduledBatch:
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
+    # The KV connector's loads and saves for this step (`KVConnectorMetadata`), if any.
+    kv_connector_meta: KVConnectorMetadata | None = None
 
     @property
     def num_tokens(self) -> int:

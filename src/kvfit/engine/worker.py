@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from kvfit.connectors import KVConnector, create_kv_connector, model_identity
 from kvfit.engine import sampler
 from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.config import EngineConfig
@@ -30,7 +31,8 @@ from kvfit.kv.sizing import (
 )
 from kvfit.models.loader import fill_weights
 from kvfit.models.weights import canonical_names, load_weights
-from kvfit.vmm import vmm_unavailable_reason
+from kvfit.vmm import get_driver, vmm_unavailable_reason
+from kvfit.vmm.extensible_tensor import commit_granule
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class Worker:
         self.estimate_blocks = 0
         # Weights woken without contents (sleep level 2, no reload) and not loaded since.
         self.missing_weights: set[str] = set()
+        # The worker side of the KV connector, once the cache has its final size.
+        self.kv_connector: KVConnector | None = None
 
     def vmm_unavailable_reason(self) -> str | None:
         """Why this device cannot back the extensible cache, or None when it can."""
@@ -122,7 +126,12 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int, extensible: bool) -> int:
         """Create the cache (extensible: `num_blocks` is the capacity, the minimum is
-        committed); return how many blocks this worker could commit for warmup."""
+        committed); return how many blocks this worker could commit for warmup. With a
+        connector the capacity is rounded up so that every segment starts on a granule."""
+        if extensible and self.config.kv_connector_config is not None:
+            step = self.runner.kv_cache_spec.granule_block_step(
+                commit_granule(get_driver(self.device).granularity(self.device.index or 0)))
+            num_blocks = -(-num_blocks // step) * step
         self.runner.initialize_kv_cache(num_blocks, extensible)
         if extensible:
             profile = self.memory_profile()
@@ -182,18 +191,33 @@ class Worker:
 
     def measure_kv_cache_blocks(self) -> int:
         """The most blocks that fit in what is measured free within the budget, less the
-        transient and the margin; never more than the reserved capacity."""
+        transient and the margin; never more than the reserved capacity. With a connector, a
+        count at which every segment ends on a granule (each its own physical chunk)."""
         cc = self.config.cache_config
         available = available_kv_bytes(
             self.memory_profile(), cc.memory_utilization, cc.kv_cache_margin_floor_bytes,
             cc.kv_cache_margin_fraction, self.monitor.budget_setting,
         )
         cache = self.runner.kv_cache
-        return min(cache.capacity_blocks, cache.blocks_that_fit(available))
+        num_blocks = min(cache.capacity_blocks, cache.blocks_that_fit(available))
+        if self.config.kv_connector_config is not None:
+            num_blocks = cache.granule_aligned_blocks(num_blocks)
+        return num_blocks
 
     def extend_kv_cache(self, num_blocks: int) -> None:
-        """Commit exactly `num_blocks` (growing, or shrinking below what warmup used)."""
-        self.runner.commit_blocks(num_blocks)
+        """Commit exactly `num_blocks` (growing, or shrinking below what warmup used). For a
+        connector the commit defragments: each segment becomes one physical allocation (RDMA
+        registration cannot span several) and warmup's contents are dropped."""
+        self.runner.commit_blocks(num_blocks,
+                                  defragment=self.config.kv_connector_config is not None)
+
+    def init_kv_connector(self) -> None:
+        """Create the worker side of the configured connector and register the cache's backed
+        memory (after the final `extend_kv_cache`, so it sees only the final size)."""
+        cfg, mc = self.config.kv_connector_config, self.config.model_config
+        self.kv_connector = create_kv_connector(cfg, "worker", self.runner.kv_cache_spec,
+                                                model_identity(mc.model, mc.load_format))
+        self.kv_connector.register_kv_caches(self.runner.kv_cache_views())
 
     def kv_cache_shrink_target(self, nbytes: int, num_granules: int = 1) -> int:
         """The most blocks the extensible cache can commit in `nbytes` and `num_granules` commit
@@ -209,7 +233,13 @@ class Worker:
         physical bytes freed. The blocks dropped must be unused and no step may be running."""
         cache = self.runner.kv_cache
         before = cache.physical_bytes
-        self.runner.commit_blocks(num_blocks)
+        if self.kv_connector is not None:  # its storages end where the committed bytes do
+            self.kv_connector.unregister_kv_caches()
+        try:
+            self.runner.commit_blocks(num_blocks)
+        finally:
+            if self.kv_connector is not None:
+                self.kv_connector.register_kv_caches(self.runner.kv_cache_views())
         self.empty_cache()
         return before - cache.physical_bytes
 
@@ -279,6 +309,8 @@ class Worker:
             self.missing_weights = canonical_names(runner.model)
         if cache is not None:
             released["kv_cache"] = cache.physical_bytes
+            if self.kv_connector is not None:  # it must not touch pages about to go
+                self.kv_connector.unregister_kv_caches()
             cache.release_physical()
         else:  # a torch allocation: releasing it would move the addresses the graphs hold
             kept["kv_cache"] = self.kv_cache_bytes()[0]
@@ -307,7 +339,9 @@ class Worker:
                 fill_weights(self.runner.model, mc.model, self.device, mc.load_format)
                 self.missing_weights = set()
         if "kv_cache" in tags and cache is not None and cache.is_released:
-            cache.recommit()
+            cache.recommit(defragment=self.kv_connector is not None)
+            if self.kv_connector is not None:
+                self.kv_connector.register_kv_caches(self.runner.kv_cache_views())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint-named tensors into the parameters, in place. Asleep weights are
@@ -328,11 +362,21 @@ class Worker:
         )
 
     def launch(self, batch: ScheduledBatch) -> AsyncModelOutput:
-        """Queue one scheduled step; its output arrives later."""
-        return self.runner.launch(batch)
+        """Queue one scheduled step; its output arrives later. The connector's loads land
+        before the forward (a `KVLoadError` stops the step before it runs); its saves wait
+        for the forward."""
+        meta, connector = batch.kv_connector_meta, self.kv_connector
+        if connector is not None and meta:
+            connector.start_load_kv(meta)
+        output = self.runner.launch(batch)
+        if connector is not None and meta:
+            connector.wait_for_save(meta)
+        return output
 
     def shutdown(self) -> None:
         """Release the model, graphs and KV cache, and return cached device memory."""
+        if self.kv_connector is not None:
+            self.kv_connector.unregister_kv_caches()
         if self.runner is not None:
             self.runner.shutdown()
             self.runner = None

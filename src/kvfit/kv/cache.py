@@ -148,10 +148,11 @@ class ExtensibleKVCache:
         """Drop every physical page (sleep); the reservation and every view's address stay."""
         self.tensor.release_physical()
 
-    def recommit(self) -> None:
-        """Back the same blocks again after `release_physical()`, zeroed, in large chunks; a
-        failure leaves the cache released (retry, or `free()`)."""
-        self.tensor.recommit()
+    def recommit(self, defragment: bool = False) -> None:
+        """Back the same blocks again after `release_physical()`, zeroed, in large chunks (one
+        per segment with `defragment`, for a connector); a failure leaves the cache released
+        (retry, or `free()`)."""
+        self.tensor.recommit(defragment)
 
     @property
     def is_released(self) -> bool:

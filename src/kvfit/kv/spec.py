@@ -117,5 +117,9 @@ class KVCacheSpec:
         committed blocks every segment also ends on one, so each segment is its own physical
         allocation (RDMA registration cannot span a granule shared by two segments).
         """
-        step = granularity // math.gcd(granularity, self.block_stride_bytes)
+        step = self.granule_block_step(granularity)
         return num_blocks // step * step
+
+    def granule_block_step(self, granularity: int) -> int:
+        """The fewest blocks whose per-segment extent is a whole number of granules."""
+        return granularity // math.gcd(granularity, self.block_stride_bytes)

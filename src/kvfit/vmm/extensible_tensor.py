@@ -159,15 +159,17 @@ class ExtensibleTensor:
         """Whether `release_physical` dropped the pages and no `recommit` has restored them."""
         return self._released
 
-    def recommit(self) -> None:
+    def recommit(self, defragment: bool = False) -> None:
         """Back the committed size again after `release_physical`, with zeroed pages, in chunks
-        of up to `BULK_CHUNK_BYTES`. A failure leaves the tensor released (nothing mapped), so
+        of up to `BULK_CHUNK_BYTES` (`defragment=True`: one allocation per segment, as after
+        `commit(defragment=True)`). A failure leaves the tensor released (nothing mapped), so
         it can be retried."""
         reservation = self._live()
         if not self._released:
             return
         reservation.unmap_all()  # what a release that failed part way left mapped
-        self._grow(self.committed_bytes, BULK_CHUNK_BYTES, reservation)
+        max_chunk = reservation.size if defragment else BULK_CHUNK_BYTES
+        self._grow(self.committed_bytes, max_chunk, reservation)
         self._released = False
         if not reservation.driver.new_pages_are_zero:
             for chunk in reservation.chunks.values():

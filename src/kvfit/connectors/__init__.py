@@ -1,0 +1,47 @@
+"""KV connectors: the API through which the engine moves KV blocks to and from stores outside
+it (`KVConnector`, scheduler and worker sides), and the shared-storage connector."""
+
+from __future__ import annotations
+
+from kvfit.connectors.base import (
+    BlockTransfer,
+    KVConnector,
+    KVConnectorMetadata,
+    KVLoadError,
+    ScheduledSeq,
+)
+from kvfit.connectors.config import BLOCK_COMPACT_LAYOUTS, CONNECTOR_NAMES, KVConnectorConfig
+from kvfit.connectors.shared_storage import SharedStorageConnector
+from kvfit.kv.spec import KVCacheSpec
+
+__all__ = [
+    "BLOCK_COMPACT_LAYOUTS",
+    "CONNECTOR_NAMES",
+    "BlockTransfer",
+    "KVConnector",
+    "KVConnectorConfig",
+    "KVConnectorMetadata",
+    "KVLoadError",
+    "ScheduledSeq",
+    "SharedStorageConnector",
+    "create_kv_connector",
+    "model_identity",
+]
+
+
+def model_identity(model: str, load_format: str) -> str:
+    """What names the weights a store's K/V were computed with: the model folder's real path
+    (or the built-in name) and whether its weights are the seeded dummy ones."""
+    from kvfit.models.loader import is_builtin, resolve_model
+
+    builtin = is_builtin(model)
+    if load_format == "auto":
+        load_format = "dummy" if builtin else "safetensors"
+    return f"{model if builtin else resolve_model(model).resolve()}:{load_format}"
+
+
+def create_kv_connector(config: KVConnectorConfig, role: str, spec: KVCacheSpec,
+                        model_id: str) -> KVConnector:
+    """The connector `config` names, for `role` ("scheduler" or "worker")."""
+    connectors = {"shared_storage": SharedStorageConnector}
+    return connectors[config.kv_connector](role, config, spec, model_id)

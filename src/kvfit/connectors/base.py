@@ -1,0 +1,128 @@
+"""The KV connector API: how the engine hands KV blocks to and takes them from a store outside
+it, split as in vLLM v1 into a scheduler side and a worker side.
+
+The scheduler side runs in the engine. When a sequence starts, it says how many of its prompt
+tokens the store holds beyond the local prefix-cache hit (`get_num_new_matched_tokens`); once
+blocks are allocated it plans their loads (`update_state_after_alloc`), and each step it
+builds the step's `KVConnectorMetadata` (loads, plus saves of the blocks the step fills). The
+worker side runs beside each device's cache: it registers the cache's memory
+(`register_kv_caches`) and moves the blocks that metadata names, loads before the step's
+forward (`start_load_kv`), saves after it (`wait_for_save`).
+
+The connector only sees plain block ids, token ids and tensors: it knows nothing of the
+engine's classes (`ScheduledSeq` is the little it reads from a sequence).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+ROLES = ("scheduler", "worker")
+
+
+class ScheduledSeq(Protocol):
+    """What a connector reads from one of the engine's sequences."""
+
+    seq_id: int
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    """One block to move: cache block `block_id` <-> the stored block named `key`. For a load,
+    `seq_id` and `first_token` say which sequence's tokens from where the block holds (what to
+    recompute if it cannot be loaded)."""
+
+    block_id: int
+    key: str
+    seq_id: int = -1
+    first_token: int = 0
+
+
+@dataclass
+class KVConnectorMetadata:
+    """What the scheduler side asks the worker side to do in one step: `loads` before the
+    forward, `saves` after it."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves)
+
+
+class KVLoadError(RuntimeError):
+    """Blocks a step was to load could not be (corrupt, truncated, gone). Raised before the
+    step's forward runs: the engine recomputes each sequence from its first lost token
+    (`first_lost_token`: seq_id -> token index) and tells the scheduler side (`bad_keys`)."""
+
+    def __init__(self, first_lost_token: dict[int, int], bad_keys: set[str]) -> None:
+        super().__init__(f"{len(bad_keys)} KV block(s) could not be loaded from the store; "
+                         f"recomputing them")
+        self.first_lost_token = first_lost_token
+        self.bad_keys = bad_keys
+
+
+class KVConnector(ABC):
+    """A connector of one role (`"scheduler"` in the engine, `"worker"` beside each cache);
+    each instance serves its own role's methods only."""
+
+    def __init__(self, role: str) -> None:
+        if role not in ROLES:
+            raise ValueError(f"KV connector role must be one of {ROLES}, got {role!r}")
+        self.role = role
+
+    # -- scheduler side -----------------------------------------------------------------------
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, seq: ScheduledSeq) -> int:
+        """Tokens past `seq.num_computed_tokens` (the local hit, block aligned) whose K/V the
+        store holds, in whole blocks; never the last token (it is sampled from)."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, seq: ScheduledSeq, num_external_tokens: int) -> None:
+        """`seq` holds blocks for its `num_external_tokens` store hits (the ones right before
+        its `num_computed_tokens`, which already counts them): plan their loads."""
+
+    @abstractmethod
+    def build_connector_meta(self, seqs: Sequence[ScheduledSeq],
+                             num_new_tokens: Sequence[int]) -> KVConnectorMetadata:
+        """The step's loads (everything planned since the last call) and saves (the blocks
+        this step fills). Sequence i computes `num_new_tokens[i]` tokens from its
+        `num_computed_tokens`."""
+
+    @abstractmethod
+    def request_finished(self, seq: ScheduledSeq) -> None:
+        """`seq` is done; forget what was kept for it."""
+
+    @abstractmethod
+    def loads_failed(self, error: KVLoadError) -> None:
+        """The worker side could not load `error.bad_keys`: stop offering them as hits and let
+        saves replace them."""
+
+    # -- worker side --------------------------------------------------------------------------
+
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Take the cache's memory: per segment `[num_blocks, *block_shape]`, each storage
+        exactly the backed bytes (`ExtensibleKVCache.committed_views`)."""
+
+    @abstractmethod
+    def unregister_kv_caches(self) -> None:
+        """Let go of the registered memory (before sleep releases the pages)."""
+
+    @abstractmethod
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        """Load `meta.loads` into the registered cache before the step's forward reads them;
+        raises `KVLoadError` for blocks it could not load (after loading the rest)."""
+
+    @abstractmethod
+    def wait_for_save(self, meta: KVConnectorMetadata) -> None:
+        """Save `meta.saves` once the step's forward has written them; returns when done."""

@@ -1,0 +1,301 @@
+"""`SharedStorageConnector`: full KV blocks as safetensors files in one directory, so another
+engine (another process, or this one after a restart) on the same model and KV layout loads
+what this one computed.
+
+A block's file name is the chained hash of its tokens and every token before it, rooted at a
+namespace that hashes the model and the KV layout, dtype and shape: equal names mean equal
+prefixes on an equal model. Files that cannot be used (truncated, corrupt, written for another
+model) are skipped with a warning and their blocks recomputed; a later save replaces them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvfit.connectors.base import (
+    BlockTransfer,
+    KVConnector,
+    KVConnectorMetadata,
+    KVLoadError,
+    ScheduledSeq,
+)
+from kvfit.connectors.block_file import (
+    SUFFIX,
+    BlockFileError,
+    BlockFormat,
+    read_block,
+    read_header,
+    write_block,
+)
+from kvfit.connectors.config import KVConnectorConfig
+from kvfit.kv.spec import KVCacheSpec
+
+logger = logging.getLogger(__name__)
+
+STAGING_BLOCKS = 64
+"""Blocks moved per round through the host staging buffer (which bounds its size)."""
+IO_THREADS = 8
+"""Files read or written at once (file I/O and the checksum release the GIL)."""
+
+
+@dataclass
+class ConnectorStats:
+    """What the worker side moved, for tests and benchmarks."""
+
+    loaded_blocks: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    failed_loads: int = 0
+    saved_blocks: int = 0
+    save_bytes: int = 0
+    save_seconds: float = 0.0
+
+
+class SharedStorageConnector(KVConnector):
+    """Both sides of the shared-storage connector (an instance serves one `role`).
+
+    Scheduler side: hits are the leading blocks whose files have a valid header; saves are the
+    blocks a step fills whose tokens are all known and that the store does not hold yet.
+    Worker side: no device memory is allocated; blocks move between the registered cache and a
+    host staging buffer (pinned on a GPU) of `STAGING_BLOCKS` blocks, and file I/O runs on
+    `IO_THREADS` threads. Saves are synchronous: a step that fills blocks waits for its forward
+    and its files before the engine goes on.
+    """
+
+    def __init__(self, role: str, config: KVConnectorConfig, spec: KVCacheSpec,
+                 model_id: str) -> None:
+        super().__init__(role)
+        self.root = Path(config.kv_connector_path)
+        self.block_size = spec.block_size
+        layout = "/".join(spec.dims)
+        described = {"model": model_id, "layout": layout, "dtype": str(spec.dtype),
+                     "num_segments": spec.num_segments, "block_shape": list(spec.block_shape)}
+        namespace = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+        self.format = BlockFormat(spec.dtype, (spec.num_segments, *spec.block_shape), namespace)
+        self._file_meta = {"model": model_id, "layout": layout}
+        self._warned: set[str] = set()
+        # Scheduler side.
+        self._chains: dict[int, list[str]] = {}  # seq_id -> keys of its leading full blocks
+        self._pending_loads: list[BlockTransfer] = []
+        self._bad_keys: set[str] = set()
+        # Worker side.
+        self._caches: list[torch.Tensor] | None = None
+        self._staging: torch.Tensor | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self.stats = ConnectorStats()
+
+    def path(self, key: str) -> Path:
+        """The file that holds the block named `key`."""
+        return self.root / f"{key}{SUFFIX}"
+
+    # -- scheduler side -----------------------------------------------------------------------
+
+    def keys_for(self, token_ids: list[int]) -> list[str]:
+        """Keys of the full blocks of `token_ids`, in order."""
+        return self._extend_chain([], token_ids, len(token_ids) // self.block_size)
+
+    def block_keys(self, seq: ScheduledSeq, num_blocks: int) -> list[str]:
+        """Keys of `seq`'s first `num_blocks` full blocks, fewer where a block holds a token
+        not sampled yet (negative). Kept per sequence, extended as it grows."""
+        keys = self._chains.setdefault(seq.seq_id, [])
+        return self._extend_chain(keys, seq.token_ids, num_blocks)[:num_blocks]
+
+    def _extend_chain(self, keys: list[str], token_ids: list[int], num_blocks: int) -> list[str]:
+        """Append the keys of blocks `len(keys)..num_blocks` to `keys` (each hashes its tokens
+        onto its parent's key; the first onto the namespace), stopping at an unknown token."""
+        bs = self.block_size
+        parent = bytes.fromhex(keys[-1] if keys else self.format.namespace)
+        for i in range(len(keys), num_blocks):
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            if len(tokens) < bs or min(tokens) < 0:
+                break
+            parent = hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+            keys.append(parent.hex())
+        return keys
+
+    def get_num_new_matched_tokens(self, seq: ScheduledSeq) -> int:
+        bs = self.block_size
+        first = seq.num_computed_tokens // bs
+        keys = self.block_keys(seq, (len(seq.token_ids) - 1) // bs)
+        hits = 0
+        for key in keys[first:]:
+            if not self._holds(key):
+                break
+            hits += 1
+        return hits * bs
+
+    def _holds(self, key: str) -> bool:
+        if key in self._bad_keys:
+            return False
+        try:
+            read_header(self.path(key), self.format, key)
+        except FileNotFoundError:
+            return False
+        except (BlockFileError, OSError) as e:
+            self._bad_keys.add(key)
+            self._warn(key, e)
+            return False
+        return True
+
+    def update_state_after_alloc(self, seq: ScheduledSeq, num_external_tokens: int) -> None:
+        bs = self.block_size
+        end = seq.num_computed_tokens // bs
+        keys = self.block_keys(seq, end)
+        for i in range(end - num_external_tokens // bs, end):
+            self._pending_loads.append(BlockTransfer(seq.block_table[i], keys[i], seq.seq_id,
+                                                     i * bs))
+
+    def build_connector_meta(self, seqs: Sequence[ScheduledSeq],
+                             num_new_tokens: Sequence[int]) -> KVConnectorMetadata:
+        meta = KVConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        bs = self.block_size
+        planned: set[str] = set()  # two sequences may fill the same block in one step
+        for seq, num_new in zip(seqs, num_new_tokens, strict=True):
+            first, filled = seq.num_computed_tokens // bs, (seq.num_computed_tokens + num_new) // bs
+            for i, key in enumerate(self.block_keys(seq, filled)[first:], first):
+                if key not in planned and self._needs_save(key):
+                    planned.add(key)
+                    meta.saves.append(BlockTransfer(seq.block_table[i], key))
+        return meta
+
+    def _needs_save(self, key: str) -> bool:
+        """Whether the store lacks `key` (earlier steps' saves are done: they are synchronous)
+        or holds a file that could not be used, which the save replaces."""
+        if key in self._bad_keys:
+            self._bad_keys.discard(key)
+            return True
+        return not self.path(key).exists()
+
+    def request_finished(self, seq: ScheduledSeq) -> None:
+        self._chains.pop(seq.seq_id, None)
+
+    def loads_failed(self, error: KVLoadError) -> None:
+        self._bad_keys |= error.bad_keys
+
+    # -- worker side --------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        num_segments, *block_shape = self.format.shape
+        if len(kv_caches) != num_segments or any(
+                tuple(c.shape[1:]) != tuple(block_shape) or c.dtype != self.format.dtype
+                or c.shape[0] != kv_caches[0].shape[0] for c in kv_caches):
+            raise ValueError(f"expected {num_segments} caches of [blocks, *{block_shape}] "
+                             f"{self.format.dtype}, got "
+                             f"{[(tuple(c.shape), c.dtype) for c in kv_caches]}")
+        self._caches = list(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        self._caches = None
+
+    @property
+    def registered_caches(self) -> list[torch.Tensor] | None:
+        """The registered per-segment caches (None while unregistered)."""
+        return self._caches
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        if not meta.loads:
+            return
+        caches, start = self._registered(), time.perf_counter()
+        lost: dict[int, int] = {}  # seq_id -> its first token that must be recomputed
+        bad: set[str] = set()
+        loaded = 0
+        for group, staging in self._rounds(meta.loads):
+            errors = self._io(lambda t, out: read_block(self.path(t.key), self.format, t.key,
+                                                        out), group, staging)
+            for t, error in zip(group, errors, strict=True):
+                if error is not None:
+                    self._warn(t.key, error)
+                    bad.add(t.key)
+                    lost[t.seq_id] = min(lost.get(t.seq_id, t.first_token), t.first_token)
+            for t, buffer in zip(group, staging, strict=True):
+                if t.first_token < lost.get(t.seq_id, t.first_token + 1):  # else recomputed
+                    for cache, part in zip(caches, buffer, strict=True):
+                        cache[t.block_id].copy_(part, non_blocking=True)
+                    loaded += 1
+            self._synchronize()  # the staging buffer is reused by the next round
+        self.stats.loaded_blocks += loaded
+        self.stats.failed_loads += len(bad)
+        self.stats.load_bytes += loaded * self.format.nbytes
+        self.stats.load_seconds += time.perf_counter() - start
+        if bad:
+            raise KVLoadError(lost, bad)
+
+    def wait_for_save(self, meta: KVConnectorMetadata) -> None:
+        if not meta.saves:
+            return
+        caches, start = self._registered(), time.perf_counter()
+        saved = 0
+        for group, staging in self._rounds(meta.saves):
+            for t, buffer in zip(group, staging, strict=True):
+                for cache, part in zip(caches, buffer, strict=True):
+                    part.copy_(cache[t.block_id], non_blocking=True)
+            self._synchronize()
+            errors = self._io(lambda t, data: write_block(self.path(t.key), self.format, t.key,
+                                                          data, self._file_meta), group, staging)
+            for t, error in zip(group, errors, strict=True):
+                if error is not None:  # a save is best effort: the engine goes on
+                    logger.warning("KV store: could not save block %s (%s)", t.key, error)
+            saved += sum(error is None for error in errors)
+        self.stats.saved_blocks += saved
+        self.stats.save_bytes += saved * self.format.nbytes
+        self.stats.save_seconds += time.perf_counter() - start
+
+    def _registered(self) -> list[torch.Tensor]:
+        if self._caches is None:
+            raise RuntimeError("the KV connector has no cache registered (the engine is asleep "
+                               "or startup did not finish)")
+        return self._caches
+
+    def _rounds(self, transfers: list[BlockTransfer]
+                ) -> Iterator[tuple[list[BlockTransfer], torch.Tensor]]:
+        """`transfers` in groups of `STAGING_BLOCKS`, each with its slice of staging buffer."""
+        staging = self._staging_buffer(min(len(transfers), STAGING_BLOCKS))
+        for i in range(0, len(transfers), STAGING_BLOCKS):
+            group = transfers[i : i + STAGING_BLOCKS]
+            yield group, staging[: len(group)]
+
+    def _staging_buffer(self, num_blocks: int) -> torch.Tensor:
+        if self._staging is None or len(self._staging) < num_blocks:
+            shape, pin = (num_blocks, *self.format.shape), self._caches[0].device.type == "cuda"
+            try:
+                self._staging = torch.empty(shape, dtype=self.format.dtype, pin_memory=pin)
+            except RuntimeError as error:  # pinned memory is capped (ulimit -l, containers)
+                logger.warning("KV store: no pinned host memory for staging (%s); copies run "
+                               "from pageable memory, slower", error)
+                self._staging = torch.empty(shape, dtype=self.format.dtype)
+        return self._staging
+
+    def _io(self, op: Callable[[BlockTransfer, torch.Tensor], None],
+            group: list[BlockTransfer], staging: torch.Tensor) -> list[Exception | None]:
+        """Run `op` on each (transfer, staging row) on the I/O threads; each one's error."""
+        def run(i: int) -> Exception | None:
+            try:
+                op(group[i], staging[i])
+            except (BlockFileError, OSError) as e:
+                return e
+            return None
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvfit-kv-store")
+        return list(self._pool.map(run, range(len(group))))
+
+    def _synchronize(self) -> None:
+        if self._caches and self._caches[0].device.type == "cuda":
+            torch.cuda.synchronize(self._caches[0].device)
+
+    def _warn(self, key: str, error: Exception) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("KV store: skipping %s (%s); its blocks are recomputed",
+                           self.path(key), error)

@@ -1,0 +1,32 @@
+"""bench/sleep.py end to end on the CPU: kvfit-tiny, a short prompt, one round of everything."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "sleep.py"
+
+
+def test_sleep_bench_smoke(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("bench_sleep", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    out = tmp_path / "sleep.json"
+    assert bench.main(["--device", "cpu", "--model", "kvfit-tiny", "--prompt-len", "256",
+                       "--ttft-rounds", "1", "--repeats", "1", "--cycles", "1",
+                       "--max-num-seqs", "4", "--store", str(tmp_path / "store"),
+                       "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    best = result["ttft"]["best"]
+    assert best["loaded_blocks"] == best["expected_blocks"] == (256 - 1) // 16
+    assert best["same_token"] and best["saved_blocks"] == 256 // 16
+    assert [(r["level"], r["outputs_equal_after_wake"]) for r in result["sleep"]] == [
+        (1, True), (2, True)]
+    c = result["components"]
+    assert c["kv_bytes"] > 0 and c["kv_chunks"] == 1 and c["weights_bytes"] > 0
+    assert set(result["targets"]) == {"kv_release_recommit_s_per_100GiB", "weights_GBps",
+                                      "asleep_level2_GiB"}

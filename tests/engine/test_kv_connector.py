@@ -1,0 +1,239 @@
+"""The shared-storage KV connector on the CPU (host driver): a second engine loads every full
+prefix block from the store with identical outputs; registration sees exactly the committed,
+defragmented cache; bad files are recomputed with a warning; startup and layout errors."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfit import LLM, SamplingParams
+from kvfit.connectors import SharedStorageConnector
+from kvfit.connectors.block_file import BlockFormat, read_block, write_block
+from kvfit.engine.config import EngineArgs
+from kvfit.engine.worker import Worker
+
+BLOCK_SIZE = 16
+SETTINGS = dict(device="cpu", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=256,
+                block_size=BLOCK_SIZE)
+# Distinct first tokens: no two prompts share a block, so each block's file is one prompt's.
+PROMPTS = [{"prompt_token_ids": list(range(3 + i, 60 + 9 * i))} for i in range(4)]
+FULL_PREFIX_BLOCKS = [(len(p["prompt_token_ids"]) - 1) // BLOCK_SIZE for p in PROMPTS]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def outputs(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def worker(llm: LLM) -> Worker:
+    return llm.engine.executor.workers[0]
+
+
+def connector(llm: LLM) -> SharedStorageConnector:
+    return worker(llm).kv_connector
+
+
+def connected(model: Path, store: Path, **kwargs: object) -> LLM:
+    return LLM(str(model), kv_connector="shared_storage", kv_connector_path=str(store),
+               **{**SETTINGS, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3: Path) -> list[list[int]]:
+    """Greedy outputs of an engine without a connector."""
+    llm = LLM(str(qwen3), **SETTINGS)
+    try:
+        return outputs(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def filled_store(qwen3: Path, tmp_path_factory: pytest.TempPathFactory,
+                 reference: list[list[int]]) -> Path:
+    """A store that a first engine filled with the prompts' full blocks (it had no hits)."""
+    store = tmp_path_factory.mktemp("kv-store")
+    llm = connected(qwen3, store)
+    try:
+        assert outputs(llm) == reference
+        assert llm.engine.scheduler.num_external_hit_tokens == 0
+        assert connector(llm).stats.saved_blocks >= sum(FULL_PREFIX_BLOCKS)
+    finally:
+        llm.shutdown()
+    return store
+
+
+@pytest.fixture
+def store(filled_store: Path, tmp_path: Path) -> Path:
+    """A copy of the filled store for one test to use (and damage)."""
+    return Path(shutil.copytree(filled_store, tmp_path / "store"))
+
+
+@pytest.fixture
+def second(qwen3: Path, store: Path) -> Iterator[LLM]:
+    llm = connected(qwen3, store)
+    yield llm
+    llm.shutdown()
+
+
+def test_second_engine_loads_every_full_prefix_block(second, reference) -> None:
+    assert outputs(second) == reference
+    stats = connector(second).stats
+    assert stats.loaded_blocks == sum(FULL_PREFIX_BLOCKS)
+    assert stats.failed_loads == 0
+    assert second.engine.scheduler.num_external_hit_tokens == sum(FULL_PREFIX_BLOCKS) * BLOCK_SIZE
+    # Loaded blocks are local prefix hits from then on: a repeat loads nothing more.
+    assert outputs(second) == reference
+    assert connector(second).stats.loaded_blocks == sum(FULL_PREFIX_BLOCKS)
+
+
+@pytest.mark.parametrize("layout", ["block_outer", "layer_outer"])
+def test_registered_storages_are_the_committed_bytes_in_one_chunk_per_segment(
+        qwen3, tmp_path, layout) -> None:
+    # 32 sequences: several granules per segment, so warmup's commit and the final one would
+    # be separate chunks without the defragmenting commit.
+    llm = connected(qwen3, tmp_path, kv_cache_layout=layout, enable_sleep_mode=True,
+                    max_num_seqs=32)
+    try:
+        cache, spec = worker(llm).runner.kv_cache, worker(llm).runner.kv_cache_spec
+        assert spec.num_segments == (1 if layout == "block_outer" else 2)
+
+        def check_registration() -> None:
+            views = connector(llm).registered_caches
+            assert len(views) == spec.num_segments
+            assert [v.untyped_storage().nbytes() for v in views] == (
+                [cache.committed_blocks * spec.block_stride_bytes] * spec.num_segments)
+            assert sum(v.untyped_storage().nbytes() for v in views) == cache.physical_bytes
+            assert cache.tensor.num_physical_chunks == spec.num_segments
+            assert [v.data_ptr() for v in views] == [
+                cache.tensor.base_ptr + i * cache.tensor.segment_capacity
+                for i in range(spec.num_segments)]
+
+        check_registration()
+        assert cache.physical_bytes > spec.num_segments * cache.granularity
+        assert cache.capacity_blocks == cache.granule_aligned_blocks(cache.capacity_blocks)
+        assert cache.committed_blocks == cache.granule_aligned_blocks(cache.committed_blocks)
+        assert llm.engine.config.cache_config.num_gpu_blocks == cache.committed_blocks
+        first = outputs(llm)
+        llm.sleep(level=1)
+        assert connector(llm).registered_caches is None  # let go before the pages went
+        llm.wake_up()
+        check_registration()  # recommitted one chunk per segment, registered again
+        # The prefix cache went with sleep; the store did not.
+        loaded = connector(llm).stats.loaded_blocks
+        assert outputs(llm) == first
+        assert connector(llm).stats.loaded_blocks - loaded == sum(FULL_PREFIX_BLOCKS)
+    finally:
+        llm.shutdown()
+
+
+def test_a_torch_allocated_cache_registers_and_loads_too(qwen3, store, reference) -> None:
+    """Without VMM (sizing by estimate) the cache is one torch tensor: its per-segment views
+    are registered and the store's blocks load the same way."""
+    llm = connected(qwen3, store, enable_extensible_kv_cache=False)
+    try:
+        runner = worker(llm).runner
+        assert runner.kv_cache is None
+        num_blocks = llm.engine.config.cache_config.num_gpu_blocks
+        assert [tuple(v.shape) for v in connector(llm).registered_caches] == [
+            (num_blocks, *runner.kv_cache_spec.block_shape)]
+        assert outputs(llm) == reference
+        assert connector(llm).stats.loaded_blocks == sum(FULL_PREFIX_BLOCKS)
+    finally:
+        llm.shutdown()
+
+
+def test_a_shrink_registers_the_smaller_cache(qwen3, tmp_path) -> None:
+    """A shrink (the out-of-memory guard's) re-registers: the connector's storages follow the
+    committed bytes."""
+    llm = connected(qwen3, tmp_path, max_num_seqs=32)
+    try:
+        w = worker(llm)
+        cache = w.runner.kv_cache
+        target = cache.granule_aligned_blocks(cache.committed_blocks // 2)
+        assert 0 < target < cache.committed_blocks
+        w.shrink_kv_cache(target)
+        views = connector(llm).registered_caches
+        assert [v.untyped_storage().nbytes() for v in views] == [cache.physical_bytes]
+        assert views[0].shape[0] == target == cache.committed_blocks
+    finally:
+        llm.shutdown()
+
+
+def _damage(kind: str, path: Path, key: str, fmt: BlockFormat) -> None:
+    if kind == "corrupt":  # a whole header, flipped bytes in the data: only the checksum sees it
+        raw = bytearray(path.read_bytes())
+        raw[-100:] = bytes(b ^ 0xFF for b in raw[-100:])
+        path.write_bytes(bytes(raw))
+    elif kind == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:  # a valid block file written for another model, under this key
+        other = BlockFormat(fmt.dtype, fmt.shape, namespace="0" * 64)
+        write_block(path, other, key, torch.ones(fmt.shape, dtype=fmt.dtype),
+                    {"model": "another-model"})
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "truncated", "foreign"])
+def test_bad_files_are_skipped_with_a_warning_and_recomputed(
+        second, reference, caplog, kind) -> None:
+    conn = connector(second)
+    damaged = [conn.keys_for(p["prompt_token_ids"])[1] for p in PROMPTS]  # each prompt's 2nd
+    for key in damaged:
+        _damage(kind, conn.path(key), key, conn.format)
+    with caplog.at_level(logging.WARNING, logger="kvfit.connectors"):
+        assert outputs(second) == reference
+    warned = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(warned) == len(PROMPTS) and all("recomputed" in m for m in warned)
+    # Only each prompt's first block came from the store.
+    assert second.engine.scheduler.num_external_hit_tokens == len(PROMPTS) * BLOCK_SIZE
+    assert conn.stats.loaded_blocks == len(PROMPTS)
+    assert conn.stats.failed_loads == (len(PROMPTS) if kind == "corrupt" else 0)
+    # The recomputed blocks replaced the bad files.
+    out = torch.empty(conn.format.shape, dtype=conn.format.dtype)
+    for key in damaged:
+        read_block(conn.path(key), conn.format, key, out)
+
+
+def test_load_weights_turns_the_connector_off(second, qwen3) -> None:
+    from safetensors.torch import load_file
+
+    second.load_weights(load_file(qwen3 / "model.safetensors"))
+    assert second.engine.scheduler.kv_connector is None
+    outputs(second)
+    assert connector(second).stats.loaded_blocks == 0
+    assert second.engine.scheduler.num_external_hit_tokens == 0
+
+
+def test_unwritable_store_is_an_error_at_startup(qwen3, tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"kv_connector_path .* is not a writable directory"):
+        connected(qwen3, blocker / "store")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kv_connector="shared_storage"), "set kv_connector_path"),
+    (dict(kv_connector_path="x"), "kv_connector is not"),
+    (dict(kv_connector="nixl", kv_connector_path="x"), "kv_connector must be one of"),
+    (dict(kv_connector="shared_storage", kv_connector_path="x", kv_cache_layout="head_major"),
+     r"kv_cache_layout='head_major' .*KV connector cannot register"),
+])
+def test_bad_connector_settings_name_the_setting(qwen3, kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        LLM(str(qwen3), **{**SETTINGS, **kwargs})
+
+
+def test_cli_flags_reach_the_engine_args(tmp_path) -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--kv-connector", "shared_storage", "--kv-connector-path", str(tmp_path),
+         "--kv-cache-layout", "layer_outer"]))
+    assert (args.kv_connector, args.kv_connector_path, args.kv_cache_layout) == (
+        "shared_storage", str(tmp_path), "layer_outer")

@@ -1,0 +1,76 @@
+"""The shared-storage connector on a CUDA device: the CPU test's two engines (the second loads
+every full prefix block, with the outputs of a local prefix-cache hit), the registration of
+the committed, defragmented cache, and its release and registration again around sleep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfit import LLM, SamplingParams
+from kvfit.connectors import SharedStorageConnector
+
+pytestmark = pytest.mark.gpu
+
+BLOCK_SIZE = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+LENGTHS = (1, 7, 16, 33, 64, 100)
+
+
+def prompts() -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(0)
+    return [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()}
+            for n in LENGTHS]
+
+
+def outputs(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+
+
+def connected(model: Path, store: Path, layout: str) -> LLM:
+    return LLM(str(model), device="cuda", gpu_memory_utilization=0.05, max_num_seqs=16,
+               max_model_len=512, block_size=BLOCK_SIZE, kv_cache_layout=layout,
+               enable_sleep_mode=True, kv_connector="shared_storage",
+               kv_connector_path=str(store))
+
+
+def connector(llm: LLM) -> SharedStorageConnector:
+    return llm.engine.executor.workers[0].kv_connector
+
+
+@pytest.mark.parametrize("layout", ["block_outer", "layer_outer"])
+def test_second_engine_loads_every_full_prefix_block_on_gpu(gpu_model, tmp_path, layout) -> None:
+    first = connected(gpu_model, tmp_path, layout)
+    try:
+        outputs(first)  # computes every block and fills the store
+        # A local prefix hit runs the same kernels as an external one: the bits to match.
+        local_hits = outputs(first)
+    finally:
+        first.shutdown()
+    second = connected(gpu_model, tmp_path, layout)
+    try:
+        runner = second.engine.executor.workers[0].runner
+        cache, spec = runner.kv_cache, runner.kv_cache_spec
+
+        def check_registration() -> None:
+            views = connector(second).registered_caches
+            assert sum(v.untyped_storage().nbytes() for v in views) == cache.physical_bytes
+            assert cache.tensor.num_physical_chunks == spec.num_segments == len(views)
+
+        check_registration()
+        assert outputs(second) == local_hits
+        full_blocks = sum((n - 1) // BLOCK_SIZE for n in LENGTHS)
+        assert connector(second).stats.loaded_blocks == full_blocks
+        assert second.engine.scheduler.num_external_hit_tokens == full_blocks * BLOCK_SIZE
+        # Sleep lets go of the cache; wake registers it again, one chunk per segment, and the
+        # store (not the prefix cache, which sleep dropped) serves the prompts once more.
+        second.sleep(level=1)
+        assert connector(second).registered_caches is None
+        second.wake_up()
+        check_registration()
+        assert outputs(second) == local_hits
+        assert connector(second).stats.loaded_blocks == 2 * full_blocks
+    finally:
+        second.shutdown()
