@@ -126,6 +126,28 @@ def test_mp_executor_at_tp1_matches_in_process(tiny_model: Callable[[str], Path]
     assert outputs["mp"] == outputs["uni"]
 
 
+def test_engine_steps_on_after_a_worker_error_it_can_survive(
+    tiny_model: Callable[[str], Path]
+) -> None:
+    # Step 4 raises in the worker while step 3 is in flight; the engine drops both
+    # (`fail_step`), and the next steps must get their own outputs, not step 3's.
+    folder = str(tiny_model("qwen3"))
+    one = LLM(folder, **LIMITS)
+    try:
+        expected = generate(one)
+    finally:
+        one.shutdown()
+    llm = LLM(folder, distributed_executor_backend="mp", worker_init_fn="tp_hooks:fail_fourth_step",
+              **LIMITS)
+    try:
+        with pytest.raises(ValueError, match="injected failure in the fourth step"):
+            generate(llm)
+        llm.engine.fail_step()
+        assert generate(llm) == expected
+    finally:
+        llm.shutdown()
+
+
 def test_ranks_with_different_budgets_commit_the_smaller_count(
     tiny_model: Callable[[str], Path]
 ) -> None:

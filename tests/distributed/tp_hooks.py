@@ -84,3 +84,16 @@ def die_on_third_step_on_rank_1(worker: Any) -> None:
         return launch(batch)
 
     worker.launch = launch_then_die
+
+
+def fail_fourth_step(worker: Any) -> None:
+    """The fourth real step raises on every rank (an error the engine can step past)."""
+    launch, steps = worker.launch, []
+
+    def launch_or_fail(batch: Any) -> Any:
+        steps.append(batch)
+        if len(steps) == 4:
+            raise ValueError("injected failure in the fourth step")
+        return launch(batch)
+
+    worker.launch = launch_or_fail

@@ -56,6 +56,7 @@ class MultiprocExecutor(Executor):
         self.workers = []
         self.world_size = config.parallel_config.tensor_parallel_size
         self._encoder = StepEncoder()
+        self._num_launched = 0
         self._failure: ExecutorFailedError | None = None
         context = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -83,12 +84,13 @@ class MultiprocExecutor(Executor):
         return self._call(method, ("rpc", method, args))
 
     def launch(self, batch: ScheduledBatch) -> StepOutput:
-        self._call("launch", ("launch", self._encoder.encode(batch)))
-        return _LaunchedStep(self)
+        self._num_launched += 1
+        self._call("launch", ("launch", self._num_launched, self._encoder.encode(batch)))
+        return _LaunchedStep(self, self._num_launched)
 
-    def result(self) -> ModelOutput:
-        """The oldest launched step's output (rank 0's)."""
-        return self._call("the step's output", ("result",))[0]
+    def result(self, step: int) -> ModelOutput:
+        """Launched step `step`'s output (rank 0's); workers drop the steps before it."""
+        return self._call("the step's output", ("result", step))[0]
 
     def shutdown(self) -> None:
         alive = all(proc.is_alive() for proc in self._procs)
@@ -191,11 +193,11 @@ class MultiprocExecutor(Executor):
 
 
 class _LaunchedStep:
-    def __init__(self, executor: MultiprocExecutor) -> None:
-        self._executor = executor
+    def __init__(self, executor: MultiprocExecutor, step: int) -> None:
+        self._executor, self._step = executor, step
 
     def result(self) -> ModelOutput:
-        return self._executor.result()
+        return self._executor.result(self._step)
 
 
 def _free_port() -> int:

@@ -1,8 +1,9 @@
 """A worker in its own process: the far end of the multiprocess executor's pipe.
 
-Messages are pickled tuples: `("rpc", method, args)`, `("launch", StepInput)` (acknowledged as
-soon as the step is queued on the device), `("result",)` (the oldest launched step's output;
-rank 0 sends it, the others `None`) and `("shutdown",)`. Every message gets one reply:
+Messages are pickled tuples: `("rpc", method, args)`, `("launch", n, StepInput)` (acknowledged
+as soon as step n is queued on the device), `("result", n)` (step n's output; rank 0 sends it,
+the others `None`; older steps whose output the engine dropped are discarded) and
+`("shutdown",)`. Every message gets one reply:
 `("ok", value)` or `("error", exception | None, traceback text)`.
 
 The process exits when the engine's end of the pipe closes, and within a second of the engine
@@ -82,10 +83,12 @@ def _serve(worker: Any, rank: int, conn: Connection) -> None:
         kind = message[0]
         try:
             if kind == "launch":
-                launched.append(worker.launch(decoder.decode(message[1])))
+                launched.append((message[1], worker.launch(decoder.decode(message[2]))))
                 value = None
             elif kind == "result":
-                output = launched.popleft().result()
+                while launched[0][0] < message[1]:
+                    launched.popleft()
+                output = launched.popleft()[1].result()
                 value = output if rank == 0 else None
             elif kind == "rpc":
                 value = getattr(worker, message[1])(*message[2])
