@@ -14,7 +14,8 @@ from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import Any, Protocol
 
-from kvfit.distributed.parallel_state import rank_device
+import torch
+
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.sequence import ModelOutput, ScheduledBatch
 from kvfit.engine.worker import Worker
@@ -82,11 +83,11 @@ def create_executor(config: EngineConfig, num_workers: int = 1) -> Executor:
     return UniProcExecutor(config, num_workers)
 
 
-def create_worker(config: EngineConfig, rank: int, per_rank_device: bool = False) -> Worker:
-    """Rank `rank`'s worker (on its own device when `per_rank_device`), after which the
-    configured `worker_init_fn` (`module:function`) is called with it."""
-    if per_rank_device:
-        config = replace(config, device=rank_device(config.device, rank))
+def create_worker(config: EngineConfig, rank: int, device: torch.device | None = None) -> Worker:
+    """Rank `rank`'s worker (on `device` when given), after which the configured
+    `worker_init_fn` (`module:function`) is called with it."""
+    if device is not None:
+        config = replace(config, device=device)
     worker = Worker(config, rank)
     hook = config.parallel_config.worker_init_fn
     if hook:

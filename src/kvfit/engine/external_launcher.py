@@ -25,7 +25,7 @@ class ExternalLauncherExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         init = init_from_env(config.parallel_config.tensor_parallel_size, config.device)
         self.rank = init.rank
-        self.workers = [self._agreed(create_worker, config, init.rank, True)]
+        self.workers = [self._agreed(create_worker, config, init.rank, init.device)]
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return all_gather_object(self._agreed(getattr(self.workers[0], method), *args))

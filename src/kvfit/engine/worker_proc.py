@@ -58,9 +58,9 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     from kvfit.engine.executor import create_worker
 
     try:
-        init_distributed(DistributedInit(spec.rank, spec.world_size, spec.init_method,
-                                         rank_device(spec.config.device, spec.rank)))
-        worker = create_worker(spec.config, spec.rank, per_rank_device=True)
+        device = rank_device(spec.config.device, spec.rank)
+        init_distributed(DistributedInit(spec.rank, spec.world_size, spec.init_method, device))
+        worker = create_worker(spec.config, spec.rank, device)
     except BaseException as error:  # noqa: BLE001 - every failure goes back to the engine
         _reply_error(conn, error)
         return
