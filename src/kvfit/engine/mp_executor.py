@@ -133,7 +133,11 @@ class MultiprocExecutor(Executor):
                     break  # the grace after an error is over
                 for rank, conn in list(waiting.items()):
                     if conn in ready or conn.poll():
-                        status, *value = pickle.loads(conn.recv_bytes())
+                        try:
+                            status, *value = pickle.loads(conn.recv_bytes())
+                        except (EOFError, OSError) as error:  # it closed its end: it died
+                            self._procs[rank].join(1.0)
+                            raise self._fail(self._death(rank, what)) from error
                         del waiting[rank]
                         if status == "ok":
                             replies[rank] = value[0]
@@ -144,11 +148,6 @@ class MultiprocExecutor(Executor):
                     rank = sentinels.get(sentinel)
                     if rank in waiting:
                         raise self._fail(self._death(rank, what))
-        except (EOFError, OSError) as error:
-            dead = next((r for r in waiting if not self._procs[r].is_alive()), None)
-            raise self._fail(self._death(dead, what) if dead is not None
-                             else f"a worker's pipe failed while waiting for {what}: {error}"
-                             ) from error
         except KeyboardInterrupt:
             self._fail("interrupted while waiting for the workers")
             raise
@@ -176,7 +175,7 @@ class MultiprocExecutor(Executor):
         proc.join(0.1)
         code = proc.exitcode
         how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
-               else f"exited with code {code}")
+               else f"exited with code {code}" if code is not None else "closed its pipe")
         return (f"worker rank {rank} (pid {proc.pid}) {how} while the engine waited for {what}; "
                 f"see its output above for the cause (the host's OOM killer leaves a line in "
                 f"dmesg)")

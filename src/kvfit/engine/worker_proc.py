@@ -77,11 +77,12 @@ def _serve(worker: Any, rank: int, conn: Connection) -> None:
     decoder, launched = StepDecoder(), deque()
     while True:
         try:
-            message = pickle.loads(conn.recv_bytes())
+            payload = conn.recv_bytes()
         except (EOFError, OSError):
             return  # the engine is gone
-        kind = message[0]
         try:
+            message = pickle.loads(payload)
+            kind = message[0]
             if kind == "launch":
                 launched.append((message[1], worker.launch(decoder.decode(message[2]))))
                 value = None
