@@ -57,6 +57,8 @@ class MultiprocExecutor(Executor):
         self.world_size = config.parallel_config.tensor_parallel_size
         self._encoder = StepEncoder()
         self._num_launched = 0
+        self._unread: int | None = None  # the last launched step whose output is not read
+        self._read: dict[int, ModelOutput] = {}  # outputs that came with a later launch
         self._failure: ExecutorFailedError | None = None
         context = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -84,12 +86,24 @@ class MultiprocExecutor(Executor):
         return self._call(method, ("rpc", method, args))
 
     def launch(self, batch: ScheduledBatch) -> StepOutput:
+        """Queue the step on every rank; the reply also brings the output of the step before
+        it, if nobody asked for it yet (the engine reads it right after this launch)."""
         self._num_launched += 1
-        self._call("launch", ("launch", self._num_launched, self._encoder.encode(batch)))
-        return _LaunchedStep(self, self._num_launched)
+        step, wanted = self._num_launched, self._unread
+        output = self._call("launch", ("launch", step, self._encoder.encode(batch), wanted))[0]
+        self._unread = step  # (not when the launch raised: the step before is still unread)
+        if wanted is not None:
+            self._read[wanted] = output
+        return _LaunchedStep(self, step)
 
     def result(self, step: int) -> ModelOutput:
         """Launched step `step`'s output (rank 0's); workers drop the steps before it."""
+        if self._unread is not None and self._unread <= step:
+            self._unread = None
+        if step in self._read:
+            output = self._read.pop(step)
+            self._read.clear()  # older ones were dropped by the engine
+            return output
         return self._call("the step's output", ("result", step))[0]
 
     def shutdown(self) -> None:

@@ -1,9 +1,10 @@
 """A worker in its own process: the far end of the multiprocess executor's pipe.
 
-Messages are pickled tuples: `("rpc", method, args)`, `("launch", n, StepInput)` (acknowledged
-as soon as step n is queued on the device), `("result", n)` (step n's output; rank 0 sends it,
-the others `None`; older steps whose output the engine dropped are discarded) and
-`("shutdown",)`. Every message gets one reply:
+Messages are pickled tuples: `("rpc", method, args)`, `("launch", n, StepInput, m)` (step n
+queued on the device, then step m's output when m is not None: the engine launches step
+k + 1 before it reads step k, so one round trip serves both), `("result", n)` (step n's
+output; rank 0 sends outputs, the others `None`; older steps whose output the engine dropped
+are discarded) and `("shutdown",)`. Every message gets one reply:
 `("ok", value)` or `("error", exception | None, traceback text)`.
 
 The process exits when the engine's end of the pipe closes, and within a second of the engine
@@ -84,13 +85,11 @@ def _serve(worker: Any, rank: int, conn: Connection) -> None:
             message = pickle.loads(payload)
             kind = message[0]
             if kind == "launch":
-                launched.append((message[1], worker.launch(decoder.decode(message[2]))))
-                value = None
+                _, step, step_input, wanted = message
+                launched.append((step, worker.launch(decoder.decode(step_input))))
+                value = None if wanted is None else _output(launched, wanted, rank)
             elif kind == "result":
-                while launched[0][0] < message[1]:
-                    launched.popleft()
-                output = launched.popleft()[1].result()
-                value = output if rank == 0 else None
+                value = _output(launched, message[1], rank)
             elif kind == "rpc":
                 value = getattr(worker, message[1])(*message[2])
             else:  # shutdown
@@ -101,6 +100,17 @@ def _serve(worker: Any, rank: int, conn: Connection) -> None:
             _reply_error(conn, error)
             continue
         _reply(conn, ("ok", value))
+
+
+def _output(launched: deque, step: int, rank: int) -> Any:
+    """Step `step`'s output (waited for; rank 0's only), dropping the steps before it; None
+    for a step that is not there (its launch or its output raised: the engine dropped it)."""
+    while launched and launched[0][0] < step:
+        launched.popleft()
+    if not launched or launched[0][0] != step:
+        return None
+    output = launched.popleft()[1].result()
+    return output if rank == 0 else None
 
 
 def _reply(conn: Connection, reply: tuple) -> None:
