@@ -72,11 +72,14 @@ def offline_workload(args: argparse.Namespace, vocab: int, seed: int) -> tuple[l
     return prompts, params
 
 
-def bench_throughput(args: argparse.Namespace) -> dict:
+def bench_throughput(args: argparse.Namespace, backend: str = "uni") -> dict:
     """The offline workload: tokens per second from submission to the last completion, median
-    of `--repeat` timed runs of the same shape (other token ids each, so no prefix-cache hits)."""
+    of `--repeat` timed runs of the same shape (other token ids each, so no prefix-cache hits),
+    with the workers run by `backend` (`--distributed-executor-backend`)."""
     llm = LLM(args.model, device=args.device, load_format="dummy",
-              max_model_len=2 * args.max_len + 1, enforce_eager=args.enforce_eager)
+              max_model_len=2 * args.max_len + 1, enforce_eager=args.enforce_eager,
+              tensor_parallel_size=args.tensor_parallel_size,
+              distributed_executor_backend=backend)
     vocab = llm.config.model_config.hf_config.vocab_size
     seeds = [args.seed + i for i in range(args.repeat)]
     if args.warmup:
@@ -105,7 +108,8 @@ def bench_throughput(args: argparse.Namespace) -> dict:
         profile_offline(llm, args, vocab, seeds[-1] + 2)
     llm.shutdown()
     median = sorted(runs, key=lambda r: r["output_tokens_per_s"])[(len(runs) - 1) // 2]
-    return {"model": args.model, "num_seqs": args.num_seqs, "warmup": args.warmup, **median,
+    return {"model": args.model, "num_seqs": args.num_seqs, "warmup": args.warmup,
+            "backend": backend, "tensor_parallel_size": args.tensor_parallel_size, **median,
             "runs": runs}
 
 
@@ -256,6 +260,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="timed offline runs; the median (lower middle) is reported")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks of the throughput run (decode runs one in-process rank)")
+    parser.add_argument("--distributed-executor-backend", nargs="+", default=["uni"],
+                        choices=["uni", "mp"], metavar="BACKEND",
+                        help="uni and/or mp: one throughput run each, side by side, with the "
+                             "ratio to the first (uni mp: what the process boundary costs)")
     parser.add_argument("--profile", metavar="PATH",
                         help="after the timed run, profile the offline workload once more and "
                              "write the kernel table and device busy time to PATH")
@@ -270,8 +280,11 @@ def main() -> None:
     result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
                     else "cpu"}
     if not args.skip_throughput:
-        result["throughput"] = bench_throughput(args)
-        gc.collect()
+        result["throughputs"] = []
+        for backend in args.distributed_executor_backend:
+            result["throughputs"].append(bench_throughput(args, backend))
+            gc.collect()
+        result["throughput"] = result["throughputs"][0]
     result["copy_bandwidth_gbps"] = copy_bandwidth(device) / 1e9
     result["decode"] = []
     for model in args.decode_models:
@@ -281,12 +294,13 @@ def main() -> None:
         json.dump(result, f, indent=2)
 
     print(f"device: {result['device']}, copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s")
-    if "throughput" in result:
-        t = result["throughput"]
+    for t in result.get("throughputs", []):
         each = ", ".join(f"{r['output_tokens_per_s']:,.0f} ({len(r['kernels_compiled'])} "
                          f"compiles)" for r in t["runs"])
-        print(f"offline {t['model']}: {t['num_seqs']} seqs in {t['elapsed_s']:.2f} s, "
-              f"{t['output_tokens_per_s']:,.0f} output tok/s, "
+        ratio = t["output_tokens_per_s"] / result["throughput"]["output_tokens_per_s"]
+        print(f"offline {t['model']} ({t['backend']}, TP={t['tensor_parallel_size']}): "
+              f"{t['num_seqs']} seqs in {t['elapsed_s']:.2f} s, "
+              f"{t['output_tokens_per_s']:,.0f} output tok/s ({ratio:.3f} x the first), "
               f"{t['total_tokens_per_s']:,.0f} total tok/s (median of {len(t['runs'])}: {each})")
     print(f"{'model':<18} {'batch':>5} {'context':>7} {'step ms':>8} {'roofline ms':>11} "
           f"{'ratio':>5} {'sync step ms':>12} {'sync ratio':>10} graphs")

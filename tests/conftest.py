@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 # Folders whose tests run whole engines on tiny models: one intra-op thread each (see
 # `one_thread`).
-_ENGINE_TEST_FOLDERS = {"engine", "server", "cli", "bench"}
+_ENGINE_TEST_FOLDERS = {"engine", "server", "cli", "bench", "distributed"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -224,6 +224,8 @@ def test_unwritable_store_is_an_error_at_startup(qwen3, tmp_path) -> None:
     (dict(kv_connector="nixl", kv_connector_path="x"), "kv_connector must be one of"),
     (dict(kv_connector="shared_storage", kv_connector_path="x", kv_cache_layout="head_major"),
      r"kv_cache_layout='head_major' .*KV connector cannot register"),
+    (dict(kv_connector="shared_storage", kv_connector_path="x", tensor_parallel_size=2),
+     r"does not support tensor_parallel_size > 1 \(got 2\)"),
 ])
 def test_bad_connector_settings_name_the_setting(qwen3, kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):

@@ -52,9 +52,9 @@ def test_builtin_model_has_hf_checkpoint_layout(name: str) -> None:
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     targets = {
-        n: tuple(rows.shape)
-        for n, (rows, canonical) in checkpoint_targets(ours).items()
-        if n == canonical
+        n: target.checkpoint_shape
+        for n, target in checkpoint_targets(ours).items()
+        if n == target.canonical
     }
     assert targets == expected
 

@@ -107,6 +107,21 @@ class SchedulerConfig:
     max_model_len: int
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor parallelism and the executor that runs its ranks: `uni` (one worker in this
+    process), `mp` (one spawned process per rank) or `external_launcher` (this process is one
+    rank of a torchrun launch). `worker_init_fn` (`module:function`) is called with each
+    `Worker` right after it is created, in its own process (instrumentation, tests)."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+    worker_init_fn: str | None = None
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs, validated and with defaults resolved."""
@@ -120,14 +135,16 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     kv_cache_layout: str = "block_outer"
     kv_connector_config: KVConnectorConfig | None = None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        """What one KV cache block holds, in `kv_cache_layout`."""
+        """What one KV cache block holds on one rank, in `kv_cache_layout`: its share of the
+        KV heads, one when there are more ranks than KV heads (each keeps a copy)."""
         mc = self.model_config
         return KVCacheSpec(
             num_layers=mc.num_layers,
             block_size=self.cache_config.block_size,
-            num_kv_heads=mc.num_kv_heads,
+            num_kv_heads=max(1, mc.num_kv_heads // self.parallel_config.tensor_parallel_size),
             head_dim=mc.head_dim,
             dtype=mc.dtype,
             layout=self.kv_cache_layout,
@@ -166,6 +183,9 @@ class EngineArgs:
     kv_cache_layout: str = "block_outer"
     kv_connector: str | None = None
     kv_connector_path: str | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    worker_init_fn: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -243,6 +263,13 @@ class EngineArgs:
                        "other engines on the same model get prefix hits from them")
         p.add_argument("--kv-connector-path", default=d.kv_connector_path, metavar="DIR",
                        help="the shared_storage connector's directory (created if missing)")
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                       help="devices (ranks) one model is split over (default: %(default)s)")
+        p.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
+                       default=d.distributed_executor_backend,
+                       help="how workers run: uni (in this process), mp (one spawned process "
+                       "per rank) or external_launcher (each rank started by torchrun); "
+                       "default: uni for one rank, mp for more")
         return parser
 
     @classmethod
@@ -292,9 +319,36 @@ class EngineArgs:
             enable_sleep_mode=self._check_sleep_mode(device),
             kv_cache_layout=_check_choice("kv_cache_layout", self.kv_cache_layout,
                                           tuple(LAYOUTS)),
-            kv_connector_config=KVConnectorConfig.create(
-                self.kv_connector, self.kv_connector_path, self.kv_cache_layout),
+            kv_connector_config=self._kv_connector_config(),
+            parallel_config=self._parallel_config(hf_config, device),
         )
+
+    def _kv_connector_config(self) -> KVConnectorConfig | None:
+        # Each rank holds only its share of the KV heads, while a store's keys name the model
+        # and the tokens alone: ranks would overwrite each other's blocks.
+        if self.kv_connector is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_connector={self.kv_connector!r} stores whole blocks of one "
+                             f"rank; it does not support tensor_parallel_size > 1 (got "
+                             f"{self.tensor_parallel_size}): drop kv_connector or use 1")
+        return KVConnectorConfig.create(self.kv_connector, self.kv_connector_path,
+                                        self.kv_cache_layout)
+
+    def _parallel_config(self, hf_config: PretrainedConfig, device: torch.device
+                         ) -> ParallelConfig:
+        tp = _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        backend = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
+        _check_choice("distributed_executor_backend", backend, EXECUTOR_BACKENDS)
+        if backend == "uni" and tp > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one worker, but "
+                             f"tensor_parallel_size is {tp}; use 'mp' or 'external_launcher'")
+        _check_tp_divides(hf_config, tp)
+        if device.type == "cuda" and backend == "mp":
+            first = device.index or 0
+            if first + tp > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size={tp} from {device} needs devices up to "
+                                 f"cuda:{first + tp - 1}, but {torch.cuda.device_count()} are "
+                                 f"visible; lower tensor_parallel_size")
+        return ParallelConfig(tp, backend, self.worker_init_fn)
 
     def _check_sleep_mode(self, device: torch.device) -> bool:
         if self.enable_sleep_mode:
@@ -359,6 +413,21 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
     return value
+
+
+def _check_tp_divides(hf_config: PretrainedConfig, tp: int) -> None:
+    """Heads and the MLP split evenly over `tp` ranks; KV heads split too, or each rank keeps
+    one copy when there are more ranks than KV heads."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    for name, value in (("num_attention_heads", heads),
+                        ("intermediate_size", hf_config.intermediate_size)):
+        if value % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} "
+                             f"({value}); choose a divisor")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp} neither divides nor is a multiple of the "
+                         f"model's num_key_value_heads ({kv_heads}); choose one that is")
 
 
 def _check_vmm_usable(device: torch.device) -> None:

@@ -16,7 +16,7 @@ from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.block_manager import BlockManager
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.detokenizer import Detokenizer
-from kvfit.engine.executor import Executor
+from kvfit.engine.executor import create_executor
 from kvfit.engine.model_runner import eos_token_ids
 from kvfit.engine.oom_guard import OOMGuard, is_device_oom
 from kvfit.engine.scheduler import Scheduler
@@ -74,7 +74,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer: object | None = None,
                  num_workers: int = 1) -> None:
         self.config = config
-        self.executor = Executor(config, num_workers)
+        self.executor = create_executor(config, num_workers)
         self._in_flight: tuple[ScheduledBatch, AsyncModelOutput] | None = None
         self._sleep_state = SleepState()
         # Sequences a sleep finished (drained or aborted) that no `step` has returned yet.
@@ -101,13 +101,14 @@ class EngineCore:
         cc = self.config.cache_config
         rpc = self.executor.collective_rpc
         if cc.enable_extensible_kv_cache:
-            reasons = [r for r in rpc("vmm_unavailable_reason") if r is not None]
+            reasons = [(rank, r) for rank, r in enumerate(rpc("vmm_unavailable_reason"))
+                       if r is not None]
             if reasons:
                 # Every rank falls back, so all of them size (and warm up) the same way; an
                 # unset utilization follows, back to the estimate's 0.92.
                 cc.enable_extensible_kv_cache = False
-                logger.warning("extensible KV cache unavailable (%s); sizing every worker by "
-                               "estimate at memory utilization %s", reasons[0],
+                logger.warning("extensible KV cache unavailable on rank %d (%s); sizing every "
+                               "worker by estimate at memory utilization %s", *reasons[0],
                                cc.memory_utilization)
         method = cc.sizing_method
         extensible = method == "measured"
@@ -117,6 +118,9 @@ class EngineCore:
             estimate = min_over_workers(rpc("profile", method == "estimate"))
         capacity = self._capacity(method, estimate)
         committable = min_over_workers(rpc("initialize_kv_cache", capacity, extensible))
+        # Every rank's commit granule (0 without the extensible cache); the largest, so a size
+        # aligned to it is aligned on every rank (connectors align segments to it).
+        self.kv_commit_granule = max(rpc("kv_cache_commit_granule"))
         with _stage("warming up"):
             rpc("warm_up", committable)
         # Eager (always so on the CPU) captures nothing: no stage to show.
@@ -276,8 +280,8 @@ class EngineCore:
         if self.scheduler.has_unfinished() or self._in_flight is not None:
             raise RuntimeError("load_weights() while requests are unfinished; finish or abort "
                                "them first (or sleep(mode='abort'))")
-        if len(self.executor.workers) > 1:
-            weights = list(weights)  # every worker reads them
+        if len(self.executor.workers) != 1:
+            weights = list(weights)  # every worker reads them, or they are pickled to them
         try:
             self.executor.collective_rpc("load_weights", weights)
         finally:
@@ -408,5 +412,5 @@ class EngineCore:
         """Free every worker's model and KV cache; the engine cannot run afterwards. A step
         still in flight is dropped (the cache waits for the device before it unmaps)."""
         self._in_flight = None
-        self.executor.collective_rpc("shutdown")
+        self.executor.shutdown()
 

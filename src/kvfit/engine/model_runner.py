@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from kvfit.distributed import broadcast
 from kvfit.engine import sampler as sampler_module
 from kvfit.engine.async_output import AsyncModelOutput, PromptLogprobsPart
 from kvfit.engine.config import EngineConfig
@@ -204,6 +205,9 @@ class ModelRunner:
             meta = SamplingMetadata.from_seqs(seqs, logits.shape[-1], self.device,
                                               self.eos_token_ids)
             sampler_output = self.sampler(logits, meta)
+            # Every rank samples the same gathered logits; rank 0's ids are made everyone's,
+            # so no kernel's rounding can let the ranks' next inputs differ.
+            broadcast(sampler_output.sampled_token_ids, src=0)
             self._last_sampled = (sampler_output.sampled_token_ids,
                                   {seq.seq_id: row for row, seq in enumerate(seqs)})
             output.sampler_output, output.num_logprobs = sampler_output.to_host(), meta.num_logprobs

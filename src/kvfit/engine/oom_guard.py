@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvfit.engine.executor import ExecutorFailedError
 from kvfit.kv.report import format_bytes
 from kvfit.vmm import VmmOutOfMemoryError
 
@@ -59,8 +60,8 @@ class OOMGuardEvent:
 def is_device_oom(error: BaseException) -> bool:
     """Whether `error` is the device running out of memory (torch's allocator, or a library
     such as cuBLAS failing to allocate its workspace)."""
-    if isinstance(error, KVCacheOutOfMemoryError):
-        return False
+    if isinstance(error, KVCacheOutOfMemoryError | ExecutorFailedError):
+        return False  # (a dead worker's message may quote an out-of-memory error)
     if isinstance(error, torch.OutOfMemoryError):
         return True
     text = str(error)

@@ -138,6 +138,11 @@ class Worker:
             num_blocks = self.runner.kv_cache.blocks_that_fit(profile.free + profile.committed_kv)
         return num_blocks
 
+    def kv_cache_commit_granule(self) -> int:
+        """Bytes of this rank's commit granule (0 without the extensible cache)."""
+        cache = self.runner.kv_cache
+        return cache.granularity if cache is not None else 0
+
     def warm_up(self, num_committable_blocks: int) -> None:
         """Kernel warmup, then the two steps that make every allocation a real step can make at
         its largest, each step's memory peak recorded. Dummy block ids stay below

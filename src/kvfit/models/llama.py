@@ -6,6 +6,15 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from kvfit.distributed import tp_size
+from kvfit.models.parallel_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    even_shard,
+    kv_head_shard,
+)
 from kvfit.ops.attention import AttentionMetadata, paged_attention
 from kvfit.ops.attention_input import attention_input
 from kvfit.ops.layers import RotaryEmbedding, add_rms_norm, rms_norm, silu_and_mul
@@ -45,42 +54,28 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class MergedLinear(nn.Linear):
-    """Projections of one input stacked along the output dim, so they run as one GEMM.
-
-    `shards` maps each checkpoint projection (`q_proj`, ...) to its output rows, in order; the
-    weight loader finds a checkpoint tensor's rows through `shard`.
-    """
-
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shards.values()), bias=bias)
-        self.shards = shards
-
-    def shard(self, param: torch.Tensor, name: str) -> torch.Tensor:
-        """The rows of `param` (this module's weight or bias) that checkpoint `name` fills."""
-        offset = 0
-        for shard_name, size in self.shards.items():
-            if shard_name == name:
-                return param.narrow(0, offset, size)
-            offset += size
-        raise KeyError(name)
-
-
 class LlamaAttention(nn.Module):
-    """GQA attention that writes this step's K/V into its cache, then attends over the pages."""
+    """GQA attention that writes this step's K/V into its cache, then attends over the pages.
+
+    Tensor parallel: each rank runs its share of the query heads and of the KV heads (or a
+    copy of the one KV head they read), and `o_proj` sums the ranks' parts.
+    """
 
     def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, qk_norm: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim(config)
+        self.num_heads = total_heads // tp_size()
+        self.num_kv_heads = max(1, total_kv_heads // tp_size())
         self.scale = self.head_dim**-0.5
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size = total_heads * self.head_dim
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias
+        kv = kv_head_shard(total_kv_heads, self.head_dim)
+        self.qkv_proj = MergedColumnParallelLinear(
+            config.hidden_size, {"q_proj": even_shard(q_size), "k_proj": kv, "v_proj": kv}, bias
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=bias)
         # Qwen3 normalises each q and k head (before rope); Llama does not.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -91,7 +86,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(list(self.qkv_proj.shards.values()), dim=-1)
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
         num_tokens = hidden.shape[0]  # not -1 in the views: T may be 0
         # q/k norms (Qwen3), rope and the K/V store in one launch: on CUDA, one kernel node
         # instead of four in every layer of the decode graphs, and 3 fewer Triton launches per
@@ -117,10 +112,10 @@ class LlamaMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         size, bias = config.intermediate_size, getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedLinear(
-            config.hidden_size, {"gate_proj": size, "up_proj": size}, bias
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, {"gate_proj": even_shard(size), "up_proj": even_shard(size)}, bias
         )
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -155,7 +150,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         theta, scaling = rope_parameters(config)
         # One table shared by all layers.
         rotary_emb = RotaryEmbedding(
@@ -179,7 +174,9 @@ class LlamaForCausalLM(nn.Module):
     """Llama causal LM over kvfit's paged KV cache.
 
     Parameter names follow the Hugging Face checkpoint, except that q/k/v and gate/up are fused
-    (`MergedLinear`); `kvfit.models.weights` maps the checkpoint onto them.
+    (`MergedColumnParallelLinear`); `kvfit.models.weights` maps the checkpoint onto them. Under
+    tensor parallelism each rank holds its slices (`parallel_layers`) and the logits are
+    gathered whole on every rank.
     """
 
     qk_norm = False
@@ -188,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.qk_norm)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -199,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, vocab_size] in the model's dtype.
+        """hidden [N, H] -> logits [N, vocab_size] in the model's dtype (every rank's columns).
 
         Not upcast here: a float32 copy of a 1024-row prompt-logprobs chunk over a 152k
         vocabulary is 0.6 GiB, the largest transient of any step. Consumers upcast where they

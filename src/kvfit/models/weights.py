@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from kvfit.models.llama import MergedLinear
+from kvfit.models.parallel_layers import MergedColumnParallelLinear, Shard
 
 DUMMY_SEED = 0
 DUMMY_STD = 0.02  # small enough that logits stay finite at 8B shapes in bf16
@@ -18,24 +19,47 @@ DUMMY_STD = 0.02  # small enough that logits stay finite at 8B shapes in bf16
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def checkpoint_targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
-    """Checkpoint tensor name -> (the parameter rows it fills, the name it counts as loaded).
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: `rows` of a parameter, the name it counts as loaded
+    under, and the part of the checkpoint tensor this rank keeps (None: all of it)."""
 
-    A `MergedLinear` contributes one name per shard (`...self_attn.q_proj.weight` ...). A tied
-    parameter answers to each of its names and counts as loaded under its first one.
+    rows: torch.Tensor
+    canonical: str
+    shard: Shard | None = None
+
+    @property
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        shape = self.rows.shape
+        return tuple(shape) if self.shard is None else self.shard.full_shape(shape)
+
+    def local_rows(self) -> torch.Tensor:
+        """The rows the kept part fills (a padded vocabulary shard has more rows than that)."""
+        if self.shard is None:
+            return self.rows
+        return self.rows.narrow(self.shard.dim, 0, self.shard.size)
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, Target]:
+    """Checkpoint tensor name -> its `Target` in `model`.
+
+    A `MergedColumnParallelLinear` contributes one name per projection
+    (`...self_attn.q_proj.weight` ...). A tied parameter answers to each of its names and counts
+    as loaded under its first one. Tensor-parallel modules name each parameter's `Shard`.
     """
-    targets: dict[str, tuple[torch.Tensor, str]] = {}
+    targets: dict[str, Target] = {}
     first_name: dict[int, str] = {}
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
-            if isinstance(module, MergedLinear):
+            if isinstance(module, MergedColumnParallelLinear):
                 parent = module_name.rpartition(".")[0]
-                for shard in module.shards:
-                    name = f"{parent}.{shard}.{param_name}"
-                    targets[name] = (module.shard(param, shard), name)
+                for shard_name, shard in module.shards.items():
+                    name = f"{parent}.{shard_name}.{param_name}"
+                    targets[name] = Target(module.shard(param, shard_name), name, shard)
             else:
                 name = f"{module_name}.{param_name}" if module_name else param_name
-                targets[name] = (param, first_name.setdefault(id(param), name))
+                shard = getattr(module, "tp_shards", {}).get(param_name)
+                targets[name] = Target(param, first_name.setdefault(id(param), name), shard)
     return targets
 
 
@@ -55,7 +79,7 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def canonical_names(model: nn.Module) -> set[str]:
     """The names a complete load must fill (one per tied parameter, one per fused shard)."""
-    return {canonical for _, canonical in checkpoint_targets(model).values()}
+    return {target.canonical for target in checkpoint_targets(model).values()}
 
 
 @torch.no_grad()
@@ -63,10 +87,11 @@ def load_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
     where: str = "the weights given",
-    targets: dict[str, tuple[torch.Tensor, str]] | None = None,
+    targets: dict[str, Target] | None = None,
 ) -> set[str]:
-    """Copy each `(checkpoint name, tensor)` into its parameter rows, in place (same addresses;
-    dtype and device converted); returns the canonical names filled.
+    """Copy each whole `(checkpoint name, tensor)` into its parameter rows, in place (same
+    addresses; dtype and device converted; under tensor parallelism this rank's part of it);
+    returns the canonical names filled.
 
     Names are the Hugging Face checkpoint's (`...q_proj.weight`, as a trainer's state dict
     has them). Raises on a name with no place in the model or a shape that differs; tensors
@@ -75,26 +100,36 @@ def load_weights(
     targets = targets if targets is not None else checkpoint_targets(model)
     loaded: set[str] = set()
     for name, tensor in weights:
-        if name.endswith(_IGNORED_SUFFIXES):
+        target = _target(targets, name, where, model, tuple(tensor.shape))
+        if target is None:
             continue
-        if name not in targets:
-            raise ValueError(
-                f"checkpoint tensor {name!r} in {where} has no place in "
-                f"{type(model).__name__}: is `architectures` in config.json right?"
-            )
-        rows, canonical = targets[name]
-        if tensor.shape != rows.shape:
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
-                f"expects {tuple(rows.shape)}: does config.json match the weights?"
-            )
-        rows.copy_(tensor)
-        loaded.add(canonical)
+        target.local_rows().copy_(tensor if target.shard is None else target.shard.take(tensor))
+        loaded.add(target.canonical)
     return loaded
 
 
+def _target(targets: dict[str, Target], name: str, where: str, model: nn.Module,
+            shape: tuple[int, ...]) -> Target | None:
+    """`name`'s target, checked against the checkpoint tensor's `shape`; None to skip it."""
+    if name.endswith(_IGNORED_SUFFIXES):
+        return None
+    if name not in targets:
+        raise ValueError(
+            f"checkpoint tensor {name!r} in {where} has no place in "
+            f"{type(model).__name__}: is `architectures` in config.json right?"
+        )
+    target = targets[name]
+    if shape != target.checkpoint_shape:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {shape}, the model "
+            f"expects {target.checkpoint_shape}: does config.json match the weights?"
+        )
+    return target
+
+
 def load_safetensors(model: nn.Module, folder: Path, device: torch.device) -> None:
-    """Copy every checkpoint tensor into its parameter, reading it straight onto `device`.
+    """Copy every checkpoint tensor into its parameter, reading it straight onto `device`;
+    under tensor parallelism only the part this rank keeps is read (`get_slice`).
 
     Raises if a parameter is left unfilled, a tensor has no place in the model, or shapes differ.
     """
@@ -102,8 +137,15 @@ def load_safetensors(model: nn.Module, folder: Path, device: torch.device) -> No
     loaded: set[str] = set()
     for file in safetensors_files(folder):
         with safe_open(file, framework="pt", device=str(device)) as f:
-            tensors = ((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
-            loaded |= load_weights(model, tensors, file.name, targets)
+            for name in f.keys():  # noqa: SIM118
+                part = f.get_slice(name)
+                target = _target(targets, name, file.name, model, tuple(part.get_shape()))
+                if target is None:
+                    continue
+                index = () if target.shard is None else target.shard.index()
+                with torch.no_grad():
+                    target.local_rows().copy_(part[index] if index else part[:])
+                loaded.add(target.canonical)
     missing = sorted(canonical_names(model) - loaded)
     if missing:
         raise ValueError(f"weights missing from the checkpoint in {folder}: {', '.join(missing)}")

@@ -1,0 +1,152 @@
+"""Tensor-parallel layers: each rank holds a slice of a weight and the collectives that make
+the slices one layer (Megatron's split). A column-parallel projection keeps its output split; the
+row-parallel one after it sums partial products with one all-reduce, so an attention or MLP
+block costs one all-reduce. With one rank every layer is the plain one (no collective).
+
+Every parameter says which slice of its checkpoint tensor it holds (`Shard`), so the loader
+reads only that slice from safetensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfit.distributed import all_gather, all_reduce, tp_rank, tp_size
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a checkpoint tensor one rank keeps: `size` entries of dimension `dim`
+    (which has `full` entries in the checkpoint) from `start`."""
+
+    dim: int
+    start: int
+    size: int
+    full: int
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the whole checkpoint tensor `tensor`."""
+        return tensor.narrow(self.dim, self.start, self.size)
+
+    def index(self) -> tuple[slice, ...]:
+        """The part as an index into the whole tensor (for safetensors' `get_slice`)."""
+        return (slice(None),) * self.dim + (slice(self.start, self.start + self.size),)
+
+    def full_shape(self, shape: torch.Size) -> tuple[int, ...]:
+        """The checkpoint tensor's shape, given the shape of this rank's part."""
+        return (*shape[: self.dim], self.full, *shape[self.dim + 1 :])
+
+
+def even_shard(full: int, dim: int = 0) -> Shard:
+    """This rank's equal part of `full` entries (the caller has checked divisibility)."""
+    size = full // tp_size()
+    return Shard(dim, tp_rank() * size, size, full)
+
+
+def kv_head_shard(num_kv_heads: int, head_dim: int) -> Shard:
+    """This rank's K (or V) projection rows: its share of the KV heads, or, with more ranks
+    than KV heads, a copy of the one head its query heads read (rank r: head r * kv / tp)."""
+    full = num_kv_heads * head_dim
+    size = tp_size()
+    if num_kv_heads >= size:
+        return even_shard(full)
+    return Shard(0, tp_rank() * num_kv_heads // size * head_dim, head_dim, full)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Projections of one input (q/k/v, gate/up) stacked along the output dim, so they run as
+    one GEMM; this rank holds each projection's `Shard` of rows and its output stays split.
+
+    `shards` maps each checkpoint projection (`q_proj`, ...) to the rows this rank keeps, in
+    order; the loader finds a checkpoint tensor's place through `shard`.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, Shard], bias: bool) -> None:
+        super().__init__()
+        self.shards = shards
+        self.output_sizes = [s.size for s in shards.values()]
+        self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features))
+        self.bias = nn.Parameter(torch.empty(sum(self.output_sizes))) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def shard(self, param: torch.Tensor, name: str) -> torch.Tensor:
+        """The rows of `param` (this module's weight or bias) that checkpoint `name` fills."""
+        offset = 0
+        for shard_name, size in zip(self.shards, self.output_sizes, strict=True):
+            if shard_name == name:
+                return param.narrow(0, offset, size)
+            offset += size
+        raise KeyError(name)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with the input dim split: each rank multiplies its slice of `x` (the
+    column-parallel output before it) by its columns of W, one all-reduce sums the parts, then
+    the (replicated) bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.tp_shards = {"weight": even_shard(in_features, dim=1)}
+        # This rank's sizes, as `nn.Linear` names them.
+        self.in_features, self.out_features = in_features // tp_size(), out_features
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def _vocab_shard(vocab_size: int) -> tuple[Shard, int]:
+    """(this rank's checkpoint rows, the rows it holds): the vocabulary padded to a multiple
+    of the ranks, so every rank holds as many rows; rows past the vocabulary stay zero."""
+    per_rank = -(-vocab_size // tp_size())
+    start = tp_rank() * per_rank
+    return Shard(0, start, max(0, min(per_rank, vocab_size - start)), vocab_size), per_rank
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embeddings with the vocabulary split over ranks: each rank looks up the ids in its
+    range (others give zero rows), one all-reduce sums them."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        shard, self.rows = _vocab_shard(vocab_size)
+        self.start = shard.start
+        self.tp_shards = {"weight": shard}
+        self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(nn.Module):
+    """The output projection with the vocabulary split like `VocabParallelEmbedding` (so a tied
+    head shares its weight): each rank computes its logit columns, one all-gather joins them.
+
+    Memory: the gathered logits [N, padded vocab] plus, when the model has more than one rank,
+    the gather's buffer of the same size (both at the largest N warmup samples)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        shard, rows = _vocab_shard(vocab_size)
+        self.vocab_size = vocab_size
+        self.tp_shards = {"weight": shard}
+        self.weight = nn.Parameter(torch.zeros(rows, hidden_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = all_gather(F.linear(hidden, self.weight), dim=-1)
+        return logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size]

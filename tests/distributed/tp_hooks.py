@@ -1,0 +1,99 @@
+"""`worker_init_fn` hooks for the tensor-parallel tests. They run inside each spawned worker
+(which imports this module by name: the tests put this folder on `sys.path` first), change
+what one rank sees, and add `probe_*` methods the test reads through `collective_rpc`."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from kvfit.kv.sizing import kv_margin
+
+
+def probes(worker: Any) -> None:
+    """What each rank committed, which cache it has, and the bound its warmup was given."""
+    warm_up, initialize = worker.warm_up, worker.initialize_kv_cache
+
+    def recorded_warm_up(num_blocks: int) -> None:
+        worker.warmed_with = num_blocks
+        warm_up(num_blocks)
+
+    def recorded_initialize(num_blocks: int, extensible: bool) -> int:
+        worker.committable = initialize(num_blocks, extensible)
+        return worker.committable
+
+    worker.warm_up, worker.initialize_kv_cache = recorded_warm_up, recorded_initialize
+    worker.probe_committable = lambda: worker.committable
+    worker.probe_committed_blocks = lambda: worker.runner.num_blocks
+    worker.probe_extensible = lambda: worker.runner.kv_cache is not None
+    worker.probe_warmed_with = lambda: worker.warmed_with
+    worker.probe_pid = os.getpid
+
+
+def small_budget_on_rank_1(worker: Any) -> None:
+    """Rank 1's host budget leaves its cache 2.5 commit granules after warmup (rank 0 keeps
+    the configured budget, which holds the engine's cap)."""
+    probes(worker)
+    if worker.rank != 1:
+        return
+    measure, initialize = worker.measure_kv_cache_blocks, worker.initialize_kv_cache
+
+    def measure_with_small_budget() -> int:
+        cc, profile = worker.config.cache_config, worker.memory_profile()
+        margin = kv_margin(profile.transient, cc.kv_cache_margin_floor_bytes,
+                           cc.kv_cache_margin_fraction)
+        granule = worker.runner.kv_cache.granularity
+        worker.monitor.budget_bytes = (profile.non_kv_use + profile.transient + margin
+                                       + 5 * granule // 2)
+        return measure()
+
+    def initialize_fewer(num_blocks: int, extensible: bool) -> int:
+        worker.committable = initialize(num_blocks, extensible) - 7  # less free at warmup too
+        return worker.committable
+
+    worker.measure_kv_cache_blocks = measure_with_small_budget
+    worker.initialize_kv_cache = initialize_fewer
+
+
+def no_vmm_on_rank_1(worker: Any) -> None:
+    probes(worker)
+    if worker.rank == 1:
+        worker.vmm_unavailable_reason = lambda: "injected: no VMM on this device"
+
+
+def fail_load_on_rank_1(worker: Any) -> None:
+    probes(worker)
+    if worker.rank == 1:
+        def load_model() -> None:
+            raise RuntimeError("injected failure while loading the weights")
+
+        worker.load_model = load_model
+
+
+def die_on_third_step_on_rank_1(worker: Any) -> None:
+    probes(worker)
+    if worker.rank != 1:
+        return
+    launch, steps = worker.launch, []
+
+    def launch_then_die(batch: Any) -> Any:
+        steps.append(batch)
+        if len(steps) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return launch(batch)
+
+    worker.launch = launch_then_die
+
+
+def fail_fourth_step(worker: Any) -> None:
+    """The fourth real step raises on every rank (an error the engine can step past)."""
+    launch, steps = worker.launch, []
+
+    def launch_or_fail(batch: Any) -> Any:
+        steps.append(batch)
+        if len(steps) == 4:
+            raise ValueError("injected failure in the fourth step")
+        return launch(batch)
+
+    worker.launch = launch_or_fail
