@@ -9,6 +9,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvfit.elastic.governor import (
+    DEFAULT_HIGH_WATERMARK,
+    DEFAULT_LOW_WATERMARK,
+    DEFAULT_MIN_INTERVAL_S,
+    ElasticConfig,
+    MemoryAmount,
+)
 from kvfit.kv.spec import KVCacheSpec
 
 if TYPE_CHECKING:
@@ -117,6 +124,7 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] = field(default_factory=list)
     enable_sleep_mode: bool = False
+    elastic: ElasticConfig | None = None  # the co-tenancy governor (`elastic_kv_cache`)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """What one KV cache block holds (block-outermost layout)."""
@@ -159,6 +167,10 @@ class EngineArgs:
     kv_cache_margin_floor_bytes: int = 256 * MiB
     cpu_kv_cache_space_bytes: int | None = None
     enable_sleep_mode: bool = False
+    elastic_kv_cache: bool = False
+    elastic_low_watermark: str | float = DEFAULT_LOW_WATERMARK
+    elastic_high_watermark: str | float = DEFAULT_HIGH_WATERMARK
+    elastic_min_interval: float = DEFAULT_MIN_INTERVAL_S
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -227,6 +239,21 @@ class EngineArgs:
         p.add_argument("--enable-sleep-mode", action="store_true", default=d.enable_sleep_mode,
                        help="place the weights in a VMM arena so LLM.sleep() can release them "
                        "and the KV cache without recapturing graphs")
+        p.add_argument("--elastic-kv-cache", action="store_true", default=d.elastic_kv_cache,
+                       help="share the device with other processes: shrink the KV cache when "
+                       "device free memory falls under --elastic-low-watermark, grow it back "
+                       "(up to the sizing budget) when it is above --elastic-high-watermark")
+        amount = ("a fraction of device memory in (0, 1) (on the CPU: of "
+                  "--cpu-kv-cache-space-bytes), or bytes: 2147483648, 2GiB, 512MiB")
+        p.add_argument("--elastic-low-watermark", default=d.elastic_low_watermark,
+                       help=f"device free memory under which the KV cache shrinks: {amount} "
+                       "(default: %(default)s)")
+        p.add_argument("--elastic-high-watermark", default=d.elastic_high_watermark,
+                       help=f"device free memory above which the KV cache grows back: {amount} "
+                       "(default: %(default)s)")
+        p.add_argument("--elastic-min-interval", type=float, default=d.elastic_min_interval,
+                       help="seconds from any resize to the next grow, and between retries of "
+                       "a grow that found no memory; shrinks never wait (default: %(default)s)")
         return parser
 
     @classmethod
@@ -274,7 +301,27 @@ class EngineArgs:
                 self.cuda_graph_sizes, min(max_num_seqs, max_batched)
             ),
             enable_sleep_mode=self._check_sleep_mode(device),
+            elastic=self._elastic_config(),
         )
+
+    def _elastic_config(self) -> ElasticConfig | None:
+        if not self.elastic_kv_cache:
+            return None
+        manual = [name for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override")
+                  if getattr(self, name) is not None]
+        if manual or self.enable_extensible_kv_cache is False:
+            setting = manual[0] if manual else "enable_extensible_kv_cache=False"
+            raise ValueError(f"elastic_kv_cache=True resizes the extensible KV cache, which "
+                             f"{setting} turns off; drop one of the two")
+        if not self.elastic_min_interval >= 0:
+            raise ValueError(f"elastic_min_interval must be >= 0 seconds, got "
+                             f"{self.elastic_min_interval}")
+        low = MemoryAmount.parse(self.elastic_low_watermark, "elastic_low_watermark")
+        high = MemoryAmount.parse(self.elastic_high_watermark, "elastic_high_watermark")
+        config = ElasticConfig(low, high, self.elastic_min_interval)
+        if (low.fraction is None) == (high.fraction is None):
+            config.watermarks(1 << 40)  # same kind: low < high holds on any device
+        return config
 
     def _check_sleep_mode(self, device: torch.device) -> bool:
         if self.enable_sleep_mode:
