@@ -96,7 +96,7 @@ class KVCacheResizer:
         memory: the cache stays as it was; a shrink: the cache keeps what it still backs)."""
         self._check_target(num_blocks)
         before, start = self.num_blocks, time.perf_counter()
-        num_preempted = num_evicted = delta = 0
+        num_preempted = num_evicted = 0
         try:
             if num_blocks < before:
                 delta, num_preempted, num_evicted = self.shrink(num_blocks)
@@ -104,6 +104,8 @@ class KVCacheResizer:
             elif num_blocks > before:
                 delta = self.grow(num_blocks)
                 self.num_grows += 1
+            else:  # gives back what a failed resize left, if anything
+                delta = self._commit(num_blocks)[0]
         except VmmError as error:
             self.num_failed_grows += num_blocks > before
             raise KVCacheResizeError(
