@@ -208,12 +208,12 @@ class KVCacheResizer:
         free, total = min(f for f, _ in memory), min(t for _, t in memory)
         want = governor.decide(free, total, now)
         if want > 0:
-            return self._govern_shrink(governor, settle, now, want, free)
+            return self._govern_shrink(governor, settle, want, free)
         if want < 0:
-            return self._govern_grow(governor, settle, now, -want, free)
+            return self._govern_grow(governor, settle, -want, free)
         return None
 
-    def _govern_shrink(self, governor: KVCacheGovernor, settle: Callable[[], None], now: float,
+    def _govern_shrink(self, governor: KVCacheGovernor, settle: Callable[[], None],
                        nbytes: int, free: int) -> KVCacheResize | None:
         # Cutting a physical chunk copies its kept part, which needs memory the device may no
         # longer have: then unmap whole chunks only (gives back more, needs nothing).
@@ -231,29 +231,31 @@ class KVCacheResizer:
                 logger.error("the governor could not shrink the KV cache to %d blocks (%s); "
                              "it holds %d", target, error, self.num_blocks)
                 return None
-            governor.resized(now)
+            governor.resized(event.time)
             return event
         logger.error("the governor could not shrink the KV cache: even unmapping whole chunks "
                      "ran out of memory; it holds %d blocks", self.num_blocks)
         return None
 
-    def _govern_grow(self, governor: KVCacheGovernor, settle: Callable[[], None], now: float,
+    def _govern_grow(self, governor: KVCacheGovernor, settle: Callable[[], None],
                      nbytes: int, free: int) -> KVCacheResize | None:
-        governor.grow_attempted(now)
-        _, capacity, budget = self.limits()
-        fits = min(self.executor.collective_rpc("kv_cache_blocks_at", nbytes))
-        target = min(fits, capacity, budget)
-        if target <= self.num_blocks:
-            return None  # at the budget
-        settle()
         try:
-            event = self.resize(target, "governor", free)
-        except KVCacheResizeError as error:
-            logger.warning("%s; the governor retries in %.1f s", error,
-                           governor.config.min_interval_s)
-            return None
-        governor.resized(now)
-        return event
+            _, capacity, budget = self.limits()
+            fits = min(self.executor.collective_rpc("kv_cache_blocks_at", nbytes))
+            target = min(fits, capacity, budget)
+            if target <= self.num_blocks:
+                return None  # at the budget
+            settle()
+            try:
+                event = self.resize(target, "governor", free)
+            except KVCacheResizeError as error:
+                logger.warning("%s; the governor retries in %.1f s", error,
+                               governor.config.min_interval_s)
+                return None
+            governor.resized(event.time)
+            return event
+        finally:  # the next attempt waits the interval from the end of this one
+            governor.grow_attempted(time.monotonic())
 
     # -- reporting ---------------------------------------------------------------------------
 
