@@ -11,6 +11,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from kvfit.kv.report import format_bytes
+
 _UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 _AMOUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 
@@ -56,7 +58,7 @@ class MemoryAmount:
 
     def __str__(self) -> str:
         if self.nbytes is not None:
-            return f"{self.nbytes / (1 << 30):.2f} GiB"
+            return format_bytes(self.nbytes)
         return f"{self.fraction:g} of device memory"
 
 
