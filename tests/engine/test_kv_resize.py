@@ -330,3 +330,36 @@ def test_a_driver_failure_at_any_call_leaves_the_cache_consistent(
     stats = llm.engine.stats()
     assert stats.kv_cache_failed_grows == (injected if resize == "grow" else 0)
     assert_nothing_leaked(llm)
+
+
+# --- GPU -------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_resizes_under_load_keep_graphs_and_outputs(gpu_model: Path) -> None:
+    def make() -> LLM:
+        return LLM(str(gpu_model), device="cuda", max_num_seqs=32, max_model_len=1024,
+                   cuda_graph_sizes=[1, 2, 4, 8, 16, 32])
+
+    lengths = (1, 7, 16, 33, 64, 100, 300, 500)
+    reference_llm = make()
+    expected = tokens(reference_llm.generate(make_prompts(lengths), PARAMS, use_tqdm=False))
+    reference_llm.shutdown()
+    llm = make()
+    r = runner(llm)
+    cache, floor = r.kv_cache, llm.engine.kv_resizer.floor
+    base, views, full = cache.tensor.base_ptr, bound_views(r), cache.committed_blocks
+    replays: list[int] = []
+    replay = r.graphs.run
+    r.graphs.run = lambda *a: (replays.append(1), replay(*a))[1]  # type: ignore[method-assign]
+    commits = spy_resizes(llm)
+    outputs = generate_stepping(llm, lengths, {
+        4: lambda: llm.resize_kv_cache(floor), 8: lambda: llm.resize_kv_cache(full),
+        12: lambda: llm.resize_kv_cache(3 * floor)})
+    assert tokens(outputs) == expected
+    assert [n for n, _ in commits] == [floor, full, 3 * floor]
+    assert not any(in_flight for _, in_flight in commits)
+    assert len(replays) > 0 and r.graphs.num_capture_passes == 1  # replayed, never recaptured
+    assert cache.tensor.base_ptr == base and bound_views(r) == views
+    assert_nothing_leaked(llm)
+    llm.shutdown()
