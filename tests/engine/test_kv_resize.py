@@ -12,10 +12,12 @@ from typing import Any
 import pytest
 
 from kvfit import LLM, SamplingParams
+from kvfit.engine.config import EngineArgs
+from kvfit.engine.engine_core import EngineCore
 from kvfit.engine.kv_resize import KVCacheResizeError
 from kvfit.engine.outputs import RequestOutput
 from kvfit.kv.monitor import HostMemoryMonitor
-from kvfit.vmm import VmmError
+from kvfit.vmm import VmmError, VmmOutOfMemoryError
 from kvfit.vmm.driver import AllocationHandle, VmmDriver
 
 from .test_oom_guard import assert_nothing_leaked, bound_views, make_prompts, runner
@@ -363,3 +365,35 @@ def test_gpu_resizes_under_load_keep_graphs_and_outputs(gpu_model: Path) -> None
     assert cache.tensor.base_ptr == base and bound_views(r) == views
     assert_nothing_leaked(llm)
     llm.shutdown()
+
+
+@pytest.mark.parametrize(("start", "target"), [(32, 512), (512, 32)])
+def test_a_commit_failing_on_one_worker_is_reconciled_across_workers(
+    qwen3: Path, start: int, target: int,
+) -> None:
+    """Rank 0 commits, rank 1 fails once: the block manager keeps what both back, and a rank
+    left holding more gives it back, so every rank and the block manager agree."""
+    config = EngineArgs(model=str(qwen3), device="cpu", **LIMITS).create_engine_config()
+    core = EngineCore(config, None, num_workers=2)
+    try:
+        core.resize_kv_cache(start)
+        failing = core.executor.workers[1]
+        commit = failing.resize_kv_cache
+
+        def fail_once(num_blocks: int) -> int:
+            failing.resize_kv_cache = commit  # type: ignore[method-assign]
+            raise VmmOutOfMemoryError("cuMemCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY")
+
+        failing.resize_kv_cache = fail_once  # type: ignore[method-assign]
+        with pytest.raises(KVCacheResizeError, match="CUDA_ERROR_OUT_OF_MEMORY"):
+            core.resize_kv_cache(target)
+        bm = core.scheduler.block_manager
+        kept = min(start, target)  # a grow is undone; a shrink rank 0 made stays
+        caches = [w.runner.kv_cache for w in core.executor.workers]
+        assert [c.committed_blocks for c in caches] == [kept, kept]
+        assert [c.physical_bytes for c in caches] == [caches[0].footprint_bytes(kept)] * 2
+        assert bm.num_blocks == config.cache_config.num_gpu_blocks == kept
+        core.resize_kv_cache(target)
+        assert [c.committed_blocks for c in caches] == [target, target] and bm.num_blocks == target
+    finally:
+        core.shutdown()

@@ -211,7 +211,11 @@ class Worker:
         """Commit exactly `num_blocks` of the extensible cache (same addresses: graphs stay
         valid); returns the physical bytes it gained (negative: gave back). A shrink keeps
         torch's idle memory: it is the steps' transient. The blocks dropped must be unused and
-        no step may be running; a failed commit leaves the cache as it was."""
+        no step may be running; a failed commit leaves the cache as it was.
+
+        Device memory beyond the new size: a shrink that cuts a physical chunk holds a copy of
+        the chunk's kept part while it swaps (at most `BULK_CHUNK_BYTES`, 1 GiB, per segment);
+        `kv_cache_blocks_at(..., uncut=True)` gives the sizes that need none."""
         cache = self.runner.kv_cache
         before = cache.physical_bytes
         self.runner.commit_blocks(num_blocks)
