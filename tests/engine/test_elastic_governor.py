@@ -167,3 +167,19 @@ def test_elastic_settings_are_checked_at_config_time(qwen3: Path, kwargs: dict,
     args = EngineArgs(model=str(qwen3), device="cpu", elastic_kv_cache=True, **kwargs)
     with pytest.raises(ValueError, match=match):
         args.create_engine_config()
+
+
+def test_the_flags_reach_the_engine_config(qwen3: Path) -> None:
+    import argparse
+
+    from kvfit.elastic import ElasticConfig, MemoryAmount
+    from kvfit.engine.config import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", str(qwen3), "--device", "cpu", "--elastic-kv-cache",
+                              "--elastic-low-watermark", "1GiB", "--elastic-high-watermark",
+                              "0.5", "--elastic-min-interval", "3"])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert config.elastic == ElasticConfig(MemoryAmount(nbytes=1 << 30),
+                                           MemoryAmount(fraction=0.5), min_interval_s=3.0)
+    assert EngineArgs(model=str(qwen3), device="cpu").create_engine_config().elastic is None
