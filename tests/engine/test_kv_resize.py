@@ -202,6 +202,10 @@ def test_a_cache_that_cannot_resize_says_why(make_llm: Callable[..., LLM], kwarg
         llm.sleep()
     with pytest.raises(RuntimeError, match=match):
         llm.resize_kv_cache(100)
+    state = llm.engine.kv_cache_state()  # what GET /kv_cache answers, resizable or not
+    assert state["num_shrinks"] == state["num_grows"] == 0
+    if "num_gpu_blocks_override" in kwargs:
+        assert state["num_blocks"] == state["max_blocks"] == state["capacity_blocks"] == 512
 
 
 # --- driver failures -------------------------------------------------------------------------

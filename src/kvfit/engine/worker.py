@@ -225,8 +225,12 @@ class Worker:
         """`(committed, capacity, budget)` blocks of the extensible cache: what it backs now,
         what its reservation holds, and the most the sizing budget allows (startup's rule with
         free memory set aside: gpu_memory_utilization of the device less this process's other
-        use as measured at startup, the transient and the margin)."""
+        use as measured at startup, the transient and the margin). A fixed-size cache: its
+        size, three times."""
         cache = self.runner.kv_cache
+        if cache is None:
+            num_blocks = self.config.cache_config.num_gpu_blocks
+            return num_blocks, num_blocks, num_blocks
         budget = cache.capacity_blocks
         if self.sized_profile is not None:
             unbounded = dataclasses.replace(self.sized_profile, free=self.sized_profile.total)
