@@ -6,6 +6,7 @@ no request fails or changes its greedy output meanwhile."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -142,14 +143,18 @@ def test_a_grow_that_finds_no_memory_leaves_the_cache_and_retries_after_the_inte
 
 
 def test_the_governor_never_shrinks_below_one_max_model_len_sequence(
-    elastic: tuple[LLM, CoTenantDevice, list[list[int]]],
+    elastic: tuple[LLM, CoTenantDevice, list[list[int]]], caplog: pytest.LogCaptureFixture,
 ) -> None:
     llm, device, expected = elastic
     device.wants = 1 << 30  # more than there is
     floor = llm.engine.kv_resizer.floor
-    serve_until(llm, expected, lambda: runner(llm).kv_cache.committed_blocks == floor)
-    serve_until(llm, expected, lambda: True)  # and serves on at the floor
+    with caplog.at_level(logging.WARNING, logger="kvfit.engine.kv_resize"):
+        serve_until(llm, expected, lambda: runner(llm).kv_cache.committed_blocks == floor)
+        for _ in range(2):
+            serve_until(llm, expected, lambda: True)  # and serves on at the floor
     assert llm.engine.scheduler.block_manager.num_blocks == floor
+    [warning] = [r.getMessage() for r in caplog.records if "cannot give more" in r.getMessage()]
+    assert f"one max_model_len sequence ({floor} blocks)" in warning  # once, not every poll
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

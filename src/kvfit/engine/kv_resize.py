@@ -72,6 +72,7 @@ class KVCacheResizer:
     num_shrinks: int = 0
     num_grows: int = 0
     num_failed_grows: int = 0
+    _warned_at_floor: bool = field(default=False, repr=False)  # once until the next grow
 
     @property
     def num_blocks(self) -> int:
@@ -104,6 +105,7 @@ class KVCacheResizer:
             elif num_blocks > before:
                 delta = self.grow(num_blocks)
                 self.num_grows += 1
+                self._warned_at_floor = False
             else:  # gives back what a failed resize left, if anything
                 delta = self._commit(num_blocks)[0]
         except VmmError as error:
@@ -220,8 +222,14 @@ class KVCacheResizer:
         for uncut in (False, True):
             rpc = self.executor.collective_rpc
             target = max(min(rpc("kv_cache_blocks_at", -nbytes, uncut)), self.floor)
-            if target >= self.num_blocks:
-                return None  # at one max_model_len sequence: nothing more to give
+            if target >= self.num_blocks:  # at one max_model_len sequence: nothing to give
+                if not self._warned_at_floor:
+                    logger.warning("device free memory (%s) is under the low watermark and the "
+                                   "KV cache holds one max_model_len sequence (%d blocks), the "
+                                   "least it may: it cannot give more", format_bytes(free),
+                                   self.num_blocks)
+                    self._warned_at_floor = True
+                return None
             settle()
             try:
                 event = self.resize(target, "governor", free)
