@@ -240,7 +240,7 @@ def test_shrink_drops_the_free_tail_and_evicts_its_cache_entries() -> None:
     start(bm, high)  # blocks 3-6, three of them hashed
     assert high.block_table == [3, 4, 5, 6]
     bm.free(high)
-    bm.shrink(4)
+    assert bm.shrink(4) == 2  # blocks 4 and 5 held entries; 6 was partial
     assert bm.num_blocks == 4 and bm.num_free_blocks == 1
     assert_consistent(bm)
     again = make_seq(list(range(100, 113)))
@@ -285,3 +285,26 @@ def test_reset_prefix_cache_forgets_every_hit_and_refuses_blocks_in_use() -> Non
     again = make_seq(list(range(9)))
     bm.allocate(again)
     assert again.num_cached_tokens == 0 and again.block_table == []
+
+
+def test_grow_appends_free_uncached_blocks_handed_out_after_lower_ones() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    first = make_seq(list(range(9)))
+    start(bm, first)  # blocks 0-2
+    bm.shrink(4)
+    bm.grow(8)
+    assert bm.num_blocks == 8 and bm.num_free_blocks == 5
+    assert_consistent(bm)
+    low = make_seq(list(range(100, 104)))
+    start(bm, low)
+    assert low.block_table == [3]  # the lowest free id, below every grown one
+    rest = make_seq(list(range(200, 216)))
+    start(bm, rest)
+    assert rest.block_table == [4, 5, 6, 7]
+    assert_consistent(bm)
+    bm.free(first)
+    hit = make_seq(list(range(9)))
+    bm.allocate(hit)
+    assert hit.num_cached_tokens == 8  # a grow keeps every entry
+    with pytest.raises(ValueError):
+        bm.grow(7)

@@ -159,7 +159,7 @@ def test_a_shrink_registers_the_smaller_cache(qwen3, tmp_path) -> None:
         cache = w.runner.kv_cache
         target = cache.granule_aligned_blocks(cache.committed_blocks // 2)
         assert 0 < target < cache.committed_blocks
-        w.shrink_kv_cache(target)
+        w.resize_kv_cache(target)
         views = connector(llm).registered_caches
         assert [v.untyped_storage().nbytes() for v in views] == [cache.physical_bytes]
         assert views[0].shape[0] == target == cache.committed_blocks

@@ -188,13 +188,13 @@ def spy_shrinks(llm: LLM) -> list[tuple[int, bool]]:
     """Record each worker shrink: (blocks, whether a step was in flight then)."""
     calls: list[tuple[int, bool]] = []
     worker = llm.engine.executor.workers[0]
-    original = worker.shrink_kv_cache
+    original = worker.resize_kv_cache
 
     def spy(num_blocks: int) -> int:
         calls.append((num_blocks, llm.engine._in_flight is not None))
         return original(num_blocks)
 
-    worker.shrink_kv_cache = spy  # type: ignore[method-assign]
+    worker.resize_kv_cache = spy  # type: ignore[method-assign]
     return calls
 
 
@@ -384,7 +384,7 @@ def test_a_shrink_that_runs_out_of_memory_itself_raises_a_clear_error(
     def failing_shrink(num_blocks: int) -> int:
         raise VmmOutOfMemoryError("cuMemCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY")
 
-    worker.shrink_kv_cache = failing_shrink  # type: ignore[method-assign]
+    worker.resize_kv_cache = failing_shrink  # type: ignore[method-assign]
     inject(llm, "decode_forward")
     with pytest.raises(KVCacheOutOfMemoryError, match="shrinking the KV cache did too.*"
                        "max_num_seqs.*cuMemCreate"):

@@ -130,3 +130,42 @@ def test_out_of_memory_is_relieved_by_torch_idle_cache() -> None:
     with ExtensibleTensor(4 << 30, "cuda") as t:
         t.commit(2 << 30)
         assert t.physical_bytes == 2 << 30
+
+
+@pytest.mark.parametrize("operation", ["shrink_cutting_chunks", "shrink_dropping_chunks"])
+def test_failed_unmap_in_a_shrink_keeps_the_prefix_and_the_next_commit_gives_back(
+    device: str, operation: str,
+) -> None:
+    """An unmap fails after the kept prefix is in place: the tensor has the new size, its
+    contents intact; what it could not give back (a scratch range, a dropped chunk) is given
+    back by the next commit, so nothing leaks and a grow maps no hole."""
+    prepare, act = (OPERATIONS[operation] if operation in OPERATIONS
+                    else (lambda t: [t.commit(n * 2 * MiB) for n in (1, 2, 3)],
+                          lambda t: t.commit(2 * MiB)))
+    driver = FaultyDriver(get_driver(device))
+    with ExtensibleTensor(SEGMENTS * SEGMENT, device, SEGMENTS, driver=driver) as t:
+        prepare(t)
+        driver.calls.clear()
+        act(t)
+        num_unmaps = driver.calls["unmap"]
+    assert num_unmaps >= 2
+    for k in range(1, num_unmaps + 1):
+        driver = FaultyDriver(get_driver(device))
+        with ExtensibleTensor(SEGMENTS * SEGMENT, device, SEGMENTS, driver=driver) as t:
+            prepare(t)
+            contents = _fill(t)
+            driver.calls.clear()
+            driver.fail_kind, driver.fail_at = "unmap", k
+            with pytest.raises(VmmError, match="injected unmap"):
+                act(t)
+            driver.fail_kind = ""
+            for i in range(SEGMENTS):  # whatever size it has now, its prefix is intact
+                kept = t.segment_view(i)
+                assert torch.equal(kept, contents[i][: kept.numel()]), (k, i)
+            t.commit(t.committed_bytes)  # gives back what the failure left
+            assert_consistent(t, driver)
+            act(t)
+            assert_consistent(t, driver)
+            t.commit(SEGMENT)  # a grow afterwards leaves no hole
+            assert_consistent(t, driver)
+            assert t.physical_bytes == SEGMENTS * SEGMENT

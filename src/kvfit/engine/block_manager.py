@@ -121,11 +121,12 @@ class BlockManager:
             # Two sequences may compute the same block at once; the first one stays the hit.
             self.hash_to_block.setdefault(parent, block.block_id)
 
-    def shrink(self, num_blocks: int) -> None:
-        """Drop blocks [num_blocks, self.num_blocks) so the cache can shrink to `num_blocks`.
+    def shrink(self, num_blocks: int) -> int:
+        """Drop blocks [num_blocks, self.num_blocks) so the cache can shrink to `num_blocks`;
+        returns how many prefix-cache entries that evicted.
 
-        Their prefix-cache entries are evicted. Every dropped block must be free: preempt the
-        sequences holding one first (`Scheduler.preempt_tail_holders`).
+        Every dropped block must be free: preempt the sequences holding one first
+        (`Scheduler.preempt_tail_holders`).
         """
         if not 1 <= num_blocks <= self.num_blocks:
             raise ValueError(f"cannot shrink {self.num_blocks} blocks to {num_blocks}")
@@ -133,14 +134,29 @@ class BlockManager:
         held = [block.block_id for block in tail if block.ref_count]
         if held:
             raise RuntimeError(f"cannot drop KV cache blocks still in use: {held[:8]}")
+        evicted = 0
         for block in tail:
             if self._is_cached(block):
                 del self.hash_to_block[block.hash]
+                evicted += 1
         del self.blocks[num_blocks:], self._in_heap[num_blocks:]
         for heap in self._free_heaps:
             heap[:] = [block_id for block_id in heap if block_id < num_blocks]
             heapq.heapify(heap)
         self.num_free_blocks -= len(tail)
+        self.num_blocks = num_blocks
+        return evicted
+
+    def grow(self, num_blocks: int) -> None:
+        """Add blocks [self.num_blocks, num_blocks), free and uncached (the cache committed
+        them). They come after every id the free heaps hold, so appending keeps each a heap."""
+        if num_blocks < self.num_blocks:
+            raise ValueError(f"cannot grow {self.num_blocks} blocks to {num_blocks}")
+        new = range(self.num_blocks, num_blocks)
+        self.blocks.extend(Block(i) for i in new)
+        self._in_heap.extend(True for _ in new)
+        self._free_heaps[0].extend(new)
+        self.num_free_blocks += len(new)
         self.num_blocks = num_blocks
 
     def reset_prefix_cache(self) -> None:

@@ -10,6 +10,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvfit.connectors.config import CONNECTOR_NAMES, KVConnectorConfig
+from kvfit.elastic.governor import (
+    DEFAULT_HIGH_WATERMARK,
+    DEFAULT_LOW_WATERMARK,
+    DEFAULT_MIN_INTERVAL_S,
+    ElasticConfig,
+    MemoryAmount,
+)
 from kvfit.kv.spec import LAYOUTS, KVCacheSpec
 
 if TYPE_CHECKING:
@@ -136,6 +143,7 @@ class EngineConfig:
     kv_cache_layout: str = "block_outer"
     kv_connector_config: KVConnectorConfig | None = None
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    elastic: ElasticConfig | None = None  # the co-tenancy governor (`elastic_kv_cache`)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """What one KV cache block holds on one rank, in `kv_cache_layout`: its share of the
@@ -186,6 +194,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     worker_init_fn: str | None = None
+    elastic_kv_cache: bool = False
+    elastic_low_watermark: str | float = DEFAULT_LOW_WATERMARK
+    elastic_high_watermark: str | float = DEFAULT_HIGH_WATERMARK
+    elastic_min_interval: float = DEFAULT_MIN_INTERVAL_S
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -270,6 +282,21 @@ class EngineArgs:
                        help="how workers run: uni (in this process), mp (one spawned process "
                        "per rank) or external_launcher (each rank started by torchrun); "
                        "default: uni for one rank, mp for more")
+        p.add_argument("--elastic-kv-cache", action="store_true", default=d.elastic_kv_cache,
+                       help="share the device with other processes: shrink the KV cache when "
+                       "device free memory falls under --elastic-low-watermark, grow it back "
+                       "(up to the sizing budget) when it is above --elastic-high-watermark")
+        amount = ("a fraction of device memory in (0, 1) (on the CPU: of "
+                  "--cpu-kv-cache-space-bytes), or bytes: 2147483648, 2GiB, 512MiB")
+        p.add_argument("--elastic-low-watermark", default=d.elastic_low_watermark,
+                       help=f"device free memory under which the KV cache shrinks: {amount} "
+                       "(default: %(default)s)")
+        p.add_argument("--elastic-high-watermark", default=d.elastic_high_watermark,
+                       help=f"device free memory above which the KV cache grows back: {amount} "
+                       "(default: %(default)s)")
+        p.add_argument("--elastic-min-interval", type=float, default=d.elastic_min_interval,
+                       help="seconds from any resize to the next grow, and between retries of "
+                       "a grow that found no memory; shrinks never wait (default: %(default)s)")
         return parser
 
     @classmethod
@@ -321,6 +348,7 @@ class EngineArgs:
                                           tuple(LAYOUTS)),
             kv_connector_config=self._kv_connector_config(),
             parallel_config=self._parallel_config(hf_config, device),
+            elastic=self._elastic_config(),
         )
 
     def _kv_connector_config(self) -> KVConnectorConfig | None:
@@ -349,6 +377,25 @@ class EngineArgs:
                                  f"cuda:{first + tp - 1}, but {torch.cuda.device_count()} are "
                                  f"visible; lower tensor_parallel_size")
         return ParallelConfig(tp, backend, self.worker_init_fn)
+
+    def _elastic_config(self) -> ElasticConfig | None:
+        if not self.elastic_kv_cache:
+            return None
+        manual = [name for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override")
+                  if getattr(self, name) is not None]
+        if manual or self.enable_extensible_kv_cache is False:
+            setting = manual[0] if manual else "enable_extensible_kv_cache=False"
+            raise ValueError(f"elastic_kv_cache=True resizes the extensible KV cache, which "
+                             f"{setting} turns off; drop one of the two")
+        if not self.elastic_min_interval >= 0:
+            raise ValueError(f"elastic_min_interval must be >= 0 seconds, got "
+                             f"{self.elastic_min_interval}")
+        low = MemoryAmount.parse(self.elastic_low_watermark, "elastic_low_watermark")
+        high = MemoryAmount.parse(self.elastic_high_watermark, "elastic_high_watermark")
+        config = ElasticConfig(low, high, self.elastic_min_interval)
+        if (low.fraction is None) == (high.fraction is None):
+            config.watermarks(1 << 40)  # same kind: low < high holds on any device
+        return config
 
     def _check_sleep_mode(self, device: torch.device) -> bool:
         if self.enable_sleep_mode:

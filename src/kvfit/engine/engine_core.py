@@ -8,21 +8,24 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from kvfit.connectors import KVConnector, KVLoadError, create_kv_connector, model_identity
+from kvfit.elastic import KVCacheGovernor
 from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.block_manager import BlockManager
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.detokenizer import Detokenizer
 from kvfit.engine.executor import create_executor
+from kvfit.engine.kv_resize import KVCacheResize, KVCacheResizer
 from kvfit.engine.model_runner import eos_token_ids
 from kvfit.engine.oom_guard import OOMGuard, is_device_oom
 from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.sequence import ScheduledBatch, Sequence
 from kvfit.engine.sleep import SleepReport, SleepState, check_sleep_args, resolve_tags
-from kvfit.kv.report import KVCacheReport
+from kvfit.kv.report import KVCacheReport, format_bytes
 from kvfit.kv.sizing import min_over_workers
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,10 @@ class EngineStats:
     oom_guard_shrinks: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
+    # Resizes at runtime (`resize_kv_cache`, the governor; the guard's are `oom_guard_shrinks`).
+    kv_cache_shrinks: int = 0
+    kv_cache_grows: int = 0
+    kv_cache_failed_grows: int = 0
 
 
 class EngineCore:
@@ -77,8 +84,9 @@ class EngineCore:
         self.executor = create_executor(config, num_workers)
         self._in_flight: tuple[ScheduledBatch, AsyncModelOutput] | None = None
         self._sleep_state = SleepState()
-        # Sequences a sleep finished (drained or aborted) that no `step` has returned yet.
-        self._finished_by_sleep: list[Sequence] = []
+        # Sequences finished between steps (a sleep drained or aborted them, a resize applied
+        # the step in flight) that no `step` has returned yet.
+        self._finished_early: list[Sequence] = []
         try:
             self.kv_cache_report = self._initialize_kv_cache()
         except BaseException:
@@ -94,8 +102,26 @@ class EngineCore:
             detokenizer=Detokenizer(tokenizer),
             kv_connector=self._create_kv_connector(),
         )
-        self.oom_guard = OOMGuard(config, self.executor, self.scheduler,
-                                  self.kv_cache_report.margin)
+        self.kv_resizer = KVCacheResizer(config, self.executor, self.scheduler)
+        self.oom_guard = OOMGuard(config, self.kv_resizer, self.kv_cache_report.margin)
+        self.kv_cache_governor = self._kv_cache_governor()
+
+    def _kv_cache_governor(self) -> KVCacheGovernor | None:
+        """The co-tenancy governor (`elastic_kv_cache`), its watermarks checked on this device;
+        None when off, or when the cache fell back to a fixed size."""
+        elastic = self.config.elastic
+        if elastic is None:
+            return None
+        if not self.config.cache_config.enable_extensible_kv_cache:
+            logger.warning("elastic_kv_cache needs the extensible KV cache, which is off on "
+                           "this device (see above): the cache keeps its size")
+            return None
+        total = min(t for _, t in self.executor.collective_rpc("device_memory"))
+        low, high = elastic.watermarks(total)
+        logger.info("elastic KV cache: shrinks under %s free, grows above %s free (at most "
+                    "once per %.1f s)", format_bytes(low), format_bytes(high),
+                    elastic.min_interval_s)
+        return KVCacheGovernor(elastic)
 
     def _initialize_kv_cache(self) -> KVCacheReport:
         cc = self.config.cache_config
@@ -253,7 +279,7 @@ class EngineCore:
             queued = (self.scheduler.waiting, self.scheduler.running)
             for request_id in dict.fromkeys(s.request_id for queue in queued for s in queue):
                 finished += self.scheduler.abort(request_id)
-        self._finished_by_sleep += finished
+        self._finished_early += finished
 
     def wake_up(self, tags: list[str] | None = None, reload_weights: bool = True) -> None:
         """Wake `tags` (`weights`, `kv_cache`; None: all that sleep) at the same addresses.
@@ -319,7 +345,9 @@ class EngineCore:
         wait for its token on the device: while such a sequence runs, the step in flight is
         applied before the next one is scheduled.
         """
-        finished, self._finished_by_sleep = self._finished_by_sleep, []
+        if self.kv_cache_governor is not None and not self.is_sleeping:
+            self.kv_resizer.govern(self.kv_cache_governor, self._settle, time.monotonic())
+        finished, self._finished_early = self._finished_early, []
         if self.scheduler.has_unfinished():
             self.check_can_run()  # never schedule onto released memory or unloaded weights
         if self._in_flight is not None and self._pending_tokens_needed():
@@ -365,6 +393,40 @@ class EngineCore:
                                            oom_guard_shrinks=self.oom_guard.num_shrinks)
             attempt += 1
 
+    # -- resizing the KV cache at runtime ----------------------------------------------------
+
+    def resize_kv_cache(self, num_blocks: int) -> KVCacheResize:
+        """Grow or shrink the committed KV cache to `num_blocks` between steps (the step in
+        flight is applied first; what it finishes, the next `step` returns), keeping every
+        address, so graphs stay valid. A shrink evicts the tail's prefix-cache entries, then
+        preempts the sequences holding tail blocks (recomputed later). Raises `ValueError`
+        naming the setting below one max_model_len sequence or above the capacity or memory
+        budget, `KVCacheResizeError` for a grow that found no memory (the cache stays),
+        `RuntimeError` for a cache that cannot resize (fixed size, or asleep). With the
+        governor on, its next grow waits its interval from here."""
+        cc = self.config.cache_config
+        if not cc.enable_extensible_kv_cache:
+            raise RuntimeError(f"resize_kv_cache() needs the extensible KV cache, and this one "
+                               f"is sized by {cc.sizing_method}; leave num_gpu_blocks_override "
+                               f"and kv_cache_memory_bytes unset on a device with VMM")
+        if self.is_sleeping:
+            raise RuntimeError("resize_kv_cache() while asleep: call wake_up() first")
+        self._settle()
+        event = self.kv_resizer.resize(num_blocks, "api")
+        if self.kv_cache_governor is not None:
+            self.kv_cache_governor.resized(time.monotonic())
+        return event
+
+    def kv_cache_state(self) -> dict[str, Any]:
+        """The KV cache's size, bounds, resize counts and governor settings (`GET /kv_cache`);
+        call it between steps."""
+        return self.kv_resizer.state(self.kv_cache_governor)
+
+    def _settle(self) -> None:
+        """Apply the step in flight (no resize happens under a running step)."""
+        if self._in_flight is not None:
+            self._finished_early += self._apply_in_flight()
+
     def _apply_in_flight(self) -> list[Sequence]:
         batch, launched = self._in_flight
         self._in_flight = None
@@ -400,13 +462,16 @@ class EngineCore:
             oom_guard_shrinks=self.oom_guard.num_shrinks,
             prefix_cache_queried_tokens=bm.num_queried_tokens,
             prefix_cache_hit_tokens=bm.num_hit_tokens,
+            kv_cache_shrinks=self.kv_resizer.num_shrinks,
+            kv_cache_grows=self.kv_resizer.num_grows,
+            kv_cache_failed_grows=self.kv_resizer.num_failed_grows,
         )
 
     def has_unfinished(self) -> bool:
         """Whether any request is still queued, running or in a step in flight, or a sleep
         finished sequences that `step` has not returned yet."""
         return (self.scheduler.has_unfinished() or self._in_flight is not None
-                or bool(self._finished_by_sleep))
+                or bool(self._finished_early))
 
     def shutdown(self) -> None:
         """Free every worker's model and KV cache; the engine cannot run afterwards. A step

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from kvfit.engine.config import EngineArgs
 from kvfit.engine.engine_core import EngineCore
+from kvfit.engine.kv_resize import KVCacheResize
 from kvfit.engine.outputs import RequestOutput
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
@@ -119,6 +120,22 @@ class LLM:
         self.engine.load_weights(weights)
 
     update_weights = load_weights
+
+    # -- resizing the KV cache at runtime (the extensible cache) -------------------------------
+
+    def resize_kv_cache(self, num_blocks: int) -> KVCacheResize:
+        """Grow or shrink the committed KV cache to `num_blocks` now, without restarting and at
+        the same addresses (captured graphs stay valid); returns what changed.
+
+        A shrink evicts the tail's prefix-cache entries, then preempts the sequences holding
+        tail blocks: they are recomputed later, no output changes. Call it between
+        `generate` calls or from the thread that steps (`AsyncLLM.resize_kv_cache` runs it on
+        the engine thread). Raises `ValueError` below one `max_model_len` sequence or above
+        the capacity reserved at startup or the memory budget, `KVCacheResizeError` when a
+        grow finds no memory (the cache stays as it was). With `elastic_kv_cache` the
+        governor may change the size again later.
+        """
+        return self.engine.resize_kv_cache(num_blocks)
 
     def get_tokenizer(self) -> Any | None:
         """The model's tokenizer, or None for a folder without one (token-id prompts only)."""

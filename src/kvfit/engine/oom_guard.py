@@ -22,8 +22,7 @@ from kvfit.vmm import VmmOutOfMemoryError
 
 if TYPE_CHECKING:
     from kvfit.engine.config import EngineConfig
-    from kvfit.engine.executor import Executor
-    from kvfit.engine.scheduler import Scheduler
+    from kvfit.engine.kv_resize import KVCacheResizer
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +83,13 @@ class OOMGuard:
     An extensible cache shrinks from its tail by the failed request plus one commit granule
     (doubling the granules on each further retry of the same step, for errors that state no
     size), never below one `max_model_len` sequence: the tail's prefix-cache entries are
-    evicted and the sequences holding tail blocks preempted (recomputed later). A cache that
-    cannot shrink only gets torch's idle memory emptied, once per step.
+    evicted and the sequences holding tail blocks preempted (recomputed later), through the
+    same `KVCacheResizer` as every other resize. A cache that cannot shrink only gets torch's
+    idle memory emptied, once per step.
     """
 
     config: EngineConfig
-    executor: Executor
-    scheduler: Scheduler
+    resizer: KVCacheResizer
     margin_bytes: int  # what startup sizing kept free for the unforeseen
     max_shrinks_per_step: int = MAX_SHRINKS_PER_STEP
     events: list[OOMGuardEvent] = field(default_factory=list)
@@ -120,7 +119,7 @@ class OOMGuard:
                 raise self._error(f"a step ran the device out of memory again after torch's "
                                   f"idle memory was emptied, and a KV cache sized by "
                                   f"{cc.sizing_method} cannot shrink", message)
-            self.executor.collective_rpc("empty_cache")
+            self.resizer.executor.collective_rpc("empty_cache")
             return self._record(requested, before, before, 0, 0, message)
         if attempt >= self.max_shrinks_per_step:
             raise self._error(f"a step still ran the device out of memory after the KV cache "
@@ -131,25 +130,22 @@ class OOMGuard:
             raise self._error(f"a step ran the device out of memory and the KV cache cannot "
                               f"shrink: it holds {before} blocks, no more than one "
                               f"max_model_len sequence needs", message)
-        victims = self.scheduler.preempt_tail_holders(after)
-        self.scheduler.block_manager.shrink(after)
         try:
-            freed = max(self.executor.collective_rpc("shrink_kv_cache", after))
+            delta, num_preempted, _ = self.resizer.shrink(after, empty_cache=True)
         except VmmOutOfMemoryError as error:
             # A shrink copies the kept part of the physical chunk it cuts, so it needs memory.
             raise self._error("a step ran the device out of memory and shrinking the KV cache "
                               "did too", f"{message}; the shrink: {error}") from error
-        cc.num_gpu_blocks = after
+        freed = -delta
         self.freed_bytes += freed
-        return self._record(requested, before, after, freed, len(victims), message)
+        return self._record(requested, before, after, freed, num_preempted, message)
 
     def _shrink_target(self, requested: int, attempt: int) -> int:
         """Blocks every worker can keep after freeing `requested` bytes and 2**attempt
         granules; never fewer than one max_model_len sequence needs."""
-        fits = min(self.executor.collective_rpc("kv_cache_shrink_target", requested,
-                                                1 << attempt))
-        floor = self.scheduler.block_manager.blocks_for(self.config.scheduler_config.max_model_len)
-        return max(fits, floor)
+        fits = min(self.resizer.executor.collective_rpc("kv_cache_shrink_target", requested,
+                                                        1 << attempt))
+        return max(fits, self.resizer.floor)
 
     def _record(self, requested: int, before: int, after: int, freed: int, num_preempted: int,
                 message: str) -> OOMGuardEvent:

@@ -3,6 +3,7 @@ captures graphs and executes steps. The engine drives it through `collective_rpc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 
@@ -54,6 +55,7 @@ class Worker:
         self.baseline: MemorySnapshot | None = None
         self.weights = 0
         self.estimate_blocks = 0
+        self.sized_profile: MemoryProfile | None = None  # what measured sizing saw
         # Weights woken without contents (sleep level 2, no reload) and not loaded since.
         self.missing_weights: set[str] = set()
         # The worker side of the KV connector, once the cache has its final size.
@@ -198,16 +200,18 @@ class Worker:
         """The most blocks that fit in what is measured free within the budget, less the
         transient and the margin; never more than the reserved capacity. With a connector, a
         count at which every segment ends on a granule (each its own physical chunk)."""
-        cc = self.config.cache_config
-        available = available_kv_bytes(
-            self.memory_profile(), cc.memory_utilization, cc.kv_cache_margin_floor_bytes,
-            cc.kv_cache_margin_fraction, self.monitor.budget_setting,
-        )
+        self.sized_profile = self.memory_profile()
         cache = self.runner.kv_cache
+        available = self._available(self.sized_profile)
         num_blocks = min(cache.capacity_blocks, cache.blocks_that_fit(available))
         if self.config.kv_connector_config is not None:
             num_blocks = cache.granule_aligned_blocks(num_blocks)
         return num_blocks
+
+    def _available(self, profile: MemoryProfile) -> int:
+        cc = self.config.cache_config
+        return available_kv_bytes(profile, cc.memory_utilization, cc.kv_cache_margin_floor_bytes,
+                                  cc.kv_cache_margin_fraction, self.monitor.budget_setting)
 
     def extend_kv_cache(self, num_blocks: int) -> None:
         """Commit exactly `num_blocks` (growing, or shrinking below what warmup used). For a
@@ -232,10 +236,15 @@ class Worker:
         keep = cache.physical_bytes - nbytes - num_granules * cache.granularity
         return cache.uncut_blocks(cache.blocks_that_fit(max(0, keep)))
 
-    def shrink_kv_cache(self, num_blocks: int) -> int:
-        """Commit `num_blocks` of the extensible cache (fewer than now; same addresses, so
-        graphs stay valid) and hand what torch holds idle back to the device. Returns the
-        physical bytes freed. The blocks dropped must be unused and no step may be running."""
+    def resize_kv_cache(self, num_blocks: int) -> int:
+        """Commit exactly `num_blocks` of the extensible cache (same addresses: graphs stay
+        valid); returns the physical bytes it gained (negative: gave back). A shrink keeps
+        torch's idle memory: it is the steps' transient. The blocks dropped must be unused and
+        no step may be running; a failed commit leaves the cache as it was.
+
+        Device memory beyond the new size: a shrink that cuts a physical chunk holds a copy of
+        the chunk's kept part while it swaps (at most `BULK_CHUNK_BYTES`, 1 GiB, per segment);
+        `kv_cache_blocks_at(..., uncut=True)` gives the sizes that need none."""
         cache = self.runner.kv_cache
         before = cache.physical_bytes
         if self.kv_connector is not None:  # its storages end where the committed bytes do
@@ -245,8 +254,36 @@ class Worker:
         finally:
             if self.kv_connector is not None:
                 self.kv_connector.register_kv_caches(self.runner.kv_cache_views())
-        self.empty_cache()
-        return before - cache.physical_bytes
+        return cache.physical_bytes - before
+
+    def kv_cache_blocks(self) -> tuple[int, int, int]:
+        """`(committed, capacity, budget)` blocks of the extensible cache: what it backs now,
+        what its reservation holds, and the most the sizing budget allows (startup's rule with
+        free memory set aside: gpu_memory_utilization of the device less this process's other
+        use as measured at startup, the transient and the margin). A fixed-size cache: its
+        size, three times."""
+        cache = self.runner.kv_cache
+        if cache is None:
+            num_blocks = self.config.cache_config.num_gpu_blocks
+            return num_blocks, num_blocks, num_blocks
+        budget = cache.capacity_blocks
+        if self.sized_profile is not None:
+            unbounded = dataclasses.replace(self.sized_profile, free=self.sized_profile.total)
+            budget = min(budget, cache.blocks_that_fit(self._available(unbounded)))
+        return cache.committed_blocks, cache.capacity_blocks, budget
+
+    def kv_cache_blocks_at(self, delta_bytes: int, uncut: bool = False) -> int:
+        """The most blocks that fit in the physical bytes the cache holds now plus
+        `delta_bytes` (negative: to give back). `uncut`: only as far down as whole physical
+        chunks reach, a shrink that needs no memory (`uncut_blocks`)."""
+        cache = self.runner.kv_cache
+        num_blocks = cache.blocks_that_fit(max(0, cache.physical_bytes + delta_bytes))
+        return cache.uncut_blocks(num_blocks) if uncut else num_blocks
+
+    def device_memory(self) -> tuple[int, int]:
+        """`(free, total)` device bytes now, from the memory monitor (the elastic governor's
+        poll: one `cudaMemGetInfo` on a GPU)."""
+        return self.monitor.free_and_total()
 
     def empty_cache(self) -> None:
         """Release the memory torch's caching allocator holds idle (after an out-of-memory

@@ -67,13 +67,21 @@ class ExtensibleKVCache:
         """Back exactly `num_blocks` blocks, growing or shrinking; the prefix is kept.
 
         `defragment=True` remaps each segment as one physical allocation and discards the
-        contents (for connectors whose transfers cannot span allocations).
+        contents (for connectors whose transfers cannot span allocations). A failure leaves
+        the old size, or the new one where only a shrink's clean-up failed
+        (`ExtensibleTensor.commit`).
         """
         if not 0 <= num_blocks <= self.capacity_blocks:
             raise ValueError(
                 f"cannot commit {num_blocks} KV blocks: capacity_blocks is {self.capacity_blocks}"
             )
-        self.tensor.commit(num_blocks * self.spec.block_stride_bytes, defragment=defragment)
+        before = self.tensor.committed_bytes
+        try:
+            self.tensor.commit(num_blocks * self.spec.block_stride_bytes, defragment=defragment)
+        except BaseException:
+            if self.tensor.committed_bytes != before:  # resized; only the clean-up failed
+                self.committed_blocks = num_blocks
+            raise
         self.committed_blocks = num_blocks
 
     def ensure_blocks(self, num_blocks: int) -> None:

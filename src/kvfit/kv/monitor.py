@@ -25,6 +25,12 @@ class MemoryMonitor(ABC):
     def snapshot(self) -> MemorySnapshot:
         """Total, free and torch usage now."""
 
+    def free_and_total(self) -> tuple[int, int]:
+        """Free and total bytes now, as cheaply as the device answers (the elastic KV cache's
+        governor reads it between steps)."""
+        s = self.snapshot()
+        return s.free, s.total
+
     @abstractmethod
     def reset_peak(self) -> None:
         """Start a new step: forget the peak seen so far."""
@@ -50,6 +56,9 @@ class CudaMemoryMonitor(MemoryMonitor):
             torch_reserved=torch.cuda.memory_reserved(self.device),
             torch_allocated=torch.cuda.memory_allocated(self.device),
         )
+
+    def free_and_total(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self.device)  # one driver call, no synchronization
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -98,6 +107,9 @@ class HostMemoryMonitor(MemoryMonitor):
             torch_reserved=private,
             torch_allocated=private,
         )
+
+    def free_and_total(self) -> tuple[int, int]:
+        return psutil.virtual_memory().available, self.budget_bytes
 
     def reset_peak(self) -> None:
         if not self.peak_resettable:

@@ -17,6 +17,7 @@ from typing import Any
 from kvfit.engine.config import EngineArgs
 from kvfit.engine.detokenizer import Detokenizer
 from kvfit.engine.engine_core import EngineCore, EngineStats
+from kvfit.engine.kv_resize import KVCacheResize
 from kvfit.engine.llm import LLM, Prompt
 from kvfit.engine.outputs import CompletionOutput, RequestOutput
 from kvfit.engine.sampling_params import SamplingParams
@@ -253,6 +254,8 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._tracked: dict[str, _Tracked] = {}
         self._stats = self._core.stats()
+        governor = self._core.kv_cache_governor
+        self._idle_poll_s = None if governor is None else governor.config.poll_interval_s
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvfit-engine", daemon=True)
         self._thread.start()
@@ -292,6 +295,14 @@ class AsyncLLM:
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """`LLM.wake_up(tags)` on the engine thread (weights reloaded after level 2)."""
         await self._call(self._llm.wake_up, tags)
+
+    async def resize_kv_cache(self, num_blocks: int) -> KVCacheResize:
+        """`LLM.resize_kv_cache` on the engine thread, between two steps."""
+        return await self._call(self._llm.resize_kv_cache, num_blocks)
+
+    async def kv_cache_state(self) -> dict[str, Any]:
+        """The KV cache's size, bounds and resize counts, read on the engine thread."""
+        return await self._call(self._core.kv_cache_state)
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` on the engine thread between steps; its result or error here."""
@@ -353,7 +364,10 @@ class AsyncLLM:
         try:
             while self._drain_commands():
                 if not self._core.has_unfinished():
-                    self._wake.wait()
+                    # Idle, the elastic cache's governor still watches memory on its poll.
+                    if not self._wake.wait(self._idle_poll_s):
+                        self._core.step()
+                        self._stats = self._core.stats()
                     self._wake.clear()
                     continue
                 try:

@@ -67,6 +67,14 @@ class _EngineCollector(Collector):
                       s.oom_guard_events)
         yield counter("oom_guard_shrinks", "Times the guard shrank the KV cache.",
                       s.oom_guard_shrinks)
+        resizes = CounterMetricFamily("kvfit:kv_cache_resizes", "Runtime resizes of the KV "
+                                      "cache (resize_kv_cache, the elastic governor), by "
+                                      "direction.", labels=["direction"])
+        resizes.add_metric(["shrink"], s.kv_cache_shrinks)
+        resizes.add_metric(["grow"], s.kv_cache_grows)
+        yield resizes
+        yield counter("kv_cache_failed_grows", "Grows of the KV cache that found no memory "
+                      "(the cache stayed as it was).", s.kv_cache_failed_grows)
         yield counter("num_preemptions", "Sequences preempted for want of blocks.",
                       s.num_preemptions)
         yield counter("prefix_cache_queries", "Tokens looked up in the prefix cache.",

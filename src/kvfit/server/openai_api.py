@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvfit
+from kvfit.engine.kv_resize import KVCacheResizeError
 from kvfit.engine.outputs import CompletionOutput, RequestOutput
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Logprobs
@@ -58,7 +60,8 @@ class ServeConfig:
     get 503 (None: unbounded). `max_request_body_bytes`: larger request bodies get 413 before
     they are read whole (None: unbounded). `enable_sleep_endpoints`: serve `/sleep`, `/wake_up` and
     `/is_sleeping` (an engine with sleep mode, behind the development flag: they let any
-    client take the model away from every other).
+    client take the model away from every other). `enable_kv_cache_endpoints`: serve
+    `GET /kv_cache` and `POST /kv_cache/resize?num_blocks=N` (behind the development flag too).
     """
 
     served_model_names: list[str]
@@ -66,6 +69,7 @@ class ServeConfig:
     max_concurrent_requests: int | None = 1024
     root: str | None = None  # the model folder, shown by /v1/models
     enable_sleep_endpoints: bool = False
+    enable_kv_cache_endpoints: bool = False
     max_request_body_bytes: int | None = 64 << 20
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -316,6 +320,31 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         @api.get("/is_sleeping")
         async def is_sleeping() -> dict[str, bool]:
             return {"is_sleeping": engine.is_sleeping}
+
+    if config.enable_kv_cache_endpoints:
+
+        @api.get("/kv_cache")
+        async def kv_cache() -> dict[str, Any]:
+            """The KV cache's size, bounds, resize counts and latest resizes."""
+            try:
+                return await engine.kv_cache_state()
+            except _UNAVAILABLE as e:
+                raise engine_error(e) from None
+
+        @api.post("/kv_cache/resize")
+        async def resize_kv_cache(num_blocks: int) -> dict[str, Any]:
+            """Grow or shrink the committed KV cache to `num_blocks` (`LLM.resize_kv_cache`):
+            400 out of bounds or for a cache that cannot resize, 503 when a grow finds no
+            memory (the cache stays as it was)."""
+            try:
+                event = await engine.resize_kv_cache(num_blocks)
+            except KVCacheResizeError as e:
+                raise APIError(str(e), status_code=503, type="service_unavailable") from None
+            except (ValueError, RuntimeError) as e:
+                if isinstance(e, _UNAVAILABLE):
+                    raise engine_error(e) from None
+                raise APIError(str(e), param="num_blocks") from None
+            return dataclasses.asdict(event)
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:

@@ -26,8 +26,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (a Hugging Face folder or a built-in name) over HTTP: "
         "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
-        "/health, /metrics, /version; with --enable-sleep-mode and KVFIT_SERVER_DEV_MODE=1 "
-        "also /sleep, /wake_up, /is_sleeping.")
+        "/health, /metrics, /version; with KVFIT_SERVER_DEV_MODE=1 also /kv_cache and "
+        "/kv_cache/resize, and with --enable-sleep-mode /sleep, /wake_up, /is_sleeping.")
     parser.add_argument("model_tag", nargs="?", metavar="MODEL",
                         help="model folder or built-in name (the same as --model)")
     EngineArgs.add_cli_args(parser)
@@ -60,19 +60,26 @@ def missing_server_modules() -> list[str]:
 
 
 DEV_MODE_ENV = "KVFIT_SERVER_DEV_MODE"
-"""Set to 1 to serve the development routes (`/sleep`, `/wake_up`, `/is_sleeping`): any client
-of them can take the model away from every other, so a flag alone does not turn them on."""
+"""Set to 1 to serve the development routes (`/sleep`, `/wake_up`, `/is_sleeping` with sleep
+mode; `/kv_cache`, `/kv_cache/resize`): any client of them can take the model or its memory
+away from every other, so a flag alone does not turn them on."""
 
 
 def sleep_endpoints(engine_args: EngineArgs) -> bool:
     """Whether to serve the sleep routes: sleep mode on and `KVFIT_SERVER_DEV_MODE=1`."""
     if not engine_args.enable_sleep_mode:
         return False
-    if os.environ.get(DEV_MODE_ENV) != "1":
+    if not dev_mode():
         print(f"kvfit serve: --enable-sleep-mode without {DEV_MODE_ENV}=1: the /sleep, "
               "/wake_up and /is_sleeping routes are off", file=sys.stderr, flush=True)
         return False
     return True
+
+
+def dev_mode() -> bool:
+    """Whether `KVFIT_SERVER_DEV_MODE=1`: the development routes (`/kv_cache`, and `/sleep`
+    with sleep mode) are served."""
+    return os.environ.get(DEV_MODE_ENV) == "1"
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -108,6 +115,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_request_body_bytes=args.max_request_body_bytes or None,
             root=engine_args.model,
             enable_sleep_endpoints=sleep_endpoints(engine_args),
+            enable_kv_cache_endpoints=dev_mode(),
         )
         app = build_app(engine, config)
         print(f"kvfit serve: {', '.join(config.served_model_names)} on "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,8 @@ class _Cut:
     handle: AllocationHandle
     scratch_va: int
     scratch_mapped: bool = False
+    scratch_reserved: bool = True
+    old_released: bool = False  # the cut chunk's own handle, once the copy replaced it
 
 
 class ExtensibleTensor:
@@ -78,6 +81,8 @@ class ExtensibleTensor:
         self.segment_capacity = capacity_bytes // num_segments
         self.committed_bytes = 0
         self._released = False
+        # Cuts whose scratch range or old handle a failed driver call left to give back.
+        self._owed: list[_Cut] = []
         self._reservation: Reservation | None = Reservation(
             driver, _round_up(capacity_bytes, self.granularity), self.device
         )
@@ -125,7 +130,10 @@ class ExtensibleTensor:
         Growth keeps contents; a shrink keeps each segment's prefix (a chunk it cuts is copied
         onto a smaller allocation, so it briefly needs that chunk's kept part again).
         `defragment=True` remaps each segment as a single allocation, as RDMA registration needs,
-        and discards the contents. A failing commit leaves the tensor as it was.
+        and discards the contents. A failing commit leaves the tensor as it was, but for a
+        shrink whose clean-up fails once the kept prefix is in place (an unmap): the tensor
+        then has the new size and holds the pages it could not give back until the next
+        commit gives them back (nothing leaks, nothing is left mapped without access).
         """
         reservation = self._live()
         if self._released:
@@ -137,6 +145,9 @@ class ExtensibleTensor:
                 f"{self.num_segments}); reserve a larger capacity_bytes"
             )
         target = min(_round_up(bytes_per_segment, self.granularity), self.segment_capacity)
+        # What an earlier shrink's failed driver call left: given back before anything else.
+        self._settle_owed(reservation)
+        self._drop_beyond(self.committed_bytes, reservation)
         if defragment:
             self._defragment(target, reservation)
         elif target > self.committed_bytes:
@@ -179,6 +190,7 @@ class ExtensibleTensor:
         """Return the physical memory now. The address range is freed once no view is left."""
         if self._reservation is None:
             return
+        self._settle_owed(self._reservation)
         self.release_physical()
         self._reservation = None
 
@@ -257,21 +269,64 @@ class ExtensibleTensor:
 
     def _shrink(self, target: int, reservation: Reservation) -> None:
         cut: list[tuple[Chunk, int]] = []
-        dropped: list[Chunk] = []
         for chunk in reservation.chunks.values():
             end = self._needed_end(self._home_of(chunk.offset), target)
-            if chunk.offset >= end:
-                dropped.append(chunk)
-            elif self._cuts(chunk, target):
+            if chunk.offset < end and self._cuts(chunk, target):
                 cut.append((chunk, end - chunk.offset))
         self._synchronize()
         cuts = self._copy_kept(cut, reservation)
         self._swap_in(cuts, reservation)
-        for c in cuts:
-            self._drop_scratch(c, reservation)
-            reservation.driver.release(c.chunk.handle)
-        for chunk in dropped:
+        # The kept prefix is in place: the tensor has its new size from here on. What the
+        # cleanup fails to give back stays listed (a dropped chunk: `reservation.chunks`) or
+        # owed (a cut's scratch range and old handle), and the next commit retries it.
+        self.committed_bytes = target
+        self._owed += cuts
+        errors = self._attempt_each(lambda: self._settle_owed(reservation),
+                                    lambda: self._drop_beyond(target, reservation))
+        if errors:
+            raise errors[0]
+
+    def _drop_beyond(self, committed: int, reservation: Reservation) -> None:
+        """Unmap the chunks `committed` bytes per segment do not need, highest first, stopping
+        at a failure: what stays mapped is then still contiguous from each segment's start, so
+        a later grow maps from its end with no hole, and the next commit drops it."""
+        beyond = [chunk for chunk in reservation.chunks.values()
+                  if chunk.offset >= self._needed_end(self._home_of(chunk.offset), committed)]
+        for chunk in sorted(beyond, key=lambda chunk: -chunk.offset):
             reservation.unmap(chunk)
+
+    def _settle_owed(self, reservation: Reservation) -> None:
+        """Give back what earlier shrinks' cuts still hold: the scratch mapping and range, then
+        the replaced chunk's handle. Raises the first failure; what failed stays owed."""
+        owed, self._owed = self._owed, []
+        errors = self._attempt_each(*[lambda c=c: self._settle_cut(c, reservation) for c in owed])
+        self._owed = [c for c in owed if c.scratch_reserved or not c.old_released]
+        if errors:
+            raise errors[0]
+
+    @staticmethod
+    def _settle_cut(c: _Cut, reservation: Reservation) -> None:
+        driver = reservation.driver
+        if c.scratch_mapped:
+            driver.unmap(c.scratch_va, c.keep)
+            c.scratch_mapped = False
+        if c.scratch_reserved:
+            driver.free_reserved(c.scratch_va, c.keep)
+            c.scratch_reserved = False
+        if not c.old_released:
+            driver.release(c.chunk.handle)
+            c.old_released = True
+
+    @staticmethod
+    def _attempt_each(*calls: Callable[[], object]) -> list[BaseException]:
+        """Make every call, whatever the others raise; the errors in order."""
+        errors = []
+        for call in calls:
+            try:
+                call()
+            except Exception as error:
+                errors.append(error)
+        return errors
 
     def _copy_kept(self, cut: list[tuple[Chunk, int]], reservation: Reservation) -> list[_Cut]:
         """Copy each cut chunk's kept prefix onto a new allocation mapped at a scratch range."""

@@ -1,0 +1,8 @@
+"""The elastic KV cache's co-tenancy policy: when to give device memory back to other processes
+and when to take it again. The engine applies it (`kvfit.engine.kv_resize`)."""
+
+from __future__ import annotations
+
+from kvfit.elastic.governor import ElasticConfig, KVCacheGovernor, MemoryAmount
+
+__all__ = ["ElasticConfig", "KVCacheGovernor", "MemoryAmount"]

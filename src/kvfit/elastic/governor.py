@@ -1,0 +1,130 @@
+"""The co-tenancy governor's policy: from the device's free memory alone, when to shrink the
+KV cache so another process can allocate, and when to grow it back.
+
+Pure: the engine reads free memory between steps, asks `KVCacheGovernor.decide` and resizes;
+tests drive it with a scripted clock and free-memory figures.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from kvfit.kv.report import format_bytes
+
+_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_AMOUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
+
+DEFAULT_LOW_WATERMARK = "0.05"
+DEFAULT_HIGH_WATERMARK = "0.1"
+DEFAULT_MIN_INTERVAL_S = 5.0
+POLL_INTERVAL_S = 0.05
+"""How often the engine reads free memory: often enough to shrink within a second of another
+process allocating, rarely enough to cost nothing (one `cudaMemGetInfo`)."""
+
+
+@dataclass(frozen=True)
+class MemoryAmount:
+    """A watermark of device free memory: `nbytes`, or a `fraction` of its total memory (on
+    the CPU: of `cpu_kv_cache_space_bytes`)."""
+
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, value: str | float | int, setting: str) -> MemoryAmount:
+        """A fraction of total memory in (0, 1) (`0.05`), or bytes: a whole number
+        (`2147483648`) or one with a binary unit (`2GiB`, `512MiB`, `1.5GiB`). Raises
+        `ValueError` naming `setting`."""
+        match = _AMOUNT.match(str(value))
+        if match is None:
+            raise ValueError(f"{setting} must be a fraction of device memory in (0, 1) such "
+                             f"as 0.05, or bytes such as 2147483648, 2GiB or 512MiB; got "
+                             f"{value!r}")
+        number, unit = float(match[1]), match[2] or ""
+        if not unit and number < 1:
+            if number <= 0:
+                raise ValueError(f"{setting} must be above 0, got {value!r}")
+            return cls(fraction=number)
+        if not unit and number != int(number):
+            raise ValueError(f"{setting}: {value!r} is neither a fraction below 1 nor a whole "
+                             f"number of bytes; add a unit (e.g. 1.5GiB)")
+        return cls(nbytes=math.ceil(number * _UNITS[unit]))
+
+    def resolve(self, total: int) -> int:
+        """Bytes, on a device of `total` bytes."""
+        return self.nbytes if self.nbytes is not None else int(self.fraction * total)
+
+    def __str__(self) -> str:
+        if self.nbytes is not None:
+            return format_bytes(self.nbytes)
+        return f"{self.fraction:g} of device memory"
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """`--elastic-kv-cache`: watermarks of device free memory and the least time between a
+    resize and the next grow (a grow that failed is retried after it too)."""
+
+    low_watermark: MemoryAmount
+    high_watermark: MemoryAmount
+    min_interval_s: float = DEFAULT_MIN_INTERVAL_S
+    poll_interval_s: float = POLL_INTERVAL_S
+
+    def watermarks(self, total: int) -> tuple[int, int]:
+        """`(low, high)` in bytes on a device of `total` bytes; `ValueError` unless low < high."""
+        low, high = self.low_watermark.resolve(total), self.high_watermark.resolve(total)
+        if not low < high:
+            raise ValueError(
+                f"elastic_low_watermark ({self.low_watermark}: {low} bytes) must be below "
+                f"elastic_high_watermark ({self.high_watermark}: {high} bytes) on a device of "
+                f"{total} bytes: the band between them keeps the cache from oscillating")
+        return low, high
+
+
+@dataclass
+class KVCacheGovernor:
+    """When to resize the KV cache for other processes on the same device.
+
+    Free memory under the low watermark (another process is allocating) gives back, at once,
+    what brings it to the middle of the two watermarks: a shrink is never delayed, since the
+    other process may fail without it. Free memory above the high watermark takes what brings
+    it down to that middle, but only `min_interval_s` after the last resize and the last grow
+    attempt. Between the watermarks nothing changes. Landing in the middle of the band, a
+    resize cannot trigger the opposite one by itself: hysteresis, with grows at most one per
+    interval.
+    """
+
+    config: ElasticConfig
+    last_poll: float = -math.inf
+    last_resize: float = -math.inf
+    last_grow_attempt: float = -math.inf
+
+    def due(self, now: float) -> bool:
+        """Whether a poll interval has passed since the last poll (and count this one)."""
+        if now - self.last_poll < self.config.poll_interval_s:
+            return False
+        self.last_poll = now
+        return True
+
+    def decide(self, free: int, total: int, now: float) -> int:
+        """Bytes of KV cache to give back (> 0) or take (< 0) with `free` of `total` device
+        bytes free at `now`; 0 to leave it as it is."""
+        low, high = self.config.watermarks(total)
+        middle = (low + high) // 2
+        if free < low:
+            return middle - free
+        interval = self.config.min_interval_s
+        if (free > high and now - self.last_resize >= interval
+                and now - self.last_grow_attempt >= interval):
+            return middle - free
+        return 0
+
+    def resized(self, now: float) -> None:
+        """The cache was resized at `now`."""
+        self.last_resize = now
+
+    def grow_attempted(self, now: float) -> None:
+        """A grow was tried at `now` (done, failed, or nothing to do at the budget)."""
+        self.last_grow_attempt = now

@@ -1,0 +1,289 @@
+"""Resizing the KV cache at runtime: the one mechanism behind `LLM.resize_kv_cache`, the
+co-tenancy governor (`--elastic-kv-cache`) and the out-of-memory guard.
+
+A shrink goes through the block manager first: the tail's prefix-cache entries are evicted and
+the sequences holding tail blocks preempted (recomputed later: nothing is lost), then every
+worker commits the smaller size. A grow commits first, then hands the new blocks out. The
+cache's addresses never move, so captured graphs stay valid. No step may be in flight: the
+engine applies it first (`settle`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvfit.kv.report import format_bytes
+from kvfit.vmm import VmmError, VmmOutOfMemoryError
+
+if TYPE_CHECKING:
+    from kvfit.elastic import KVCacheGovernor
+    from kvfit.engine.config import EngineConfig
+    from kvfit.engine.executor import Executor
+    from kvfit.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+MAX_EVENTS = 4096
+"""Resizes kept in `KVCacheResizer.events` (the latest; the counters count them all)."""
+
+
+class KVCacheResizeError(RuntimeError):
+    """A resize could not be made (a grow that found no memory); the KV cache is as it was."""
+
+
+@dataclass(frozen=True)
+class KVCacheResize:
+    """One resize of the KV cache, by `cause` (`api`: `LLM.resize_kv_cache`; `governor`).
+
+    `delta_bytes`: physical bytes gained (negative: given back) on rank 0; `free_bytes`: the
+    device free memory that prompted a governor's resize; `time`: `time.monotonic()` at its
+    end.
+    """
+
+    cause: str
+    num_blocks_before: int
+    num_blocks_after: int
+    delta_bytes: int
+    num_preempted: int
+    num_evicted: int
+    seconds: float
+    time: float
+    free_bytes: int | None = None
+
+
+@dataclass
+class KVCacheResizer:
+    """Grows and shrinks the committed KV cache between steps, keeping the block manager, every
+    worker's cache and `cache_config.num_gpu_blocks` equal; logs and counts each resize.
+
+    Bounds: never below one `max_model_len` sequence (`floor`), never above the reserved
+    capacity nor what the memory budget allows (`limits`).
+    """
+
+    config: EngineConfig
+    executor: Executor
+    scheduler: Scheduler
+    events: deque[KVCacheResize] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
+    num_shrinks: int = 0
+    num_grows: int = 0
+    num_failed_grows: int = 0
+    _warned_at_floor: bool = field(default=False, repr=False)  # once until the next grow
+
+    @property
+    def num_blocks(self) -> int:
+        return self.scheduler.block_manager.num_blocks
+
+    @property
+    def floor(self) -> int:
+        """Blocks one `max_model_len` sequence needs: the least the cache may hold."""
+        return self.scheduler.block_manager.blocks_for(self.config.scheduler_config.max_model_len)
+
+    def limits(self) -> tuple[int, int, int]:
+        """`(floor, capacity, budget)` blocks, the last two the minimum over workers."""
+        _, capacity, budget = zip(*self.executor.collective_rpc("kv_cache_blocks"), strict=True)
+        return self.floor, min(capacity), min(budget)
+
+    # -- one resize ------------------------------------------------------------------------
+
+    def resize(self, num_blocks: int, cause: str = "api",
+               free_bytes: int | None = None) -> KVCacheResize:
+        """Commit exactly `num_blocks`; raises `ValueError` naming the setting for a size out
+        of bounds, `KVCacheResizeError` where a driver call failed (a grow that found no
+        memory: the cache stays as it was; a shrink: the cache keeps what it still backs)."""
+        self._check_target(num_blocks)
+        before, start = self.num_blocks, time.perf_counter()
+        num_preempted = num_evicted = 0
+        try:
+            if num_blocks < before:
+                delta, num_preempted, num_evicted = self.shrink(num_blocks)
+                self.num_shrinks += 1
+            elif num_blocks > before:
+                delta = self.grow(num_blocks)
+                self.num_grows += 1
+                self._warned_at_floor = False
+            else:  # gives back what a failed resize left, if anything
+                delta = self._commit(num_blocks)[0]
+        except VmmError as error:
+            self.num_failed_grows += num_blocks > before
+            raise KVCacheResizeError(
+                f"could not {'grow' if num_blocks > before else 'shrink'} the KV cache from "
+                f"{before} to {num_blocks} blocks: {error}; it holds {self.num_blocks} "
+                f"blocks") from error
+        event = KVCacheResize(cause, before, num_blocks, delta, num_preempted, num_evicted,
+                              time.perf_counter() - start, time.monotonic(), free_bytes)
+        if num_blocks != before:
+            self.events.append(event)
+            logger.info(
+                "KV cache resized (%s): %d -> %d blocks (%s%s) in %.1f ms; %d sequences "
+                "preempted, %d prefix-cache entries evicted%s", cause, before, num_blocks,
+                "+" if delta >= 0 else "-", format_bytes(abs(delta)), 1e3 * event.seconds,
+                num_preempted, num_evicted,
+                "" if free_bytes is None else f"; device free memory {format_bytes(free_bytes)}")
+        return event
+
+    def _check_target(self, num_blocks: int) -> None:
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool):
+            raise ValueError(f"num_blocks must be an integer, got {num_blocks!r}")
+        floor, capacity, budget = self.limits()
+        what = f"resize_kv_cache(num_blocks={num_blocks})"
+        if num_blocks < floor:
+            raise ValueError(
+                f"{what}: one max_model_len ({sc.max_model_len}) sequence needs {floor} blocks "
+                f"of {cc.block_size} tokens, the least the KV cache may hold; ask for at least "
+                f"{floor}, or lower max_model_len")
+        if num_blocks > capacity:
+            raise ValueError(
+                f"{what}: the KV cache reserved {capacity} blocks of address space at startup "
+                f"(its capacity, from the memory budget), which a running engine cannot widen; "
+                f"ask for at most {capacity}")
+        if num_blocks > max(budget, self.num_blocks):
+            setting = ("cpu_kv_cache_space_bytes" if self.config.device.type == "cpu"
+                       else f"gpu_memory_utilization ({cc.memory_utilization})")
+            raise ValueError(
+                f"{what}: the memory budget allows {budget} blocks ({setting} of the device, "
+                f"less the model, the transient and the margin); ask for at most {budget}, or "
+                f"start the engine with a larger {setting.split()[0]}")
+
+    # -- the mechanism (also the out-of-memory guard's) ---------------------------------------
+
+    def shrink(self, num_blocks: int, empty_cache: bool = False) -> tuple[int, int, int]:
+        """Preempt the tail's holders, evict its prefix-cache entries, then commit
+        `num_blocks` on every worker (`empty_cache`: then hand torch's idle memory back, for
+        the out-of-memory guard). Returns `(delta_bytes, num_preempted, num_evicted)`. On a
+        failure the block manager keeps what every worker still backs, and it raises."""
+        victims = self.scheduler.preempt_tail_holders(num_blocks)
+        num_evicted = self.scheduler.block_manager.shrink(num_blocks)
+        deltas = self._commit(num_blocks)
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        if empty_cache:
+            self.executor.collective_rpc("empty_cache")
+        return deltas[0], len(victims), num_evicted
+
+    def grow(self, num_blocks: int) -> int:
+        """Commit `num_blocks` on every worker, then hand the new blocks out; returns the bytes
+        gained. On a failure every worker gives back what it grew, and it raises."""
+        delta = self._commit(num_blocks)[0]
+        self.scheduler.block_manager.grow(num_blocks)
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        return delta
+
+    def _commit(self, num_blocks: int) -> list[int]:
+        try:
+            deltas = self.executor.collective_rpc("resize_kv_cache", num_blocks)
+        except BaseException:
+            self._reconcile()
+            raise
+        return deltas
+
+    def _reconcile(self) -> None:
+        """After a commit failed on some worker: the block manager takes what every worker
+        backs, and workers backing more give it back (whole chunks: no memory needed)."""
+        bm = self.scheduler.block_manager
+        committed = [c for c, _, _ in self.executor.collective_rpc("kv_cache_blocks")]
+        if min(committed) > bm.num_blocks:  # a shrink that failed: its blocks are still there
+            bm.grow(min(committed))
+        self.config.cache_config.num_gpu_blocks = bm.num_blocks
+        if max(committed) > bm.num_blocks:
+            try:
+                self.executor.collective_rpc("resize_kv_cache", bm.num_blocks)
+            except Exception as error:  # the pages stay mapped, unused, until the next resize
+                logger.warning("KV cache workers disagree after a failed resize and could not "
+                               "be brought to %d blocks: %s", bm.num_blocks, error)
+
+    # -- the governor ------------------------------------------------------------------------
+
+    def govern(self, governor: KVCacheGovernor, settle: Callable[[], None],
+               now: float) -> KVCacheResize | None:
+        """One poll of `governor` (no-op between poll intervals): read device free memory and
+        shrink or grow as it decides. `settle` applies the step in flight, called only right
+        before a resize. Never raises for want of memory: a shrink falls back to unmapping
+        whole chunks, a grow that fails is retried after the governor's interval."""
+        if not governor.due(now):
+            return None
+        memory = self.executor.collective_rpc("device_memory")
+        free, total = min(f for f, _ in memory), min(t for _, t in memory)
+        want = governor.decide(free, total, now)
+        if want > 0:
+            return self._govern_shrink(governor, settle, want, free)
+        if want < 0:
+            return self._govern_grow(governor, settle, -want, free)
+        return None
+
+    def _govern_shrink(self, governor: KVCacheGovernor, settle: Callable[[], None],
+                       nbytes: int, free: int) -> KVCacheResize | None:
+        # Cutting a physical chunk copies its kept part, which needs memory the device may no
+        # longer have: then unmap whole chunks only (gives back more, needs nothing).
+        for uncut in (False, True):
+            rpc = self.executor.collective_rpc
+            target = max(min(rpc("kv_cache_blocks_at", -nbytes, uncut)), self.floor)
+            if target >= self.num_blocks:  # at one max_model_len sequence: nothing to give
+                if not self._warned_at_floor:
+                    logger.warning("device free memory (%s) is under the low watermark and the "
+                                   "KV cache holds one max_model_len sequence (%d blocks), the "
+                                   "least it may: it cannot give more", format_bytes(free),
+                                   self.num_blocks)
+                    self._warned_at_floor = True
+                return None
+            settle()
+            try:
+                event = self.resize(target, "governor", free)
+            except KVCacheResizeError as error:
+                if isinstance(error.__cause__, VmmOutOfMemoryError):
+                    continue
+                logger.error("the governor could not shrink the KV cache to %d blocks (%s); "
+                             "it holds %d", target, error, self.num_blocks)
+                return None
+            governor.resized(event.time)
+            return event
+        logger.error("the governor could not shrink the KV cache: even unmapping whole chunks "
+                     "ran out of memory; it holds %d blocks", self.num_blocks)
+        return None
+
+    def _govern_grow(self, governor: KVCacheGovernor, settle: Callable[[], None],
+                     nbytes: int, free: int) -> KVCacheResize | None:
+        try:
+            _, capacity, budget = self.limits()
+            fits = min(self.executor.collective_rpc("kv_cache_blocks_at", nbytes))
+            target = min(fits, capacity, budget)
+            if target <= self.num_blocks:
+                return None  # at the budget
+            settle()
+            try:
+                event = self.resize(target, "governor", free)
+            except KVCacheResizeError as error:
+                logger.warning("%s; the governor retries in %.1f s", error,
+                               governor.config.min_interval_s)
+                return None
+            governor.resized(event.time)
+            return event
+        finally:  # the next attempt waits the interval from the end of this one
+            governor.grow_attempted(time.monotonic())
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    def state(self, governor: KVCacheGovernor | None) -> dict[str, Any]:
+        """The cache's size, bounds, resize counts, governor settings and latest resizes (what
+        `GET /kv_cache` answers)."""
+        floor, capacity, budget = self.limits()
+        bm = self.scheduler.block_manager
+        committed, reserved = self.executor.collective_rpc("kv_cache_bytes")[0]
+        state: dict[str, Any] = {
+            "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
+            "block_size": bm.block_size, "min_blocks": floor, "max_blocks": min(capacity, budget),
+            "capacity_blocks": capacity, "committed_bytes": committed, "reserved_bytes": reserved,
+            "num_shrinks": self.num_shrinks, "num_grows": self.num_grows,
+            "num_failed_grows": self.num_failed_grows, "elastic": None,
+            "latest_resizes": [asdict(e) for e in list(self.events)[-16:]],
+        }
+        if governor is not None:
+            c = governor.config
+            state["elastic"] = {"low_watermark": str(c.low_watermark),
+                                "high_watermark": str(c.high_watermark),
+                                "min_interval_s": c.min_interval_s}
+        return state

@@ -1,0 +1,90 @@
+"""The co-tenancy governor's policy, exactly: watermark parsing, the hysteresis band, shrinks at
+once, grows at most once per interval (after any resize, and after a failed grow)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfit.elastic import ElasticConfig, KVCacheGovernor, MemoryAmount
+
+GiB, MiB = 1 << 30, 1 << 20
+TOTAL = 100 * GiB
+
+
+@pytest.mark.parametrize(("text", "amount"), [
+    ("0.05", MemoryAmount(fraction=0.05)),
+    (0.5, MemoryAmount(fraction=0.5)),
+    ("2147483648", MemoryAmount(nbytes=2 * GiB)),
+    (4096, MemoryAmount(nbytes=4096)),
+    ("2GiB", MemoryAmount(nbytes=2 * GiB)),
+    ("1.5 GiB", MemoryAmount(nbytes=3 * GiB // 2)),
+    ("512MiB", MemoryAmount(nbytes=512 * MiB)),
+    ("1", MemoryAmount(nbytes=1)),  # a whole number is bytes, even 1
+])
+def test_watermarks_are_fractions_or_bytes(text: str | float, amount: MemoryAmount) -> None:
+    assert MemoryAmount.parse(text, "elastic_low_watermark") == amount
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "2GB", "2 gigabytes", "1.5", "", "0.0"])
+def test_bad_watermarks_name_the_setting(text: str) -> None:
+    with pytest.raises(ValueError, match="elastic_high_watermark"):
+        MemoryAmount.parse(text, "elastic_high_watermark")
+
+
+def test_watermarks_resolve_against_the_device_and_low_must_be_below_high() -> None:
+    config = ElasticConfig(MemoryAmount(fraction=0.05), MemoryAmount(nbytes=8 * GiB))
+    assert config.watermarks(TOTAL) == (5 * GiB, 8 * GiB)
+    with pytest.raises(ValueError, match="elastic_low_watermark .* below elastic_high"):
+        config.watermarks(200 * GiB)  # 10 GiB low, 8 GiB high
+
+
+def governor(min_interval_s: float = 10.0) -> KVCacheGovernor:
+    return KVCacheGovernor(ElasticConfig(MemoryAmount(nbytes=4 * GiB), MemoryAmount(nbytes=8 * GiB),
+                                         min_interval_s=min_interval_s, poll_interval_s=0.1))
+
+
+def test_free_memory_under_low_gives_back_to_the_middle_at_once() -> None:
+    g = governor()
+    assert g.decide(1 * GiB, TOTAL, now=0.0) == 5 * GiB  # to the middle: 6 GiB free
+    g.resized(0.0)
+    # Right after a resize, another shortage is answered at once: shrinks never wait.
+    assert g.decide(3 * GiB, TOTAL, now=0.01) == 3 * GiB
+
+
+@pytest.mark.parametrize("free", [4 * GiB, 6 * GiB, 8 * GiB])
+def test_free_memory_within_the_band_changes_nothing(free: int) -> None:
+    assert governor().decide(free, TOTAL, now=100.0) == 0
+
+
+def test_grows_take_down_to_the_middle_at_most_once_per_interval() -> None:
+    g = governor(min_interval_s=10.0)
+    assert g.decide(20 * GiB, TOTAL, now=0.0) == -14 * GiB  # first grow: nothing before it
+    g.grow_attempted(0.0)
+    g.resized(0.0)
+    assert g.decide(20 * GiB, TOTAL, now=9.9) == 0
+    assert g.decide(20 * GiB, TOTAL, now=10.0) == -14 * GiB
+    g.grow_attempted(10.0)  # e.g. it failed: no resize, but the retry waits too
+    assert g.decide(20 * GiB, TOTAL, now=19.9) == 0
+    assert g.decide(20 * GiB, TOTAL, now=20.0) == -14 * GiB
+
+
+def test_a_shrink_holds_off_the_next_grow_for_an_interval() -> None:
+    g = governor(min_interval_s=10.0)
+    g.resized(5.0)  # a shrink at t=5
+    assert g.decide(20 * GiB, TOTAL, now=14.0) == 0
+    assert g.decide(20 * GiB, TOTAL, now=15.0) < 0
+
+
+def test_a_resize_landing_in_the_middle_never_triggers_the_opposite_one() -> None:
+    """Whatever the free memory, applying the decision lands inside the band, where the next
+    decision is 0: the governor cannot oscillate on its own."""
+    g = governor(min_interval_s=0.0)
+    for free in (0, GiB, 3 * GiB, 9 * GiB, 50 * GiB):
+        after = free + g.decide(free, TOTAL, now=1.0)
+        assert 4 * GiB <= after <= 8 * GiB
+        assert g.decide(after, TOTAL, now=2.0) == 0
+
+
+def test_polls_are_spaced_by_the_poll_interval() -> None:
+    g = governor()
+    assert g.due(0.0) and not g.due(0.05) and g.due(0.1) and not g.due(0.15)

@@ -1,0 +1,190 @@
+"""The co-tenancy governor (`elastic_kv_cache`) against a simulated co-tenant: the engine's
+worker reads a scripted device whose other process allocates whenever memory is free. The
+cache shrinks until the co-tenant has what it asked for, holds still while nothing changes,
+grows back once it frees (not before the minimum interval, retrying a grow that failed), and
+no request fails or changes its greedy output meanwhile."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfit import LLM, SamplingParams
+from kvfit.kv.monitor import HostMemoryMonitor
+from kvfit.vmm import VmmOutOfMemoryError
+
+from .test_oom_guard import assert_nothing_leaked, make_prompts, runner
+
+MiB = 1 << 20
+LOW, HIGH, MIN_INTERVAL = 4 * MiB, 10 * MiB, 0.5
+MIDDLE = (LOW + HIGH) // 2
+# 64 sequences of 512 tokens: a 2048-block (32 MiB) cache on the host, sixteen 2 MiB granules.
+ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=256, elastic_kv_cache=True,
+              elastic_low_watermark="4MiB", elastic_high_watermark=f"{HIGH}",
+              elastic_min_interval=MIN_INTERVAL)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+PROMPTS = make_prompts((1, 17, 40, 100, 150, 200))
+DEADLINE_S = 60.0
+
+
+class CoTenantDevice(HostMemoryMonitor):
+    """A device shared by the engine's KV cache, the engine's other use (`other`) and a
+    co-tenant process that allocates 1 MiB at a time whenever memory is free, until it holds
+    `wants`, and frees at once. Free memory starts at the middle of the watermarks."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.cache = runner(llm).kv_cache
+        total = 128 * MiB
+        super().__init__(total, "cpu_kv_cache_space_bytes")
+        self.other = total - self.cache.physical_bytes - MIDDLE
+        self.wants = self.holds = 0
+
+    def free(self) -> int:
+        return self.budget_bytes - self.other - self.cache.physical_bytes - self.holds
+
+    def free_and_total(self) -> tuple[int, int]:
+        self.holds = min(self.holds, self.wants)
+        while self.holds < self.wants and self.free() >= MiB:
+            self.holds += MiB
+        return self.free(), self.budget_bytes
+
+
+@pytest.fixture
+def elastic(qwen3: Path) -> Iterator[tuple[LLM, CoTenantDevice, list[list[int]]]]:
+    """An elastic engine on a co-tenant device, and its greedy tokens before any resize."""
+    llm = LLM(str(qwen3), device="cpu", **ENGINE)
+    expected = tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    device = CoTenantDevice(llm)
+    llm.engine.executor.workers[0].monitor = device
+    yield llm, device, expected
+    llm.shutdown()
+
+
+def tokens(outputs: list[Any]) -> list[list[int]]:
+    assert all(o.finished for o in outputs)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def serve_until(llm: LLM, expected: list[list[int]], done: Callable[[], bool]) -> None:
+    """Generate, checking every output, until `done()` (the governor polls between steps)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not done():
+        assert time.monotonic() < deadline, "the governor did not get there in time"
+        assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
+
+
+def test_the_governor_shrinks_for_a_co_tenant_and_grows_back_once_it_frees(
+    elastic: tuple[LLM, CoTenantDevice, list[list[int]]],
+) -> None:
+    llm, device, expected = elastic
+    resizer, cache = llm.engine.kv_resizer, runner(llm).kv_cache
+    start_blocks = cache.committed_blocks
+    serve_until(llm, expected, lambda: True)
+    assert not resizer.events  # free memory in the band: nothing to do
+
+    device.wants = 16 * MiB
+    serve_until(llm, expected, lambda: device.holds == device.wants)
+    shrinks = list(resizer.events)
+    assert shrinks and all(e.cause == "governor" and e.delta_bytes < 0 for e in shrinks)
+    assert all(e.free_bytes < LOW for e in shrinks)  # each one prompted by a shortage
+    assert LOW <= device.free() <= HIGH
+    assert cache.committed_blocks < start_blocks
+    assert cache.committed_blocks == llm.engine.scheduler.block_manager.num_blocks
+
+    device.wants = 0  # at once: the grow still waits for the interval after the last shrink
+    serve_until(llm, expected, lambda: cache.committed_blocks == start_blocks)
+    [grow] = list(resizer.events)[len(shrinks):]
+    assert grow.cause == "governor" and grow.free_bytes > HIGH
+    assert grow.time - shrinks[-1].time >= MIN_INTERVAL
+    assert LOW <= device.free() <= HIGH
+
+    # Nothing changes while the co-tenant holds still: no oscillation.
+    steady = time.monotonic() + 3 * MIN_INTERVAL
+    serve_until(llm, expected, lambda: time.monotonic() > steady)
+    assert list(resizer.events) == [*shrinks, grow]
+    stats = llm.engine.stats()
+    assert (stats.kv_cache_shrinks, stats.kv_cache_grows) == (len(shrinks), 1)
+    assert_nothing_leaked(llm)
+
+
+def test_a_grow_that_finds_no_memory_leaves_the_cache_and_retries_after_the_interval(
+    elastic: tuple[LLM, CoTenantDevice, list[list[int]]],
+) -> None:
+    llm, device, expected = elastic
+    resizer, cache = llm.engine.kv_resizer, runner(llm).kv_cache
+    start_blocks = cache.committed_blocks
+    device.wants = 16 * MiB
+    serve_until(llm, expected, lambda: device.holds == device.wants)
+    shrunk = cache.committed_blocks
+    worker = llm.engine.executor.workers[0]
+    commit, failed_at = worker.resize_kv_cache, []
+
+    def fail_first_grow(num_blocks: int) -> int:
+        if num_blocks > cache.committed_blocks and not failed_at:
+            failed_at.append(time.monotonic())
+            raise VmmOutOfMemoryError("cuMemCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY")
+        return commit(num_blocks)
+
+    worker.resize_kv_cache = fail_first_grow  # type: ignore[method-assign]
+    device.wants = 0
+    serve_until(llm, expected, lambda: bool(failed_at))
+    assert cache.committed_blocks == shrunk == llm.engine.scheduler.block_manager.num_blocks
+    assert llm.engine.stats().kv_cache_failed_grows == 1
+    serve_until(llm, expected, lambda: cache.committed_blocks == start_blocks)
+    grow = resizer.events[-1]
+    assert grow.time - failed_at[0] >= MIN_INTERVAL
+    assert llm.engine.stats().kv_cache_grows == 1
+    assert_nothing_leaked(llm)
+
+
+def test_the_governor_never_shrinks_below_one_max_model_len_sequence(
+    elastic: tuple[LLM, CoTenantDevice, list[list[int]]], caplog: pytest.LogCaptureFixture,
+) -> None:
+    llm, device, expected = elastic
+    device.wants = 1 << 30  # more than there is
+    floor = llm.engine.kv_resizer.floor
+    with caplog.at_level(logging.WARNING, logger="kvfit.engine.kv_resize"):
+        serve_until(llm, expected, lambda: runner(llm).kv_cache.committed_blocks == floor)
+        for _ in range(2):
+            serve_until(llm, expected, lambda: True)  # and serves on at the floor
+    assert llm.engine.scheduler.block_manager.num_blocks == floor
+    [warning] = [r.getMessage() for r in caplog.records if "cannot give more" in r.getMessage()]
+    assert f"one max_model_len sequence ({floor} blocks)" in warning  # once, not every poll
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"num_gpu_blocks_override": 512}, "num_gpu_blocks_override"),
+    ({"enable_extensible_kv_cache": False}, "enable_extensible_kv_cache=False"),
+    ({"elastic_low_watermark": "2GB"}, "elastic_low_watermark"),
+    ({"elastic_low_watermark": "8GiB", "elastic_high_watermark": "4GiB"},
+     "elastic_low_watermark .* must be below elastic_high_watermark"),
+    ({"elastic_min_interval": -1.0}, "elastic_min_interval"),
+])
+def test_elastic_settings_are_checked_at_config_time(qwen3: Path, kwargs: dict,
+                                                     match: str) -> None:
+    from kvfit.engine.config import EngineArgs
+
+    args = EngineArgs(model=str(qwen3), device="cpu", elastic_kv_cache=True, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        args.create_engine_config()
+
+
+def test_the_flags_reach_the_engine_config(qwen3: Path) -> None:
+    import argparse
+
+    from kvfit.elastic import ElasticConfig, MemoryAmount
+    from kvfit.engine.config import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", str(qwen3), "--device", "cpu", "--elastic-kv-cache",
+                              "--elastic-low-watermark", "1GiB", "--elastic-high-watermark",
+                              "0.5", "--elastic-min-interval", "3"])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert config.elastic == ElasticConfig(MemoryAmount(nbytes=1 << 30),
+                                           MemoryAmount(fraction=0.5), min_interval_s=3.0)
+    assert EngineArgs(model=str(qwen3), device="cpu").create_engine_config().elastic is None
