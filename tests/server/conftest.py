@@ -1,9 +1,12 @@
-"""Fixtures of the server tests: one tiny engine and one uvicorn server per module, on a free
-port of 127.0.0.1, and the same engine settings for `LLM` references."""
+"""Fixtures of the server tests: one tiny engine (in its own process, as `kvfit serve` runs
+it) and one uvicorn server per module, on a free port of 127.0.0.1, and the same engine
+settings for `LLM` references."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,8 +24,17 @@ from kvfit.engine.config import EngineArgs  # noqa: E402
 from kvfit.server.async_llm import AsyncLLM  # noqa: E402
 from kvfit.server.openai_api import ServeConfig, build_app  # noqa: E402
 
+# `engine_hooks` must import by a plain name in spawned engine processes too (they get this
+# process's sys.path when they start).
+sys.path.insert(0, str(Path(__file__).parent))
+
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 128
+
+
+def in_engine(engine: AsyncLLM, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(llm, *args)` run in the engine (an `engine_hooks` function); its result."""
+    return asyncio.run(engine.call_engine(fn, *args))
 
 
 def engine_kwargs(model: Path) -> dict[str, Any]:

@@ -1,0 +1,98 @@
+"""What crosses between `AsyncLLM` (the front end) and its engine core loop, in a thread or
+in a process of its own: plain tuples and small dataclasses, so a message pickles compactly.
+
+Front end -> engine, commands (tuples, applied in order between two steps):
+  `("add", request_id, prompt_token_ids, prompt_text, params)`, `("abort", request_id)`,
+  `("call", call_id, fn, args)` (`fn`: an `LLM` method name, or a function run as
+  `fn(llm, *args)`), `("stop",)`.
+Engine -> front end: one `EngineReady` (or `EngineStartFailed`), then `EngineOutputs`, at most
+one per step: the new tokens of every request that advanced, coalesced into one message.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from kvfit.engine.config import EngineConfig
+from kvfit.engine.engine_core import EngineStats
+from kvfit.engine.sequence import Logprobs
+from kvfit.kv.report import KVCacheReport
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has stopped (shut down, its process died, or an error outside any step)."""
+
+
+class EngineSleepingError(RuntimeError):
+    """A request sent while the engine sleeps (`AsyncLLM.sleep`): wake it up first."""
+
+
+class RequestFailedError(RuntimeError):
+    """A step holding this request raised; the request was aborted, the engine goes on."""
+
+
+class SeqDelta(NamedTuple):
+    """What one completion gained since its last delta."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[Logprobs]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    text: str | None  # the engine's text where it detokenizes (stop strings), else None
+
+
+class RequestDelta(NamedTuple):
+    """What one request gained; `finished` once every completion has ended (the last delta,
+    which carries the prompt logprobs where asked)."""
+
+    seqs: list[SeqDelta]
+    finished: bool
+    prompt_logprobs: list[Logprobs | None] | None = None
+
+
+Output = tuple[str, RequestDelta | BaseException]
+"""`(request_id, delta)`, or `(request_id, error)`: the request ended with that error."""
+
+
+@dataclass
+class EngineReady:
+    """Sent once the engine has started: what the front end needs to check requests."""
+
+    config: EngineConfig
+    kv_cache_report: KVCacheReport
+    stats: EngineStats
+    is_sleeping: bool
+
+
+@dataclass
+class EngineStartFailed:
+    """Sent instead of `EngineReady` when the engine could not start."""
+
+    error: BaseException
+    traceback: str
+
+
+@dataclass
+class EngineOutputs:
+    """One step's (or one round of commands') results. `kv_cache_report` is set only when it
+    changed (the out-of-memory guard shrank the cache); `results` settle `call`s, as
+    `(call_id, result, error)`."""
+
+    outputs: list[Output]
+    stats: EngineStats
+    is_sleeping: bool
+    kv_cache_report: KVCacheReport | None = None
+    results: list[tuple[int, Any, BaseException | None]] = field(default_factory=list)
+
+
+def portable(error: BaseException) -> BaseException:
+    """`error` if it survives pickling (to cross to the front end's process), else a
+    RuntimeError carrying its type and message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
