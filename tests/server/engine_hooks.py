@@ -90,3 +90,8 @@ def count_detokenized(llm: LLM) -> None:
 
 def detokenized(llm: LLM) -> list[str]:
     return list(_detokenized)
+
+
+def pause(llm: LLM, seconds: float) -> None:
+    """Hold the engine between two steps."""
+    time.sleep(seconds)

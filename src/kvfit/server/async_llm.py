@@ -144,24 +144,24 @@ class RequestStream:
     def _apply(self, deltas: list[RequestDelta]) -> None:
         """Fold every delta taken into the output; text is decoded once per completion."""
         decode: set[int] = set()
-        for delta in deltas:
-            for part in delta.seqs:
-                out = self.output.outputs[part.index]
-                out.token_ids.extend(part.token_ids)
+        for _, seqs, _, prompt_logprobs in deltas:
+            for index, token_ids, logprobs, finish_reason, stop_reason, text in seqs:
+                out = self.output.outputs[index]
+                out.token_ids.extend(token_ids)
                 if out.logprobs is not None:
-                    out.logprobs.extend(part.logprobs)
+                    out.logprobs.extend(logprobs)
                     out.cumulative_logprob += sum(lp[t].logprob for t, lp in
-                                                  zip(part.token_ids, part.logprobs, strict=True))
-                out.finish_reason, out.stop_reason = part.finish_reason, part.stop_reason
-                if part.text is None:
-                    self._mirrors[part.index].token_ids.extend(part.token_ids)
-                    decode.add(part.index)
-                elif part.finish_reason is not None:
-                    out.text = part.text
+                                                  zip(token_ids, logprobs, strict=True))
+                out.finish_reason, out.stop_reason = finish_reason, stop_reason
+                if text is None:
+                    self._mirrors[index].token_ids.extend(token_ids)
+                    decode.add(index)
+                elif finish_reason is not None:
+                    out.text = text
                 else:
-                    out.text = part.text[: max(len(out.text), len(part.text) - self._hold_back)]
-            if delta.prompt_logprobs is not None:
-                self.output.prompt_logprobs = delta.prompt_logprobs
+                    out.text = text[: max(len(out.text), len(text) - self._hold_back)]
+            if prompt_logprobs is not None:
+                self.output.prompt_logprobs = prompt_logprobs
         for index in decode:
             mirror = self._mirrors[index]
             self._engine._detokenizer.step(mirror, check_stop=False)
@@ -217,6 +217,11 @@ class AsyncLLM:
     def engine_pid(self) -> int | None:
         """The engine process's id (None when the engine runs on a thread)."""
         return self._client.pid
+
+    @property
+    def num_requests(self) -> int:
+        """Requests added and not yet ended, as this front end sees them."""
+        return len(self._streams)
 
     @property
     def is_alive(self) -> bool:
@@ -327,13 +332,13 @@ class AsyncLLM:
         batches: dict[asyncio.AbstractEventLoop,
                       list[tuple[_Stream, RequestDelta | BaseException]]] = {}
         streams = self._streams
-        for request_id, item in message.outputs:
-            if isinstance(item, BaseException) or item.finished:
-                stream = streams.pop(request_id, None)
-            else:
-                stream = streams.get(request_id)
+        for delta in message.outputs:
+            stream = streams.pop(delta[0], None) if delta[2] else streams.get(delta[0])
             if stream is not None:
-                batches.setdefault(stream.loop, []).append((stream, item))
+                batches.setdefault(stream.loop, []).append((stream, delta))
+        for request_id, error in message.errors:
+            if (stream := streams.pop(request_id, None)) is not None:
+                batches.setdefault(stream.loop, []).append((stream, error))
         for loop, batch in batches.items():
             _deliver_threadsafe(loop, batch)
         for call_id, result, error in message.results:

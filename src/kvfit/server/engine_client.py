@@ -3,9 +3,9 @@ or `InThreadEngine` (a thread of the front end's process).
 
 In a process the engine steps without sharing a GIL with the HTTP server: in one process every
 torch op lets the event loop in, so the engine's steps and the server's HTTP, SSE and text
-decoding serialize. The process is spawned and fed over a pipe (`multiprocessing.connection`):
-commands one way, one pickled `EngineOutputs` per step the other. It ignores SIGINT (the front
-end stops it) and exits when the pipe closes, so it never outlives its front end.
+decoding serialize. The process is spawned and fed over a socket pair (`_Channel`): commands one
+way, one pickled `EngineOutputs` per step the other. It ignores SIGINT (the front end stops it)
+and exits when the pipe closes, so it never outlives its front end.
 
 Both clients take two callbacks, called from a thread of theirs: `on_outputs(EngineOutputs)`
 and, once, `on_dead(error)` when the engine stops (`error` None for `shutdown`).
@@ -19,6 +19,7 @@ import dataclasses
 import gc
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
 import sys
@@ -46,6 +47,53 @@ logger = logging.getLogger(__name__)
 OnOutputs = Callable[[EngineOutputs], None]
 OnDead = Callable[[BaseException | None], None]
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+class _Channel:
+    """Pickled messages over one end of a `multiprocessing.Pipe` (a socket pair), each framed
+    by its 8-byte length.
+
+    `receive` returns every message that has arrived, read with one `os.read`: a reader thread
+    competing for the GIL with a busy event loop waits up to a switch interval (5 ms) after each
+    syscall, so reading one message per syscall (as `Connection.recv_bytes` does, two syscalls
+    per message) would fall behind an engine stepping every few milliseconds, fill the pipe and
+    stall the engine's sends. `send` is thread-safe.
+    """
+
+    _READ_BYTES = 1 << 20
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self._fd = conn, conn.fileno()
+        self._buffer = bytearray()
+        self._send_lock = threading.Lock()
+
+    def send(self, message: Any) -> None:
+        data = pickle.dumps(message, _PROTOCOL)
+        view = memoryview(len(data).to_bytes(8, "little") + data)
+        with self._send_lock:
+            while view:
+                view = view[os.write(self._fd, view):]
+
+    def receive(self) -> list[Any]:
+        """Every whole message that has arrived (at least one, blocking until then); EOFError
+        once the other end is closed."""
+        while not (messages := self._parse()):
+            chunk = os.read(self._fd, self._READ_BYTES)
+            if not chunk:
+                raise EOFError("the other end of the channel is closed")
+            self._buffer += chunk
+        return messages
+
+    def _parse(self) -> list[Any]:
+        messages, pos, buffer = [], 0, self._buffer
+        while len(buffer) - pos >= 8:
+            size = int.from_bytes(buffer[pos:pos + 8], "little")
+            if len(buffer) - pos - 8 < size:
+                break
+            messages.append(pickle.loads(buffer[pos + 8:pos + 8 + size]))
+            pos += 8 + size
+        del buffer[:pos]
+        return messages
 
 
 class InThreadEngine:
@@ -104,9 +152,9 @@ class EngineProcess:
             args=(child_conn, engine_args, torch.get_num_threads(), _log_setup()))
         self._process.start()
         child_conn.close()  # the child's end lives in the child only: its exit is our EOF
+        self._channel = _Channel(self._conn)
         self.pid: int | None = self._process.pid
         self._stop_timeout_s = stop_timeout_s
-        self._send_lock = threading.Lock()
         self._stopping = False
         # Runs before multiprocessing's own exit hook (which would wait for the child).
         atexit.register(self.shutdown)
@@ -122,7 +170,7 @@ class EngineProcess:
 
     def _wait_ready(self) -> EngineReady:
         try:
-            message = pickle.loads(self._conn.recv_bytes())
+            message, *_ = self._channel.receive()  # nothing follows it unasked
         except (EOFError, OSError):
             self._process.join(timeout=5)
             raise RuntimeError(f"the engine process exited (exit code "
@@ -136,7 +184,8 @@ class EngineProcess:
         error: BaseException | None = None
         try:
             while True:
-                self._on_outputs(pickle.loads(self._conn.recv_bytes()))
+                for message in self._channel.receive():
+                    self._on_outputs(message)
         except (EOFError, OSError):
             if not self._stopping:
                 self._process.join(timeout=5)
@@ -153,12 +202,10 @@ class EngineProcess:
 
     def send(self, command: tuple[Any, ...]) -> None:
         """Send a command (thread-safe); EngineDeadError when the process is gone."""
-        data = pickle.dumps(command, _PROTOCOL)
-        with self._send_lock:
-            try:
-                self._conn.send_bytes(data)
-            except OSError as e:  # closed by shutdown, or a broken pipe
-                raise EngineDeadError("the engine process is gone") from e
+        try:
+            self._channel.send(command)
+        except OSError as e:  # closed by shutdown, or a broken pipe
+            raise EngineDeadError("the engine process is gone") from e
 
     def shutdown(self) -> None:
         """Ask the engine to stop (it frees its model and cache) and wait for it; terminate
@@ -208,21 +255,19 @@ def run_engine_process(conn: Connection, engine_args: EngineArgs, num_threads: i
         logging.getLogger("kvfit").addHandler(handler)
     logging.getLogger("kvfit").setLevel(level)
 
-    def send(message: Any) -> None:
-        conn.send_bytes(pickle.dumps(message, _PROTOCOL))
-
+    channel = _Channel(conn)
     try:
         llm = LLM(**dataclasses.asdict(engine_args))
     except BaseException as e:
-        send(EngineStartFailed(portable(e), traceback.format_exc()))
+        channel.send(EngineStartFailed(portable(e), traceback.format_exc()))
         return
     try:
-        loop = EngineCoreLoop(llm, send)
+        loop = EngineCoreLoop(llm, channel.send)
         # Startup's objects live as long as the engine: keep the collector off them.
         gc.collect()
         gc.freeze()
-        send(loop.ready())
-        threading.Thread(target=_forward_commands, args=(conn, loop), name="kvfit-commands",
+        channel.send(loop.ready())
+        threading.Thread(target=_forward_commands, args=(channel, loop), name="kvfit-commands",
                          daemon=True).start()
         loop.run()
     except (BrokenPipeError, ConnectionResetError):
@@ -231,14 +276,14 @@ def run_engine_process(conn: Connection, engine_args: EngineArgs, num_threads: i
         llm.shutdown()
 
 
-def _forward_commands(conn: Connection, loop: EngineCoreLoop) -> None:
+def _forward_commands(channel: _Channel, loop: EngineCoreLoop) -> None:
     """Read commands into the loop's queue as they come (so a front end never blocks on a
     full pipe while a step runs); a closed pipe stops the loop."""
     try:
         while True:
-            command = pickle.loads(conn.recv_bytes())
-            loop.submit(command)
-            if command[0] == "stop":
-                return
+            for command in channel.receive():
+                loop.submit(command)
+                if command[0] == "stop":
+                    return
     except (EOFError, OSError):
         loop.submit(("stop",))

@@ -22,7 +22,6 @@ from kvfit.server.engine_messages import (
     EngineOutputs,
     EngineReady,
     EngineSleepingError,
-    Output,
     RequestDelta,
     RequestFailedError,
     SeqDelta,
@@ -33,41 +32,45 @@ logger = logging.getLogger(__name__)
 
 
 class _Tracked:
-    """One request's sequences and how many of each one's tokens were sent so far."""
+    """One request's sequences and how many of each one's tokens were sent so far. `delta`
+    runs for every running request at every step: it reads each setting once, up front."""
 
-    __slots__ = ("seqs", "sent", "reported")
+    __slots__ = ("request_id", "seqs", "sent", "reported", "logprobs", "text",
+                 "prompt_logprobs")
 
-    def __init__(self, seqs: list[Sequence]) -> None:
-        self.seqs = seqs
+    def __init__(self, request_id: str, seqs: list[Sequence]) -> None:
+        self.request_id, self.seqs = request_id, seqs
         self.sent = [0] * len(seqs)
         self.reported = [False] * len(seqs)
+        params = seqs[0].sampling_params
+        self.logprobs = params.logprobs is not None
+        self.text = bool(params.stop)  # the engine decodes text only for stop strings
+        self.prompt_logprobs = params.prompt_logprobs is not None
 
     def delta(self) -> RequestDelta | None:
         """What the request gained since the last call (None: nothing)."""
-        parts = []
+        parts: list[SeqDelta] = []
+        sent, reported = self.sent, self.reported
         for i, seq in enumerate(self.seqs):
             tokens = seq.token_ids
             end = len(tokens) - (tokens[-1] == PENDING_TOKEN)  # a pending token is not ready
+            first = seq.num_prompt_tokens + sent[i]
             done = seq.is_finished
-            first = seq.num_prompt_tokens + self.sent[i]
-            if end == first and (self.reported[i] or not done):
+            if end == first and (reported[i] or not done):
                 continue
-            params = seq.sampling_params
-            start, num_ready = self.sent[i], end - seq.num_prompt_tokens
-            parts.append(SeqDelta(
-                seq.sibling_index, tokens[first:end],
-                seq.logprobs[start:num_ready] if params.logprobs is not None else [],
-                seq.finish_reason if done else None, seq.stop_reason,
-                seq.output_text if params.stop else None))
-            self.sent[i], self.reported[i] = num_ready, done
+            start, num_ready = sent[i], end - seq.num_prompt_tokens
+            parts.append((seq.sibling_index, tokens[first:end],
+                          seq.logprobs[start:num_ready] if self.logprobs else None,
+                          seq.finish_reason if done else None, seq.stop_reason,
+                          seq.output_text if self.text else None))
+            sent[i], reported[i] = num_ready, done
         if not parts:
             return None
-        finished = all(self.reported)
-        parent = self.seqs[0]
+        finished = all(reported)
         prompt_logprobs = None
-        if finished and parent.sampling_params.prompt_logprobs is not None:
-            prompt_logprobs = list(parent.prompt_logprobs)
-        return RequestDelta(parts, finished, prompt_logprobs)
+        if finished and self.prompt_logprobs:
+            prompt_logprobs = list(self.seqs[0].prompt_logprobs)
+        return self.request_id, parts, finished, prompt_logprobs
 
 
 class EngineCoreLoop:
@@ -84,7 +87,9 @@ class EngineCoreLoop:
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._tracked: dict[str, _Tracked] = {}
-        self._pending: list[Output] = []  # outputs of commands (aborts, refused adds)
+        # What commands and failed steps produced: deltas of aborted requests, errors.
+        self._pending: list[RequestDelta] = []
+        self._errors: list[tuple[str, BaseException]] = []
         self._results: list[tuple[int, Any, BaseException | None]] = []
         self._stats = self.core.stats()
         self._report: KVCacheReport = self.core.kv_cache_report
@@ -117,7 +122,7 @@ class EngineCoreLoop:
             failed = RequestFailedError(f"the engine failed on this request: {error}")
             for request_id in self.core.fail_step():
                 if self._tracked.pop(request_id, None) is not None:
-                    self._pending.append((request_id, failed))
+                    self._errors.append((request_id, failed))
 
     def _apply_commands(self) -> bool:
         """Apply queued commands and send what they produced; False once asked to stop."""
@@ -153,15 +158,15 @@ class EngineCoreLoop:
             self.core.abort_request(request_id)
             if isinstance(error, RuntimeError) and self.core.is_sleeping:
                 error = EngineSleepingError(f"the engine is asleep: {error}")
-            self._pending.append((request_id, portable(error)))
+            self._errors.append((request_id, portable(error)))
             return
-        self._tracked[request_id] = _Tracked(seqs)
+        self._tracked[request_id] = _Tracked(request_id, seqs)
 
     def _abort(self, request_id: str) -> None:
         self.core.abort_request(request_id)
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None and (delta := tracked.delta()) is not None:
-            self._pending.append((request_id, delta))
+            self._pending.append(delta)
 
     def _call(self, call_id: int, fn: str | Callable[..., Any], args: tuple[Any, ...]) -> None:
         """`llm.<fn>(*args)` or `fn(llm, *args)`; its result (or error) goes back by id."""
@@ -178,20 +183,21 @@ class EngineCoreLoop:
         outputs, self._pending = self._pending, []
         if scan:
             finished = []
-            for request_id, tracked in self._tracked.items():
+            for tracked in self._tracked.values():
                 delta = tracked.delta()
                 if delta is not None:
-                    outputs.append((request_id, delta))
-                    if delta.finished:
-                        finished.append(request_id)
+                    outputs.append(delta)
+                    if delta[2]:
+                        finished.append(tracked.request_id)
             for request_id in finished:
                 del self._tracked[request_id]
-        stats, report, sleeping = self.core.stats(), self.core.kv_cache_report, \
-            self.core.is_sleeping
+        core = self.core
+        stats, report, sleeping = core.stats(), core.kv_cache_report, core.is_sleeping
         changed_report = report if report is not self._report else None
-        if not (outputs or self._results or changed_report is not None
+        if not (outputs or self._errors or self._results or changed_report is not None
                 or stats != self._stats or sleeping != self._sleeping):
             return
         self._stats, self._report, self._sleeping = stats, report, sleeping
+        errors, self._errors = self._errors, []
         results, self._results = self._results, []
-        self._send(EngineOutputs(outputs, stats, sleeping, changed_report, results))
+        self._send(EngineOutputs(outputs, errors, stats, sleeping, changed_report, results))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.engine_core import EngineStats
@@ -33,28 +33,17 @@ class RequestFailedError(RuntimeError):
     """A step holding this request raised; the request was aborted, the engine goes on."""
 
 
-class SeqDelta(NamedTuple):
-    """What one completion gained since its last delta."""
+# Outputs are plain tuples: pickle builds and reads a tuple in C, a class instance (even a
+# NamedTuple) through Python calls, 20 times slower per object at hundreds per step.
+SeqDelta = tuple[int, list[int], "list[Logprobs] | None", "str | None", "int | str | None",
+                 "str | None"]
+"""`(index, token_ids, logprobs, finish_reason, stop_reason, text)`: what completion `index`
+gained since its last delta; `logprobs` None unless asked for; `finish_reason` None until it
+ends; `text` is the engine's (None unless it detokenizes: stop strings)."""
 
-    index: int
-    token_ids: list[int]
-    logprobs: list[Logprobs]
-    finish_reason: str | None
-    stop_reason: int | str | None
-    text: str | None  # the engine's text where it detokenizes (stop strings), else None
-
-
-class RequestDelta(NamedTuple):
-    """What one request gained; `finished` once every completion has ended (the last delta,
-    which carries the prompt logprobs where asked)."""
-
-    seqs: list[SeqDelta]
-    finished: bool
-    prompt_logprobs: list[Logprobs | None] | None = None
-
-
-Output = tuple[str, RequestDelta | BaseException]
-"""`(request_id, delta)`, or `(request_id, error)`: the request ended with that error."""
+RequestDelta = tuple[str, list[SeqDelta], bool, "list[Logprobs | None] | None"]
+"""`(request_id, seqs, finished, prompt_logprobs)`: what one request gained; `finished` once
+every completion has ended (the last delta, which carries the prompt logprobs where asked)."""
 
 
 @dataclass
@@ -77,11 +66,13 @@ class EngineStartFailed:
 
 @dataclass
 class EngineOutputs:
-    """One step's (or one round of commands') results. `kv_cache_report` is set only when it
-    changed (the out-of-memory guard shrank the cache); `results` settle `call`s, as
-    `(call_id, result, error)`."""
+    """One step's (or one round of commands') results: `outputs`, one delta per request that
+    advanced; `errors`, `(request_id, error)` of requests that ended with that error;
+    `kv_cache_report` only when it changed (the out-of-memory guard shrank the cache);
+    `results`, `(call_id, result, error)` settling `call`s."""
 
-    outputs: list[Output]
+    outputs: list[RequestDelta]
+    errors: list[tuple[str, BaseException]]
     stats: EngineStats
     is_sleeping: bool
     kv_cache_report: KVCacheReport | None = None
