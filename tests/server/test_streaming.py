@@ -30,7 +30,8 @@ def llm(model_path: Path) -> Iterator[LLM]:
 
 def _finished_queued(stream: Any) -> bool:
     """Whether the engine's last delta (`finished`) waits, unread, in the stream."""
-    return any(item[2] for item in stream._stream.items if not isinstance(item, BaseException))
+    return any(len(item) == 4 and item[2] for item in stream._stream.items
+               if not isinstance(item, BaseException))
 
 
 def test_a_reader_behind_gets_the_missed_steps_in_one_output(engine: AsyncLLM,

@@ -28,11 +28,13 @@ from kvfit.server.engine_messages import (
     EngineDeadError,
     EngineOutputs,
     EngineSleepingError,
+    PlainDelta,
     RequestDelta,
     RequestFailedError,
 )
 
 logger = logging.getLogger(__name__)
+_Item = RequestDelta | PlainDelta | BaseException  # what a stream carries
 
 
 class _Stream:
@@ -45,16 +47,16 @@ class _Stream:
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.items: list[RequestDelta | BaseException] = []
+        self.items: list[_Item] = []
         self._waiter: asyncio.Future[None] | None = None
 
-    def push(self, item: RequestDelta | BaseException) -> None:
+    def push(self, item: _Item) -> None:
         """Append on the loop's thread and wake the reader."""
         self.items.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def take(self) -> list[RequestDelta | BaseException]:
+    async def take(self) -> list[_Item]:
         """Every item queued so far (at least one), oldest first."""
         while not self.items:
             self._waiter = self.loop.create_future()
@@ -66,13 +68,13 @@ class _Stream:
         return items
 
 
-def _deliver(batch: list[tuple[_Stream, RequestDelta | BaseException]]) -> None:
+def _deliver(batch: list[tuple[_Stream, _Item]]) -> None:
     for stream, item in batch:
         stream.push(item)
 
 
 def _deliver_threadsafe(loop: asyncio.AbstractEventLoop,
-                        batch: list[tuple[_Stream, RequestDelta | BaseException]]) -> None:
+                        batch: list[tuple[_Stream, _Item]]) -> None:
     """One wake-up of `loop` for the whole batch (a wake-up costs a syscall and a GIL hand-off:
     per step, not per request)."""
     with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
@@ -120,7 +122,7 @@ class RequestStream:
         try:
             while not self.output.finished:
                 items = await self._stream.take()
-                deltas: list[RequestDelta] = []
+                deltas: list[RequestDelta | PlainDelta] = []
                 for i, item in enumerate(items):
                     if isinstance(item, BaseException):
                         if not deltas:
@@ -141,10 +143,16 @@ class RequestStream:
             for mirror in self._mirrors:
                 self._engine._detokenizer.free(mirror)
 
-    def _apply(self, deltas: list[RequestDelta]) -> None:
+    def _apply(self, deltas: list[RequestDelta | PlainDelta]) -> None:
         """Fold every delta taken into the output; text is decoded once per completion."""
         decode: set[int] = set()
-        for _, seqs, _, prompt_logprobs in deltas:
+        for delta in deltas:
+            if len(delta) == 2:  # a plain request's new tokens
+                self.output.outputs[0].token_ids.extend(delta[1])
+                self._mirrors[0].token_ids.extend(delta[1])
+                decode.add(0)
+                continue
+            _, seqs, _, prompt_logprobs = delta
             for index, token_ids, logprobs, finish_reason, stop_reason, text in seqs:
                 out = self.output.outputs[index]
                 out.token_ids.extend(token_ids)
@@ -330,8 +338,11 @@ class AsyncLLM:
         if message.kv_cache_report is not None:
             self._kv_cache_report = message.kv_cache_report
         batches: dict[asyncio.AbstractEventLoop,
-                      list[tuple[_Stream, RequestDelta | BaseException]]] = {}
+                      list[tuple[_Stream, _Item]]] = {}
         streams = self._streams
+        for delta in message.tokens:
+            if (stream := streams.get(delta[0])) is not None:
+                batches.setdefault(stream.loop, []).append((stream, delta))
         for delta in message.outputs:
             stream = streams.pop(delta[0], None) if delta[2] else streams.get(delta[0])
             if stream is not None:

@@ -45,6 +45,10 @@ RequestDelta = tuple[str, list[SeqDelta], bool, "list[Logprobs | None] | None"]
 """`(request_id, seqs, finished, prompt_logprobs)`: what one request gained; `finished` once
 every completion has ended (the last delta, which carries the prompt logprobs where asked)."""
 
+PlainDelta = tuple[str, list[int]]
+"""`(request_id, token_ids)`: the new tokens of a plain request (one completion, no logprobs,
+no stop strings) that goes on; its last delta is a `RequestDelta`."""
+
 
 @dataclass
 class EngineReady:
@@ -66,11 +70,13 @@ class EngineStartFailed:
 
 @dataclass
 class EngineOutputs:
-    """One step's (or one round of commands') results: `outputs`, one delta per request that
-    advanced; `errors`, `(request_id, error)` of requests that ended with that error;
+    """One step's (or one round of commands') results: one delta per request that advanced,
+    in `tokens` (plain requests going on) or `outputs` (the others, and every last delta);
+    `errors`, `(request_id, error)` of requests that ended with that error;
     `kv_cache_report` only when it changed (the out-of-memory guard shrank the cache);
     `results`, `(call_id, result, error)` settling `call`s."""
 
+    tokens: list[PlainDelta]
     outputs: list[RequestDelta]
     errors: list[tuple[str, BaseException]]
     stats: EngineStats
