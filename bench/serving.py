@@ -3,6 +3,8 @@ the same prompts. The server's output tokens/s at saturation should be >= 85% of
 HTTP layer must not be the bottleneck).
 
     PYTHONPATH=/tmp/site:src python3 bench/serving.py --out $OUT/serving.json    # GPU machine
+    PYTHONPATH=/tmp/site:src python3 bench/serving.py --request-rates inf \
+        --engines process thread --out $OUT/serving_engines.json    # both engine placements
     PYTHONPATH=/tmp/site TESTS=none BENCH_TIMEOUT=300 bash bench/run_gpu.sh serving
     PYTHONPATH=src python3 bench/serving.py --device cpu --model kvfit-tiny --num-prompts 8 \\
         --input-len 16 --output-len 8 --request-rates inf --max-num-seqs 4 --max-model-len 64 \\
@@ -17,8 +19,11 @@ minutes (an estimate), most of it the two engine start-ups.
 The workload: `--num-prompts` prompts of `--input-len` random token ids (bench_serve's own
 `make_prompts` from `--seed`, so they are exactly what its load sends), `--output-len` tokens
 each, ignore_eos, greedy. Steps:
-1. `python3 -m kvfit serve` in a subprocess (log beside --out), wait for /health, one untimed
-   pass of the workload at rate inf (kernel compilation), then per `--request-rates` rate
+1. Per `--engines` placement (`process`: the engine core in a process of its own, `kvfit
+   serve`'s default; `thread`: `--no-engine-process`, the engine on a thread of the server's
+   process), `python3 -m kvfit serve` in a subprocess (log beside --out), wait for /health,
+   one untimed pass of the workload at rate inf (kernel compilation), then per
+   `--request-rates` rate
    bench_serve's load under `--max-concurrency` (default --max-num-seqs). A finite rate sends
    the first rate x `--rate-duration-s` prompts of the workload (the whole workload at 4 req/s
    would take minutes); inf sends them all. Then SIGINT, wait, kill after 30 s.
@@ -26,8 +31,9 @@ each, ignore_eos, greedy. Steps:
    pass, then `generate` on the same prompts and sampling params, timed (startup excluded).
 3. A table (latencies in ms; "client cpu": the load generator's CPU time over the row's
    duration, per client process (`--num-client-processes`, bench serve's default), near 100%
-   meaning the load generator, not the server, was the limit), and serve output
-   tok/s at saturation (the inf row, else the best row) / offline.
+   meaning the load generator, not the server, was the limit), and per placement serve output
+   tok/s at saturation (the inf row, else the best row) / offline; the first placement's ratio
+   is the one checked against the target.
 
 Prefix caching is off in both by default (`--enable-prefix-caching` turns it on): every pass
 sends the same prompts, so later passes would otherwise hit the cache and skip their prefills.
