@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.util
 import os
 import sys
@@ -139,6 +140,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvfit serve: {', '.join(config.served_model_names)} on "
               f"http://{args.host}:{args.port}/v1 (engine in {where}; {_event_loop_kinds()})",
               flush=True)
+        # Startup's objects (modules, the tokenizer) live as long as the server: keep the
+        # collector's full passes off them while requests stream.
+        gc.collect()
+        gc.freeze()
         with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
             server.run()
     finally:
