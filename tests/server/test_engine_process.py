@@ -5,11 +5,8 @@ server; the in-thread engine (`engine_process=False`) still serves the same."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +22,7 @@ from kvfit.engine.config import EngineArgs
 from kvfit.server.async_llm import AsyncLLM, EngineDeadError
 from kvfit.server.openai_api import ServeConfig, build_app
 
-from .conftest import MODEL_NAME, SRC, ServeProcess, ServerThread, engine_kwargs, in_engine
+from .conftest import MODEL_NAME, ServeProcess, ServerThread, engine_kwargs, in_engine
 
 
 @pytest.fixture
@@ -141,45 +138,3 @@ def test_the_in_thread_engine_serves_the_same(model_path: Path) -> None:
         engine.shutdown()
     assert not engine.is_alive
 
-
-_NO_CUDA_IN_THE_SERVER = """
-import asyncio, json, sys, torch
-from kvfit import SamplingParams
-from kvfit.engine.config import EngineArgs
-from kvfit.server.async_llm import AsyncLLM
-
-engine = AsyncLLM(EngineArgs(**json.loads(sys.argv[1])))
-
-async def text():
-    output = None
-    async for output in engine.generate("The number 3 is followed by",
-                                        SamplingParams(temperature=0.0, max_tokens=8)):
-        pass
-    return output.outputs[0].text
-
-try:
-    print(json.dumps({"text": asyncio.run(text()), "cuda": torch.cuda.is_initialized()}))
-finally:
-    engine.shutdown()
-"""
-
-
-@pytest.mark.gpu
-def test_the_server_process_never_creates_a_cuda_context(model_path: Path) -> None:
-    """Only the engine process holds the device: a CUDA context in the server's process would
-    take memory the engine measured as free."""
-    kwargs = {**engine_kwargs(model_path), "device": "cuda"}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, "-c", _NO_CUDA_IN_THE_SERVER, json.dumps(kwargs)],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr
-    got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert got["cuda"] is False
-    llm = LLM(**kwargs)
-    try:
-        (ref,) = llm.generate("The number 3 is followed by",
-                              SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    finally:
-        llm.shutdown()
-    assert got["text"] == ref.outputs[0].text

@@ -63,16 +63,25 @@ class _Channel:
     _READ_BYTES = 1 << 20
 
     def __init__(self, conn: Connection) -> None:
-        self.conn, self._fd = conn, conn.fileno()
+        self._conn, self._fd = conn, conn.fileno()
         self._buffer = bytearray()
         self._send_lock = threading.Lock()
+        self._closed = False
 
     def send(self, message: Any) -> None:
+        """OSError once closed (never a write to a descriptor number reused since)."""
         data = pickle.dumps(message, _PROTOCOL)
         view = memoryview(len(data).to_bytes(8, "little") + data)
         with self._send_lock:
+            if self._closed:
+                raise OSError("the channel is closed")
             while view:
                 view = view[os.write(self._fd, view):]
+
+    def close(self) -> None:
+        with self._send_lock:
+            self._closed = True
+            self._conn.close()
 
     def receive(self) -> list[Any]:
         """Every whole message that has arrived (at least one, blocking until then); EOFError
@@ -146,13 +155,13 @@ class EngineProcess:
     def __init__(self, engine_args: EngineArgs, on_outputs: OnOutputs, on_dead: OnDead,
                  stop_timeout_s: float = 60.0) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process holding threads
-        self._conn, child_conn = ctx.Pipe()
+        conn, child_conn = ctx.Pipe()
         self._process = ctx.Process(
             target=run_engine_process, name="kvfit-engine", daemon=False,
             args=(child_conn, engine_args, torch.get_num_threads(), _log_setup()))
         self._process.start()
         child_conn.close()  # the child's end lives in the child only: its exit is our EOF
-        self._channel = _Channel(self._conn)
+        self._channel = _Channel(conn)
         self.pid: int | None = self._process.pid
         self._stop_timeout_s = stop_timeout_s
         self._stopping = False
@@ -226,7 +235,7 @@ class EngineProcess:
         reader = getattr(self, "_reader", None)
         if reader is not None and reader is not threading.current_thread():
             reader.join(timeout=5)
-        self._conn.close()
+        self._channel.close()
 
 
 def _log_setup() -> tuple[int, str | None]:
