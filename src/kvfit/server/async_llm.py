@@ -318,9 +318,9 @@ class AsyncLLM:
             yield output
 
     def abort(self, request_id: str) -> None:
-        """End a request now (finish_reason "abort") and free its blocks; unknown ids are
-        ignored. Thread-safe."""
-        if self._dead is None:
+        """End a request now (finish_reason "abort") and free its blocks; unknown and ended
+        ids are ignored (nothing is sent for them). Thread-safe."""
+        if self._dead is None and request_id in self._streams:
             with contextlib.suppress(EngineDeadError):
                 self._client.send(("abort", request_id))
 

@@ -153,8 +153,10 @@ class EngineCoreLoop:
             elif kind == "call":
                 self._call(*command[1:])
                 called = True
-        # A call (a sleep) may have stepped every request to its end: look at them all.
-        self._publish(scan=called)
+        # A call (a sleep) may have stepped every request to its end: look at them all. Adds
+        # alone send nothing: the next step's message carries the stats they changed.
+        if called or self._pending or self._errors:
+            self._publish(scan=called)
         return True
 
     def _add(self, request_id: str, prompt_token_ids: list[int], prompt: str | None,
