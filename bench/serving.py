@@ -3,6 +3,8 @@ the same prompts. The server's output tokens/s at saturation should be >= 85% of
 HTTP layer must not be the bottleneck).
 
     PYTHONPATH=/tmp/site:src python3 bench/serving.py --out $OUT/serving.json    # GPU machine
+    PYTHONPATH=/tmp/site:src python3 bench/serving.py --request-rates inf \
+        --engines process thread --out $OUT/serving_engines.json    # both engine placements
     PYTHONPATH=/tmp/site TESTS=none BENCH_TIMEOUT=300 bash bench/run_gpu.sh serving
     PYTHONPATH=src python3 bench/serving.py --device cpu --model kvfit-tiny --num-prompts 8 \\
         --input-len 16 --output-len 8 --request-rates inf --max-num-seqs 4 --max-model-len 64 \\
@@ -17,8 +19,11 @@ minutes (an estimate), most of it the two engine start-ups.
 The workload: `--num-prompts` prompts of `--input-len` random token ids (bench_serve's own
 `make_prompts` from `--seed`, so they are exactly what its load sends), `--output-len` tokens
 each, ignore_eos, greedy. Steps:
-1. `python3 -m kvfit serve` in a subprocess (log beside --out), wait for /health, one untimed
-   pass of the workload at rate inf (kernel compilation), then per `--request-rates` rate
+1. Per `--engines` placement (`process`: the engine core in a process of its own, `kvfit
+   serve`'s default; `thread`: `--no-engine-process`, the engine on a thread of the server's
+   process), `python3 -m kvfit serve` in a subprocess (log beside --out), wait for /health,
+   one untimed pass of the workload at rate inf (kernel compilation), then per
+   `--request-rates` rate
    bench_serve's load under `--max-concurrency` (default --max-num-seqs). A finite rate sends
    the first rate x `--rate-duration-s` prompts of the workload (the whole workload at 4 req/s
    would take minutes); inf sends them all. Then SIGINT, wait, kill after 30 s.
@@ -26,8 +31,9 @@ each, ignore_eos, greedy. Steps:
    pass, then `generate` on the same prompts and sampling params, timed (startup excluded).
 3. A table (latencies in ms; "client cpu": the load generator's CPU time over the row's
    duration, per client process (`--num-client-processes`, bench serve's default), near 100%
-   meaning the load generator, not the server, was the limit), and serve output
-   tok/s at saturation (the inf row, else the best row) / offline.
+   meaning the load generator, not the server, was the limit), and per placement serve output
+   tok/s at saturation (the inf row, else the best row) / offline; the first placement's ratio
+   is the one checked against the target.
 
 Prefix caching is off in both by default (`--enable-prefix-caching` turns it on): every pass
 sends the same prompts, so later passes would otherwise hit the cache and skip their prefills.
@@ -121,11 +127,14 @@ def log_tail(log: Path, lines: int = 40) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def start_server(args: argparse.Namespace, model_dir: Path, port: int,
-                 log: Path) -> subprocess.Popen:
-    """`python3 -m kvfit serve` with the bench's engine flags; returns once /health answers."""
+def start_server(args: argparse.Namespace, model_dir: Path, port: int, log: Path,
+                 mode: str) -> subprocess.Popen:
+    """`python3 -m kvfit serve` with the bench's engine flags, the engine in its own process
+    (`mode` "process") or on a thread of the server's ("thread"); returns once /health
+    answers."""
     cmd = [sys.executable, "-m", "kvfit", "serve", str(model_dir), "--port", str(port),
-           "--served-model-name", args.model, "--uvicorn-log-level", "warning"]
+           "--served-model-name", args.model, "--uvicorn-log-level", "warning",
+           "--engine-process" if mode == "process" else "--no-engine-process"]
     for name, value in engine_flags(args).items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
@@ -165,13 +174,16 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
             proc.wait()
 
 
-def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path) -> dict[str, Any]:
-    """The rate sweep against a fresh server; the server is stopped before this returns."""
+def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path,
+                mode: str) -> dict[str, Any]:
+    """The rate sweep against a fresh server (engine `mode`); the server is stopped before
+    this returns."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     started = time.perf_counter()
-    proc = start_server(args, model_dir, port, log)
-    result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "rows": []}
+    proc = start_server(args, model_dir, port, log, mode)
+    result: dict[str, Any] = {"engine": mode, "log": str(log),
+                              "startup_s": time.perf_counter() - started, "rows": []}
     try:
         if args.warmup:
             warm = asyncio.run(bench_serve._main(
@@ -188,7 +200,7 @@ def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path) -> dict[st
             # Near 1: the load generator (its mean process) was the bottleneck, not the server.
             row["client_cpu"] = m["client_cpu_s"] / m["num_client_processes"] / m["duration_s"]
             result["rows"].append({"request_rate": None if math.isinf(rate) else rate, **row})
-            print(f"rate {rate:g}: {row['completed']}/{n} done, "
+            print(f"{mode}, rate {rate:g}: {row['completed']}/{n} done, "
                   f"{row['output_throughput']:,.0f} output tok/s", flush=True)
     finally:
         stop_server(proc)
@@ -221,26 +233,36 @@ def offline(args: argparse.Namespace, model_dir: Path,
             "request_throughput": len(prompts) / elapsed}
 
 
+def saturation(sweep: dict[str, Any]) -> dict[str, Any]:
+    """The sweep's row at saturation: rate inf, else its best row."""
+    rows = sweep["rows"]
+    return next((r for r in rows if r["request_rate"] is None),
+                max(rows, key=lambda r: r["output_throughput"]))
+
+
 def print_report(result: dict[str, Any]) -> None:
     print(f"\n{result['model']} on {result['device']}: {result['args']['num_prompts']} prompts, "
           f"input {result['args']['input_len']}, output {result['args']['output_len']}, "
           f"max concurrency {result['args']['max_concurrency']}")
-    print(f"{'rate':>6} {'reqs':>5} {'err':>4} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} "
-          f"{'p99':>8} {'ITL p50':>8} {'p99':>8} {'E2E p50':>8} {'client cpu':>10}")
-    for r in result["serve"]["rows"]:
-        rate = "inf" if r["request_rate"] is None else f"{r['request_rate']:g}"
-        print(f"{rate:>6} {r['completed']:>5} {r['failed']:>4} {r['request_throughput']:>7.2f} "
-              f"{r['output_throughput']:>10,.0f} {r['p50_ttft_ms']:>9.1f} {r['p99_ttft_ms']:>8.1f} "
-              f"{r['p50_itl_ms']:>8.2f} {r['p99_itl_ms']:>8.2f} {r['p50_e2el_ms']:>8.1f} "
-              f"{r['client_cpu']:>10.0%}")
-        for reason, count in r["errors"].items():
-            print(f"       failed x{count}: {reason}")
+    print(f"{'engine':>7} {'rate':>6} {'reqs':>5} {'err':>4} {'req/s':>7} {'out tok/s':>10} "
+          f"{'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'E2E p50':>8} "
+          f"{'client cpu':>10}")
+    for sweep in result["serve_by_engine"]:
+        for r in sweep["rows"]:
+            rate = "inf" if r["request_rate"] is None else f"{r['request_rate']:g}"
+            print(f"{sweep['engine']:>7} {rate:>6} {r['completed']:>5} {r['failed']:>4} "
+                  f"{r['request_throughput']:>7.2f} {r['output_throughput']:>10,.0f} "
+                  f"{r['p50_ttft_ms']:>9.1f} {r['p99_ttft_ms']:>8.1f} {r['p50_itl_ms']:>8.2f} "
+                  f"{r['p99_itl_ms']:>8.2f} {r['p50_e2el_ms']:>8.1f} {r['client_cpu']:>10.0%}")
+            for reason, count in r["errors"].items():
+                print(f"       failed x{count}: {reason}")
     o = result["offline"]
     print(f"offline LLM.generate: {o['total_output_tokens']} tokens in {o['elapsed_s']:.2f} s, "
           f"{o['output_throughput']:,.0f} output tok/s")
-    print(f"serve at saturation (rate {result['saturation_rate']}) / offline: "
-          f"{result['ratio']:.1%} (target >= {TARGET:.0%}: "
-          f"{'met' if result['target_met'] else 'not met'})")
+    for sweep in result["serve_by_engine"]:
+        print(f"serve (engine in {sweep['engine']}) at saturation (rate "
+              f"{sweep['saturation_rate']}) / offline: {sweep['ratio']:.1%} (target >= "
+              f"{TARGET:.0%}: {'met' if sweep['ratio'] >= TARGET else 'not met'})")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -262,6 +284,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="requests in flight (default: --max-num-seqs)")
     p.add_argument("--num-client-processes", type=int, default=None,
                    help="load generator processes (default: bench serve's, min(4, CPUs))")
+    p.add_argument("--engines", nargs="+", choices=["process", "thread"], default=["process"],
+                   help="where the server runs its engine, each a sweep: its own process "
+                   "(kvfit serve's default) or a thread of the server's (--no-engine-process); "
+                   "the first is the one the ratio and target report")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default: input + output length")
@@ -287,16 +313,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    log = out.with_name(out.stem + "_server.log")
     prompts = workload(args)
     with tempfile.TemporaryDirectory(prefix="kvfit-serving-") as tmp:
         model_dir = with_word_tokenizer(args.model, Path(tmp) / "model")
-        serve = serve_sweep(args, model_dir, log)
+        sweeps = [serve_sweep(args, model_dir, out.with_name(f"{out.stem}_server_{mode}.log"),
+                              mode) for mode in args.engines]
         off = offline(args, model_dir, prompts)
-    rows = serve["rows"]
-    saturation = next((r for r in rows if r["request_rate"] is None),
-                      max(rows, key=lambda r: r["output_throughput"]))
-    ratio = saturation["output_throughput"] / off["output_throughput"]
+    for sweep in sweeps:
+        row = saturation(sweep)
+        sweep["saturation_rate"] = "inf" if row["request_rate"] is None else row["request_rate"]
+        sweep["ratio"] = row["output_throughput"] / off["output_throughput"]
+    serve = sweeps[0]
+    ratio = serve["ratio"]
     result = {
         "command": shlex.join([sys.executable, *sys.argv]) if argv is None
         else shlex.join(["bench/serving.py", *argv]),
@@ -308,9 +336,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "args": {k: (None if isinstance(v, float) and math.isinf(v) else v)
                  for k, v in vars(args).items() if k != "request_rates"}
         | {"request_rates": [None if math.isinf(r) else r for r in args.request_rates]},
-        "server_log": str(log), "serve": serve, "offline": off,
-        "saturation_rate": "inf" if saturation["request_rate"] is None
-        else saturation["request_rate"],
+        "server_log": serve["log"], "serve": serve, "serve_by_engine": sweeps, "offline": off,
+        "saturation_rate": serve["saturation_rate"],
         "ratio": ratio, "target": TARGET, "target_met": ratio >= TARGET,
     }
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -293,8 +293,8 @@ def test_a_stop_token_ends_the_output_though_the_next_step_is_in_flight(
 
 def test_abort_while_a_step_is_in_flight_frees_everything(qwen3_llm: LLM) -> None:
     engine = qwen3_llm.engine
-    [seq] = qwen3_llm._make_sequences(0, {"prompt_token_ids": make_prompts((12,))[0]},
-                                      greedy(max_tokens=20))
+    [seq] = qwen3_llm.input_processor.make_sequences(
+        0, {"prompt_token_ids": make_prompts((12,))[0]}, greedy(max_tokens=20))
     engine.add_request(seq)
     engine.step()
     engine.step()  # decoding, with the next token still on the device

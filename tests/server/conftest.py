@@ -1,28 +1,45 @@
-"""Fixtures of the server tests: one tiny engine and one uvicorn server per module, on a free
-port of 127.0.0.1, and the same engine settings for `LLM` references."""
+"""Fixtures of the server tests: one tiny engine (in its own process, as `kvfit serve` runs
+it) and one uvicorn server per module, on a free port of 127.0.0.1, and the same engine
+settings for `LLM` references."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
+import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 
 from kvfit.engine.config import EngineArgs  # noqa: E402
 from kvfit.server.async_llm import AsyncLLM  # noqa: E402
 from kvfit.server.openai_api import ServeConfig, build_app  # noqa: E402
 
+# `engine_hooks` must import by a plain name in spawned engine processes too (they get this
+# process's sys.path when they start).
+sys.path.insert(0, str(Path(__file__).parent))
+
+SRC = Path(__file__).resolve().parents[2] / "src"
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 128
+
+
+def in_engine(engine: AsyncLLM, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(llm, *args)` run in the engine (an `engine_hooks` function); its result."""
+    return asyncio.run(engine.call_engine(fn, *args))
 
 
 def engine_kwargs(model: Path) -> dict[str, Any]:
@@ -50,6 +67,51 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+class ServeProcess:
+    """`kvfit serve kvfit-tiny FLAGS` in a subprocess on a free port, up once /health answers
+    (its output is read at `stop`)."""
+
+    def __init__(self, *flags: str) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        code = ("import argparse, sys, torch; torch.set_num_threads(1); "
+                "from kvfit.server import serve; root = argparse.ArgumentParser(); "
+                "serve.add_serve_parser(root.add_subparsers()); "
+                "args = root.parse_args(sys.argv[1:]); sys.exit(args.func(args))")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, "serve", "kvfit-tiny", "--device", "cpu", "--port",
+             str(self.port), "--max-model-len", "128", "--num-gpu-blocks-override", "64",
+             "--uvicorn-log-level", "warning", *flags],
+            cwd=SRC, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"the server did not come up:\n{self.proc.communicate()[0]}")
+            try:
+                if httpx.get(f"{self.url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+
+    def engine_processes(self) -> list[psutil.Process]:
+        """The server's spawned children (its engine process)."""
+        return [child for child in psutil.Process(self.proc.pid).children()
+                if "spawn_main" in " ".join(child.cmdline())]
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60) -> str:
+        """Send `sig` unless it has exited; its output once it has."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.communicate(timeout=timeout)[0]
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from kvfit.kv.monitor import HostMemoryMonitor
 from kvfit.server import serve
 from kvfit.server.async_llm import AsyncLLM
 
-from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerThread, engine_kwargs
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerThread, engine_kwargs, in_engine
 from .test_openai_api import metrics
 
 MiB = 1 << 20
@@ -37,6 +37,10 @@ class ScriptedMemory(HostMemoryMonitor):
         return self.free, self.budget_bytes
 
 
+def _use_monitor(llm: Any, monitor: HostMemoryMonitor) -> None:
+    llm.engine.executor.workers[0].monitor = monitor
+
+
 @pytest.fixture(scope="module")
 def memory() -> ScriptedMemory:
     return ScriptedMemory()
@@ -46,9 +50,11 @@ def memory() -> ScriptedMemory:
 def engine(model_path: Path, memory: ScriptedMemory) -> Iterator[AsyncLLM]:
     kwargs = engine_kwargs(model_path)
     del kwargs["num_gpu_blocks_override"]  # a fixed-size cache cannot resize
+    # On a thread of this process: the test scripts the free memory the governor reads.
     engine = AsyncLLM(EngineArgs(**kwargs, elastic_kv_cache=True, elastic_low_watermark="4MiB",
-                                 elastic_high_watermark="10MiB", elastic_min_interval=0.2))
-    engine._core.executor.workers[0].monitor = memory
+                                 elastic_high_watermark="10MiB", elastic_min_interval=0.2),
+                      engine_process=False)
+    in_engine(engine, _use_monitor, memory)
     yield engine
     engine.shutdown()
 

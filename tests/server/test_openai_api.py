@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import engine_hooks
 import httpx
 import openai
 import pytest
@@ -19,7 +19,7 @@ from kvfit import LLM, SamplingParams
 from kvfit.engine.outputs import RequestOutput
 from kvfit.server.async_llm import AsyncLLM
 
-from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerThread, engine_kwargs
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerThread, engine_kwargs, in_engine
 
 PROMPTS = [f"The number {i} is followed by" for i in range(32)]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
@@ -192,20 +192,12 @@ async def _concurrent(url: str, prompts: list[str]) -> list[str]:
 
 
 def test_32_concurrent_clients_get_their_own_greedy_answer(
-        server: ServerThread, llm: LLM, engine: AsyncLLM,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        server: ServerThread, llm: LLM, engine: AsyncLLM) -> None:
     refs = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
     assert len(set(refs)) > 1  # the prompts' answers differ, so a mix-up would show
-    executor = engine._core.executor
-    launch, batch_sizes = executor.launch, []
-
-    def recorded(batch):
-        batch_sizes.append(len(batch))
-        return launch(batch)
-
-    monkeypatch.setattr(executor, "launch", recorded)
+    in_engine(engine, engine_hooks.record_batches)
     assert asyncio.run(_concurrent(server.url, PROMPTS)) == refs
-    assert max(batch_sizes) > 1  # clients shared steps
+    assert max(in_engine(engine, engine_hooks.batch_sizes)) > 1  # clients shared steps
 
 
 def test_abort_frees_the_blocks(http: httpx.Client, engine: AsyncLLM) -> None:
@@ -226,33 +218,32 @@ def test_abort_frees_the_blocks(http: httpx.Client, engine: AsyncLLM) -> None:
 
 
 def test_a_client_that_leaves_a_plain_request_aborts_it(server: ServerThread, http: httpx.Client,
-                                                       engine: AsyncLLM,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    release = threading.Event()
-    executor = engine._core.executor
-    launch = executor.launch
-
-    def stalled(batch):  # the request is still running when its client gives up
-        if any(seq.prompt == "slow" for seq in batch.seqs):
-            release.wait(timeout=30)
-        return launch(batch)
-
-    monkeypatch.setattr(executor, "launch", stalled)
-    before = metrics(http)
-    body = {"prompt": "slow", "max_tokens": 100, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+                                                       engine: AsyncLLM, tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    # The request is still running when its client gives up.
+    in_engine(engine, engine_hooks.stall, "slow", str(release))
+    try:
+        before = metrics(http)
+        body = {"prompt": "slow", "max_tokens": 100, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 10
+        key = "kvfit:request_success_total{finished_reason=abort}"
+        # Counted as the request's stream closes, after it sent the engine its abort.
+        while metrics(http).get(key, 0) == before.get(key, 0):
+            assert time.monotonic() < deadline, "the server did not notice the client leave"
+            time.sleep(0.01)
+        release.touch()
+        # Commands apply in order: by this call the engine has applied the abort.
+        assert in_engine(engine, engine_hooks.num_unfinished) == 0
+    finally:
+        release.touch()
+        in_engine(engine, engine_hooks.clear)
     deadline = time.monotonic() + 10
-    while engine._commands.empty():  # the stalled engine has the abort to apply next
-        assert time.monotonic() < deadline, "the server did not notice the client leave"
-        time.sleep(0.01)
-    release.set()
-    deadline = time.monotonic() + 10
-    key = "kvfit:request_success_total{finished_reason=abort}"
-    while (m := metrics(http)).get(key, 0) == before.get(key, 0) or \
-            m["kvfit:kv_cache_blocks_in_use"]:
-        assert time.monotonic() < deadline, "the abandoned request was not aborted"
+    while (m := metrics(http))["kvfit:kv_cache_blocks_in_use"]:
+        assert time.monotonic() < deadline, "the abandoned request kept its blocks"
         time.sleep(0.05)
+    assert m[key] == before.get(key, 0) + 1
     assert m["kvfit:generation_tokens_total"] < before["kvfit:generation_tokens_total"] + 100
 
 
@@ -331,24 +322,19 @@ def test_invalid_json_is_a_400_and_the_server_survives(http: httpx.Client,
     assert r.usage.completion_tokens == 2
 
 
-def test_a_failing_step_fails_only_its_request(http: httpx.Client, engine: AsyncLLM,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    executor = engine._core.executor
-    launch = executor.launch
-
-    def poisoned(batch):  # an engine bug that only this prompt's requests hit
-        if any(seq.prompt == "poison" for seq in batch.seqs):
-            raise RuntimeError("injected failure")
-        return launch(batch)
-
-    monkeypatch.setattr(executor, "launch", poisoned)
-    r = http.post("/v1/completions", json={"prompt": "poison", "max_tokens": 4})
-    assert r.status_code == 500
-    assert r.json()["error"]["type"] == "internal_server_error"
-    with http.stream("POST", "/v1/completions",
-                     json={"prompt": "poison", "max_tokens": 4, "stream": True}) as s:
-        events = [line for line in s.iter_lines() if line.startswith("data:")]
-    assert "internal_server_error" in events[0] and events[-1] == "data: [DONE]"
+def test_a_failing_step_fails_only_its_request(http: httpx.Client, engine: AsyncLLM) -> None:
+    # An engine bug that only this prompt's requests hit.
+    in_engine(engine, engine_hooks.fail, "poison")
+    try:
+        r = http.post("/v1/completions", json={"prompt": "poison", "max_tokens": 4})
+        assert r.status_code == 500
+        assert r.json()["error"]["type"] == "internal_server_error"
+        with http.stream("POST", "/v1/completions",
+                         json={"prompt": "poison", "max_tokens": 4, "stream": True}) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data:")]
+        assert "internal_server_error" in events[0] and events[-1] == "data: [DONE]"
+    finally:
+        in_engine(engine, engine_hooks.clear)
     r = http.post("/v1/completions", json={"prompt": "healthy", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert http.get("/health").status_code == 200
@@ -400,8 +386,7 @@ def test_models_tokenize_detokenize_version(http: httpx.Client, client: openai.O
     assert http.get("/version").json() == {"version": kvfit.__version__}
 
 
-def test_api_key_and_queue_bound(start_server, engine: AsyncLLM,
-                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_api_key_and_queue_bound(start_server, engine: AsyncLLM, tmp_path: Path) -> None:
     server = start_server(api_key="sekret", max_concurrent_requests=1)
     with httpx.Client(base_url=server.url, timeout=60) as http:
         assert http.get("/health").status_code == 200  # no key needed
@@ -420,24 +405,20 @@ def test_api_key_and_queue_bound(start_server, engine: AsyncLLM,
                                          max_tokens=2).usage.completion_tokens == 2
         auth = {"authorization": "Bearer sekret"}
         # The engine stalls on the held request's step, so its slot stays taken.
-        release = threading.Event()
-        executor = engine._core.executor
-        launch = executor.launch
-
-        def stalled(batch):
-            if any(seq.prompt == "hold" for seq in batch.seqs):
-                release.wait(timeout=30)
-            return launch(batch)
-
-        monkeypatch.setattr(executor, "launch", stalled)
+        release = tmp_path / "release"
+        in_engine(engine, engine_hooks.stall, "hold", str(release))
         body = {"prompt": "hold", "max_tokens": 4, "stream": True}
-        with http.stream("POST", "/v1/completions", json=body, headers=auth) as held:
-            assert held.status_code == 200
-            r = http.post("/v1/completions", json={"prompt": "x"}, headers=auth)
-            assert r.status_code == 503
-            assert r.json()["error"]["type"] == "service_unavailable"
-            release.set()
-            assert "data: [DONE]" in list(held.iter_lines())
+        try:
+            with http.stream("POST", "/v1/completions", json=body, headers=auth) as held:
+                assert held.status_code == 200
+                r = http.post("/v1/completions", json={"prompt": "x"}, headers=auth)
+                assert r.status_code == 503
+                assert r.json()["error"]["type"] == "service_unavailable"
+                release.touch()
+                assert "data: [DONE]" in list(held.iter_lines())
+        finally:
+            release.touch()
+            in_engine(engine, engine_hooks.clear)
         deadline = time.monotonic() + 10
         while (r := http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
                               headers=auth)).status_code == 503:
@@ -502,16 +483,8 @@ def test_a_stopped_engine_answers_503(model_path: Path) -> None:
         server.stop()
 
 
-def test_text_is_decoded_off_the_engine_step(engine: AsyncLLM, llm: LLM,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    detokenizer = engine._core.scheduler.detokenizer
-    step, calls = detokenizer.step, []
-
-    def counted(seq, check_stop=True):
-        calls.append(seq.request_id)
-        return step(seq, check_stop)
-
-    monkeypatch.setattr(detokenizer, "step", counted)
+def test_text_is_decoded_off_the_engine_step(engine: AsyncLLM, llm: LLM) -> None:
+    in_engine(engine, engine_hooks.count_detokenized)
 
     async def text(params: SamplingParams, request_id: str) -> str:
         output = None
@@ -521,6 +494,6 @@ def test_text_is_decoded_off_the_engine_step(engine: AsyncLLM, llm: LLM,
 
     (ref,) = llm.generate(PROMPTS[11], greedy(10), use_tqdm=False)
     assert asyncio.run(text(greedy(10), "plain")) == ref.outputs[0].text
-    assert "plain" not in calls  # the engine thread decoded nothing
+    assert "plain" not in in_engine(engine, engine_hooks.detokenized)  # the engine decoded none
     asyncio.run(text(greedy(10, stop=["never"]), "with-stop"))
-    assert "with-stop" in calls  # stop strings need the text on the step
+    assert "with-stop" in in_engine(engine, engine_hooks.detokenized)  # stop strings need it

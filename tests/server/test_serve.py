@@ -11,6 +11,8 @@ import pytest
 
 from kvfit.server import serve
 
+from .conftest import ServeProcess
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
@@ -64,40 +66,17 @@ def test_python_dash_m_kvfit_is_the_cli() -> None:
 
 
 def test_run_serve_prints_the_sizing_report_and_serves() -> None:
-    import signal
-    import socket
-    import time
-
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    code = ("import argparse, sys, torch; torch.set_num_threads(1); "
-            "from kvfit.server import serve; root = argparse.ArgumentParser(); "
-            "serve.add_serve_parser(root.add_subparsers()); "
-            "args = root.parse_args(sys.argv[1:]); sys.exit(args.func(args))")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, "serve", "kvfit-tiny", "--device", "cpu", "--port",
-         str(port), "--max-model-len", "128", "--num-gpu-blocks-override", "64",
-         "--uvicorn-log-level", "warning"],
-        cwd=SRC, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = ServeProcess()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+        (engine,) = server.engine_processes()  # the engine runs in a process of its own
+        models = httpx.get(f"{server.url}/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["kvfit-tiny"]
     finally:
-        proc.send_signal(signal.SIGINT)
-        output = proc.communicate(timeout=30)[0]
-    assert proc.returncode == 0, output
+        output = server.stop()
+    assert server.proc.returncode == 0, output
     assert "loading kvfit-tiny" in output
     assert "KV cache blocks" in output and "64" in output  # the sizing report
-    assert f"http://127.0.0.1:{port}/v1" in output
+    assert f"http://127.0.0.1:{server.port}/v1 (engine in its own process" in output
+    engine.wait(timeout=10)  # gone with its server

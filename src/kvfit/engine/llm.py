@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
@@ -13,6 +12,7 @@ from tqdm.auto import tqdm
 
 from kvfit.engine.config import EngineArgs
 from kvfit.engine.engine_core import EngineCore
+from kvfit.engine.input_processor import InputProcessor, Prompt
 from kvfit.engine.kv_resize import KVCacheResize
 from kvfit.engine.outputs import RequestOutput
 from kvfit.engine.sampling_params import SamplingParams
@@ -21,7 +21,6 @@ from kvfit.engine.sleep import SleepReport
 from kvfit.kv.report import KVCacheReport
 from kvfit.models.loader import load_tokenizer
 
-Prompt = str | dict[str, Any]
 Message = dict[str, str]
 
 
@@ -62,8 +61,8 @@ class LLM:
         )
         self.config = args.create_engine_config()
         self.tokenizer = load_tokenizer(model)
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.engine = EngineCore(self.config, self.tokenizer)
-        self._request_counter = itertools.count()
 
     @property
     def kv_cache_report(self) -> KVCacheReport:
@@ -163,8 +162,8 @@ class LLM:
         resolved: dict[int, SamplingParams] = {}  # one tokenization per distinct params
         for sp in sampling_params:
             if id(sp) not in resolved:
-                resolved[id(sp)] = self._resolve_bad_words(sp)
-        requests = [self._make_sequences(i, p, resolved[id(sp)])
+                resolved[id(sp)] = self.input_processor.resolve_bad_words(sp)
+        requests = [self.input_processor.make_sequences(i, p, resolved[id(sp)])
                     for i, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True))]
         return self._run(requests, use_tqdm)
 
@@ -199,77 +198,7 @@ class LLM:
         """Tokenize and validate one request without queueing it: its `n` sequences, named
         `request_id` (front ends that queue requests themselves, e.g. the async engine).
         Raises ValueError naming the setting, like `generate`."""
-        try:
-            seqs = self._make_sequences(0, prompt, self._resolve_bad_words(params))
-        except ValueError as e:
-            raise ValueError(str(e).removeprefix("request 0: ")) from None
-        for seq in seqs:
-            seq.request_id = request_id
-        return seqs
-
-    def _resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
-        """`params` with its `bad_words` tokenized into `bad_words_token_ids`: each word as
-        written and after a space (a word inside text is usually another token)."""
-        if not params.bad_words:
-            return params
-        if self.tokenizer is None:
-            raise ValueError("SamplingParams.bad_words needs a tokenizer and the model has none; "
-                             "use bad_words_token_ids instead")
-        ids = list(params.bad_words_token_ids)
-        for word in params.bad_words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                tokens = self.tokenizer.encode(text, add_special_tokens=False)
-                if tokens and tokens not in ids:
-                    ids.append(tokens)
-        return dataclasses.replace(params, bad_words=[], bad_words_token_ids=ids)
-
-    def _make_sequences(self, index: int, prompt: Prompt,
-                        params: SamplingParams) -> list[Sequence]:
-        """Tokenize and validate one request; its `n` sequences, the first the parent of the
-        rest. Errors name the request and the setting."""
-        where = f"request {index}"
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{where}: the model has no tokenizer; pass "
-                                 f"{{'prompt_token_ids': [...]}} instead of text")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        else:
-            raise ValueError(f"{where}: a prompt is a string or {{'prompt_token_ids': [...]}}, "
-                             f"got {type(prompt).__name__}")
-        mc, sc = self.config.model_config, self.config.scheduler_config
-        vocab_size = mc.hf_config.vocab_size
-        if not token_ids:
-            raise ValueError(f"{where}: the prompt is empty")
-        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
-            raise ValueError(f"{where}: prompt_token_ids must be ints in [0, {vocab_size})")
-        if len(token_ids) >= mc.max_model_len:
-            raise ValueError(
-                f"{where}: the prompt has {len(token_ids)} tokens, max_model_len is "
-                f"{mc.max_model_len} (one more is needed to generate); shorten the prompt or "
-                f"raise max_model_len"
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            n = getattr(params, name)
-            if n is not None and n > mc.max_logprobs:
-                raise ValueError(f"{where}: SamplingParams.{name}={n} is above max_logprobs="
-                                 f"{mc.max_logprobs}; lower it or raise max_logprobs")
-        if params.n > sc.max_num_seqs:
-            raise ValueError(f"{where}: SamplingParams.n={params.n} is above max_num_seqs="
-                             f"{sc.max_num_seqs}; lower n or raise max_num_seqs")
-        try:
-            params.check_token_ids(vocab_size)
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"{where}: SamplingParams.stop needs a tokenizer; use "
-                             f"stop_token_ids instead")
-        request_id = str(next(self._request_counter))
-        parent = Sequence(token_ids, params, request_id=request_id, prompt=text)
-        siblings = [Sequence(token_ids, params, request_id=request_id, prompt=text,
-                             sibling_index=i, parent=parent) for i in range(1, params.n)]
-        return [parent, *siblings]
+        return self.input_processor.make_request(prompt, params, request_id)
 
     def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> list[RequestOutput]:
         self.engine.check_can_run()

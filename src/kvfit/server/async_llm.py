@@ -1,65 +1,48 @@
-"""`AsyncLLM`: the engine behind asyncio. One thread steps the engine; requests from any number
-of coroutines join the same steps, and each request gets its own stream of outputs."""
+"""`AsyncLLM`: the engine behind asyncio. The engine core loop runs in a process of its own
+(or, asked, on a thread); requests from any number of coroutines join the same steps, and each
+request gets its own stream of outputs, decoded to text here, in the front end."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
-import queue
-import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvfit.engine.config import EngineArgs
+from kvfit.engine.config import EngineArgs, EngineConfig
 from kvfit.engine.detokenizer import Detokenizer
-from kvfit.engine.engine_core import EngineCore, EngineStats
+from kvfit.engine.engine_core import EngineStats
+from kvfit.engine.input_processor import InputProcessor, Prompt
 from kvfit.engine.kv_resize import KVCacheResize
-from kvfit.engine.llm import LLM, Prompt
 from kvfit.engine.outputs import CompletionOutput, RequestOutput
 from kvfit.engine.sampling_params import SamplingParams
-from kvfit.engine.sequence import Logprobs, Sequence
+from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
 from kvfit.kv.report import KVCacheReport
+from kvfit.models.loader import load_tokenizer
+from kvfit.server.engine_client import EngineProcess, InThreadEngine
+from kvfit.server.engine_messages import (
+    EngineDeadError,
+    EngineOutputs,
+    EngineSleepingError,
+    PlainDelta,
+    RequestDelta,
+    RequestFailedError,
+)
+
+if TYPE_CHECKING:
+    from kvfit.engine.llm import LLM
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (shut down, or an error outside any one step)."""
-
-
-class EngineSleepingError(RuntimeError):
-    """A request sent while the engine sleeps (`AsyncLLM.sleep`): wake it up first."""
-
-
-class RequestFailedError(RuntimeError):
-    """A step holding this request raised; the request was aborted, the engine goes on."""
-
-
-@dataclass
-class _SeqDelta:
-    """What one completion gained in one step (built on the engine thread)."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[Logprobs]
-    finish_reason: str | None
-    stop_reason: int | str | None
-    text: str | None  # the engine's text where it detokenizes (stop strings), else None
-
-
-@dataclass
-class _Delta:
-    seqs: list[_SeqDelta]
-    prompt_logprobs: list[Logprobs | None] | None = None  # with the last delta
+_Item = RequestDelta | PlainDelta | BaseException  # what a stream carries
 
 
 class _Stream:
-    """Carries one request's deltas from the engine thread to its event loop.
+    """Carries one request's deltas from the engine's thread to its event loop.
 
     Items land in a plain list on the loop's thread (`_deliver`) and the reader takes all of
     them at once, so a reader that fell behind catches up in one go: its deltas are merged
@@ -68,20 +51,16 @@ class _Stream:
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.items: list[_Delta | BaseException] = []
+        self.items: list[_Item] = []
         self._waiter: asyncio.Future[None] | None = None
 
-    def put(self, item: _Delta | BaseException) -> None:
-        """Send one item from any thread."""
-        _deliver_threadsafe(self.loop, [(self, item)])
-
-    def push(self, item: _Delta | BaseException) -> None:
+    def push(self, item: _Item) -> None:
         """Append on the loop's thread and wake the reader."""
         self.items.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def take(self) -> list[_Delta | BaseException]:
+    async def take(self) -> list[_Item]:
         """Every item queued so far (at least one), oldest first."""
         while not self.items:
             self._waiter = self.loop.create_future()
@@ -93,56 +72,17 @@ class _Stream:
         return items
 
 
-def _deliver(batch: list[tuple[_Stream, _Delta | BaseException]]) -> None:
+def _deliver(batch: list[tuple[_Stream, _Item]]) -> None:
     for stream, item in batch:
         stream.push(item)
 
 
 def _deliver_threadsafe(loop: asyncio.AbstractEventLoop,
-                        batch: list[tuple[_Stream, _Delta | BaseException]]) -> None:
+                        batch: list[tuple[_Stream, _Item]]) -> None:
     """One wake-up of `loop` for the whole batch (a wake-up costs a syscall and a GIL hand-off:
     per step, not per request)."""
     with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
         loop.call_soon_threadsafe(_deliver, batch)
-
-
-@dataclass
-class _Tracked:
-    """Engine-thread bookkeeping of one request: what its stream has been sent so far."""
-
-    seqs: list[Sequence]
-    stream: _Stream
-    sent: list[int]
-    reported: list[bool]
-
-    def delta(self) -> _Delta | None:
-        parts = []
-        for i, seq in enumerate(self.seqs):
-            num_ready = seq.num_output_tokens - seq.has_pending_token
-            if num_ready == self.sent[i] and (self.reported[i] or not seq.is_finished):
-                continue
-            start, params = self.sent[i], seq.sampling_params
-            first = seq.num_prompt_tokens + start
-            parts.append(_SeqDelta(
-                index=seq.sibling_index,
-                token_ids=seq.token_ids[first : first + num_ready - start],
-                logprobs=seq.logprobs[start:num_ready] if params.logprobs is not None else [],
-                finish_reason=seq.finish_reason if seq.is_finished else None,
-                stop_reason=seq.stop_reason,
-                text=seq.output_text if params.stop else None,
-            ))
-            self.sent[i], self.reported[i] = num_ready, seq.is_finished
-        if not parts:
-            return None
-        delta = _Delta(parts)
-        parent = self.seqs[0]
-        if self.finished and parent.sampling_params.prompt_logprobs is not None:
-            delta.prompt_logprobs = list(parent.prompt_logprobs)
-        return delta
-
-    @property
-    def finished(self) -> bool:
-        return all(self.reported)
 
 
 class RequestStream:
@@ -186,7 +126,7 @@ class RequestStream:
         try:
             while not self.output.finished:
                 items = await self._stream.take()
-                deltas: list[_Delta] = []
+                deltas: list[RequestDelta | PlainDelta] = []
                 for i, item in enumerate(items):
                     if isinstance(item, BaseException):
                         if not deltas:
@@ -207,27 +147,33 @@ class RequestStream:
             for mirror in self._mirrors:
                 self._engine._detokenizer.free(mirror)
 
-    def _apply(self, deltas: list[_Delta]) -> None:
+    def _apply(self, deltas: list[RequestDelta | PlainDelta]) -> None:
         """Fold every delta taken into the output; text is decoded once per completion."""
         decode: set[int] = set()
         for delta in deltas:
-            for part in delta.seqs:
-                out = self.output.outputs[part.index]
-                out.token_ids.extend(part.token_ids)
+            if len(delta) == 2:  # a plain request's new tokens
+                self.output.outputs[0].token_ids.extend(delta[1])
+                self._mirrors[0].token_ids.extend(delta[1])
+                decode.add(0)
+                continue
+            _, seqs, _, prompt_logprobs = delta
+            for index, token_ids, logprobs, finish_reason, stop_reason, text in seqs:
+                out = self.output.outputs[index]
+                out.token_ids.extend(token_ids)
                 if out.logprobs is not None:
-                    out.logprobs.extend(part.logprobs)
+                    out.logprobs.extend(logprobs)
                     out.cumulative_logprob += sum(lp[t].logprob for t, lp in
-                                                  zip(part.token_ids, part.logprobs, strict=True))
-                out.finish_reason, out.stop_reason = part.finish_reason, part.stop_reason
-                if part.text is None:
-                    self._mirrors[part.index].token_ids.extend(part.token_ids)
-                    decode.add(part.index)
-                elif part.finish_reason is not None:
-                    out.text = part.text
+                                                  zip(token_ids, logprobs, strict=True))
+                out.finish_reason, out.stop_reason = finish_reason, stop_reason
+                if text is None:
+                    self._mirrors[index].token_ids.extend(token_ids)
+                    decode.add(index)
+                elif finish_reason is not None:
+                    out.text = text
                 else:
-                    out.text = part.text[: max(len(out.text), len(part.text) - self._hold_back)]
-            if delta.prompt_logprobs is not None:
-                self.output.prompt_logprobs = delta.prompt_logprobs
+                    out.text = text[: max(len(out.text), len(text) - self._hold_back)]
+            if prompt_logprobs is not None:
+                self.output.prompt_logprobs = prompt_logprobs
         for index in decode:
             mirror = self._mirrors[index]
             self._engine._detokenizer.step(mirror, check_stop=False)
@@ -236,81 +182,113 @@ class RequestStream:
 
 
 class AsyncLLM:
-    """The engine run by a thread of its own, for asyncio front ends (the HTTP server).
+    """The engine for asyncio front ends (the HTTP server), with its core loop in a process of
+    its own (`engine_process=True`, the default) or on a thread of this one.
 
-    `add_request` validates and tokenizes on the caller's thread and raises ValueError naming
-    the setting; the engine thread admits the request at its next step, so requests of many
-    clients share steps. `abort(request_id)` ends a request and frees its KV blocks. An error
-    raised by a step fails (`RequestFailedError`) only the requests that step held; the
-    engine keeps serving the others.
+    `add_request` validates and tokenizes here, on the caller's thread, and raises ValueError
+    naming the setting; the engine admits the request at its next step, so requests of many
+    clients share steps, and sends back, per step, one message with the new tokens of every
+    request that advanced. Text is decoded here, off the engine's step. `abort(request_id)`
+    ends a request and frees its KV blocks. An error raised by a step fails
+    (`RequestFailedError`) only the requests that step held; an engine that stops (its
+    process killed or crashed) fails every request it held and every later one with
+    `EngineDeadError`, and `is_alive` turns False.
     """
 
-    def __init__(self, engine_args: EngineArgs) -> None:
+    def __init__(self, engine_args: EngineArgs, engine_process: bool = True) -> None:
         self.engine_args = engine_args
-        self._llm = LLM(**dataclasses.asdict(engine_args))
-        self.tokenizer: Any | None = self._llm.get_tokenizer()
-        self._detokenizer = Detokenizer(self.tokenizer)
-        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._tracked: dict[str, _Tracked] = {}
-        self._stats = self._core.stats()
-        governor = self._core.kv_cache_governor
-        self._idle_poll_s = None if governor is None else governor.config.poll_interval_s
+        self._streams: dict[str, _Stream] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
         self._dead: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kvfit-engine", daemon=True)
-        self._thread.start()
-
-    @property
-    def _core(self) -> EngineCore:
-        return self._llm.engine
+        self._dead_callbacks: list[Callable[[BaseException], None]] = []
+        client = EngineProcess if engine_process else InThreadEngine
+        self._client = client(engine_args, self._on_outputs, self._on_dead)
+        ready = self._client.ready
+        self.config: EngineConfig = ready.config
+        self._stats, self._is_sleeping = ready.stats, ready.is_sleeping
+        self._kv_cache_report = ready.kv_cache_report
+        self.tokenizer: Any | None = load_tokenizer(engine_args.model)
+        self._input_processor = InputProcessor(self.config, self.tokenizer)
+        self._detokenizer = Detokenizer(self.tokenizer)
 
     @property
     def max_model_len(self) -> int:
-        return self._llm.config.model_config.max_model_len
+        return self.config.model_config.max_model_len
 
     @property
     def max_logprobs(self) -> int:
-        return self._llm.config.model_config.max_logprobs
+        return self.config.model_config.max_logprobs
 
     @property
     def kv_cache_report(self) -> KVCacheReport:
         """How the KV cache was sized (`oom_guard_shrinks` counts the guard's shrinks since)."""
-        return self._core.kv_cache_report
+        return self._kv_cache_report
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process's id (None when the engine runs on a thread)."""
+        return self._client.pid
+
+    @property
+    def num_requests(self) -> int:
+        """Requests added and not yet ended, as this front end sees them."""
+        return len(self._streams)
 
     @property
     def is_alive(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and self._client.is_alive()
 
     @property
     def is_sleeping(self) -> bool:
-        """Whether `sleep` released the weights or the KV cache (read from any thread)."""
-        return self._core.is_sleeping
+        """Whether `sleep` released the weights or the KV cache (as of the engine's latest
+        message; read from any thread)."""
+        return self._is_sleeping
+
+    def add_dead_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback(error)` (from an engine thread) if the engine stops other than by
+        `shutdown`: a server exits on it."""
+        self._dead_callbacks.append(callback)
 
     async def sleep(self, level: int = 1, mode: str = "wait") -> SleepReport:
-        """`LLM.sleep` on the engine thread, between two steps: requests queued before it
-        are run to the end (`mode="wait"`) or aborted (`"abort"`) and their streams end; any
-        sent later get `EngineSleepingError` until `wake_up`."""
-        return await self._call(self._llm.sleep, level, mode)
+        """`LLM.sleep` in the engine, between two steps: requests queued before it are run to
+        the end (`mode="wait"`) or aborted (`"abort"`) and their streams end; any sent later
+        get `EngineSleepingError` until `wake_up`."""
+        return await self._call("sleep", level, mode)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        """`LLM.wake_up(tags)` on the engine thread (weights reloaded after level 2)."""
-        await self._call(self._llm.wake_up, tags)
+        """`LLM.wake_up(tags)` in the engine (weights reloaded after level 2)."""
+        await self._call("wake_up", tags)
 
     async def resize_kv_cache(self, num_blocks: int) -> KVCacheResize:
-        """`LLM.resize_kv_cache` on the engine thread, between two steps."""
-        return await self._call(self._llm.resize_kv_cache, num_blocks)
+        """`LLM.resize_kv_cache` in the engine, between two steps."""
+        return await self._call("resize_kv_cache", num_blocks)
 
     async def kv_cache_state(self) -> dict[str, Any]:
-        """The KV cache's size, bounds and resize counts, read on the engine thread."""
-        return await self._call(self._core.kv_cache_state)
+        """The KV cache's size, bounds and resize counts, read in the engine."""
+        return await self._call(_kv_cache_state)
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run `fn(*args)` on the engine thread between steps; its result or error here."""
-        if not self.is_alive:
-            raise EngineDeadError("the engine is not running") from self._dead
+    async def call_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(llm, *args)` in the engine between two steps and return its result (its
+        error is raised here). In an engine process `fn` (a module-level function), its
+        arguments and its result must pickle. For tests and diagnostics."""
+        return await self._call(fn, *args)
+
+    async def _call(self, fn: str | Callable[..., Any], *args: Any) -> Any:
         future = asyncio.get_running_loop().create_future()
-        self._submit("call", fn, args, future)
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        try:
+            self._check_alive()
+            self._client.send(("call", call_id, fn, args))
+        except BaseException:
+            self._calls.pop(call_id, None)
+            raise
         return await future
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError("the engine is not running") from self._dead
 
     def stats(self) -> EngineStats:
         """The engine's figures after its latest step (a snapshot; safe from any thread)."""
@@ -324,16 +302,25 @@ class AsyncLLM:
                     request_id: str | None = None) -> RequestStream:
         """Queue one request (call from a running event loop); iterate the returned stream
         for its outputs. Raises ValueError for a request the engine would refuse."""
-        if not self.is_alive:
-            raise EngineDeadError("the engine is not running") from self._dead
-        if self.is_sleeping:
+        self._check_alive()
+        if self._is_sleeping:
             raise EngineSleepingError("the engine is asleep: wake it up first (POST /wake_up)")
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already running; use another")
         # The engine decodes text only where stop strings need it; the stream decodes the rest.
         engine_params = dataclasses.replace(params, detokenize=False)
-        seqs = self._llm.make_request(prompt, engine_params, request_id)
+        seqs = self._input_processor.make_request(prompt, engine_params, request_id)
         stream = RequestStream(self, request_id, seqs, params)
-        self._submit("add", request_id, seqs, stream._stream)
+        self._streams[request_id] = stream._stream
+        first = seqs[0]
+        try:
+            self._check_alive()  # `_on_dead` may have run since: it failed the streams it saw
+            self._client.send(("add", request_id, first.prompt_token_ids, first.prompt,
+                               first.sampling_params))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
         return stream
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
@@ -343,121 +330,83 @@ class AsyncLLM:
             yield output
 
     def abort(self, request_id: str) -> None:
-        """End a request now (finish_reason "abort") and free its blocks; unknown ids are
-        ignored. Thread-safe."""
-        self._submit("abort", request_id)
+        """End a request now (finish_reason "abort") and free its blocks; unknown and ended
+        ids are ignored (nothing is sent for them). Thread-safe."""
+        if self._dead is None and request_id in self._streams:
+            with contextlib.suppress(EngineDeadError):
+                self._client.send(("abort", request_id))
 
     def shutdown(self) -> None:
-        """Stop the engine thread and free the model and KV cache."""
-        if self._thread.is_alive():
-            self._submit("stop")
-            self._thread.join()
-        self._llm.shutdown()
+        """Stop the engine and free the model and KV cache (in-flight requests fail with
+        `EngineDeadError`)."""
+        self._client.shutdown()
 
-    def _submit(self, *command: Any) -> None:
-        self._commands.put(command)
-        self._wake.set()
+    # --- Called from the engine's thread (in-thread) or the output reader (process) ---
 
-    # --- Engine thread ---
-
-    def _run(self) -> None:
-        try:
-            while self._drain_commands():
-                if not self._core.has_unfinished():
-                    # Idle, the elastic cache's governor still watches memory on its poll.
-                    if not self._wake.wait(self._idle_poll_s):
-                        self._core.step()
-                        self._stats = self._core.stats()
-                    self._wake.clear()
-                    continue
-                try:
-                    self._core.step()
-                except Exception as error:
-                    logger.exception("engine step failed; aborting the requests it held")
-                    failed = RequestFailedError(f"the engine failed on this request: {error}")
-                    for request_id in self._core.fail_step():
-                        tracked = self._tracked.pop(request_id, None)
-                        if tracked is not None:
-                            tracked.stream.put(failed)
-                self._publish()
-                self._stats = self._core.stats()
-        except BaseException as error:
-            logger.exception("the engine thread stopped")
-            self._dead = error
-        finally:
-            dead = EngineDeadError("the engine stopped")
-            for tracked in self._tracked.values():
-                tracked.stream.put(dead)
-            self._tracked.clear()
-
-    def _drain_commands(self) -> bool:
-        """Apply queued adds and aborts; False once asked to stop."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-            kind, args = command[0], command[1:]
-            if kind == "stop":
-                return False
-            if kind == "add":
-                self._add(*args)
-            elif kind == "call":
-                self._run_call(*args)
-            elif kind == "abort":
-                self._core.abort_request(args[0])
-                tracked = self._tracked.pop(args[0], None)
-                if tracked is not None and (delta := tracked.delta()) is not None:
-                    tracked.stream.put(delta)
-                self._stats = self._core.stats()
-
-    def _run_call(self, fn: Callable[..., Any], args: tuple[Any, ...],
-                  future: asyncio.Future[Any]) -> None:
-        try:
-            result, error = fn(*args), None
-        except Exception as e:  # the caller's to handle; the engine serves on
-            result, error = None, e
-        self._publish()  # what a sleep finished or aborted ends its streams
-        self._stats = self._core.stats()
-
-        def settle() -> None:
-            if not future.done():
-                if error is None:
-                    future.set_result(result)
-                else:
-                    future.set_exception(error)
-
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
-            future.get_loop().call_soon_threadsafe(settle)
-
-    def _add(self, request_id: str, seqs: list[Sequence], stream: _Stream) -> None:
-        try:
-            for seq in seqs:
-                self._core.add_request(seq)
-        except (ValueError, RuntimeError) as error:
-            # A RuntimeError: a sleep queued before this request ran first.
-            self._core.abort_request(request_id)
-            if isinstance(error, RuntimeError) and self._core.is_sleeping:
-                error = EngineSleepingError(f"the engine is asleep: {error}")
-            stream.put(error)
-            return
-        self._tracked[request_id] = _Tracked(seqs, stream, [0] * len(seqs), [False] * len(seqs))
-
-    def _publish(self) -> None:
-        """Send this step's deltas: one batch, one wake-up per event loop."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Delta | BaseException]]] = {}
-        finished = []
-        for request_id, tracked in self._tracked.items():
-            delta = tracked.delta()
-            if delta is not None:
-                batches.setdefault(tracked.stream.loop, []).append((tracked.stream, delta))
-            if tracked.finished:
-                finished.append(request_id)
-        for request_id in finished:
-            del self._tracked[request_id]
+    def _on_outputs(self, message: EngineOutputs) -> None:
+        """Hand each output to its stream: one batch, one wake-up per event loop; then settle
+        calls (after the outputs, so a finished sleep's streams end first)."""
+        self._stats, self._is_sleeping = message.stats, message.is_sleeping
+        if message.kv_cache_report is not None:
+            self._kv_cache_report = message.kv_cache_report
+        batches: dict[asyncio.AbstractEventLoop,
+                      list[tuple[_Stream, _Item]]] = {}
+        streams = self._streams
+        for delta in message.tokens:
+            if (stream := streams.get(delta[0])) is not None:
+                batches.setdefault(stream.loop, []).append((stream, delta))
+        for delta in message.outputs:
+            stream = streams.pop(delta[0], None) if delta[2] else streams.get(delta[0])
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream, delta))
+        for request_id, error in message.errors:
+            if (stream := streams.pop(request_id, None)) is not None:
+                batches.setdefault(stream.loop, []).append((stream, error))
         for loop, batch in batches.items():
             _deliver_threadsafe(loop, batch)
+        for call_id, result, error in message.results:
+            future = self._calls.pop(call_id, None)
+            if future is not None:
+                _settle_threadsafe(future, result, error)
+
+    def _on_dead(self, error: BaseException | None) -> None:
+        """The engine stopped: fail every stream and call it held (set `_dead` first, so a
+        request added meanwhile sees it)."""
+        self._dead = error or EngineDeadError("the engine was shut down")
+        dead = EngineDeadError(f"the engine stopped: {self._dead}")
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, BaseException]]] = {}
+        for request_id in list(self._streams):
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream, dead))
+        for loop, batch in batches.items():
+            _deliver_threadsafe(loop, batch)
+        for call_id in list(self._calls):
+            future = self._calls.pop(call_id, None)
+            if future is not None:
+                _settle_threadsafe(future, None, dead)
+        if error is not None:
+            for callback in self._dead_callbacks:
+                callback(error)
+
+
+def _settle_threadsafe(future: asyncio.Future[Any], result: Any,
+                       error: BaseException | None) -> None:
+    def settle() -> None:
+        if not future.done():
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+        future.get_loop().call_soon_threadsafe(settle)
 
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineSleepingError", "RequestFailedError",
            "RequestStream"]
+
+
+def _kv_cache_state(llm: LLM) -> dict[str, Any]:
+    # Module level, so that it pickles to an engine process by name.
+    return llm.engine.kv_cache_state()

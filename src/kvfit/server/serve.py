@@ -7,6 +7,8 @@ Importing this module costs nothing beyond argparse: FastAPI, uvicorn and the en
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import importlib.util
 import os
 import sys
@@ -47,11 +49,25 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     server.add_argument("--max-request-body-bytes", type=int, default=64 << 20,
                         help="request bodies over this many bytes get HTTP 413 (0: unbounded; "
                         "default: %(default)s)")
+    server.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="run the engine core in a process of its own, fed over a pipe, so "
+                        "its steps never wait on HTTP work for the GIL (--no-engine-process: "
+                        "on a thread of the server's process)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's own log level (access and server logs)")
     parser.set_defaults(func=run_serve)
     return parser
+
+
+def _event_loop_kinds() -> str:
+    """Which event loop and HTTP parser uvicorn's "auto" picks here."""
+    def have(name: str) -> bool:
+        return importlib.util.find_spec(name) is not None
+
+    return (f"{'uvloop' if have('uvloop') else 'asyncio'} loop, "
+            f"{'httptools' if have('httptools') else 'h11'} HTTP")
 
 
 def missing_server_modules() -> list[str]:
@@ -105,7 +121,7 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     engine_args = EngineArgs.from_cli_args(args)
     print(f"kvfit serve: loading {engine_args.model} and sizing the KV cache ...", flush=True)
-    engine = AsyncLLM(engine_args)
+    engine = AsyncLLM(engine_args, engine_process=args.engine_process)
     try:
         print(f"KV cache:\n{engine.kv_cache_report.format_table()}", flush=True)
         config = ServeConfig(
@@ -118,9 +134,30 @@ def run_serve(args: argparse.Namespace) -> int:
             enable_kv_cache_endpoints=dev_mode(),
         )
         app = build_app(engine, config)
+        # uvicorn's "auto" takes uvloop and httptools where they are installed.
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level=args.uvicorn_log_level))
+        died: list[BaseException] = []
+
+        def engine_died(error: BaseException) -> None:
+            died.append(error)
+            server.should_exit = True  # polled by uvicorn's main loop: a clean exit
+
+        engine.add_dead_callback(engine_died)
+        where = "its own process" if args.engine_process else "a thread"
         print(f"kvfit serve: {', '.join(config.served_model_names)} on "
-              f"http://{args.host}:{args.port}/v1", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+              f"http://{args.host}:{args.port}/v1 (engine in {where}; {_event_loop_kinds()})",
+              flush=True)
+        # Startup's objects (modules, the tokenizer) live as long as the server: keep the
+        # collector's full passes off them while requests stream.
+        gc.collect()
+        gc.freeze()
+        with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
+            server.run()
     finally:
         engine.shutdown()
+    if died:
+        print(f"kvfit serve: exiting, the engine stopped: {died[0]}", file=sys.stderr,
+              flush=True)
+        return 1
     return 0

@@ -1,0 +1,105 @@
+"""`InputProcessor`: prompts and sampling params checked and tokenized into the engine's
+`Sequence`s, with nothing but the engine's config and tokenizer (vLLM's name for the piece).
+
+`LLM` uses it before queueing; a front end whose engine runs in another process uses its own
+copy, so a request the engine would refuse is refused where it arrives, naming the setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+from kvfit.engine.config import EngineConfig
+from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.sequence import Sequence
+
+Prompt = str | dict[str, Any]
+
+
+class InputProcessor:
+    """Validates and tokenizes requests against one engine's `config`; `tokenizer` may be
+    None (token-id prompts only)."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self._request_counter = itertools.count()
+
+    def make_request(self, prompt: Prompt, params: SamplingParams,
+                     request_id: str) -> list[Sequence]:
+        """Tokenize and validate one request without queueing it: its `n` sequences, named
+        `request_id` (front ends that queue requests themselves, e.g. the async engine).
+        Raises ValueError naming the setting, like `LLM.generate`."""
+        try:
+            seqs = self.make_sequences(0, prompt, self.resolve_bad_words(params))
+        except ValueError as e:
+            raise ValueError(str(e).removeprefix("request 0: ")) from None
+        for seq in seqs:
+            seq.request_id = request_id
+        return seqs
+
+    def resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its `bad_words` tokenized into `bad_words_token_ids`: each word as
+        written and after a space (a word inside text is usually another token)."""
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer and the model has none; "
+                             "use bad_words_token_ids instead")
+        ids = list(params.bad_words_token_ids)
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                tokens = self.tokenizer.encode(text, add_special_tokens=False)
+                if tokens and tokens not in ids:
+                    ids.append(tokens)
+        return dataclasses.replace(params, bad_words=[], bad_words_token_ids=ids)
+
+    def make_sequences(self, index: int, prompt: Prompt,
+                       params: SamplingParams) -> list[Sequence]:
+        """Tokenize and validate request number `index`; its `n` sequences, the first the
+        parent of the rest. Errors name the request and the setting."""
+        where = f"request {index}"
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{where}: the model has no tokenizer; pass "
+                                 f"{{'prompt_token_ids': [...]}} instead of text")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        else:
+            raise ValueError(f"{where}: a prompt is a string or {{'prompt_token_ids': [...]}}, "
+                             f"got {type(prompt).__name__}")
+        mc, sc = self.config.model_config, self.config.scheduler_config
+        vocab_size = mc.hf_config.vocab_size
+        if not token_ids:
+            raise ValueError(f"{where}: the prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
+            raise ValueError(f"{where}: prompt_token_ids must be ints in [0, {vocab_size})")
+        if len(token_ids) >= mc.max_model_len:
+            raise ValueError(
+                f"{where}: the prompt has {len(token_ids)} tokens, max_model_len is "
+                f"{mc.max_model_len} (one more is needed to generate); shorten the prompt or "
+                f"raise max_model_len"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > mc.max_logprobs:
+                raise ValueError(f"{where}: SamplingParams.{name}={n} is above max_logprobs="
+                                 f"{mc.max_logprobs}; lower it or raise max_logprobs")
+        if params.n > sc.max_num_seqs:
+            raise ValueError(f"{where}: SamplingParams.n={params.n} is above max_num_seqs="
+                             f"{sc.max_num_seqs}; lower n or raise max_num_seqs")
+        try:
+            params.check_token_ids(vocab_size)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"{where}: SamplingParams.stop needs a tokenizer; use "
+                             f"stop_token_ids instead")
+        request_id = str(next(self._request_counter))
+        parent = Sequence(token_ids, params, request_id=request_id, prompt=text)
+        siblings = [Sequence(token_ids, params, request_id=request_id, prompt=text,
+                             sibling_index=i, parent=parent) for i in range(1, params.n)]
+        return [parent, *siblings]

@@ -1,0 +1,227 @@
+"""`EngineCoreLoop`: the engine side of `AsyncLLM`. It owns the `LLM`, applies the front end's
+commands between steps, steps while anything is unfinished and sends one `EngineOutputs` per
+step with the new tokens of every request that advanced (never one message per token).
+
+The same loop runs on a thread of the front end's process or as the main loop of an engine
+process (`engine_client`); only `send` differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvfit.engine.llm import LLM
+from kvfit.engine.sequence import PENDING_TOKEN, Sequence
+from kvfit.kv.report import KVCacheReport
+from kvfit.server.engine_messages import (
+    EngineOutputs,
+    EngineReady,
+    EngineSleepingError,
+    PlainDelta,
+    RequestDelta,
+    RequestFailedError,
+    SeqDelta,
+    portable,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class _Tracked:
+    """One request's sequences and how many of each one's tokens were sent so far. `delta`
+    runs for every running request at every step: it reads each setting once, up front."""
+
+    __slots__ = ("request_id", "seqs", "sent", "reported", "logprobs", "text",
+                 "prompt_logprobs", "plain")
+
+    def __init__(self, request_id: str, seqs: list[Sequence]) -> None:
+        self.request_id, self.seqs = request_id, seqs
+        self.sent = [0] * len(seqs)
+        self.reported = [False] * len(seqs)
+        params = seqs[0].sampling_params
+        self.logprobs = params.logprobs is not None
+        self.text = bool(params.stop)  # the engine decodes text only for stop strings
+        self.prompt_logprobs = params.prompt_logprobs is not None
+        self.plain = len(seqs) == 1 and not (self.logprobs or self.text)
+
+    def delta(self) -> RequestDelta | PlainDelta | None:
+        """What the request gained since the last call (None: nothing); a `PlainDelta` for a
+        plain request that goes on (a quarter of the work: the common case at every step)."""
+        if self.plain and not (seq := self.seqs[0]).is_finished:
+            tokens = seq.token_ids
+            end = len(tokens) - (tokens[-1] == PENDING_TOKEN)  # a pending token is not ready
+            first = seq.num_prompt_tokens + self.sent[0]
+            if end == first:
+                return None
+            self.sent[0] = end - seq.num_prompt_tokens
+            return self.request_id, tokens[first:end]
+        parts: list[SeqDelta] = []
+        sent, reported = self.sent, self.reported
+        for i, seq in enumerate(self.seqs):
+            tokens = seq.token_ids
+            end = len(tokens) - (tokens[-1] == PENDING_TOKEN)  # a pending token is not ready
+            first = seq.num_prompt_tokens + sent[i]
+            done = seq.is_finished
+            if end == first and (reported[i] or not done):
+                continue
+            start, num_ready = sent[i], end - seq.num_prompt_tokens
+            parts.append((seq.sibling_index, tokens[first:end],
+                          seq.logprobs[start:num_ready] if self.logprobs else None,
+                          seq.finish_reason if done else None, seq.stop_reason,
+                          seq.output_text if self.text else None))
+            sent[i], reported[i] = num_ready, done
+        if not parts:
+            return None
+        finished = all(reported)
+        prompt_logprobs = None
+        if finished and self.prompt_logprobs:
+            prompt_logprobs = list(self.seqs[0].prompt_logprobs)
+        return self.request_id, parts, finished, prompt_logprobs
+
+
+class EngineCoreLoop:
+    """Steps `llm`'s engine for a front end; `send` receives every `EngineOutputs`.
+
+    Commands (`engine_messages`) go through `submit`, from any thread; `run` applies them
+    between steps, so requests of many clients share steps. A step that raises fails
+    (`RequestFailedError`) only the requests it held; the loop serves on.
+    """
+
+    def __init__(self, llm: LLM, send: Callable[[EngineOutputs], None]) -> None:
+        self.llm, self.core = llm, llm.engine
+        self._send = send
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._tracked: dict[str, _Tracked] = {}
+        # What commands and failed steps produced: deltas of aborted requests, errors.
+        self._pending: list[RequestDelta] = []
+        self._errors: list[tuple[str, BaseException]] = []
+        self._results: list[tuple[int, Any, BaseException | None]] = []
+        self._stats = self.core.stats()
+        self._report: KVCacheReport = self.core.kv_cache_report
+        self._sleeping = self.core.is_sleeping
+        governor = self.core.kv_cache_governor
+        self._idle_poll_s = None if governor is None else governor.config.poll_interval_s
+
+    def ready(self) -> EngineReady:
+        """The message that tells the front end the engine is up."""
+        return EngineReady(self.llm.config, self._report, self._stats, self._sleeping)
+
+    def submit(self, command: tuple[Any, ...]) -> None:
+        """Queue a command for the next pause between steps (thread-safe)."""
+        self._commands.put(command)
+        self._wake.set()
+
+    def run(self) -> None:
+        """Serve commands and step until a `("stop",)` command."""
+        while self._apply_commands():
+            if not self.core.has_unfinished():
+                # Idle, the elastic cache's governor still watches memory on its poll.
+                if not self._wake.wait(self._idle_poll_s):
+                    self.core.step()
+                    self._publish(scan=False)
+                self._wake.clear()
+                continue
+            self._step()
+            self._publish(scan=True)
+
+    def _step(self) -> None:
+        try:
+            self.core.step()
+        except Exception as error:
+            logger.exception("engine step failed; aborting the requests it held")
+            failed = RequestFailedError(f"the engine failed on this request: {error}")
+            for request_id in self.core.fail_step():
+                if self._tracked.pop(request_id, None) is not None:
+                    self._errors.append((request_id, failed))
+
+    def _apply_commands(self) -> bool:
+        """Apply queued commands and send what they produced; False once asked to stop."""
+        called = False
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            kind = command[0]
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                self._abort(command[1])
+            elif kind == "call":
+                self._call(*command[1:])
+                called = True
+        # A call (a sleep) may have stepped every request to its end: look at them all. Adds
+        # alone send nothing: the next step's message carries the stats they changed.
+        if called or self._pending or self._errors:
+            self._publish(scan=called)
+        return True
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], prompt: str | None,
+             params: Any) -> None:
+        try:
+            seqs = self.llm.make_request({"prompt_token_ids": prompt_token_ids,
+                                          "prompt": prompt}, params, request_id)
+            for seq in seqs:
+                self.core.add_request(seq)
+        except (ValueError, RuntimeError) as error:
+            # A RuntimeError: a sleep queued before this request ran first.
+            self.core.abort_request(request_id)
+            if isinstance(error, RuntimeError) and self.core.is_sleeping:
+                error = EngineSleepingError(f"the engine is asleep: {error}")
+            self._errors.append((request_id, portable(error)))
+            return
+        self._tracked[request_id] = _Tracked(request_id, seqs)
+
+    def _abort(self, request_id: str) -> None:
+        self.core.abort_request(request_id)
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None and (delta := tracked.delta()) is not None:
+            self._pending.append(delta)
+
+    def _call(self, call_id: int, fn: str | Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """`llm.<fn>(*args)` or `fn(llm, *args)`; its result (or error) goes back by id."""
+        try:
+            result = getattr(self.llm, fn)(*args) if isinstance(fn, str) else fn(self.llm, *args)
+            pickle.dumps(result)  # it must be able to reach a front end in another process
+            self._results.append((call_id, result, None))
+        except Exception as error:  # the caller's to handle; the engine serves on
+            self._results.append((call_id, None, portable(error)))
+
+    def _publish(self, scan: bool) -> None:
+        """Send what is pending, plus (`scan`) every tracked request's delta, in one message;
+        nothing when nothing changed."""
+        outputs, self._pending = self._pending, []
+        tokens: list[PlainDelta] = []
+        if scan:
+            finished = []
+            for tracked in self._tracked.values():
+                delta = tracked.delta()
+                if delta is None:
+                    continue
+                if len(delta) == 2:
+                    tokens.append(delta)
+                    continue
+                outputs.append(delta)
+                if delta[2]:
+                    finished.append(tracked.request_id)
+            for request_id in finished:
+                del self._tracked[request_id]
+        core = self.core
+        stats, report, sleeping = core.stats(), core.kv_cache_report, core.is_sleeping
+        changed_report = report if report is not self._report else None
+        if not (tokens or outputs or self._errors or self._results or changed_report is not None
+                or stats != self._stats or sleeping != self._sleeping):
+            return
+        self._stats, self._report, self._sleeping = stats, report, sleeping
+        errors, self._errors = self._errors, []
+        results, self._results = self._results, []
+        self._send(EngineOutputs(tokens, outputs, errors, stats, sleeping, changed_report,
+                                 results))

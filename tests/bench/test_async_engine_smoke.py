@@ -1,0 +1,26 @@
+"""bench/async_engine.py end to end on the CPU: AsyncLLM (engine process) and offline."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "async_engine.py"
+
+
+def test_async_engine_bench_smoke(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("bench_async_engine", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    out = tmp_path / "async_engine.json"
+    result = bench.main(["--device", "cpu", "--model", "kvfit-tiny", "--num-prompts", "4",
+                         "--input-len", "8", "--output-len", "4", "--max-num-seqs", "2",
+                         "--engines", "process", "--out", str(out)])
+
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    (row,) = result["rows"]
+    assert row["engine"] == "process" and row["output_throughput"] > 0
+    assert row["ratio"] == row["output_throughput"] / result["offline"]["output_throughput"]

@@ -1,0 +1,140 @@
+"""The engine in a process of its own: a killed engine fails the requests it held with 5xx and
+nothing hangs, /health turns 503 and `kvfit serve` exits; no engine process outlives its
+server; the in-thread engine (`engine_process=False`) still serves the same."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import engine_hooks
+import httpx
+import psutil
+import pytest
+
+from kvfit import LLM, SamplingParams
+from kvfit.engine.config import EngineArgs
+from kvfit.server.async_llm import AsyncLLM, EngineDeadError
+from kvfit.server.openai_api import ServeConfig, build_app
+
+from .conftest import MODEL_NAME, ServeProcess, ServerThread, engine_kwargs, in_engine
+
+
+@pytest.fixture
+def doomed(model_path: Path) -> Iterator[AsyncLLM]:
+    """An engine of the test's own, for it to kill."""
+    engine = AsyncLLM(EngineArgs(**engine_kwargs(model_path)))
+    yield engine
+    engine.shutdown()
+
+
+def _wait_for(condition, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_killed_engine_fails_what_it_held_and_health(doomed: AsyncLLM, tmp_path: Path) -> None:
+    died: list[BaseException] = []
+    doomed.add_dead_callback(died.append)
+    # Steps holding "held" stall until killed (the release file never appears).
+    in_engine(doomed, engine_hooks.stall, "held", str(tmp_path / "never"))
+    server = ServerThread(build_app(doomed, ServeConfig([MODEL_NAME])))
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            plain: list[httpx.Response] = []
+            waiter = threading.Thread(target=lambda: plain.append(http.post(
+                "/v1/completions", json={"prompt": "held", "max_tokens": 4})))
+            body = {"prompt": "held", "max_tokens": 4, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as streamed:
+                assert streamed.status_code == 200
+                waiter.start()
+                _wait_for(lambda: doomed.num_requests == 2, "the requests never arrived")
+                os.kill(doomed.engine_pid, signal.SIGKILL)
+                events = [line for line in streamed.iter_lines() if line.startswith("data:")]
+            waiter.join(timeout=30)
+            assert not waiter.is_alive(), "a request held by the dead engine hung"
+            assert plain[0].status_code == 503
+            assert plain[0].json()["error"]["type"] == "service_unavailable"
+            assert "service_unavailable" in events[0] and events[-1] == "data: [DONE]"
+            assert http.get("/health").status_code == 503
+            r = http.post("/v1/completions", json={"prompt": "later", "max_tokens": 2})
+            assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+    finally:
+        server.stop()
+    assert not doomed.is_alive and doomed.num_requests == 0
+    assert len(died) == 1 and isinstance(died[0], EngineDeadError)
+    assert "exit code -9" in str(died[0])
+
+
+def test_a_call_in_flight_when_the_engine_dies_fails(doomed: AsyncLLM, tmp_path: Path) -> None:
+    async def run() -> None:
+        in_flight = asyncio.ensure_future(doomed.call_engine(engine_hooks.pause, 30))
+        await asyncio.sleep(0.5)
+        os.kill(doomed.engine_pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(in_flight, 30)
+        with pytest.raises(EngineDeadError):
+            await doomed.call_engine(engine_hooks.pause, 0)
+
+    asyncio.run(run())
+
+
+def test_kvfit_serve_exits_when_its_engine_process_dies() -> None:
+    server = ServeProcess()
+    try:
+        (engine,) = server.engine_processes()
+        engine.kill()
+        server.proc.wait(timeout=60)
+    finally:
+        output = server.stop()
+    assert server.proc.returncode == 1, output
+    assert "exiting, the engine stopped" in output
+
+
+def test_no_engine_process_outlives_a_killed_server() -> None:
+    server = ServeProcess()
+    (engine,) = server.engine_processes()
+    server.stop(signal.SIGKILL)
+    # The pipe's far end closed with the server: the engine process stops by itself.
+    engine.wait(timeout=60)
+    assert not engine.is_running()
+
+
+def test_an_engine_that_cannot_start_raises_its_error(model_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        AsyncLLM(EngineArgs(**{**engine_kwargs(model_path), "max_num_seqs": 0}))
+    assert not [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())
+                and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_the_in_thread_engine_serves_the_same(model_path: Path) -> None:
+    prompts = [f"The number {i} is followed by" for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    llm = LLM(**engine_kwargs(model_path))
+    refs = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.shutdown()
+    engine = AsyncLLM(EngineArgs(**engine_kwargs(model_path)), engine_process=False)
+
+    async def text(prompt: str) -> str:
+        output = None
+        async for output in engine.generate(prompt, params):  # noqa: B007
+            pass
+        return output.outputs[0].text
+
+    async def run() -> list[str]:
+        return await asyncio.gather(*(text(p) for p in prompts))
+
+    try:
+        assert engine.engine_pid is None
+        assert asyncio.run(run()) == refs
+    finally:
+        engine.shutdown()
+    assert not engine.is_alive
+
