@@ -163,7 +163,7 @@ def test_cpu_budget_is_a_modest_share_of_the_host_changed_by_its_flag(
 ) -> None:
     host = psutil.virtual_memory().total
     default = EngineArgs(model="kvfit-tiny", device="cpu").create_engine_config()
-    assert default.cache_config.cpu_kv_cache_space_bytes == min(4 << 30, host // 4)
+    assert default.cache_config.cpu_kv_cache_space_bytes == min(8 << 30, host // 3)
     llm = make_llm(cpu_kv_cache_space_bytes=1 << 30)
     assert llm.kv_cache_report.total == llm.kv_cache_report.budget == 1 << 30
 
