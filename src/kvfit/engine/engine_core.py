@@ -351,6 +351,14 @@ class EngineCore:
             self.scheduler.abort(request_id)
         return request_ids
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while a request holds blocks."""
+        try:
+            self.scheduler.block_manager.reset_prefix_cache()
+        except RuntimeError:
+            return False
+        return True
+
     def stats(self) -> EngineStats:
         """The scheduler's, block manager's and KV cache's figures now; call it between steps
         (from the thread that steps)."""

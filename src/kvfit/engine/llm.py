@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from kvfit.engine.config import EngineArgs
 from kvfit.engine.engine_core import EngineCore
+from kvfit.engine.metrics import Metric, engine_metrics
 from kvfit.engine.outputs import RequestOutput
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
@@ -60,7 +61,10 @@ class LLM:
             enforce_eager=enforce_eager, load_format=load_format, seed=seed, **kwargs,
         )
         self.config = args.create_engine_config()
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer = load_tokenizer(args.tokenizer or model)
+        if args.tokenizer and self.tokenizer is None:
+            raise ValueError(f"tokenizer={args.tokenizer!r} holds no tokenizer files "
+                             f"(tokenizer.json, tokenizer_config.json, ...)")
         self.engine = EngineCore(self.config, self.tokenizer)
         self._request_counter = itertools.count()
 
@@ -115,6 +119,18 @@ class LLM:
 
     update_weights = load_weights
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's name), e.g. to time prefills from cold or
+        after changing what a prefix means; later prompts recompute theirs. Returns False and
+        changes nothing while requests hold blocks (never the case between `generate` calls)."""
+        return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's figures now, vLLM's `get_metrics()` loosely: a list of `Metric`
+        (`name`, `kind` "gauge" or "counter", `value`, `labels`, `help`), the same figures the
+        server exposes at `/metrics` (see `kvfit.engine.metrics`)."""
+        return engine_metrics(self.engine.stats(), self.kv_cache_report)
+
     def get_tokenizer(self) -> Any | None:
         """The model's tokenizer, or None for a folder without one (token-id prompts only)."""
         return self.tokenizer
@@ -125,14 +141,10 @@ class LLM:
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string or `{"prompt_token_ids": [...]}`); results in
-        input order. `sampling_params` is one for all prompts or one per prompt."""
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
+        """Generate for each prompt (a string, `{"prompt": "text"}` or
+        `{"prompt_token_ids": [...]}`, vLLM's forms); results in input order.
+        `sampling_params` is one for all prompts or one per prompt."""
+        prompts, sampling_params = _batch(prompts, sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(
                 f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
@@ -206,22 +218,17 @@ class LLM:
         """Tokenize and validate one request; its `n` sequences, the first the parent of the
         rest. Errors name the request and the setting."""
         where = f"request {index}"
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{where}: the model has no tokenizer; pass "
-                                 f"{{'prompt_token_ids': [...]}} instead of text")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        else:
-            raise ValueError(f"{where}: a prompt is a string or {{'prompt_token_ids': [...]}}, "
-                             f"got {type(prompt).__name__}")
+        text, token_ids = self._tokenize(where, prompt)
         mc, sc = self.config.model_config, self.config.scheduler_config
         vocab_size = mc.hf_config.vocab_size
         if not token_ids:
             raise ValueError(f"{where}: the prompt is empty")
-        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
-            raise ValueError(f"{where}: prompt_token_ids must be ints in [0, {vocab_size})")
+        for position, t in enumerate(token_ids):
+            if not _is_token_id(t):
+                raise ValueError(f"{where}: prompt_token_ids[{position}] is {t!r}, not an int")
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"{where}: prompt_token_ids[{position}] = {t} is outside the "
+                                 f"model's vocabulary of {vocab_size} ids [0, {vocab_size})")
         if len(token_ids) >= mc.max_model_len:
             raise ValueError(
                 f"{where}: the prompt has {len(token_ids)} tokens, max_model_len is "
@@ -249,6 +256,23 @@ class LLM:
                              sibling_index=i, parent=parent) for i in range(1, params.n)]
         return [parent, *siblings]
 
+    def _tokenize(self, where: str, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """`(text, token ids)` of one prompt in any of vLLM's forms."""
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if isinstance(ids, str) or not isinstance(ids, SequenceOf):
+                raise ValueError(f"{where}: prompt_token_ids is a list of ints, got "
+                                 f"{type(ids).__name__}")
+            return prompt.get("prompt"), list(ids)
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: a prompt is a string, {{'prompt': 'text'}} or "
+                             f"{{'prompt_token_ids': [...]}}; got {_describe(prompt)}")
+        if self.tokenizer is None:
+            raise ValueError(f"{where}: the model has no tokenizer; pass "
+                             f"{{'prompt_token_ids': [...]}} instead of text")
+        return text, self.tokenizer.encode(text)
+
     def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> list[RequestOutput]:
         self.engine.check_can_run()
         try:
@@ -258,7 +282,40 @@ class LLM:
             for seqs in requests:
                 self.engine.abort_request(seqs[0].request_id)
             raise
-        with tqdm(total=sum(map(len, requests)), desc="Generating", disable=not use_tqdm) as bar:
+        with tqdm(total=sum(map(len, requests)), desc="Generating",
+                  # None: no bar where stderr is not a terminal (a log file gets no line
+                  # per update).
+                  disable=None if use_tqdm else True) as bar:
             while self.engine.has_unfinished():
                 bar.update(len(self.engine.step()))
         return [RequestOutput.from_seqs(seqs) for seqs in requests]
+
+
+def _batch(prompts: Any, sampling_params: Any) -> tuple[list[Prompt], list[SamplingParams]]:
+    """`generate`'s arguments as one list of prompts and one of params (of any length; the
+    caller compares), each checked for its type so a wrong one is named, not met later."""
+    if isinstance(prompts, str | dict):
+        prompts = [prompts]
+    if not isinstance(prompts, SequenceOf):
+        raise TypeError(f"prompts must be a string, a prompt dict or a list of them; got "
+                        f"{_describe(prompts)}")
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params] * len(prompts)
+    if isinstance(sampling_params, dict | str) or not isinstance(sampling_params, SequenceOf) \
+            or not all(isinstance(sp, SamplingParams) for sp in sampling_params):
+        hint = " (build one: SamplingParams(**params))" if isinstance(sampling_params, dict) else ""
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them; got "
+                        f"{_describe(sampling_params)}{hint}")
+    return list(prompts), list(sampling_params)
+
+
+def _describe(value: Any) -> str:
+    """A value's type and a short repr, for errors about wrong argument types."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
