@@ -47,6 +47,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     server.add_argument("--max-request-body-bytes", type=int, default=64 << 20,
                         help="request bodies over this many bytes get HTTP 413 (0: unbounded; "
                         "default: %(default)s)")
+    server.add_argument("--disable-log-stats", action="store_true",
+                        help="do not print the engine's figures (queues, KV cache use, prefix "
+                        "cache hits) every 10 s while it works")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's own log level (access and server logs)")
@@ -93,6 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvfit.engine.config import EngineArgs
     from kvfit.server.async_llm import AsyncLLM
     from kvfit.server.openai_api import ServeConfig, build_app
+    from kvfit.server.stats_logger import StatsLogger
 
     if args.model_tag:
         args.model = args.model_tag
@@ -112,7 +116,12 @@ def run_serve(args: argparse.Namespace) -> int:
         app = build_app(engine, config)
         print(f"kvfit serve: {', '.join(config.served_model_names)} on "
               f"http://{args.host}:{args.port}/v1", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        stats = None if args.disable_log_stats else StatsLogger(engine).start()
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        finally:
+            if stats is not None:
+                stats.stop()
     finally:
         engine.shutdown()
     return 0
