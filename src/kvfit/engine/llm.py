@@ -15,13 +15,13 @@ from kvfit.engine.config import EngineArgs
 from kvfit.engine.engine_core import EngineCore
 from kvfit.engine.metrics import Metric, engine_metrics
 from kvfit.engine.outputs import RequestOutput
+from kvfit.engine.prompts import Prompt, batch_args, check_token_ids, parse_prompt
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
 from kvfit.kv.report import KVCacheReport
 from kvfit.models.loader import load_tokenizer
 
-Prompt = str | dict[str, Any]
 Message = dict[str, str]
 
 
@@ -144,7 +144,7 @@ class LLM:
         """Generate for each prompt (a string, `{"prompt": "text"}` or
         `{"prompt_token_ids": [...]}`, vLLM's forms); results in input order.
         `sampling_params` is one for all prompts or one per prompt."""
-        prompts, sampling_params = _batch(prompts, sampling_params)
+        prompts, sampling_params = batch_args(prompts, sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(
                 f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
@@ -218,17 +218,12 @@ class LLM:
         """Tokenize and validate one request; its `n` sequences, the first the parent of the
         rest. Errors name the request and the setting."""
         where = f"request {index}"
-        text, token_ids = self._tokenize(where, prompt)
+        text, token_ids = parse_prompt(where, prompt, self.tokenizer)
         mc, sc = self.config.model_config, self.config.scheduler_config
         vocab_size = mc.hf_config.vocab_size
         if not token_ids:
             raise ValueError(f"{where}: the prompt is empty")
-        for position, t in enumerate(token_ids):
-            if not _is_token_id(t):
-                raise ValueError(f"{where}: prompt_token_ids[{position}] is {t!r}, not an int")
-            if not 0 <= t < vocab_size:
-                raise ValueError(f"{where}: prompt_token_ids[{position}] = {t} is outside the "
-                                 f"model's vocabulary of {vocab_size} ids [0, {vocab_size})")
+        check_token_ids(where, token_ids, vocab_size)
         if len(token_ids) >= mc.max_model_len:
             raise ValueError(
                 f"{where}: the prompt has {len(token_ids)} tokens, max_model_len is "
@@ -256,23 +251,6 @@ class LLM:
                              sibling_index=i, parent=parent) for i in range(1, params.n)]
         return [parent, *siblings]
 
-    def _tokenize(self, where: str, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """`(text, token ids)` of one prompt in any of vLLM's forms."""
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if isinstance(ids, str) or not isinstance(ids, SequenceOf):
-                raise ValueError(f"{where}: prompt_token_ids is a list of ints, got "
-                                 f"{type(ids).__name__}")
-            return prompt.get("prompt"), list(ids)
-        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
-        if not isinstance(text, str):
-            raise ValueError(f"{where}: a prompt is a string, {{'prompt': 'text'}} or "
-                             f"{{'prompt_token_ids': [...]}}; got {_describe(prompt)}")
-        if self.tokenizer is None:
-            raise ValueError(f"{where}: the model has no tokenizer; pass "
-                             f"{{'prompt_token_ids': [...]}} instead of text")
-        return text, self.tokenizer.encode(text)
-
     def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> list[RequestOutput]:
         self.engine.check_can_run()
         try:
@@ -290,32 +268,3 @@ class LLM:
                 bar.update(len(self.engine.step()))
         return [RequestOutput.from_seqs(seqs) for seqs in requests]
 
-
-def _batch(prompts: Any, sampling_params: Any) -> tuple[list[Prompt], list[SamplingParams]]:
-    """`generate`'s arguments as one list of prompts and one of params (of any length; the
-    caller compares), each checked for its type so a wrong one is named, not met later."""
-    if isinstance(prompts, str | dict):
-        prompts = [prompts]
-    if not isinstance(prompts, SequenceOf):
-        raise TypeError(f"prompts must be a string, a prompt dict or a list of them; got "
-                        f"{_describe(prompts)}")
-    if sampling_params is None:
-        sampling_params = SamplingParams()
-    if isinstance(sampling_params, SamplingParams):
-        sampling_params = [sampling_params] * len(prompts)
-    if isinstance(sampling_params, dict | str) or not isinstance(sampling_params, SequenceOf) \
-            or not all(isinstance(sp, SamplingParams) for sp in sampling_params):
-        hint = " (build one: SamplingParams(**params))" if isinstance(sampling_params, dict) else ""
-        raise TypeError(f"sampling_params must be a SamplingParams or a list of them; got "
-                        f"{_describe(sampling_params)}{hint}")
-    return list(prompts), list(sampling_params)
-
-
-def _describe(value: Any) -> str:
-    """A value's type and a short repr, for errors about wrong argument types."""
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
