@@ -110,6 +110,8 @@ def _free_port() -> int:
 @pytest.fixture
 def server(model_folder: str) -> Iterator[int]:
     """The README's `kvfit serve` command, on a free port; yields the port."""
+    for module in ("fastapi", "uvicorn", "pydantic", "prometheus_client", "openai"):
+        pytest.importorskip(module)  # the server and dev extras (README's test set-up)
     port = _free_port()
     command = PLACEHOLDER.sub(model_folder, SERVE[0]).replace("--port 8000", f"--port {port}")
     proc = subprocess.Popen([sys.executable, "-m", "kvfit", *shlex.split(command)[1:]],
@@ -133,7 +135,6 @@ def server(model_folder: str) -> Iterator[int]:
 
 
 def test_server_commands_and_client_block(server: int) -> None:
-    pytest.importorskip("openai")
     curl = shlex.split(SERVE[1].replace("localhost:8000", f"localhost:{server}"))
     result = run(curl, timeout=120)
     assert result.returncode == 0, result.stderr
