@@ -143,3 +143,19 @@ def test_a_hub_id_says_how_to_get_a_local_folder() -> None:
     with pytest.raises(FileNotFoundError, match=r"kvfit loads local Hugging Face folders .*"
                        r"huggingface-cli download Qwen/Qwen3-0\.6B --local-dir \./Qwen3-0\.6B"):
         LLM("Qwen/Qwen3-0.6B", device="cpu")
+
+
+def test_logprobs_are_vllm_logprob_objects(llm: LLM) -> None:
+    from kvfit.engine.outputs import Logprob
+
+    out = llm.generate("hello world", greedy(logprobs=2, prompt_logprobs=1), use_tqdm=False)[0]
+    tokenizer = llm.get_tokenizer()
+    entries = [*out.outputs[0].logprobs, *out.prompt_logprobs[1:]]
+    assert out.prompt_logprobs[0] is None and entries
+    for entry in entries:
+        for token_id, lp in entry.items():
+            assert isinstance(lp, Logprob) and lp.logprob <= 0 and lp.rank >= 1
+            assert lp.decoded_token == tokenizer.decode([token_id])
+    # Greedy: each sampled token is the most likely one.
+    assert all(entry[t].rank == 1 for t, entry in
+               zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True))
