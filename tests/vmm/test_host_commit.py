@@ -63,3 +63,24 @@ def test_commit_beyond_the_host_memory_fails_and_keeps_the_tensor(
         assert torch.all(t.full_view()[: 8 * MiB] == 7)
         t.commit(24 * MiB)  # what the host still has is committed as before
         assert t.physical_bytes == 24 * MiB
+
+
+def test_kv_cache_commit_beyond_the_host_memory_keeps_its_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvfit.kv.cache import ExtensibleKVCache
+    from kvfit.kv.spec import KVCacheSpec
+
+    spec = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64,
+                       dtype=torch.float32)  # 32 KiB per block
+    cache = ExtensibleKVCache(spec, capacity_blocks=4096, device="cpu")
+    cache.allocate()
+    cache.commit(256)  # 8 MiB
+    k, _ = cache.layer_views()[0]
+    k[:256].fill_(3.0)
+    monkeypatch.setattr(host_module, "_available_bytes", lambda: 16 * MiB)
+    with pytest.raises(VmmOutOfMemoryError):
+        cache.commit(4096)  # 128 MiB
+    assert cache.committed_blocks == 256 and cache.physical_bytes == 8 * MiB
+    assert torch.all(cache.layer_views()[0][0][:256] == 3.0)
+    cache.free()
