@@ -53,8 +53,6 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 32,
                    help="per-request sampling seed (default: none, the engine's generator)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token")
-
-
     parser.set_defaults(check_args=functools.partial(check_sampling_args, parser))
 
 
