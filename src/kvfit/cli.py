@@ -8,6 +8,7 @@ Commands: `serve` (OpenAI-compatible server), `generate` (offline completions), 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvfit import __version__
@@ -84,5 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if status is None else int(status)
 
 
+def run() -> int:
+    """The `kvfit` program: `main`, with an error in a setting or an input (`ValueError`,
+    `FileNotFoundError`, whose messages name what to change) shown as one line and exit status
+    1 instead of a traceback. `KVFIT_TRACEBACK=1` shows the traceback."""
+    try:
+        return main()
+    except (ValueError, FileNotFoundError) as e:
+        if os.environ.get("KVFIT_TRACEBACK") == "1":
+            raise
+        print(f"kvfit: error: {e}", file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

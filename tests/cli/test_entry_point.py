@@ -87,3 +87,20 @@ def test_no_progress_bar_lines_when_not_on_a_terminal() -> None:
     assert result.returncode == 0, result.stderr
     assert "Generating" not in result.stderr and "it/s" not in result.stderr
     assert "prompt: [5, 6]" in result.stdout
+
+
+def test_a_setting_error_is_one_line_not_a_traceback() -> None:
+    result = kvfit_cli("generate", "--model", "Qwen/Qwen3-0.6B")
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("kvfit: error: model 'Qwen/Qwen3-0.6B' is not a local folder")
+    assert "huggingface-cli download Qwen/Qwen3-0.6B" in line
+
+
+def test_the_traceback_is_there_when_asked_for() -> None:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "KVFIT_TRACEBACK": "1"}
+    result = subprocess.run([sys.executable, "-m", "kvfit", "generate", "--block-size", "3",
+                             "--device", "cpu"], capture_output=True, text=True, timeout=120,
+                            env=env)
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "block_size must be a power of two" in result.stderr
