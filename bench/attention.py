@@ -16,10 +16,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 from kvfit.ops.attention import AttentionMetadata
-from kvfit.ops.triton_attention import paged_attention_triton
+
+try:
+    from triton.testing import do_bench
+
+    from kvfit.ops.triton_attention import paged_attention_triton
+except ImportError as e:
+    raise SystemExit(f"bench/attention.py times the Triton kernels, so it needs Triton and a "
+                     f"CUDA device (pip install 'kvfit[cuda]'): {e}") from None
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PREFILL_SWEEP = [

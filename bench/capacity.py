@@ -10,7 +10,7 @@ Per model (dummy weights), side by side in one process:
   each, alternating, after one untimed engine that compiles the kernels; startup is the fastest
   construction to ready. Each engine is shut down before the next, and the device memory free
   afterwards is checked against before it.
-Targets (issue 6): >= 7% more KV blocks than the estimate; startup <= 0.8x.
+Targets: >= 7% more KV blocks than the estimate; startup <= 0.8x.
 The adversarial workload (every sampling feature at a full batch, long prompts, out-of-memory
 errors and guard events) is bench/adversarial.py, which imports this module's helpers.
 """

@@ -26,11 +26,15 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-from triton.testing import do_bench
 
 from kvfit.ops import filter_thresholds, gumbel_sample
 from kvfit.ops.memwatch import watch_memory
 from kvfit.ops.reference import sort_filter_reference
+
+try:
+    from triton.testing import do_bench
+except ImportError:  # --device cpu times with wall-clock repeats
+    do_bench = None
 
 QWEN3_VOCAB = 151936
 SWEEP_TILES = [(512, 4), (1024, 4), (2048, 4), (2048, 8), (4096, 8)]  # (block, num_warps)
@@ -257,6 +261,9 @@ def main() -> None:
     on_cuda = device.type == "cuda"
     if on_cuda and not torch.cuda.is_available():
         parser.error("needs a CUDA device (or --device cpu)")
+    if on_cuda and do_bench is None:
+        parser.error("--device cuda times the Triton kernels and needs Triton (pip install "
+                     "'kvfit[cuda]'), or run --device cpu")
     batches = args.batches or ([1, 64, 256] if on_cuda else [4])
     vocab_size = args.vocab_size or (QWEN3_VOCAB if on_cuda else 4096)
     filter_rows = (256 if on_cuda else 8) if args.filter_rows is None else args.filter_rows

@@ -2,7 +2,7 @@
 
 import sys
 
-from kvfit.cli import main
+from kvfit.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

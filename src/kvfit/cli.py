@@ -8,8 +8,10 @@ Commands: `serve` (OpenAI-compatible server), `generate` (offline completions), 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from kvfit import __version__
 from kvfit.commands import bench_offline, bench_serve, chat, generate
 from kvfit.commands.common import Subparsers
 
@@ -40,16 +42,19 @@ def _add_serve(sub: Subparsers) -> None:
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
-    from kvfit.vmm.probe import probe_report
+    """Print the probe's report; exit status 1 when the VMM-backed cache is unusable there."""
+    from kvfit.vmm.probe import probe
 
-    print(probe_report(args.device))
-    return 0
+    report, reason = probe(args.device)
+    print(report)
+    return 0 if reason is None else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `kvfit` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="kvfit", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
     generate.add_parser(sub)
@@ -74,9 +79,24 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "accepts_unknown_args", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if hasattr(args, "check_args"):
+        args.check_args(args)  # flags that are wrong together: a usage error, nothing loaded
     status = args.func(args)
     return 0 if status is None else int(status)
 
 
+def run() -> int:
+    """The `kvfit` program: `main`, with an error in a setting or an input (`ValueError`,
+    `FileNotFoundError`, whose messages name what to change) shown as one line and exit status
+    1 instead of a traceback. `KVFIT_TRACEBACK=1` shows the traceback."""
+    try:
+        return main()
+    except (ValueError, FileNotFoundError) as e:
+        if os.environ.get("KVFIT_TRACEBACK") == "1":
+            raise
+        print(f"kvfit: error: {e}", file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

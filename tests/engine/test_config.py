@@ -26,7 +26,7 @@ def test_cpu_defaults() -> None:
     cc = c.cache_config
     assert cc.enable_extensible_kv_cache is True
     assert cc.memory_utilization == 1.0
-    assert 0 < cc.cpu_kv_cache_space_bytes <= 4 << 30
+    assert 0 < cc.cpu_kv_cache_space_bytes <= 8 << 30
 
 
 def test_auto_dtype_on_gpu_is_the_checkpoint_half_precision() -> None:

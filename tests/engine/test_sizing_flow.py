@@ -135,6 +135,7 @@ def test_each_configuration_sizes_by_its_method_and_budget(
     assert report.method == method
     assert cc.enable_extensible_kv_cache is (method == "measured")
     assert report.total == cc.cpu_kv_cache_space_bytes  # the host budget stands for the device
+    assert report.on_host and "host budget" in report.format_table()
     assert report.budget == int(cc.cpu_kv_cache_space_bytes * utilization)
     assert (report.margin > 0) == (method == "measured")  # only measured sizing keeps one
     assert report.num_blocks == cc.num_gpu_blocks == llm.engine.scheduler.block_manager.num_blocks
@@ -163,7 +164,7 @@ def test_cpu_budget_is_a_modest_share_of_the_host_changed_by_its_flag(
 ) -> None:
     host = psutil.virtual_memory().total
     default = EngineArgs(model="kvfit-tiny", device="cpu").create_engine_config()
-    assert default.cache_config.cpu_kv_cache_space_bytes == min(4 << 30, host // 4)
+    assert default.cache_config.cpu_kv_cache_space_bytes == min(8 << 30, host // 3)
     llm = make_llm(cpu_kv_cache_space_bytes=1 << 30)
     assert llm.kv_cache_report.total == llm.kv_cache_report.budget == 1 << 30
 

@@ -62,3 +62,10 @@ def test_oom_guard_shrinks_get_a_row_once_there_is_one() -> None:
     lines = report(oom_guard_shrinks=3).format_table().splitlines()
     assert len(lines) == 12 and len({len(line) for line in lines}) == 1
     assert lines[-1].split()[:3] == ["OOM", "guard", "shrinks"] and lines[-1].split()[-1] == "3"
+
+
+def test_the_cpu_total_is_labelled_a_host_budget() -> None:
+    assert report().format_table().splitlines()[1].startswith("device total ")
+    host = report(on_host=True).format_table().splitlines()
+    assert host[1].startswith("host budget ") and host[1].endswith("80.00 GiB")
+    assert not any("device" in line for line in host)

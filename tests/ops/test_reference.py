@@ -108,3 +108,29 @@ def test_reference_ignores_garbage_past_each_sequence(paged_batch, naive):
     batch.v_cache[~written] = float("nan")
     out = paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.5)
     torch.testing.assert_close(out.double(), clean, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_batches_only_as_many_sequences_as_fit_its_group_bytes(
+    paged_batch, naive, monkeypatch: pytest.MonkeyPatch,
+):
+    # Many decodes of one query length: batched whole, their gathered contexts would take
+    # rows x the longest context; the reference splits them so each call stays in budget.
+    from kvfit.ops import reference
+
+    lengths = [(40 + 7 * i, 1) for i in range(9)] + [(5, 3), (60, 3)]
+    batch = paged_batch(lengths, num_heads=4, num_kv_heads=2, head_dim=16)
+    calls: list[tuple[int, int, int]] = []
+    attend = reference._attend_group
+
+    def recording(query, k_cache, v_cache, block_table, seq_lens, scale):
+        calls.append((query.shape[0], query.shape[1], int(seq_lens.max())))
+        return attend(query, k_cache, v_cache, block_table, seq_lens, scale)
+
+    per_decode = 97 * 4 * (16 + 1) * 4  # the longest decode context (40 + 7 x 8 + 1)
+    monkeypatch.setattr(reference, "GROUP_BYTES", 3 * per_decode)
+    monkeypatch.setattr(reference, "_attend_group", recording)
+    out = paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.3)
+    torch.testing.assert_close(out.double(), naive(batch, 0.3), rtol=1e-5, atol=1e-5)
+    assert sorted(n for n, q_len, _ in calls if q_len == 1) == [3, 3, 3]
+    assert all(n * context * 4 * (16 + q_len) * 4 <= 3 * per_decode
+               for n, q_len, context in calls)

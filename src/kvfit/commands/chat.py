@@ -45,7 +45,7 @@ def add_parser(sub: Subparsers) -> None:
     add_remote_args(r)
     c = p.add_argument_group("conversation")
     c.add_argument("--system-prompt", default=None, help="a system message to start with")
-    add_sampling_args(p, max_tokens=256, temperature=0.7, with_n=False)
+    add_sampling_args(p, max_tokens=256, with_n=False)
     EngineArgs.add_cli_args(p)
     # --model also names the served model with --url; unset there, the server's first model.
     p.set_defaults(model=None, func=run)

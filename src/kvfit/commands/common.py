@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -27,13 +28,15 @@ _SAMPLING_FIELDS = {
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 32,
-                      temperature: float = 0.0, with_n: bool = True) -> None:
-    """The `sampling` group: SamplingParams fields under vLLM's flag names."""
+                      with_n: bool = True) -> None:
+    """The `sampling` group: SamplingParams fields under vLLM's flag names and defaults.
+    The flags are checked together, before any model loads (`check_args`)."""
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens,
                    help="most tokens to generate per completion (default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=temperature,
-                   help="0 is greedy (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature; 0 is greedy (default: %(default)s, as vLLM's "
+                   "SamplingParams and the API's)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus filter; 1 is off")
     g.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest; -1 is off")
     g.add_argument("--min-p", type=float, default=0.0,
@@ -50,6 +53,23 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 32,
                    help="per-request sampling seed (default: none, the engine's generator)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token")
+    parser.set_defaults(check_args=functools.partial(check_sampling_args, parser))
+
+
+def check_sampling_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Build the SamplingParams the flags describe; an invalid value is a usage error naming
+    its flag (one line without the long usage, exit status 2 as argparse's), before any model
+    loads."""
+    try:
+        sampling_params_from_args(args)
+    except ValueError as e:
+        message = str(e)
+        for flag, field in _SAMPLING_FIELDS.items():
+            prefix = f"SamplingParams.{field} "
+            if message.startswith(prefix):
+                message = f"argument --{flag.replace('_', '-')}: {message.removeprefix(prefix)}"
+                break
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:

@@ -32,8 +32,10 @@ _DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
 # Utilization left unset: the whole device under measured sizing, the usual 0.92 otherwise.
 _UTILIZATION_EXTENSIBLE = 1.0
 _UTILIZATION_ESTIMATE = 0.92
-# Other engines default to 4 GiB of CPU KV space; never take more than a quarter of the host.
-_DEFAULT_CPU_KV_SPACE_BYTES = 4 * GiB
+# The CPU budget holds the weights too (it stands for a device's memory): 8 GiB leaves a
+# float32 0.6B model (2.3 GiB) room for its steps and several 4k-token sequences. Never more
+# than a third of the host.
+_DEFAULT_CPU_KV_SPACE_BYTES = 8 * GiB
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -168,6 +170,7 @@ class EngineArgs:
     """
 
     model: str = "kvfit-tiny"
+    tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
@@ -207,6 +210,9 @@ class EngineArgs:
         p.add_argument("--model", default=d.model,
                        help="local Hugging Face folder or built-in name (kvfit-tiny, "
                        "qwen3-0.6b-shape, qwen3-8b-shape; default: %(default)s)")
+        p.add_argument("--tokenizer", default=d.tokenizer,
+                       help="a folder holding the tokenizer files, when --model's has none "
+                       "or another is wanted (default: --model's own)")
         p.add_argument("--dtype", default=d.dtype, choices=["auto", *_DTYPES],
                        help="weights and activations; auto is float32 on the CPU, the "
                        "checkpoint's bf16/fp16 (else bf16) on a GPU")
@@ -261,8 +267,9 @@ class EngineArgs:
                        help="least safety margin in bytes (default: %(default)s)")
         p.add_argument("--cpu-kv-cache-space-bytes", type=int,
                        default=d.cpu_kv_cache_space_bytes,
-                       help="memory budget on the CPU device (default: 4 GiB, at most a "
-                       "quarter of the host)")
+                       help="memory budget on the CPU device, weights included (default: "
+                       "8 GiB, at most a third of the host; the KV cache takes no more than "
+                       "max-num-seqs sequences of max-model-len)")
         p.add_argument("--enable-sleep-mode", action="store_true", default=d.enable_sleep_mode,
                        help="place the weights in a VMM arena so LLM.sleep() can release them "
                        "and the KV cache without recapturing graphs")
@@ -435,7 +442,7 @@ class EngineArgs:
         _at_least("kv_cache_margin_floor_bytes", self.kv_cache_margin_floor_bytes, 0)
         cpu_space = self.cpu_kv_cache_space_bytes
         if cpu_space is None:
-            cpu_space = min(_DEFAULT_CPU_KV_SPACE_BYTES, _host_memory_bytes() // 4)
+            cpu_space = min(_DEFAULT_CPU_KV_SPACE_BYTES, _host_memory_bytes() // 3)
         _at_least("cpu_kv_cache_space_bytes", cpu_space, 1)
         return CacheConfig(
             block_size=block_size,

@@ -319,14 +319,6 @@ class EngineCore:
                            "store holds K/V of the model's own weights)")
             self.scheduler.kv_connector = None
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every local prefix-cache entry (a connector's store keeps its blocks); no
-        request may be unfinished."""
-        if self.has_unfinished():
-            raise RuntimeError("reset_prefix_cache() while requests are unfinished; finish or "
-                               "abort them first")
-        self.scheduler.block_manager.reset_prefix_cache()
-
     def _refresh_sleep_state(self) -> None:
         self._sleep_state = SleepState.merge(self.executor.collective_rpc("sleep_state"))
 
@@ -444,6 +436,14 @@ class EngineCore:
         for request_id in request_ids:
             self.scheduler.abort(request_id)
         return request_ids
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while a request holds blocks."""
+        try:
+            self.scheduler.block_manager.reset_prefix_cache()
+        except RuntimeError:
+            return False
+        return True
 
     def stats(self) -> EngineStats:
         """The scheduler's, block manager's and KV cache's figures now; call it between steps

@@ -12,10 +12,11 @@ import itertools
 from typing import Any
 
 from kvfit.engine.config import EngineConfig
+from kvfit.engine.prompts import Prompt, check_token_ids, parse_prompt
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
 
-Prompt = str | dict[str, Any]
+__all__ = ["InputProcessor", "Prompt"]
 
 
 class InputProcessor:
@@ -61,22 +62,12 @@ class InputProcessor:
         """Tokenize and validate request number `index`; its `n` sequences, the first the
         parent of the rest. Errors name the request and the setting."""
         where = f"request {index}"
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{where}: the model has no tokenizer; pass "
-                                 f"{{'prompt_token_ids': [...]}} instead of text")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        else:
-            raise ValueError(f"{where}: a prompt is a string or {{'prompt_token_ids': [...]}}, "
-                             f"got {type(prompt).__name__}")
+        text, token_ids = parse_prompt(where, prompt, self.tokenizer)
         mc, sc = self.config.model_config, self.config.scheduler_config
         vocab_size = mc.hf_config.vocab_size
         if not token_ids:
             raise ValueError(f"{where}: the prompt is empty")
-        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
-            raise ValueError(f"{where}: prompt_token_ids must be ints in [0, {vocab_size})")
+        check_token_ids(where, token_ids, vocab_size)
         if len(token_ids) >= mc.max_model_len:
             raise ValueError(
                 f"{where}: the prompt has {len(token_ids)} tokens, max_model_len is "

@@ -12,9 +12,11 @@ from tqdm.auto import tqdm
 
 from kvfit.engine.config import EngineArgs
 from kvfit.engine.engine_core import EngineCore
-from kvfit.engine.input_processor import InputProcessor, Prompt
+from kvfit.engine.input_processor import InputProcessor
 from kvfit.engine.kv_resize import KVCacheResize
+from kvfit.engine.metrics import Metric, engine_metrics
 from kvfit.engine.outputs import RequestOutput
+from kvfit.engine.prompts import Prompt, batch_args
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
@@ -60,7 +62,10 @@ class LLM:
             enforce_eager=enforce_eager, load_format=load_format, seed=seed, **kwargs,
         )
         self.config = args.create_engine_config()
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer = load_tokenizer(args.tokenizer or model)
+        if args.tokenizer and self.tokenizer is None:
+            raise ValueError(f"tokenizer={args.tokenizer!r} holds no tokenizer files "
+                             f"(tokenizer.json, tokenizer_config.json, ...)")
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.engine = EngineCore(self.config, self.tokenizer)
 
@@ -68,11 +73,6 @@ class LLM:
     def kv_cache_report(self) -> KVCacheReport:
         """How the KV cache was sized (method, blocks, the memory figures behind them)."""
         return self.engine.kv_cache_report
-
-    def reset_prefix_cache(self) -> None:
-        """Forget the local prefix cache (a KV connector's store keeps its blocks); no request
-        may be running."""
-        self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Free the model and the KV cache now rather than at garbage collection (to start
@@ -136,6 +136,19 @@ class LLM:
         """
         return self.engine.resize_kv_cache(num_blocks)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's name; a KV connector's store keeps its
+        blocks), e.g. to time prefills from cold or after changing what a prefix means; later
+        prompts recompute theirs. Returns False and
+        changes nothing while requests hold blocks (never the case between `generate` calls)."""
+        return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's figures now, vLLM's `get_metrics()` loosely: a list of `Metric`
+        (`name`, `kind` "gauge" or "counter", `value`, `labels`, `help`), the same figures the
+        server exposes at `/metrics` (see `kvfit.engine.metrics`)."""
+        return engine_metrics(self.engine.stats(), self.kv_cache_report)
+
     def get_tokenizer(self) -> Any | None:
         """The model's tokenizer, or None for a folder without one (token-id prompts only)."""
         return self.tokenizer
@@ -146,14 +159,10 @@ class LLM:
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string or `{"prompt_token_ids": [...]}`); results in
-        input order. `sampling_params` is one for all prompts or one per prompt."""
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
+        """Generate for each prompt (a string, `{"prompt": "text"}` or
+        `{"prompt_token_ids": [...]}`, vLLM's forms); results in input order.
+        `sampling_params` is one for all prompts or one per prompt."""
+        prompts, sampling_params = batch_args(prompts, sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(
                 f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
@@ -209,7 +218,11 @@ class LLM:
             for seqs in requests:
                 self.engine.abort_request(seqs[0].request_id)
             raise
-        with tqdm(total=sum(map(len, requests)), desc="Generating", disable=not use_tqdm) as bar:
+        with tqdm(total=sum(map(len, requests)), desc="Generating",
+                  # None: no bar where stderr is not a terminal (a log file gets no line
+                  # per update).
+                  disable=None if use_tqdm else True) as bar:
             while self.engine.has_unfinished():
                 bar.update(len(self.engine.step()))
         return [RequestOutput.from_seqs(seqs) for seqs in requests]
+

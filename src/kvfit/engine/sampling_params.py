@@ -71,6 +71,18 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        # Types first: a NaN passes no range check by failing, an inf passes some, a float
+        # max_tokens or a bool seed would run with a meaning nobody asked for.
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            _check(value is None and name in _OPTIONAL_FIELDS or _is_int(value), name,
+                   "must be an integer", value)
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(_is_real(value) and math.isfinite(value), name, "must be a finite number",
+                   value)
+        _check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids",
+               "must hold integers", self.stop_token_ids)
         _check(self.n >= 1, "n", "must be >= 1", self.n)
         _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
@@ -140,6 +152,22 @@ class SamplingParams:
         multi-token bad words): such a row cannot be scheduled while its last token is still
         on the device."""
         return self.has_penalties or bool(self.multi_token_bad_words)
+
+
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_OPTIONAL_FIELDS = ("seed", "logprobs", "prompt_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
+
+
+def _is_int(value: object) -> bool:
+    """An integer, numpy's included; not a bool (True is no token id or count)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
+        value, bool | np.bool_)
 
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:

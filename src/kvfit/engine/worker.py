@@ -316,6 +316,7 @@ class Worker:
             num_blocks=num_blocks,
             estimate_num_blocks=self.estimate_blocks,
             max_blocks=max_blocks,
+            on_host=self.device.type == "cpu",
         )
 
     def kv_cache_bytes(self) -> tuple[int, int]:

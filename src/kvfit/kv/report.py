@@ -25,7 +25,8 @@ class KVCacheReport:
     raised on a device to keep a prefix cache), so a size below the estimate shows its reason;
     None under an override. `oom_guard_shrinks` counts the times the engine's out-of-memory
     guard has shrunk the cache since (the other figures stay those of startup); its row is
-    shown once there is one.
+    shown once there is one. `on_host`: the CPU device, whose `total` is the host memory budget
+    (`cpu_kv_cache_space_bytes`) and whose committed KV bytes are allocated host memory.
     """
 
     method: str
@@ -40,6 +41,7 @@ class KVCacheReport:
     estimate_num_blocks: int | None = None
     max_blocks: int | None = None
     oom_guard_shrinks: int = 0
+    on_host: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -51,7 +53,8 @@ class KVCacheReport:
         cap = "-" if self.max_blocks is None else f"{self.max_blocks:,}"
         rows = [
             ("method", self.method),
-            ("device total", format_bytes(self.total)),
+            # On the CPU the device is a configured budget, not a size of hardware.
+            ("host budget" if self.on_host else "device total", format_bytes(self.total)),
             ("budget", format_bytes(self.budget)),
             ("weights", format_bytes(self.weights)),
             ("non-torch use", format_bytes(self.non_torch)),

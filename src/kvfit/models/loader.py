@@ -33,10 +33,24 @@ def resolve_model(model: str) -> Path:
         return folder
     if model in BUILTIN_MODELS:
         return BUILTIN_DIR / model
+    if _looks_like_hub_id(model):
+        name = model.rsplit("/", 1)[1]
+        raise FileNotFoundError(
+            f"model {model!r} is not a local folder: kvfit loads local Hugging Face folders "
+            f"(config.json, *.safetensors, tokenizer files) and downloads nothing. Fetch it "
+            f"first, e.g. `huggingface-cli download {model} --local-dir ./{name}`, then pass "
+            f"--model ./{name}"
+        )
     raise FileNotFoundError(
         f"model {model!r} is neither a local folder with config.json nor a built-in model "
         f"({', '.join(BUILTIN_MODELS)}); set `model` to one of them"
     )
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    """`org/name` as the Hugging Face Hub spells repositories (and no such folder here)."""
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
 
 
 def is_builtin(model: str) -> bool:
@@ -50,9 +64,12 @@ def load_hf_config(model: str) -> PretrainedConfig:
 
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
-    """The model's tokenizer, local files only; None when the folder has no tokenizer files
-    (the model then serves token-id prompts only)."""
-    folder = resolve_model(model)
+    """The tokenizer of a model (folder or built-in name) or of a folder holding only tokenizer
+    files, local files only; None when there are no tokenizer files (the model then serves
+    token-id prompts only)."""
+    folder = Path(model).expanduser()
+    if not (folder.is_dir() and any((folder / name).is_file() for name in _TOKENIZER_FILES)):
+        folder = resolve_model(model)
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         return None
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)

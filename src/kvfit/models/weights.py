@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kvfit.models.parallel_layers import MergedColumnParallelLinear, Shard
@@ -82,6 +83,17 @@ def canonical_names(model: nn.Module) -> set[str]:
     return {target.canonical for target in checkpoint_targets(model).values()}
 
 
+@contextmanager
+def _reading(file: Path) -> Iterator[None]:
+    """A file that cannot be read as safetensors (opened, or a tensor read while loading) is
+    named, with what to do about it."""
+    try:
+        yield
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"cannot read the checkpoint file {file}: {e}; it is damaged or "
+                         f"incomplete (an interrupted download?): fetch it again") from e
+
+
 @torch.no_grad()
 def load_weights(
     model: nn.Module,
@@ -136,7 +148,7 @@ def load_safetensors(model: nn.Module, folder: Path, device: torch.device) -> No
     targets = checkpoint_targets(model)
     loaded: set[str] = set()
     for file in safetensors_files(folder):
-        with safe_open(file, framework="pt", device=str(device)) as f:
+        with _reading(file), safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118
                 part = f.get_slice(name)
                 target = _target(targets, name, file.name, model, tuple(part.get_shape()))

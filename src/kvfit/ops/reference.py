@@ -12,6 +12,10 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from kvfit.ops.attention import AttentionMetadata
 
+GROUP_BYTES = 32 << 20
+"""Float32 bytes of context (tokens x query heads x head dim) one batched attention call
+gathers; the reference attention's working set scales with this, not with the step."""
+
 
 def write_kv_reference(
     key: torch.Tensor,
@@ -57,8 +61,9 @@ def _attend_group(
     # Slots past a sequence's length were never written (garbage, possibly NaN, on reused device
     # memory); a masked score does not stop 0 * NaN from reaching the output, so zero them.
     unwritten = (cols[None, :] >= seq_lens[:, None])[:, None, :, None]  # [n, 1, context, 1]
-    k = _gather_context(k_cache, block_table, context_len).masked_fill(unwritten, 0)
-    v = _gather_context(v_cache, block_table, context_len).masked_fill(unwritten, 0)
+    # The gathered tensors are fresh copies: zero them in place.
+    k = _gather_context(k_cache, block_table, context_len).masked_fill_(unwritten, 0)
+    v = _gather_context(v_cache, block_table, context_len).masked_fill_(unwritten, 0)
     # Lower-right aligned causal mask: query row i sits at position seq_len - q_len + i.
     last_visible = seq_lens[:, None] - q_len + rows[None, :]  # [n, q_len]
     mask = cols[None, None, :] <= last_visible[:, :, None]  # [n, q_len, context_len]
@@ -81,7 +86,13 @@ def paged_attention_reference(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Gather each sequence's pages and run SDPA; sequences of equal query length run batched.
+    """Gather each sequence's pages and run SDPA; sequences of equal query length run batched,
+    as many at once as keep the gathered context within `GROUP_BYTES` (at least one).
+
+    Extra memory: about 6 x `GROUP_BYTES` (K and V gathered, widened to the query heads, the
+    scores) or, for one long sequence alone, that of its own context. Batching every decode of
+    a step at once would take memory in proportion to rows x `max_model_len` (gigabytes on the
+    CPU for a few hundred decodes of a 4k window), all of it transient that sizing keeps free.
 
     Reads the metadata on the host, so it is not CUDA-graph safe: it is the CPU path and the
     oracle for the Triton kernels.
@@ -91,20 +102,25 @@ def paged_attention_reference(
     starts = metadata.query_start_loc.long().cpu()
     query_lens = starts[1:] - starts[:-1]
     seq_lens = metadata.seq_lens.long()
+    host_lens = seq_lens.cpu()
+    num_heads, head_dim = query.shape[1], query.shape[2]
     for q_len in query_lens.unique().tolist():
         if q_len == 0:
             continue
-        seqs = (query_lens == q_len).nonzero().flatten()
-        rows = (starts[seqs][:, None] + torch.arange(q_len)).to(query.device)  # [n, q_len]
-        seqs = seqs.to(query.device)
-        out[rows] = _attend_group(
-            query[rows],
-            k_cache,
-            v_cache,
-            metadata.block_table[seqs],
-            seq_lens[seqs],
-            scale,
-        ).to(out.dtype)
+        group = (query_lens == q_len).nonzero().flatten()
+        per_seq = int(host_lens[group].max()) * num_heads * (head_dim + q_len) * 4
+        step = max(1, GROUP_BYTES // per_seq)
+        for seqs in group.split(step):
+            rows = (starts[seqs][:, None] + torch.arange(q_len)).to(query.device)  # [n, q_len]
+            seqs = seqs.to(query.device)
+            out[rows] = _attend_group(
+                query[rows],
+                k_cache,
+                v_cache,
+                metadata.block_table[seqs],
+                seq_lens[seqs],
+                scale,
+            ).to(out.dtype)
     return out
 
 

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvfit.engine.metrics import engine_metrics
 from kvfit.engine.outputs import RequestOutput
 from kvfit.server.async_llm import AsyncLLM
 
@@ -31,58 +32,14 @@ class _EngineCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        s, report = self.engine.stats(), self.engine.kv_cache_report
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"kvfit:{name}", doc, value=value)
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(f"kvfit:{name}", doc, value=value)
-
-        yield gauge("num_requests_running", "Sequences in the running batch (a request with "
-                    "n completions counts n).", s.num_running)
-        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
-        in_use = s.num_blocks - s.num_free_blocks
-        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
-                    in_use / s.num_blocks)
-        yield gauge("kv_cache_blocks_total", "KV cache blocks the cache holds now.", s.num_blocks)
-        yield gauge("kv_cache_blocks_in_use", "KV cache blocks referenced by a sequence.", in_use)
-        yield gauge("kv_cache_committed_bytes", "Physical bytes committed to the KV cache.",
-                    s.committed_kv_bytes)
-        yield gauge("kv_cache_reserved_bytes", "Bytes of address space reserved for the KV "
-                    "cache (its capacity).", s.reserved_kv_bytes)
-        info = GaugeMetricFamily("kvfit:kv_cache_sizing_info", "How the KV cache was sized "
-                                 "at startup (value 1).", labels=["method"])
-        info.add_metric([report.method], 1)
-        yield info
-        yield gauge("kv_cache_sizing_transient_bytes", "Transient peak measured at startup.",
-                    report.transient)
-        yield gauge("kv_cache_sizing_margin_bytes", "Margin kept free at startup.", report.margin)
-        yield gauge("kv_cache_sizing_blocks", "KV cache blocks sized at startup.",
-                    report.num_blocks)
-        if report.estimate_num_blocks is not None:
-            yield gauge("kv_cache_sizing_estimate_blocks", "Blocks the profiling estimate "
-                        "gives, for comparison.", report.estimate_num_blocks)
-        yield counter("oom_guard_events", "Device out-of-memory errors the guard absorbed.",
-                      s.oom_guard_events)
-        yield counter("oom_guard_shrinks", "Times the guard shrank the KV cache.",
-                      s.oom_guard_shrinks)
-        resizes = CounterMetricFamily("kvfit:kv_cache_resizes", "Runtime resizes of the KV "
-                                      "cache (resize_kv_cache, the elastic governor), by "
-                                      "direction.", labels=["direction"])
-        resizes.add_metric(["shrink"], s.kv_cache_shrinks)
-        resizes.add_metric(["grow"], s.kv_cache_grows)
-        yield resizes
-        yield counter("kv_cache_failed_grows", "Grows of the KV cache that found no memory "
-                      "(the cache stayed as it was).", s.kv_cache_failed_grows)
-        yield counter("num_preemptions", "Sequences preempted for want of blocks.",
-                      s.num_preemptions)
-        yield counter("prefix_cache_queries", "Tokens looked up in the prefix cache.",
-                      s.prefix_cache_queried_tokens)
-        yield counter("prefix_cache_hits", "Tokens found in the prefix cache.",
-                      s.prefix_cache_hit_tokens)
-        yield gauge("prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, since "
-                    "startup.", s.prefix_cache_hit_tokens / max(s.prefix_cache_queried_tokens, 1))
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for m in engine_metrics(self.engine.stats(), self.engine.kv_cache_report):
+            family = families.get(m.name)
+            if family is None:  # one family per name: metrics of a name differ by labels
+                kind = GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily
+                family = families[m.name] = kind(m.name, m.help, labels=list(m.labels))
+            family.add_metric(list(m.labels.values()), m.value)
+        yield from families.values()
 
 
 class ServerMetrics:

@@ -54,6 +54,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="run the engine core in a process of its own, fed over a pipe, so "
                         "its steps never wait on HTTP work for the GIL (--no-engine-process: "
                         "on a thread of the server's process)")
+    server.add_argument("--disable-log-stats", action="store_true",
+                        help="do not print the engine's figures (queues, KV cache use, prefix "
+                        "cache hits) every 10 s while it works")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's own log level (access and server logs)")
@@ -116,6 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvfit.engine.config import EngineArgs
     from kvfit.server.async_llm import AsyncLLM
     from kvfit.server.openai_api import ServeConfig, build_app
+    from kvfit.server.stats_logger import StatsLogger
 
     if args.model_tag:
         args.model = args.model_tag
@@ -152,8 +156,13 @@ def run_serve(args: argparse.Namespace) -> int:
         # collector's full passes off them while requests stream.
         gc.collect()
         gc.freeze()
-        with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
-            server.run()
+        stats = None if args.disable_log_stats else StatsLogger(engine).start()
+        try:
+            with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
+                server.run()
+        finally:
+            if stats is not None:
+                stats.stop()
     finally:
         engine.shutdown()
     if died:

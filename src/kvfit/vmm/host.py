@@ -1,7 +1,8 @@
 """Host VMM driver: the GPU's reserve/map semantics built from Linux `mmap` and `memfd`.
 
-A reservation is inaccessible, unbacked address space; a physical allocation is a memfd; mapping
-places the file over part of the reservation with `MAP_FIXED`. Unmapping maps fresh inaccessible
+A reservation is inaccessible, unbacked address space; a physical allocation is a memfd whose
+pages are allocated at once (`posix_fallocate`); mapping places the file over part of the
+reservation with `MAP_FIXED`. Unmapping maps fresh inaccessible
 anonymous memory over the range, so the address stays reserved while the file's pages are dropped
 once its descriptor is closed. Everything above the driver thereby runs, and is tested, on a CPU.
 """
@@ -34,6 +35,15 @@ def _load_libc() -> ctypes.CDLL:
     return libc
 
 
+def _available_bytes() -> int:
+    """Memory the host can hand out without swapping (`MemAvailable`)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62  # no figure (an old kernel): leave the judgement to the allocation
+
+
 def _raise_errno(call: str, code: int) -> None:
     error = VmmOutOfMemoryError if code == errno.ENOMEM else VmmError
     raise error(call, code, errno.errorcode.get(code, ""))
@@ -64,15 +74,25 @@ class HostDriver(VmmDriver):
             _raise_errno("munmap", ctypes.get_errno())
 
     def create(self, size: int, device: int) -> AllocationHandle:
+        """A memfd of `size` bytes whose pages are allocated now, as `cuMemCreate` allocates
+        device memory: the memory is charged at commit (what `free` shows and sizing reads)
+        and a commit the host cannot hold fails here, with ENOMEM, instead of the process
+        being killed at first touch. Costs about the time to zero the pages (~0.1-1 s/GiB)."""
+        if size > _available_bytes():
+            _raise_errno("memfd_create", errno.ENOMEM)
         try:
             fd = os.memfd_create("kvfit-vmm", os.MFD_CLOEXEC)
         except OSError as e:
             _raise_errno("memfd_create", e.errno)
+        call = "ftruncate"
         try:
             os.ftruncate(fd, size)
+            call = "posix_fallocate"
+            os.posix_fallocate(fd, 0, size)
         except OSError as e:
             os.close(fd)
-            _raise_errno("ftruncate", e.errno)
+            # Shared memory out of room reports ENOSPC: the host's memory is what ran out.
+            _raise_errno(call, errno.ENOMEM if e.errno == errno.ENOSPC else e.errno)
         return fd
 
     def map(self, va: int, size: int, handle: AllocationHandle) -> None:

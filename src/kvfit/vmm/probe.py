@@ -81,6 +81,11 @@ def probe_report(device: str) -> str:
 
     `device="auto"` picks CUDA when torch sees a GPU, else the CPU (host driver).
     """
+    return probe(device)[0]
+
+
+def probe(device: str) -> tuple[str, str | None]:
+    """`probe_report(device)` and `vmm_unavailable_reason` of the device it probed."""
     from kvfit.vmm.extensible_tensor import commit_granule
 
     if device == "auto":
@@ -88,7 +93,7 @@ def probe_report(device: str) -> str:
     reason = vmm_unavailable_reason(device)
     lines = [f"device:  {device}"]
     if reason is not None:
-        return "\n".join([*lines, f"vmm:     unavailable ({reason})"])
+        return "\n".join([*lines, f"vmm:     unavailable ({reason})"]), reason
     resolved = resolve_device(device)
     driver = get_driver(resolved)
     index = resolved.index or 0
@@ -100,4 +105,4 @@ def probe_report(device: str) -> str:
         "vmm:     usable",
         f"granule: {commit_granule(granule) >> 10} KiB commit ({granule >> 10} KiB driver)",
         f"memory:  {free / _GIB:.2f} GiB free of {total / _GIB:.2f} GiB",
-    ])
+    ]), None

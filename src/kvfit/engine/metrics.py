@@ -1,0 +1,81 @@
+"""The engine's figures as a list of named metrics: what `LLM.get_metrics()` returns and what
+the server's Prometheus `/metrics` exposes (one list, so the two never disagree).
+
+Shaped loosely like vLLM's `LLM.get_metrics()`: each `Metric` has a Prometheus-style `name`
+(`kvfit:` prefix; vLLM's name where one exists), a `kind` (`gauge`: a value now; `counter`:
+a total since startup, exposed with a `_total` suffix), a `value`, `labels` and a `help` text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from kvfit.engine.engine_core import EngineStats
+    from kvfit.kv.report import KVCacheReport
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One figure: a gauge (a value now) or a counter (a total since startup)."""
+
+    name: str
+    kind: Literal["gauge", "counter"]
+    value: float
+    help: str
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def engine_metrics(s: EngineStats, report: KVCacheReport) -> list[Metric]:
+    """Queues, KV cache use, the startup sizing report, the out-of-memory guard, runtime
+    resizes and the prefix cache, from one stats snapshot (sequences, not requests: `n`
+    completions count n). Metrics of one name differ by their labels."""
+
+    def gauge(name: str, help: str, value: float, **labels: str) -> Metric:
+        return Metric(f"kvfit:{name}", "gauge", float(value), help, labels)
+
+    def counter(name: str, help: str, value: float, **labels: str) -> Metric:
+        return Metric(f"kvfit:{name}", "counter", float(value), help, labels)
+
+    in_use = s.num_blocks - s.num_free_blocks
+    metrics = [
+        gauge("num_requests_running", "Sequences in the running batch (a request with n "
+              "completions counts n).", s.num_running),
+        gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting),
+        gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+              in_use / s.num_blocks),
+        gauge("kv_cache_blocks_total", "KV cache blocks the cache holds now.", s.num_blocks),
+        gauge("kv_cache_blocks_in_use", "KV cache blocks referenced by a sequence.", in_use),
+        gauge("kv_cache_committed_bytes", "Physical bytes committed to the KV cache.",
+              s.committed_kv_bytes),
+        gauge("kv_cache_reserved_bytes", "Bytes of address space reserved for the KV cache "
+              "(its capacity).", s.reserved_kv_bytes),
+        gauge("kv_cache_sizing_info", "How the KV cache was sized at startup (value 1).", 1,
+              method=report.method),
+        gauge("kv_cache_sizing_transient_bytes", "Transient peak measured at startup.",
+              report.transient),
+        gauge("kv_cache_sizing_margin_bytes", "Margin kept free at startup.", report.margin),
+        gauge("kv_cache_sizing_blocks", "KV cache blocks sized at startup.", report.num_blocks),
+    ]
+    if report.estimate_num_blocks is not None:
+        metrics.append(gauge("kv_cache_sizing_estimate_blocks", "Blocks the profiling estimate "
+                             "gives, for comparison.", report.estimate_num_blocks))
+    metrics += [
+        counter("oom_guard_events", "Device out-of-memory errors the guard absorbed.",
+                s.oom_guard_events),
+        counter("oom_guard_shrinks", "Times the guard shrank the KV cache.", s.oom_guard_shrinks),
+        *(counter("kv_cache_resizes", "Runtime resizes of the KV cache (resize_kv_cache, the "
+                  "elastic governor), by direction.", value, direction=direction)
+          for direction, value in (("shrink", s.kv_cache_shrinks), ("grow", s.kv_cache_grows))),
+        counter("kv_cache_failed_grows", "Grows of the KV cache that found no memory (the cache "
+                "stayed as it was).", s.kv_cache_failed_grows),
+        counter("num_preemptions", "Sequences preempted for want of blocks.", s.num_preemptions),
+        counter("prefix_cache_queries", "Tokens looked up in the prefix cache.",
+                s.prefix_cache_queried_tokens),
+        counter("prefix_cache_hits", "Tokens found in the prefix cache.",
+                s.prefix_cache_hit_tokens),
+        gauge("prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, since startup.",
+              s.prefix_cache_hit_tokens / max(s.prefix_cache_queried_tokens, 1)),
+    ]
+    return metrics

@@ -1,0 +1,66 @@
+"""`generate`'s arguments in vLLM's forms, checked for their types before anything else: a
+prompt is a string, `{"prompt": "text"}` or `{"prompt_token_ids": [...]}` (both keys: the ids
+are used, the text kept), `sampling_params` one `SamplingParams` or one per prompt. A wrong
+argument is named with what was given instead."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvfit.engine.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any]
+
+
+def batch_args(prompts: Any, sampling_params: Any) -> tuple[list[Prompt], list[SamplingParams]]:
+    """One list of prompts and one of params (of any length; the caller compares them)."""
+    if isinstance(prompts, str | dict):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a string, a prompt dict or a list of them; got "
+                        f"{describe(prompts)}")
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params] * len(prompts)
+    if isinstance(sampling_params, dict | str) or not isinstance(sampling_params, Sequence) \
+            or not all(isinstance(sp, SamplingParams) for sp in sampling_params):
+        hint = " (build one: SamplingParams(**params))" if isinstance(sampling_params, dict) else ""
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them; got "
+                        f"{describe(sampling_params)}{hint}")
+    return list(prompts), list(sampling_params)
+
+
+def parse_prompt(where: str, prompt: Prompt, tokenizer: Any | None) -> tuple[str | None, list]:
+    """`(text or None, token ids)` of one prompt; errors start with `where`."""
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, str) or not isinstance(ids, Sequence):
+            raise ValueError(f"{where}: prompt_token_ids is a list of ints, got "
+                             f"{type(ids).__name__}")
+        return prompt.get("prompt"), list(ids)
+    text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: a prompt is a string, {{'prompt': 'text'}} or "
+                         f"{{'prompt_token_ids': [...]}}; got {describe(prompt)}")
+    if tokenizer is None:
+        raise ValueError(f"{where}: the model has no tokenizer; pass "
+                         f"{{'prompt_token_ids': [...]}} instead of text")
+    return text, tokenizer.encode(text)
+
+
+def check_token_ids(where: str, token_ids: list, vocab_size: int) -> None:
+    """Every id an int (not a bool) in `[0, vocab_size)`; the first that is not is named."""
+    for position, t in enumerate(token_ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise ValueError(f"{where}: prompt_token_ids[{position}] is {t!r}, not an int")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{where}: prompt_token_ids[{position}] = {t} is outside the "
+                             f"model's vocabulary of {vocab_size} ids [0, {vocab_size})")
+
+
+def describe(value: Any) -> str:
+    """A value's type and a short repr, for errors about wrong argument types."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"

@@ -1,0 +1,161 @@
+"""What a new user meets first in the Python API: wrong arguments name their cause (NaN and
+fractional settings, bools as token ids, a dict as sampling_params, an int as the prompt, an
+id outside the vocabulary, a damaged checkpoint, a Hub id), vLLM's prompt forms are accepted,
+and vLLM's `reset_prefix_cache`, `get_metrics` and `tokenizer` work."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvfit import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3: Path) -> LLM:
+    return LLM(str(qwen3), device="cpu", max_model_len=128, max_num_seqs=4,
+               max_num_batched_tokens=128)
+
+
+def greedy(**kwargs: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, **kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"temperature": math.nan}, r"temperature must be a finite number, got nan"),
+    ({"temperature": math.inf}, r"temperature must be a finite number, got inf"),
+    ({"top_p": math.nan}, r"top_p must be a finite number"),
+    ({"presence_penalty": -math.inf}, r"presence_penalty must be a finite number"),
+    ({"max_tokens": 2.5}, r"max_tokens must be an integer, got 2.5"),
+    ({"n": True}, r"n must be an integer, got True"),
+    ({"seed": 1.0}, r"seed must be an integer"),
+    ({"logprobs": 1.5}, r"logprobs must be an integer"),
+    ({"stop_token_ids": [2, False]}, r"stop_token_ids must hold integers"),
+])
+def test_sampling_params_refuse_non_finite_and_non_integer_values(
+    kwargs: dict, match: str,
+) -> None:
+    with pytest.raises(ValueError, match=f"SamplingParams.{match}"):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_accept_what_they_should() -> None:
+    import numpy as np
+
+    params = SamplingParams(temperature=0, max_tokens=np.int64(4), seed=None, top_p=1)
+    assert params.greedy and params.max_tokens == 4
+
+
+def test_vllm_prompt_dict_forms_are_accepted(llm: LLM) -> None:
+    text = "hello world"
+    ids = llm.get_tokenizer().encode(text)
+    outs = llm.generate([text, {"prompt": text}, {"prompt_token_ids": ids}], greedy(),
+                        use_tqdm=False)
+    assert [o.prompt for o in outs] == [text, text, None]
+    assert outs[0].prompt_token_ids == outs[1].prompt_token_ids == outs[2].prompt_token_ids
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+
+
+@pytest.mark.parametrize(("prompts", "params", "error", "match"), [
+    ("hi", {"temperature": 0}, TypeError,
+     r"sampling_params must be a SamplingParams .* got dict .*SamplingParams\(\*\*params\)"),
+    ("hi", [greedy(), {"temperature": 0}], TypeError, r"sampling_params must be a SamplingParams"),
+    (5, None, TypeError, r"prompts must be a string, a prompt dict or a list .* got int 5"),
+    ([5], None, ValueError, r"request 0: a prompt is a string, \{'prompt': 'text'\} .* got int"),
+    ([{"text": "hi"}], None, ValueError, r"request 0: a prompt is .* got dict"),
+    ([{"prompt_token_ids": [5, True]}], None, ValueError,
+     r"request 0: prompt_token_ids\[1\] is True, not an int"),
+    ([{"prompt_token_ids": "5 6"}], None, ValueError, r"prompt_token_ids is a list of ints"),
+    (["ok", {"prompt_token_ids": [5, 600, 7]}], None, ValueError,
+     r"request 1: prompt_token_ids\[1\] = 600 is outside the model's vocabulary of 512 ids"),
+])
+def test_wrong_arguments_name_their_cause(
+    llm: LLM, prompts: object, params: object, error: type, match: str,
+) -> None:
+    with pytest.raises(error, match=match):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()  # nothing was queued
+
+
+def test_reset_prefix_cache_forgets_cached_prefixes(llm: LLM) -> None:
+    prompt = {"prompt_token_ids": list(range(3, 70))}
+
+    def hits_and_queries() -> tuple[float, float]:
+        m = {metric.name: metric.value for metric in llm.get_metrics()}
+        return m["kvfit:prefix_cache_hits"], m["kvfit:prefix_cache_queries"]
+
+    llm.generate(prompt, greedy(), use_tqdm=False)
+    hits, queries = hits_and_queries()
+    llm.generate(prompt, greedy(), use_tqdm=False)
+    warm_hits, warm_queries = hits_and_queries()
+    assert warm_hits >= hits + 64  # the prompt's four full blocks came from the cache
+    assert llm.reset_prefix_cache() is True
+    llm.generate(prompt, greedy(), use_tqdm=False)
+    cold_hits, cold_queries = hits_and_queries()
+    assert cold_hits == warm_hits and cold_queries > warm_queries
+
+
+def test_get_metrics_reports_the_engine_figures(llm: LLM) -> None:
+    metrics = llm.get_metrics()
+    by_name = {m.name: m for m in metrics}
+    stats, report = llm.engine.stats(), llm.kv_cache_report
+    assert by_name["kvfit:kv_cache_blocks_total"].value == stats.num_blocks == report.num_blocks
+    assert by_name["kvfit:kv_cache_committed_bytes"].value == stats.committed_kv_bytes > 0
+    assert by_name["kvfit:num_requests_running"].value == 0
+    assert by_name["kvfit:kv_cache_sizing_info"].labels == {"method": report.method}
+    assert {m.kind for m in metrics} == {"gauge", "counter"}
+    assert by_name["kvfit:num_preemptions"].kind == "counter"
+    assert all(m.name.startswith("kvfit:") and m.help for m in metrics)
+
+
+def test_tokenizer_from_another_folder(qwen3: Path, tmp_path: Path) -> None:
+    model, tokenizer = tmp_path / "model", tmp_path / "tokenizer"
+    shutil.copytree(qwen3, model)
+    tokenizer.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).rename(tokenizer / name)
+    kwargs = dict(device="cpu", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
+    bare = LLM(str(model), **kwargs)
+    assert bare.get_tokenizer() is None
+    bare.shutdown()
+    llm = LLM(str(model), tokenizer=str(tokenizer), **kwargs)
+    out = llm.generate("hello", greedy(), use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.get_tokenizer().encode("hello")
+    llm.shutdown()
+    with pytest.raises(ValueError, match="tokenizer=.* holds no tokenizer files"):
+        LLM(str(model), tokenizer=str(model), **kwargs)
+
+
+def test_truncated_checkpoint_names_the_file(qwen3: Path, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(qwen3, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"cannot read the checkpoint file {weights}: .*fetch "
+                       "it again"):
+        LLM(str(model), device="cpu", max_model_len=64, max_num_batched_tokens=64)
+
+
+def test_a_hub_id_says_how_to_get_a_local_folder() -> None:
+    with pytest.raises(FileNotFoundError, match=r"kvfit loads local Hugging Face folders .*"
+                       r"huggingface-cli download Qwen/Qwen3-0\.6B --local-dir \./Qwen3-0\.6B"):
+        LLM("Qwen/Qwen3-0.6B", device="cpu")
+
+
+def test_logprobs_are_vllm_logprob_objects(llm: LLM) -> None:
+    from kvfit.engine.outputs import Logprob
+
+    out = llm.generate("hello world", greedy(logprobs=2, prompt_logprobs=1), use_tqdm=False)[0]
+    tokenizer = llm.get_tokenizer()
+    entries = [*out.outputs[0].logprobs, *out.prompt_logprobs[1:]]
+    assert out.prompt_logprobs[0] is None and entries
+    for entry in entries:
+        for token_id, lp in entry.items():
+            assert isinstance(lp, Logprob) and lp.logprob <= 0 and lp.rank >= 1
+            assert lp.decoded_token == tokenizer.decode([token_id])
+    # Greedy: each sampled token is the most likely one.
+    assert all(entry[t].rank == 1 for t, entry in
+               zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True))

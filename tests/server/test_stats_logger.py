@@ -1,0 +1,53 @@
+"""`kvfit serve` prints the engine's figures every few seconds while it works (vLLM's stats
+line), quiet when idle; `--disable-log-stats` turns it off."""
+
+from __future__ import annotations
+
+import io
+import time
+
+from kvfit.cli import build_parser
+from kvfit.engine.engine_core import EngineStats
+from kvfit.server.stats_logger import StatsLogger, stats_line
+
+
+def stats(running: int = 0, free: int = 100, hits: int = 0) -> EngineStats:
+    return EngineStats(num_running=running, num_waiting=0, num_blocks=100, num_free_blocks=free,
+                       committed_kv_bytes=1, reserved_kv_bytes=1, num_preemptions=2,
+                       oom_guard_events=0, oom_guard_shrinks=0,
+                       prefix_cache_queried_tokens=200, prefix_cache_hit_tokens=hits)
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.current = stats()
+
+    def stats(self) -> EngineStats:
+        return self.current
+
+
+def test_stats_line_names_the_figures() -> None:
+    assert stats_line(stats(running=3, free=75, hits=50)) == (
+        "kvfit serve: running 3 seqs, waiting 0, KV cache 25.0% of 100 blocks, prefix cache "
+        "hit rate 25.0%, preemptions 2")
+
+
+def test_logger_prints_while_busy_and_stays_quiet_when_idle() -> None:
+    engine, out = FakeEngine(), io.StringIO()
+    logger = StatsLogger(engine, interval_s=0.02, out=out).start()
+    try:
+        time.sleep(0.2)
+        idle = out.getvalue().splitlines()
+        assert len(idle) == 1  # the first figures, then nothing while they stay the same
+        engine.current = stats(running=1, free=90)
+        time.sleep(0.2)
+        busy = out.getvalue().splitlines()[1:]
+        assert len(busy) >= 3 and all("running 1 seqs" in line for line in busy)
+    finally:
+        logger.stop()
+
+
+def test_serve_has_vllms_flag() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["serve", "m", "--disable-log-stats"]).disable_log_stats
+    assert not parser.parse_args(["serve", "m"]).disable_log_stats
