@@ -20,7 +20,13 @@ from kvfit.kv.monitor import HostMemoryMonitor
 from kvfit.vmm import VmmError, VmmOutOfMemoryError
 from kvfit.vmm.driver import AllocationHandle, VmmDriver
 
-from .test_oom_guard import assert_nothing_leaked, bound_views, make_prompts, runner
+from .test_oom_guard import (
+    assert_nothing_leaked,
+    bound_views,
+    make_prompts,
+    runner,
+    spy_resizes,
+)
 
 LIMITS = dict(max_num_seqs=16, max_num_batched_tokens=256)  # 512 blocks of 16 KiB, floor 32
 LONG_LENGTHS = tuple(range(380, 392))  # twelve requests of ~26 blocks with their outputs
@@ -77,20 +83,6 @@ def generate_stepping(llm: LLM, lengths: tuple[int, ...],
             between.pop(num_steps)()
     assert not between, f"the run ended before the resizes after steps {sorted(between)}"
     return [RequestOutput.from_seqs(seqs) for seqs in requests]
-
-
-def spy_resizes(llm: LLM) -> list[tuple[int, bool]]:
-    """Record each worker commit: (blocks, whether a step was in flight then)."""
-    calls: list[tuple[int, bool]] = []
-    worker = llm.engine.executor.workers[0]
-    original = worker.resize_kv_cache
-
-    def spy(num_blocks: int) -> int:
-        calls.append((num_blocks, llm.engine._in_flight is not None))
-        return original(num_blocks)
-
-    worker.resize_kv_cache = spy  # type: ignore[method-assign]
-    return calls
 
 
 def assert_sizes_agree(llm: LLM, num_blocks: int) -> None:

@@ -184,8 +184,9 @@ def expected_cut(llm: LLM, granules: int = 1) -> int:
     return cache.uncut_blocks(fits)
 
 
-def spy_shrinks(llm: LLM) -> list[tuple[int, bool]]:
-    """Record each worker shrink: (blocks, whether a step was in flight then)."""
+def spy_resizes(llm: LLM) -> list[tuple[int, bool]]:
+    """Record each worker commit (the guard's shrinks, the API's resizes): (blocks, whether a
+    step was in flight then)."""
     calls: list[tuple[int, bool]] = []
     worker = llm.engine.executor.workers[0]
     original = worker.resize_kv_cache
@@ -217,7 +218,7 @@ def test_an_oom_in_any_phase_shrinks_the_tail_and_reruns_the_step(
     caplog: pytest.LogCaptureFixture, phase: str, params: str,
 ) -> None:
     llm = make_llm()
-    shrinks = spy_shrinks(llm)
+    shrinks = spy_resizes(llm)
     cache, report = runner(llm).kv_cache, llm.kv_cache_report
     base, physical_before = cache.tensor.base_ptr, cache.physical_bytes
     before = report.num_blocks
@@ -269,7 +270,7 @@ def test_tail_in_use_preempts_its_holders_and_they_are_recomputed(
     lengths = LONG_LENGTHS
     llm = make_llm()
     cut = expected_cut(llm)
-    shrinks = spy_shrinks(llm)
+    shrinks = spy_resizes(llm)
     scheduler = llm.engine.scheduler
     holders: list[int] = []
 
@@ -441,7 +442,7 @@ def test_gpu_oom_in_a_graph_replayed_decode_keeps_graphs_and_outputs(
                                                                      use_tqdm=False)]
     reference.shutdown()
     llm = make()
-    shrinks = spy_shrinks(llm)
+    shrinks = spy_resizes(llm)
     r = runner(llm)
     assert r.graphs is not None
     cache = r.kv_cache
