@@ -61,6 +61,8 @@ import torch
 
 import kvfit
 from kvfit import LLM, SamplingParams
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
 from kvfit.commands import bench_serve
 from kvfit.models.loader import load_hf_config, resolve_model
 
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else saturation["request_rate"],
         "ratio": ratio, "target": TARGET, "target_met": ratio >= TARGET,
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_record(out, record_of("serving", result, result["args"]))
     print_report(result)
     return result
 
