@@ -78,7 +78,8 @@ def memory_segments(row: dict[str, Any], total: int) -> dict[str, float]:
     A record written since capacity.py reports weights splits them out; an older file only
     knows what was in use before the engine started, so weights fall into "other".
     """
-    before = total - row["free_before"]
+    # On the host `total` is the configured budget and free memory is the whole host's.
+    before = max(total - row["free_before"], 0)
     parts = {"in use before start": before}
     if "weights" in row:
         parts |= {"weights": row["weights"], "non-torch": row["non_torch"]}

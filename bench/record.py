@@ -11,7 +11,6 @@ records existed, and exits 1 if any file does not conform.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from kvfit.benchmarks.record import load_record
@@ -34,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in p.parse_args(argv).files:
         try:
             print(f"{path}: {describe(load_record(path))}")
-        except (ValueError, KeyError, json.JSONDecodeError) as e:
+        except (OSError, ValueError, KeyError) as e:  # JSONDecodeError is a ValueError
             bad += 1
             print(f"{path}: {e}", file=sys.stderr)
     return 1 if bad else 0

@@ -57,3 +57,10 @@ def test_memory_parts_add_up_to_the_device() -> None:
     estimate = plot.memory_segments(row["estimate"], row["estimate"]["total"])
     assert estimate["outside the utilization budget"] == row["estimate"]["total"] - int(
         row["estimate"]["total"] * 0.92)
+
+
+def test_memory_parts_of_a_host_run_are_never_negative() -> None:
+    row = payloads.capacity()["results"][0]["measured"]
+    row["free_before"] = 10 * row["total"]  # the host's free memory, beyond the budget
+    parts = plot.memory_segments(row, row["total"])
+    assert parts["in use before start"] == 0 and min(parts.values()) >= 0

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from kvfit.benchmarks.figures import FIGURES, record_of
-from kvfit.benchmarks.record import check, jsonable, load_record, validate, write_record
+from kvfit.benchmarks.record import (
+    check,
+    git_state,
+    jsonable,
+    load_record,
+    validate,
+    write_record,
+)
 
 from . import payloads
 
@@ -93,3 +100,11 @@ def test_load_record_refuses_an_unknown_file(tmp_path: Path) -> None:
     path.write_text(json.dumps({"hello": 1}))
     with pytest.raises(ValueError, match="not a record"):
         load_record(path)
+
+
+def test_git_state_outside_a_checkout_takes_the_revision_from_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVFIT_GIT_REVISION", raising=False)
+    assert git_state(tmp_path) == {"revision": None, "dirty": None}
+    monkeypatch.setenv("KVFIT_GIT_REVISION", "abc123")
+    assert git_state(tmp_path) == {"revision": "abc123", "dirty": None}

@@ -61,10 +61,16 @@ def _version(dist: str) -> str | None:
 
 
 def git_state(repo: Path = _REPO) -> dict[str, Any]:
-    """The revision the run's sources are at, and whether tracked files differ from it."""
+    """The revision the run's sources are at, and whether tracked files differ from it.
+
+    A copy of the tree without `.git` (a GPU machine's) takes the revision from
+    `KVFIT_GIT_REVISION` where set; whether it is dirty is then unknown (None).
+    """
     revision = _run(["git", "-C", str(repo), "rev-parse", "HEAD"])
+    if revision is None:
+        return {"revision": os.environ.get("KVFIT_GIT_REVISION") or None, "dirty": None}
     status = _run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"])
-    return {"revision": revision, "dirty": None if revision is None else status is not None}
+    return {"revision": revision, "dirty": status is not None}
 
 
 def _cpu_name() -> str:
