@@ -108,3 +108,15 @@ def test_git_state_outside_a_checkout_takes_the_revision_from_the_environment(
     assert git_state(tmp_path) == {"revision": None, "dirty": None}
     monkeypatch.setenv("KVFIT_GIT_REVISION", "abc123")
     assert git_state(tmp_path) == {"revision": "abc123", "dirty": None}
+
+
+@pytest.mark.gpu
+def test_record_on_a_gpu_names_the_device_and_its_stack() -> None:
+    import torch
+
+    torch.zeros(1, device="cuda")
+    record = record_of("elastic", payloads.elastic(), {})
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    assert record["machine"]["gpu"] == props.name
+    assert record["machine"]["gpu_memory_bytes"] == props.total_memory
+    assert record["versions"]["cuda"] == torch.version.cuda and record["versions"]["driver"]
