@@ -72,5 +72,12 @@ def elastic() -> dict[str, Any]:
             "kv_blocks_before": 100, "failed": 0, "oom_guard_events": 0, "samples": samples}
 
 
+def async_engine() -> dict[str, Any]:
+    rows = [{"engine": e, "seconds": 2.0, "output_throughput": 500.0, "ratio": 0.5}
+            for e in ("process", "thread")]
+    return {"args": {}, "offline": {"seconds": 1.0, "output_throughput": 1000.0}, "rows": rows}
+
+
 ALL = {"capacity": capacity, "throughput": throughput, "serving": serving, "sleep": sleep,
-       "sampling": sampling, "adversarial": adversarial, "elastic": elastic}
+       "sampling": sampling, "adversarial": adversarial, "elastic": elastic,
+       "async-engine": async_engine}

@@ -120,3 +120,13 @@ def test_record_on_a_gpu_names_the_device_and_its_stack() -> None:
     assert record["machine"]["gpu"] == props.name
     assert record["machine"]["gpu_memory_bytes"] == props.total_memory
     assert record["versions"]["cuda"] == torch.version.cuda and record["versions"]["driver"]
+
+
+@pytest.mark.parametrize("bench", sorted(payloads.ALL))
+def test_a_result_file_without_the_record_fields_adapts_to_its_bench(
+        bench: str, tmp_path: Path) -> None:
+    path = tmp_path / f"{bench}-2026-01-02.json"
+    path.write_text(json.dumps(payloads.ALL[bench]()))
+    record = load_record(path)
+    assert record["bench"] == bench and record["date"] == "2026-01-02"
+    assert record["figures"] == record_of(bench, payloads.ALL[bench](), {})["figures"]

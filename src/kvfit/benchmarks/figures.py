@@ -64,6 +64,16 @@ def serving(p: dict[str, Any]) -> Figures:
     return f
 
 
+def async_engine(p: dict[str, Any]) -> Figures:
+    f = {"offline.output_throughput": figure(p["offline"]["output_throughput"], "tokens/s",
+                                             "higher")}
+    for row in p["rows"]:
+        f[f"{row['engine']}.output_throughput"] = figure(row["output_throughput"], "tokens/s",
+                                                         "higher")
+        f[f"{row['engine']}.over_offline"] = figure(row["ratio"], "ratio", "higher")
+    return f
+
+
 def sleep(p: dict[str, Any]) -> Figures:
     c = p["components"]
     f = {"kv_release_recommit_s_per_100GiB": figure(c["kv_release_recommit_s_per_100GiB"],
@@ -167,7 +177,7 @@ FIGURES: dict[str, Callable[[Any], Figures]] = {
     "elastic": elastic, "sampling": sampling, "attention": attention, "vmm": vmm,
     "adversarial": adversarial, "sampling-sweep": no_figures, "attention-sweep": no_figures,
     "bench-throughput": bench_throughput, "bench-latency": bench_latency,
-    "bench-serve": bench_serve,
+    "bench-serve": bench_serve, "async-engine": async_engine,
 }
 LIMITS: dict[str, Callable[[Any], Figures]] = {
     "throughput": copy_limit, "sampling": copy_limit, "attention": copy_limit}
@@ -190,6 +200,8 @@ def _bench_of(data: Any, name: str) -> str:
                        ("copy_bandwidth_gbps", "throughput")):
         if key in data:
             return bench
+    if "rows" in data and "offline" in data:
+        return "async-engine"
     if "sampling" in data or "filters" in data:
         return "sampling"
     if "results" in data:
