@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import re
 import sys
@@ -63,6 +62,8 @@ import torch
 
 from capacity import free_memory, print_table, shut_down
 from kvfit import LLM, SamplingParams
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
 from kvfit.engine.sampling_params import MAX_TOKEN_LIST
 from kvfit.kv.monitor import CudaMemoryMonitor, HostMemoryMonitor, MemoryMonitor
 from kvfit.kv.report import format_bytes
@@ -567,11 +568,10 @@ def main() -> None:
         return bool(args.deadline_s) and time.monotonic() - began > args.deadline_s
 
     def save(summaries: list[dict[str, Any]] | None = None) -> None:
-        with open(args.out, "w") as f:
-            json.dump({"device": device, "args": vars(args),
-                       "elapsed_s": time.monotonic() - began,
-                       "sweeps": [dataclasses.asdict(s) for s in sweeps],
-                       "summaries": summaries}, f, indent=2)
+        write_record(args.out, record_of("adversarial", {
+            "device": device, "args": vars(args), "elapsed_s": time.monotonic() - began,
+            "sweeps": [dataclasses.asdict(s) for s in sweeps], "summaries": summaries},
+            vars(args)))
 
     for sweep in sweeps:
         print(f"== {sweep.name}", flush=True)

@@ -11,12 +11,13 @@ contiguously (no paging, KV heads pre-expanded): an upper bound.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
 from kvfit.ops.attention import AttentionMetadata
 
 try:
@@ -197,8 +198,8 @@ def main() -> None:
     k_cache, v_cache = paged_cache(shape, cache_tokens)
     copy_bw = copy_bandwidth()
     if args.sweep:
-        with open(args.out, "w") as f:
-            json.dump(sweep(shape, k_cache, v_cache), f, indent=2)
+        write_record(args.out, record_of("attention-sweep", sweep(shape, k_cache, v_cache),
+                                         vars(args)))
         return
 
     print(
@@ -234,8 +235,7 @@ def main() -> None:
         decode=decode,
         prefill=prefill,
     )
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_record(args.out, record_of("attention", result, vars(args)))
 
 
 if __name__ == "__main__":

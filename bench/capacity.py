@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 from typing import Any
 
@@ -27,6 +26,8 @@ import psutil
 import torch
 
 from kvfit import LLM
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
 from kvfit.kv.report import format_bytes
 
 MiB = 1 << 20
@@ -66,7 +67,8 @@ def sizing_row(llm: LLM, startup_s: float) -> dict[str, Any]:
     report = llm.kv_cache_report
     return {"method": report.method, "num_blocks": report.num_blocks,
             "kv_bytes": report.committed_bytes, "transient": report.transient,
-            "margin": report.margin, "budget": report.budget, "startup_s": startup_s}
+            "margin": report.margin, "budget": report.budget, "startup_s": startup_s,
+            "total": report.total, "weights": report.weights, "non_torch": report.non_torch}
 
 
 def shut_down(llm: LLM, free_before: int) -> dict[str, Any]:
@@ -151,8 +153,8 @@ def main() -> None:
     args = parser.parse_args()
     results = [bench_model(args, model) for model in args.models]
     device = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
-    with open(args.out, "w") as f:
-        json.dump({"device": device, "args": vars(args), "results": results}, f, indent=2)
+    write_record(args.out, record_of("capacity", {"device": device, "args": vars(args),
+                                                  "results": results}, vars(args)))
     print_tables(results)
 
 

@@ -26,7 +26,6 @@ processes move it too): a smoke test of the flow, not a measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import threading
 import time
@@ -36,6 +35,8 @@ import psutil
 import torch
 
 from kvfit import LLM, SamplingParams
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
 from kvfit.kv.report import format_bytes
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -201,8 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tenant.join(timeout=60)
     result = summarize(args, llm, load, marks, samples)
     llm.shutdown()
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_record(args.out, record_of("elastic", result, vars(args)))
     print_table(result)
     return result
 

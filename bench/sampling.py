@@ -19,7 +19,6 @@ sizes (wall-clock medians; no kernel, no bandwidth), as a smoke test of the scri
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +26,8 @@ from functools import partial
 
 import torch
 
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
 from kvfit.ops import filter_thresholds, gumbel_sample
 from kvfit.ops.memwatch import watch_memory
 from kvfit.ops.reference import sort_filter_reference
@@ -270,14 +271,13 @@ def main() -> None:
     if args.sweep_filters:
         if not on_cuda:
             parser.error("--sweep-filters times the CUDA kernel")
-        with open(args.out, "w") as f:
-            json.dump(sweep_filters(filter_rows, vocab_size), f, indent=2)
+        write_record(args.out, record_of("sampling-sweep", sweep_filters(filter_rows, vocab_size),
+                                         vars(args)))
         return
     if args.sweep:
         if not on_cuda:
             parser.error("--sweep times the CUDA kernel")
-        with open(args.out, "w") as f:
-            json.dump(sweep(batches, vocab_size), f, indent=2)
+        write_record(args.out, record_of("sampling-sweep", sweep(batches, vocab_size), vars(args)))
         return
 
     copy_bw = copy_bandwidth() if on_cuda else None
@@ -301,8 +301,7 @@ def main() -> None:
     filters = filter_table(filter_rows, vocab_size, device) if filter_rows else []
     result = dict(device=name, copy_gb_per_s=None if copy_bw is None else copy_bw / 1e9,
                   sampling=rows, filters=filters)  # fmt: skip
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_record(args.out, record_of("sampling", result, vars(args)))
 
 
 if __name__ == "__main__":

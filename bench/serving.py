@@ -67,6 +67,8 @@ import torch
 
 import kvfit
 from kvfit import LLM, SamplingParams
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
 from kvfit.commands import bench_serve
 from kvfit.models.loader import load_hf_config, resolve_model
 
@@ -340,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "saturation_rate": serve["saturation_rate"],
         "ratio": ratio, "target": TARGET, "target_met": ratio >= TARGET,
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_record(out, record_of("serving", result, result["args"]))
     print_report(result)
     return result
 

@@ -36,19 +36,19 @@ check, not a figure.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvfit import LLM, SamplingParams
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
 
 GiB = 1 << 30
 TARGETS = {"kv_release_recommit_s_per_100GiB": 0.3, "weights_GBps": 20.0,
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if store_dir is not None:
             store_dir.cleanup()
     result["targets"] = check_targets(result)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_record(args.out, record_of("sleep", result, vars(args)))
     print_table(result)
     return 0
 

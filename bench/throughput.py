@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import time
@@ -29,6 +28,8 @@ from collections.abc import Callable
 import torch
 
 from kvfit import LLM, SamplingParams
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
 from kvfit.engine.sequence import ScheduledBatch, Sequence
 from kvfit.ops.compiles import triton_compiles
 
@@ -290,8 +291,7 @@ def main() -> None:
     for model in args.decode_models:
         result["decode"] += bench_decode(model, args, result["copy_bandwidth_gbps"] * 1e9)
         gc.collect()
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_record(args.out, record_of("throughput", result, vars(args)))
 
     print(f"device: {result['device']}, copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s")
     for t in result.get("throughputs", []):

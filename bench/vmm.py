@@ -10,13 +10,14 @@ buffer is measured in the same run, alternating, with CUDA events; figures are m
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
 from kvfit.vmm import ExtensibleTensor
 
 GiB = 1 << 30
@@ -103,8 +104,7 @@ def main() -> None:
     results |= bench_growth(device, args.growth_gib)
     results |= bench_bulk(device, args.bulk_gib)
     results |= bench_bandwidth(device, args.copy_gib, args.repeats)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_record(args.out, record_of("vmm", results, vars(args)))
 
     rows = [
         (f"grow {args.growth_gib:g} GiB in granules", f"{results['growth_s'] * 1e3:.2f} ms",

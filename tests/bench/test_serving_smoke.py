@@ -26,7 +26,7 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
                            "--max-num-seqs", "4", "--max-model-len", "32", "--no-warmup",
                            "--out", str(out)])
 
-    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert json.loads(out.read_text())["results"] == json.loads(json.dumps(result))
     (row,) = result["serve"]["rows"]
     assert row["request_rate"] is None and row["completed"] == 6
     assert row["failed"] == 0 and row["errors"] == {}

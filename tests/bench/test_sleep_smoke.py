@@ -20,7 +20,10 @@ def test_sleep_bench_smoke(tmp_path: Path) -> None:
                        "--ttft-rounds", "1", "--repeats", "1", "--cycles", "1",
                        "--max-num-seqs", "4", "--store", str(tmp_path / "store"),
                        "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
+    record = json.loads(out.read_text())
+    result = record["results"]
+    assert record["bench"] == "sleep" and record["config"]["cycles"] == 1
+    assert record["figures"]["level2.sleep_s"]["value"] == result["sleep"][1]["sleep_s"]
     best = result["ttft"]["best"]
     assert best["loaded_blocks"] == best["expected_blocks"] == (256 - 1) // 16
     assert best["same_token"] and best["saved_blocks"] == 256 // 16

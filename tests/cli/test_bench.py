@@ -21,10 +21,14 @@ def test_bench_throughput(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     argv = ["bench", "throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "5",
             "--result-file", str(path), *engine_flags]
     assert main(argv) == 0
-    result = json.loads(path.read_text())
+    record = json.loads(path.read_text())
+    result = record["results"]
     assert result["num_prompts"] == 4 and result["output_tokens"] == 4 * 5  # EOS ignored
     assert result["output_tokens_per_s"] == pytest.approx(20 / result["elapsed_s"])
     assert result["requests_per_s"] == pytest.approx(4 / result["elapsed_s"])
+    assert record["bench"] == "bench-throughput" and record["config"]["num_prompts"] == 4
+    assert record["figures"]["output_tokens_per_s"] == {
+        "value": result["output_tokens_per_s"], "unit": "tokens/s", "direction": "higher"}
     assert "Output tokens/s:" in capsys.readouterr().out
 
 
@@ -35,7 +39,8 @@ def test_bench_latency(tmp_path: Path, capsys: pytest.CaptureFixture[str],
             "--num-iters-warmup", "0", "--num-iters", "3", "--percentiles", "50,99",
             "--result-file", str(path), *engine_flags]
     assert main(argv) == 0
-    result = json.loads(path.read_text())
+    record = json.loads(path.read_text())
+    result = record["results"]
     latencies = result["latencies_s"]
     assert len(latencies) == 3 and all(t > 0 for t in latencies)
     assert result["latency_mean_s"] == pytest.approx(sum(latencies) / 3)
@@ -84,7 +89,8 @@ def test_bench_serve_times_chunks_and_counts_failures(
             "--result-file", str(path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    result = json.loads(path.read_text())
+    record = json.loads(path.read_text())
+    result = record["results"]
     assert (result["completed"], result["failed"]) == (4, 6)
     errors = result["errors"]
     assert sum(errors.values()) == 6
@@ -118,7 +124,8 @@ def test_bench_serve_request_rate_spreads_arrivals(fake_server: Callable,
             "--request-rate", "20", "--output-len", "2", "--input-len", "3",
             "--prompt-kind", "words", "--no-continuous-usage", "--result-file", str(path)]
     assert main(argv) == 0
-    result = json.loads(path.read_text())
+    record = json.loads(path.read_text())
+    result = record["results"]
     assert result["completed"] == 4 and result["request_rate"] == 20
     assert all(b["stream_options"] == {"include_usage": True} for b in server.bodies)
     assert all(isinstance(b["prompt"], str) and len(b["prompt"].split()) == 3
@@ -136,7 +143,8 @@ def test_bench_serve_unreachable_server_fails_every_request_without_crashing(
     argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "m",
             "--num-prompts", "3", "--result-file", str(path)]
     assert main(argv) == 1
-    result = json.loads(path.read_text())
+    record = json.loads(path.read_text())
+    result = record["results"]
     assert result["failed"] == 3 and result["completed"] == 0
     assert all("ConnectError" in e for e in result["errors"])
     assert math.isclose(result["request_throughput"], 0.0)
@@ -161,7 +169,8 @@ def test_bench_serve_merges_client_processes(fake_server: Callable, tmp_path: Pa
             "--max-concurrency", "4", "--input-len", "5", "--output-len", "3",
             "--num-client-processes", "3", "--result-file", str(path)]
     assert main(argv) == 0
-    result = json.loads(path.read_text())
+    record = json.loads(path.read_text())
+    result = record["results"]
     assert result["num_client_processes"] == 3 and len(result["requests"]) == 10
     assert result["client_cpu_s"] > 0
     assert (result["completed"], result["failed"]) == (4, 6)
@@ -180,7 +189,8 @@ def test_bench_serve_a_failing_client_process_fails_its_requests(tmp_path: Path)
     argv = ["bench", "serve", "--base-url", "http://127.0.0.1:notaport", "--model", "m",
             "--num-prompts", "4", "--num-client-processes", "2", "--result-file", str(path)]
     assert main(argv) == 1
-    result = json.loads(path.read_text())
+    record = json.loads(path.read_text())
+    result = record["results"]
     assert result["failed"] == 4 and len(result["requests"]) == 4
     assert all(e.startswith("client process failed: InvalidURL") for e in result["errors"])
 

@@ -8,6 +8,8 @@ import random
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
 from kvfit.commands.common import (
     Subparsers,
     add_logging_args,
@@ -15,7 +17,6 @@ from kvfit.commands.common import (
     format_table,
     parse_percentiles,
     percentiles,
-    write_json,
 )
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         ("Total tokens/s:", f"{result['total_tokens_per_s']:.2f}"),
     ]))
     if args.result_file:
-        write_json(args.result_file, result)
+        write_record(args.result_file, record_of("bench-throughput", result, vars(args)))
     return 0
 
 
@@ -144,5 +145,5 @@ def run_latency(args: argparse.Namespace) -> int:
         *((f"{k.capitalize()} latency (s):", f"{v:.4f}") for k, v in stats.items()),
     ]))
     if args.result_file:
-        write_json(args.result_file, result)
+        write_record(args.result_file, record_of("bench-latency", result, vars(args)))
     return 0

@@ -27,6 +27,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
 from kvfit.commands.common import (
     SSE_DONE,
     Subparsers,
@@ -37,7 +39,6 @@ from kvfit.commands.common import (
     parse_sse_line,
     percentiles,
     sse_error,
-    write_json,
 )
 
 # Common English words: text prompts with `--prompt-kind words` need no tokenizer or download.
@@ -424,6 +425,6 @@ def run(args: argparse.Namespace) -> int:
     if args.result_file:
         # JSON has no infinity: an unlimited rate is written as null.
         rate = result["request_rate"]
-        write_json(args.result_file, {**result, "request_rate": rate if math.isfinite(rate)
-                                      else None})
+        payload = {**result, "request_rate": rate if math.isfinite(rate) else None}
+        write_record(args.result_file, record_of("bench-serve", payload, vars(args)))
     return 0 if result["completed"] else 1

@@ -1,0 +1,232 @@
+"""The figures each benchmark claims, drawn from its detailed payload; and older result files
+adapted into records.
+
+`FIGURES[bench](payload)` gives the figures, `LIMITS[bench](payload)` the in-run limit figures.
+The same functions serve a fresh run (`record_of`) and a file published before records existed
+(`adapt`), so a new GPU run compares with the last published one figure by figure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvfit.benchmarks.record import RECORD_SCHEMA_VERSION, figure, make_record
+
+Figures = dict[str, dict[str, Any]]
+GiB = 1 << 30
+
+
+def _rate(r: Any) -> str:
+    return "inf" if r is None or str(r) == "inf" else f"{float(r):g}"
+
+
+def capacity(p: dict[str, Any]) -> Figures:
+    f: Figures = {}
+    for r in p["results"]:
+        m = r["model"]
+        for method in ("measured", "estimate"):
+            f[f"{m}.{method}.kv_blocks"] = figure(r[method]["num_blocks"], "blocks", "higher")
+        f[f"{m}.blocks_gain"] = figure(r["blocks_gain"], "fraction", "higher")
+        f[f"{m}.startup_measured_s"] = figure(r["startup_measured_s"], "s", "lower")
+        f[f"{m}.startup_estimate_s"] = figure(r["startup_estimate_s"], "s", "lower")
+    return f
+
+
+def throughput(p: dict[str, Any]) -> Figures:
+    f: Figures = {}
+    t = p.get("throughput") or {}
+    for key in ("output_tokens_per_s", "total_tokens_per_s"):
+        if key in t:
+            f[f"offline.{key}"] = figure(t[key], "tokens/s", "higher")
+    for d in p.get("decode", []):
+        name = f"decode.{d['model']}.batch{d['batch']}"
+        f[f"{name}.step_ms"] = figure(d["step_ms"], "ms", "lower")
+        f[f"{name}.over_roofline"] = figure(d["ratio"], "ratio", "lower")
+    return f
+
+
+def serving(p: dict[str, Any]) -> Figures:
+    f: Figures = {}
+    for row in p["serve"]["rows"]:
+        name = f"serve.rate{_rate(row['request_rate'])}"
+        f[f"{name}.output_throughput"] = figure(row["output_throughput"], "tokens/s", "higher")
+        for key in ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms"):
+            if key in row:
+                f[f"{name}.{key}"] = figure(row[key], "ms", "lower")
+    f["offline.output_throughput"] = figure(p["offline"]["output_throughput"], "tokens/s",
+                                            "higher")
+    if p.get("ratio") is not None:
+        f["serve_over_offline"] = figure(p["ratio"], "ratio", "higher")
+    return f
+
+
+def async_engine(p: dict[str, Any]) -> Figures:
+    f = {"offline.output_throughput": figure(p["offline"]["output_throughput"], "tokens/s",
+                                             "higher")}
+    for row in p["rows"]:
+        f[f"{row['engine']}.output_throughput"] = figure(row["output_throughput"], "tokens/s",
+                                                         "higher")
+        f[f"{row['engine']}.over_offline"] = figure(row["ratio"], "ratio", "higher")
+    return f
+
+
+def sleep(p: dict[str, Any]) -> Figures:
+    c = p["components"]
+    f = {"kv_release_recommit_s_per_100GiB": figure(c["kv_release_recommit_s_per_100GiB"],
+                                                    "s", "lower"),
+         "offload_GBps": figure(c["offload_GBps"], "GB/s", "higher"),
+         "restore_GBps": figure(c["restore_GBps"], "GB/s", "higher"),
+         "external_hit_s": figure(p["ttft"]["best"]["external_hit_s"], "s", "lower")}
+    for level in sorted({r["level"] for r in p["sleep"]}):
+        rows = [r for r in p["sleep"] if r["level"] == level]
+        f[f"level{level}.sleep_s"] = figure(min(r["sleep_s"] for r in rows), "s", "lower")
+        f[f"level{level}.wake_s"] = figure(
+            min(r["wake_kv_s"] + r["wake_weights_s"] for r in rows), "s", "lower")
+    return f
+
+
+def elastic(p: dict[str, Any]) -> Figures:
+    f = {k: figure(p[k], "s", "lower")
+         for k in ("time_to_shrink_s", "first_shrink_s", "regrow_s") if p.get(k) is not None}
+    f["failed"] = figure(p["failed"], "requests", "lower")
+    f["oom_guard_events"] = figure(p["oom_guard_events"], "events", "lower")
+    if p.get("kv_blocks_before") is not None:
+        f["kv_blocks_before"] = figure(p["kv_blocks_before"], "blocks", "higher")
+    return f
+
+
+def sampling(p: dict[str, Any]) -> Figures:
+    f: Figures = {}
+    for r in p.get("sampling", []):
+        f[f"sample.rows{r['num_rows']}.kernel_ms"] = figure(r["kernel_ms"], "ms", "lower")
+    for r in p.get("filters", []):
+        name = f"filter.{r['setting'].replace(' ', '_')}.rows{r['num_rows']}"
+        f[f"{name}.threshold_ms"] = figure(r["threshold_ms"], "ms", "lower")
+        f[f"{name}.speedup_over_sort"] = figure(r["speedup"], "ratio", "higher")
+    return f
+
+
+def attention(p: dict[str, Any]) -> Figures:
+    f: Figures = {}
+    for r in p["decode"]:
+        f[f"decode.batch{r['batch']}.ctx{r['context']}.ms"] = figure(r["ms"], "ms", "lower")
+    for r in p["prefill"]:
+        f[f"prefill.batch{r['batch']}.len{r['length']}.tflops"] = figure(r["tflops"], "TFLOP/s",
+                                                                         "higher")
+    return f
+
+
+def vmm(p: dict[str, Any]) -> Figures:
+    return {"growth_us_per_chunk": figure(p["growth_us_per_chunk"], "us", "lower"),
+            "release_plus_recommit_s": figure(p["release_plus_recommit_s"], "s", "lower"),
+            "vmm_gbps": figure(p["vmm_gbps"], "GB/s", "higher"),
+            "bandwidth_ratio": figure(p["bandwidth_ratio"], "ratio", "higher")}
+
+
+def adversarial(p: dict[str, Any]) -> Figures:
+    f: Figures = {}
+    for s in p.get("summaries") or []:
+        name = f"{s['model']}.{s['margin']}"
+        # Kept over the worst need seen: a fall toward 1 is safety lost (below 1 is an OOM).
+        f[f"{name}.worst_kept_over_peak_need"] = figure(s["worst_kept_over_peak_need"], "ratio",
+                                                        "higher")
+        for k in ("ooms", "errors", "guard_events"):
+            f[f"{name}.{k}"] = figure(s[k], "count", "lower")
+    return f
+
+
+def bench_throughput(p: dict[str, Any]) -> Figures:
+    return {k: figure(p[k], unit, "higher") for k, unit in (
+        ("requests_per_s", "requests/s"), ("output_tokens_per_s", "tokens/s"),
+        ("total_tokens_per_s", "tokens/s"))}
+
+
+def bench_latency(p: dict[str, Any]) -> Figures:
+    return {k: figure(v, "s", "lower") for k, v in p.items()
+            if k.startswith("latency_") and k.endswith("_s") and k != "latencies_s"}
+
+
+def bench_serve(p: dict[str, Any]) -> Figures:
+    f = {k: figure(p[k], unit, "higher") for k, unit in (
+        ("request_throughput", "requests/s"), ("output_throughput", "tokens/s"))}
+    f |= {k: figure(v, "ms", "lower") for k, v in p.items()
+          if k.endswith(("_ttft_ms", "_itl_ms", "_tpot_ms", "_e2el_ms"))}
+    f["failed"] = figure(p["failed"], "requests", "lower")
+    return f
+
+
+def copy_limit(p: dict[str, Any]) -> Figures:
+    """Device copy bandwidth measured in the run: the decode and sampling roofline."""
+    for key in ("copy_gb_per_s", "copy_bandwidth_gbps"):
+        if isinstance(p, dict) and p.get(key) is not None:
+            return {"copy_gb_per_s": figure(p[key], "GB/s", "higher")}
+    return {}
+
+
+def no_figures(p: Any) -> Figures:
+    """Tuning sweeps: tables of configurations, not claims."""
+    return {}
+
+
+FIGURES: dict[str, Callable[[Any], Figures]] = {
+    "capacity": capacity, "throughput": throughput, "serving": serving, "sleep": sleep,
+    "elastic": elastic, "sampling": sampling, "attention": attention, "vmm": vmm,
+    "adversarial": adversarial, "sampling-sweep": no_figures, "attention-sweep": no_figures,
+    "bench-throughput": bench_throughput, "bench-latency": bench_latency,
+    "bench-serve": bench_serve, "async-engine": async_engine,
+}
+LIMITS: dict[str, Callable[[Any], Figures]] = {
+    "throughput": copy_limit, "sampling": copy_limit, "attention": copy_limit}
+
+
+def record_of(bench: str, payload: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """The record of a run of `bench` (a `bench/` script or `kvfit bench ...`) on this machine:
+    its payload, its figures and limits."""
+    return make_record(bench, FIGURES[bench](payload), config, payload,
+                       LIMITS.get(bench, no_figures)(payload))
+
+
+def _bench_of(data: Any, name: str) -> str:
+    """Which bench wrote a published file: by its keys, the file name where they are alike."""
+    if isinstance(data, list):
+        return "sampling-sweep" if "filters" in name or "sampling" in name else "attention-sweep"
+    for key, bench in (("sweeps", "adversarial"), ("serve", "serving"), ("components", "sleep"),
+                       ("samples", "elastic"), ("prefill", "attention"),
+                       ("growth_gib", "vmm"), ("throughput", "throughput"),
+                       ("copy_bandwidth_gbps", "throughput")):
+        if key in data:
+            return bench
+    if "rows" in data and "offline" in data:
+        return "async-engine"
+    if "sampling" in data or "filters" in data:
+        return "sampling"
+    if "results" in data:
+        return "capacity"
+    raise ValueError(f"{name}: not a record, nor a result file of a known bench")
+
+
+def adapt(data: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A record of a result file written before records existed (docs/results/*.json).
+
+    What the file does not say is None: its date comes from the `-YYYY-MM-DD` in its name.
+    """
+    name = Path(path).name
+    bench = _bench_of(data, name)
+    found = re.search(r"(\d{4}-\d{2}-\d{2})", name)
+    info = data if isinstance(data, dict) else {}
+    gpu = info.get("device") if info.get("device") not in (None, "cpu", "cuda") else None
+    return {
+        "schema_version": RECORD_SCHEMA_VERSION, "bench": bench,
+        "date": info.get("date") or (found.group(1) if found else None),
+        "git": {"revision": None, "dirty": None},
+        "machine": {"gpu": gpu or info.get("device_name"), "gpu_memory_bytes": None,
+                    "cpu": None, "host": None},
+        "versions": {"python": None, "torch": info.get("torch"), "cuda": info.get("cuda"),
+                     "driver": None, "triton": None, "transformers": None},
+        "config": info.get("args", {}), "limits": LIMITS.get(bench, no_figures)(data),
+        "figures": FIGURES[bench](data), "results": data,
+    }

@@ -1,0 +1,83 @@
+"""Tiny synthetic payloads, shaped as each bench writes them, for the record/plot/compare tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GiB = 1 << 30
+
+
+def capacity(gain: float = 0.08, startup_s: float = 1.0) -> dict[str, Any]:
+    total = 80 * GiB
+
+    def row(method: str, kv: int, budget: int) -> dict[str, Any]:
+        return {"method": method, "num_blocks": kv // (2 << 20), "kv_bytes": kv,
+                "transient": GiB // 2, "margin": GiB // 4 if method == "measured" else 0,
+                "budget": budget, "startup_s": startup_s, "free_before": total - GiB,
+                "free_after": total - GiB, "returned": True, "total": total,
+                "weights": 2 * GiB, "non_torch": GiB // 8}
+
+    estimate = 60 * GiB
+    return {"device": "cpu", "args": {}, "results": [{
+        "model": "tiny", "measured": row("measured", int(estimate * (1 + gain)), total),
+        "estimate": row("estimate", estimate, int(total * 0.92)), "blocks_gain": gain,
+        "startup_measured_s": startup_s, "startup_estimate_s": 1.5 * startup_s,
+        "startup_ratio": 1 / 1.5, "memory_returned": True}]}
+
+
+def throughput(tokens_per_s: float = 1000.0) -> dict[str, Any]:
+    return {"device": "cpu", "copy_bandwidth_gbps": 100.0,
+            "throughput": {"output_tokens_per_s": tokens_per_s,
+                           "total_tokens_per_s": 2 * tokens_per_s},
+            "decode": [{"model": "tiny", "batch": b, "context": 64.0, "step_ms": 1.0 + b / 64,
+                        "roofline_ms": 0.5 + b / 128, "ratio": 2.0, "sync_step_ms": 1.5 + b / 64}
+                       for b in (1, 8, 64)]}
+
+
+def serving() -> dict[str, Any]:
+    rows = [{"request_rate": rate, "output_throughput": 100.0 * i, "p50_ttft_ms": 10.0 * i,
+             "p99_ttft_ms": 20.0 * i, "p50_itl_ms": 1.0 * i, "p99_itl_ms": 3.0 * i}
+            for i, rate in enumerate((4, 16, None), start=1)]
+    return {"serve": {"rows": rows}, "offline": {"output_throughput": 400.0}, "ratio": 0.75}
+
+
+def sleep() -> dict[str, Any]:
+    return {"model": "tiny", "ttft": {"best": {"external_hit_s": 0.01}},
+            "components": {"kv_release_recommit_s_per_100GiB": 0.5, "offload_GBps": 20.0,
+                           "restore_GBps": 25.0},
+            "sleep": [{"level": lv, "cycle": 0, "sleep_s": 0.1 * lv, "wake_kv_s": 0.05,
+                       "wake_weights_s": 0.2 * (lv - 1)} for lv in (1, 2)]}
+
+
+def sampling() -> dict[str, Any]:
+    return {"device": "cpu", "copy_gb_per_s": None,
+            "sampling": [{"num_rows": 4, "kernel_ms": 0.1}],
+            "filters": [{"setting": s, "num_rows": 8, "vocab_size": 4096, "sort_ms": 2.0,
+                         "threshold_ms": 0.5, "speedup": 4.0} for s in ("k50 p0.9", "min_p0.05")]}
+
+
+def adversarial() -> dict[str, Any]:
+    runs = [{"run": name, "headroom_kept": GiB, "need_reserved": GiB // (i + 2)}
+            for i, name in enumerate(("temperature", "all"))]
+    return {"device": "cpu", "args": {}, "sweeps": [{"model": "tiny", "max_model_len": 256,
+                                                     "margin": "default", "runs": runs}],
+            "summaries": [{"model": "tiny", "margin": "default", "worst_kept_over_peak_need": 2.0,
+                           "ooms": 0, "errors": 0, "guard_events": 0}]}
+
+
+def elastic() -> dict[str, Any]:
+    samples = [{"t": t / 10, "kv_blocks": 100 - (50 if 3 <= t < 7 else 0), "free_bytes": GiB,
+                "cotenant_bytes": GiB if 3 <= t < 7 else 0} for t in range(10)]
+    return {"time_to_shrink_s": 0.3, "first_shrink_s": 0.2, "regrow_s": 0.4,
+            "kv_blocks_before": 100, "failed": 0, "oom_guard_events": 0, "samples": samples}
+
+
+def async_engine() -> dict[str, Any]:
+    rows = [{"engine": e, "seconds": 2.0, "output_throughput": 500.0, "ratio": 0.5}
+            for e in ("process", "thread")]
+    return {"args": {}, "offline": {"seconds": 1.0, "output_throughput": 1000.0}, "rows": rows}
+
+
+ALL = {"capacity": capacity, "throughput": throughput, "serving": serving, "sleep": sleep,
+       "sampling": sampling, "adversarial": adversarial, "elastic": elastic,
+       "async-engine": async_engine}

@@ -1,0 +1,66 @@
+"""bench/plot.py: every picture drawn from tiny synthetic records is a valid PNG."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
+
+from . import payloads
+
+pytest.importorskip("matplotlib")
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("bench_plot", ROOT / "bench" / "plot.py")
+assert spec is not None and spec.loader is not None
+plot = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = plot  # dataclasses look their module up
+spec.loader.exec_module(plot)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_picture_from_synthetic_records(tmp_path: Path) -> None:
+    files = []
+    for bench, make in payloads.ALL.items():
+        files.append(str(tmp_path / f"{bench}.json"))
+        write_record(files[-1], record_of(bench, make(), {}))
+    assert plot.main([*files, "--out-dir", str(tmp_path / "img")]) == 0
+    written = sorted(p.name for p in (tmp_path / "img").iterdir())
+    assert written == sorted(f"{n}.png" for n in (*plot.PLOTS, "adversarial"))
+    for name in written:
+        data = (tmp_path / "img" / name).read_bytes()
+        assert data.startswith(PNG_MAGIC), name
+        image = plot.plt.imread(tmp_path / "img" / name)
+        assert image.shape[0] > 200 and image.shape[1] > 300, name
+        assert image.std() > 0.05, f"{name} is blank"
+
+
+def test_only_the_pictures_the_records_carry(tmp_path: Path) -> None:
+    records = [record_of("sampling", payloads.sampling(), {})]
+    assert [p.name for p in plot.plot_all(records, tmp_path)] == ["filters.png"]
+    records[0]["results"]["filters"] = []  # a sampling run without the filter table
+    assert plot.plot_all(records, tmp_path / "none") == []
+
+
+def test_memory_parts_add_up_to_the_device() -> None:
+    row = payloads.capacity()["results"][0]
+    for method in ("measured", "estimate"):
+        parts = plot.memory_segments(row[method], row[method]["total"])
+        assert sum(parts.values()) == row[method]["total"]
+        assert parts["KV cache"] == row[method]["kv_bytes"]
+    estimate = plot.memory_segments(row["estimate"], row["estimate"]["total"])
+    assert estimate["outside the utilization budget"] == row["estimate"]["total"] - int(
+        row["estimate"]["total"] * 0.92)
+
+
+def test_memory_parts_of_a_host_run_are_never_negative() -> None:
+    row = payloads.capacity()["results"][0]["measured"]
+    row["free_before"] = 10 * row["total"]  # the host's free memory, beyond the budget
+    parts = plot.memory_segments(row, row["total"])
+    assert parts["in use before start"] == 0 and min(parts.values()) >= 0

@@ -1,0 +1,138 @@
+"""The benchmark record: what a fresh run records, the validator, and published files adapted."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from kvfit.benchmarks.figures import FIGURES, record_of
+from kvfit.benchmarks.record import (
+    check,
+    git_state,
+    jsonable,
+    load_record,
+    validate,
+    write_record,
+)
+
+from . import payloads
+
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+
+
+@pytest.mark.parametrize("bench", sorted(payloads.ALL))
+def test_record_of_each_bench_validates_and_keeps_the_payload(bench: str) -> None:
+    payload = payloads.ALL[bench]()
+    record = record_of(bench, payload, {"device": "cpu", "rate": math.inf})
+    assert validate(record) == []
+    assert record["bench"] == bench and record["results"] == payload
+    assert record["config"] == {"device": "cpu", "rate": "inf"}  # strict JSON in the config
+    assert record["figures"], f"{bench} claims no figure"
+    assert record["versions"]["python"] and record["versions"]["torch"]
+    assert record["machine"]["host"] and record["machine"]["cpu"]
+
+
+def test_a_run_in_a_checkout_records_its_revision_and_dirty_flag() -> None:
+    root = RESULTS.parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("a copy of the tree without .git (the GPU machine's)")
+    git = record_of("elastic", payloads.elastic(), {})["git"]
+    assert len(git["revision"]) == 40 and isinstance(git["dirty"], bool)
+
+
+def test_figures_are_drawn_from_the_payload() -> None:
+    f = record_of("capacity", payloads.capacity(gain=0.1, startup_s=2.0), {})["figures"]
+    assert f["tiny.blocks_gain"] == {"value": 0.1, "unit": "fraction", "direction": "higher"}
+    assert f["tiny.startup_measured_s"]["value"] == 2.0
+    assert f["tiny.startup_measured_s"]["direction"] == "lower"
+    limits = record_of("throughput", payloads.throughput(), {})["limits"]
+    assert limits == {"copy_gb_per_s": {"value": 100.0, "unit": "GB/s", "direction": "higher"}}
+
+
+def test_validate_names_every_violation() -> None:
+    good = record_of("vmm", {"growth_us_per_chunk": 1.0, "release_plus_recommit_s": 0.1,
+                             "vmm_gbps": 10.0, "bandwidth_ratio": 1.0}, {})
+    bad = copy.deepcopy(good)
+    del bad["machine"]
+    bad["extra"] = 1
+    bad["figures"]["vmm_gbps"]["direction"] = "up"
+    bad["figures"]["bandwidth_ratio"]["value"] = math.nan
+    bad["limits"] = {"copy": {"value": "fast", "unit": "GB/s", "direction": "higher"}}
+    errors = validate(bad)
+    assert "missing key 'machine'" in errors and "unknown key 'extra'" in errors
+    bad.pop("extra")
+    bad["machine"] = good["machine"]
+    errors = validate(bad)
+    assert any("vmm_gbps.direction" in e for e in errors)
+    assert any("bandwidth_ratio.value" in e for e in errors)
+    assert any("limits.copy.value" in e for e in errors)
+    assert validate(good) == []
+
+
+def test_write_record_refuses_an_invalid_record(tmp_path: Path) -> None:
+    record = record_of("elastic", payloads.elastic(), {})
+    record["schema_version"] = 0
+    path = tmp_path / "r.json"
+    with pytest.raises(ValueError, match="schema_version"):
+        write_record(path, record)
+    assert not path.exists()
+    record["schema_version"] = 1
+    write_record(path, record)
+    assert load_record(path) == json.loads(json.dumps(record))
+
+
+def test_jsonable_makes_strict_json() -> None:
+    value = jsonable({"rates": [4.0, math.inf], "path": Path("/x"), 3: len})
+    assert json.loads(json.dumps(value, allow_nan=False)) == value
+    assert value["rates"] == [4.0, "inf"] and value["path"] == "/x"
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+def test_published_result_files_adapt_to_valid_records(path: Path) -> None:
+    record = load_record(path)
+    check(record)
+    assert record["results"] == json.loads(path.read_text())
+    assert record["bench"] in FIGURES and record["date"][:10] in path.name
+    if not record["bench"].endswith("-sweep"):
+        assert record["figures"]
+
+
+def test_load_record_refuses_an_unknown_file(tmp_path: Path) -> None:
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ValueError, match="not a record"):
+        load_record(path)
+
+
+def test_git_state_outside_a_checkout_takes_the_revision_from_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVFIT_GIT_REVISION", raising=False)
+    assert git_state(tmp_path) == {"revision": None, "dirty": None}
+    monkeypatch.setenv("KVFIT_GIT_REVISION", "abc123")
+    assert git_state(tmp_path) == {"revision": "abc123", "dirty": None}
+
+
+@pytest.mark.gpu
+def test_record_on_a_gpu_names_the_device_and_its_stack() -> None:
+    import torch
+
+    torch.zeros(1, device="cuda")
+    record = record_of("elastic", payloads.elastic(), {})
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    assert record["machine"]["gpu"] == props.name
+    assert record["machine"]["gpu_memory_bytes"] == props.total_memory
+    assert record["versions"]["cuda"] == torch.version.cuda and record["versions"]["driver"]
+
+
+@pytest.mark.parametrize("bench", sorted(payloads.ALL))
+def test_a_result_file_without_the_record_fields_adapts_to_its_bench(
+        bench: str, tmp_path: Path) -> None:
+    path = tmp_path / f"{bench}-2026-01-02.json"
+    path.write_text(json.dumps(payloads.ALL[bench]()))
+    record = load_record(path)
+    assert record["bench"] == bench and record["date"] == "2026-01-02"
+    assert record["figures"] == record_of(bench, payloads.ALL[bench](), {})["figures"]
