@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import random
 import shlex
 import sys
@@ -31,6 +30,8 @@ from typing import Any
 import torch
 
 from kvfit import LLM, SamplingParams
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
 from kvfit.engine.config import EngineArgs
 from kvfit.models.loader import load_hf_config
 from kvfit.server.async_llm import AsyncLLM
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "args": vars(args), "offline": off, "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_record(args.out, record_of("async-engine", result, vars(args)))
     print(f"offline LLM.generate: {off['output_throughput']:,.0f} output tok/s")
     for row in rows:
         print(f"AsyncLLM (engine in {row['engine']}) / offline: {row['ratio']:.1%}")

@@ -229,7 +229,7 @@ def plot_adversarial(records: list[Record]) -> Figure:
         ax.tick_params(axis="x", labelsize=8, rotation=30)
         ax.legend(fontsize=8, loc="upper left")
     _title(fig, "Adversarial requests: what each needed against what was kept", records[-1])
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))  # room for the two-line title
     return fig
 
 

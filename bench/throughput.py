@@ -179,9 +179,8 @@ def engine_decode_step(
     params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + iters + 8,
                             ignore_eos=True)
     rng = random.Random(batch_size)
-    seqs = [llm._make_sequence(i, {"prompt_token_ids": [rng.randrange(vocab)
-                                                        for _ in range(context - 1)]}, params)
-            for i in range(batch_size)]
+    seqs = [seq for i in range(batch_size) for seq in llm.make_request(
+        {"prompt_token_ids": [rng.randrange(vocab) for _ in range(context - 1)]}, params, str(i))]
     for seq in seqs:
         engine.add_request(seq)
     while min(seq.num_output_tokens for seq in seqs) < 2:  # every sequence decoding

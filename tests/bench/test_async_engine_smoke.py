@@ -20,7 +20,9 @@ def test_async_engine_bench_smoke(tmp_path: Path) -> None:
                          "--input-len", "8", "--output-len", "4", "--max-num-seqs", "2",
                          "--engines", "process", "--out", str(out)])
 
-    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    record = json.loads(out.read_text())
+    assert record["bench"] == "async-engine"
+    assert record["results"] == json.loads(json.dumps(result))
     (row,) = result["rows"]
     assert row["engine"] == "process" and row["output_throughput"] > 0
     assert row["ratio"] == row["output_throughput"] / result["offline"]["output_throughput"]

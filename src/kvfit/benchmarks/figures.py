@@ -129,14 +129,33 @@ def vmm(p: dict[str, Any]) -> Figures:
 
 def adversarial(p: dict[str, Any]) -> Figures:
     f: Figures = {}
-    for s in p.get("summaries") or []:
+    for s in p.get("summaries") or _summaries_of_runs(p):
         name = f"{s['model']}.{s['margin']}"
         # Kept over the worst need seen: a fall toward 1 is safety lost (below 1 is an OOM).
-        f[f"{name}.worst_kept_over_peak_need"] = figure(s["worst_kept_over_peak_need"], "ratio",
-                                                        "higher")
+        # None where every run of the sweep was skipped (a deadline): no figure then.
+        if s["worst_kept_over_peak_need"] is not None:
+            f[f"{name}.worst_kept_over_peak_need"] = figure(s["worst_kept_over_peak_need"],
+                                                            "ratio", "higher")
         for k in ("ooms", "errors", "guard_events"):
             f[f"{name}.{k}"] = figure(s[k], "count", "lower")
     return f
+
+
+def _summaries_of_runs(p: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-(model, margin) summaries from the runs themselves, for a result whose run was
+    stopped before the bench wrote its summaries."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for sweep in p.get("sweeps") or []:
+        runs = [r for r in sweep["runs"] if "need_reserved" in r]
+        groups.setdefault((sweep["model"], sweep["margin"]), []).extend(runs)
+    ratios = {key: [r["kept_over_need"] for r in runs if r.get("kept_over_need")]
+              for key, runs in groups.items()}
+    return [{"model": model, "margin": margin,
+             "worst_kept_over_peak_need": min(ratios[model, margin], default=None),
+             "ooms": sum(bool(r.get("oom")) for r in runs),
+             "errors": sum(bool(r.get("error")) for r in runs),
+             "guard_events": sum(len(r.get("guard_events") or []) for r in runs)}
+            for (model, margin), runs in groups.items()]
 
 
 def bench_throughput(p: dict[str, Any]) -> Figures:
