@@ -53,9 +53,24 @@ def test_idle_s_zero_never_shrinks_and_leaves_grows_to_free_memory() -> None:
     assert g.decide(20 * GiB, TOTAL, now=100.0, usage=idle) == -14 * GiB
 
 
-def test_a_low_use_cache_does_not_grow_a_busy_one_does() -> None:
-    assert governor().decide(20 * GiB, TOTAL, 100.0, KVUsage(1000, 10, 64)) == 0
-    assert governor().decide(20 * GiB, TOTAL, 100.0, KVUsage(1000, 900, 64)) == -14 * GiB
+def test_only_a_cache_short_of_headroom_grows() -> None:
+    for used in (10, 300, 500):  # idle, then between the two thresholds: holds
+        assert governor().decide(20 * GiB, TOTAL, 100.0, KVUsage(1000, used, 64)) == 0
+    assert governor().decide(20 * GiB, TOTAL, 100.0, KVUsage(1000, 501, 64)) == -14 * GiB
+
+
+def test_a_light_steady_load_settles_after_one_idle_shrink() -> None:
+    """100 blocks in use of 1000, lots of free memory: one idle shrink to 200, then neither
+    an idle shrink (not low) nor a grow (it has its headroom): no periodic give and take."""
+    g = governor(idle_s=5.0, min_interval_s=2.0)
+    usage = KVUsage(1000, used_blocks=100, floor=64)
+    g.idle_shrink(usage, now=0.0)
+    assert g.idle_shrink(usage, now=5.0) == 200
+    g.resized(5.0)
+    usage = KVUsage(200, used_blocks=100, floor=64)
+    for now in (5.1, 10.0, 20.0, 100.0):
+        assert g.decide(50 * GiB, TOTAL, now, usage) == 0
+        assert g.idle_shrink(usage, now) is None
 
 
 def test_a_short_cache_grows_inside_the_band_down_to_its_lower_quarter() -> None:

@@ -101,8 +101,8 @@ class KVCacheGovernor:
 
     With `idle_s` and the cache's `KVUsage`, memory also flows between co-tenant engines,
     whose free memory alone never moves: a cache whose use stays low for `idle_s` shrinks to
-    what it uses plus headroom (`idle_shrink`), and a low-use cache never grows (it would take
-    back what it just gave). A busy cache short of blocks grows even inside the band, down to
+    what it uses plus headroom (`idle_shrink`), and only a cache short of headroom grows (one
+    that has it would take back what it just gave). A busy cache short of blocks grows even inside the band, down to
     its lower quarter, so it never pushes free memory under the low watermark itself.
     """
 
@@ -130,8 +130,8 @@ class KVCacheGovernor:
         interval = self.config.min_interval_s
         if now - self.last_resize < interval or now - self.last_grow_attempt < interval:
             return 0
-        if usage is not None and self.config.idle_s > 0 and usage.is_low:
-            return 0  # an idle cache leaves free memory to the busy co-tenant
+        if usage is not None and self.config.idle_s > 0 and not usage.needs_more:
+            return 0  # a cache with headroom leaves free memory to a busy co-tenant
         if free > high:
             return middle - free
         floor_of_band = low + (high - low) // 4

@@ -33,3 +33,10 @@ class KVUsage:
         """Use low enough that an idle shrink would give back at least half the cache (and
         nothing waits for blocks)."""
         return not self.short and 2 * self.idle_target <= self.num_blocks
+
+    @property
+    def needs_more(self) -> bool:
+        """Short of blocks, or with less than the headroom an idle shrink keeps: what a grow
+        waits for. Between this and `is_low` (a quarter to half of the cache used) the cache
+        neither shrinks nor grows by its use: hysteresis."""
+        return self.short or self.used_blocks * IDLE_HEADROOM > self.num_blocks

@@ -419,7 +419,7 @@ class EngineCore:
         preempted = scheduler.num_preemptions > self._preemptions_seen
         self._preemptions_seen = scheduler.num_preemptions
         waiting = scheduler.waiting[0] if scheduler.waiting else None
-        starved = waiting is not None and bm.blocks_for(waiting.num_tokens) > bm.num_free_blocks
+        starved = waiting is not None and bm.blocks_for(len(waiting)) > bm.num_free_blocks
         return KVUsage(bm.num_blocks, bm.num_blocks - bm.num_free_blocks,
                        self.kv_resizer.floor, preempted or starved)
 
