@@ -6,6 +6,7 @@ oscillating."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import pytest
 
@@ -143,7 +144,6 @@ def test_two_engines_pass_memory_to_the_busy_one_without_oscillating(phase_s: fl
         assert busy.blocks >= 80 and idle.blocks == 2, (phase, a.blocks, b.blocks)
         assert device.free() >= LOW
         for engine in (a, b):
-            moves = [y - x for x, y in zip(engine.sizes[start:], engine.sizes[start + 1:])
-                     if y != x]
-            turns = sum(1 for x, y in zip(moves, moves[1:]) if (x > 0) != (y > 0))
+            moves = [y - x for x, y in pairwise(engine.sizes[start:]) if y != x]
+            turns = sum(1 for x, y in pairwise(moves) if (x > 0) != (y > 0))
             assert turns <= 1, (phase, engine.sizes[start:])

@@ -102,8 +102,9 @@ class KVCacheGovernor:
     With `idle_s` and the cache's `KVUsage`, memory also flows between co-tenant engines,
     whose free memory alone never moves: a cache whose use stays low for `idle_s` shrinks to
     what it uses plus headroom (`idle_shrink`), and only a cache short of headroom grows (one
-    that has it would take back what it just gave). A busy cache short of blocks grows even inside the band, down to
-    its lower quarter, so it never pushes free memory under the low watermark itself.
+    that has it would take back what it just gave). A busy cache short of blocks grows even
+    inside the band, down to its lower quarter, so it never pushes free memory under the low
+    watermark itself.
     """
 
     config: ElasticConfig
