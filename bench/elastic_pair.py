@@ -16,8 +16,9 @@ governor polls. Both modes run one after the other:
 - elastic: `--elastic-kv-cache` with `--elastic-idle-s`. Startup order matters on one device:
   an engine sizes its cache from measured memory, so the first would take everything. Each
   engine therefore starts with `--gpu-memory-utilization` (0.9: the most it may ever grow to,
-  its budget), and the bench shrinks it with `LLM.resize_kv_cache` to `--start-share` of that
-  size before the next engine starts (sized from what is then free). From there on only the
+  its budget); the bench shrinks the first with `LLM.resize_kv_cache` to `--start-share` of
+  its size before the second starts, which sizes itself from what is then free (measured
+  sizing sets other processes' memory aside). From there on only the
   governors move memory: the idle engine gives back what it does not use after `--idle-s`, the
   busy one grows into it.
 
@@ -91,7 +92,7 @@ def serve(rank: int, args: argparse.Namespace, elastic: bool, ready: Any, start:
     """One engine's process: start (shrinking to its start share when elastic), say ready,
     then run its phases from the shared start time and put its result on `results`."""
     llm = engine(args, args.models[rank], elastic)
-    if elastic:
+    if elastic and rank == 0:  # the second sizes itself from what the first leaves free
         bm = llm.engine.scheduler.block_manager
         llm.resize_kv_cache(max(llm.engine.kv_resizer.floor,
                                 int(bm.num_blocks * args.start_share)))
