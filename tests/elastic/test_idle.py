@@ -124,7 +124,9 @@ class Device:
 
 
 @pytest.mark.parametrize("phase_s", [30.0, 60.0])
-def test_two_engines_pass_memory_to_the_busy_one_without_oscillating(phase_s: float) -> None:
+@pytest.mark.parametrize("idle_polls_first", [False, True])
+def test_two_engines_pass_memory_to_the_busy_one_without_oscillating(
+        phase_s: float, idle_polls_first: bool) -> None:
     """Alternating load on a device both engines start on at 45 GiB each: in each phase the
     busy engine ends up holding most of the memory, and within a phase each cache changes
     direction at most once (no ping-pong)."""
@@ -136,12 +138,13 @@ def test_two_engines_pass_memory_to_the_busy_one_without_oscillating(phase_s: fl
     for phase in range(4):
         busy, idle = (a, b) if phase % 2 == 0 else (b, a)
         busy.busy, idle.busy = True, False
-        start = len(busy.sizes)
+        start, idle_start = len(busy.sizes), len(idle.sizes)
         while now < (phase + 1) * phase_s:
-            for engine in (a, b):
+            for engine in ((idle, busy) if idle_polls_first else (a, b)):
                 engine.poll(device, now)
             now += dt
         assert busy.blocks >= 80 and idle.blocks == 2, (phase, a.blocks, b.blocks)
+        assert all(y <= x for x, y in pairwise(idle.sizes[idle_start:]))  # never takes back
         assert device.free() >= LOW
         for engine in (a, b):
             moves = [y - x for x, y in pairwise(engine.sizes[start:]) if y != x]
