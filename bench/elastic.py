@@ -154,7 +154,8 @@ def engine(args: argparse.Namespace) -> LLM:
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                elastic_kv_cache=True, elastic_low_watermark=args.low_watermark,
                elastic_high_watermark=args.high_watermark,
-               elastic_min_interval=args.min_interval)
+               elastic_min_interval=args.min_interval,
+               elastic_idle_s=0)  # part (a): free memory alone decides
 
 
 def cpu_watermarks(args: argparse.Namespace) -> None:

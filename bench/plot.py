@@ -15,6 +15,7 @@ from the last input that carries its data (the adversarial one from all of them)
     filters.png      top-k/top-p/min-p filters against the sort path (sampling)
     adversarial.png  the worst need of each adversarial run against the headroom kept
     elastic.png      KV cache size and the co-tenant's memory over time (elastic)
+    elastic_pair.png each engine's KV cache over time, elastic against static (elastic-pair)
 """
 
 from __future__ import annotations
@@ -250,6 +251,26 @@ def plot_elastic(r: Record) -> Figure:
     return fig
 
 
+def plot_elastic_pair(r: Record) -> Figure:
+    res = r["results"]
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    for mode, style in (("elastic", "-"), ("static", ":")):
+        for engine in res["modes"].get(mode, {}).get("engines", []):
+            samples = engine["samples"]
+            ax.plot([s["t"] for s in samples], [s["kv_bytes"] / GiB for s in samples], style,
+                    label=f"{engine['model']} ({mode})")
+    for k in range(1, res["args"]["num_phases"]):
+        ax.axvline(k * res["args"]["phase_s"], color="grey", lw=0.5)
+    ax.set_xlabel("seconds since the load started (the busy engine alternates each phase)")
+    ax.set_ylabel("KV cache (GiB)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="upper right")
+    ratio = res.get("token_ratio")
+    _title(fig, "Two engines on one device: KV cache over time"
+           + ("" if ratio is None else f" (elastic / static tokens {ratio:.2f})"), r)
+    return fig
+
+
 def _has(*path: str) -> Callable[[Record], bool]:
     def test(r: Record) -> bool:
         node: Any = r["results"]
@@ -270,9 +291,11 @@ PLOTS: dict[str, tuple[Callable[[Record], bool], Callable[[Record], Figure]]] = 
     "sleep": (_has("sleep"), plot_sleep),
     "filters": (_has("filters"), plot_filters),
     "elastic": (_has("samples"), plot_elastic),
+    "elastic_pair": (_has("modes"), plot_elastic_pair),
 }
 BENCH_OF = {"capacity": "capacity", "memory": "capacity", "decode": "throughput",
-            "serving": "serving", "sleep": "sleep", "filters": "sampling", "elastic": "elastic"}
+            "serving": "serving", "sleep": "sleep", "filters": "sampling", "elastic": "elastic",
+            "elastic_pair": "elastic-pair"}
 
 
 def plot_all(records: list[Record], out_dir: Path) -> list[Path]:

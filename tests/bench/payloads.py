@@ -72,6 +72,20 @@ def elastic() -> dict[str, Any]:
             "kv_blocks_before": 100, "failed": 0, "oom_guard_events": 0, "samples": samples}
 
 
+def elastic_pair() -> dict[str, Any]:
+    def engine(model: str, busy: int) -> dict[str, Any]:
+        samples = [{"t": t / 2, "kv_blocks": 90 if t // 4 % 2 == busy else 10,
+                    "kv_bytes": (9 if t // 4 % 2 == busy else 1) * GiB} for t in range(16)]
+        return {"model": model, "output_tokens": 1000, "ttft_s": [0.1, 0.2],
+                "samples": samples, "kv_cache_idle_shrinks": 2, "resizes": []}
+
+    mode = {"output_tokens": 2000, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2,
+            "engines": [engine("small", 0), engine("large", 1)]}
+    return {"args": {"phase_s": 2.0, "num_phases": 4},
+            "modes": {"static": mode, "elastic": {**mode, "output_tokens": 2800}},
+            "token_ratio": 1.4}
+
+
 def async_engine() -> dict[str, Any]:
     rows = [{"engine": e, "seconds": 2.0, "output_throughput": 500.0, "ratio": 0.5}
             for e in ("process", "thread")]
@@ -80,4 +94,4 @@ def async_engine() -> dict[str, Any]:
 
 ALL = {"capacity": capacity, "throughput": throughput, "serving": serving, "sleep": sleep,
        "sampling": sampling, "adversarial": adversarial, "elastic": elastic,
-       "async-engine": async_engine}
+       "elastic-pair": elastic_pair, "async-engine": async_engine}

@@ -26,7 +26,7 @@ MIDDLE = (LOW + HIGH) // 2
 # 64 sequences of 512 tokens: a 2048-block (32 MiB) cache on the host, sixteen 2 MiB granules.
 ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=256, elastic_kv_cache=True,
               elastic_low_watermark="4MiB", elastic_high_watermark=f"{HIGH}",
-              elastic_min_interval=MIN_INTERVAL)
+              elastic_min_interval=MIN_INTERVAL, elastic_idle_s=0)  # free memory alone
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = make_prompts((1, 17, 40, 100, 150, 200))
 DEADLINE_S = 60.0
@@ -171,6 +171,7 @@ def test_the_governor_never_shrinks_below_one_max_model_len_sequence(
     ({"elastic_low_watermark": "8GiB", "elastic_high_watermark": "4GiB"},
      "elastic_low_watermark .* must be below elastic_high_watermark"),
     ({"elastic_min_interval": -1.0}, "elastic_min_interval"),
+    ({"elastic_idle_s": -1.0}, "elastic_idle_s"),
 ])
 def test_elastic_settings_are_checked_at_config_time(qwen3: Path, kwargs: dict,
                                                      match: str) -> None:
@@ -190,8 +191,9 @@ def test_the_flags_reach_the_engine_config(qwen3: Path) -> None:
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = parser.parse_args(["--model", str(qwen3), "--device", "cpu", "--elastic-kv-cache",
                               "--elastic-low-watermark", "1GiB", "--elastic-high-watermark",
-                              "0.5", "--elastic-min-interval", "3"])
+                              "0.5", "--elastic-min-interval", "3", "--elastic-idle-s", "7"])
     config = EngineArgs.from_cli_args(args).create_engine_config()
     assert config.elastic == ElasticConfig(MemoryAmount(nbytes=1 << 30),
-                                           MemoryAmount(fraction=0.5), min_interval_s=3.0)
+                                           MemoryAmount(fraction=0.5), min_interval_s=3.0,
+                                           idle_s=7.0)
     assert EngineArgs(model=str(qwen3), device="cpu").create_engine_config().elastic is None

@@ -52,7 +52,8 @@ def engine(model_path: Path, memory: ScriptedMemory) -> Iterator[AsyncLLM]:
     del kwargs["num_gpu_blocks_override"]  # a fixed-size cache cannot resize
     # On a thread of this process: the test scripts the free memory the governor reads.
     engine = AsyncLLM(EngineArgs(**kwargs, elastic_kv_cache=True, elastic_low_watermark="4MiB",
-                                 elastic_high_watermark="10MiB", elastic_min_interval=0.2),
+                                 elastic_high_watermark="10MiB", elastic_min_interval=0.2,
+                                 elastic_idle_s=0),  # free memory alone
                       engine_process=False)
     in_engine(engine, _use_monitor, memory)
     yield engine
@@ -92,7 +93,7 @@ def test_get_reports_the_size_its_bounds_and_the_governor(full_size: dict[str, A
     assert state["min_blocks"] < state["num_blocks"] <= state["capacity_blocks"]
     assert state["committed_bytes"] > 0 and state["reserved_bytes"] >= state["committed_bytes"]
     assert state["elastic"] == {"low_watermark": "4.00 MiB", "high_watermark": "10.00 MiB",
-                                "min_interval_s": 0.2}
+                                "min_interval_s": 0.2, "idle_s": 0.0}
 
 
 def test_resize_changes_the_size_not_the_text_and_is_counted(

@@ -99,6 +99,17 @@ def elastic(p: dict[str, Any]) -> Figures:
     return f
 
 
+def elastic_pair(p: dict[str, Any]) -> Figures:
+    f: Figures = {}
+    for mode, r in p["modes"].items():
+        f[f"{mode}.output_tokens"] = figure(r["output_tokens"], "tokens", "higher")
+        if r.get("ttft_p99_s") is not None:
+            f[f"{mode}.ttft_p99_s"] = figure(r["ttft_p99_s"], "s", "lower")
+    if p.get("token_ratio") is not None:
+        f["token_ratio"] = figure(p["token_ratio"], "ratio", "higher")
+    return f
+
+
 def sampling(p: dict[str, Any]) -> Figures:
     f: Figures = {}
     for r in p.get("sampling", []):
@@ -193,7 +204,8 @@ def no_figures(p: Any) -> Figures:
 
 FIGURES: dict[str, Callable[[Any], Figures]] = {
     "capacity": capacity, "throughput": throughput, "serving": serving, "sleep": sleep,
-    "elastic": elastic, "sampling": sampling, "attention": attention, "vmm": vmm,
+    "elastic": elastic, "elastic-pair": elastic_pair, "sampling": sampling,
+    "attention": attention, "vmm": vmm,
     "adversarial": adversarial, "sampling-sweep": no_figures, "attention-sweep": no_figures,
     "bench-throughput": bench_throughput, "bench-latency": bench_latency,
     "bench-serve": bench_serve, "async-engine": async_engine,
@@ -214,7 +226,7 @@ def _bench_of(data: Any, name: str) -> str:
     if isinstance(data, list):
         return "sampling-sweep" if "filters" in name or "sampling" in name else "attention-sweep"
     for key, bench in (("sweeps", "adversarial"), ("serve", "serving"), ("components", "sleep"),
-                       ("samples", "elastic"), ("prefill", "attention"),
+                       ("samples", "elastic"), ("modes", "elastic-pair"), ("prefill", "attention"),
                        ("growth_gib", "vmm"), ("throughput", "throughput"),
                        ("copy_bandwidth_gbps", "throughput")):
         if key in data:

@@ -4,5 +4,6 @@ and when to take it again. The engine applies it (`kvfit.engine.kv_resize`)."""
 from __future__ import annotations
 
 from kvfit.elastic.governor import ElasticConfig, KVCacheGovernor, MemoryAmount
+from kvfit.elastic.usage import KVUsage
 
-__all__ = ["ElasticConfig", "KVCacheGovernor", "MemoryAmount"]
+__all__ = ["ElasticConfig", "KVCacheGovernor", "KVUsage", "MemoryAmount"]

@@ -11,6 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from kvfit.elastic.usage import KVUsage
 from kvfit.kv.report import format_bytes
 
 _UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
@@ -19,6 +20,7 @@ _AMOUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 DEFAULT_LOW_WATERMARK = "0.05"
 DEFAULT_HIGH_WATERMARK = "0.1"
 DEFAULT_MIN_INTERVAL_S = 5.0
+DEFAULT_IDLE_S = 5.0
 POLL_INTERVAL_S = 0.05
 """How often the engine reads free memory: often enough to shrink within a second of another
 process allocating, rarely enough to cost nothing (one `cudaMemGetInfo`)."""
@@ -65,11 +67,13 @@ class MemoryAmount:
 @dataclass(frozen=True)
 class ElasticConfig:
     """`--elastic-kv-cache`: watermarks of device free memory and the least time between a
-    resize and the next grow (a grow that failed is retried after it too)."""
+    resize and the next grow (a grow that failed is retried after it too); `idle_s`: how long
+    the cache's use must stay low before it gives the unused part back (0: never)."""
 
     low_watermark: MemoryAmount
     high_watermark: MemoryAmount
     min_interval_s: float = DEFAULT_MIN_INTERVAL_S
+    idle_s: float = 0.0
     poll_interval_s: float = POLL_INTERVAL_S
 
     def watermarks(self, total: int) -> tuple[int, int]:
@@ -94,12 +98,20 @@ class KVCacheGovernor:
     attempt. Between the watermarks nothing changes. Landing in the middle of the band, a
     resize cannot trigger the opposite one by itself: hysteresis, with grows at most one per
     interval.
+
+    With `idle_s` and the cache's `KVUsage`, memory also flows between co-tenant engines,
+    whose free memory alone never moves: a cache whose use stays low for `idle_s` shrinks to
+    what it uses plus headroom (`idle_shrink`), and only a cache short of headroom grows (one
+    that has it would take back what it just gave). A busy cache short of blocks grows even
+    inside the band, down to its lower quarter, so it never pushes free memory under the low
+    watermark itself.
     """
 
     config: ElasticConfig
     last_poll: float = -math.inf
     last_resize: float = -math.inf
     last_grow_attempt: float = -math.inf
+    low_since: float | None = None  # since when the cache's use has been low
 
     def due(self, now: float) -> bool:
         """Whether a poll interval has passed since the last poll (and count this one)."""
@@ -108,18 +120,38 @@ class KVCacheGovernor:
         self.last_poll = now
         return True
 
-    def decide(self, free: int, total: int, now: float) -> int:
+    def decide(self, free: int, total: int, now: float, usage: KVUsage | None = None) -> int:
         """Bytes of KV cache to give back (> 0) or take (< 0) with `free` of `total` device
-        bytes free at `now`; 0 to leave it as it is."""
+        bytes free at `now`, the cache used as `usage` (None: free memory alone decides); 0
+        to leave it as it is."""
         low, high = self.config.watermarks(total)
         middle = (low + high) // 2
         if free < low:
             return middle - free
         interval = self.config.min_interval_s
-        if (free > high and now - self.last_resize >= interval
-                and now - self.last_grow_attempt >= interval):
+        if now - self.last_resize < interval or now - self.last_grow_attempt < interval:
+            return 0
+        if usage is not None and self.config.idle_s > 0 and not usage.needs_more:
+            return 0  # a cache with headroom leaves free memory to a busy co-tenant
+        if free > high:
             return middle - free
+        floor_of_band = low + (high - low) // 4
+        if usage is not None and usage.short and free > floor_of_band:
+            return floor_of_band - free
         return 0
+
+    def idle_shrink(self, usage: KVUsage, now: float) -> int | None:
+        """Blocks to shrink the cache to, once its use has stayed low for `idle_s` (None
+        until then, or with `idle_s` 0): what it uses plus headroom, never below `floor`."""
+        if not (self.config.idle_s > 0 and usage.is_low):
+            self.low_since = None
+            return None
+        if self.low_since is None:
+            self.low_since = now
+        if now - self.low_since < self.config.idle_s:
+            return None
+        self.low_since = None
+        return usage.idle_target
 
     def resized(self, now: float) -> None:
         """The cache was resized at `now`."""

@@ -12,6 +12,7 @@ import torch
 from kvfit.connectors.config import CONNECTOR_NAMES, KVConnectorConfig
 from kvfit.elastic.governor import (
     DEFAULT_HIGH_WATERMARK,
+    DEFAULT_IDLE_S,
     DEFAULT_LOW_WATERMARK,
     DEFAULT_MIN_INTERVAL_S,
     ElasticConfig,
@@ -201,6 +202,7 @@ class EngineArgs:
     elastic_low_watermark: str | float = DEFAULT_LOW_WATERMARK
     elastic_high_watermark: str | float = DEFAULT_HIGH_WATERMARK
     elastic_min_interval: float = DEFAULT_MIN_INTERVAL_S
+    elastic_idle_s: float = DEFAULT_IDLE_S
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -304,6 +306,10 @@ class EngineArgs:
         p.add_argument("--elastic-min-interval", type=float, default=d.elastic_min_interval,
                        help="seconds from any resize to the next grow, and between retries of "
                        "a grow that found no memory; shrinks never wait (default: %(default)s)")
+        p.add_argument("--elastic-idle-s", type=float, default=d.elastic_idle_s,
+                       help="seconds the KV cache's use must stay low before it shrinks to "
+                       "what it uses plus headroom, leaving the memory to a busy co-tenant "
+                       "engine; 0 turns it off (default: %(default)s)")
         return parser
 
     @classmethod
@@ -394,12 +400,15 @@ class EngineArgs:
             setting = manual[0] if manual else "enable_extensible_kv_cache=False"
             raise ValueError(f"elastic_kv_cache=True resizes the extensible KV cache, which "
                              f"{setting} turns off; drop one of the two")
+        if not self.elastic_idle_s >= 0:
+            raise ValueError(f"elastic_idle_s must be >= 0 seconds (0: no idle shrink), got "
+                             f"{self.elastic_idle_s}")
         if not self.elastic_min_interval >= 0:
             raise ValueError(f"elastic_min_interval must be >= 0 seconds, got "
                              f"{self.elastic_min_interval}")
         low = MemoryAmount.parse(self.elastic_low_watermark, "elastic_low_watermark")
         high = MemoryAmount.parse(self.elastic_high_watermark, "elastic_high_watermark")
-        config = ElasticConfig(low, high, self.elastic_min_interval)
+        config = ElasticConfig(low, high, self.elastic_min_interval, idle_s=self.elastic_idle_s)
         if (low.fraction is None) == (high.fraction is None):
             config.watermarks(1 << 40)  # same kind: low < high holds on any device
         return config

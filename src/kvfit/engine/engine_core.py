@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvfit.connectors import KVConnector, KVLoadError, create_kv_connector, model_identity
-from kvfit.elastic import KVCacheGovernor
+from kvfit.elastic import KVCacheGovernor, KVUsage
 from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.block_manager import BlockManager
 from kvfit.engine.config import EngineConfig
@@ -64,6 +64,7 @@ class EngineStats:
     kv_cache_shrinks: int = 0
     kv_cache_grows: int = 0
     kv_cache_failed_grows: int = 0
+    kv_cache_idle_shrinks: int = 0  # of the shrinks: an idle cache giving back (`elastic_idle_s`)
 
 
 class EngineCore:
@@ -105,6 +106,7 @@ class EngineCore:
         self.kv_resizer = KVCacheResizer(config, self.executor, self.scheduler)
         self.oom_guard = OOMGuard(config, self.kv_resizer, self.kv_cache_report.margin)
         self.kv_cache_governor = self._kv_cache_governor()
+        self._preemptions_seen = 0  # the scheduler's count at the governor's last poll
 
     def _kv_cache_governor(self) -> KVCacheGovernor | None:
         """The co-tenancy governor (`elastic_kv_cache`), its watermarks checked on this device;
@@ -338,7 +340,8 @@ class EngineCore:
         applied before the next one is scheduled.
         """
         if self.kv_cache_governor is not None and not self.is_sleeping:
-            self.kv_resizer.govern(self.kv_cache_governor, self._settle, time.monotonic())
+            self.kv_resizer.govern(self.kv_cache_governor, self._settle, time.monotonic(),
+                                   self._kv_usage())
         finished, self._finished_early = self._finished_early, []
         if self.scheduler.has_unfinished():
             self.check_can_run()  # never schedule onto released memory or unloaded weights
@@ -409,6 +412,17 @@ class EngineCore:
             self.kv_cache_governor.resized(time.monotonic())
         return event
 
+    def _kv_usage(self) -> KVUsage:
+        """The cache's use, for the governor: blocks referenced, and whether it is short
+        (sequences preempted since the last poll, or the first waiting one does not fit)."""
+        bm, scheduler = self.scheduler.block_manager, self.scheduler
+        preempted = scheduler.num_preemptions > self._preemptions_seen
+        self._preemptions_seen = scheduler.num_preemptions
+        waiting = scheduler.waiting[0] if scheduler.waiting else None
+        starved = waiting is not None and bm.blocks_for(len(waiting)) > bm.num_free_blocks
+        return KVUsage(bm.num_blocks, bm.num_blocks - bm.num_free_blocks,
+                       self.kv_resizer.floor, preempted or starved)
+
     def kv_cache_state(self) -> dict[str, Any]:
         """The KV cache's size, bounds, resize counts and governor settings (`GET /kv_cache`);
         call it between steps."""
@@ -465,6 +479,7 @@ class EngineCore:
             kv_cache_shrinks=self.kv_resizer.num_shrinks,
             kv_cache_grows=self.kv_resizer.num_grows,
             kv_cache_failed_grows=self.kv_resizer.num_failed_grows,
+            kv_cache_idle_shrinks=self.kv_resizer.num_idle_shrinks,
         )
 
     def has_unfinished(self) -> bool:

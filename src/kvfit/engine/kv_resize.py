@@ -21,7 +21,7 @@ from kvfit.kv.report import format_bytes
 from kvfit.vmm import VmmError, VmmOutOfMemoryError
 
 if TYPE_CHECKING:
-    from kvfit.elastic import KVCacheGovernor
+    from kvfit.elastic import KVCacheGovernor, KVUsage
     from kvfit.engine.config import EngineConfig
     from kvfit.engine.executor import Executor
     from kvfit.engine.scheduler import Scheduler
@@ -38,7 +38,8 @@ class KVCacheResizeError(RuntimeError):
 
 @dataclass(frozen=True)
 class KVCacheResize:
-    """One resize of the KV cache, by `cause` (`api`: `LLM.resize_kv_cache`; `governor`).
+    """One resize of the KV cache, by `cause` (`api`: `LLM.resize_kv_cache`; `governor`;
+    `idle`: the governor's idle shrink).
 
     `delta_bytes`: physical bytes gained (negative: given back) on rank 0; `free_bytes`: the
     device free memory that prompted a governor's resize; `time`: `time.monotonic()` at its
@@ -72,6 +73,7 @@ class KVCacheResizer:
     num_shrinks: int = 0
     num_grows: int = 0
     num_failed_grows: int = 0
+    num_idle_shrinks: int = 0  # of `num_shrinks`: an idle cache giving back what it did not use
     _warned_at_floor: bool = field(default=False, repr=False)  # once until the next grow
 
     @property
@@ -199,21 +201,38 @@ class KVCacheResizer:
     # -- the governor ------------------------------------------------------------------------
 
     def govern(self, governor: KVCacheGovernor, settle: Callable[[], None],
-               now: float) -> KVCacheResize | None:
+               now: float, usage: KVUsage | None = None) -> KVCacheResize | None:
         """One poll of `governor` (no-op between poll intervals): read device free memory and
-        shrink or grow as it decides. `settle` applies the step in flight, called only right
-        before a resize. Never raises for want of memory: a shrink falls back to unmapping
-        whole chunks, a grow that fails is retried after the governor's interval."""
+        shrink or grow as it decides, given the cache's `usage`. `settle` applies the step in
+        flight, called only right before a resize. Never raises for want of memory: a shrink
+        falls back to unmapping whole chunks, a grow that fails is retried after the
+        governor's interval."""
         if not governor.due(now):
             return None
         memory = self.executor.collective_rpc("device_memory")
         free, total = min(f for f, _ in memory), min(t for _, t in memory)
-        want = governor.decide(free, total, now)
+        want = governor.decide(free, total, now, usage)
         if want > 0:
             return self._govern_shrink(governor, settle, want, free)
         if want < 0:
             return self._govern_grow(governor, settle, -want, free)
+        target = None if usage is None else governor.idle_shrink(usage, now)
+        if target is not None and target < self.num_blocks:
+            return self._idle_shrink(governor, settle, target, free)
         return None
+
+    def _idle_shrink(self, governor: KVCacheGovernor, settle: Callable[[], None],
+                     target: int, free: int) -> KVCacheResize | None:
+        settle()
+        try:
+            event = self.resize(target, "idle", free)
+        except KVCacheResizeError as error:
+            logger.error("the idle KV cache could not shrink to %d blocks (%s); it holds %d",
+                         target, error, self.num_blocks)
+            return None
+        self.num_idle_shrinks += 1
+        governor.resized(event.time)
+        return event
 
     def _govern_shrink(self, governor: KVCacheGovernor, settle: Callable[[], None],
                        nbytes: int, free: int) -> KVCacheResize | None:
@@ -278,12 +297,13 @@ class KVCacheResizer:
             "block_size": bm.block_size, "min_blocks": floor, "max_blocks": min(capacity, budget),
             "capacity_blocks": capacity, "committed_bytes": committed, "reserved_bytes": reserved,
             "num_shrinks": self.num_shrinks, "num_grows": self.num_grows,
-            "num_failed_grows": self.num_failed_grows, "elastic": None,
+            "num_failed_grows": self.num_failed_grows,
+            "num_idle_shrinks": self.num_idle_shrinks, "elastic": None,
             "latest_resizes": [asdict(e) for e in list(self.events)[-16:]],
         }
         if governor is not None:
             c = governor.config
             state["elastic"] = {"low_watermark": str(c.low_watermark),
                                 "high_watermark": str(c.high_watermark),
-                                "min_interval_s": c.min_interval_s}
+                                "min_interval_s": c.min_interval_s, "idle_s": c.idle_s}
         return state

@@ -68,6 +68,9 @@ def engine_metrics(s: EngineStats, report: KVCacheReport) -> list[Metric]:
         *(counter("kv_cache_resizes", "Runtime resizes of the KV cache (resize_kv_cache, the "
                   "elastic governor), by direction.", value, direction=direction)
           for direction, value in (("shrink", s.kv_cache_shrinks), ("grow", s.kv_cache_grows))),
+        counter("kv_cache_idle_shrinks", "Shrinks of an idle KV cache giving back what it did "
+                "not use (elastic_idle_s); counted in kv_cache_resizes too.",
+                s.kv_cache_idle_shrinks),
         counter("kv_cache_failed_grows", "Grows of the KV cache that found no memory (the cache "
                 "stayed as it was).", s.kv_cache_failed_grows),
         counter("num_preemptions", "Sequences preempted for want of blocks.", s.num_preemptions),

@@ -1,0 +1,197 @@
+"""Two engines share one device under alternating bursty load: elastic against a static split.
+
+    python3 bench/elastic_pair.py --out pair.json                  # on the H200, < 4 minutes
+    python3 bench/elastic_pair.py --device cpu --models kvfit-tiny kvfit-tiny \\
+        --max-model-len 256 --max-num-seqs 8 --concurrency 8 --input-len 32 --output-len 16 \\
+        --phase-s 2 --num-phases 2 --idle-s 0.5 --min-interval 0.5 --out pair.json
+
+Each engine (`--models`: the 0.6B and 8B shapes, dummy weights) runs in its own spawned process
+on the same device. Engine i is busy in phases i, i + 2, ... (`--phase-s` each, `--num-phases`
+in all) and idle in the others: busy, it keeps `--concurrency` requests of `--input-len` random
+tokens and `--output-len` outputs in flight (a burst at the phase's start, refilled as they
+finish; requests still running when the phase ends are aborted); idle, it only steps, so its
+governor polls. Both modes run one after the other:
+
+- static: `--gpu-memory-utilization-static` (0.45) each, no elastic cache: the usual split.
+- elastic: `--elastic-kv-cache` with `--elastic-idle-s`. Startup order matters on one device:
+  an engine sizes its cache from measured memory, so the first would take everything. Each
+  engine therefore starts with `--gpu-memory-utilization` (0.9: the most it may ever grow to,
+  its budget); the bench shrinks the first with `LLM.resize_kv_cache` to `--start-share` of
+  its size before the second starts, which sizes itself from what is then free (measured
+  sizing sets other processes' memory aside). From there on only the
+  governors move memory: the idle engine gives back what it does not use after `--idle-s`, the
+  busy one grows into it.
+
+Reported per mode: output tokens served within the phases (aborted requests' tokens count:
+they were served), TTFT percentiles (arrival -> first token; a request still waiting when its
+phase ends counts as the phase's length), each engine's KV cache bytes every `--sample-ms`
+(plot-ready `samples`, seconds since the load started) and its resizes; and the elastic /
+static token ratio. Issue 15's target: >= 1.3x the tokens with p99 TTFT no worse.
+On the CPU both engines read host memory, which other processes move too: a smoke test of the
+flow, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import random
+import time
+from typing import Any
+
+import numpy as np
+
+from kvfit import LLM, SamplingParams
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--models", nargs=2, default=["qwen3-0.6b-shape", "qwen3-8b-shape"])
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=256, help="requests a busy engine keeps")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--phase-s", type=float, default=20.0)
+    p.add_argument("--num-phases", type=int, default=4)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="elastic: each engine's budget, the most it may grow to")
+    p.add_argument("--gpu-memory-utilization-static", type=float, default=0.45)
+    p.add_argument("--start-share", type=float, default=0.5,
+                   help="elastic: the fraction of its startup cache each engine keeps before "
+                   "the next one starts")
+    p.add_argument("--low-watermark", default="2GiB", help="--elastic-low-watermark")
+    p.add_argument("--high-watermark", default="6GiB", help="--elastic-high-watermark")
+    p.add_argument("--min-interval", type=float, default=2.0, help="--elastic-min-interval")
+    p.add_argument("--idle-s", type=float, default=2.0, help="--elastic-idle-s")
+    p.add_argument("--modes", nargs="+", default=["static", "elastic"],
+                   choices=["static", "elastic"])
+    p.add_argument("--sample-ms", type=float, default=100.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="elastic_pair.json")
+    return p.parse_args(argv)
+
+
+def engine(args: argparse.Namespace, model: str, elastic: bool) -> LLM:
+    kwargs: dict[str, Any] = dict(
+        elastic_kv_cache=True, elastic_low_watermark=args.low_watermark,
+        elastic_high_watermark=args.high_watermark, elastic_min_interval=args.min_interval,
+        elastic_idle_s=args.idle_s) if elastic else {}
+    if args.device != "cpu":
+        kwargs["gpu_memory_utilization"] = (args.gpu_memory_utilization if elastic
+                                            else args.gpu_memory_utilization_static)
+    return LLM(model, device=args.device, load_format="dummy", max_model_len=args.max_model_len,
+               max_num_seqs=args.max_num_seqs, **kwargs)
+
+
+def serve(rank: int, args: argparse.Namespace, elastic: bool, ready: Any, start: Any,
+          results: Any) -> None:
+    """One engine's process: start (shrinking to its start share when elastic), say ready,
+    then run its phases from the shared start time and put its result on `results`."""
+    llm = engine(args, args.models[rank], elastic)
+    if elastic and rank == 0:  # the second sizes itself from what the first leaves free
+        bm = llm.engine.scheduler.block_manager
+        llm.resize_kv_cache(max(llm.engine.kv_resizer.floor,
+                                int(bm.num_blocks * args.start_share)))
+    ready.set()
+    t0 = start.get()
+    results.put((rank, run_phases(llm, rank, args, t0)))
+    llm.shutdown()
+
+
+def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict[str, Any]:
+    rng = random.Random(args.seed + rank)
+    vocab = llm.config.model_config.hf_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    core, end = llm.engine, t0 + args.phase_s * args.num_phases
+    arrived: dict[str, float] = {}
+    ttfts: list[float] = []
+    live: dict[str, Any] = {}
+    tokens, samples, next_sample, n = 0, [], t0, 0
+    while (now := time.monotonic()) < end:
+        phase = int((now - t0) // args.phase_s)
+        if phase % 2 == rank:
+            while len(live) < args.concurrency:
+                rid, n = f"{rank}-{n}", n + 1
+                prompt = {"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.input_len)]}
+                [seq] = llm.make_request(prompt, params, rid)
+                core.add_request(seq)
+                live[rid], arrived[rid] = seq, time.monotonic()
+        elif live:  # the phase ended: abort what is still running
+            phase_end = t0 + phase * args.phase_s
+            for rid, seq in live.items():
+                if seq.num_output_tokens == 0:
+                    ttfts.append(phase_end - arrived[rid])
+                core.abort_request(rid)
+            live.clear()
+        before = {rid: seq.num_output_tokens for rid, seq in live.items()}
+        core.step()
+        stepped = time.monotonic()
+        for rid, seq in list(live.items()):
+            tokens += seq.num_output_tokens - before[rid]
+            if before[rid] == 0 and seq.num_output_tokens > 0:
+                ttfts.append(stepped - arrived[rid])
+            if seq.is_finished:
+                del live[rid]
+        if not live:
+            time.sleep(0.01)  # idle: the governor polls on each step
+        if stepped >= next_sample:
+            samples.append({"t": stepped - t0, "kv_blocks": core.scheduler.block_manager.num_blocks,
+                            "kv_bytes": core.stats().committed_kv_bytes})
+            next_sample = stepped + args.sample_ms / 1e3
+    stats = core.stats()
+    return {"model": args.models[rank], "output_tokens": tokens, "ttft_s": ttfts,
+            "samples": samples, "num_preemptions": stats.num_preemptions,
+            "kv_cache_idle_shrinks": stats.kv_cache_idle_shrinks,
+            "kv_cache_shrinks": stats.kv_cache_shrinks, "kv_cache_grows": stats.kv_cache_grows,
+            "resizes": [{**e.__dict__, "time": e.time - t0}
+                        for e in core.kv_resizer.events if e.time >= t0]}
+
+
+def run_mode(args: argparse.Namespace, elastic: bool) -> dict[str, Any]:
+    """Start the two engines one after the other, run the phases, gather both results."""
+    ctx = mp.get_context("spawn")
+    start, results = ctx.Queue(), ctx.Queue()
+    procs = []
+    for rank in (0, 1):  # the second sizes itself after the first has
+        ready = ctx.Event()
+        proc = ctx.Process(target=serve, args=(rank, args, elastic, ready, start, results))
+        proc.start()
+        procs.append(proc)
+        while not ready.wait(1.0):
+            if not proc.is_alive():
+                raise RuntimeError(f"engine {rank} ({args.models[rank]}) failed to start")
+    t0 = time.monotonic() + 1.0  # one clock for both: CLOCK_MONOTONIC is system-wide
+    for _ in procs:
+        start.put(t0)
+    engines = dict(results.get(timeout=args.phase_s * args.num_phases + 600) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=120)
+    ttfts = [t for e in engines.values() for t in e["ttft_s"]]
+    return {"output_tokens": sum(e["output_tokens"] for e in engines.values()),
+            "ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts else None,
+            "ttft_p99_s": float(np.percentile(ttfts, 99)) if ttfts else None,
+            "engines": [engines[0], engines[1]]}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    modes = {mode: run_mode(args, mode == "elastic") for mode in args.modes}
+    result: dict[str, Any] = {"args": vars(args), "modes": modes}
+    if {"static", "elastic"} <= modes.keys() and modes["static"]["output_tokens"]:
+        result["token_ratio"] = modes["elastic"]["output_tokens"] / modes["static"]["output_tokens"]
+    write_record(args.out, record_of("elastic-pair", result, vars(args)))
+    for mode, r in modes.items():
+        print(f"{mode:<8} tokens {r['output_tokens']:>9}  TTFT p50 {r['ttft_p50_s']} s  "
+              f"p99 {r['ttft_p99_s']} s  idle shrinks "
+              f"{[e['kv_cache_idle_shrinks'] for e in r['engines']]}")
+    if "token_ratio" in result:
+        print(f"elastic / static tokens: {result['token_ratio']:.2f} (target >= 1.3)")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""How much of its KV cache an engine uses: what the co-tenancy governor reads, besides device
+free memory, to move memory between engines that share one device."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+IDLE_HEADROOM = 2.0
+"""An idle shrink keeps this many times the blocks in use: room for the sequences running to
+grow and a few to arrive before the next grow."""
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """One engine's KV cache between steps: `num_blocks` committed, `used_blocks` referenced by
+    live sequences (free prefix-cache blocks are not: they may be evicted), `floor` the blocks
+    of one `max_model_len` sequence, and `short`: sequences were preempted, or a waiting one
+    does not fit in the free blocks."""
+
+    num_blocks: int
+    used_blocks: int
+    floor: int
+    short: bool = False
+
+    @property
+    def idle_target(self) -> int:
+        """Blocks an idle shrink keeps: what is used plus headroom, never below `floor`."""
+        return max(self.floor, math.ceil(self.used_blocks * IDLE_HEADROOM))
+
+    @property
+    def is_low(self) -> bool:
+        """Use low enough that an idle shrink would give back at least half the cache (and
+        nothing waits for blocks)."""
+        return not self.short and 2 * self.idle_target <= self.num_blocks
+
+    @property
+    def needs_more(self) -> bool:
+        """Short of blocks, or with less than the headroom an idle shrink keeps: what a grow
+        waits for. Between this and `is_low` (a quarter to half of the cache used) the cache
+        neither shrinks nor grows by its use: hysteresis."""
+        return self.short or self.used_blocks * IDLE_HEADROOM > self.num_blocks

@@ -1,0 +1,152 @@
+"""The governor with the cache's use: an idle cache gives back what it does not use after
+`idle_s` (not before, never below one sequence), a busy cache short of blocks grows inside the
+band, and two engines sharing one scripted device pass memory to the busy one without
+oscillating."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+import pytest
+
+from kvfit.elastic import ElasticConfig, KVCacheGovernor, KVUsage, MemoryAmount
+
+GiB = 1 << 30
+TOTAL = 100 * GiB
+LOW, HIGH = 4 * GiB, 8 * GiB
+
+
+def governor(idle_s: float = 5.0, min_interval_s: float = 2.0) -> KVCacheGovernor:
+    return KVCacheGovernor(ElasticConfig(MemoryAmount(nbytes=LOW), MemoryAmount(nbytes=HIGH),
+                                         min_interval_s=min_interval_s, poll_interval_s=0.1,
+                                         idle_s=idle_s))
+
+
+def test_usage_target_is_used_plus_headroom_never_below_the_floor() -> None:
+    assert KVUsage(1000, used_blocks=100, floor=64).idle_target == 200
+    assert KVUsage(1000, used_blocks=0, floor=64).idle_target == 64
+    assert KVUsage(1000, used_blocks=100, floor=64).is_low
+    assert not KVUsage(1000, used_blocks=300, floor=64).is_low  # would keep 600 of 1000
+    assert not KVUsage(1000, used_blocks=0, floor=64, short=True).is_low
+    assert not KVUsage(64, used_blocks=0, floor=64).is_low  # at the floor: nothing to give
+
+
+def test_idle_shrink_comes_after_idle_s_of_low_use_not_before() -> None:
+    g, idle = governor(idle_s=5.0), KVUsage(1000, used_blocks=10, floor=64)
+    assert g.idle_shrink(idle, now=0.0) is None
+    assert g.idle_shrink(idle, now=4.9) is None
+    assert g.idle_shrink(idle, now=5.0) == 64
+
+
+def test_a_busy_moment_restarts_the_idle_clock() -> None:
+    g, idle = governor(idle_s=5.0), KVUsage(1000, used_blocks=10, floor=64)
+    g.idle_shrink(idle, now=0.0)
+    assert g.idle_shrink(KVUsage(1000, used_blocks=600, floor=64), now=3.0) is None
+    assert g.idle_shrink(idle, now=4.0) is None
+    assert g.idle_shrink(idle, now=8.9) is None
+    assert g.idle_shrink(idle, now=9.0) == 64
+
+
+def test_idle_s_zero_never_shrinks_and_leaves_grows_to_free_memory() -> None:
+    g, idle = governor(idle_s=0.0), KVUsage(1000, used_blocks=0, floor=64)
+    assert all(g.idle_shrink(idle, now=t) is None for t in (0.0, 100.0, 1e6))
+    assert g.decide(20 * GiB, TOTAL, now=100.0, usage=idle) == -14 * GiB
+
+
+def test_only_a_cache_short_of_headroom_grows() -> None:
+    for used in (10, 300, 500):  # idle, then between the two thresholds: holds
+        assert governor().decide(20 * GiB, TOTAL, 100.0, KVUsage(1000, used, 64)) == 0
+    assert governor().decide(20 * GiB, TOTAL, 100.0, KVUsage(1000, 501, 64)) == -14 * GiB
+
+
+def test_a_light_steady_load_settles_after_one_idle_shrink() -> None:
+    """100 blocks in use of 1000, lots of free memory: one idle shrink to 200, then neither
+    an idle shrink (not low) nor a grow (it has its headroom): no periodic give and take."""
+    g = governor(idle_s=5.0, min_interval_s=2.0)
+    usage = KVUsage(1000, used_blocks=100, floor=64)
+    g.idle_shrink(usage, now=0.0)
+    assert g.idle_shrink(usage, now=5.0) == 200
+    g.resized(5.0)
+    usage = KVUsage(200, used_blocks=100, floor=64)
+    for now in (5.1, 10.0, 20.0, 100.0):
+        assert g.decide(50 * GiB, TOTAL, now, usage) == 0
+        assert g.idle_shrink(usage, now) is None
+
+
+def test_a_short_cache_grows_inside_the_band_down_to_its_lower_quarter() -> None:
+    short = KVUsage(1000, used_blocks=1000, floor=64, short=True)
+    g = governor(min_interval_s=2.0)
+    assert g.decide(7 * GiB, TOTAL, 100.0, short) == -2 * GiB  # to 5 GiB free
+    assert g.decide(7 * GiB, TOTAL, 100.0, KVUsage(1000, 1000, 64)) == 0  # not short: holds
+    assert g.decide(5 * GiB, TOTAL, 100.0, short) == 0  # never toward the low watermark
+    g.resized(100.0)
+    assert g.decide(7 * GiB, TOTAL, 101.0, short) == 0  # waits the interval like any grow
+
+
+@dataclass
+class Engine:
+    """A simulated engine: a cache of `blocks` (1 GiB each) under a governor, busy or idle."""
+
+    governor: KVCacheGovernor
+    blocks: int
+    budget: int
+    busy: bool = False
+    sizes: list[int] = field(default_factory=list)
+
+    def usage(self) -> KVUsage:
+        used = self.blocks if self.busy else 0
+        return KVUsage(self.blocks, used, floor=2, short=self.busy)
+
+    def poll(self, device: Device, now: float) -> None:
+        """What `KVCacheResizer.govern` does, in whole blocks."""
+        usage = self.usage()
+        want = self.governor.decide(device.free(), TOTAL, now, usage)
+        target = self.blocks - want // GiB if want > 0 else self.blocks + (-want) // GiB
+        if want == 0:
+            target = self.governor.idle_shrink(usage, now) or self.blocks
+        target = max(2, min(target, self.budget))
+        if want < 0:
+            self.governor.grow_attempted(now)
+        if target != self.blocks:
+            self.blocks = target
+            self.governor.resized(now)
+        self.sizes.append(self.blocks)
+
+
+@dataclass
+class Device:
+    engines: list[Engine]
+    other: int = 10 * GiB  # weights, activations, the CUDA contexts
+
+    def free(self) -> int:
+        return TOTAL - self.other - sum(e.blocks for e in self.engines) * GiB
+
+
+@pytest.mark.parametrize("phase_s", [30.0, 60.0])
+@pytest.mark.parametrize("idle_polls_first", [False, True])
+def test_two_engines_pass_memory_to_the_busy_one_without_oscillating(
+        phase_s: float, idle_polls_first: bool) -> None:
+    """Alternating load on a device both engines start on at 45 GiB each: in each phase the
+    busy engine ends up holding most of the memory, and within a phase each cache changes
+    direction at most once (no ping-pong)."""
+    a = Engine(governor(idle_s=5.0, min_interval_s=2.0), blocks=42, budget=85)
+    b = Engine(governor(idle_s=5.0, min_interval_s=2.0), blocks=42, budget=85)
+    device = Device([a, b])
+    assert LOW <= device.free() <= HIGH
+    now, dt = 0.0, 0.1
+    for phase in range(4):
+        busy, idle = (a, b) if phase % 2 == 0 else (b, a)
+        busy.busy, idle.busy = True, False
+        start, idle_start = len(busy.sizes), len(idle.sizes)
+        while now < (phase + 1) * phase_s:
+            for engine in ((idle, busy) if idle_polls_first else (a, b)):
+                engine.poll(device, now)
+            now += dt
+        assert busy.blocks >= 80 and idle.blocks == 2, (phase, a.blocks, b.blocks)
+        assert all(y <= x for x, y in pairwise(idle.sizes[idle_start:]))  # never takes back
+        assert device.free() >= LOW
+        for engine in (a, b):
+            moves = [y - x for x, y in pairwise(engine.sizes[start:]) if y != x]
+            turns = sum(1 for x, y in pairwise(moves) if (x > 0) != (y > 0))
+            assert turns <= 1, (phase, engine.sizes[start:])

@@ -1,0 +1,72 @@
+"""The idle give-back (`elastic_idle_s`) on the CPU: an engine whose cache stays unused for
+`idle_s` shrinks to one `max_model_len` sequence, so device free memory rises; busy again, it
+grows back (free memory above the high watermark, the cache short) and serves the same greedy
+tokens as before."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from kvfit import LLM
+
+from .test_elastic_governor import (
+    ENGINE,
+    HIGH,
+    LOW,
+    MIN_INTERVAL,
+    PARAMS,
+    PROMPTS,
+    CoTenantDevice,
+    serve_until,
+    tokens,
+)
+from .test_oom_guard import assert_nothing_leaked, runner
+
+IDLE_S = 0.3
+
+
+def poll_idle_until(llm: LLM, done: object, deadline_s: float = 30.0) -> None:
+    """Step an engine with nothing to do (the governor polls on each step) until `done()`."""
+    deadline = time.monotonic() + deadline_s
+    while not done():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "the idle engine did not shrink in time"
+        llm.engine.step()
+        time.sleep(0.01)
+
+
+def test_an_idle_engine_gives_its_cache_back_and_serves_identically_after_regrowing(
+    qwen3: Path,
+) -> None:
+    llm = LLM(str(qwen3), device="cpu", **{**ENGINE, "elastic_idle_s": IDLE_S})
+    try:
+        device = CoTenantDevice(llm)
+        llm.engine.executor.workers[0].monitor = device
+        cache, resizer = runner(llm).kv_cache, llm.engine.kv_resizer
+        start_blocks, free_before = cache.committed_blocks, device.free()
+        expected = tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+        assert LOW <= free_before <= HIGH
+
+        # The last steps of the generate may have started the idle clock (little in use).
+        low_since = llm.engine.kv_cache_governor.low_since or time.monotonic()
+        poll_idle_until(llm, lambda: llm.engine.stats().kv_cache_idle_shrinks == 1)
+        [shrink] = [e for e in resizer.events if e.cause == "idle"]
+        assert shrink.time - low_since >= IDLE_S  # not before idle_s of low use
+        assert shrink.num_blocks_after == resizer.floor == cache.committed_blocks
+        assert device.free() > HIGH  # the memory is the co-tenant's to take
+        # Idle at the floor, free memory above the high watermark: it does not take it back.
+        end = time.monotonic() + 3 * MIN_INTERVAL
+        poll_idle_until(llm, lambda: time.monotonic() > end)
+        assert cache.committed_blocks == resizer.floor and resizer.num_grows == 0
+
+        serve_until(llm, expected, lambda: resizer.num_grows >= 1)
+        grow = next(e for e in resizer.events if e.num_blocks_after > e.num_blocks_before)
+        assert grow.cause == "governor" and grow.time - shrink.time >= MIN_INTERVAL
+        assert grow.num_blocks_after == start_blocks  # takes back what it gave
+        stats = llm.engine.stats()
+        assert stats.kv_cache_shrinks >= stats.kv_cache_idle_shrinks >= 1
+        metrics = {m.name: m.value for m in llm.get_metrics()}
+        assert metrics["kvfit:kv_cache_idle_shrinks"] == stats.kv_cache_idle_shrinks
+        assert_nothing_leaked(llm)
+    finally:
+        llm.shutdown()
