@@ -20,7 +20,7 @@ _AMOUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 DEFAULT_LOW_WATERMARK = "0.05"
 DEFAULT_HIGH_WATERMARK = "0.1"
 DEFAULT_MIN_INTERVAL_S = 5.0
-DEFAULT_IDLE_S = 5.0
+DEFAULT_IDLE_S = 0.0  # off: the governor grows back to the budget whenever memory is free
 POLL_INTERVAL_S = 0.05
 """How often the engine reads free memory: often enough to shrink within a second of another
 process allocating, rarely enough to cost nothing (one `cudaMemGetInfo`)."""

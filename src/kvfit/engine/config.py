@@ -309,7 +309,8 @@ class EngineArgs:
         p.add_argument("--elastic-idle-s", type=float, default=d.elastic_idle_s,
                        help="seconds the KV cache's use must stay low before it shrinks to "
                        "what it uses plus headroom, leaving the memory to a busy co-tenant "
-                       "engine; 0 turns it off (default: %(default)s)")
+                       "engine (e.g. 5 for engines sharing a device; then only a cache short "
+                       "of headroom grows back); 0, the default, turns it off")
         return parser
 
     @classmethod
