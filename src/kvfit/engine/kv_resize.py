@@ -97,9 +97,10 @@ class KVCacheResizer:
 
     def resize(self, num_blocks: int, cause: str = "api",
                free_bytes: int | None = None) -> KVCacheResize:
-        """Commit exactly `num_blocks`; raises `ValueError` naming the setting for a size out
-        of bounds, `KVCacheResizeError` where a driver call failed (a grow that found no
-        memory: the cache stays as it was; a shrink: the cache keeps what it still backs)."""
+        """Commit exactly `num_blocks` (a one-chunk cache's shrink that finds no memory: fewer,
+        `recommit`); raises `ValueError` naming the setting for a size out of bounds,
+        `KVCacheResizeError` where a driver call failed (a grow that found no memory: the
+        cache stays as it was; a shrink: the cache keeps what it still backs)."""
         self._check_target(num_blocks)
         before, start = self.num_blocks, time.perf_counter()
         num_preempted = num_evicted = 0
