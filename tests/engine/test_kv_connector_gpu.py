@@ -1,6 +1,7 @@
 """The shared-storage connector on a CUDA device: the CPU test's two engines (the second loads
 every full prefix block, with the outputs of a local prefix-cache hit), the registration of
-the committed, defragmented cache, and its release and registration again around sleep."""
+the committed, defragmented cache, its release and registration again around sleep, and the
+out-of-memory guard recommitting it as one chunk per segment."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 
 from kvfit import LLM, SamplingParams
 from kvfit.connectors import SharedStorageConnector
+
+from .test_oom_guard import Fault
 
 pytestmark = pytest.mark.gpu
 
@@ -74,3 +77,39 @@ def test_second_engine_loads_every_full_prefix_block_on_gpu(gpu_model, tmp_path,
         assert connector(second).stats.loaded_blocks == 2 * full_blocks
     finally:
         second.shutdown()
+
+
+def test_an_oom_in_a_replayed_decode_recommits_one_chunk_at_the_guards_target(
+        gpu_model, tmp_path) -> None:
+    """The out-of-memory guard on a connector's cache: recommitted as one chunk per segment at
+    the guard's target (far above one max_model_len sequence), registered again, the graphs
+    captured at startup replaying on, every request with the outputs of a run without it."""
+    reference = connected(gpu_model, tmp_path / "reference", "block_outer")
+    try:
+        expected = outputs(reference)
+    finally:
+        reference.shutdown()
+    llm = connected(gpu_model, tmp_path / "store", "block_outer")
+    try:
+        runner = llm.engine.executor.workers[0].runner
+        cache, graphs = runner.kv_cache, runner.graphs
+        assert graphs is not None
+        before, base = cache.committed_blocks, cache.tensor.base_ptr
+        floor = llm.engine.kv_resizer.floor
+        requested = 64 << 20
+        keep = cache.blocks_that_fit(cache.physical_bytes - requested - cache.granularity)
+        target = cache.granule_aligned_blocks(keep)
+        assert 4 * floor <= target < before
+        graphs.run = Fault(graphs.run, error=torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 64.00 MiB."))
+        assert outputs(llm) == expected
+        assert graphs.run.fired == 1 and graphs.num_capture_passes == 1
+        [event] = llm.engine.oom_guard.events
+        assert (event.num_blocks_before, event.num_blocks_after) == (before, target)
+        assert event.num_preempted > 0 and event.freed_bytes >= requested
+        views = connector(llm).registered_caches
+        assert sum(v.untyped_storage().nbytes() for v in views) == cache.physical_bytes
+        assert cache.tensor.num_physical_chunks == 1 and cache.tensor.base_ptr == base
+        assert outputs(llm) == expected
+    finally:
+        llm.shutdown()

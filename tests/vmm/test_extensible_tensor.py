@@ -209,6 +209,26 @@ def test_commit_after_release_asks_for_recommit(device: str) -> None:
         assert t.physical_bytes == 4 * MiB
 
 
+def test_recommit_at_a_new_size_maps_one_chunk_per_segment_and_only_it(device: str) -> None:
+    with ExtensibleTensor(64 * MiB, device, num_segments=2) as t:
+        t.commit(20 * MiB)
+        with pytest.raises(RuntimeError, match="release_physical"):
+            t.recommit(defragment=True, bytes_per_segment=4 * MiB)
+        for i in range(2):
+            t.segment_view(i).fill_(0xAB)
+        held = committed_memory(device)
+        t.release_physical()
+        t.recommit(defragment=True, bytes_per_segment=5 * MiB)  # rounded up to the granule
+        assert held - committed_memory(device) >= 2 * 14 * MiB * 0.9  # the old pages went
+        assert t.committed_bytes == 6 * MiB and t.physical_bytes == 2 * 6 * MiB
+        assert t.num_physical_chunks == 2 and not t.is_released
+        assert t.segment_view(1).untyped_storage().nbytes() == 6 * MiB
+        assert int(t.segment_view(1).count_nonzero()) == 0
+        t.release_physical()
+        t.recommit(defragment=True, bytes_per_segment=30 * MiB)  # larger works the same way
+        assert t.physical_bytes == 2 * 30 * MiB and t.num_physical_chunks == 2
+
+
 class RecyclingHostDriver(HostDriver):
     """Hands released pages back out as they were, as a GPU driver may: nothing promised."""
 

@@ -103,7 +103,8 @@ class EngineCore:
             detokenizer=Detokenizer(tokenizer),
             kv_connector=self._create_kv_connector(),
         )
-        self.kv_resizer = KVCacheResizer(config, self.executor, self.scheduler)
+        self.kv_resizer = KVCacheResizer(config, self.executor, self.scheduler,
+                                         on_released=self._refresh_sleep_state)
         self.oom_guard = OOMGuard(config, self.kv_resizer, self.kv_cache_report.margin)
         self.kv_cache_governor = self._kv_cache_governor()
         self._preemptions_seen = 0  # the scheduler's count at the governor's last poll

@@ -3,9 +3,11 @@ co-tenancy governor (`--elastic-kv-cache`) and the out-of-memory guard.
 
 A shrink goes through the block manager first: the tail's prefix-cache entries are evicted and
 the sequences holding tail blocks preempted (recomputed later: nothing is lost), then every
-worker commits the smaller size. A grow commits first, then hands the new blocks out. The
-cache's addresses never move, so captured graphs stay valid. No step may be in flight: the
-engine applies it first (`settle`).
+worker commits the smaller size. A grow commits first, then hands the new blocks out. A cache
+whose segments must each stay one physical chunk (a KV connector registered it) is resized by
+recommitting it whole instead (`KVCacheResizer.recommit`). The cache's addresses never move,
+so captured graphs stay valid. No step may be in flight: the engine applies it first
+(`settle`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ class KVCacheResizer:
     num_grows: int = 0
     num_failed_grows: int = 0
     num_idle_shrinks: int = 0  # of `num_shrinks`: an idle cache giving back what it did not use
+    # Called when a recommit could not back even the floor and left the cache released (the
+    # engine then reads it as asleep: `wake_up` retries).
+    on_released: Callable[[], None] = lambda: None
     _warned_at_floor: bool = field(default=False, repr=False)  # once until the next grow
 
     @property
@@ -94,9 +99,10 @@ class KVCacheResizer:
 
     def resize(self, num_blocks: int, cause: str = "api",
                free_bytes: int | None = None) -> KVCacheResize:
-        """Commit exactly `num_blocks`; raises `ValueError` naming the setting for a size out
-        of bounds, `KVCacheResizeError` where a driver call failed (a grow that found no
-        memory: the cache stays as it was; a shrink: the cache keeps what it still backs)."""
+        """Commit exactly `num_blocks` (a one-chunk cache's shrink that finds no memory: fewer,
+        `recommit`); raises `ValueError` naming the setting for a size out of bounds,
+        `KVCacheResizeError` where a driver call failed (a grow that found no memory: the
+        cache stays as it was; a shrink: the cache keeps what it still backs)."""
         self._check_target(num_blocks)
         before, start = self.num_blocks, time.perf_counter()
         num_preempted = num_evicted = 0
@@ -110,12 +116,16 @@ class KVCacheResizer:
                 self._warned_at_floor = False
             else:  # gives back what a failed resize left, if anything
                 delta = self._commit(num_blocks)[0]
+        except KVCacheResizeError:  # a recommit's: it says what the cache holds
+            self.num_failed_grows += num_blocks > before
+            raise
         except VmmError as error:
             self.num_failed_grows += num_blocks > before
             raise KVCacheResizeError(
                 f"could not {'grow' if num_blocks > before else 'shrink'} the KV cache from "
                 f"{before} to {num_blocks} blocks: {error}; it holds {self.num_blocks} "
                 f"blocks") from error
+        num_blocks = self.num_blocks  # a recommit may have fallen back smaller
         event = KVCacheResize(cause, before, num_blocks, delta, num_preempted, num_evicted,
                               time.perf_counter() - start, time.monotonic(), free_bytes)
         if num_blocks != before:
@@ -158,22 +168,101 @@ class KVCacheResizer:
         """Preempt the tail's holders, evict its prefix-cache entries, then commit
         `num_blocks` on every worker (`empty_cache`: then hand torch's idle memory back, for
         the out-of-memory guard). Returns `(delta_bytes, num_preempted, num_evicted)`. On a
-        failure the block manager keeps what every worker still backs, and it raises."""
-        victims = self.scheduler.preempt_tail_holders(num_blocks)
-        num_evicted = self.scheduler.block_manager.shrink(num_blocks)
-        deltas = self._commit(num_blocks)
-        self.config.cache_config.num_gpu_blocks = num_blocks
+        failure the block manager keeps what every worker still backs, and it raises. A
+        one-chunk cache is recommitted (`recommit`): it may end smaller than `num_blocks`."""
+        if self.one_chunk():
+            result = self.recommit(num_blocks)
+        else:
+            victims = self.scheduler.preempt_tail_holders(num_blocks)
+            num_evicted = self.scheduler.block_manager.shrink(num_blocks)
+            deltas = self._commit(num_blocks)
+            self.config.cache_config.num_gpu_blocks = num_blocks
+            result = deltas[0], len(victims), num_evicted
         if empty_cache:
             self.executor.collective_rpc("empty_cache")
-        return deltas[0], len(victims), num_evicted
+        return result
 
     def grow(self, num_blocks: int) -> int:
         """Commit `num_blocks` on every worker, then hand the new blocks out; returns the bytes
-        gained. On a failure every worker gives back what it grew, and it raises."""
+        gained. On a failure every worker gives back what it grew, and it raises. A one-chunk
+        cache is recommitted (`recommit`: every sequence preempted); where `num_blocks` found
+        no memory it raises `KVCacheResizeError` once the cache holds the largest size that
+        did (the old one, or less)."""
+        if self.one_chunk():
+            before = self.num_blocks
+            delta = self.recommit(num_blocks, fallback=before)[0]
+            if self.num_blocks < num_blocks:
+                raise KVCacheResizeError(
+                    f"could not grow the KV cache from {before} to {num_blocks} blocks: no "
+                    f"memory for it; it holds {self.num_blocks} blocks ({delta:+d} bytes)")
+            return delta
         delta = self._commit(num_blocks)[0]
         self.scheduler.block_manager.grow(num_blocks)
         self.config.cache_config.num_gpu_blocks = num_blocks
         return delta
+
+    def one_chunk(self) -> bool:
+        """Whether the cache's segments must each stay one physical chunk (a KV connector
+        registered them), so that it resizes by `recommit`."""
+        return any(self.executor.collective_rpc("kv_cache_one_chunk"))
+
+    def recommit(self, num_blocks: int, fallback: int | None = None) -> tuple[int, int, int]:
+        """Resize a one-chunk cache: preempt every running sequence (recomputed later; their
+        full prompt blocks come back from the connector's store), evict the whole prefix
+        cache, then have every worker release its pages and commit `num_blocks` as one new
+        zeroed chunk per segment, registered with the connector again. Returns
+        `(delta_bytes, num_preempted, num_evicted)` on rank 0.
+
+        Device memory: none beyond the new chunks (the old ones are released first). Where the
+        commit finds no memory it retries smaller (`fallback` first, if given, then halving
+        down to the floor), so the cache stays usable; where even the floor fails, the cache
+        is left released (`on_released`: the engine reads it as asleep, and `wake_up`
+        recommits it) and it raises `KVCacheResizeError`.
+        """
+        rpc, bm = self.executor.collective_rpc, self.scheduler.block_manager
+        victims = self.scheduler.preempt_tail_holders(0)
+        num_evicted = len(bm.hash_to_block)
+        bm.reset_prefix_cache()
+        before = rpc("kv_cache_bytes")[0][0]
+        error: VmmError | None = None
+        sizes = self._recommit_sizes(num_blocks, fallback)
+        for size in sizes:
+            try:
+                rpc("recommit_kv_cache", size)
+            except VmmError as e:
+                logger.warning("could not commit the KV cache as %d blocks in one chunk per "
+                               "segment (%s); trying fewer", size, e)
+                error = e
+                continue
+            self._set_blocks(size)
+            return rpc("kv_cache_bytes")[0][0] - before, len(victims), num_evicted
+        self._set_blocks(sizes[-1])  # what wake_up backs
+        self.on_released()
+        raise KVCacheResizeError(
+            f"could not commit the KV cache even as {sizes[-1]} blocks (one max_model_len "
+            f"sequence) after releasing it: {error}; it is released (asleep) until "
+            f"wake_up() backs it") from error
+
+    def _recommit_sizes(self, num_blocks: int, fallback: int | None) -> list[int]:
+        """`num_blocks`, then `fallback`, then halvings with segments ending on a granule,
+        down to the floor rounded up to such a size (which takes the floor's memory)."""
+        granule = max(self.executor.collective_rpc("kv_cache_commit_granule"))
+        spec = self.config.kv_cache_spec()
+        step = spec.granule_block_step(granule)
+        floor = -(-self.floor // step) * step
+        sizes = [num_blocks] + ([fallback] if fallback is not None else [])
+        while sizes[-1] > floor:
+            sizes.append(max(spec.granule_aligned_blocks(sizes[-1] // 2, granule), floor))
+        return list(dict.fromkeys(s for s in sizes if s <= num_blocks)) or [num_blocks]
+
+    def _set_blocks(self, num_blocks: int) -> None:
+        """Size the block manager (every block free) and the config to `num_blocks`."""
+        bm = self.scheduler.block_manager
+        if num_blocks < bm.num_blocks:
+            bm.shrink(num_blocks)
+        elif num_blocks > bm.num_blocks:
+            bm.grow(num_blocks)
+        self.config.cache_config.num_gpu_blocks = num_blocks
 
     def _commit(self, num_blocks: int) -> list[int]:
         try:
@@ -253,7 +342,8 @@ class KVCacheResizer:
             try:
                 event = self.resize(target, "governor", free)
             except KVCacheResizeError as error:
-                if isinstance(error.__cause__, VmmOutOfMemoryError):
+                # (A one-chunk cache's recommit already fell back as far as the floor.)
+                if isinstance(error.__cause__, VmmOutOfMemoryError) and not self.one_chunk():
                     continue
                 logger.error("the governor could not shrink the KV cache to %d blocks (%s); "
                              "it holds %d", target, error, self.num_blocks)

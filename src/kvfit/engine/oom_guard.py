@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvfit.engine.executor import ExecutorFailedError
+from kvfit.engine.kv_resize import KVCacheResizeError
 from kvfit.kv.report import format_bytes
 from kvfit.vmm import VmmOutOfMemoryError
 
@@ -84,8 +85,9 @@ class OOMGuard:
     (doubling the granules on each further retry of the same step, for errors that state no
     size), never below one `max_model_len` sequence: the tail's prefix-cache entries are
     evicted and the sequences holding tail blocks preempted (recomputed later), through the
-    same `KVCacheResizer` as every other resize. A cache that cannot shrink only gets torch's
-    idle memory emptied, once per step.
+    same `KVCacheResizer` as every other resize (a cache a KV connector registered as one
+    chunk per segment is recommitted whole at that size: `KVCacheResizer.recommit`). A cache
+    that cannot shrink only gets torch's idle memory emptied, once per step.
     """
 
     config: EngineConfig
@@ -132,10 +134,12 @@ class OOMGuard:
                               f"max_model_len sequence needs", message)
         try:
             delta, num_preempted, _ = self.resizer.shrink(after, empty_cache=True)
-        except VmmOutOfMemoryError as error:
-            # A shrink copies the kept part of the physical chunk it cuts, so it needs memory.
+        except (VmmOutOfMemoryError, KVCacheResizeError) as error:
+            # A shrink copies the kept part of the physical chunk it cuts, so it needs memory;
+            # a one-chunk cache's recommit failed even at the floor.
             raise self._error("a step ran the device out of memory and shrinking the KV cache "
                               "did too", f"{message}; the shrink: {error}") from error
+        after = self.resizer.num_blocks  # a one-chunk cache's recommit may fall back smaller
         freed = -delta
         self.freed_bytes += freed
         return self._record(requested, before, after, freed, num_preempted, message)

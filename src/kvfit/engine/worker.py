@@ -234,7 +234,38 @@ class Worker:
         guard's shrink target: cutting a chunk would need memory for a copy)."""
         cache = self.runner.kv_cache
         keep = cache.physical_bytes - nbytes - num_granules * cache.granularity
-        return cache.uncut_blocks(cache.blocks_that_fit(max(0, keep)))
+        return self._reachable_blocks(cache.blocks_that_fit(max(0, keep)))
+
+    def _reachable_blocks(self, num_blocks: int) -> int:
+        """The most blocks <= `num_blocks` a shrink reaches without memory for a copy: whole
+        physical chunks dropped, or for a one-chunk cache (`kv_cache_one_chunk`) any size whose
+        segments end on a granule, since `recommit_kv_cache` releases before it maps."""
+        cache = self.runner.kv_cache
+        if self.kv_cache_one_chunk():
+            return cache.granule_aligned_blocks(num_blocks)
+        return cache.uncut_blocks(num_blocks)
+
+    def kv_cache_one_chunk(self) -> bool:
+        """Whether each segment of the extensible cache must stay one physical chunk: a KV
+        connector registered it (RDMA registration cannot span allocations). Such a cache is
+        resized by `recommit_kv_cache`, never by cutting or dropping chunks."""
+        return self.kv_connector is not None and self.runner.kv_cache is not None
+
+    def recommit_kv_cache(self, num_blocks: int) -> None:
+        """Resize a one-chunk cache (`kv_cache_one_chunk`): unregister it from the connector,
+        release its pages, commit `num_blocks` as one zeroed chunk per segment at the same
+        addresses (graphs stay valid) and register that. Every block's contents are dropped:
+        none may be in use and no step may be running.
+
+        Device memory: none beyond the new chunks, the old ones being released first. A
+        failure leaves the cache released and unregistered (nothing mapped): call it again,
+        smaller, or `wake_up(["kv_cache"])` to back the size that failed."""
+        cache = self.runner.kv_cache
+        self.kv_connector.unregister_kv_caches()
+        if not cache.is_released:
+            cache.release_physical()
+        cache.recommit(defragment=True, num_blocks=num_blocks)
+        self.kv_connector.register_kv_caches(self.runner.kv_cache_views())
 
     def resize_kv_cache(self, num_blocks: int) -> int:
         """Commit exactly `num_blocks` of the extensible cache (same addresses: graphs stay
@@ -275,9 +306,12 @@ class Worker:
     def kv_cache_blocks_at(self, delta_bytes: int, uncut: bool = False) -> int:
         """The most blocks that fit in the physical bytes the cache holds now plus
         `delta_bytes` (negative: to give back). `uncut`: only as far down as whole physical
-        chunks reach, a shrink that needs no memory (`uncut_blocks`)."""
+        chunks reach, a shrink that needs no memory (`uncut_blocks`). A one-chunk cache: a
+        size whose segments end on a granule (its resizes need no memory beyond the new one)."""
         cache = self.runner.kv_cache
         num_blocks = cache.blocks_that_fit(max(0, cache.physical_bytes + delta_bytes))
+        if self.kv_cache_one_chunk():  # a whole chunk per segment: sizes ending on a granule
+            return cache.granule_aligned_blocks(num_blocks)
         return cache.uncut_blocks(num_blocks) if uncut else num_blocks
 
     def device_memory(self) -> tuple[int, int]:

@@ -156,11 +156,22 @@ class ExtensibleKVCache:
         """Drop every physical page (sleep); the reservation and every view's address stay."""
         self.tensor.release_physical()
 
-    def recommit(self, defragment: bool = False) -> None:
-        """Back the same blocks again after `release_physical()`, zeroed, in large chunks (one
-        per segment with `defragment`, for a connector); a failure leaves the cache released
-        (retry, or `free()`)."""
-        self.tensor.recommit(defragment)
+    def recommit(self, defragment: bool = False, num_blocks: int | None = None) -> None:
+        """Back the same blocks again after `release_physical()` (`num_blocks`: that many
+        instead, the new committed count), zeroed, in large chunks (one per segment with
+        `defragment`, for a connector); a failure leaves the cache released (retry, or
+        `free()`)."""
+        if num_blocks is None:
+            self.tensor.recommit(defragment)
+            return
+        if not 0 <= num_blocks <= self.capacity_blocks:
+            raise ValueError(
+                f"cannot commit {num_blocks} KV blocks: capacity_blocks is {self.capacity_blocks}"
+            )
+        if not self.is_released:
+            raise RuntimeError("recommit(num_blocks=...) needs release_physical() first")
+        self.committed_blocks = num_blocks  # also when it fails: the size a retry backs
+        self.tensor.recommit(defragment, num_blocks * self.spec.block_stride_bytes)
 
     @property
     def is_released(self) -> bool:

@@ -138,13 +138,7 @@ class ExtensibleTensor:
         reservation = self._live()
         if self._released:
             raise RuntimeError("commit() after release_physical(): call recommit() first")
-        if not 0 <= bytes_per_segment <= self.segment_capacity:
-            raise ValueError(
-                f"cannot commit {bytes_per_segment} bytes per segment: segment_capacity is "
-                f"{self.segment_capacity} (capacity_bytes {self.capacity_bytes} / num_segments "
-                f"{self.num_segments}); reserve a larger capacity_bytes"
-            )
-        target = min(_round_up(bytes_per_segment, self.granularity), self.segment_capacity)
+        target = self._target(bytes_per_segment)
         # What an earlier shrink's failed driver call left: given back before anything else.
         self._settle_owed(reservation)
         self._drop_beyond(self.committed_bytes, reservation)
@@ -155,6 +149,16 @@ class ExtensibleTensor:
         elif target < self.committed_bytes:
             self._shrink(target, reservation)
         self.committed_bytes = target
+
+    def _target(self, bytes_per_segment: int) -> int:
+        """`bytes_per_segment` rounded up to the granule (capped at the segment), checked."""
+        if not 0 <= bytes_per_segment <= self.segment_capacity:
+            raise ValueError(
+                f"cannot commit {bytes_per_segment} bytes per segment: segment_capacity is "
+                f"{self.segment_capacity} (capacity_bytes {self.capacity_bytes} / num_segments "
+                f"{self.num_segments}); reserve a larger capacity_bytes"
+            )
+        return min(_round_up(bytes_per_segment, self.granularity), self.segment_capacity)
 
     def release_physical(self) -> None:
         """Drop every physical page; the reservation, `committed_bytes` and views stay."""
@@ -170,12 +174,17 @@ class ExtensibleTensor:
         """Whether `release_physical` dropped the pages and no `recommit` has restored them."""
         return self._released
 
-    def recommit(self, defragment: bool = False) -> None:
+    def recommit(self, defragment: bool = False, bytes_per_segment: int | None = None) -> None:
         """Back the committed size again after `release_physical`, with zeroed pages, in chunks
         of up to `BULK_CHUNK_BYTES` (`defragment=True`: one allocation per segment, as after
-        `commit(defragment=True)`). A failure leaves the tensor released (nothing mapped), so
-        it can be retried."""
+        `commit(defragment=True)`). `bytes_per_segment`: back that size instead (rounded up to
+        the granule), which becomes the committed size. Needs no memory beyond what it maps. A
+        failure leaves the tensor released (nothing mapped), so it can be retried."""
         reservation = self._live()
+        if bytes_per_segment is not None:
+            if not self._released:
+                raise RuntimeError("recommit(bytes_per_segment) needs release_physical() first")
+            self.committed_bytes = self._target(bytes_per_segment)
         if not self._released:
             return
         reservation.unmap_all()  # what a release that failed part way left mapped
