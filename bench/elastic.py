@@ -17,7 +17,7 @@ Reported: `time_to_shrink_s` (the co-tenant's first piece asked -> all held: how
 took to make room), `first_shrink_s` (-> the governor's first shrink), `regrow_s` (the
 co-tenant freed -> the cache back within 1% of its size before), requests completed and failed, the
 out-of-memory guard's events, every resize, and the time series (plot-ready: `samples`,
-seconds since the co-tenant started asking). Issue 15's target: a shrink within a second, no
+seconds since the co-tenant started asking). The target: a shrink within a second, no
 request failed, the cache regrown after the free.
 On the CPU the co-tenant takes host memory and the engine reads host available memory (other
 processes move it too): a smoke test of the flow, not a measurement.

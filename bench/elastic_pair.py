@@ -26,7 +26,7 @@ Reported per mode: output tokens served within the phases (aborted requests' tok
 they were served), TTFT percentiles (arrival -> first token; a request still waiting when its
 phase ends counts as the phase's length), each engine's KV cache bytes every `--sample-ms`
 (plot-ready `samples`, seconds since the load started) and its resizes; and the elastic /
-static token ratio. Issue 15's target: >= 1.3x the tokens with p99 TTFT no worse.
+static token ratio. The target: >= 1.3x the tokens with p99 TTFT no worse.
 On the CPU both engines read host memory, which other processes move too: a smoke test of the
 flow, not a measurement.
 """

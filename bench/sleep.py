@@ -1,4 +1,4 @@
-"""Sleep/wake and the shared-storage KV connector on the extensible cache (issue 13).
+"""Sleep/wake and the shared-storage KV connector on the extensible cache.
 
 How to run (on the GPU machine, about 1-2 minutes; JSON and run.log in $OUT):
 
