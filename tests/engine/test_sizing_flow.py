@@ -1,4 +1,4 @@
-"""Measured KV cache sizing end to end (issue 6): configuration, the startup order, the fallback
+"""Measured KV cache sizing end to end: configuration, the startup order, the fallback
 and the report, on the CPU through the host VMM driver; the GPU essentials under `gpu`."""
 
 from __future__ import annotations
