@@ -227,7 +227,8 @@ def sweep_filters(num_rows: int, vocab_size: int) -> list[dict]:
     device = torch.device("cuda")
     logits, temperature, _ = inputs(num_rows, vocab_size, device)
     rows = []
-    for label, *values in FILTER_SETTINGS[:2]:  # the searches, not the closed-form min-p
+    searches = [s for s in FILTER_SETTINGS if s[3] is None]  # not the closed-form min-p
+    for label, *values in searches:
         filters = [None if v is None else torch.full((num_rows,), v, dtype=dtype, device=device)
                    for v, dtype in zip(values, (torch.int64, torch.float32, torch.float32),
                                        strict=True)]  # fmt: skip

@@ -57,6 +57,41 @@ def bench_bulk(device: torch.device, gib: float) -> dict[str, float]:
                 "release_plus_recommit_s": release + recommit}
 
 
+def bench_recommit_parts(device: torch.device, gib: float, chunk_gib: float) -> dict[str, float]:
+    """Where a recommit's time goes: physical allocation, mapping, access, and zeroing (as
+    uint8, the way `recommit` zeroes, and through wider int64 stores), for `gib` in
+    `chunk_gib` chunks of one reservation."""
+    n = int(gib * GiB)
+    chunk = int(chunk_gib * GiB)
+    with ExtensibleTensor(n, device) as t:
+        res = t._live()
+        drv = res.driver
+        offsets = range(0, n, chunk)
+        timings = {}
+        handles: list[int] = []
+        timings["create_s"] = _seconds(
+            lambda: handles.extend(drv.create(chunk, res.device_index) for _ in offsets), device)
+        timings["map_s"] = _seconds(
+            lambda: [drv.map(res.va + o, chunk, h) for o, h in zip(offsets, handles)], device)
+        timings["set_access_s"] = _seconds(
+            lambda: [drv.set_access(res.va + o, chunk, res.device_index) for o in offsets],
+            device)
+        view = t._bytes(res.va, n)
+        timings["zero_uint8_s"] = _seconds(
+            lambda: [view[o:o + chunk].zero_() for o in offsets], device)
+        timings["zero_uint8_again_s"] = _seconds(
+            lambda: [view[o:o + chunk].zero_() for o in offsets], device)
+        timings["zero_int64_s"] = _seconds(
+            lambda: [view[o:o + chunk].view(torch.int64).zero_() for o in offsets], device)
+        timings["zero_int64_whole_s"] = _seconds(lambda: view.view(torch.int64).zero_(), device)
+        del view
+        timings["unmap_release_s"] = _seconds(
+            lambda: [(drv.unmap(res.va + o, chunk), drv.release(h))
+                     for o, h in zip(offsets, handles)], device)
+    return {f"parts_{k}": v for k, v in timings.items()} | {"parts_gib": gib,
+                                                            "parts_chunk_gib": chunk_gib}
+
+
 def _copy_seconds(dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> float:
     if device.type != "cuda":
         return _seconds(lambda: dst.copy_(src), device)
@@ -95,6 +130,9 @@ def main() -> None:
                         help="size of the bulk commit/release/recommit (size down on small GPUs)")
     parser.add_argument("--copy-gib", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--parts-gib", type=float, default=32.0,
+                        help="size of the recommit breakdown (allocation, map, access, zeroing)")
+    parser.add_argument("--parts-chunk-gib", type=float, nargs="*", default=[1.0, 4.0])
     parser.add_argument("--out", required=True, help="JSON results path")
     args = parser.parse_args()
 
@@ -104,6 +142,11 @@ def main() -> None:
     results |= bench_growth(device, args.growth_gib)
     results |= bench_bulk(device, args.bulk_gib)
     results |= bench_bandwidth(device, args.copy_gib, args.repeats)
+    for chunk_gib in args.parts_chunk_gib:
+        parts = bench_recommit_parts(device, args.parts_gib, chunk_gib)
+        print(" ".join(f"{k}={v * 1e3:.1f}ms" if k.endswith("_s") else f"{k}={v}"
+                       for k, v in parts.items()))
+        results |= {f"{k}_{chunk_gib:g}": v for k, v in parts.items()}
     write_record(args.out, record_of("vmm", results, vars(args)))
 
     rows = [
