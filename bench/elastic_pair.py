@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--low-watermark", default="2GiB", help="--elastic-low-watermark")
     p.add_argument("--high-watermark", default="6GiB", help="--elastic-high-watermark")
     p.add_argument("--min-interval", type=float, default=2.0, help="--elastic-min-interval")
-    p.add_argument("--idle-s", type=float, default=2.0, help="--elastic-idle-s")
+    p.add_argument("--idle-s", type=float, default=0.5, help="--elastic-idle-s")
     p.add_argument("--modes", nargs="+", default=["static", "elastic"],
                    choices=["static", "elastic"])
     p.add_argument("--sample-ms", type=float, default=100.0)

@@ -32,6 +32,14 @@ def test_usage_target_is_used_plus_headroom_never_below_the_floor() -> None:
     assert not KVUsage(64, used_blocks=0, floor=64).is_low  # at the floor: nothing to give
 
 
+def test_demand_is_the_larger_of_use_and_what_running_sequences_will_hold() -> None:
+    young = KVUsage(1000, used_blocks=100, floor=64, running_need_blocks=400)
+    assert young.demand_blocks == 400 and young.idle_target == 800
+    assert not young.is_low  # 100 in use, but 400 needed before they finish
+    assert young.needs_more is False and KVUsage(1000, 100, 64, running_need_blocks=600).needs_more
+    assert KVUsage(1000, used_blocks=300, floor=64, running_need_blocks=200).demand_blocks == 300
+
+
 def test_idle_shrink_comes_after_idle_s_of_low_use_not_before() -> None:
     g, idle = governor(idle_s=5.0), KVUsage(1000, used_blocks=10, floor=64)
     assert g.idle_shrink(idle, now=0.0) is None

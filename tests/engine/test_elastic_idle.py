@@ -6,9 +6,10 @@ tokens as before."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from kvfit import LLM
+from kvfit import LLM, SamplingParams
 
 from .test_elastic_governor import (
     ENGINE,
@@ -68,5 +69,30 @@ def test_an_idle_engine_gives_its_cache_back_and_serves_identically_after_regrow
         metrics = {m.name: m.value for m in llm.get_metrics()}
         assert metrics["kvfit:kv_cache_idle_shrinks"] == stats.kv_cache_idle_shrinks
         assert_nothing_leaked(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_young_sequences_count_what_they_will_hold_so_a_busy_cache_is_not_idle(
+    qwen3: Path,
+) -> None:
+    """Right after prefill a burst uses a fraction of the blocks it will take: the governor's
+    demand is what the running sequences hold at prompt + max_tokens, so an idle shrink does
+    not take back blocks the burst needs a few steps later."""
+    llm = LLM(str(qwen3), device="cpu", **{**ENGINE, "elastic_idle_s": IDLE_S})
+    try:
+        bm = llm.engine.scheduler.block_manager
+        max_tokens = llm.config.scheduler_config.max_model_len - 8
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        [seq] = llm.make_request({"prompt_token_ids": [1, 2, 3, 4]}, params, "young")
+        llm.engine.add_request(seq)
+        llm.engine.step()
+        usage = llm.engine._kv_usage()
+        assert usage.used_blocks == bm.blocks_for(len(seq.token_ids)) < usage.running_need_blocks
+        assert usage.running_need_blocks == bm.blocks_for(4 + max_tokens)
+        assert usage.idle_target == max(usage.floor, 2 * usage.running_need_blocks)
+        assert replace(usage, running_need_blocks=0).idle_target < usage.idle_target
+        llm.engine.abort_request("young")
+        assert llm.engine._kv_usage().running_need_blocks == 0
     finally:
         llm.shutdown()

@@ -15,18 +15,29 @@ grow and a few to arrive before the next grow."""
 class KVUsage:
     """One engine's KV cache between steps: `num_blocks` committed, `used_blocks` referenced by
     live sequences (free prefix-cache blocks are not: they may be evicted), `floor` the blocks
-    of one `max_model_len` sequence, and `short`: sequences were preempted, or a waiting one
-    does not fit in the free blocks."""
+    of one `max_model_len` sequence, `short`: sequences were preempted, or a waiting one
+    does not fit in the free blocks, and `running_need_blocks`: what the running sequences
+    will hold at their length limit (prompt + max_tokens, capped at max_model_len).
+
+    The governor reads the larger of use and that need as the cache's demand: a burst of
+    young sequences uses a fraction of what it is about to take, and a shrink to its current
+    use would only be undone a few steps later, after preempting some of it."""
 
     num_blocks: int
     used_blocks: int
     floor: int
     short: bool = False
+    running_need_blocks: int = 0
+
+    @property
+    def demand_blocks(self) -> int:
+        """Blocks the live sequences use now or will use before they finish."""
+        return max(self.used_blocks, self.running_need_blocks)
 
     @property
     def idle_target(self) -> int:
-        """Blocks an idle shrink keeps: what is used plus headroom, never below `floor`."""
-        return max(self.floor, math.ceil(self.used_blocks * IDLE_HEADROOM))
+        """Blocks an idle shrink keeps: the demand plus headroom, never below `floor`."""
+        return max(self.floor, math.ceil(self.demand_blocks * IDLE_HEADROOM))
 
     @property
     def is_low(self) -> bool:
@@ -39,4 +50,4 @@ class KVUsage:
         """Short of blocks, or with less than the headroom an idle shrink keeps: what a grow
         waits for. Between this and `is_low` (a quarter to half of the cache used) the cache
         neither shrinks nor grows by its use: hysteresis."""
-        return self.short or self.used_blocks * IDLE_HEADROOM > self.num_blocks
+        return self.short or self.demand_blocks * IDLE_HEADROOM > self.num_blocks

@@ -414,15 +414,19 @@ class EngineCore:
         return event
 
     def _kv_usage(self) -> KVUsage:
-        """The cache's use, for the governor: blocks referenced, and whether it is short
-        (sequences preempted since the last poll, or the first waiting one does not fit)."""
+        """The cache's use, for the governor: blocks referenced, whether it is short
+        (sequences preempted since the last poll, or the first waiting one does not fit), and
+        the blocks the running sequences need to finish."""
         bm, scheduler = self.scheduler.block_manager, self.scheduler
         preempted = scheduler.num_preemptions > self._preemptions_seen
         self._preemptions_seen = scheduler.num_preemptions
         waiting = scheduler.waiting[0] if scheduler.waiting else None
         starved = waiting is not None and bm.blocks_for(len(waiting)) > bm.num_free_blocks
+        limit = scheduler.max_model_len
+        need = sum(bm.blocks_for(min(limit, seq.num_prompt_tokens + seq.sampling_params.max_tokens))
+                   for seq in scheduler.running)
         return KVUsage(bm.num_blocks, bm.num_blocks - bm.num_free_blocks,
-                       self.kv_resizer.floor, preempted or starved)
+                       self.kv_resizer.floor, preempted or starved, need)
 
     def kv_cache_state(self) -> dict[str, Any]:
         """The KV cache's size, bounds, resize counts and governor settings (`GET /kv_cache`);
