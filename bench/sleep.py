@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=8192, help="connector TTFT prompt tokens")
     p.add_argument("--ttft-rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="component timings, each")
+    p.add_argument("--pause-s", type=float, default=2.0,
+                   help="seconds between a release and the recommit timed after a pause")
     p.add_argument("--cycles", type=int, default=2, help="end-to-end sleep/wake per level")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--store", default=None, help="store directory (default: a temporary one)")
@@ -150,9 +152,14 @@ def components(llm: LLM, args: argparse.Namespace, device: torch.device) -> dict
     cache, arena = runner.kv_cache, runner.weight_arena
     kv_bytes = cache.physical_bytes
     release, recommit, recommit_one, offload, restore = [], [], [], [], []
+    recommit_paused = []
     for _ in range(args.repeats):
         release.append(timed(cache.release_physical, device)[0])
         recommit.append(timed(cache.recommit, device)[0])
+        # As an RL trainer wakes the engine: seconds after the release, not at once.
+        cache.release_physical()
+        time.sleep(args.pause_s)
+        recommit_paused.append(timed(cache.recommit, device)[0])
         chunks = cache.tensor.num_physical_chunks
         cache.release_physical()
         # Last, so the connector's cache is one chunk per segment again afterwards.
@@ -165,6 +172,9 @@ def components(llm: LLM, args: argparse.Namespace, device: torch.device) -> dict
         "kv_bytes": kv_bytes, "kv_chunks": chunks,
         "kv_release_s": release, "kv_recommit_s": recommit, "kv_recommit_one_chunk_s": recommit_one,
         "kv_release_recommit_s_per_100GiB": (min(release) + min(recommit)) * per_100GiB,
+        "kv_recommit_after_pause_s": recommit_paused, "pause_s": args.pause_s,
+        "kv_release_recommit_after_pause_s_per_100GiB":
+            (min(release) + min(recommit_paused)) * per_100GiB,
         "kv_release_recommit_one_chunk_s_per_100GiB":
             (min(release) + min(recommit_one)) * per_100GiB,
         "weights_bytes": arena.nbytes, "offload_s": offload, "restore_s": restore,
@@ -266,6 +276,8 @@ def print_table(r: dict) -> None:
           f" -> {c['kv_release_recommit_s_per_100GiB']:.3f} s per 100 GiB; recommitted as one"
           f" chunk (a connector's) {min(c['kv_recommit_one_chunk_s']):.4f} s -> "
           f"{c['kv_release_recommit_one_chunk_s_per_100GiB']:.3f} s per 100 GiB")
+    print(f"recommit {c['pause_s']:g} s after the release {min(c['kv_recommit_after_pause_s']):.4f}"
+          f" s -> {c['kv_release_recommit_after_pause_s_per_100GiB']:.3f} s per 100 GiB")
     print(f"weights offload {c['offload_GBps']:.1f} GB/s, restore {c['restore_GBps']:.1f} GB/s "
           f"(median {statistics.median(c['offload_s']):.3f} / "
           f"{statistics.median(c['restore_s']):.3f} s)")
