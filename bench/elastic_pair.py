@@ -22,6 +22,13 @@ governor polls. Both modes run one after the other:
   governors move memory: the idle engine gives back what it does not use after `--idle-s`, the
   busy one grows into it.
 
+`--workload chat` replaces independent prompts with `--concurrency` multi-turn conversations
+per engine (`Conversations`): each turn's prompt is the conversation's history plus
+`--turn-len` new tokens, so the engine that can keep more histories in its prefix cache
+recomputes less. It is the workload where memory, not bandwidth, bounds throughput: on
+independent prompts decode reads the weights once per step and each sequence's KV once per
+token, so more cache adds throughput only in proportion to M / (W + M).
+
 Reported per mode: output tokens served within the phases (aborted requests' tokens count:
 they were served), TTFT percentiles (arrival -> first token; a request still waiting when its
 phase ends counts as the phase's length), each engine's KV cache bytes every `--sample-ms`
@@ -55,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=256, help="requests a busy engine keeps")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--workload", choices=["random", "chat"], default="random",
+                   help="random: independent prompts; chat: multi-turn conversations whose "
+                   "histories the prefix cache can keep")
+    p.add_argument("--turn-len", type=int, default=128,
+                   help="chat: new user tokens each turn after the first")
     p.add_argument("--phase-s", type=float, default=20.0)
     p.add_argument("--num-phases", type=int, default=4)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -102,9 +114,45 @@ def serve(rank: int, args: argparse.Namespace, elastic: bool, ready: Any, start:
     llm.shutdown()
 
 
+class Conversations:
+    """`--concurrency` multi-turn chats with zero think time: a conversation's next prompt is
+    its whole history (every earlier prompt and answer) plus `--turn-len` new tokens, so the
+    prefix cache can serve the history if it kept it. A conversation starts from a first
+    prompt of 1/4 to 1x `--input-len` tokens and starts over once its next turn would pass
+    `--max-model-len`. A turn aborted at a phase's end is asked again in the engine's next
+    busy phase (the user comes back)."""
+
+    def __init__(self, args: argparse.Namespace, rng: random.Random, vocab: int) -> None:
+        self.args, self.rng, self.vocab = args, rng, vocab
+        self.idle: list[list[int]] = [[] for _ in range(args.concurrency)]  # histories
+        self.asked: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (history, prompt)
+
+    def _tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(n)]
+
+    def next_turn(self, rid: str) -> list[int]:
+        history = self.idle.pop()
+        fits = len(history) + self.args.turn_len + self.args.output_len <= self.args.max_model_len
+        if history and fits:
+            prompt = history + self._tokens(self.args.turn_len)
+        else:  # a new conversation
+            history = []
+            prompt = self._tokens(self.rng.randint(self.args.input_len // 4, self.args.input_len))
+        self.asked[rid] = (history, prompt)
+        return prompt
+
+    def answered(self, rid: str, token_ids: list[int]) -> None:
+        self.asked.pop(rid)
+        self.idle.append(list(token_ids))
+
+    def abandoned(self, rid: str) -> None:
+        self.idle.append(self.asked.pop(rid)[0])
+
+
 def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict[str, Any]:
     rng = random.Random(args.seed + rank)
     vocab = llm.config.model_config.hf_config.vocab_size
+    chats = Conversations(args, rng, vocab) if args.workload == "chat" else None
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     core, end = llm.engine, t0 + args.phase_s * args.num_phases
     arrived: dict[str, float] = {}
@@ -116,8 +164,9 @@ def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict
         if phase % 2 == rank:
             while len(live) < args.concurrency:
                 rid, n = f"{rank}-{n}", n + 1
-                prompt = {"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.input_len)]}
-                [seq] = llm.make_request(prompt, params, rid)
+                ids = (chats.next_turn(rid) if chats is not None
+                       else [rng.randrange(vocab) for _ in range(args.input_len)])
+                [seq] = llm.make_request({"prompt_token_ids": ids}, params, rid)
                 core.add_request(seq)
                 live[rid], arrived[rid] = seq, time.monotonic()
         elif live:  # the phase ended: abort what is still running
@@ -126,6 +175,8 @@ def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict
                 if seq.num_output_tokens == 0:
                     ttfts.append(phase_end - arrived[rid])
                 core.abort_request(rid)
+                if chats is not None:
+                    chats.abandoned(rid)
             live.clear()
         before = {rid: seq.num_output_tokens for rid, seq in live.items()}
         core.step()
@@ -136,6 +187,8 @@ def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict
                 ttfts.append(stepped - arrived[rid])
             if seq.is_finished:
                 del live[rid]
+                if chats is not None:
+                    chats.answered(rid, seq.token_ids)
         if not live:
             time.sleep(0.01)  # idle: the governor polls on each step
         if stepped >= next_sample:
@@ -144,6 +197,8 @@ def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict
             next_sample = stepped + args.sample_ms / 1e3
     stats = core.stats()
     return {"model": args.models[rank], "output_tokens": tokens, "ttft_s": ttfts,
+            "prefix_cache_hit_rate": (stats.prefix_cache_hit_tokens
+                                      / max(stats.prefix_cache_queried_tokens, 1)),
             "samples": samples, "num_preemptions": stats.num_preemptions,
             "kv_cache_idle_shrinks": stats.kv_cache_idle_shrinks,
             "kv_cache_shrinks": stats.kv_cache_shrinks, "kv_cache_grows": stats.kv_cache_grows,
@@ -187,7 +242,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for mode, r in modes.items():
         print(f"{mode:<8} tokens {r['output_tokens']:>9}  TTFT p50 {r['ttft_p50_s']} s  "
               f"p99 {r['ttft_p99_s']} s  idle shrinks "
-              f"{[e['kv_cache_idle_shrinks'] for e in r['engines']]}")
+              f"{[e['kv_cache_idle_shrinks'] for e in r['engines']]}  prefix hits "
+              f"{[round(e['prefix_cache_hit_rate'], 3) for e in r['engines']]}")
     if "token_ratio" in result:
         print(f"elastic / static tokens: {result['token_ratio']:.2f} (target >= 1.3)")
     return result
