@@ -6,7 +6,9 @@ speedup."""
 from __future__ import annotations
 
 import json
+import random
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import psutil
@@ -50,3 +52,25 @@ def test_elastic_pair_bench_smoke(bench, tmp_path: Path) -> None:  # noqa: ANN00
     assert any(r["cause"] == "idle" and r["time"] >= 2.0 for r in elastic[0]["resizes"])
     assert not [p for p in psutil.Process().children(recursive=True) if p.is_running()
                 and p.status() != psutil.STATUS_ZOMBIE and "spawn" in " ".join(p.cmdline())]
+
+
+def test_chat_turns_extend_their_history_and_start_over_past_max_model_len(bench) -> None:  # noqa: ANN001
+    args = bench.parse_args(["--workload", "chat", "--concurrency", "2", "--input-len", "40",
+                             "--turn-len", "8", "--output-len", "4", "--max-model-len", "64"])
+    chats = bench.Conversations(args, random.Random(0), vocab=1000)
+    first = chats.next_turn("a")
+    assert 10 <= len(first) <= 40  # a new conversation: 1/4 to 1x input_len
+    answer = first + [7, 7, 7, 7]
+    chats.answered("a", answer)
+    second = chats.next_turn("b")
+    assert second[:len(answer)] == answer and len(second) == len(answer) + 8
+    chats.abandoned("b")  # aborted at a phase's end: asked again later, same history
+    again = chats.next_turn("c")
+    assert again[:len(answer)] == answer and len(again) == len(answer) + 8
+    chats.answered("c", again + [1] * 4)
+    lengths = []
+    for i in range(20):  # grows by 12 a turn until the next would pass 64, then starts over
+        prompt = chats.next_turn(f"t{i}")
+        lengths.append(len(prompt))
+        chats.answered(f"t{i}", prompt + [0] * 4)
+    assert max(lengths) + 4 <= 64 and any(b < a for a, b in pairwise(lengths))
