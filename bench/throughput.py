@@ -119,16 +119,16 @@ def offline_workload(args: argparse.Namespace, vocab: int, seed: int) -> tuple[l
     return prompts, params
 
 
-def bench_throughput(args: argparse.Namespace, limits: DeviceLimits,
-                     backend: str = "uni") -> dict:
+def bench_throughput(args: argparse.Namespace, limits: DeviceLimits, backend: str = "uni",
+                     cudagraph_mode: str = "FULL_DECODE_ONLY") -> dict:
     """The offline workload: tokens per second from submission to the last completion, median
     of `--repeat` timed runs of the same shape (other token ids each, so no prefix-cache hits),
-    with the workers run by `backend` (`--distributed-executor-backend`); each run against the
-    limit of the steps it ran."""
+    with the workers run by `backend` (`--distributed-executor-backend`) and the graphs
+    `cudagraph_mode` asks for; each run against the limit of the steps it ran."""
     llm = LLM(args.model, device=args.device, load_format="dummy",
               max_model_len=2 * args.max_len + 1, enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size,
-              distributed_executor_backend=backend)
+              distributed_executor_backend=backend, cudagraph_mode=cudagraph_mode)
     vocab = llm.config.model_config.hf_config.vocab_size
     seeds = [args.seed + i for i in range(args.repeat)]
     if args.warmup:
@@ -161,8 +161,8 @@ def bench_throughput(args: argparse.Namespace, limits: DeviceLimits,
     llm.shutdown()
     median = sorted(runs, key=lambda r: r["output_tokens_per_s"])[(len(runs) - 1) // 2]
     return {"model": args.model, "num_seqs": args.num_seqs, "warmup": args.warmup,
-            "backend": backend, "tensor_parallel_size": args.tensor_parallel_size, **median,
-            "runs": runs}
+            "backend": backend, "cudagraph_mode": cudagraph_mode,
+            "tensor_parallel_size": args.tensor_parallel_size, **median, "runs": runs}
 
 
 def busy_fractions(events: list, start_us: float, end_us: float, bins: int) -> list[float]:
@@ -264,7 +264,8 @@ def bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits) -> 
     """Decode step time at each batch size against the limit of the same steps (weights and
     KV reads over the copy bandwidth, unless the GEMMs' FLOPs take longer)."""
     llm = LLM(model, device=args.device, load_format="dummy", max_num_seqs=max(args.decode_batches),
-              max_model_len=args.decode_context + 256, enforce_eager=args.enforce_eager)
+              max_model_len=args.decode_context + 256, enforce_eager=args.enforce_eager,
+              cudagraph_mode=args.cudagraph_mode[0])
     runner = llm.engine.executor.workers[0].runner
     spec = runner.kv_cache_spec
     shape = model_shape(llm)
@@ -304,7 +305,8 @@ def bench_ttft(model: str, args: argparse.Namespace, limits: DeviceLimits) -> di
     of the steps it ran (compute-bound: the GEMMs' and attention's FLOPs)."""
     llm = LLM(model, device=args.device, load_format="dummy", max_model_len=args.ttft_len + 1,
               max_num_batched_tokens=args.ttft_len, max_num_seqs=1,
-              enable_prefix_caching=False, enforce_eager=args.enforce_eager)
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager,
+              cudagraph_mode=args.cudagraph_mode[0])
     vocab = llm.config.model_config.hf_config.vocab_size
     rng = random.Random(args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -356,6 +358,11 @@ def main(argv: list[str] | None = None) -> None:
                         choices=["uni", "mp"], metavar="BACKEND",
                         help="uni and/or mp: one throughput run each, side by side, with the "
                              "ratio to the first (uni mp: what the process boundary costs)")
+    parser.add_argument("--cudagraph-mode", nargs="+", type=str.upper, metavar="MODE",
+                        default=["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"],
+                        help="one offline run per mode, side by side, with the ratio to the "
+                             "first (the default: prefill and mixed steps eager, then from "
+                             "piecewise graphs); decode and TTFT runs use the first")
     parser.add_argument("--profile", metavar="PATH",
                         help="after the timed run, profile the offline workload once more and "
                              "write the kernel table and device busy time to PATH")
@@ -380,8 +387,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_throughput:
         result["throughputs"] = []
         for backend in args.distributed_executor_backend:
-            result["throughputs"].append(bench_throughput(args, limits, backend))
-            gc.collect()
+            for mode in args.cudagraph_mode:
+                result["throughputs"].append(bench_throughput(args, limits, backend, mode))
+                gc.collect()
         result["throughput"] = result["throughputs"][0]
     result["decode"] = []
     for model in args.decode_models:
@@ -403,7 +411,8 @@ def print_tables(result: dict) -> None:
         each = ", ".join(f"{r['output_tokens_per_s']:,.0f} ({len(r['kernels_compiled'])} "
                          f"compiles)" for r in t["runs"])
         ratio = t["output_tokens_per_s"] / result["throughput"]["output_tokens_per_s"]
-        print(f"offline {t['model']} ({t['backend']}, TP={t['tensor_parallel_size']}): "
+        print(f"offline {t['model']} ({t['backend']}, TP={t['tensor_parallel_size']}, "
+              f"{t['cudagraph_mode']}): "
               f"{t['num_seqs']} seqs in {t['elapsed_s']:.2f} s, "
               f"{t['output_tokens_per_s']:,.0f} output tok/s ({ratio:.3f} x the first), "
               f"{t['total_tokens_per_s']:,.0f} total tok/s (median of {len(t['runs'])}: {each}); "

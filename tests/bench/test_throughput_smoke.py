@@ -46,7 +46,8 @@ def test_throughput_bench_records_each_figure_against_its_limit(bench, tmp_path:
     bench.main(["--device", "cpu", "--model", "kvfit-tiny", "--num-seqs", "4", "--min-len", "8",
                 "--max-len", "32", "--decode-models", "kvfit-tiny", "--decode-batches", "2",
                 "--decode-context", "32", "--iters", "3", "--ttft-models", "kvfit-tiny",
-                "--ttft-len", "48", "--ttft-repeat", "1", "--no-warmup", "--out", str(out)])
+                "--ttft-len", "48", "--ttft-repeat", "1", "--no-warmup",
+                "--cudagraph-mode", "full_decode_only", "full_and_piecewise", "--out", str(out)])
     record = json.loads(out.read_text())
     result, figures = record["results"], record["figures"]
     offline = result["throughput"]
@@ -60,3 +61,10 @@ def test_throughput_bench_records_each_figure_against_its_limit(bench, tmp_path:
     assert figures["ttft.kvfit-tiny.len48.of_limit"]["value"] == ttft["of_limit"] > 0
     assert ttft["limit"]["num_steps"] == 1  # one prefill step
     assert set(record["limits"]) == {"copy_gb_per_s", "gemm_tflops"}
+    # Graph modes side by side (on the CPU both run eagerly), each against its own limit.
+    modes = [t["cudagraph_mode"] for t in result["throughputs"]]
+    assert modes == ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+    for t in result["throughputs"]:
+        name = f"offline.uni.{t['cudagraph_mode']}"
+        assert figures[f"{name}.output_tokens_per_s"]["value"] == t["output_tokens_per_s"]
+        assert figures[f"{name}.of_limit"]["value"] == t["of_limit"]

@@ -44,6 +44,12 @@ def throughput(p: dict[str, Any]) -> Figures:
             f[f"offline.{key}"] = figure(t[key], "tokens/s", "higher")
     if "of_limit" in t:  # runs before the limit model carry none
         f["offline.of_limit"] = figure(t["of_limit"], "fraction", "higher")
+    runs = p.get("throughputs", [])
+    for r in runs if len(runs) > 1 else []:  # side by side: backends, graph modes
+        name = f"offline.{r['backend']}.{r.get('cudagraph_mode', 'FULL_DECODE_ONLY')}"
+        f[f"{name}.output_tokens_per_s"] = figure(r["output_tokens_per_s"], "tokens/s", "higher")
+        if "of_limit" in r:
+            f[f"{name}.of_limit"] = figure(r["of_limit"], "fraction", "higher")
     for d in p.get("decode", []):
         name = f"decode.{d['model']}.batch{d['batch']}"
         f[f"{name}.step_ms"] = figure(d["step_ms"], "ms", "lower")
