@@ -139,7 +139,8 @@ class PiecewiseGraphRunner:
             metadata: AttentionMetadata) -> torch.Tensor:
         """One step: inputs into the buffers, padded to its bucket; each piece replayed with
         the attention of its layer run eagerly after it; returns `hidden[:n]` (a view of a
-        buffer the next step overwrites)."""
+        buffer the next step overwrites). Allocates only what the eager attention does (its
+        scratch, at most that of warmup's eager step at max_num_batched_tokens)."""
         n = input_ids.shape[0]
         size = bucket_for(self.buckets, n)
         if size is None or not self.replays:
