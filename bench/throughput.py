@@ -1,9 +1,10 @@
-"""Engine benchmark: offline throughput, and decode step time against the memory roofline.
+"""Engine benchmark: offline throughput, decode step time and time to first token, each against
+the physical limit of the same work on the same device.
 
     python3 bench/throughput.py --out throughput.json                 # on the GPU machine
     python3 bench/throughput.py --device cpu --model kvfit-tiny --num-seqs 8 --min-len 8 \\
         --max-len 64 --decode-models kvfit-tiny --decode-batches 1 4 --decode-context 32 \\
-        --out t.json
+        --ttft-models kvfit-tiny --ttft-len 64 --out t.json
 
 Throughput: `--num-seqs` requests of random token ids, prompt and output lengths uniform in
 [`--min-len`, `--max-len`], ignore_eos, sampled at temperature 1 (dummy weights), after an untimed
@@ -11,9 +12,14 @@ run of the same shape (kernel compilation); the median of `--repeat` timed runs.
 engine step while a batch of sequences of about `--decode-context` tokens all decode, over
 `--iters` steps of the engine loop as it runs (overlapped: step k + 1 is launched before step k's
 tokens are read; CUDA graphs unless --enforce-eager); and, for reference, the median synchronous
-model-runner step (host work and device work one after the other). The roofline is (weight bytes +
-KV bytes read) over the device-to-device copy bandwidth measured in the same run. Writes JSON to
---out and prints a table.
+model-runner step (host work and device work one after the other). TTFT: one prompt of
+`--ttft-len` random tokens, one output token, in one prefill step (median of `--ttft-repeat`).
+
+Limits (`kvfit.benchmarks.limits`): the copy bandwidth and bf16 GEMM throughput are measured
+first, in the same run; every step each measurement launched is recorded as scheduled, and its
+limit is max(bytes / bandwidth, FLOPs / GEMM throughput), summed over the steps. Each figure
+carries `of_limit` = limit time / measured time (1.0 = at the limit). Writes JSON to --out and
+prints a table.
 """
 
 from __future__ import annotations
@@ -29,6 +35,14 @@ import torch
 
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import (
+    DeviceLimits,
+    ModelShape,
+    RunLimit,
+    StepShape,
+    measure_device_limits,
+    run_limit,
+)
 from kvfit.benchmarks.record import write_record
 from kvfit.engine.sequence import ScheduledBatch, Sequence
 from kvfit.ops.compiles import triton_compiles
@@ -53,12 +67,44 @@ def median_seconds(fn: Callable[[], object], device: torch.device, iters: int) -
     return statistics.median(times)
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = GiB, iters: int = 10) -> float:
-    """Bytes moved per second (read + write) by a device-to-device copy, median."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    return 2 * nbytes / median_seconds(lambda: dst.copy_(src), device, iters)
+class StepRecorder:
+    """Within `with`, the shape of every step `llm`'s engine launches (`steps`), taken before
+    the launch advances its sequences; a launch that raises (an OOM the guard retries) is not
+    kept. Costs one pass over each step's sequences on the host."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.executor = llm.engine.executor
+        self.steps: list[StepShape] = []
+
+    def __enter__(self) -> StepRecorder:
+        launch = self.executor.launch
+
+        def recording_launch(batch: ScheduledBatch) -> object:
+            starts = [s.num_computed_tokens for s in batch.seqs]
+            logits = sum(a + n == len(s) for a, n, s in
+                         zip(starts, batch.num_new_tokens, batch.seqs, strict=True))
+            launched = launch(batch)
+            self.steps.append(StepShape(starts, list(batch.num_new_tokens), logits))
+            return launched
+
+        self.executor.launch = recording_launch
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.executor.launch  # the class's method again
+
+
+def model_shape(llm: LLM) -> ModelShape:
+    """The counted shape of `llm`'s model in its dtype (KV cache in the same dtype)."""
+    mc = llm.config.model_config
+    return ModelShape.from_hf_config(mc.hf_config, dtype_bytes=mc.dtype.itemsize)
+
+
+def limit_of(llm: LLM, steps: list[StepShape], limits: DeviceLimits) -> RunLimit:
+    """The limit of `steps` on one device; tensor-parallel ranks each do 1/TP of it at once."""
+    limit = run_limit(model_shape(llm), steps, limits)
+    tp = llm.config.parallel_config.tensor_parallel_size
+    return RunLimit(limit.seconds / tp, limit.work, limit.num_steps, limit.memory_bound_steps)
 
 
 def offline_workload(args: argparse.Namespace, vocab: int, seed: int) -> tuple[list, list]:
@@ -73,14 +119,16 @@ def offline_workload(args: argparse.Namespace, vocab: int, seed: int) -> tuple[l
     return prompts, params
 
 
-def bench_throughput(args: argparse.Namespace, backend: str = "uni") -> dict:
+def bench_throughput(args: argparse.Namespace, limits: DeviceLimits, backend: str = "uni",
+                     cudagraph_mode: str = "FULL_DECODE_ONLY") -> dict:
     """The offline workload: tokens per second from submission to the last completion, median
     of `--repeat` timed runs of the same shape (other token ids each, so no prefix-cache hits),
-    with the workers run by `backend` (`--distributed-executor-backend`)."""
+    with the workers run by `backend` (`--distributed-executor-backend`) and the graphs
+    `cudagraph_mode` asks for; each run against the limit of the steps it ran."""
     llm = LLM(args.model, device=args.device, load_format="dummy",
               max_model_len=2 * args.max_len + 1, enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size,
-              distributed_executor_backend=backend)
+              distributed_executor_backend=backend, cudagraph_mode=cudagraph_mode)
     vocab = llm.config.model_config.hf_config.vocab_size
     seeds = [args.seed + i for i in range(args.repeat)]
     if args.warmup:
@@ -91,18 +139,21 @@ def bench_throughput(args: argparse.Namespace, backend: str = "uni") -> dict:
     for seed in seeds:
         prompts, params = offline_workload(args, vocab, seed)
         _sync(llm.config.device)
-        with triton_compiles() as compiled:
+        with triton_compiles() as compiled, StepRecorder(llm) as recorder:
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             _sync(llm.config.device)
             elapsed = time.perf_counter() - start
         output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        limit = limit_of(llm, recorder.steps, limits)
         runs.append({
             "seed": seed, "elapsed_s": elapsed,
             "output_tokens": output_tokens, "prompt_tokens": prompt_tokens,
             "output_tokens_per_s": output_tokens / elapsed,
             "total_tokens_per_s": (output_tokens + prompt_tokens) / elapsed,
+            "limit_output_tokens_per_s": output_tokens / limit.seconds,
+            "of_limit": limit.seconds / elapsed, "limit": limit.as_dict(),
             "kernels_compiled": compiled,  # inside the timed run: each costs ~1 s
         })
     if args.profile:
@@ -110,8 +161,8 @@ def bench_throughput(args: argparse.Namespace, backend: str = "uni") -> dict:
     llm.shutdown()
     median = sorted(runs, key=lambda r: r["output_tokens_per_s"])[(len(runs) - 1) // 2]
     return {"model": args.model, "num_seqs": args.num_seqs, "warmup": args.warmup,
-            "backend": backend, "tensor_parallel_size": args.tensor_parallel_size, **median,
-            "runs": runs}
+            "backend": backend, "cudagraph_mode": cudagraph_mode,
+            "tensor_parallel_size": args.tensor_parallel_size, **median, "runs": runs}
 
 
 def busy_fractions(events: list, start_us: float, end_us: float, bins: int) -> list[float]:
@@ -167,10 +218,11 @@ def decode_batch(batch_size: int, context: int, block_size: int) -> ScheduledBat
 
 def engine_decode_step(
     llm: LLM, batch_size: int, context: int, iters: int
-) -> tuple[float, float]:
-    """`(seconds per engine step, mean context)` over `iters` engine steps while `batch_size`
-    sequences of about `context` tokens all decode: the loop as it runs, step k + 1 launched
-    before step k's tokens are read, so host work hidden behind the device is not counted."""
+) -> tuple[float, float, list[StepShape]]:
+    """`(seconds per engine step, mean context, the steps launched)` over `iters` engine steps
+    while `batch_size` sequences of about `context` tokens all decode: the loop as it runs,
+    step k + 1 launched before step k's tokens are read, so host work hidden behind the device
+    is not counted."""
     engine, cfg = llm.engine, llm.config
     vocab = cfg.model_config.hf_config.vocab_size
     # The first sequences to finish prefill decode while the others prefill: enough tokens
@@ -187,15 +239,16 @@ def engine_decode_step(
         engine.step()
     first = statistics.mean(len(seq) for seq in seqs)
     _sync(cfg.device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        engine.step()
-    _sync(cfg.device)
-    elapsed = time.perf_counter() - start
+    with StepRecorder(llm) as recorder:
+        start = time.perf_counter()
+        for _ in range(iters):
+            engine.step()
+        _sync(cfg.device)
+        elapsed = time.perf_counter() - start
     mean_context = (first + statistics.mean(len(seq) for seq in seqs)) / 2
     while engine.has_unfinished():
         engine.step()
-    return elapsed / iters, mean_context
+    return elapsed / iters, mean_context, recorder.steps
 
 
 def runner_step(llm: LLM, batch: ScheduledBatch, iters: int) -> float:
@@ -207,15 +260,15 @@ def runner_step(llm: LLM, batch: ScheduledBatch, iters: int) -> float:
     return median_seconds(lambda: runner.execute(batch), llm.config.device, iters)
 
 
-def bench_decode(model: str, args: argparse.Namespace, bandwidth: float) -> list[dict]:
-    """Decode step time at each batch size against (weights + KV read) / copy bandwidth."""
+def bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits) -> list[dict]:
+    """Decode step time at each batch size against the limit of the same steps (weights and
+    KV reads over the copy bandwidth, unless the GEMMs' FLOPs take longer)."""
     llm = LLM(model, device=args.device, load_format="dummy", max_num_seqs=max(args.decode_batches),
-              max_model_len=args.decode_context + 256, enforce_eager=args.enforce_eager)
-    worker = llm.engine.executor.workers[0]
-    runner = worker.runner
+              max_model_len=args.decode_context + 256, enforce_eager=args.enforce_eager,
+              cudagraph_mode=args.cudagraph_mode[0])
+    runner = llm.engine.executor.workers[0].runner
     spec = runner.kv_cache_spec
-    weight_bytes = worker.weights
-    kv_bytes_per_token = spec.block_bytes // spec.block_size
+    shape = model_shape(llm)
     rows = []
     for batch_size in args.decode_batches:
         batch = decode_batch(batch_size, args.decode_context, spec.block_size)
@@ -224,24 +277,58 @@ def bench_decode(model: str, args: argparse.Namespace, bandwidth: float) -> list
             print(f"skip {model} batch {batch_size}: needs {needed} blocks, "
                   f"the cache holds {runner.num_blocks}")
             continue
-        step, context = engine_decode_step(llm, batch_size, args.decode_context, args.iters)
+        step, context, steps = engine_decode_step(llm, batch_size, args.decode_context,
+                                                  args.iters)
         sync_step = runner_step(llm, batch, args.iters)  # after the engine's run has drained
-        roofline = (weight_bytes + batch_size * context * kv_bytes_per_token) / bandwidth
-        sync_roofline = (weight_bytes + batch_size * args.decode_context * kv_bytes_per_token
-                         ) / bandwidth
+        limit = limit_of(llm, steps, limits)
+        roofline = limit.seconds / len(steps)
+        sync_roofline = run_limit(shape, [StepShape([args.decode_context - 1] * batch_size,
+                                                    [1] * batch_size, batch_size)],
+                                  limits).seconds
         rows.append({
             "model": model, "batch": batch_size, "context": context,
             "step_ms": step * 1e3, "roofline_ms": roofline * 1e3, "ratio": step / roofline,
+            "of_limit": roofline / step,
             "sync_step_ms": sync_step * 1e3, "sync_ratio": sync_step / sync_roofline,
-            "weight_gib": weight_bytes / GiB,
-            "kv_gib": batch_size * context * kv_bytes_per_token / GiB,
+            "weight_gib": limit.work.weight_bytes / len(steps) / GiB,
+            "kv_gib": limit.work.kv_read_bytes / len(steps) / GiB,
+            "memory_bound": limit.memory_bound_steps == limit.num_steps,
             "graphs": runner.graphs is not None and runner.graphs.can_run(batch),
         })
     llm.shutdown()
     return rows
 
 
-def main() -> None:
+def bench_ttft(model: str, args: argparse.Namespace, limits: DeviceLimits) -> dict:
+    """Time to first token of one prompt of `--ttft-len` random tokens (one output token,
+    prefilled in one step), median of `--ttft-repeat` after an untimed one; against the limit
+    of the steps it ran (compute-bound: the GEMMs' and attention's FLOPs)."""
+    llm = LLM(model, device=args.device, load_format="dummy", max_model_len=args.ttft_len + 1,
+              max_num_batched_tokens=args.ttft_len, max_num_seqs=1,
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager,
+              cudagraph_mode=args.cudagraph_mode[0])
+    vocab = llm.config.model_config.hf_config.vocab_size
+    rng = random.Random(args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times, limit = [], None
+    for i in range(args.ttft_repeat + 1):
+        prompt = {"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.ttft_len)]}
+        _sync(llm.config.device)
+        with StepRecorder(llm) as recorder:
+            start = time.perf_counter()
+            llm.generate([prompt], params, use_tqdm=False)
+            _sync(llm.config.device)
+            elapsed = time.perf_counter() - start
+        if i:  # the first call compiles and warms: not timed
+            times.append(elapsed)
+            limit = limit_of(llm, recorder.steps, limits)
+    llm.shutdown()
+    ttft = statistics.median(times)
+    return {"model": model, "prompt_len": args.ttft_len, "ttft_s": ttft, "runs_s": times,
+            "limit_s": limit.seconds, "of_limit": limit.seconds / ttft, "limit": limit.as_dict()}
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON output path")
@@ -256,6 +343,11 @@ def main() -> None:
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--decode-context", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--ttft-models", nargs="*", default=["qwen3-8b-shape"],
+                        help="models whose time to first token is measured (none: skip)")
+    parser.add_argument("--ttft-len", type=int, default=8192, help="TTFT prompt length")
+    parser.add_argument("--ttft-repeat", type=int, default=3,
+                        help="timed TTFT runs (after one untimed); the median is reported")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--repeat", type=int, default=1,
                         help="timed offline runs; the median (lower middle) is reported")
@@ -266,47 +358,78 @@ def main() -> None:
                         choices=["uni", "mp"], metavar="BACKEND",
                         help="uni and/or mp: one throughput run each, side by side, with the "
                              "ratio to the first (uni mp: what the process boundary costs)")
+    parser.add_argument("--cudagraph-mode", nargs="+", type=str.upper, metavar="MODE",
+                        default=["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"],
+                        help="one offline run per mode, side by side, with the ratio to the "
+                             "first (the default: prefill and mixed steps eager, then from "
+                             "piecewise graphs); decode and TTFT runs use the first")
     parser.add_argument("--profile", metavar="PATH",
                         help="after the timed run, profile the offline workload once more and "
                              "write the kernel table and device busy time to PATH")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="an untimed run of the offline workload's shape first (kernel "
                              "compilation)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
 
     result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
                     else "cpu"}
+    # First, before any engine holds memory: the limits every figure is held against.
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the engine's default
+    limits = measure_device_limits(device, dtype)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    result["copy_bandwidth_gbps"] = limits.copy_bytes_per_s / 1e9
+    result["gemm_tflops"] = limits.gemm_flops_per_s / 1e12
+    result["gemm_dtype"] = str(dtype).removeprefix("torch.")
     if not args.skip_throughput:
         result["throughputs"] = []
         for backend in args.distributed_executor_backend:
-            result["throughputs"].append(bench_throughput(args, backend))
-            gc.collect()
+            for mode in args.cudagraph_mode:
+                result["throughputs"].append(bench_throughput(args, limits, backend, mode))
+                gc.collect()
         result["throughput"] = result["throughputs"][0]
-    result["copy_bandwidth_gbps"] = copy_bandwidth(device) / 1e9
     result["decode"] = []
     for model in args.decode_models:
-        result["decode"] += bench_decode(model, args, result["copy_bandwidth_gbps"] * 1e9)
+        result["decode"] += bench_decode(model, args, limits)
+        gc.collect()
+    result["ttft"] = []
+    for model in args.ttft_models:
+        result["ttft"].append(bench_ttft(model, args, limits))
         gc.collect()
     write_record(args.out, record_of("throughput", result, vars(args)))
+    print_tables(result)
 
-    print(f"device: {result['device']}, copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s")
+
+def print_tables(result: dict) -> None:
+    """The figures of a run, each with its share of the limit."""
+    print(f"device: {result['device']}, copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s, "
+          f"{result['gemm_dtype']} GEMM {result['gemm_tflops']:.1f} TFLOP/s")
     for t in result.get("throughputs", []):
         each = ", ".join(f"{r['output_tokens_per_s']:,.0f} ({len(r['kernels_compiled'])} "
                          f"compiles)" for r in t["runs"])
         ratio = t["output_tokens_per_s"] / result["throughput"]["output_tokens_per_s"]
-        print(f"offline {t['model']} ({t['backend']}, TP={t['tensor_parallel_size']}): "
+        print(f"offline {t['model']} ({t['backend']}, TP={t['tensor_parallel_size']}, "
+              f"{t['cudagraph_mode']}): "
               f"{t['num_seqs']} seqs in {t['elapsed_s']:.2f} s, "
               f"{t['output_tokens_per_s']:,.0f} output tok/s ({ratio:.3f} x the first), "
-              f"{t['total_tokens_per_s']:,.0f} total tok/s (median of {len(t['runs'])}: {each})")
-    print(f"{'model':<18} {'batch':>5} {'context':>7} {'step ms':>8} {'roofline ms':>11} "
-          f"{'ratio':>5} {'sync step ms':>12} {'sync ratio':>10} graphs")
+              f"{t['total_tokens_per_s']:,.0f} total tok/s (median of {len(t['runs'])}: {each}); "
+              f"limit {t['limit_output_tokens_per_s']:,.0f} output tok/s "
+              f"({t['limit']['memory_bound_steps']}/{t['limit']['num_steps']} steps "
+              f"memory-bound): {t['of_limit']:.1%} of the limit")
+    print(f"{'model':<18} {'batch':>5} {'context':>7} {'step ms':>8} {'limit ms':>8} "
+          f"{'ratio':>5} {'of limit':>8} {'sync step ms':>12} {'sync ratio':>10} graphs")
     for r in result["decode"]:
         print(f"{r['model']:<18} {r['batch']:>5} {r['context']:>7.0f} {r['step_ms']:>8.3f} "
-              f"{r['roofline_ms']:>11.3f} {r['ratio']:>5.2f} {r['sync_step_ms']:>12.3f} "
-              f"{r['sync_ratio']:>10.2f} {r['graphs']}")
+              f"{r['roofline_ms']:>8.3f} {r['ratio']:>5.2f} {r['of_limit']:>8.1%} "
+              f"{r['sync_step_ms']:>12.3f} {r['sync_ratio']:>10.2f} {r['graphs']}")
+    for r in result.get("ttft", []):
+        print(f"TTFT {r['model']} {r['prompt_len']} tokens: {r['ttft_s'] * 1e3:.1f} ms, limit "
+              f"{r['limit_s'] * 1e3:.1f} ms ({r['limit']['gemm_tflop']:.3g} TFLOP GEMM + "
+              f"{r['limit']['attention_tflop']:.3g} TFLOP attention): "
+              f"{r['of_limit']:.1%} of the limit")
 
 
 if __name__ == "__main__":

@@ -26,12 +26,13 @@ def capacity(gain: float = 0.08, startup_s: float = 1.0) -> dict[str, Any]:
 
 
 def throughput(tokens_per_s: float = 1000.0) -> dict[str, Any]:
-    return {"device": "cpu", "copy_bandwidth_gbps": 100.0,
+    return {"device": "cpu", "copy_bandwidth_gbps": 100.0, "gemm_tflops": 2.0,
             "throughput": {"output_tokens_per_s": tokens_per_s,
-                           "total_tokens_per_s": 2 * tokens_per_s},
+                           "total_tokens_per_s": 2 * tokens_per_s, "of_limit": 0.8},
             "decode": [{"model": "tiny", "batch": b, "context": 64.0, "step_ms": 1.0 + b / 64,
                         "roofline_ms": 0.5 + b / 128, "ratio": 2.0, "sync_step_ms": 1.5 + b / 64}
-                       for b in (1, 8, 64)]}
+                       for b in (1, 8, 64)],
+            "ttft": [{"model": "tiny", "prompt_len": 64, "ttft_s": 0.02, "of_limit": 0.5}]}
 
 
 def serving() -> dict[str, Any]:

@@ -49,8 +49,14 @@ def test_figures_are_drawn_from_the_payload() -> None:
     assert f["tiny.blocks_gain"] == {"value": 0.1, "unit": "fraction", "direction": "higher"}
     assert f["tiny.startup_measured_s"]["value"] == 2.0
     assert f["tiny.startup_measured_s"]["direction"] == "lower"
-    limits = record_of("throughput", payloads.throughput(), {})["limits"]
-    assert limits == {"copy_gb_per_s": {"value": 100.0, "unit": "GB/s", "direction": "higher"}}
+    record = record_of("throughput", payloads.throughput(), {})
+    assert record["limits"] == {
+        "copy_gb_per_s": {"value": 100.0, "unit": "GB/s", "direction": "higher"},
+        "gemm_tflops": {"value": 2.0, "unit": "TFLOP/s", "direction": "higher"}}
+    f = record["figures"]
+    assert f["offline.of_limit"] == {"value": 0.8, "unit": "fraction", "direction": "higher"}
+    assert f["ttft.tiny.len64.ttft_s"]["value"] == 0.02
+    assert f["ttft.tiny.len64.of_limit"]["value"] == 0.5
 
 
 def test_validate_names_every_violation() -> None:

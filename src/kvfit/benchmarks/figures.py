@@ -42,10 +42,22 @@ def throughput(p: dict[str, Any]) -> Figures:
     for key in ("output_tokens_per_s", "total_tokens_per_s"):
         if key in t:
             f[f"offline.{key}"] = figure(t[key], "tokens/s", "higher")
+    if "of_limit" in t:  # runs before the limit model carry none
+        f["offline.of_limit"] = figure(t["of_limit"], "fraction", "higher")
+    runs = p.get("throughputs", [])
+    for r in runs if len(runs) > 1 else []:  # side by side: backends, graph modes
+        name = f"offline.{r['backend']}.{r.get('cudagraph_mode', 'FULL_DECODE_ONLY')}"
+        f[f"{name}.output_tokens_per_s"] = figure(r["output_tokens_per_s"], "tokens/s", "higher")
+        if "of_limit" in r:
+            f[f"{name}.of_limit"] = figure(r["of_limit"], "fraction", "higher")
     for d in p.get("decode", []):
         name = f"decode.{d['model']}.batch{d['batch']}"
         f[f"{name}.step_ms"] = figure(d["step_ms"], "ms", "lower")
         f[f"{name}.over_roofline"] = figure(d["ratio"], "ratio", "lower")
+    for r in p.get("ttft", []):
+        name = f"ttft.{r['model']}.len{r['prompt_len']}"
+        f[f"{name}.ttft_s"] = figure(r["ttft_s"], "s", "lower")
+        f[f"{name}.of_limit"] = figure(r["of_limit"], "fraction", "higher")
     return f
 
 
@@ -197,6 +209,14 @@ def copy_limit(p: dict[str, Any]) -> Figures:
     return {}
 
 
+def device_limits(p: dict[str, Any]) -> Figures:
+    """Copy bandwidth and GEMM throughput measured in the run (`kvfit.benchmarks.limits`)."""
+    f = copy_limit(p)
+    if p.get("gemm_tflops") is not None:
+        f["gemm_tflops"] = figure(p["gemm_tflops"], "TFLOP/s", "higher")
+    return f
+
+
 def no_figures(p: Any) -> Figures:
     """Tuning sweeps: tables of configurations, not claims."""
     return {}
@@ -211,7 +231,7 @@ FIGURES: dict[str, Callable[[Any], Figures]] = {
     "bench-serve": bench_serve, "async-engine": async_engine,
 }
 LIMITS: dict[str, Callable[[Any], Figures]] = {
-    "throughput": copy_limit, "sampling": copy_limit, "attention": copy_limit}
+    "throughput": device_limits, "sampling": copy_limit, "attention": copy_limit}
 
 
 def record_of(bench: str, payload: Any, config: dict[str, Any]) -> dict[str, Any]:

@@ -118,6 +118,9 @@ class SchedulerConfig:
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
+# vLLM's CUDAGraphMode names: FULL = decode steps whole from a graph (`cuda_graph_sizes`),
+# PIECEWISE = any step's dense pieces from graphs at token buckets, attention eager between.
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
 
 @dataclass
@@ -142,6 +145,7 @@ class EngineConfig:
     device: torch.device
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] = field(default_factory=list)
+    cudagraph_mode: str = "FULL_DECODE_ONLY"  # one of CUDAGRAPH_MODES; enforce_eager wins
     enable_sleep_mode: bool = False
     kv_cache_layout: str = "block_outer"
     kv_connector_config: KVConnectorConfig | None = None
@@ -184,6 +188,7 @@ class EngineArgs:
     seed: int = 0
     max_logprobs: int = 20
     cuda_graph_sizes: list[int] | None = None
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
     gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -246,6 +251,13 @@ class EngineArgs:
         p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=d.cuda_graph_sizes,
                        metavar="N", help="batch sizes to capture (default: 1 2 4 8 16..512 "
                        "by 16, up to max-num-seqs)")
+        p.add_argument("--cudagraph-mode", default=d.cudagraph_mode, type=str.upper,
+                       choices=CUDAGRAPH_MODES,
+                       help="FULL_DECODE_ONLY: decode steps from whole-step graphs, the rest "
+                       "eager; FULL_AND_PIECEWISE: prefill and mixed steps too, from graphs of "
+                       "the layers' dense parts at token-count buckets up to "
+                       "max-num-batched-tokens, attention eager between them; PIECEWISE: "
+                       "every step piecewise; NONE: no graphs (default: %(default)s)")
         p.add_argument("--gpu-memory-utilization", type=float,
                        default=d.gpu_memory_utilization,
                        help="share of device memory the engine may use, in (0, 1] (default: "
@@ -357,6 +369,8 @@ class EngineArgs:
             cuda_graph_sizes=_resolve_graph_sizes(
                 self.cuda_graph_sizes, min(max_num_seqs, max_batched)
             ),
+            cudagraph_mode=_check_choice("cudagraph_mode", self.cudagraph_mode.upper(),
+                                         CUDAGRAPH_MODES),
             enable_sleep_mode=self._check_sleep_mode(device),
             kv_cache_layout=_check_choice("kv_cache_layout", self.kv_cache_layout,
                                           tuple(LAYOUTS)),

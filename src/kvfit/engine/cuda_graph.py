@@ -21,7 +21,8 @@ class CUDAGraphRunner:
 
     A batch of n decodes replays the graph of the smallest captured size >= n; the padded rows
     write nothing (slot -1) and attend to one token of block 0, which is always committed.
-    All graphs share one memory pool. `num_capture_passes` counts `capture()` calls.
+    All graphs share one memory pool (`pool`: the runner's, shared with its piecewise graphs).
+    `num_capture_passes` counts `capture()` calls.
     """
 
     def __init__(
@@ -31,6 +32,7 @@ class CUDAGraphRunner:
         max_num_blocks_per_seq: int,
         max_model_len: int,
         device: torch.device,
+        pool: object = None,
     ) -> None:
         self.model = model
         self.capture_sizes = sorted(capture_sizes)
@@ -45,7 +47,7 @@ class CUDAGraphRunner:
         self.block_table = torch.zeros(max_bs, max_num_blocks_per_seq, **i32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.num_capture_passes = 0
 
     @property

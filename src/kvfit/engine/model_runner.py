@@ -20,6 +20,8 @@ from kvfit.engine.sampling_features import WarmupLimits, worst_case_params
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import PENDING_TOKEN, ModelOutput, ScheduledBatch, Sequence
 from kvfit.engine.transfer import to_device, to_device_packed, to_host
+from kvfit.graphs.buckets import default_buckets
+from kvfit.graphs.piecewise import PiecewiseGraphRunner
 from kvfit.kv.cache import ExtensibleKVCache
 from kvfit.models.loader import load_model
 from kvfit.models.weight_arena import WeightArena
@@ -53,6 +55,7 @@ class ModelRunner:
         self._num_allocated_blocks = 0
         self._allocated_cache: torch.Tensor | None = None  # without the extensible cache
         self.graphs: CUDAGraphRunner | None = None
+        self.piecewise: PiecewiseGraphRunner | None = None  # prefill and mixed steps
         # The last launched step's sampled ids (on the device) and the row of each sequence:
         # where the next step reads the tokens its sequences still hold as PENDING_TOKEN.
         self._last_sampled: tuple[torch.Tensor, dict[int, int]] | None = None
@@ -113,7 +116,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Free the graphs and the KV cache (the reservation too); the runner is done."""
-        self.graphs = None
+        self.graphs = self.piecewise = None
         self.model = self.weight_arena = self._allocated_cache = None
         if self.kv_cache is not None:
             self.kv_cache.free()
@@ -195,6 +198,8 @@ class ModelRunner:
         input_ids, positions, metadata, logits_indices = self.prepare_inputs(batch)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(input_ids, positions, metadata)
+        elif self.piecewise is not None and self.piecewise.can_run(batch.num_tokens):
+            hidden = self.piecewise.run(input_ids, positions, metadata)
         else:
             hidden = self.model(input_ids, positions, metadata)
         sampled = [i for i, (s, n) in enumerate(_items(batch)) if _reaches_end(s, n)]
@@ -306,19 +311,31 @@ class ModelRunner:
                        params=self.warmup_params)
 
     def capture_cuda_graphs(self) -> None:
-        """Capture decode graphs against the current cache views (no-op under enforce_eager)."""
-        if self.config.enforce_eager or not self.config.cuda_graph_sizes:
+        """Capture the graphs `cudagraph_mode` asks for against the current cache views, into
+        one memory pool: piecewise graphs first (their largest bucket, max_num_batched_tokens,
+        holds the largest intermediates, which smaller captures reuse), then decode graphs.
+        A no-op under enforce_eager."""
+        mode = self.config.cudagraph_mode
+        if self.config.enforce_eager or mode == "NONE":
             return
-        if self.graphs is None:
-            self.graphs = CUDAGraphRunner(
-                self.model, self.config.cuda_graph_sizes, self.max_num_blocks_per_seq,
-                self.max_model_len, self.device,
-            )
-        self.graphs.capture()
+        pool = self.piecewise.pool if self.piecewise is not None else (
+            self.graphs.pool if self.graphs is not None else torch.cuda.graph_pool_handle())
+        if mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
+            if self.piecewise is None:
+                buckets = default_buckets(self.config.scheduler_config.max_num_batched_tokens)
+                self.piecewise = PiecewiseGraphRunner(self.model, buckets, self.device, pool)
+            self.piecewise.capture()
+        if mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE") and self.config.cuda_graph_sizes:
+            if self.graphs is None:
+                self.graphs = CUDAGraphRunner(
+                    self.model, self.config.cuda_graph_sizes, self.max_num_blocks_per_seq,
+                    self.max_model_len, self.device, pool,
+                )
+            self.graphs.capture()
 
     def drop_cuda_graphs(self) -> None:
         """Free the captured graphs and their pool (after the estimate's throwaway pass)."""
-        self.graphs = None
+        self.graphs = self.piecewise = None
 
 
 def eos_token_ids(hf_config: PretrainedConfig) -> list[int]:

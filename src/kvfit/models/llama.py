@@ -86,6 +86,15 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
+        q = self.project(positions, hidden, attn_metadata.slot_mapping)
+        return self.o_proj(self.attend(q, attn_metadata).flatten(1))
+
+    def project(
+        self, positions: torch.Tensor, hidden: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [T, H] -> q [T, heads, head_dim]: the QKV projection, q/k norms, rope and the
+        K/V store at `slot_mapping`. Reads no host bound of the step, so it is graph safe at
+        any batch composition of T tokens (piecewise graphs capture it)."""
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
         num_tokens = hidden.shape[0]  # not -1 in the views: T may be 0
         # q/k norms (Qwen3), rope and the K/V store in one launch: on CUDA, one kernel node
@@ -100,10 +109,14 @@ class LlamaAttention(nn.Module):
             self.k_norm.weight if self.k_norm is not None else None,
             self.q_norm.eps if self.q_norm is not None else 0.0,
             self.rotary_emb.cos_sin_cache,
-            self.k_cache, self.v_cache, attn_metadata.slot_mapping,
+            self.k_cache, self.v_cache, slot_mapping,
         )
-        out = paged_attention(q, self.k_cache, self.v_cache, attn_metadata, self.scale)
-        return self.o_proj(out.flatten(1))
+        return q
+
+    def attend(self, q: torch.Tensor, attn_metadata: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Paged attention of `q` [T, heads, head_dim] over this layer's cache (into `out`)."""
+        return paged_attention(q, self.k_cache, self.v_cache, attn_metadata, self.scale, out)
 
 
 class LlamaMLP(nn.Module):
@@ -138,11 +151,25 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the next norm adds the two,
         so each residual add rides in the norm kernel after it. `residual` is None in layer 0."""
+        q, residual = self.pre_attention(positions, hidden, residual, attn_metadata.slot_mapping)
+        return self.post_attention(self.self_attn.attend(q, attn_metadata), residual)
+
+    def pre_attention(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q of this layer, the residual stream): the input norm and `LlamaAttention.project`."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, attn_metadata)
+        return self.self_attn.project(positions, hidden, slot_mapping), residual
+
+    def post_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream) from the attention output [T, heads, head_dim]."""
+        hidden = self.self_attn.o_proj(attn_out.flatten(1))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -169,6 +196,24 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(positions, hidden, residual, attn_metadata)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
+    def piece(
+        self, i: int, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Piece `i` of the forward split at its attention calls (piecewise CUDA graphs):
+        piece 0 embeds `x` (input ids); piece i > 0 takes layer i - 1's attention output `x`
+        [T, heads, head_dim] through its o_proj, norm and MLP. Every piece but the last ends
+        with layer i's input norm and projection, returning (q of layer i, residual); the last
+        returns (the final hidden states, None). `forward` equals the pieces with each layer's
+        `attend` between them."""
+        if i == 0:
+            return self.layers[0].pre_attention(positions, self.embed_tokens(x), None,
+                                                slot_mapping)
+        hidden, residual = self.layers[i - 1].post_attention(x, residual)
+        if i == len(self.layers):
+            return self.norm(hidden, residual)[0], None
+        return self.layers[i].pre_attention(positions, hidden, residual, slot_mapping)
+
 
 class LlamaForCausalLM(nn.Module):
     """Llama causal LM over kvfit's paged KV cache.
@@ -194,6 +239,23 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Tokens packed as `attn_metadata` lays them out ([T] int64 each) -> hidden [T, H]."""
         return self.model(input_ids, positions, attn_metadata)
+
+    @property
+    def num_pieces(self) -> int:
+        """Pieces of the forward between attention calls (`piece`): one more than layers."""
+        return len(self.model.layers) + 1
+
+    def piece(
+        self, i: int, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Piece `i` of `forward` (`LlamaModel.piece`): the dense work between attention calls."""
+        return self.model.piece(i, x, residual, positions, slot_mapping)
+
+    def attend(self, i: int, q: torch.Tensor, attn_metadata: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer `i`'s paged attention, run between pieces `i` and `i + 1`."""
+        return self.model.layers[i].self_attn.attend(q, attn_metadata, out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, vocab_size] in the model's dtype (every rank's columns).

@@ -1,0 +1,70 @@
+"""bench/throughput.py on the CPU: the steps it records are the steps the engine ran, and every
+throughput figure of its record carries its share of the limit."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kvfit import LLM, SamplingParams
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "throughput.py"
+
+
+@pytest.fixture(scope="module")
+def bench():  # noqa: ANN201 (the bench module)
+    spec = importlib.util.spec_from_file_location("bench_throughput", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_recorder_sees_every_token_computed_and_every_row_sampled(bench) -> None:  # noqa: ANN001
+    llm = LLM("kvfit-tiny", device="cpu", max_model_len=128, max_num_batched_tokens=32)
+    # Distinct first tokens: no prefix-cache hit skips a token.
+    prompts = [{"prompt_token_ids": [i] + [7] * (n - 1)} for i, n in ((1, 5), (2, 40), (3, 17))]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 1, 6)]
+    with bench.StepRecorder(llm) as recorder:
+        llm.generate(prompts, params, use_tqdm=False)
+    steps = recorder.steps
+    # Each sequence computes its prompt and all its outputs but the last; one logits row
+    # per output token; the 32-token budget splits the 40-token prompt.
+    assert sum(sum(s.num_new) for s in steps) == (5 + 40 + 17) + (2 + 0 + 5)
+    assert sum(s.num_logits for s in steps) == 3 + 1 + 6
+    assert all(sum(s.num_new) <= 32 for s in steps) and len(steps) >= 7
+    assert steps[0].starts == [0, 0] and steps[1].starts[1] == 27  # the chunk after 27 of 40
+    assert "launch" not in vars(llm.engine.executor)  # the executor's own method again
+    llm.shutdown()
+
+
+def test_throughput_bench_records_each_figure_against_its_limit(bench, tmp_path: Path) -> None:  # noqa: ANN001
+    out = tmp_path / "t.json"
+    bench.main(["--device", "cpu", "--model", "kvfit-tiny", "--num-seqs", "4", "--min-len", "8",
+                "--max-len", "32", "--decode-models", "kvfit-tiny", "--decode-batches", "2",
+                "--decode-context", "32", "--iters", "3", "--ttft-models", "kvfit-tiny",
+                "--ttft-len", "48", "--ttft-repeat", "1", "--no-warmup",
+                "--cudagraph-mode", "full_decode_only", "full_and_piecewise", "--out", str(out)])
+    record = json.loads(out.read_text())
+    result, figures = record["results"], record["figures"]
+    offline = result["throughput"]
+    assert offline["of_limit"] == pytest.approx(offline["limit"]["limit_s"]
+                                                / offline["elapsed_s"])
+    assert figures["offline.of_limit"]["value"] == offline["of_limit"]
+    assert 0 < offline["of_limit"] < 1  # the CPU runs far from its limit, never above it
+    decode = result["decode"][0]
+    assert decode["of_limit"] == pytest.approx(1 / decode["ratio"]) and decode["memory_bound"]
+    ttft = result["ttft"][0]
+    assert figures["ttft.kvfit-tiny.len48.of_limit"]["value"] == ttft["of_limit"] > 0
+    assert ttft["limit"]["num_steps"] == 1  # one prefill step
+    assert set(record["limits"]) == {"copy_gb_per_s", "gemm_tflops"}
+    # Graph modes side by side (on the CPU both run eagerly), each against its own limit.
+    modes = [t["cudagraph_mode"] for t in result["throughputs"]]
+    assert modes == ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+    for t in result["throughputs"]:
+        name = f"offline.uni.{t['cudagraph_mode']}"
+        assert figures[f"{name}.output_tokens_per_s"]["value"] == t["output_tokens_per_s"]
+        assert figures[f"{name}.of_limit"]["value"] == t["of_limit"]
