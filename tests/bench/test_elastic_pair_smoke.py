@@ -44,7 +44,8 @@ def test_elastic_pair_bench_smoke(bench, tmp_path: Path) -> None:  # noqa: ANN00
         assert r["ttft_p50_s"] <= r["ttft_p99_s"] <= 2.0  # a phase at most
         for engine in r["engines"]:
             assert engine["output_tokens"] > 0 and engine["samples"]
-            assert all(0 <= s["t"] <= 4.5 for s in engine["samples"])
+            # Within the run (4 s), give or take the last step on two shared cores.
+            assert all(0 <= s["t"] <= 6.0 for s in engine["samples"])
     static, elastic = (result["modes"][m]["engines"] for m in ("static", "elastic"))
     assert all(e["kv_cache_idle_shrinks"] == 0 and not e["resizes"] for e in static)
     # Engine 0 idles in the second phase: by its end it has given its cache back.
