@@ -22,6 +22,7 @@ import json
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -158,14 +159,15 @@ def optimizer_for(model: Qwen3ForCausalLM, cfg: TrainConfig) -> torch.optim.Adam
 
 
 def train(model: Qwen3ForCausalLM, train_ids: torch.Tensor, val_ids: torch.Tensor,
-          cfg: TrainConfig, device: torch.device, report: Report) -> dict[str, torch.Tensor]:
-    """Run the loop for cfg.minutes; the best state dict by validation loss (on the CPU)."""
+          cfg: TrainConfig, device: torch.device, report: Report,
+          on_best: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Run the loop for cfg.minutes; `on_best(state_dict)` with a CPU copy of the weights at
+    each new best validation loss (so a run cut short still leaves its best checkpoint)."""
     generator = torch.Generator().manual_seed(cfg.seed)
     optimizer = optimizer_for(model, cfg)
     budget = cfg.minutes * 60
     start = time.perf_counter()
     last_eval = -math.inf  # the first evaluation is of the untrained model: the baseline
-    best: dict[str, torch.Tensor] = {}
     model.train()
     while True:
         elapsed = time.perf_counter() - start
@@ -176,9 +178,11 @@ def train(model: Qwen3ForCausalLM, train_ids: torch.Tensor, val_ids: torch.Tenso
                                  "train_loss": round(report.final_train_loss, 4),
                                  "val_loss": round(val, 4)})
             print(json.dumps(report.evals[-1]), flush=True)
+            report.seconds = round(elapsed, 1)
             if val < report.best_val_loss:
                 report.best_val_loss, report.best_val_step = val, report.steps
-                best = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+                on_best({k: v.detach().to("cpu", copy=True)
+                         for k, v in model.state_dict().items()})
             last_eval = time.perf_counter()
         if done:
             break
@@ -194,19 +198,19 @@ def train(model: Qwen3ForCausalLM, train_ids: torch.Tensor, val_ids: torch.Tenso
         report.tokens_seen += cfg.batch_size * cfg.seq_len
         if report.steps % 10 == 0:
             report.final_train_loss = loss.item()
-    report.seconds = round(time.perf_counter() - start, 1)
-    return best
 
 
-def write_checkpoint(model: Qwen3ForCausalLM, best: dict[str, torch.Tensor],
+def write_checkpoint(model: Qwen3ForCausalLM, state: dict[str, torch.Tensor],
                      tokenizer_dir: Path, out: Path) -> int:
-    """Save the best weights in bf16 with the tokenizer files; the checkpoint's bytes."""
-    model.load_state_dict(best)
-    model.to(device="cpu", dtype=torch.bfloat16).save_pretrained(out)
+    """Save `state` in bf16 with `model`'s config and the tokenizer files; the checkpoint's
+    bytes. The tied LM head is not written twice (kvfit and transformers re-tie it)."""
+    if model.config.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    model.save_pretrained(out, state_dict={k: v.to(torch.bfloat16) for k, v in state.items()})
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if tokenizer_dir != out:
             shutil.copy(tokenizer_dir / name, out / name)
-    add_legacy_config_keys(out / "config.json")
+    finish_config(out / "config.json")
     size = (out / "model.safetensors").stat().st_size
     if size > MAX_CHECKPOINT_BYTES:
         raise RuntimeError(f"model.safetensors is {size} bytes, over {MAX_CHECKPOINT_BYTES}: "
@@ -214,16 +218,20 @@ def write_checkpoint(model: Qwen3ForCausalLM, best: dict[str, torch.Tensor],
     return size
 
 
-def add_legacy_config_keys(config_json: Path) -> None:
-    """Also spell rope theta and dtype the transformers 4.x way: 5.x writes only
-    `rope_parameters` and `dtype`, and 4.x would silently read rope_theta 1e6 (Qwen3's
-    default) from such a file, a different model."""
+def finish_config(config_json: Path) -> None:
+    """Name the checkpoint's dtype (bf16; the model trained in float32), also spelled the
+    transformers 4.x way, as is rope theta: 5.x writes only `rope_parameters`, and 4.x would
+    silently read rope_theta 1e6 (Qwen3's default) from such a file, a different model."""
     config = json.loads(config_json.read_text())
     if "rope_parameters" in config:
         config.setdefault("rope_theta", config["rope_parameters"]["rope_theta"])
-    if "dtype" in config:
-        config.setdefault("torch_dtype", config["dtype"])
+    config["dtype"] = config["torch_dtype"] = "bfloat16"
     config_json.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_report(report: Report, out: Path) -> None:
+    """training_report.json in `out` (rewritten at each new best and at the end)."""
+    (out / "training_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -283,11 +291,16 @@ def main(argv: list[str] | None = None) -> Report:
                     model=asdict(shape), train=asdict(cfg))
     print(f"{report.parameters} parameters, {len(train_ids)} train / {len(val_ids)} validation "
           f"tokens, {cfg.minutes} min on {report.device}", flush=True)
-    best = train(model, train_ids, val_ids, cfg, device, report)
+
+    def on_best(state: dict[str, torch.Tensor]) -> None:
+        report.epochs = round(report.tokens_seen / len(train_ids), 2)
+        report.val_perplexity = round(math.exp(report.best_val_loss), 2)
+        report.checkpoint_bytes = write_checkpoint(model, state, tokenizer_dir, args.out)
+        write_report(report, args.out)
+
+    train(model, train_ids, val_ids, cfg, device, report, on_best)
     report.epochs = round(report.tokens_seen / len(train_ids), 2)
-    report.val_perplexity = round(math.exp(report.best_val_loss), 2)
-    report.checkpoint_bytes = write_checkpoint(model, best, tokenizer_dir, args.out)
-    (args.out / "training_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+    write_report(report, args.out)
     print(f"validation perplexity {report.val_perplexity} (uniform: {tokenizer.get_vocab_size()})"
           f" after {report.steps} steps, {report.tokens_seen} tokens, {report.seconds} s; "
           f"wrote {args.out}", flush=True)
