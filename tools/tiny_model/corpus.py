@@ -10,8 +10,8 @@ never downloads anything.
 
 writes `corpus.txt` (one address per paragraph block, separated by blank lines, oldest first),
 `manifest.json` (package, version, licences, sha256 of the tarball and of the text) and
-`words.txt` (the corpus's vocabulary: every word seen at least twice, lowercase, sorted; the
-tests check that generated text is made of these words).
+`words.txt` (the corpus's vocabulary: every word seen at least twice, lowercase, most frequent
+first; the tests check that generated text is made of these words, function words included).
 """
 
 from __future__ import annotations
@@ -72,10 +72,10 @@ def clean(text: str) -> str:
 
 
 def vocabulary(text: str, min_count: int = 2) -> list[str]:
-    """The lowercase words (letter runs) of `text` seen at least `min_count` times, sorted; the
-    count drops one-off typos and OCR debris."""
+    """The lowercase words (letter runs) of `text` seen at least `min_count` times, most
+    frequent first (ties alphabetical); the count drops one-off typos and OCR debris."""
     counts = collections.Counter(w.lower() for w in re.findall(r"[A-Za-z]+", text))
-    return sorted(w for w, n in counts.items() if n >= min_count)
+    return sorted((w for w, n in counts.items() if n >= min_count), key=lambda w: (-counts[w], w))
 
 
 def build(out_dir: Path) -> Manifest:

@@ -1,7 +1,7 @@
 """The tiny model's tokenizer: a byte-level BPE trained on the corpus, with kvfit-tiny's chat
 special tokens and template (so `kvfit chat` and the OpenAI chat route work unchanged).
 
-    python3 tools/tiny_model/tokenizer.py --corpus /tmp/sotu/corpus.txt --out DIR
+    PYTHONPATH=src python3 tools/tiny_model/tokenizer.py --corpus /tmp/sotu/corpus.txt --out DIR
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ on the CPU. Every `--eval-every-s` seconds the held-out split is scored and the 
 so far are kept: on a fast GPU the budget covers many epochs of an 11 MB corpus, and the model
 written is the one that generalised best, not the last one.
 
-    python3 tools/tiny_model/train.py --corpus /tmp/sotu/corpus.txt --minutes 4 \\
+    PYTHONPATH=src python3 tools/tiny_model/train.py --corpus /tmp/sotu/corpus.txt --minutes 4 \\
         --tokenizer src/kvfit/models/configs/kvfit-sotu --out /tmp/kvfit-sotu
 
 writes config.json, generation_config.json, tokenizer files, model.safetensors (bf16) and
@@ -149,13 +149,14 @@ def validation_loss(model: Qwen3ForCausalLM, val_ids: torch.Tensor, cfg: TrainCo
     return sum(losses) / len(windows)
 
 
-def optimizer_for(model: Qwen3ForCausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on the matrices only (not norms, as usual)."""
+def optimizer_for(model: Qwen3ForCausalLM, cfg: TrainConfig,
+                  device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices only (not norms, as usual); fused on CUDA."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(0.9, 0.95), fused=torch.cuda.is_available())
+                             lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
 def train(model: Qwen3ForCausalLM, train_ids: torch.Tensor, val_ids: torch.Tensor,
@@ -164,7 +165,7 @@ def train(model: Qwen3ForCausalLM, train_ids: torch.Tensor, val_ids: torch.Tenso
     """Run the loop for cfg.minutes; `on_best(state_dict)` with a CPU copy of the weights at
     each new best validation loss (so a run cut short still leaves its best checkpoint)."""
     generator = torch.Generator().manual_seed(cfg.seed)
-    optimizer = optimizer_for(model, cfg)
+    optimizer = optimizer_for(model, cfg, device)
     budget = cfg.minutes * 60
     start = time.perf_counter()
     last_eval = -math.inf  # the first evaluation is of the untrained model: the baseline
@@ -254,6 +255,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--intermediate-size", type=int, default=s.intermediate_size)
     p.add_argument("--layers", type=int, default=s.num_hidden_layers)
     p.add_argument("--seed", type=int, default=t.seed)
+    p.add_argument("--cpu-threads", type=int, default=1,
+                   help="torch threads on the CPU (default 1: on a shared machine, threads "
+                   "that spin while others wait make each step several times slower)")
     p.add_argument("--init", type=Path,
                    help="continue from this model folder's weights and shape (the shape flags "
                    "are then ignored); the schedule starts over")
@@ -263,6 +267,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> Report:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
+    if args.device == "cpu":
+        torch.set_num_threads(args.cpu_threads)
     device = torch.device(args.device)
     shape = ModelShape(hidden_size=args.hidden_size, num_hidden_layers=args.layers,
                        intermediate_size=args.intermediate_size)
