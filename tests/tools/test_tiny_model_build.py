@@ -30,7 +30,7 @@ def test_clean_folds_typography_and_whitespace(monkeypatch: pytest.MonkeyPatch) 
     corpus = tool("corpus", monkeypatch)
     text = "\u201cWe  the\tPeople\u201d \u2014 of the\nStates\u2026\n\n\n  Second\u00a0one.  \n"
     assert corpus.clean(text) == '"We the People" - of the States...\nSecond one.'
-    assert corpus.vocabulary("The the THE people; a b b", min_count=2) == ["b", "the"]
+    assert corpus.vocabulary("The the THE people; a b b", min_count=2) == ["the", "b"]
 
 
 def synthetic_documents(n: int) -> list[str]:
@@ -66,3 +66,18 @@ def test_short_training_run_writes_a_loadable_checkpoint(
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     embed = hf.get_input_embeddings().weight
     assert torch.equal(ours.model.embed_tokens.weight, embed)
+
+
+def test_max_epochs_ends_the_run_before_the_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    train = tool("train", monkeypatch)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(synthetic_documents(100)) + "\n")
+    report = train.main(["--corpus", str(corpus), "--out", str(tmp_path / "model"),
+                         "--device", "cpu", "--minutes", "10", "--max-epochs", "0.5",
+                         "--vocab-size", "280", "--hidden-size", "64", "--intermediate-size",
+                         "128", "--layers", "1", "--batch-size", "8", "--seq-len", "64",
+                         "--val-tokens", "1024"])
+    half = report.train_tokens / 2
+    assert half <= report.tokens_seen < half + 8 * 64 and report.seconds < 60
