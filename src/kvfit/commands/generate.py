@@ -19,6 +19,8 @@ from kvfit.commands.common import (
 )
 
 DEFAULT_PROMPTS = ("Hello, my name is", "The capital of France is", "The future of AI is")
+# The built-in model with trained weights: its greedy output is English, not noise.
+DEFAULT_MODEL = "kvfit-sotu"
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -26,7 +28,7 @@ def add_parser(sub: Subparsers) -> None:
     from kvfit.engine.config import EngineArgs
 
     p = sub.add_parser(
-        "generate", help="generate completions offline (default model: kvfit-tiny)",
+        "generate", help=f"generate completions offline (default model: {DEFAULT_MODEL})",
         description="Generate completions offline. Prompts come from the arguments, --prompt, "
         "--prompt-token-ids and --input-file, else from stdin when it is piped, else three "
         "built-in examples.",
@@ -46,7 +48,7 @@ def add_parser(sub: Subparsers) -> None:
     add_sampling_args(p)
     EngineArgs.add_cli_args(p)
     add_logging_args(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, model=DEFAULT_MODEL)
 
 
 def parse_prompt_lines(lines: Iterable[str], source: str) -> list[str | dict[str, Any]]:

@@ -32,12 +32,10 @@ __all__ = [
 def model_identity(model: str, load_format: str) -> str:
     """What names the weights a store's K/V were computed with: the model folder's real path
     (or the built-in name) and whether its weights are the seeded dummy ones."""
-    from kvfit.models.loader import is_builtin, resolve_model
+    from kvfit.models.loader import is_builtin, resolve_load_format, resolve_model
 
-    builtin = is_builtin(model)
-    if load_format == "auto":
-        load_format = "dummy" if builtin else "safetensors"
-    return f"{model if builtin else resolve_model(model).resolve()}:{load_format}"
+    load_format = resolve_load_format(model, load_format)
+    return f"{model if is_builtin(model) else resolve_model(model).resolve()}:{load_format}"
 
 
 def create_kv_connector(config: KVConnectorConfig, role: str, spec: KVCacheSpec,

@@ -216,7 +216,7 @@ class EngineArgs:
         p = parser.add_argument_group("engine")
         p.add_argument("--model", default=d.model,
                        help="local Hugging Face folder or built-in name (kvfit-tiny, "
-                       "qwen3-0.6b-shape, qwen3-8b-shape; default: %(default)s)")
+                       "kvfit-sotu, qwen3-0.6b-shape, qwen3-8b-shape; default: %(default)s)")
         p.add_argument("--tokenizer", default=d.tokenizer,
                        help="a folder holding the tokenizer files, when --model's has none "
                        "or another is wanted (default: --model's own)")
@@ -242,7 +242,8 @@ class EngineArgs:
         p.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                        help="no CUDA graphs (always so on the CPU)")
         p.add_argument("--load-format", default=d.load_format,
-                       help="auto (dummy for built-in models), safetensors or dummy")
+                       help="auto (dummy for built-in shapes without weights), safetensors or "
+                       "dummy")
         p.add_argument("--seed", type=int, default=d.seed,
                        help="engine random seed (dummy weights, unseeded sampling)")
         p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 BUILTIN_DIR = Path(__file__).parent / "configs"
-BUILTIN_MODELS = ("kvfit-tiny", "qwen3-0.6b-shape", "qwen3-8b-shape")
+# kvfit-sotu ships trained weights (tools/tiny_model); the others are shapes, filled with
+# seeded dummy weights.
+BUILTIN_MODELS = ("kvfit-tiny", "kvfit-sotu", "qwen3-0.6b-shape", "qwen3-8b-shape")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -54,8 +56,18 @@ def _looks_like_hub_id(model: str) -> bool:
 
 
 def is_builtin(model: str) -> bool:
-    """True when `model` names a shipped config (no weights: they are generated)."""
+    """True when `model` names a shipped folder (a built-in name, not a user's folder)."""
     return resolve_model(model).parent == BUILTIN_DIR
+
+
+def resolve_load_format(model: str, load_format: str) -> str:
+    """`load_format` with "auto" resolved: "dummy" for a built-in shape that ships no weights,
+    "safetensors" for every folder that has them (a user's, or the trained kvfit-sotu)."""
+    if load_format != "auto":
+        return load_format
+    folder = resolve_model(model)
+    has_weights = any(folder.glob("*.safetensors"))
+    return "dummy" if is_builtin(model) and not has_weights else "safetensors"
 
 
 def load_hf_config(model: str) -> PretrainedConfig:
@@ -96,12 +108,13 @@ def load_model(
 
     `load_format`: "safetensors" reads the folder's `*.safetensors` (single or sharded with
     `model.safetensors.index.json`) straight to the device; "dummy" gives seeded random weights
-    at the real shapes; "auto" is "dummy" for built-in models (they ship no weights) and
-    "safetensors" otherwise.
+    at the real shapes; "auto" is "dummy" for built-in shapes that ship no weights and
+    "safetensors" otherwise (`resolve_load_format`).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
-    if load_format == "safetensors" and is_builtin(model):
+    if (load_format == "safetensors" and is_builtin(model)
+            and resolve_load_format(model, "auto") == "dummy"):
         raise ValueError(f"built-in model {model!r} has no weights; use load_format='dummy'")
     model_class = get_model_class(hf_config)
     device = torch.device(device)
@@ -116,9 +129,7 @@ def fill_weights(module: nn.Module, model: str, device: torch.device, load_forma
     """Fill `module`'s parameters in place from `model`'s source (`load_model`'s
     `load_format`): the checkpoint, or the same seeded dummy values every time. Sleep level 2
     reloads through this, into the addresses the parameters already have."""
-    if load_format == "auto":
-        load_format = "dummy" if is_builtin(model) else "safetensors"
-    if load_format == "dummy":
+    if resolve_load_format(model, load_format) == "dummy":
         init_dummy(module)
     else:
         load_safetensors(module, resolve_model(model), torch.device(device))
