@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from kvfit.batch_invariant import batch_invariant_mode
 from kvfit.distributed import broadcast
 from kvfit.engine import sampler as sampler_module
 from kvfit.engine.async_output import AsyncModelOutput, PromptLogprobsPart
@@ -191,7 +192,12 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> AsyncModelOutput:
         """Queue one step: forward, sampling of the sequences whose chunk ends, logprobs as
-        asked, and the copies of the results to the host; returns without waiting for them."""
+        asked, and the copies of the results to the host; returns without waiting for them.
+        With `deterministic`, every op of the step runs its batch-invariant kernel."""
+        with batch_invariant_mode(self.config.deterministic):
+            return self._launch(batch)
+
+    def _launch(self, batch: ScheduledBatch) -> AsyncModelOutput:
         input_ids, positions, metadata, logits_indices = self.prepare_inputs(batch)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(input_ids, positions, metadata)
@@ -314,7 +320,8 @@ class ModelRunner:
                 self.model, self.config.cuda_graph_sizes, self.max_num_blocks_per_seq,
                 self.max_model_len, self.device,
             )
-        self.graphs.capture()
+        with batch_invariant_mode(self.config.deterministic):  # the graphs keep its kernels
+            self.graphs.capture()
 
     def drop_cuda_graphs(self) -> None:
         """Free the captured graphs and their pool (after the estimate's throwaway pass)."""
