@@ -1,0 +1,111 @@
+"""`deterministic=True` end to end on the CPU: one request's token ids and logprobs are bit for
+bit the same alone, in a batch of 255 others, at another position, after a prefix-cache hit,
+after a preemption and across chunk borders, in float32 and bfloat16; and the same harness
+finds differences in the default mode, so it can fail."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfit import LLM, SamplingParams
+from kvfit.engine.outputs import RequestOutput
+
+PROMPT = torch.randint(3, 512, (45,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+def others(count: int, seed: int = 1) -> list[list[int]]:
+    """`count` prompts of 3 to 80 tokens, none sharing PROMPT's first block."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 80, (count,), generator=g).tolist()
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def params(sampled: bool) -> SamplingParams:
+    """Greedy, or seeded sampling at a temperature; logprobs and prompt logprobs either way."""
+    return SamplingParams(temperature=0.8 if sampled else 0.0, seed=11 if sampled else None,
+                          max_tokens=10, ignore_eos=True, logprobs=4, prompt_logprobs=3)
+
+
+def fingerprint(out: RequestOutput) -> tuple:
+    """Token ids and every logprob entry (id, value, rank), exactly."""
+    def entries(dicts: list | None) -> list | None:
+        return None if dicts is None else [
+            None if d is None else sorted((t, lp.logprob, lp.rank) for t, lp in d.items())
+            for d in dicts]
+
+    completion = out.outputs[0]
+    return completion.token_ids, entries(completion.logprobs), entries(out.prompt_logprobs)
+
+
+def generate(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> list[tuple]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [fingerprint(o) for o in outs]
+
+
+def make_llm(folder: Path, dtype: str, deterministic: bool = True, **kwargs: object) -> LLM:
+    kwargs.setdefault("num_gpu_blocks_override", 1024)
+    kwargs.setdefault("max_num_batched_tokens", 512)
+    return LLM(str(folder), device="cpu", dtype=dtype, deterministic=deterministic, **kwargs)
+
+
+def cases(folder: Path, dtype: str, sampled: bool, deterministic: bool = True) -> dict[str, tuple]:
+    """PROMPT's fingerprint in each case of the issue, by case name."""
+    sp = params(sampled)
+    llm = make_llm(folder, dtype, deterministic)
+    crowd = others(255)
+    found = {"alone": generate(llm, [PROMPT], sp)[0]}
+    found["in a batch of 255"] = generate(llm, [*crowd[:100], PROMPT, *crowd[100:]], sp)[100]
+    found["first of the batch"] = generate(llm, [PROMPT, *crowd[::-1]], sp)[0]
+    # A prompt sharing PROMPT's first two blocks fills the prefix cache; PROMPT then hits it.
+    # (Prompt logprobs are computed for every token, so that request takes no cache hit.)
+    generate(llm, [PROMPT[:32] + [5, 6, 7]], params(False))
+    cached = SamplingParams(temperature=sp.temperature, seed=sp.seed, max_tokens=10,
+                            ignore_eos=True, logprobs=4)
+    seen = []
+    add = llm.engine.add_request
+    llm.engine.add_request = lambda seq: (seen.append(seq), add(seq))[1]
+    found["after a prefix-cache hit"] = generate(llm, [PROMPT], cached)[0][:2]
+    assert seen[0].num_cached_tokens >= 32, "the prefix cache was not hit"
+    llm.engine.add_request = add
+    found["alone, no prompt logprobs"] = generate(llm, [PROMPT], cached)[0][:2]
+    llm.shutdown()
+    # 12 blocks of 16 tokens cannot hold six sequences of up to 80 tokens: some are preempted.
+    small = make_llm(folder, dtype, deterministic, num_gpu_blocks_override=12, max_model_len=128,
+                     enable_prefix_caching=False)
+    found["after a preemption"] = generate(small, [*others(5, seed=2), PROMPT], sp)[-1]
+    assert small.engine.scheduler.num_preemptions > 0
+    small.shutdown()
+    chunked = make_llm(folder, dtype, deterministic, max_num_batched_tokens=16)
+    found["in chunks of 16"] = generate(chunked, [others(1, seed=3)[0], PROMPT], sp)[-1]
+    chunked.shutdown()
+    return found
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_one_request_is_bit_identical_in_every_case(qwen3: Path, dtype: str,
+                                                   sampled: bool) -> None:
+    found = cases(qwen3, dtype, sampled)
+    alone = found.pop("alone")
+    cached_alone = found.pop("alone, no prompt logprobs")
+    assert found.pop("after a prefix-cache hit") == cached_alone
+    for case, fingerprint_ in found.items():
+        assert fingerprint_ == alone, case
+
+
+def test_the_default_mode_differs_so_the_harness_can_fail(qwen3: Path) -> None:
+    found = cases(qwen3, "float32", sampled=False, deterministic=False)
+    alone = found.pop("alone")
+    found.pop("after a prefix-cache hit"), found.pop("alone, no prompt logprobs")
+    assert any(f != alone for f in found.values())
+
+
+def test_batch_invariant_is_the_same_switch() -> None:
+    from kvfit.engine.config import EngineArgs
+
+    assert EngineArgs(batch_invariant=True).create_engine_config().deterministic
+    assert EngineArgs(deterministic=True).create_engine_config().deterministic
+    assert not EngineArgs().create_engine_config().deterministic
