@@ -45,16 +45,19 @@ def generate(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> list[tup
     return [fingerprint(o) for o in outs]
 
 
-def make_llm(folder: Path, dtype: str, deterministic: bool = True, **kwargs: object) -> LLM:
+def make_llm(folder: Path, dtype: str, deterministic: bool = True, device: str = "cpu",
+             **kwargs: object) -> LLM:
     kwargs.setdefault("num_gpu_blocks_override", 1024)
     kwargs.setdefault("max_num_batched_tokens", 512)
-    return LLM(str(folder), device="cpu", dtype=dtype, deterministic=deterministic, **kwargs)
+    return LLM(str(folder), device=device, dtype=dtype, deterministic=deterministic, **kwargs)
 
 
-def cases(folder: Path, dtype: str, sampled: bool, deterministic: bool = True) -> dict[str, tuple]:
-    """PROMPT's fingerprint in each case of the issue, by case name."""
+def cases(folder: Path, dtype: str, sampled: bool, deterministic: bool = True,
+          device: str = "cpu", **engine_kwargs: object) -> dict[str, tuple]:
+    """PROMPT's fingerprint in each case of the issue, by case name; `engine_kwargs` go to
+    every engine made."""
     sp = params(sampled)
-    llm = make_llm(folder, dtype, deterministic)
+    llm = make_llm(folder, dtype, deterministic, device, **engine_kwargs)
     crowd = others(255)
     found = {"alone": generate(llm, [PROMPT], sp)[0]}
     found["in a batch of 255"] = generate(llm, [*crowd[:100], PROMPT, *crowd[100:]], sp)[100]
@@ -73,34 +76,60 @@ def cases(folder: Path, dtype: str, sampled: bool, deterministic: bool = True) -
     found["alone, no prompt logprobs"] = generate(llm, [PROMPT], cached)[0][:2]
     llm.shutdown()
     # 12 blocks of 16 tokens cannot hold six sequences of up to 80 tokens: some are preempted.
-    small = make_llm(folder, dtype, deterministic, num_gpu_blocks_override=12, max_model_len=128,
-                     enable_prefix_caching=False)
+    small = make_llm(folder, dtype, deterministic, device, **{
+        **engine_kwargs, "num_gpu_blocks_override": 12, "max_model_len": 128,
+        "enable_prefix_caching": False})
     found["after a preemption"] = generate(small, [*others(5, seed=2), PROMPT], sp)[-1]
     assert small.engine.scheduler.num_preemptions > 0
     small.shutdown()
-    chunked = make_llm(folder, dtype, deterministic, max_num_batched_tokens=16)
+    chunked = make_llm(folder, dtype, deterministic, device,
+                       **{**engine_kwargs, "max_num_batched_tokens": 16})
     found["in chunks of 16"] = generate(chunked, [others(1, seed=3)[0], PROMPT], sp)[-1]
     chunked.shutdown()
     return found
+
+
+def assert_all_alike(found: dict[str, tuple]) -> None:
+    """Every case's fingerprint equals the alone one (the prefix-cache hit: the alone one
+    without prompt logprobs, which that request cannot have)."""
+    found = dict(found)
+    alone = found.pop("alone")
+    assert found.pop("after a prefix-cache hit") == found.pop("alone, no prompt logprobs")
+    for case, fingerprint_ in found.items():
+        assert fingerprint_ == alone, case
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_one_request_is_bit_identical_in_every_case(qwen3: Path, dtype: str,
                                                    sampled: bool) -> None:
-    found = cases(qwen3, dtype, sampled)
-    alone = found.pop("alone")
-    cached_alone = found.pop("alone, no prompt logprobs")
-    assert found.pop("after a prefix-cache hit") == cached_alone
-    for case, fingerprint_ in found.items():
-        assert fingerprint_ == alone, case
+    assert_all_alike(cases(qwen3, dtype, sampled))
 
 
 def test_the_default_mode_differs_so_the_harness_can_fail(qwen3: Path) -> None:
-    found = cases(qwen3, "float32", sampled=False, deterministic=False)
-    alone = found.pop("alone")
-    found.pop("after a prefix-cache hit"), found.pop("alone, no prompt logprobs")
-    assert any(f != alone for f in found.values())
+    with pytest.raises(AssertionError):
+        assert_all_alike(cases(qwen3, "float32", sampled=False, deterministic=False))
+
+
+# The GPU: the Triton kernels of the mode, CUDA graphs against eager steps.
+GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_gpu_bit_identical_in_every_case_graphed_and_eager(gpu_model: Path,
+                                                           sampled: bool) -> None:
+    graphed = cases(gpu_model, "bfloat16", sampled, device="cuda", cuda_graph_sizes=GRAPH_SIZES)
+    eager = cases(gpu_model, "bfloat16", sampled, device="cuda", enforce_eager=True)
+    assert_all_alike(graphed)
+    assert graphed == eager
+
+
+@pytest.mark.gpu
+def test_gpu_default_mode_differs_so_the_harness_can_fail(gpu_model: Path) -> None:
+    with pytest.raises(AssertionError):
+        assert_all_alike(cases(gpu_model, "bfloat16", False, deterministic=False,
+                               device="cuda", cuda_graph_sizes=GRAPH_SIZES))
 
 
 def test_batch_invariant_is_the_same_switch() -> None:

@@ -18,7 +18,7 @@ from kvfit.batch_invariant import functional
 from kvfit.batch_invariant.mode import batch_invariant_mode
 from kvfit.ops import layers
 from kvfit.ops.attention import AttentionMetadata
-from kvfit.ops.sampling import gumbel_sample
+from kvfit.ops.sampling import filter_thresholds, gumbel_sample
 
 BATCH_SIZES = (2, 3, 7, 16, 17, 33, 64, 100, 255, 300)
 """Batch sizes a row is checked in: tile borders and the sizes where libraries switch paths."""
@@ -122,6 +122,17 @@ def _gumbel(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> lis
 
 
 
+def _filters(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> list[str]:
+    n = 24
+    logits = _randn((n, 2048), device, dtype, g, 2)
+    temperature = (torch.rand(n, generator=g) + 0.5).to(device)
+    top_k = torch.randint(1, 2049, (n,), generator=g).to(device, torch.int32)
+    top_p = (torch.rand(n, generator=g) * 0.9 + 0.1).to(device)
+    min_p = (torch.rand(n, generator=g) * 0.2).to(device)
+    return check_rows(lambda a, b: filter_thresholds(logits[a:b], temperature[a:b], top_k[a:b],
+                                                     top_p[a:b], min_p[a:b]), n, (2, 3, 17))
+
+
 def _attention(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> list[str]:
     """Each sequence alone as a prefill, then: all sequences in one batch, each with its
     prefix cached at several cut points (chunk borders, prefix-cache hits), and each row as a
@@ -174,6 +185,7 @@ CHECKS = (
     Check("paged_attention", _attention),
     Check("logsumexp", _logsumexp),
     Check("topk_indices", _topk),
+    Check("filter_thresholds", _filters),
     Check("gumbel_sample", _gumbel),
 )
 """The ops of the mode's forward pass and sampling (argmax, gather and comparisons are exact
