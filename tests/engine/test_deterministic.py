@@ -106,6 +106,11 @@ def test_one_request_is_bit_identical_in_every_case(qwen3: Path, dtype: str,
     assert_all_alike(cases(qwen3, dtype, sampled))
 
 
+def test_llama_is_bit_identical_in_every_case(tiny_model) -> None:  # noqa: ANN001
+    # q/k/v biases (added after the tiled GEMM), Llama 3 rope scaling, no q/k norms.
+    assert_all_alike(cases(tiny_model("llama"), "float32", sampled=False))
+
+
 def test_the_default_mode_differs_so_the_harness_can_fail(qwen3: Path) -> None:
     with pytest.raises(AssertionError):
         assert_all_alike(cases(qwen3, "float32", sampled=False, deterministic=False))
@@ -133,8 +138,15 @@ def test_gpu_default_mode_differs_so_the_harness_can_fail(gpu_model: Path) -> No
 
 
 def test_batch_invariant_is_the_same_switch() -> None:
+    import argparse
+
     from kvfit.engine.config import EngineArgs
 
     assert EngineArgs(batch_invariant=True).create_engine_config().deterministic
     assert EngineArgs(deterministic=True).create_engine_config().deterministic
     assert not EngineArgs().create_engine_config().deterministic
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    for flags, expected in (([], False), (["--deterministic"], True),
+                            (["--batch-invariant"], True)):
+        args = EngineArgs.from_cli_args(parser.parse_args(flags))
+        assert args.create_engine_config().deterministic is expected

@@ -73,8 +73,8 @@ def test_triton_matmul_matches_linear(rows: int, bias: bool, monkeypatch) -> Non
     from kvfit.batch_invariant import triton_matmul
 
     # Small tiles keep the interpreter quick; the kernel is the same.
-    monkeypatch.setattr(triton_matmul, "CONFIG", dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16,
-                                                      GROUP_M=2))
+    monkeypatch.setattr(triton_matmul, "matmul_config",
+                        lambda n: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2))
     x, w, b = torch.randn(rows, 40), torch.randn(36, 40), torch.randn(36)
     torch.testing.assert_close(triton_matmul.matmul_triton(x, w, b if bias else None),
                                F.linear(x, w, b if bias else None), rtol=1e-4, atol=1e-4)

@@ -2,10 +2,10 @@
 `batch_invariant_linear`.
 
 Each output tile accumulates its K loop in BLOCK_K steps from k = 0 upward, in float32, inside
-one program; the tile sizes never depend on the shape. Row i of the output is then the same
-sequence of tensor-core products and adds whether the launch has 1 row or 8192, and wherever
-row i sits in its tile. cuBLAS promises none of this: it picks kernels, tiles and split-K
-factors by M.
+one program; the tile sizes depend on the weight's shape only, never on M. Row i of the output
+is then the same sequence of tensor-core products and adds whether the launch has 1 row or
+8192, and wherever row i sits in its tile. cuBLAS promises none of this: it picks kernels,
+tiles and split-K factors by M.
 """
 
 from __future__ import annotations
@@ -14,10 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-# One config for every shape (the invariance depends on it): 64x128 output tiles give a
-# 256-row decode step of the 0.6B model enough programs for an H200; K steps of 64 with 4
-# stages keep the loads ahead of the tensor cores.
-CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+
+def matmul_config(n: int) -> dict[str, int]:
+    """The tile config for a weight of `n` output features: a function of the weight's shape
+    alone, never of M, so one layer runs one config for every batch (the invariance rests on
+    it). Narrow tiles for narrow weights: without split-K, a program per 64-row by BLOCK_N
+    tile is all the parallelism a decode step has, and the 0.6B model's o_proj and down_proj
+    (N = 1024) need 32-column tiles to give an H200's 132 SMs a wave at 256 rows."""
+    block_n = 32 if n <= 1024 else 64 if n <= 8192 else 128
+    return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
 
 
 # M changes every step: not specialised, so a new row count never compiles a new variant (and
@@ -78,7 +83,7 @@ def matmul_triton(
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    cfg = CONFIG
+    cfg = matmul_config(n)
     grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _matmul_kernel[grid](
         x, weight, weight if bias is None else bias, out, num_rows, n, k,
