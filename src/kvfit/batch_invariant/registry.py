@@ -9,6 +9,7 @@ checks any row-wise function, so a test can show that it catches a batch-depende
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from kvfit.ops.sampling import filter_thresholds, gumbel_sample
 
 BATCH_SIZES = (2, 3, 7, 16, 17, 33, 64, 100, 255, 300)
 """Batch sizes a row is checked in: tile borders and the sizes where libraries switch paths."""
+NUM_ROWS = max(BATCH_SIZES) + 5  # the batches start at row 0 and at row 5
 
 
 @dataclass(frozen=True)
@@ -59,26 +61,25 @@ def _randn(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype,
     return (torch.randn(shape, generator=g) * scale).to(device, dtype)
 
 
-def _num_rows() -> int:
-    return max(BATCH_SIZES) + 5
-
-
 def _linear(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> list[str]:
-    w, b = _randn((384, 256), device, dtype, g, 0.06), _randn((384,), device, dtype, g)
-    x = _randn((_num_rows(), 256), device, dtype, g)
-    return check_rows(rowwise(lambda t: functional.linear(t, w, b), x), _num_rows())
-
+    # Widths for each of the CUDA GEMM's tile configs (narrow, middle, LM-head wide).
+    x = _randn((NUM_ROWS, 256), device, dtype, g)
+    failures = []
+    for width in (384, 3000, 9000):
+        w, b = _randn((width, 256), device, dtype, g, 0.06), _randn((width,), device, dtype, g)
+        linear = functools.partial(functional.linear, weight=w, bias=b)
+        failures += check_rows(rowwise(linear, x), NUM_ROWS)
+    return failures
 
 
 def _silu_and_mul(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> list[str]:
     # Rows of 2 x 200: not a multiple of any vector width, so vector lanes and leftovers mix.
-    x = _randn((_num_rows(), 400), device, dtype, g, 4)
-    return check_rows(rowwise(functional.silu_and_mul, x), _num_rows())
-
+    x = _randn((NUM_ROWS, 400), device, dtype, g, 4)
+    return check_rows(rowwise(functional.silu_and_mul, x), NUM_ROWS)
 
 
 def _rms_norms(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> list[str]:
-    n = _num_rows()
+    n = NUM_ROWS
     w = _randn((128,), device, dtype, g)
     x, r = _randn((n, 128), device, dtype, g), _randn((n, 128), device, dtype, g)
     heads = _randn((n, 4, 128), device, dtype, g)  # q/k norms: one per head
@@ -88,14 +89,12 @@ def _rms_norms(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> 
                          n))
 
 
-
 def _rotary(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> list[str]:
-    n = _num_rows()
+    n = NUM_ROWS
     rope = layers.RotaryEmbedding(64, 4096, 10000.0).to(device)
     positions = torch.randint(0, 4096, (n,), generator=g).to(device)
     q, k = _randn((n, 4, 64), device, dtype, g), _randn((n, 2, 64), device, dtype, g)
     return check_rows(lambda a, b: torch.cat(rope(positions[a:b], q[a:b], k[a:b]), 1), n)
-
 
 
 def _logsumexp(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> list[str]:
@@ -104,12 +103,10 @@ def _logsumexp(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> 
     return check_rows(rowwise(functional.logsumexp, x), 40, (2, 3, 17, 35))
 
 
-
 def _topk(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> list[str]:
     # Few distinct values: most of the top-8 are ties.
     x = torch.randint(0, 6, (40, 4096), generator=g).to(device, dtype)
     return check_rows(rowwise(lambda t: functional.topk_indices(t, 8), x), 40, (2, 3, 17, 35))
-
 
 
 def _gumbel(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> list[str]:
@@ -119,7 +116,6 @@ def _gumbel(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> lis
     # Rows keep their own temperature and seed: both move with the rows.
     return check_rows(lambda a, b: gumbel_sample(logits[a:b], temperature[a:b], seeds[a:b]),
                       40, (2, 3, 17, 35))
-
 
 
 def _filters(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> list[str]:
