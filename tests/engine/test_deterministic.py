@@ -150,3 +150,21 @@ def test_batch_invariant_is_the_same_switch() -> None:
                             (["--batch-invariant"], True)):
         args = EngineArgs.from_cli_args(parser.parse_args(flags))
         assert args.create_engine_config().deterministic is expected
+
+
+@pytest.mark.gpu
+def test_gpu_warm_deterministic_engine_compiles_no_kernel_for_new_shapes(gpu_model: Path) -> None:
+    """The mode's kernels specialise on nothing that moves with the batch (M, block-table
+    width), or serving would stall on a compile whenever a batch takes a new shape."""
+    from kvfit.ops.compiles import triton_compiles
+
+    sp = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, logprobs=3,
+                        prompt_logprobs=2)
+    llm = make_llm(gpu_model, "bfloat16", device="cuda", cuda_graph_sizes=GRAPH_SIZES)
+    try:
+        generate(llm, others(8, seed=4), sp)
+        with triton_compiles() as compiled:
+            generate(llm, others(37, seed=5), sp)
+        assert compiled == []
+    finally:
+        llm.shutdown()
