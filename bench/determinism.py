@@ -15,10 +15,11 @@ default output tokens per second.
 Checks, for each of `--check-models` (dummy weights), in both modes: `--check-prompts` prompts
 (16 to 256 tokens, greedy, `--check-max-tokens` tokens, the top logprob), each alone on a
 graphed engine; then all of them in one batch among filler prompts up to 1 + `--check-others`
-sequences; the same batch reversed (other positions); the batch again (every prompt a
-prefix-cache hit but its last token); and the batch on an eager engine whose small KV cache
-forces preemptions. Reported: how many prompts give bit-identical token ids and logprobs to
-their run alone, per case. Writes a record (kvfit.benchmarks.record) to --out, prints tables.
+sequences; the same batch reversed (other positions); these from an empty prefix cache; the
+batch again (every prompt's full blocks prefix-cache hits); and the batch on an eager engine
+whose small KV cache forces preemptions. Reported: how many prompts give bit-identical token
+ids and logprobs to their run alone, per case. Writes a record (kvfit.benchmarks.record) to
+--out, prints tables.
 """
 
 from __future__ import annotations
@@ -76,10 +77,15 @@ def invariance(args: argparse.Namespace, model: str, deterministic: bool) -> dic
     batch = [p for pair in zip(checked, fillers[:n], strict=False) for p in pair]
     batch += fillers[n:] + checked[len(fillers):]  # the checked prompts spread through it
     where = [batch.index(p) for p in checked]
-    alone = [fingerprints(llm, [p], params)[0] for p in checked]
+    alone = []
+    for p in checked:  # each computed from scratch
+        llm.reset_prefix_cache()
+        alone.append(fingerprints(llm, [p], params)[0])
     results = {}
     for case, order in (("in a batch", batch), ("reversed batch", batch[::-1]),
                         ("prefix-cache hit", batch)):
+        if case != "prefix-cache hit":  # computed from scratch; the hit reuses the last run's
+            llm.reset_prefix_cache()
         found = fingerprints(llm, order, params)
         rows = where if order is batch else [len(batch) - 1 - i for i in where]
         results[case] = sum(found[r] == a for r, a in zip(rows, alone, strict=True))
