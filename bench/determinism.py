@@ -7,10 +7,10 @@
         --max-len 32 --check-models kvfit-tiny --check-prompts 4 --check-others 8 \\
         --check-max-tokens 4 --out d.json
 
-Cost: `bench/throughput.py`'s offline workload (`--num-seqs` requests, prompt and output lengths
-uniform in [`--min-len`, `--max-len`], dummy weights, temperature 1), run in the default mode and
-with `deterministic=True` side by side in this one process; the cost is 1 - deterministic /
-default output tokens per second.
+Cost: `bench/throughput.py`'s offline workload (its `offline_workload`: `--num-seqs` requests,
+prompt and output lengths uniform in [`--min-len`, `--max-len`], dummy weights, temperature 1),
+timed as there, in the default mode and with `deterministic=True` side by side in this one
+process; the cost is 1 - deterministic / default output tokens per second.
 
 Checks, for each of `--check-models` (dummy weights), in both modes: `--check-prompts` prompts
 (16 to 256 tokens, greedy, `--check-max-tokens` tokens, the top logprob), each alone on a
@@ -27,15 +27,53 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import statistics
 import sys
+import time
 
 import torch
 
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.record import figure, make_record, write_record
-from throughput import bench_throughput
+from kvfit.ops.compiles import triton_compiles
+from throughput import offline_workload
 
 MODES = {"default": False, "deterministic": True}
+
+
+def offline_throughput(args: argparse.Namespace, deterministic: bool) -> dict:
+    """`bench/throughput.py`'s offline workload on one engine in one mode: output tokens per
+    second from submission to the last completion, median of `--repeat` timed runs (other
+    token ids each) after an untimed run of the same shape (kernel compilation)."""
+    llm = LLM(args.model, device=args.device, load_format="dummy",
+              max_model_len=2 * args.max_len + 1, enforce_eager=args.enforce_eager,
+              deterministic=deterministic)
+    vocab = llm.config.model_config.hf_config.vocab_size
+    seeds = [args.seed + i for i in range(args.repeat)]
+    if args.warmup:
+        llm.generate(*offline_workload(args, vocab, seeds[-1] + 1), use_tqdm=False)
+    runs = []
+    for seed in seeds:
+        prompts, params = offline_workload(args, vocab, seed)
+        _sync(llm)
+        with triton_compiles() as compiled:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            _sync(llm)
+            elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        runs.append({"seed": seed, "elapsed_s": elapsed, "output_tokens": tokens,
+                     "output_tokens_per_s": tokens / elapsed, "kernels_compiled": compiled})
+    llm.shutdown()
+    speed = statistics.median_low(r["output_tokens_per_s"] for r in runs)
+    median = next(r for r in runs if r["output_tokens_per_s"] == speed)
+    return {"mode": "deterministic" if deterministic else "default", "model": args.model,
+            "num_seqs": args.num_seqs, **median, "runs": runs}
+
+
+def _sync(llm: LLM) -> None:
+    if llm.config.device.type == "cuda":
+        torch.cuda.synchronize(llm.config.device)
 
 
 def fingerprints(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[tuple]:
@@ -136,15 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    # What bench_throughput reads beyond these flags.
-    args.tensor_parallel_size, args.profile = 1, None
 
     result: dict = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda")
                     else "cpu", "throughputs": [], "checks": []}
     if not args.skip_throughput:
-        for mode, deterministic in MODES.items():
-            run = bench_throughput(args, deterministic=deterministic)
-            result["throughputs"].append({"mode": mode, **run})
+        for deterministic in MODES.values():
+            result["throughputs"].append(offline_throughput(args, deterministic))
             gc.collect()
     if not args.skip_checks:
         for model in args.check_models:

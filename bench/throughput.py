@@ -73,15 +73,14 @@ def offline_workload(args: argparse.Namespace, vocab: int, seed: int) -> tuple[l
     return prompts, params
 
 
-def bench_throughput(args: argparse.Namespace, backend: str = "uni", **engine_kwargs) -> dict:
+def bench_throughput(args: argparse.Namespace, backend: str = "uni") -> dict:
     """The offline workload: tokens per second from submission to the last completion, median
     of `--repeat` timed runs of the same shape (other token ids each, so no prefix-cache hits),
-    with the workers run by `backend` (`--distributed-executor-backend`); `engine_kwargs` are
-    further `LLM` arguments (`bench/determinism.py` passes `deterministic`)."""
+    with the workers run by `backend` (`--distributed-executor-backend`)."""
     llm = LLM(args.model, device=args.device, load_format="dummy",
               max_model_len=2 * args.max_len + 1, enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size,
-              distributed_executor_backend=backend, **engine_kwargs)
+              distributed_executor_backend=backend)
     vocab = llm.config.model_config.hf_config.vocab_size
     seeds = [args.seed + i for i in range(args.repeat)]
     if args.warmup:

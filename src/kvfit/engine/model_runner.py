@@ -3,8 +3,11 @@ CUDA graph) and samples. It owns the model, the KV cache and the sampler of one 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +28,20 @@ from kvfit.kv.cache import ExtensibleKVCache
 from kvfit.models.loader import load_model
 from kvfit.models.weight_arena import WeightArena
 from kvfit.ops.attention import AttentionMetadata
+
+T = TypeVar("T")
+
+
+def _in_kernel_mode(method: Callable[..., T]) -> Callable[..., T]:
+    """A `ModelRunner` method run with the batch-invariant mode on when the engine is
+    `deterministic`: every op of the steps it launches or the graphs it captures then runs
+    its batch-invariant kernel (`kvfit.batch_invariant`)."""
+    @functools.wraps(method)
+    def wrapped(self: ModelRunner, *args: object, **kwargs: object) -> T:
+        with batch_invariant_mode(self.config.deterministic):
+            return method(self, *args, **kwargs)
+
+    return wrapped
 
 
 class ModelRunner:
@@ -189,15 +206,11 @@ class ModelRunner:
         """Run one step and wait for its output."""
         return self.launch(batch).result()
 
+    @_in_kernel_mode
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> AsyncModelOutput:
         """Queue one step: forward, sampling of the sequences whose chunk ends, logprobs as
-        asked, and the copies of the results to the host; returns without waiting for them.
-        With `deterministic`, every op of the step runs its batch-invariant kernel."""
-        with batch_invariant_mode(self.config.deterministic):
-            return self._launch(batch)
-
-    def _launch(self, batch: ScheduledBatch) -> AsyncModelOutput:
+        asked, and the copies of the results to the host; returns without waiting for them."""
         input_ids, positions, metadata, logits_indices = self.prepare_inputs(batch)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(input_ids, positions, metadata)
@@ -311,6 +324,7 @@ class ModelRunner:
         self.dummy_run(self.config.scheduler_config.max_num_batched_tokens, 1,
                        params=self.warmup_params)
 
+    @_in_kernel_mode  # the graphs keep the kernels chosen at capture
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs against the current cache views (no-op under enforce_eager)."""
         if self.config.enforce_eager or not self.config.cuda_graph_sizes:
@@ -320,8 +334,7 @@ class ModelRunner:
                 self.model, self.config.cuda_graph_sizes, self.max_num_blocks_per_seq,
                 self.max_model_len, self.device,
             )
-        with batch_invariant_mode(self.config.deterministic):  # the graphs keep its kernels
-            self.graphs.capture()
+        self.graphs.capture()
 
     def drop_cuda_graphs(self) -> None:
         """Free the captured graphs and their pool (after the estimate's throwaway pass)."""
