@@ -131,6 +131,20 @@ def test_gpu_bit_identical_in_every_case_graphed_and_eager(gpu_model: Path,
 
 
 @pytest.mark.gpu
+def test_gpu_piecewise_graphs_keep_the_mode(gpu_model: Path) -> None:
+    """Prefill and mixed steps replayed piecewise (where the engine has `cudagraph_mode`): the
+    pieces were captured in the mode, and a padded bucket changes no row."""
+    from kvfit.engine.config import EngineArgs
+
+    if "cudagraph_mode" not in EngineArgs.__dataclass_fields__:
+        pytest.skip("this engine has no piecewise graphs (cudagraph_mode)")
+    piecewise = cases(gpu_model, "bfloat16", False, device="cuda", cuda_graph_sizes=GRAPH_SIZES,
+                      cudagraph_mode="FULL_AND_PIECEWISE")
+    assert_all_alike(piecewise)
+    assert piecewise == cases(gpu_model, "bfloat16", False, device="cuda", enforce_eager=True)
+
+
+@pytest.mark.gpu
 def test_gpu_default_mode_differs_so_the_harness_can_fail(gpu_model: Path) -> None:
     with pytest.raises(AssertionError):
         assert_all_alike(cases(gpu_model, "bfloat16", False, deterministic=False,
