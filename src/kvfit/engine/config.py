@@ -151,6 +151,7 @@ class EngineConfig:
     kv_connector_config: KVConnectorConfig | None = None
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     elastic: ElasticConfig | None = None  # the co-tenancy governor (`elastic_kv_cache`)
+    deterministic: bool = False  # batch-invariant kernels (`kvfit.batch_invariant`)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """What one KV cache block holds on one rank, in `kv_cache_layout`: its share of the
@@ -208,6 +209,8 @@ class EngineArgs:
     elastic_high_watermark: str | float = DEFAULT_HIGH_WATERMARK
     elastic_min_interval: float = DEFAULT_MIN_INTERVAL_S
     elastic_idle_s: float = DEFAULT_IDLE_S
+    deterministic: bool = False
+    batch_invariant: bool = False  # vLLM's name for `deterministic`
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -324,6 +327,11 @@ class EngineArgs:
                        "what it uses plus headroom, leaving the memory to a busy co-tenant "
                        "engine (e.g. 5 for engines sharing a device; then only a cache short "
                        "of headroom grows back); 0, the default, turns it off")
+        p.add_argument("--deterministic", "--batch-invariant", action="store_true",
+                       default=d.deterministic,
+                       help="batch-invariant kernels: a request gets the same token ids and "
+                       "logprobs whatever else is in the batch, where it sits, and whether its "
+                       "prefix came from the cache (slower GEMMs and attention)")
         return parser
 
     @classmethod
@@ -378,6 +386,7 @@ class EngineArgs:
             kv_connector_config=self._kv_connector_config(),
             parallel_config=self._parallel_config(hf_config, device),
             elastic=self._elastic_config(),
+            deterministic=self.deterministic or self.batch_invariant,
         )
 
     def _kv_connector_config(self) -> KVConnectorConfig | None:

@@ -3,13 +3,17 @@ CUDA graph) and samples. It owns the model, the KV cache and the sampler of one 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from kvfit.batch_invariant import batch_invariant_mode
 from kvfit.distributed import broadcast
 from kvfit.engine import sampler as sampler_module
 from kvfit.engine.async_output import AsyncModelOutput, PromptLogprobsPart
@@ -26,6 +30,20 @@ from kvfit.kv.cache import ExtensibleKVCache
 from kvfit.models.loader import load_model
 from kvfit.models.weight_arena import WeightArena
 from kvfit.ops.attention import AttentionMetadata
+
+T = TypeVar("T")
+
+
+def _in_kernel_mode(method: Callable[..., T]) -> Callable[..., T]:
+    """A `ModelRunner` method run with the batch-invariant mode on when the engine is
+    `deterministic`: every op of the steps it launches or the graphs it captures then runs
+    its batch-invariant kernel (`kvfit.batch_invariant`)."""
+    @functools.wraps(method)
+    def wrapped(self: ModelRunner, *args: object, **kwargs: object) -> T:
+        with batch_invariant_mode(self.config.deterministic):
+            return method(self, *args, **kwargs)
+
+    return wrapped
 
 
 class ModelRunner:
@@ -191,6 +209,7 @@ class ModelRunner:
         """Run one step and wait for its output."""
         return self.launch(batch).result()
 
+    @_in_kernel_mode
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> AsyncModelOutput:
         """Queue one step: forward, sampling of the sequences whose chunk ends, logprobs as
@@ -310,6 +329,7 @@ class ModelRunner:
         self.dummy_run(self.config.scheduler_config.max_num_batched_tokens, 1,
                        params=self.warmup_params)
 
+    @_in_kernel_mode  # the graphs keep the kernels chosen at capture
     def capture_cuda_graphs(self) -> None:
         """Capture the graphs `cudagraph_mode` asks for against the current cache views, into
         one memory pool: piecewise graphs first (their largest bucket, max_num_batched_tokens,

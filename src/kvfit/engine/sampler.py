@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfit.batch_invariant.functional import logsumexp, topk_indices
 from kvfit.engine.logits_processors import BannedTokens, LogitBias, Penalties
 from kvfit.engine.sequence import Logprob, Logprobs, Sequence
 from kvfit.engine.transfer import to_device, to_host
@@ -218,10 +219,10 @@ def logprobs_at(
         part = logits[start:end] if rows is None else logits[rows[start:end]]
         ids = token_ids[start:end, None]
         if n:
-            ids = torch.cat([ids, part.topk(n, dim=-1).indices], dim=1)
+            ids = torch.cat([ids, topk_indices(part, n)], dim=1)
         picked = part.gather(1, ids)
         rank = 1 + (part > picked[:, :1]).sum(dim=-1)
-        lse = part.float().logsumexp(dim=-1)
+        lse = logsumexp(part)
         parts.append((ids, picked.float() - lse[:, None], rank))
     ids, values, ranks = (torch.cat(t) for t in zip(*parts, strict=True))
     return ids, values, ranks

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from kvfit.batch_invariant.functional import paged_attention, silu_and_mul
 from kvfit.distributed import tp_size
 from kvfit.models.parallel_layers import (
     MergedColumnParallelLinear,
@@ -15,9 +16,9 @@ from kvfit.models.parallel_layers import (
     even_shard,
     kv_head_shard,
 )
-from kvfit.ops.attention import AttentionMetadata, paged_attention
+from kvfit.ops.attention import AttentionMetadata
 from kvfit.ops.attention_input import attention_input
-from kvfit.ops.layers import RotaryEmbedding, add_rms_norm, rms_norm, silu_and_mul
+from kvfit.ops.layers import RotaryEmbedding, add_rms_norm, rms_norm
 
 
 def head_dim(config: PretrainedConfig) -> int:

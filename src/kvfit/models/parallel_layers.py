@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvfit.batch_invariant import is_batch_invariant
+from kvfit.batch_invariant.functional import linear
 from kvfit.distributed import all_gather, all_reduce, tp_rank, tp_size
 
 
@@ -73,7 +75,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(sum(self.output_sizes))) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def shard(self, param: torch.Tensor, name: str) -> torch.Tensor:
         """The rows of `param` (this module's weight or bias) that checkpoint `name` fills."""
@@ -100,9 +102,22 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = _sum_over_ranks(linear(x, self.weight))
         return y if self.bias is None else y.add_(self.bias)
+
+
+def _sum_over_ranks(y: torch.Tensor) -> torch.Tensor:
+    """The all-reduce of the ranks' partial products; in the batch-invariant mode gathered and
+    added in rank order, since the collective's algorithm (and so its summation order) follows
+    the message size, which follows the number of rows. Memory in the mode: tp_size copies."""
+    if not is_batch_invariant():
+        return all_reduce(y)
+    parts = all_gather(y[None], dim=0)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
 
 
 def _vocab_shard(vocab_size: int) -> tuple[Shard, int]:
@@ -148,5 +163,5 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.zeros(rows, hidden_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather(F.linear(hidden, self.weight), dim=-1)
+        logits = all_gather(linear(hidden, self.weight), dim=-1)
         return logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfit.ops.fixed_tile_attention import paged_attention_fixed_tiles
 from kvfit.ops.reference import paged_attention_reference, write_kv_reference
 
 
@@ -54,12 +55,17 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new query rows over its cached context.
 
     Handles prefill (with or without a cached prefix) and decode sequences in one batch, and
     grouped-query attention. On CUDA it is graph safe: launch shapes come from host ints only.
     Rows of `out` outside `query_start_loc[-1]` are not written.
+
+    `batch_invariant`: every row is reduced over its keys in fixed tiles from key 0, by one
+    kernel for prefill and decode rows alike, so a row's output depends on its query, position
+    and keys only (not on the batch, a cached prefix or a chunk border).
     """
     num_heads, head_dim = query.shape[1:]
     _check_cache(k_cache, v_cache, None)
@@ -74,7 +80,10 @@ def paged_attention(
     if query.is_cuda:
         from kvfit.ops.triton_attention import paged_attention_triton  # CUDA-only dependency
 
-        return paged_attention_triton(query, k_cache, v_cache, metadata, scale, out)
+        return paged_attention_triton(query, k_cache, v_cache, metadata, scale, out,
+                                      batch_invariant=batch_invariant)
+    if batch_invariant:
+        return paged_attention_fixed_tiles(query, k_cache, v_cache, metadata, scale, out)
     return paged_attention_reference(query, k_cache, v_cache, metadata, scale, out)
 
 

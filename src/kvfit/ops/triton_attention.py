@@ -66,6 +66,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BATCH_INVARIANT: tl.constexpr = False,
 ):  # fmt: skip
     # Later query tiles see more keys (causal): start them first, every head's before any
     # shorter one (heads vary fastest in launch order), so short tiles fill the tail.
@@ -74,8 +75,9 @@ def _prefill_kernel(
     seq = tl.program_id(2)
     q_start = tl.load(query_start_loc + seq)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
-    # Single-token queries belong to the decode kernel.
-    if (q_len < 2) | (tile * BLOCK_M >= q_len * QUERY_GROUP):
+    # Single-token queries belong to the decode kernel, except in the batch-invariant mode,
+    # where this kernel runs every row so a decode reduces exactly as a prefill row would.
+    if (q_len < 2 - BATCH_INVARIANT) | (tile * BLOCK_M >= q_len * QUERY_GROUP):
         return
     prefix = tl.load(seq_lens + seq) - q_len
 
@@ -95,7 +97,10 @@ def _prefill_kernel(
     first_tok = tile * BLOCK_M // QUERY_GROUP
     last_tok = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // QUERY_GROUP, q_len - 1)
     # Keys up to the tile's first position are visible to every row: no causal mask there.
-    unmasked_end = (prefix + first_tok + 1) // BLOCK_N * BLOCK_N
+    # The batch-invariant mode masks every tile: whether a key tile fell in the unmasked loop
+    # depends on where the query tile starts, and the two loops need not compile to the same
+    # arithmetic (the compiler may fuse the scaling into the softmax in one and not the other).
+    unmasked_end = 0 if BATCH_INVARIANT else (prefix + first_tok + 1) // BLOCK_N * BLOCK_N
     for n0 in range(0, unmasked_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < unmasked_end
@@ -257,12 +262,17 @@ def paged_attention_triton(
     split_tokens: int = SPLIT_TOKENS,
     prefill_config: dict[str, int] | None = None,
     decode_config: dict[str, int] | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Launch the prefill kernel (query length > 1) and the decode kernel (query length 1).
 
     Decode splits a sequence of n tokens into min(max_splits, ceil(n / split_tokens)) parts.
     The split settings and tile configs override the defaults (tests and `bench/attention.py
     --sweep` use them).
+
+    `batch_invariant`: the prefill kernel alone runs every row (decodes too), each over key
+    tiles of BLOCK_N from key 0 with the causal mask on every tile: no split-KV, so a row's
+    reduction order is fixed by its position alone. No scratch memory.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -281,15 +291,18 @@ def paged_attention_triton(
     common = (
         *query.stride(), *out.stride(), *k_cache.stride(), metadata.block_table.stride(0),
     )  # fmt: skip
-    if metadata.max_query_len > 1:
+    if metadata.max_query_len > 1 or batch_invariant:
         cfg = prefill_config or _prefill_config(head_dim)
         grid = (num_kv_heads, triton.cdiv(metadata.max_query_len * group, cfg["BLOCK_M"]), num_seqs)
         _prefill_kernel[grid](
             query, k_cache, v_cache, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
             scale_log2, *common,
-            QUERY_GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, **cfg,
+            QUERY_GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            BATCH_INVARIANT=batch_invariant, **cfg,
         )  # fmt: skip
+    if batch_invariant:
+        return out
     num_splits = num_kv_splits(metadata.max_seq_len, max_splits, split_tokens)
     split = num_splits > 1
     # Scratch shapes come from host ints, so allocating here is fine under graph capture.
