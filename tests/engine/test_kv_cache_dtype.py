@@ -135,6 +135,19 @@ def test_fp8_cache_stays_within_e4m3_rounding_of_the_float32_cache(
     assert 0 < diff.mean() < 0.06 and diff.max() < 0.3  # quantised, and only by rounding
 
 
+@pytest.mark.parametrize("sizing", [dict(enable_extensible_kv_cache=False),
+                                    dict(num_gpu_blocks_override=64)], ids=str)
+def test_estimate_and_override_caches_are_fp8_too(
+    make_llm: Callable[..., LLM], float32_logprobs: torch.Tensor, sizing: dict
+) -> None:
+    llm = make_llm(kv_cache_dtype="fp8", **sizing)
+    cache = runner(llm)._allocated_cache  # torch-allocated: no VMM reservation
+    assert cache is not None and cache.dtype == FP8
+    assert llm.kv_cache_report.committed_bytes == cache.numel()  # one byte per value
+    diff = (prompt_logprobs(llm) - float32_logprobs).abs()
+    assert 0 < diff.mean() < 0.06
+
+
 def test_calculated_scales_come_from_the_first_real_step_then_stay(
     make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
 ) -> None:
