@@ -224,7 +224,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """An eager forward that first sets every layer's FP8 scales from its K/V; they are
         fixed once it succeeds (a step that raised, e.g. out of memory, calculates again).
-        Extra memory over a plain forward: a few float32 copies of one layer's keys."""
+        Extra memory over a plain forward, one layer at a time: at most about six float32
+        copies of the step's keys (24 x tokens x num_kv_heads x head_dim bytes, `stored_key`),
+        which warmup's dummy steps make at `max_num_batched_tokens` and measure."""
         self.model.set_calculate_kv_scales(True)
         try:
             hidden = self.model(input_ids, positions, metadata)

@@ -86,7 +86,8 @@ def stored_key(
     """The key `attention_input` stores, before any cache quantisation: normalised (when the
     weight is given) and rotated, in k's dtype (the torch composition, on any device).
 
-    What `calculate_kv_scales` measures. Extra memory: a few float32 copies of k.
+    What `calculate_kv_scales` measures. Extra memory: at most about six float32 copies of k
+    alive at once (the norm's and the rotation's intermediates), 24 x k.numel() bytes.
     """
     if k_norm_weight is not None:
         k = rms_norm_torch(k, k_norm_weight, eps)
