@@ -83,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accuracy-prompts", type=int, default=32)
     p.add_argument("--accuracy-len", type=int, default=512)
     p.add_argument("--prompts-file", help="one prompt per line (default: random token ids)")
+    p.add_argument("--accuracy-load-format", default="auto",
+                   help="load_format of the accuracy engines (auto: the model's weights, or "
+                        "dummy for a built-in shape)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     args = p.parse_args(argv)
     if args.device == "auto":
@@ -194,7 +197,8 @@ def accuracy_engine(model: str, args: argparse.Namespace, variant: dict[str, Any
     one prompt; sizing is not what is measured here)."""
     blocks = -(-(args.accuracy_len + 16) // 16) + 1
     llm = LLM(model, device=args.device, max_model_len=args.accuracy_len + 16, max_num_seqs=4,
-              num_gpu_blocks_override=blocks, enforce_eager=True, **variant)
+              num_gpu_blocks_override=blocks, enforce_eager=True,
+              load_format=args.accuracy_load_format, **variant)
     # calculate_kv_scales: the first real step sets the scales (the others: no effect).
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1),
                  use_tqdm=False)
