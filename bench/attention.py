@@ -1,11 +1,13 @@
 """Paged attention on the GPU: decode bandwidth vs a device copy, prefill vs contiguous SDPA.
 
     PYTHONPATH=src python3 bench/attention.py --out attn.json
+    PYTHONPATH=src python3 bench/attention.py --kv-cache-dtype fp8 --out attn_fp8.json
 
 Decode is memory bound, so it is reported as KV bytes read per second against the bandwidth of a
 device-to-device copy (bytes read + written) measured in the same run. Prefill is reported as
 attention TFLOP/s against torch's scaled_dot_product_attention on the same sequences laid out
-contiguously (no paging, KV heads pre-expanded): an upper bound.
+contiguously (no paging, KV heads pre-expanded): an upper bound. `--kv-cache-dtype fp8` reads an
+e4m3 cache (scales 1.0) with the same queries; its KV bytes are one per value.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def paged_cache(shape: Shape, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block-outermost cache `[blocks, 2, block_size, kv_heads, head_dim]`: K and V views."""
+def paged_cache(shape: Shape, num_tokens: int,
+                cache_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-outermost cache `[blocks, 2, block_size, kv_heads, head_dim]`: K and V views,
+    in `cache_dtype` (default: the shape's)."""
     num_blocks = -(-num_tokens // shape.block_size)
     cache = torch.empty(
         num_blocks,
@@ -69,6 +73,8 @@ def paged_cache(shape: Shape, num_tokens: int) -> tuple[torch.Tensor, torch.Tens
         dtype=shape.dtype,
         device="cuda",
     ).uniform_(-1, 1)
+    if cache_dtype is not None and cache_dtype != shape.dtype:
+        cache = cache.to(cache_dtype)
     return cache[:, 0], cache[:, 1]
 
 
@@ -95,6 +101,9 @@ def time_paged(shape: Shape, k_cache, v_cache, query_lens, seq_lens, **overrides
     )
     out = torch.empty_like(query)
     scale = shape.head_dim**-0.5
+    if k_cache.dtype == torch.float8_e4m3fn:
+        overrides = {"k_scale": torch.ones(1, device="cuda"),
+                     "v_scale": torch.ones(1, device="cuda"), **overrides}
     return do_bench(
         lambda: paged_attention_triton(query, k_cache, v_cache, md, scale, out, **overrides),
         return_mode="median",
@@ -103,7 +112,7 @@ def time_paged(shape: Shape, k_cache, v_cache, query_lens, seq_lens, **overrides
 
 def bench_decode(shape: Shape, k_cache, v_cache, batch: int, context: int, copy_bw: float):
     ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch)
-    kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+    kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_dim * k_cache.element_size()
     bandwidth = kv_bytes / (ms * 1e-3)
     return dict(
         batch=batch,
@@ -181,6 +190,8 @@ def main() -> None:
         help="skip decode cases whose KV cache would exceed this",
     )
     parser.add_argument("--sweep", action="store_true", help="time tile configs, not the table")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="the cache's dtype: auto = --dtype, fp8 = e4m3 (scales 1.0)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -195,7 +206,8 @@ def main() -> None:
         if b * c * token_bytes <= args.max_cache_gib * 2**30
     ]
     cache_tokens = max(max(b * c for b, c in cases), 65536)
-    k_cache, v_cache = paged_cache(shape, cache_tokens)
+    cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else shape.dtype
+    k_cache, v_cache = paged_cache(shape, cache_tokens, cache_dtype)
     copy_bw = copy_bandwidth()
     if args.sweep:
         write_record(args.out, record_of("attention-sweep", sweep(shape, k_cache, v_cache),
@@ -203,7 +215,8 @@ def main() -> None:
         return
 
     print(
-        f"{torch.cuda.get_device_name()}  {args.dtype}  heads {shape.num_heads}/"
+        f"{torch.cuda.get_device_name()}  {args.dtype}  KV {args.kv_cache_dtype}  "
+        f"heads {shape.num_heads}/"
         f"{shape.num_kv_heads}  head_dim {shape.head_dim}  block {shape.block_size}"
     )
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s")
@@ -230,7 +243,7 @@ def main() -> None:
         )
     result = dict(
         device=torch.cuda.get_device_name(),
-        shape={**asdict(shape), "dtype": args.dtype},
+        shape={**asdict(shape), "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype},
         copy_gb_per_s=copy_bw / 1e9,
         decode=decode,
         prefill=prefill,

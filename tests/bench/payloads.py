@@ -93,6 +93,25 @@ def async_engine() -> dict[str, Any]:
     return {"args": {}, "offline": {"seconds": 1.0, "output_throughput": 1000.0}, "rows": rows}
 
 
+def kv_dtype() -> dict[str, Any]:
+    def run(name: str, dtype: str, blocks: int, tokens_per_s: float, step_ms: float) -> dict:
+        return {"model": "tiny", "kv_cache_dtype": name, "dtype": dtype, "num_blocks": blocks,
+                "block_bytes": 2 * GiB // blocks, "kv_bytes": 2 * GiB,
+                "throughput": {"output_tokens_per_s": tokens_per_s},
+                "decode": [{"batch": 64, "context": 4096.0, "step_ms": step_ms}]}
+
+    engine = [run("auto", "bfloat16", 1000, 1000.0, 4.0),
+              run("fp8", "float8_e4m3fn", 2000, 1500.0, 3.0)]
+    variant = {"next_token_agreement": 0.995, "mean_kl": 0.004, "hf_top1": 0.99, "hf_top5": 1.0}
+    return {"device": "cpu", "copy_bandwidth_gbps": 100.0, "kv_cache_dtypes": ["auto", "fp8"],
+            "engine": engine,
+            "ratios": {"blocks_ratio": 2.0, "throughput_ratio": 1.5,
+                       "decode_batch64_speedup": 4 / 3},
+            "accuracy": {"model": "tiny", "prompts": 2, "positions": 64,
+                         "variants": {"auto": {**variant, "next_token_agreement": 1.0,
+                                               "mean_kl": 0.0}, "fp8": variant}}}
+
+
 ALL = {"capacity": capacity, "throughput": throughput, "serving": serving, "sleep": sleep,
        "sampling": sampling, "adversarial": adversarial, "elastic": elastic,
-       "elastic-pair": elastic_pair, "async-engine": async_engine}
+       "elastic-pair": elastic_pair, "async-engine": async_engine, "kv-dtype": kv_dtype}

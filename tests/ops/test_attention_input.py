@@ -204,6 +204,29 @@ def test_kernel_matches_composition(num_heads, num_kv_heads, head_dim, qk_norm, 
         assert (case["k_cache"][written] != expect["k_cache"][written]).float().mean() < 0.01
 
 
+@interpret
+def test_kernel_stores_fp8_with_the_scales():
+    """At position 0 rope is the identity and without q/k norm k is stored as given; K/V that
+    e4m3 holds exactly at a power-of-two scale need no rounding, which the interpreter gets
+    wrong at binade boundaries (see test_triton_interpret.py), so the bytes must match."""
+    torch.manual_seed(5)
+    case = _case(9, 4, 2, 16, qk_norm=False, layout="block_outermost")
+    codes = torch.randint(0, 126, (2, 9, 2, 16), dtype=torch.uint8)  # finite, non-negative
+    k, v = codes.view(torch.float8_e4m3fn).float() * torch.tensor([0.5, 8.0])[:, None, None, None]
+    k[0, 0, :2] = torch.tensor([1e4, -1e4])  # saturates to +-448 x 0.5
+    fp8 = dict(dtype=torch.float8_e4m3fn)
+    case |= dict(positions=torch.zeros(9, dtype=torch.int64), k=k, v=v,
+                 k_cache=torch.zeros(case["k_cache"].shape, **fp8),
+                 v_cache=torch.zeros(case["v_cache"].shape, **fp8),
+                 k_scale=torch.tensor([0.5]), v_scale=torch.tensor([8.0]))
+    expect = _with_cache_copies(case)
+    triton_attention_input.attention_input_triton(**case)
+    attention_input_torch(**expect)
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(case[name].view(torch.uint8), expect[name].view(torch.uint8))
+    assert case["k_cache"].float().abs().max() == 448
+
+
 # --- GPU ---------------------------------------------------------------------------------------
 
 SHAPES = {"qwen3-0.6b": (16, 8, True), "qwen3-8b": (32, 8, True), "llama": (32, 8, False)}

@@ -122,9 +122,9 @@ def test_reference_batches_only_as_many_sequences_as_fit_its_group_bytes(
     calls: list[tuple[int, int, int]] = []
     attend = reference._attend_group
 
-    def recording(query, k_cache, v_cache, block_table, seq_lens, scale):
+    def recording(query, k_cache, v_cache, block_table, seq_lens, *scales):
         calls.append((query.shape[0], query.shape[1], int(seq_lens.max())))
-        return attend(query, k_cache, v_cache, block_table, seq_lens, scale)
+        return attend(query, k_cache, v_cache, block_table, seq_lens, *scales)
 
     per_decode = 97 * 4 * (16 + 1) * 4  # the longest decode context (40 + 7 x 8 + 1)
     monkeypatch.setattr(reference, "GROUP_BYTES", 3 * per_decode)

@@ -67,3 +67,49 @@ def test_write_kv_kernel_matches_reference(paged_batch, layout):
     triton_kv_write.write_kv_triton(key, value, batch.k_cache, batch.v_cache, slots)
     assert torch.equal(batch.k_cache, expect_k)
     assert torch.equal(batch.v_cache, expect_v)
+
+
+# --- FP8 caches ------------------------------------------------------------------------------
+# The interpreter emulates float -> e4m3 rounding in NumPy and drops the carry when a value
+# rounds up into the next power of two (31.3 -> 16), so the write kernels are checked on values
+# the format holds exactly (no rounding); rounding itself is checked on the GPU.
+
+
+def _e4m3_values(shape: tuple[int, ...], scale: float) -> torch.Tensor:
+    """Random values e4m3 holds exactly, times a power-of-two `scale` (so x / scale is exact)."""
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8)
+    values = codes.view(torch.float8_e4m3fn).float()
+    return torch.where(values.isnan(), 1.0, values) * scale
+
+
+@pytest.mark.parametrize("max_splits", [1, 3])
+@pytest.mark.parametrize("layout", ["block_outermost", "head_major"])
+def test_attention_kernels_read_fp8_pages_with_their_scales(paged_batch, layout, max_splits):
+    batch = paged_batch(MIXED, num_heads=8, num_kv_heads=2, head_dim=16, layout=layout)
+    k_scale, v_scale = torch.tensor([0.02]), torch.tensor([0.05])
+    k8 = batch.k_cache.div(k_scale).to(torch.float8_e4m3fn)
+    v8 = batch.v_cache.div(v_scale).to(torch.float8_e4m3fn)
+    out = torch.full_like(batch.query, float("nan"))
+    triton_attention.paged_attention_triton(
+        batch.query, k8, v8, batch.metadata, 0.3, out, max_splits=max_splits, split_tokens=16,
+        k_scale=k_scale, v_scale=v_scale,
+    )
+    expect = paged_attention_reference(batch.query, k8, v8, batch.metadata, 0.3,
+                                       k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)
+
+
+def test_write_kv_kernel_quantises_with_the_scale_and_saturates(paged_batch):
+    batch = paged_batch([(0, 40)], num_kv_heads=2, head_dim=16)
+    k8 = torch.zeros_like(batch.k_cache, dtype=torch.float8_e4m3fn)
+    v8 = torch.zeros_like(k8)
+    expect_k, expect_v = k8.clone(), v8.clone()
+    key, value = _e4m3_values((6, 2, 16), 0.25), _e4m3_values((6, 2, 16), 4.0)
+    key[0, 0, :3] = torch.tensor([1e4, -1e4, 112.5])  # saturate to +-448; 450 -> 448
+    k_scale, v_scale = torch.tensor([0.25]), torch.tensor([4.0])
+    slots = torch.tensor([0, -1, 17, 31, -1, 45])
+    write_kv_reference(key, value, expect_k, expect_v, slots, k_scale, v_scale)
+    triton_kv_write.write_kv_triton(key, value, k8, v8, slots, k_scale, v_scale)
+    assert torch.equal(k8.view(torch.uint8), expect_k.view(torch.uint8))
+    assert torch.equal(v8.view(torch.uint8), expect_v.view(torch.uint8))
+    assert k8[0, 0, 0, :3].float().tolist() == [448.0, -448.0, 448.0]

@@ -201,6 +201,26 @@ def bench_serve(p: dict[str, Any]) -> Figures:
     return f
 
 
+def kv_dtype(p: dict[str, Any]) -> Figures:
+    f: Figures = {}
+    for r in p.get("engine", []):
+        name = r["kv_cache_dtype"]
+        f[f"{name}.kv_blocks"] = figure(r["num_blocks"], "blocks", "higher")
+        f[f"{name}.output_tokens_per_s"] = figure(r["throughput"]["output_tokens_per_s"],
+                                                  "tokens/s", "higher")
+        for d in r["decode"]:
+            f[f"{name}.decode.batch{d['batch']}.step_ms"] = figure(d["step_ms"], "ms", "lower")
+    for key, value in (p.get("ratios") or {}).items():
+        f[key] = figure(value, "ratio", "higher")
+    for name, v in (p.get("accuracy") or {}).get("variants", {}).items():
+        f[f"accuracy.{name}.next_token_agreement"] = figure(v["next_token_agreement"],
+                                                            "fraction", "higher")
+        f[f"accuracy.{name}.mean_kl"] = figure(v["mean_kl"], "nats", "lower")
+        if "hf_top5" in v:
+            f[f"accuracy.{name}.hf_top5"] = figure(v["hf_top5"], "fraction", "higher")
+    return f
+
+
 def copy_limit(p: dict[str, Any]) -> Figures:
     """Device copy bandwidth measured in the run: the decode and sampling roofline."""
     for key in ("copy_gb_per_s", "copy_bandwidth_gbps"):
@@ -228,10 +248,11 @@ FIGURES: dict[str, Callable[[Any], Figures]] = {
     "attention": attention, "vmm": vmm,
     "adversarial": adversarial, "sampling-sweep": no_figures, "attention-sweep": no_figures,
     "bench-throughput": bench_throughput, "bench-latency": bench_latency,
-    "bench-serve": bench_serve, "async-engine": async_engine,
+    "bench-serve": bench_serve, "async-engine": async_engine, "kv-dtype": kv_dtype,
 }
 LIMITS: dict[str, Callable[[Any], Figures]] = {
-    "throughput": device_limits, "sampling": copy_limit, "attention": copy_limit}
+    "throughput": device_limits, "sampling": copy_limit, "attention": copy_limit,
+    "kv-dtype": copy_limit}
 
 
 def record_of(bench: str, payload: Any, config: dict[str, Any]) -> dict[str, Any]:
@@ -245,7 +266,8 @@ def _bench_of(data: Any, name: str) -> str:
     """Which bench wrote a published file: by its keys, the file name where they are alike."""
     if isinstance(data, list):
         return "sampling-sweep" if "filters" in name or "sampling" in name else "attention-sweep"
-    for key, bench in (("sweeps", "adversarial"), ("serve", "serving"), ("components", "sleep"),
+    for key, bench in (("kv_cache_dtypes", "kv-dtype"),
+                       ("sweeps", "adversarial"), ("serve", "serving"), ("components", "sleep"),
                        ("samples", "elastic"), ("modes", "elastic-pair"), ("prefill", "attention"),
                        ("growth_gib", "vmm"), ("throughput", "throughput"),
                        ("copy_bandwidth_gbps", "throughput")):

@@ -25,7 +25,8 @@ SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
 """A file being written: hidden, and never a name a reader opens."""
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.float8_e4m3fn: "F8_E4M3"}
 _HEADER_LEN = struct.Struct("<Q")
 _MAX_HEADER = 1 << 16
 

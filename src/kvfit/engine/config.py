@@ -19,6 +19,7 @@ from kvfit.elastic.governor import (
     MemoryAmount,
 )
 from kvfit.kv.spec import LAYOUTS, KVCacheSpec
+from kvfit.kv_quant import KV_CACHE_DTYPES, kv_cache_torch_dtype
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -88,6 +89,9 @@ class CacheConfig:
     kv_cache_margin_fraction: float = 0.5
     kv_cache_margin_floor_bytes: int = 256 * MiB
     cpu_kv_cache_space_bytes: int | None = None
+    # `kv_cache_dtype` (vLLM's `cache_dtype`): "auto" = the model's dtype, or "fp8"/"fp8_e4m3".
+    cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     # Set by the engine once sizing is done.
     num_gpu_blocks: int | None = None
 
@@ -162,7 +166,7 @@ class EngineConfig:
             block_size=self.cache_config.block_size,
             num_kv_heads=max(1, mc.num_kv_heads // self.parallel_config.tensor_parallel_size),
             head_dim=mc.head_dim,
-            dtype=mc.dtype,
+            dtype=kv_cache_torch_dtype(self.cache_config.cache_dtype, mc.dtype),
             layout=self.kv_cache_layout,
         )
 
@@ -211,6 +215,8 @@ class EngineArgs:
     elastic_idle_s: float = DEFAULT_IDLE_S
     deterministic: bool = False
     batch_invariant: bool = False  # vLLM's name for `deterministic`
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -332,6 +338,15 @@ class EngineArgs:
                        help="batch-invariant kernels: a request gets the same token ids and "
                        "logprobs whatever else is in the batch, where it sits, and whether its "
                        "prefix came from the cache (slower GEMMs and attention)")
+        p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                       choices=list(KV_CACHE_DTYPES),
+                       help="KV cache storage: auto (the model's dtype) or fp8 / fp8_e4m3 "
+                       "(e4m3 with a per-layer k/v scale, 1.0 unless --calculate-kv-scales: "
+                       "about twice the blocks in the same memory)")
+        p.add_argument("--calculate-kv-scales", action="store_true",
+                       default=d.calculate_kv_scales,
+                       help="with --kv-cache-dtype fp8: set each layer's k/v scales once, from "
+                       "the first step's K/V (amax / 200 for K, / 100 for V), instead of 1.0")
         return parser
 
     @classmethod
@@ -488,7 +503,29 @@ class EngineArgs:
             kv_cache_margin_fraction=self.kv_cache_margin_fraction,
             kv_cache_margin_floor_bytes=self.kv_cache_margin_floor_bytes,
             cpu_kv_cache_space_bytes=cpu_space,
+            cache_dtype=self._check_kv_cache_dtype(device),
+            calculate_kv_scales=self.calculate_kv_scales,
         )
+
+    def _check_kv_cache_dtype(self, device: torch.device) -> str:
+        name = _check_choice("kv_cache_dtype (--kv-cache-dtype)", self.kv_cache_dtype,
+                             tuple(KV_CACHE_DTYPES))
+        fp8 = KV_CACHE_DTYPES[name] is not None
+        if self.calculate_kv_scales and not fp8:
+            raise ValueError(f"calculate_kv_scales=True (--calculate-kv-scales) sets the scales "
+                             f"of an FP8 KV cache, but kv_cache_dtype is {name!r}; set "
+                             f"--kv-cache-dtype fp8 or drop --calculate-kv-scales")
+        if self.calculate_kv_scales and self.kv_connector is not None:
+            # Stored blocks would be read back by engines whose first step set other scales.
+            raise ValueError(f"calculate_kv_scales=True gives each engine its own scales, so "
+                             f"blocks kv_connector={self.kv_connector!r} stores could not be "
+                             f"shared; drop --calculate-kv-scales (scales 1.0) or the connector")
+        if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"kv_cache_dtype={name!r} needs FP8 conversions (compute "
+                             f"capability 8.9+); {device} is "
+                             f"{torch.cuda.get_device_capability(device)}: use "
+                             f"--kv-cache-dtype auto")
+        return name
 
 
 def _at_least(name: str, value: int, low: int) -> int:

@@ -77,6 +77,9 @@ class ModelRunner:
         # The last launched step's sampled ids (on the device) and the row of each sequence:
         # where the next step reads the tokens its sequences still hold as PENDING_TOKEN.
         self._last_sampled: tuple[torch.Tensor, dict[int, int]] | None = None
+        # `calculate_kv_scales`: the first real step sets the FP8 cache's scales (warmup's
+        # dummy steps calculate too, so their memory is measured, then restore 1.0).
+        self.kv_scales_pending = config.cache_config.calculate_kv_scales
 
     # -- KV cache -----------------------------------------------------------------------------
 
@@ -215,7 +218,9 @@ class ModelRunner:
         """Queue one step: forward, sampling of the sequences whose chunk ends, logprobs as
         asked, and the copies of the results to the host; returns without waiting for them."""
         input_ids, positions, metadata, logits_indices = self.prepare_inputs(batch)
-        if self.graphs is not None and self.graphs.can_run(batch):
+        if self.kv_scales_pending:
+            hidden = self._forward_calculating_kv_scales(input_ids, positions, metadata)
+        elif self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(input_ids, positions, metadata)
         elif self.piecewise is not None and self.piecewise.can_run(batch.num_tokens):
             hidden = self.piecewise.run(input_ids, positions, metadata)
@@ -237,6 +242,26 @@ class ModelRunner:
             output.sampler_output, output.num_logprobs = sampler_output.to_host(), meta.num_logprobs
         output.record_event(self.device)
         return output
+
+    def _forward_calculating_kv_scales(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """An eager forward that first sets every layer's FP8 scales from its K/V; they are
+        fixed once it succeeds (a step that raised, e.g. out of memory, calculates again).
+        Extra memory over a plain forward, one layer at a time: at most about six float32
+        copies of the step's keys (24 x tokens x num_kv_heads x head_dim bytes, `stored_key`),
+        which warmup's dummy steps make at `max_num_batched_tokens` and measure."""
+        self.model.set_calculate_kv_scales(True)
+        try:
+            hidden = self.model(input_ids, positions, metadata)
+        finally:
+            self.model.set_calculate_kv_scales(False)
+        self.kv_scales_pending = False
+        return hidden
+
+    def kv_scales(self) -> list[tuple[float, float]]:
+        """Per layer `(k_scale, v_scale)` on the host (reads the device)."""
+        return [(float(k), float(v)) for k, v in self.model.kv_scales()]
 
     def _prompt_logprobs(
         self, batch: ScheduledBatch, hidden: torch.Tensor
@@ -295,7 +320,8 @@ class ModelRunner:
         real step), and contexts are distinct tokens (the most penalty entries); decodes come
         in sibling pairs. Block ids wrap at the blocks the prefills address (at least one) or
         `max_blocks`, whichever is fewer, and those are committed first: reading a block twice
-        costs no memory.
+        costs no memory. While `calculate_kv_scales` waits for the first real step, the dummy
+        step calculates them too (so that memory is measured) and leaves them at 1.0.
         """
         params = params or SamplingParams(temperature=0.0, max_tokens=1)
         vocab_size = self.config.model_config.hf_config.vocab_size
@@ -315,7 +341,13 @@ class ModelRunner:
             seq.block_table = [next(block_ids) % num_blocks
                                for _ in range(-(-context // self.block_size))]
             seqs.append(seq)
+        calculating = self.kv_scales_pending
         self.execute(ScheduledBatch(seqs, lengths))
+        if calculating:  # dummy K/V must not set the scales: the first real step does
+            for k_scale, v_scale in self.model.kv_scales():
+                k_scale.fill_(1.0)
+                v_scale.fill_(1.0)
+            self.kv_scales_pending = True
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -351,6 +351,8 @@ class Worker:
             estimate_num_blocks=self.estimate_blocks,
             max_blocks=max_blocks,
             on_host=self.device.type == "cpu",
+            dtype=str(self.runner.kv_cache_spec.dtype).removeprefix("torch."),
+            block_bytes=self.runner.kv_cache_spec.block_bytes,
         )
 
     def kv_cache_bytes(self) -> tuple[int, int]:

@@ -27,6 +27,8 @@ class KVCacheReport:
     guard has shrunk the cache since (the other figures stay those of startup); its row is
     shown once there is one. `on_host`: the CPU device, whose `total` is the host memory budget
     (`cpu_kv_cache_space_bytes`) and whose committed KV bytes are allocated host memory.
+    `dtype` (the cache's storage dtype, e.g. `float8_e4m3fn` under `kv_cache_dtype="fp8"`) and
+    `block_bytes` (one block over all layers, K and V) are shown when given.
     """
 
     method: str
@@ -42,6 +44,8 @@ class KVCacheReport:
     max_blocks: int | None = None
     oom_guard_shrinks: int = 0
     on_host: bool = False
+    dtype: str | None = None
+    block_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -61,6 +65,8 @@ class KVCacheReport:
             ("transient peak", format_bytes(self.transient)),
             ("margin", format_bytes(self.margin)),
             ("KV cache committed", format_bytes(self.committed_bytes)),
+            *([("KV cache dtype", self.dtype)] if self.dtype else []),
+            *([("bytes per block", f"{self.block_bytes:,}")] if self.block_bytes else []),
             ("KV cache blocks", f"{self.num_blocks:,}"),
             ("blocks by estimate", estimate),
             ("blocks cap", cap),

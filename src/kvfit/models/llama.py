@@ -8,6 +8,7 @@ from transformers import PretrainedConfig
 
 from kvfit.batch_invariant.functional import paged_attention, silu_and_mul
 from kvfit.distributed import tp_size
+from kvfit.kv_quant import calculate_kv_scales_
 from kvfit.models.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -17,7 +18,7 @@ from kvfit.models.parallel_layers import (
     kv_head_shard,
 )
 from kvfit.ops.attention import AttentionMetadata
-from kvfit.ops.attention_input import attention_input
+from kvfit.ops.attention_input import attention_input, stored_key
 from kvfit.ops.layers import RotaryEmbedding, add_rms_norm, rms_norm
 
 
@@ -83,6 +84,11 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb
         # Bound by `bind_kv_cache`; plain attributes so they stay out of the state dict.
         self.k_cache = self.v_cache = torch.empty(0)
+        # An FP8 cache's scales (`kvfit.kv_quant.scales`: 1.0 unless calculated); read on the
+        # device by the kernels, so graphs see a calculated value. Not in the state dict.
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.calculate_kv_scales = False  # set for the one step that calculates them
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
@@ -98,6 +104,8 @@ class LlamaAttention(nn.Module):
         any batch composition of T tokens (piecewise graphs capture it)."""
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
         num_tokens = hidden.shape[0]  # not -1 in the views: T may be 0
+        if self.calculate_kv_scales:
+            self._calculate_kv_scales(positions, k.view(num_tokens, self.num_kv_heads, -1), v)
         # q/k norms (Qwen3), rope and the K/V store in one launch: on CUDA, one kernel node
         # instead of four in every layer of the decode graphs, and 3 fewer Triton launches per
         # layer of an eager prefill step, whose host time is mostly such launches.
@@ -110,14 +118,23 @@ class LlamaAttention(nn.Module):
             self.k_norm.weight if self.k_norm is not None else None,
             self.q_norm.eps if self.q_norm is not None else 0.0,
             self.rotary_emb.cos_sin_cache,
-            self.k_cache, self.v_cache, slot_mapping,
+            self.k_cache, self.v_cache, slot_mapping, self.k_scale, self.v_scale,
         )
         return q
 
     def attend(self, q: torch.Tensor, attn_metadata: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """Paged attention of `q` [T, heads, head_dim] over this layer's cache (into `out`)."""
-        return paged_attention(q, self.k_cache, self.v_cache, attn_metadata, self.scale, out)
+        return paged_attention(q, self.k_cache, self.v_cache, attn_metadata, self.scale, out,
+                               k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def _calculate_kv_scales(self, positions: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor) -> None:
+        """Set the scales from this step's K (as stored: normed, rotated) and V."""
+        norm = self.k_norm
+        key = stored_key(positions, k, norm.weight if norm is not None else None,
+                         norm.eps if norm is not None else 0.0, self.rotary_emb.cos_sin_cache)
+        calculate_kv_scales_(self.k_scale, self.v_scale, key, v)
 
 
 class LlamaMLP(nn.Module):
@@ -277,3 +294,14 @@ class LlamaForCausalLM(nn.Module):
             )
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
+
+    def kv_scales(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer `(k_scale, v_scale)`, the [1] float32 tensors an FP8 cache is read and
+        written with (1.0 unless calculated); the same tensors every step reads."""
+        return [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in self.model.layers]
+
+    def set_calculate_kv_scales(self, enabled: bool) -> None:
+        """While enabled, each forward sets every layer's scales from its own K/V first
+        (`kvfit.kv_quant.calculate_kv_scales_`), then stores them with those scales."""
+        for layer in self.model.layers:
+            layer.self_attn.calculate_kv_scales = enabled

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfit.ops.fixed_tile_attention import paged_attention_fixed_tiles
+from kvfit.kv_quant import is_fp8
 from kvfit.ops.reference import paged_attention_reference, write_kv_reference
 
 
@@ -37,15 +38,19 @@ def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], any strides
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,  # [1] float32: an FP8 cache's scales, else unused
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store each token's K/V into the cache at `slot_mapping`; slots of -1 are left untouched."""
+    """Store each token's K/V into the cache at `slot_mapping`; slots of -1 are left untouched.
+    An FP8 cache stores `x / scale` saturated to +-448 (`kvfit.kv_quant.quantize_fp8`)."""
     _check_cache(k_cache, v_cache, key.shape[1:])
+    check_kv_scales(k_cache, k_scale, v_scale)
     if key.is_cuda:
         from kvfit.ops.triton_kv_write import write_kv_triton  # triton is a CUDA-only dependency
 
-        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -56,12 +61,15 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    k_scale: torch.Tensor | None = None,  # [1] float32: an FP8 cache's scales, else unused
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new query rows over its cached context.
 
     Handles prefill (with or without a cached prefix) and decode sequences in one batch, and
     grouped-query attention. On CUDA it is graph safe: launch shapes come from host ints only.
-    Rows of `out` outside `query_start_loc[-1]` are not written.
+    Rows of `out` outside `query_start_loc[-1]` are not written. An FP8 cache is read as
+    `value * scale` in the query's dtype, dequantised tile by tile (no dequantised copy of it).
 
     `batch_invariant`: every row is reduced over its keys in fixed tiles from key 0, by one
     kernel for prefill and decode rows alike, so a row's output depends on its query, position
@@ -69,6 +77,7 @@ def paged_attention(
     """
     num_heads, head_dim = query.shape[1:]
     _check_cache(k_cache, v_cache, None)
+    check_kv_scales(k_cache, k_scale, v_scale)
     if num_heads % k_cache.shape[2]:
         raise ValueError(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({k_cache.shape[2]})"
@@ -81,10 +90,29 @@ def paged_attention(
         from kvfit.ops.triton_attention import paged_attention_triton  # CUDA-only dependency
 
         return paged_attention_triton(query, k_cache, v_cache, metadata, scale, out,
-                                      batch_invariant=batch_invariant)
+                                      batch_invariant=batch_invariant,
+                                      k_scale=k_scale, v_scale=v_scale)
     if batch_invariant:
+        if is_fp8(k_cache.dtype):
+            raise ValueError("the deterministic mode's CPU attention reads a cache in the "
+                             "model's dtype: set --kv-cache-dtype auto, or leave "
+                             "--deterministic off")
         return paged_attention_fixed_tiles(query, k_cache, v_cache, metadata, scale, out)
-    return paged_attention_reference(query, k_cache, v_cache, metadata, scale, out)
+    return paged_attention_reference(query, k_cache, v_cache, metadata, scale, out,
+                                     k_scale, v_scale)
+
+
+def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> None:
+    """An FP8 cache needs both scales as one-element float32 tensors on its device (read there,
+    so a CUDA graph sees later changes); other caches ignore them. Reads no values."""
+    if not is_fp8(k_cache.dtype):
+        return
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None or s.numel() != 1 or s.dtype != torch.float32 or s.device != k_cache.device:
+            got = None if s is None else f"{list(s.shape)} {s.dtype} on {s.device}"
+            raise ValueError(f"a {k_cache.dtype} KV cache needs {name} as a one-element "
+                             f"float32 tensor on {k_cache.device}, got {got}")
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_shape: torch.Size | None) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfit.ops.attention import _check_cache
+from kvfit.ops.attention import _check_cache, check_kv_scales
 from kvfit.ops.layers import rms_norm_torch, rotary_torch
 from kvfit.ops.reference import write_kv_reference
 
@@ -26,26 +26,30 @@ def attention_input(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], any strides
     v_cache: torch.Tensor,  # same shape and strides as k_cache
     slot_mapping: torch.Tensor,  # [T] int64; -1 = skip
+    k_scale: torch.Tensor | None = None,  # [1] float32: an FP8 cache's scales, else unused
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prepare one layer's attention input and store this step's K/V.
 
     Per token: RMS-normalise each q and k head when the norm weights are given (Qwen3), apply the
     neox rotary embedding at `positions` to q and k, store k and v at the token's cache slot
-    (slots of -1 are left untouched). Returns the rotated q as a new contiguous
-    `[T, num_heads, head_dim]` in q's dtype. On CUDA it is one kernel launch and graph safe.
+    (slots of -1 are left untouched; an FP8 cache stores them quantised with the scales, as
+    `write_kv` does). Returns the rotated q as a new contiguous `[T, num_heads, head_dim]` in
+    q's dtype. On CUDA it is one kernel launch and graph safe.
     """
     _check_inputs(positions, q, k, v, q_norm_weight, k_norm_weight, cos_sin_cache, k_cache,
                   v_cache, slot_mapping)  # fmt: skip
+    check_kv_scales(k_cache, k_scale, v_scale)
     if q.is_cuda:
         from kvfit.ops.triton_attention_input import attention_input_triton  # CUDA-only dependency
 
         return attention_input_triton(
             positions, q, k, v, q_norm_weight, k_norm_weight, eps,
-            cos_sin_cache, k_cache, v_cache, slot_mapping,
+            cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         )  # fmt: skip
     return attention_input_torch(
         positions, q, k, v, q_norm_weight, k_norm_weight, eps,
-        cos_sin_cache, k_cache, v_cache, slot_mapping,
+        cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     )  # fmt: skip
 
 
@@ -61,13 +65,34 @@ def attention_input_torch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The unfused torch composition of `attention_input`: the CPU path and the kernel's oracle."""
     if q_norm_weight is not None:
         q, k = rms_norm_torch(q, q_norm_weight, eps), rms_norm_torch(k, k_norm_weight, eps)
     q, k = rotary_torch(positions, q, k, cos_sin_cache, q.shape[-1])
-    write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
+
+
+def stored_key(
+    positions: torch.Tensor,
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+) -> torch.Tensor:
+    """The key `attention_input` stores, before any cache quantisation: normalised (when the
+    weight is given) and rotated, in k's dtype (the torch composition, on any device).
+
+    What `calculate_kv_scales` measures. Extra memory: at most about six float32 copies of k
+    alive at once (the norm's and the rotation's intermediates), 24 x k.numel() bytes.
+    """
+    if k_norm_weight is not None:
+        k = rms_norm_torch(k, k_norm_weight, eps)
+    no_query = k[:, :0]  # rotary_torch rotates a query and a key; only the key is wanted
+    return rotary_torch(positions, no_query, k, cos_sin_cache, k.shape[-1])[1]
 
 
 def _check_inputs(

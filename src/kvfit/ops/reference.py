@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kvfit.kv_quant import dequantize_fp8, is_fp8, quantize_fp8
+
 if TYPE_CHECKING:
     from kvfit.ops.attention import AttentionMetadata
 
@@ -23,14 +25,25 @@ def write_kv_reference(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store each token's K/V at its slot; slots of -1 are skipped. Any cache strides."""
+    """Store each token's K/V at its slot; slots of -1 are skipped. Any cache strides.
+    An FP8 cache stores `quantize_fp8(x, scale)` (the scales are [1] float32 tensors)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    k_cache[blocks, offsets] = _to_cache(key[keep], k_cache.dtype, k_scale)
+    v_cache[blocks, offsets] = _to_cache(value[keep], v_cache.dtype, v_scale)
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    return quantize_fp8(x, scale) if is_fp8(dtype) else x.to(dtype)
+
+
+def _from_cache(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_fp8(x, scale, dtype) if is_fp8(x.dtype) else x.to(dtype)
 
 
 def _gather_context(
@@ -52,8 +65,11 @@ def _attend_group(
     block_table: torch.Tensor,  # [n, max_blocks]
     seq_lens: torch.Tensor,  # [n] int64
     scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention for n sequences sharing one query length; contexts padded to the longest."""
+    """Attention for n sequences sharing one query length; contexts padded to the longest.
+    FP8 pages are dequantised as gathered (the group's copy, never the whole cache)."""
     q_len = query.shape[1]
     context_len = int(seq_lens.max())
     rows = torch.arange(q_len, device=query.device)
@@ -62,15 +78,16 @@ def _attend_group(
     # memory); a masked score does not stop 0 * NaN from reaching the output, so zero them.
     unwritten = (cols[None, :] >= seq_lens[:, None])[:, None, :, None]  # [n, 1, context, 1]
     # The gathered tensors are fresh copies: zero them in place.
-    k = _gather_context(k_cache, block_table, context_len).masked_fill_(unwritten, 0)
-    v = _gather_context(v_cache, block_table, context_len).masked_fill_(unwritten, 0)
+    k = _from_cache(_gather_context(k_cache, block_table, context_len), k_scale, query.dtype)
+    v = _from_cache(_gather_context(v_cache, block_table, context_len), v_scale, query.dtype)
+    k, v = k.masked_fill_(unwritten, 0), v.masked_fill_(unwritten, 0)
     # Lower-right aligned causal mask: query row i sits at position seq_len - q_len + i.
     last_visible = seq_lens[:, None] - q_len + rows[None, :]  # [n, q_len]
     mask = cols[None, None, :] <= last_visible[:, :, None]  # [n, q_len, context_len]
     out = F.scaled_dot_product_attention(
         query.transpose(1, 2),
-        k.to(query.dtype),
-        v.to(query.dtype),
+        k,
+        v,
         attn_mask=mask[:, None],
         scale=scale,
         enable_gqa=True,
@@ -85,6 +102,8 @@ def paged_attention_reference(
     metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather each sequence's pages and run SDPA; sequences of equal query length run batched,
     as many at once as keep the gathered context within `GROUP_BYTES` (at least one).
@@ -120,6 +139,8 @@ def paged_attention_reference(
                 metadata.block_table[seqs],
                 seq_lens[seqs],
                 scale,
+                k_scale,
+                v_scale,
             ).to(out.dtype)
     return out
 

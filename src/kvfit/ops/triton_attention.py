@@ -3,6 +3,12 @@
 Both read K/V straight from the paged cache through the block table, with any cache strides.
 Query heads of one KV group are packed into the rows of a tile, so each K/V byte is loaded once
 per group. Launch shapes depend only on host ints, so both are CUDA-graph safe.
+
+An FP8 cache (`FP8`, a constexpr: the other dtypes compile exactly as before) is dequantised in
+registers: each tile is widened to the query's dtype after the load (exact: every e4m3 value is
+a bf16/fp16 value), and the scales are folded where they cost nothing per element, k_scale into
+the scores' scalar factor and v_scale into the output's normalisation, which is the same sum as
+multiplying every element by its scale.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
+
+from kvfit.kv_quant import is_fp8
 
 if TYPE_CHECKING:
     from kvfit.ops.attention import AttentionMetadata
@@ -56,7 +64,7 @@ def _softmax_update(s, v, m_i, l_i, acc):
 def _prefill_kernel(
     query, k_cache, v_cache, out,
     query_start_loc, seq_lens, block_table,
-    scale_log2,
+    scale_log2, k_scale, v_scale,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,
@@ -66,6 +74,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
     BATCH_INVARIANT: tl.constexpr = False,
 ):  # fmt: skip
     # Later query tiles see more keys (causal): start them first, every head's before any
@@ -90,6 +99,8 @@ def _prefill_kernel(
     q = tl.load(q_ptrs + d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
     pos = prefix + tok  # absolute position of each row: causal mask is lower-right aligned
     block_table_row = block_table + seq * stride_bt
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -108,6 +119,8 @@ def _prefill_kernel(
                           stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
         v = _load_kv_tile(v_cache, block_table_row, n, n_mask, kv_head, d,
                           stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+        if FP8:  # widen after the load; the scales are folded in outside the loop
+            k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
     end = prefix + last_tok + 1
@@ -118,11 +131,15 @@ def _prefill_kernel(
                           stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
         v = _load_kv_tile(v_cache, block_table_row, n, n_mask, kv_head, d,
                           stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+        if FP8:  # widen after the load; the scales are folded in outside the loop
+            k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
         m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
 
     o = acc / l_i[:, None]
+    if FP8:
+        o = o * tl.load(v_scale)
     o_ptrs = out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
     tl.store(o_ptrs + d[None, :] * stride_od, o.to(out.dtype.element_ty), mask=row_mask[:, None])
 
@@ -131,7 +148,7 @@ def _prefill_kernel(
 def _decode_kernel(
     query, k_cache, v_cache, out, part_out, part_lse,
     query_start_loc, seq_lens, block_table,
-    scale_log2, num_splits, max_splits, split_tokens,
+    scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,
@@ -143,6 +160,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -167,6 +185,8 @@ def _decode_kernel(
     q_ptrs = query + q_row * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)
     block_table_row = block_table + seq * stride_bt
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale)
 
     m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P2], tl.float32)
@@ -178,12 +198,16 @@ def _decode_kernel(
                           stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
         v = _load_kv_tile(v_cache, block_table_row, n, n_mask, kv_head, d,
                           stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+        if FP8:  # widen after the load; the scales are folded in outside the loop
+            k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
 
     # An empty split (or a zero-length padded sequence) has l_i == 0: emit zeros, not NaN.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if FP8:  # the split reduction is linear in o: scaling each part scales the sum
+        o = o * tl.load(v_scale)
     if SPLIT:
         part = (seq * NUM_HEADS + head) * num_splits + split
         tl.store(part_out + part[:, None] * HEAD_DIM + d[None, :], o, mask=g_mask[:, None])
@@ -263,12 +287,14 @@ def paged_attention_triton(
     prefill_config: dict[str, int] | None = None,
     decode_config: dict[str, int] | None = None,
     batch_invariant: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the prefill kernel (query length > 1) and the decode kernel (query length 1).
 
     Decode splits a sequence of n tokens into min(max_splits, ceil(n / split_tokens)) parts.
     The split settings and tile configs override the defaults (tests and `bench/attention.py
-    --sweep` use them).
+    --sweep` use them). An FP8 cache is read with the [1] float32 scales (on the device).
 
     `batch_invariant`: the prefill kernel alone runs every row (decodes too), each over key
     tiles of BLOCK_N from key 0 with the causal mask on every tile: no split-KV, so a row's
@@ -277,11 +303,15 @@ def paged_attention_triton(
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_seqs = metadata.seq_lens.shape[0]
-    if k_cache.stride() != v_cache.stride() or query.dtype != k_cache.dtype:
+    fp8 = is_fp8(k_cache.dtype)
+    if k_cache.stride() != v_cache.stride() or (query.dtype != k_cache.dtype and not fp8):
         raise ValueError(
-            "k_cache and v_cache must share strides and the query's dtype; got strides "
-            f"{k_cache.stride()} / {v_cache.stride()}, dtypes {query.dtype} / {k_cache.dtype}"
+            "k_cache and v_cache must share strides and the query's dtype (or be FP8); got "
+            f"strides {k_cache.stride()} / {v_cache.stride()}, dtypes {query.dtype} / "
+            f"{k_cache.dtype}"
         )
+    # Unread unless FP8: any pointer will do.
+    k_scale, v_scale = (k_scale, v_scale) if fp8 else (metadata.seq_lens, metadata.seq_lens)
     if head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two for the Triton kernels, got {head_dim}")
     if num_tokens == 0 or num_seqs == 0:
@@ -297,8 +327,8 @@ def paged_attention_triton(
         _prefill_kernel[grid](
             query, k_cache, v_cache, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-            scale_log2, *common,
-            QUERY_GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            scale_log2, k_scale, v_scale, *common,
+            QUERY_GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, FP8=fp8,
             BATCH_INVARIANT=batch_invariant, **cfg,
         )  # fmt: skip
     if batch_invariant:
@@ -317,9 +347,9 @@ def paged_attention_triton(
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_out, part_lse,
         metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-        scale_log2, num_splits, max_splits, split_tokens, *common,
+        scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens, *common,
         NUM_HEADS=num_heads, QUERY_GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split, FP8=fp8,
         **(decode_config or _decode_config(head_dim)),
     )  # fmt: skip
     if split:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfit.kv_quant import is_fp8
+from kvfit.ops.triton_kv_write import to_cache
 from kvfit.ops.triton_layers import (
     _cos_sin,
     _load_halves,
@@ -39,7 +41,7 @@ def _rms_norm_halves(x1, x2, weight, eps, HALF: tl.constexpr, HALF_P2: tl.conste
 @triton.jit
 def _attention_input_kernel(
     positions, cos_sin_cache, q, k, v, q_norm_weight, k_norm_weight, eps,
-    k_cache, v_cache, slot_mapping, q_out,
+    k_cache, v_cache, slot_mapping, q_out, k_scale, v_scale,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
@@ -52,6 +54,7 @@ def _attention_input_kernel(
     HALF: tl.constexpr,
     HALF_P2: tl.constexpr,
     QK_NORM: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
     cos, sin = _cos_sin(cos_sin_cache, positions, token, HALF, HALF_P2)
@@ -78,10 +81,10 @@ def _attention_input_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HALF)
     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch
     lo, hi = dst + d * stride_cd, dst + (d + HALF) * stride_cd
-    tl.store(k_cache + lo, k1.to(k_cache.dtype.element_ty), mask=mask)
-    tl.store(k_cache + hi, k2.to(k_cache.dtype.element_ty), mask=mask)
-    tl.store(v_cache + lo, v1.to(v_cache.dtype.element_ty), mask=mask)
-    tl.store(v_cache + hi, v2.to(v_cache.dtype.element_ty), mask=mask)
+    tl.store(k_cache + lo, to_cache(k1, k_scale, k_cache, FP8), mask=mask)
+    tl.store(k_cache + hi, to_cache(k2, k_scale, k_cache, FP8), mask=mask)
+    tl.store(v_cache + lo, to_cache(v1, v_scale, v_cache, FP8), mask=mask)
+    tl.store(v_cache + hi, to_cache(v2, v_scale, v_cache, FP8), mask=mask)
 
 
 def attention_input_triton(
@@ -96,10 +99,13 @@ def attention_input_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fused kernel behind `kvfit.ops.attention_input` (which validates the arguments).
 
-    Returns the normalised, rotated q as a new contiguous `[T, num_heads, head_dim]`.
+    Returns the normalised, rotated q as a new contiguous `[T, num_heads, head_dim]`. An FP8
+    cache stores k (rounded to q's dtype after rope, as unfused) quantised with the scales.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -109,16 +115,18 @@ def attention_input_triton(
     qk_norm = q_norm_weight is not None
     half = head_dim // 2
     heads_p2 = triton.next_power_of_2(num_heads)
+    fp8 = is_fp8(k_cache.dtype)
     _attention_input_kernel[(num_tokens,)](
         positions, cos_sin_cache.contiguous(), q, k, v,
         q_norm_weight.contiguous() if qk_norm else q,  # never read without QK_NORM
         k_norm_weight.contiguous() if qk_norm else k,
         eps, k_cache, v_cache, slot_mapping, q_out,
+        k_scale if fp8 else q, v_scale if fp8 else q,  # never read without FP8
         *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(),
         k_cache.shape[1],
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_P2=heads_p2, KV_HEADS_P2=triton.next_power_of_2(num_kv_heads),
-        HALF=half, HALF_P2=triton.next_power_of_2(half), QK_NORM=qk_norm,
+        HALF=half, HALF_P2=triton.next_power_of_2(half), QK_NORM=qk_norm, FP8=fp8,
         num_warps=_num_warps(heads_p2 * triton.next_power_of_2(head_dim)),
     )  # fmt: skip
     return q_out

@@ -1,0 +1,395 @@
+"""FP8 KV cache against the cache in the model's dtype, side by side in one run.
+
+How to run (on the GPU machine, about 3 minutes; JSON and run.log in $OUT):
+
+    TESTS=none bash bench/run_gpu.sh "kv_dtype"
+    TESTS=none bash bench/run_gpu.sh "kv_dtype --skip-engine --accuracy-model PATH"
+
+CPU smoke check (a minute):
+
+    python3 bench/kv_dtype.py --device cpu --model kvfit-tiny --num-seqs 8 --min-len 8 \\
+        --max-len 64 --decode-batches 2 --decode-context 64 --accuracy-prompts 2 \\
+        --accuracy-len 32 --out /tmp/k.json
+
+Engine, per `--kv-cache-dtypes` (default `auto fp8`), one engine at a time (`--model`, dummy
+weights, measured sizing, the same settings but the cache dtype):
+- capacity: KV blocks under measured sizing, bytes per block, the bytes committed;
+- throughput: bench/throughput.py's offline workload (same seeds for every dtype), after one
+  untimed run of its shape (its helpers are copied here, so this bench stands alone);
+- decode: the engine's decode step at each `--decode-batches` over `--decode-context` tokens,
+  against the roofline (weights + KV bytes read, at the cache's dtype) / copy bandwidth measured
+  in the same run.
+Each figure with its ratio to the first dtype.
+
+Accuracy (`--accuracy-model`, default `--model`; meaningful for trained weights only, e.g. the
+built-in trained model or a checkpoint folder): `--accuracy-prompts` prompts of `--accuracy-len`
+tokens (the lines of `--prompts-file`, else random ids), teacher forced: one prefill of each
+prompt per variant (auto, fp8, fp8 with calculate_kv_scales). Prefill reads K/V back from the
+cache, so every position attends over quantised K/V. Per variant against auto: next-token
+agreement and mean KL(auto || variant) in nats over every position; and, for a local checkpoint,
+agreement with Hugging Face transformers on the same weights in the same dtype: top-1, and
+top-5 (each side's argmax in the other side's top 5).
+
+Targets (H200): fp8 >= 1.9x the blocks of bf16; offline throughput >= 1.4x bf16's; on the
+trained model next-token agreement >= 99% and mean KL <= 0.01 nats vs the bf16 cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvfit import LLM, SamplingParams
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
+from kvfit.engine.sequence import ScheduledBatch, Sequence
+from kvfit.models.loader import is_builtin, resolve_model
+
+GiB = 1 << 30
+TARGETS = {"blocks_ratio": 1.9, "throughput_ratio": 1.4, "next_token_agreement": 0.99,
+           "mean_kl": 0.01}
+ACCURACY_VARIANTS = {"auto": {}, "fp8": {"kv_cache_dtype": "fp8"},
+                     "fp8_calculated": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON output path")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--model", default="qwen3-0.6b-shape")
+    p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto", "fp8"],
+                   help="cache dtypes of the engine runs, the first the baseline")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="engine runs of fp8 dtypes calculate their scales")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decode-batches", type=int, nargs="*", default=[64, 256])
+    p.add_argument("--decode-context", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--skip-engine", action="store_true", help="accuracy only")
+    p.add_argument("--accuracy-model", help="model of the accuracy runs (default: --model)")
+    p.add_argument("--accuracy-prompts", type=int, default=32)
+    p.add_argument("--accuracy-len", type=int, default=512)
+    p.add_argument("--prompts-file", help="one prompt per line (default: random token ids)")
+    p.add_argument("--accuracy-load-format", default="auto",
+                   help="load_format of the accuracy engines (auto: the model's weights, or "
+                        "dummy for a built-in shape)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return args
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# Self-contained (bench/throughput.py's helpers change with its own figures): the same workload
+# and the same decode loop as there.
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
+    """Bytes moved per second (read + write) by a device-to-device copy, median."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times)
+
+
+def offline_workload(args: argparse.Namespace, vocab: int, seed: int) -> tuple[list, list]:
+    """`--num-seqs` requests of random token ids, prompt and output lengths uniform in
+    [`--min-len`, `--max-len`], ignore_eos, temperature 1 (bench/throughput.py's)."""
+    rng = random.Random(seed)
+    lengths = [(rng.randint(args.min_len, args.max_len), rng.randint(args.min_len, args.max_len))
+               for _ in range(args.num_seqs)]
+    prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(p)]} for p, _ in lengths]
+    params = [SamplingParams(temperature=1.0, max_tokens=o, ignore_eos=True) for _, o in lengths]
+    return prompts, params
+
+
+def engine_decode_step(llm: LLM, batch_size: int, context: int,
+                       iters: int) -> tuple[float, float]:
+    """`(seconds per engine step, mean context)` over `iters` engine steps while `batch_size`
+    sequences of about `context` tokens all decode, as the engine loop runs (overlapped)."""
+    engine, cfg = llm.engine, llm.config
+    vocab = cfg.model_config.hf_config.vocab_size
+    prefill_steps = -(-batch_size * context // cfg.scheduler_config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + iters + 8,
+                            ignore_eos=True)
+    rng = random.Random(batch_size)
+    seqs = [seq for i in range(batch_size) for seq in llm.make_request(
+        {"prompt_token_ids": [rng.randrange(vocab) for _ in range(context - 1)]}, params, str(i))]
+    for seq in seqs:
+        engine.add_request(seq)
+    while min(seq.num_output_tokens for seq in seqs) < 2:  # every sequence decoding
+        engine.step()
+    first = statistics.mean(len(seq) for seq in seqs)
+    _sync(cfg.device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        engine.step()
+    _sync(cfg.device)
+    elapsed = time.perf_counter() - start
+    mean_context = (first + statistics.mean(len(seq) for seq in seqs)) / 2
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed / iters, mean_context
+
+
+# -- engine: capacity, throughput, decode --------------------------------------------------------
+
+
+def engine_run(args: argparse.Namespace, kv_cache_dtype: str, bandwidth: float) -> dict[str, Any]:
+    """One engine with the cache in `kv_cache_dtype`: its sizing, offline throughput and decode
+    steps."""
+    calculate = args.calculate_kv_scales and kv_cache_dtype != "auto"
+    llm = LLM(args.model, device=args.device, load_format="dummy",
+              max_model_len=max(2 * args.max_len + 1, args.decode_context + 256),
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+              kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate)
+    try:
+        report, worker = llm.kv_cache_report, llm.engine.executor.workers[0]
+        spec = worker.runner.kv_cache_spec
+        row: dict[str, Any] = {
+            "kv_cache_dtype": kv_cache_dtype, "calculate_kv_scales": calculate,
+            "dtype": report.dtype, "method": report.method, "num_blocks": report.num_blocks,
+            "block_bytes": spec.block_bytes, "kv_bytes": report.committed_bytes,
+            "max_blocks": report.max_blocks, "transient": report.transient,
+            "margin": report.margin, "report": report.format_table(),
+        }
+        row["throughput"] = offline_throughput(llm, args)
+        row["decode"] = decode_steps(llm, args, worker.weights, spec, bandwidth)
+        row["kv_scales"] = worker.runner.kv_scales()[:4]  # the first layers' (host copy)
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+    return row
+
+
+def offline_throughput(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+    """Output tokens per second of the offline workload, after an untimed run of its shape."""
+    vocab = llm.config.model_config.hf_config.vocab_size
+    llm.generate(*offline_workload(args, vocab, args.seed + 1), use_tqdm=False)
+    prompts, params = offline_workload(args, vocab, args.seed)
+    _sync(llm.config.device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(llm.config.device)
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"elapsed_s": elapsed, "output_tokens": output_tokens,
+            "output_tokens_per_s": output_tokens / elapsed,
+            "num_preemptions": llm.engine.scheduler.num_preemptions}
+
+
+def decode_steps(llm: LLM, args: argparse.Namespace, weight_bytes: int, spec: Any,
+                 bandwidth: float) -> list[dict[str, Any]]:
+    """Engine decode step per batch size, against (weights + KV read) / bandwidth."""
+    kv_bytes_per_token = spec.block_bytes // spec.block_size
+    rows = []
+    for batch in args.decode_batches:
+        blocks = batch * -(-(args.decode_context + args.iters + 16) // spec.block_size)
+        if batch > args.max_num_seqs or blocks > llm.kv_cache_report.num_blocks:
+            print(f"skip decode batch {batch}: more than max_num_seqs or the cache holds")
+            continue
+        step, context = engine_decode_step(llm, batch, args.decode_context, args.iters)
+        roofline = (weight_bytes + batch * context * kv_bytes_per_token) / bandwidth
+        rows.append({"batch": batch, "context": context, "step_ms": step * 1e3,
+                     "roofline_ms": roofline * 1e3, "ratio": step / roofline,
+                     "kv_gib": batch * context * kv_bytes_per_token / GiB})
+    return rows
+
+
+# -- accuracy ------------------------------------------------------------------------------------
+
+
+def accuracy_prompts(args: argparse.Namespace, llm: LLM) -> list[list[int]]:
+    """`--accuracy-prompts` token lists of at most `--accuracy-len` (at least 2 tokens each)."""
+    if args.prompts_file:
+        tokenizer = llm.get_tokenizer()
+        lines = [line for line in Path(args.prompts_file).read_text().splitlines() if line]
+        ids = [tokenizer.encode(line)[: args.accuracy_len] for line in lines]
+        return [t for t in ids if len(t) >= 2][: args.accuracy_prompts]
+    rng = random.Random(args.seed)
+    vocab = llm.config.model_config.hf_config.vocab_size
+    return [[rng.randrange(vocab) for _ in range(args.accuracy_len)]
+            for _ in range(args.accuracy_prompts)]
+
+
+@torch.inference_mode()
+def prefill_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """Log-probabilities [len, vocab] (float32) of one prefill of `prompt` from block 0 on: row
+    i predicts token i + 1 having attended over the cache's K/V of tokens 0..i."""
+    runner = llm.engine.executor.workers[0].runner
+    seq = Sequence(list(prompt), SamplingParams(temperature=0.0, max_tokens=1))
+    seq.block_table = list(range(-(-len(prompt) // runner.block_size)))
+    input_ids, positions, metadata, _ = runner.prepare_inputs(ScheduledBatch([seq],
+                                                                             [len(prompt)]))
+    hidden = runner.model(input_ids, positions, metadata)
+    return runner.model.compute_logits(hidden).float().log_softmax(-1)
+
+
+def accuracy_engine(model: str, args: argparse.Namespace, variant: dict[str, Any]) -> LLM:
+    """A small engine for teacher-forced prefills of `--accuracy-len` tokens (the cache holds
+    one prompt; sizing is not what is measured here)."""
+    blocks = -(-(args.accuracy_len + 16) // 16) + 1
+    llm = LLM(model, device=args.device, max_model_len=args.accuracy_len + 16, max_num_seqs=4,
+              num_gpu_blocks_override=blocks, enforce_eager=True,
+              load_format=args.accuracy_load_format, **variant)
+    # calculate_kv_scales: the first real step sets the scales (the others: no effect).
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1),
+                 use_tqdm=False)
+    return llm
+
+
+def hf_logprobs(model: str, dtype: torch.dtype, device: str):  # noqa: ANN201 (a function)
+    """Teacher-forced log-probabilities from transformers on the same weights, or None when
+    `model` has no weights on disk (a built-in shape's are generated)."""
+    folder = resolve_model(model)
+    if is_builtin(model) and not any(folder.glob("*.safetensors")):
+        return None
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+
+    @torch.inference_mode()
+    def logprobs(prompt: list[int]) -> torch.Tensor:
+        ids = torch.tensor([prompt], device=device)
+        return hf(ids).logits[0].float().log_softmax(-1)
+
+    return logprobs
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    """Top-1 agreement, and top-5 (each side's argmax in the other's top 5), over rows."""
+    top_a, top_b = a.topk(5, -1).indices, b.topk(5, -1).indices
+    top1 = (top_a[:, 0] == top_b[:, 0]).float()
+    in_b = (top_b == top_a[:, :1]).any(-1)
+    in_a = (top_a == top_b[:, :1]).any(-1)
+    return {"top1": top1.mean().item(), "top5": (in_a & in_b).float().mean().item()}
+
+
+def accuracy(args: argparse.Namespace) -> dict[str, Any]:
+    """Every variant against auto (and against transformers) over the same prompts."""
+    model = args.accuracy_model or args.model
+    engines = {name: accuracy_engine(model, args, v) for name, v in ACCURACY_VARIANTS.items()}
+    try:
+        prompts = accuracy_prompts(args, engines["auto"])
+        mc = engines["auto"].config.model_config
+        hf = None if args.no_hf else hf_logprobs(model, mc.dtype, args.device)
+        sums: dict[str, dict[str, float]] = {name: {} for name in engines}
+        positions = 0
+        for prompt in prompts:
+            base = prefill_logprobs(engines["auto"], prompt)
+            ref = hf(prompt) if hf is not None else None
+            positions += len(prompt)
+            for name, llm in engines.items():
+                lp = base if name == "auto" else prefill_logprobs(llm, prompt)
+                row = {"next_token_agreement": (lp.argmax(-1) == base.argmax(-1)).sum().item(),
+                       "kl_sum": (base.exp() * (base - lp)).sum().item()}
+                if ref is not None:
+                    row |= {f"hf_{k}_sum": v * len(prompt) for k, v in agreement(lp, ref).items()}
+                for key, value in row.items():
+                    sums[name][key] = sums[name].get(key, 0.0) + value
+        result = {name: {"next_token_agreement": s["next_token_agreement"] / positions,
+                         "mean_kl": s["kl_sum"] / positions,
+                         **{k.removesuffix("_sum"): v / positions for k, v in s.items()
+                            if k.startswith("hf_")},
+                         "kv_scales": engines[name].engine.executor.workers[0].runner
+                         .kv_scales()[:4]}
+                  for name, s in sums.items()}
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    return {"model": model, "prompts": len(prompts), "positions": positions,
+            "prompts_file": args.prompts_file, "hf": not args.no_hf and hf is not None,
+            "variants": result}
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """The last run's figures over the first's (fp8 over the model's dtype by default)."""
+    first, last = runs[0], runs[-1]
+    out = {"blocks_ratio": last["num_blocks"] / first["num_blocks"],
+           "throughput_ratio": (last["throughput"]["output_tokens_per_s"]
+                                / first["throughput"]["output_tokens_per_s"])}
+    for a in first["decode"]:
+        for b in last["decode"]:
+            if a["batch"] == b["batch"]:
+                out[f"decode_batch{a['batch']}_speedup"] = a["step_ms"] / b["step_ms"]
+    return out
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    runs = result.get("engine", [])
+    if runs:
+        print(f"device: {result['device']}, copy bandwidth {result['copy_bandwidth_gbps']:.0f} "
+              f"GB/s, model {runs[0].get('model', '')}")
+        print(f"{'cache':<14} {'blocks':>9} {'B/block':>10} {'KV GiB':>7} {'out tok/s':>10} "
+              + " ".join(f"{'dec' + str(d['batch']) + ' ms':>10}" for d in runs[0]["decode"]))
+        for r in runs:
+            print(f"{r['dtype']:<14} {r['num_blocks']:>9,} {r['block_bytes']:>10,} "
+                  f"{r['kv_bytes'] / GiB:>7.2f} {r['throughput']['output_tokens_per_s']:>10,.0f} "
+                  + " ".join(f"{d['step_ms']:>10.3f}" for d in r["decode"]))
+        print("ratios (last / first):", ", ".join(f"{k} {v:.3f}"
+                                                  for k, v in result["ratios"].items()))
+    acc = result.get("accuracy")
+    if acc:
+        print(f"accuracy on {acc['model']}: {acc['prompts']} prompts, {acc['positions']} "
+              f"positions, teacher forced")
+        for name, v in acc["variants"].items():
+            hf = (f", vs transformers top-1 {v['hf_top1']:.4f} top-5 {v['hf_top5']:.4f}"
+                  if "hf_top1" in v else "")
+            print(f"  {name:<15} next-token agreement {v['next_token_agreement']:.4f}, "
+                  f"mean KL {v['mean_kl']:.5f} nats{hf}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # tiny models gain nothing from threads that spin
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "copy_bandwidth_gbps": copy_bandwidth(device, 1 << 28 if device.type == "cpu" else GiB)
+        / 1e9,
+        "kv_cache_dtypes": args.kv_cache_dtypes, "targets": TARGETS,
+    }
+    if not args.skip_engine:
+        bandwidth = result["copy_bandwidth_gbps"] * 1e9
+        result["engine"] = [{"model": args.model, **engine_run(args, d, bandwidth)}
+                            for d in args.kv_cache_dtypes]
+        result["ratios"] = ratios(result["engine"])
+    if args.accuracy_prompts > 0:
+        result["accuracy"] = accuracy(args)
+    write_record(args.out, record_of("kv-dtype", result, vars(args)))
+    print_tables(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""Per-layer k/v scales of an FP8 KV cache.
+
+The default scale is 1.0, as in vLLM: the stored value is the activation itself. Qwen and Llama
+K/V activations sit well inside e4m3's +-448 (Qwen3's k-norm bounds each key head's RMS; V is a
+projection of normalised hidden states), so 1.0 only saturates outliers no real checkpoint
+shows, while e4m3's relative precision (3 mantissa bits) is the same at any magnitude above its
+subnormals (2^-6). A scale must also be fixed before the first block is written: every block of
+a layer is read with one scale, so changing it would mean rewriting the whole cache.
+
+`calculate_kv_scales` (vLLM's semantics) sets each layer's scales once, from the first real
+step's K/V: scale = amax / constant, leaving headroom (448 / 200 for K, 448 / 100 for V) for
+later activations larger than the first prompt's; after that they are fixed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+K_SCALE_CONSTANT = 200.0
+"""amax(K) of the first step is stored as this value (vLLM's K_SCALE_CONSTANT)."""
+V_SCALE_CONSTANT = 100.0
+"""amax(V) of the first step is stored as this value (vLLM's V_SCALE_CONSTANT)."""
+MIN_SCALE = 1e-6
+"""Floor of a calculated scale: an all-zero first step must not divide by zero later."""
+
+
+def calculate_kv_scales_(k_scale: torch.Tensor, v_scale: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor) -> None:
+    """Set `k_scale` / `v_scale` ([1] float32) in place from the amax of `key` / `value` (the
+    values as they would be stored, unscaled). Device ops only: no host sync, graph safe. An
+    empty step leaves them as they are."""
+    if key.numel() == 0:
+        return
+    k_scale.copy_((key.abs().amax().float() / K_SCALE_CONSTANT).clamp_min(MIN_SCALE))
+    v_scale.copy_((value.abs().amax().float() / V_SCALE_CONSTANT).clamp_min(MIN_SCALE))
