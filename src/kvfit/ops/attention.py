@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfit.ops.fixed_tile_attention import paged_attention_fixed_tiles
 from kvfit.kv_quant import is_fp8
+from kvfit.ops.fixed_tile_attention import paged_attention_fixed_tiles
 from kvfit.ops.reference import paged_attention_reference, write_kv_reference
 
 
