@@ -24,11 +24,12 @@ each, ignore_eos, greedy. Steps:
    process), `python3 -m kvfit serve` in a subprocess (log beside --out), wait for /health,
    one untimed pass of the workload at rate inf (kernel compilation), then per
    `--request-rates` rate
-   bench_serve's load under `--max-concurrency` (default: no limit). Saturation means more
-   requests in flight than the engine runs at once (`--max-num-seqs`): capped at exactly
-   that, each finished request leaves a slot empty for a client round trip, which offline
-   `generate` never does, so the cap measures the client's latency, not the server's
-   throughput (docs/benchmarks.md has both on the H200). A finite rate sends
+   bench_serve's load under `--max-concurrency` (default --max-num-seqs; 0: no limit, as
+   `vllm bench serve`, but then keep `--num-prompts` under the server's
+   `--max-concurrent-requests`, 1024, or the excess is answered 503; two H200 runs without a
+   limit, 2026-12-03, completed no request within 90 s, not yet explained). Capped at
+   `--max-num-seqs`, each finished request leaves a slot empty for a client round trip,
+   which offline `generate` never does. A finite rate sends
    the first rate x `--rate-duration-s` prompts of the workload (the whole workload at 4 req/s
    would take minutes); inf sends them all. Then SIGINT, wait, kill after 30 s.
 2. In this process, once the server is gone: `LLM(...)` with the same engine flags, one untimed
@@ -287,7 +288,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate-duration-s", type=float, default=15.0,
                    help="a finite rate sends at most rate x this many prompts")
     p.add_argument("--max-concurrency", type=int, default=None,
-                   help="requests in flight (default: no limit, as `vllm bench serve`)")
+                   help="requests in flight (default: --max-num-seqs; 0: no limit)")
     p.add_argument("--num-client-processes", type=int, default=None,
                    help="load generator processes (default: bench serve's, min(4, CPUs))")
     p.add_argument("--engines", nargs="+", choices=["process", "thread"], default=["process"],
@@ -309,7 +310,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.model is None:
         args.model = "qwen3-0.6b-shape" if args.device.startswith("cuda") else "kvfit-tiny"
-    args.max_concurrency = args.max_concurrency or None  # 0 or none given: no limit
+    if args.max_concurrency is None:
+        args.max_concurrency = args.max_num_seqs
+    args.max_concurrency = args.max_concurrency or None  # 0: no limit
     args.max_model_len = args.max_model_len or args.input_len + args.output_len
     args.vocab_size = load_hf_config(args.model).vocab_size
     return args
