@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import gc
 import random
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -48,9 +47,11 @@ import torch
 
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import copy_bandwidth
 from kvfit.benchmarks.record import write_record
 from kvfit.engine.sequence import ScheduledBatch, Sequence
 from kvfit.models.loader import is_builtin, resolve_model
+from throughput import _sync, engine_decode_step, offline_workload  # the same workload and loop
 
 GiB = 1 << 30
 TARGETS = {"blocks_ratio": 1.9, "throughput_ratio": 1.4, "next_token_agreement": 0.99,
@@ -91,73 +92,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return args
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# Self-contained (bench/throughput.py's helpers change with its own figures): the same workload
-# and the same decode loop as there.
-
-
-def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
-    """Bytes moved per second (read + write) by a device-to-device copy, median."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(iters):
-        _sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / statistics.median(times)
-
-
-def offline_workload(args: argparse.Namespace, vocab: int, seed: int) -> tuple[list, list]:
-    """`--num-seqs` requests of random token ids, prompt and output lengths uniform in
-    [`--min-len`, `--max-len`], ignore_eos, temperature 1 (bench/throughput.py's)."""
-    rng = random.Random(seed)
-    lengths = [(rng.randint(args.min_len, args.max_len), rng.randint(args.min_len, args.max_len))
-               for _ in range(args.num_seqs)]
-    prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(p)]} for p, _ in lengths]
-    params = [SamplingParams(temperature=1.0, max_tokens=o, ignore_eos=True) for _, o in lengths]
-    return prompts, params
-
-
-def engine_decode_step(llm: LLM, batch_size: int, context: int,
-                       iters: int) -> tuple[float, float]:
-    """`(seconds per engine step, mean context)` over `iters` engine steps while `batch_size`
-    sequences of about `context` tokens all decode, as the engine loop runs (overlapped)."""
-    engine, cfg = llm.engine, llm.config
-    vocab = cfg.model_config.hf_config.vocab_size
-    prefill_steps = -(-batch_size * context // cfg.scheduler_config.max_num_batched_tokens)
-    params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + iters + 8,
-                            ignore_eos=True)
-    rng = random.Random(batch_size)
-    seqs = [seq for i in range(batch_size) for seq in llm.make_request(
-        {"prompt_token_ids": [rng.randrange(vocab) for _ in range(context - 1)]}, params, str(i))]
-    for seq in seqs:
-        engine.add_request(seq)
-    while min(seq.num_output_tokens for seq in seqs) < 2:  # every sequence decoding
-        engine.step()
-    first = statistics.mean(len(seq) for seq in seqs)
-    _sync(cfg.device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        engine.step()
-    _sync(cfg.device)
-    elapsed = time.perf_counter() - start
-    mean_context = (first + statistics.mean(len(seq) for seq in seqs)) / 2
-    while engine.has_unfinished():
-        engine.step()
-    return elapsed / iters, mean_context
-
-
-# -- engine: capacity, throughput, decode --------------------------------------------------------
 
 
 def engine_run(args: argparse.Namespace, kv_cache_dtype: str, bandwidth: float) -> dict[str, Any]:
@@ -214,7 +148,7 @@ def decode_steps(llm: LLM, args: argparse.Namespace, weight_bytes: int, spec: An
         if batch > args.max_num_seqs or blocks > llm.kv_cache_report.num_blocks:
             print(f"skip decode batch {batch}: more than max_num_seqs or the cache holds")
             continue
-        step, context = engine_decode_step(llm, batch, args.decode_context, args.iters)
+        step, context, _ = engine_decode_step(llm, batch, args.decode_context, args.iters)
         roofline = (weight_bytes + batch * context * kv_bytes_per_token) / bandwidth
         rows.append({"batch": batch, "context": context, "step_ms": step * 1e3,
                      "roofline_ms": roofline * 1e3, "ratio": step / roofline,
