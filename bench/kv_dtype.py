@@ -15,7 +15,7 @@ Engine, per `--kv-cache-dtypes` (default `auto fp8`), one engine at a time (`--m
 weights, measured sizing, the same settings but the cache dtype):
 - capacity: KV blocks under measured sizing, bytes per block, the bytes committed;
 - throughput: bench/throughput.py's offline workload (same seeds for every dtype), after one
-  untimed run of its shape (its helpers are copied here, so this bench stands alone);
+  untimed run of its shape (its workload and decode loop are imported from there);
 - decode: the engine's decode step at each `--decode-batches` over `--decode-context` tokens,
   against the roofline (weights + KV bytes read, at the cache's dtype) / copy bandwidth measured
   in the same run.
