@@ -152,19 +152,24 @@ def plot_decode(r: Record) -> Figure:
 
 
 def plot_serving(r: Record) -> Figure:
-    rows = r["results"]["serve"]["rows"]
-    rates = ["inf" if x["request_rate"] in (None, "inf") else f"{x['request_rate']:g}"
-             for x in rows]
+    all_rows = r["results"]["serve"]["rows"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
+    limits = list(dict.fromkeys(x.get("max_concurrency", "-") for x in all_rows))
+    for limit in limits:
+        rows = [x for x in all_rows if x.get("max_concurrency", "-") == limit]
+        rates = ["inf" if x["request_rate"] in (None, "inf") else f"{x['request_rate']:g}"
+                 for x in rows]
+        tag = "" if len(limits) == 1 else f", <= {limit or 'any'} in flight"
+        for ax, metric in zip(axes[:2], ("ttft", "itl"), strict=True):
+            for p, style in (("p50", "o-"), ("p99", "s--")):
+                key = f"{p}_{metric}_ms"
+                if all(key in x for x in rows):
+                    ax.plot(rates, [x[key] for x in rows], style, label=p + tag)
+        axes[2].plot(rates, [x["output_throughput"] for x in rows], "o-", label="served" + tag)
     for ax, metric in zip(axes[:2], ("ttft", "itl"), strict=True):
-        for p, style in (("p50", "o-"), ("p99", "s--")):
-            key = f"{p}_{metric}_ms"
-            if all(key in x for x in rows):
-                ax.plot(rates, [x[key] for x in rows], style, label=p)
         ax.set_title(metric.upper(), fontsize=10)
         ax.set_ylabel("ms")
         ax.legend(fontsize=8)
-    axes[2].plot(rates, [x["output_throughput"] for x in rows], "o-", label="served")
     offline = r["results"]["offline"]["output_throughput"]
     axes[2].axhline(offline, color="k", ls=":", label="offline LLM.generate")
     axes[2].set_title("output tokens/s", fontsize=10)

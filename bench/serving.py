@@ -13,8 +13,8 @@ HTTP layer must not be the bottleneck).
 On the GPU machine fastapi/uvicorn/pydantic come from wheels installed to /tmp/site: run with
 PYTHONPATH=/tmp/site:src (run_gpu.sh puts src before what PYTHONPATH holds); the server subprocess
 inherits the environment (with kvfit's source folder put first on its PYTHONPATH).
-Defaults on an H200 (qwen3-0.6b-shape, 512 prompts of 128 tokens, 128 output tokens): about 3
-minutes (an estimate), most of it the two engine start-ups.
+Defaults on an H200 (qwen3-0.6b-shape, 2048 prompts of 128 tokens, 128 output tokens): about 2
+minutes, half of it the two engine start-ups.
 
 The workload: `--num-prompts` prompts of `--input-len` random token ids (bench_serve's own
 `make_prompts` from `--seed`, so they are exactly what its load sends), `--output-len` tokens
@@ -23,21 +23,24 @@ each, ignore_eos, greedy. Steps:
    serve`'s default; `thread`: `--no-engine-process`, the engine on a thread of the server's
    process), `python3 -m kvfit serve` in a subprocess (log beside --out), wait for /health,
    one untimed pass of the workload at rate inf (kernel compilation), then per
-   `--request-rates` rate
-   bench_serve's load under `--max-concurrency` (default --max-num-seqs; 0: no limit, as
-   `vllm bench serve`, but then keep `--num-prompts` under the server's
-   `--max-concurrent-requests`, 1024, or the excess is answered 503; two H200 runs without a
-   limit, 2026-12-03, completed no request within 90 s, not yet explained). Capped at
-   `--max-num-seqs`, each finished request leaves a slot empty for a client round trip,
-   which offline `generate` never does. A finite rate sends
-   the first rate x `--rate-duration-s` prompts of the workload (the whole workload at 4 req/s
-   would take minutes); inf sends them all. Then SIGINT, wait, kill after 30 s.
+   `--max-concurrency` limit and per `--request-rates` rate bench_serve's load with at most
+   that many requests in flight. The default limit is twice `--max-num-seqs`: a server at
+   saturation has a queue, and the engine must find the next requests waiting when a batch
+   finishes. Capped at `--max-num-seqs`, every request of this workload (one output length)
+   finishes in the same few steps as the rest of its wave, and the engine then idles for a
+   whole client round trip of the next wave (responses closed, requests sent, parsed and
+   admitted) that offline `generate` never waits for; the 0.6B shape's step is 3 ms, so that
+   gap costs a third of the throughput (H200, 2026-12-03). 0 means no limit, as `vllm bench
+   serve`; then keep `--num-prompts` under the server's `--max-concurrent-requests` (1024), or
+   the excess is answered 503. A finite rate sends the first rate x `--rate-duration-s`
+   prompts of the workload (the whole workload at 4 req/s would take minutes); inf sends them
+   all. Then SIGINT, wait, kill after 30 s.
 2. In this process, once the server is gone: `LLM(...)` with the same engine flags, one untimed
    pass, then `generate` on the same prompts and sampling params, timed (startup excluded).
 3. A table (latencies in ms; "client cpu": the load generator's CPU time over the row's
    duration, per client process (`--num-client-processes`, bench serve's default), near 100%
    meaning the load generator, not the server, was the limit), and per placement serve output
-   tok/s at saturation (the inf row, else the best row) / offline; the first placement's ratio
+   tok/s at saturation (the best rate-inf row, else the best row) / offline; the first placement's ratio
    is the one checked against the target.
 
 Prefix caching is off in both by default (`--enable-prefix-caching` turns it on): every pass
@@ -53,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import itertools
 import json
 import math
 import os
@@ -100,13 +104,14 @@ def with_word_tokenizer(model: str, folder: Path) -> Path:
     return folder
 
 
-def load_args(args: argparse.Namespace, base_url: str, rate: float,
-              num_prompts: int) -> argparse.Namespace:
-    """bench_serve's flags for one pass of the workload (or its first `num_prompts`)."""
+def load_args(args: argparse.Namespace, base_url: str, rate: float, num_prompts: int,
+              max_concurrency: int | None = None) -> argparse.Namespace:
+    """bench_serve's flags for one pass of the workload (or its first `num_prompts`), at most
+    `max_concurrency` requests in flight (None: no limit)."""
     return argparse.Namespace(
         base_url=base_url, endpoint="/v1/completions", model=args.model, api_key=None,
         request_timeout=600.0, num_prompts=num_prompts, request_rate=rate,
-        max_concurrency=args.max_concurrency, input_len=args.input_len,
+        max_concurrency=max_concurrency, input_len=args.input_len,
         output_len=args.output_len, prompt_kind="token-ids", random_vocab_size=args.vocab_size,
         temperature=0.0, seed=args.seed, percentiles=[50.0, 99.0],
         num_client_processes=args.num_client_processes)
@@ -193,21 +198,22 @@ def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path,
                               "startup_s": time.perf_counter() - started, "rows": []}
     try:
         if args.warmup:
-            warm = asyncio.run(bench_serve._main(
-                load_args(args, base_url, math.inf, args.num_prompts)))
+            warm = asyncio.run(bench_serve._main(load_args(
+                args, base_url, math.inf, args.num_prompts, args.max_concurrency[0])))
             result["warmup_s"] = warm["duration_s"]
-        for rate in args.request_rates:
+        for concurrency, rate in itertools.product(args.max_concurrency, args.request_rates):
             n = args.num_prompts if math.isinf(rate) else min(
                 args.num_prompts, max(1, math.ceil(rate * args.rate_duration_s)))
-            m = asyncio.run(bench_serve._main(load_args(args, base_url, rate, n)))
-            row = {k: m[k] for k in (
+            m = asyncio.run(bench_serve._main(load_args(args, base_url, rate, n, concurrency)))
+            row = {"max_concurrency": concurrency} | {k: m[k] for k in (
                 "num_prompts", "completed", "failed", "errors", "duration_s",
                 "total_output_tokens", "request_throughput", "output_throughput",
                 "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms")}
             # Near 1: the load generator (its mean process) was the bottleneck, not the server.
             row["client_cpu"] = m["client_cpu_s"] / m["num_client_processes"] / m["duration_s"]
             result["rows"].append({"request_rate": None if math.isinf(rate) else rate, **row})
-            print(f"{mode}, rate {rate:g}: {row['completed']}/{n} done, "
+            print(f"{mode}, rate {rate:g}, at most {concurrency or 'any'} in flight: "
+                  f"{row['completed']}/{n} done, "
                   f"{row['output_throughput']:,.0f} output tok/s", flush=True)
     finally:
         stop_server(proc)
@@ -241,23 +247,24 @@ def offline(args: argparse.Namespace, model_dir: Path,
 
 
 def saturation(sweep: dict[str, Any]) -> dict[str, Any]:
-    """The sweep's row at saturation: rate inf, else its best row."""
-    rows = sweep["rows"]
-    return next((r for r in rows if r["request_rate"] is None),
-                max(rows, key=lambda r: r["output_throughput"]))
+    """The sweep's row at saturation: its best row at rate inf (over the concurrency limits),
+    else its best row."""
+    rows = [r for r in sweep["rows"] if r["request_rate"] is None] or sweep["rows"]
+    return max(rows, key=lambda r: r["output_throughput"])
 
 
 def print_report(result: dict[str, Any]) -> None:
     print(f"\n{result['model']} on {result['device']}: {result['args']['num_prompts']} prompts, "
           f"input {result['args']['input_len']}, output {result['args']['output_len']}, "
-          f"max concurrency {result['args']['max_concurrency'] or 'unlimited'}")
-    print(f"{'engine':>7} {'rate':>6} {'reqs':>5} {'err':>4} {'req/s':>7} {'out tok/s':>10} "
+          f"max concurrency {result['args']['max_concurrency']} (None: no limit)")
+    print(f"{'engine':>7} {'conc':>5} {'rate':>6} {'reqs':>5} {'err':>4} {'req/s':>7} {'out tok/s':>10} "
           f"{'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'E2E p50':>8} "
           f"{'client cpu':>10}")
     for sweep in result["serve_by_engine"]:
         for r in sweep["rows"]:
             rate = "inf" if r["request_rate"] is None else f"{r['request_rate']:g}"
-            print(f"{sweep['engine']:>7} {rate:>6} {r['completed']:>5} {r['failed']:>4} "
+            conc = r.get("max_concurrency") or "-"
+            print(f"{sweep['engine']:>7} {conc:>5} {rate:>6} {r['completed']:>5} {r['failed']:>4} "
                   f"{r['request_throughput']:>7.2f} {r['output_throughput']:>10,.0f} "
                   f"{r['p50_ttft_ms']:>9.1f} {r['p99_ttft_ms']:>8.1f} {r['p50_itl_ms']:>8.2f} "
                   f"{r['p99_itl_ms']:>8.2f} {r['p50_e2el_ms']:>8.1f} {r['client_cpu']:>10.0%}")
@@ -268,7 +275,8 @@ def print_report(result: dict[str, Any]) -> None:
           f"{o['output_throughput']:,.0f} output tok/s")
     for sweep in result["serve_by_engine"]:
         print(f"serve (engine in {sweep['engine']}) at saturation (rate "
-              f"{sweep['saturation_rate']}) / offline: {sweep['ratio']:.1%} (target >= "
+              f"{sweep['saturation_rate']}, at most {sweep['saturation_concurrency'] or 'any'} "
+              f"in flight) / offline: {sweep['ratio']:.1%} (target >= "
               f"{TARGET:.0%}: {'met' if sweep['ratio'] >= TARGET else 'not met'})")
 
 
@@ -280,15 +288,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="default: qwen3-0.6b-shape on CUDA, kvfit-tiny on the CPU")
     p.add_argument("--load-format", default="dummy", help="auto, safetensors or dummy")
-    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--num-prompts", type=int, default=2048)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--request-rates", type=float, nargs="+", default=[4, 16, 64, math.inf],
                    help="requests per second, each a row; inf sends all at once")
     p.add_argument("--rate-duration-s", type=float, default=15.0,
                    help="a finite rate sends at most rate x this many prompts")
-    p.add_argument("--max-concurrency", type=int, default=None,
-                   help="requests in flight (default: --max-num-seqs; 0: no limit)")
+    p.add_argument("--max-concurrency", type=int, nargs="+", default=None,
+                   help="requests in flight, each value a sweep of the rates (default: twice "
+                   "--max-num-seqs; 0: no limit); saturation is the best rate-inf row")
     p.add_argument("--num-client-processes", type=int, default=None,
                    help="load generator processes (default: bench serve's, min(4, CPUs))")
     p.add_argument("--engines", nargs="+", choices=["process", "thread"], default=["process"],
@@ -311,8 +320,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.model is None:
         args.model = "qwen3-0.6b-shape" if args.device.startswith("cuda") else "kvfit-tiny"
     if args.max_concurrency is None:
-        args.max_concurrency = args.max_num_seqs
-    args.max_concurrency = args.max_concurrency or None  # 0: no limit
+        args.max_concurrency = [2 * args.max_num_seqs]
+    args.max_concurrency = [c or None for c in args.max_concurrency]  # 0: no limit
     args.max_model_len = args.max_model_len or args.input_len + args.output_len
     args.vocab_size = load_hf_config(args.model).vocab_size
     return args
@@ -331,6 +340,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for sweep in sweeps:
         row = saturation(sweep)
         sweep["saturation_rate"] = "inf" if row["request_rate"] is None else row["request_rate"]
+        sweep["saturation_concurrency"] = row["max_concurrency"]
         sweep["ratio"] = row["output_throughput"] / off["output_throughput"]
     serve = sweeps[0]
     ratio = serve["ratio"]
@@ -347,6 +357,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         | {"request_rates": [None if math.isinf(r) else r for r in args.request_rates]},
         "server_log": serve["log"], "serve": serve, "serve_by_engine": sweeps, "offline": off,
         "saturation_rate": serve["saturation_rate"],
+        "saturation_concurrency": serve["saturation_concurrency"],
         "ratio": ratio, "target": TARGET, "target_met": ratio >= TARGET,
     }
     write_record(out, record_of("serving", result, result["args"]))

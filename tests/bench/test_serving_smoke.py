@@ -24,15 +24,21 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
     result = serving.main(["--device", "cpu", "--model", "kvfit-tiny", "--num-prompts", "6",
                            "--input-len", "12", "--output-len", "6", "--request-rates", "inf",
                            "--max-num-seqs", "4", "--max-model-len", "32", "--no-warmup",
-                           "--out", str(out)])
+                           "--max-concurrency", "2", "0", "--out", str(out)])
 
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(result))
-    (row,) = result["serve"]["rows"]
-    assert row["request_rate"] is None and row["completed"] == 6
-    assert row["failed"] == 0 and row["errors"] == {}
-    assert row["total_output_tokens"] == result["offline"]["total_output_tokens"] == 6 * 6
-    assert row["output_throughput"] > 0 and row["p99_itl_ms"] >= row["p50_itl_ms"] > 0
-    assert result["ratio"] > 0 and result["saturation_rate"] == "inf"
+    rows = result["serve"]["rows"]
+    assert [r["max_concurrency"] for r in rows] == [2, None]  # one row per limit, 0: none
+    for row in rows:
+        assert row["request_rate"] is None and row["completed"] == 6
+        assert row["failed"] == 0 and row["errors"] == {}
+        assert row["total_output_tokens"] == result["offline"]["total_output_tokens"] == 6 * 6
+        assert row["output_throughput"] > 0 and row["p99_itl_ms"] >= row["p50_itl_ms"] > 0
+    # Saturation is the best of the rate-inf rows, whichever limit gave it.
+    best = max(rows, key=lambda r: r["output_throughput"])
+    assert result["saturation_concurrency"] == best["max_concurrency"]
+    assert result["ratio"] == best["output_throughput"] / result["offline"]["output_throughput"]
+    assert result["saturation_rate"] == "inf"
     # The server exited on its own (SIGINT) and left no process behind.
     assert result["serve"]["returncode"] == 0
     assert not [p for p in psutil.Process().children(recursive=True)

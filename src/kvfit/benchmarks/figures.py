@@ -65,6 +65,8 @@ def serving(p: dict[str, Any]) -> Figures:
     f: Figures = {}
     for row in p["serve"]["rows"]:
         name = f"serve.rate{_rate(row['request_rate'])}"
+        if "max_concurrency" in row:  # records since the concurrency sweep
+            name += f".conc{row['max_concurrency'] or 'any'}"
         f[f"{name}.output_throughput"] = figure(row["output_throughput"], "tokens/s", "higher")
         for key in ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms"):
             if key in row:
