@@ -124,9 +124,12 @@ def workload(args: argparse.Namespace) -> list[list[int]]:
 
 
 def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {"device": args.device, "load_format": args.load_format,
-            "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
-            "enable_prefix_caching": args.enable_prefix_caching}
+    """The engine settings the server and offline share (unset ones left at the engine's)."""
+    flags = {"device": args.device, "load_format": args.load_format,
+             "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
+             "enable_prefix_caching": args.enable_prefix_caching,
+             "cudagraph_mode": args.cudagraph_mode}
+    return {k: v for k, v in flags.items() if v is not None}
 
 
 def free_port() -> int:
@@ -309,6 +312,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="default: input + output length")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=False)
+    p.add_argument("--cudagraph-mode", type=str.upper, default=None, metavar="MODE",
+                   help="the engine's graph mode, server and offline alike (default: the "
+                   "engine's); FULL_AND_PIECEWISE also graphs the mixed steps that admit new "
+                   "requests")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="one untimed pass of the workload before the timed ones, in both")
     p.add_argument("--server-timeout", type=float, default=240.0,
