@@ -24,24 +24,23 @@ each, ignore_eos, greedy. Steps:
    process), `python3 -m kvfit serve` in a subprocess (log beside --out), wait for /health,
    one untimed pass of the workload at rate inf (kernel compilation), then per
    `--max-concurrency` limit and per `--request-rates` rate bench_serve's load with at most
-   that many requests in flight. The default limit is twice `--max-num-seqs`: a server at
-   saturation has a queue, and the engine must find the next requests waiting when a batch
-   finishes. Capped at `--max-num-seqs`, every request of this workload (one output length)
-   finishes in the same few steps as the rest of its wave, and the engine then idles for a
-   whole client round trip of the next wave (responses closed, requests sent, parsed and
-   admitted) that offline `generate` never waits for; the 0.6B shape's step is 3 ms, so that
-   gap costs a third of the throughput (H200, 2026-12-03). 0 means no limit, as `vllm bench
-   serve`; then keep `--num-prompts` under the server's `--max-concurrent-requests` (1024), or
-   the excess is answered 503. A finite rate sends the first rate x `--rate-duration-s`
-   prompts of the workload (the whole workload at 4 req/s would take minutes); inf sends them
-   all. Then SIGINT, wait, kill after 30 s.
+   that many requests in flight. The default limit is `--max-num-seqs`, the engine's batch.
+   Capped there, every request of this workload (one output length) finishes in the same few
+   steps as the rest of its wave, and the engine idles for a client round trip of the next
+   wave that offline `generate` never waits for. A higher limit keeps a queue, but on the H200
+   (2026-12-04) 512 in flight gave 27.5k output tok/s against 43.1k at 256: staggered arrivals
+   turn most steps into mixed prefill+decode steps. Give several limits to compare them; 0
+   means no limit, as `vllm bench serve`; then keep `--num-prompts` under the server's
+   `--max-concurrent-requests` (1024), or the excess is answered 503. A finite rate sends
+   the first rate x `--rate-duration-s` prompts of the workload (the whole workload at 4
+   req/s would take minutes); inf sends them all. Then SIGINT, wait, kill after 30 s.
 2. In this process, once the server is gone: `LLM(...)` with the same engine flags, one untimed
    pass, then `generate` on the same prompts and sampling params, timed (startup excluded).
 3. A table (latencies in ms; "client cpu": the load generator's CPU time over the row's
    duration, per client process (`--num-client-processes`, bench serve's default), near 100%
    meaning the load generator, not the server, was the limit), and per placement serve output
-   tok/s at saturation (the best rate-inf row, else the best row) / offline; the first placement's ratio
-   is the one checked against the target.
+   tok/s at saturation (the best rate-inf row, else the best row) / offline; the first
+   placement's ratio is the one checked against the target.
 
 Prefix caching is off in both by default (`--enable-prefix-caching` turns it on): every pass
 sends the same prompts, so later passes would otherwise hit the cache and skip their prefills.
@@ -260,8 +259,8 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"\n{result['model']} on {result['device']}: {result['args']['num_prompts']} prompts, "
           f"input {result['args']['input_len']}, output {result['args']['output_len']}, "
           f"max concurrency {result['args']['max_concurrency']} (None: no limit)")
-    print(f"{'engine':>7} {'conc':>5} {'rate':>6} {'reqs':>5} {'err':>4} {'req/s':>7} {'out tok/s':>10} "
-          f"{'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'E2E p50':>8} "
+    print(f"{'engine':>7} {'conc':>5} {'rate':>6} {'reqs':>5} {'err':>4} {'req/s':>7} "
+          f"{'out tok/s':>10} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'E2E p50':>8} "
           f"{'client cpu':>10}")
     for sweep in result["serve_by_engine"]:
         for r in sweep["rows"]:
@@ -299,7 +298,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate-duration-s", type=float, default=15.0,
                    help="a finite rate sends at most rate x this many prompts")
     p.add_argument("--max-concurrency", type=int, nargs="+", default=None,
-                   help="requests in flight, each value a sweep of the rates (default: twice "
+                   help="requests in flight, each value a sweep of the rates (default: "
                    "--max-num-seqs; 0: no limit); saturation is the best rate-inf row")
     p.add_argument("--num-client-processes", type=int, default=None,
                    help="load generator processes (default: bench serve's, min(4, CPUs))")
@@ -327,7 +326,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.model is None:
         args.model = "qwen3-0.6b-shape" if args.device.startswith("cuda") else "kvfit-tiny"
     if args.max_concurrency is None:
-        args.max_concurrency = [2 * args.max_num_seqs]
+        args.max_concurrency = [args.max_num_seqs]
     args.max_concurrency = [c or None for c in args.max_concurrency]  # 0: no limit
     args.max_model_len = args.max_model_len or args.input_len + args.output_len
     args.vocab_size = load_hf_config(args.model).vocab_size
