@@ -155,6 +155,8 @@ def start_server(args: argparse.Namespace, model_dir: Path, port: int, log: Path
             cmd.append(flag if value else "--no-" + flag[2:])
         elif value is not None:
             cmd += [flag, str(value)]
+    if args.stream_interval is not None:  # a server flag: offline has no streams
+        cmd += ["--stream-interval", str(args.stream_interval)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")  # the GPU machine's PYTHONPATH goes along
     src = str(Path(kvfit.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
@@ -315,6 +317,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the engine's graph mode, server and offline alike (default: the "
                    "engine's); FULL_AND_PIECEWISE also graphs the mixed steps that admit new "
                    "requests")
+    p.add_argument("--stream-interval", type=int, default=None, metavar="N",
+                   help="the server's --stream-interval: tokens per streamed chunk (default: "
+                   "the server's, 1)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="one untimed pass of the workload before the timed ones, in both")
     p.add_argument("--server-timeout", type=float, default=240.0,

@@ -24,7 +24,8 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
     result = serving.main(["--device", "cpu", "--model", "kvfit-tiny", "--num-prompts", "6",
                            "--input-len", "12", "--output-len", "6", "--request-rates", "inf",
                            "--max-num-seqs", "4", "--max-model-len", "32", "--no-warmup",
-                           "--max-concurrency", "2", "0", "--out", str(out)])
+                           "--max-concurrency", "2", "0", "--stream-interval", "2",
+                           "--out", str(out)])
 
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(result))
     rows = result["serve"]["rows"]
@@ -44,3 +45,4 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
     assert not [p for p in psutil.Process().children(recursive=True)
                 if "serve" in " ".join(p.cmdline())]
     assert "kvfit serve" in Path(result["server_log"]).read_text()
+    assert "stream interval 2" in Path(result["server_log"]).read_text()  # passed to the server

@@ -35,6 +35,17 @@ def test_serve_takes_the_engine_and_server_flags() -> None:
     assert {"engine", "server"} <= {g.title for g in serve.add_serve_parser(sub)._action_groups}
 
 
+def test_stream_interval_is_a_count_of_at_least_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parser().parse_args(["serve", "m"]).stream_interval == 1
+    assert parser().parse_args(["serve", "m", "--stream-interval", "8"]).stream_interval == 8
+    for bad in ("0", "-1", "2.5", "many"):
+        with pytest.raises(SystemExit) as exit_:
+            parser().parse_args(["serve", "m", "--stream-interval", bad])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --stream-interval" in err and ">= 1" in err and repr(bad) in err
+
+
 def test_serve_without_the_extra_names_the_install_command(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(serve, "missing_server_modules", lambda: ["fastapi", "uvicorn"])

@@ -54,6 +54,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="run the engine core in a process of its own, fed over a pipe, so "
                         "its steps never wait on HTTP work for the GIL (--no-engine-process: "
                         "on a thread of the server's process)")
+    server.add_argument("--stream-interval", type=stream_interval, default=1, metavar="N",
+                        help="new tokens a streamed request gathers before its next chunk is "
+                        "sent (its first token and its end go at once); above 1, less server "
+                        "work per token at many concurrent streams (default: %(default)s)")
     server.add_argument("--disable-log-stats", action="store_true",
                         help="do not print the engine's figures (queues, KV cache use, prefix "
                         "cache hits) every 10 s while it works")
@@ -62,6 +66,18 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="uvicorn's own log level (access and server logs)")
     parser.set_defaults(func=run_serve)
     return parser
+
+
+def stream_interval(value: str) -> int:
+    """`--stream-interval`'s type: an integer >= 1 (argparse names the flag on error)."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (tokens per streamed chunk), "
+                                         f"got {value!r}")
+    return n
 
 
 def _event_loop_kinds() -> str:
@@ -125,7 +141,8 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     engine_args = EngineArgs.from_cli_args(args)
     print(f"kvfit serve: loading {engine_args.model} and sizing the KV cache ...", flush=True)
-    engine = AsyncLLM(engine_args, engine_process=args.engine_process)
+    engine = AsyncLLM(engine_args, engine_process=args.engine_process,
+                      stream_interval=args.stream_interval)
     try:
         print(f"KV cache:\n{engine.kv_cache_report.format_table()}", flush=True)
         config = ServeConfig(
@@ -150,7 +167,8 @@ def run_serve(args: argparse.Namespace) -> int:
         engine.add_dead_callback(engine_died)
         where = "its own process" if args.engine_process else "a thread"
         print(f"kvfit serve: {', '.join(config.served_model_names)} on "
-              f"http://{args.host}:{args.port}/v1 (engine in {where}; {_event_loop_kinds()})",
+              f"http://{args.host}:{args.port}/v1 (engine in {where}; {_event_loop_kinds()}; "
+              f"stream interval {args.stream_interval})",
               flush=True)
         # Startup's objects (modules, the tokenizer) live as long as the server: keep the
         # collector's full passes off them while requests stream.
