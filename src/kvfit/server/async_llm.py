@@ -73,14 +73,15 @@ class _Stream:
         """Whether `item` makes the queue ready (counting its tokens)."""
         if self.interval == 1 or isinstance(item, BaseException):
             return True
-        if len(item) == 2:  # a plain request's new tokens
+        if len(item) == 2:  # PlainDelta (request_id, token_ids)
             self._buffered += len(item[1])
-        else:
+        else:  # RequestDelta (request_id, seqs, finished, ...), seqs of SeqDelta
+            _, seqs, finished = item[:3]
             # A finished completion goes out at once (its finish_reason, stop, usage).
-            if item[2] or any(seq[3] is not None for seq in item[1]):
+            if finished or any(seq[3] is not None for seq in seqs):  # seq[3]: finish_reason
                 return True
             # Siblings (n > 1) advance together: a step's tokens are the most any one gained.
-            self._buffered += max((len(seq[1]) for seq in item[1]), default=0)
+            self._buffered += max((len(seq[1]) for seq in seqs), default=0)
         return self._buffered >= self._threshold
 
     def unread(self, items: list[_Item]) -> None:
