@@ -38,7 +38,10 @@ each, ignore_eos, greedy. Steps:
    pass, then `generate` on the same prompts and sampling params, timed (startup excluded).
 3. A table (latencies in ms; "client cpu": the load generator's CPU time over the row's
    duration, per client process (`--num-client-processes`, bench serve's default), near 100%
-   meaning the load generator, not the server, was the limit), and per placement serve output
+   meaning the load generator, not the server, was the limit; "server cpu" and "engine cpu"
+   the same for the server's process, whose one GIL runs HTTP, tokenization, text and SSE,
+   and for its engine core process: a server near 100% is the HTTP layer's limit, an
+   engine well under it an engine left waiting), and per placement serve output
    tok/s at saturation (the best rate-inf row, else the best row) / offline; the first
    placement's ratio is the one checked against the target.
 
@@ -71,6 +74,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 import kvfit
@@ -179,6 +183,25 @@ def start_server(args: argparse.Namespace, model_dir: Path, port: int, log: Path
         time.sleep(0.5)
 
 
+def process_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of the server process (`server`: HTTP, tokenization, SSE; and the
+    engine too with `--no-engine-process`) and of its busiest child (`engine`: the engine core
+    process, where there is one)."""
+    server = psutil.Process(pid)
+    times = server.cpu_times()
+    result = {"server": times.user + times.system}
+    children = []
+    for child in server.children(recursive=True):
+        try:
+            t = child.cpu_times()
+            children.append(t.user + t.system)
+        except psutil.NoSuchProcess:  # a helper process that just exited
+            pass
+    if children:
+        result["engine"] = max(children)
+    return result
+
+
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     """SIGINT (uvicorn's clean shutdown, which shuts the engine down), kill after `timeout`."""
     if proc.poll() is None:
@@ -208,13 +231,18 @@ def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path,
         for concurrency, rate in itertools.product(args.max_concurrency, args.request_rates):
             n = args.num_prompts if math.isinf(rate) else min(
                 args.num_prompts, max(1, math.ceil(rate * args.rate_duration_s)))
+            cpu_before = process_cpu(proc.pid)
             m = asyncio.run(bench_serve._main(load_args(args, base_url, rate, n, concurrency)))
+            cpu = {k: (v - cpu_before.get(k, 0.0)) / m["duration_s"]
+                   for k, v in process_cpu(proc.pid).items()}
             row = {"max_concurrency": concurrency} | {k: m[k] for k in (
                 "num_prompts", "completed", "failed", "errors", "duration_s",
                 "total_output_tokens", "request_throughput", "output_throughput",
                 "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms")}
             # Near 1: the load generator (its mean process) was the bottleneck, not the server.
             row["client_cpu"] = m["client_cpu_s"] / m["num_client_processes"] / m["duration_s"]
+            # Near 1: the API server's process (one GIL) was busy the whole row.
+            row["server_cpu"], row["engine_cpu"] = cpu["server"], cpu.get("engine")
             result["rows"].append({"request_rate": None if math.isinf(rate) else rate, **row})
             print(f"{mode}, rate {rate:g}, at most {concurrency or 'any'} in flight: "
                   f"{row['completed']}/{n} done, "
@@ -263,7 +291,7 @@ def print_report(result: dict[str, Any]) -> None:
           f"max concurrency {result['args']['max_concurrency']} (None: no limit)")
     print(f"{'engine':>7} {'conc':>5} {'rate':>6} {'reqs':>5} {'err':>4} {'req/s':>7} "
           f"{'out tok/s':>10} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'E2E p50':>8} "
-          f"{'client cpu':>10}")
+          f"{'client cpu':>10} {'server cpu':>10} {'engine cpu':>10}")
     for sweep in result["serve_by_engine"]:
         for r in sweep["rows"]:
             rate = "inf" if r["request_rate"] is None else f"{r['request_rate']:g}"
@@ -271,7 +299,8 @@ def print_report(result: dict[str, Any]) -> None:
             print(f"{sweep['engine']:>7} {conc:>5} {rate:>6} {r['completed']:>5} {r['failed']:>4} "
                   f"{r['request_throughput']:>7.2f} {r['output_throughput']:>10,.0f} "
                   f"{r['p50_ttft_ms']:>9.1f} {r['p99_ttft_ms']:>8.1f} {r['p50_itl_ms']:>8.2f} "
-                  f"{r['p99_itl_ms']:>8.2f} {r['p50_e2el_ms']:>8.1f} {r['client_cpu']:>10.0%}")
+                  f"{r['p99_itl_ms']:>8.2f} {r['p50_e2el_ms']:>8.1f} {r['client_cpu']:>10.0%} "
+                  f"{_share(r.get('server_cpu')):>10} {_share(r.get('engine_cpu')):>10}")
             for reason, count in r["errors"].items():
                 print(f"       failed x{count}: {reason}")
     o = result["offline"]
@@ -282,6 +311,10 @@ def print_report(result: dict[str, Any]) -> None:
               f"{sweep['saturation_rate']}, at most {sweep['saturation_concurrency'] or 'any'} "
               f"in flight) / offline: {sweep['ratio']:.1%} (target >= "
               f"{TARGET:.0%}: {'met' if sweep['ratio'] >= TARGET else 'not met'})")
+
+
+def _share(cpu: float | None) -> str:
+    return "-" if cpu is None else f"{cpu:.0%}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
