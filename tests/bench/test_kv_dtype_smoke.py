@@ -45,3 +45,10 @@ def test_kv_dtype_bench_smoke(bench, tmp_path: Path,  # noqa: ANN001
     assert 0 < variants["fp8"]["mean_kl"] < 0.05
     assert variants["fp8_calculated"]["kv_scales"][0] != (1.0, 1.0)
     assert result["accuracy"]["positions"] == 48
+    # Agreement over the decisive positions: auto with itself agrees everywhere; a variant's
+    # decisive agreement is over a subset, so it exists whenever some position is decisive.
+    assert 0 <= result["accuracy"]["decisive_share"] <= 1
+    assert variants["auto"]["decisive_agreement"] == 1.0
+    assert variants["auto"]["disagreement_margin_median"] is None
+    for v in variants.values():
+        assert 0 <= v["decisive_agreement"] <= 1

@@ -81,3 +81,21 @@ def test_max_epochs_ends_the_run_before_the_clock(
                          "--val-tokens", "1024"])
     half = report.train_tokens / 2
     assert half <= report.tokens_seen < half + 8 * 64 and report.seconds < 60
+
+
+def test_held_out_passages_come_from_the_validation_split_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    heldout, train = tool("heldout", monkeypatch), tool("train", monkeypatch)
+    # Document i says only "Doc i." (many times): a passage shows which document it came from.
+    docs = [" ".join([f"Doc {i}."] * 100) for i in range(60)]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(docs) + "\n")
+    found = heldout.held_out_passages(corpus, num=6, chars=200)
+    sources = [int(p.split()[1].rstrip(".")) for p in found]
+    assert all(train.is_held_out(i) for i in sources)
+    assert sources == [19, 39, 59, 19, 39, 59]  # round-robin over the held-out documents
+    assert all(len(p) >= 200 for p in found)
+    with pytest.raises(SystemExit, match="lower --num or --chars"):
+        heldout.main(["--corpus", str(corpus), "--out", str(tmp_path / "p.txt"),
+                      "--num", "1000", "--chars", "200"])

@@ -102,15 +102,20 @@ class Report:
     evals: list[dict] = field(default_factory=list)
 
 
+def is_held_out(index: int, val_fraction: float = TrainConfig.val_fraction) -> bool:
+    """Whether document `index` of the corpus is in the validation split: every k-th one, so
+    the validation text spans all eras of the corpus rather than only its last years."""
+    every = max(2, round(1 / val_fraction))
+    return index % every == every - 1
+
+
 def split_ids(tokenizer: Tokenizer, docs: list[str], val_fraction: float,
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids of the train and validation splits, each document followed by
-    <|endoftext|>. Every k-th document is held out, so the validation text spans all eras of
-    the corpus rather than only its last years."""
-    every = max(2, round(1 / val_fraction))
+    """Token ids of the train and validation splits (`is_held_out`), each document followed
+    by <|endoftext|>."""
     splits: tuple[list[int], list[int]] = ([], [])
     for i, encoding in enumerate(tokenizer.encode_batch(docs)):
-        splits[i % every == every - 1].extend([*encoding.ids, END_OF_TEXT_ID])
+        splits[is_held_out(i, val_fraction)].extend([*encoding.ids, END_OF_TEXT_ID])
     return torch.tensor(splits[0]), torch.tensor(splits[1])
 
 
