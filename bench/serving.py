@@ -17,8 +17,10 @@ Defaults on an H200 (qwen3-0.6b-shape, 2048 prompts of 128 tokens, 128 output to
 minutes, half of it the two engine start-ups.
 
 The workload: `--num-prompts` prompts of `--input-len` random token ids (bench_serve's own
-`make_prompts` from `--seed`, so they are exactly what its load sends), `--output-len` tokens
-each, ignore_eos, greedy. Steps:
+`make_workload` from `--seed`, so they are exactly what its load sends), `--output-len` tokens
+each, ignore_eos, greedy; `--random-range-ratio R` spreads both lengths uniformly over
+[len x (1 - R), len x (1 + R)], offline and served alike, so requests stop finishing in
+waves. Steps:
 1. Per `--engines` placement (`process`: the engine core in a process of its own, `kvfit
    serve`'s default; `thread`: `--no-engine-process`, the engine on a thread of the server's
    process), `python3 -m kvfit serve` in a subprocess (log beside --out), wait for /health,
@@ -62,7 +64,6 @@ import itertools
 import json
 import math
 import os
-import random
 import shlex
 import signal
 import socket
@@ -115,15 +116,17 @@ def load_args(args: argparse.Namespace, base_url: str, rate: float, num_prompts:
         base_url=base_url, endpoint="/v1/completions", model=args.model, api_key=None,
         request_timeout=600.0, num_prompts=num_prompts, request_rate=rate,
         max_concurrency=max_concurrency, input_len=args.input_len,
-        output_len=args.output_len, prompt_kind="token-ids", random_vocab_size=args.vocab_size,
+        output_len=args.output_len, random_range_ratio=args.random_range_ratio,
+        prompt_kind="token-ids", random_vocab_size=args.vocab_size,
         temperature=0.0, seed=args.seed, percentiles=[50.0, 99.0],
         num_client_processes=args.num_client_processes)
 
 
-def workload(args: argparse.Namespace) -> list[list[int]]:
-    """The prompts bench_serve's load sends for `args` (its `run_load` draws them first)."""
+def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    """`(prompt, max_tokens)` of every request bench_serve's load sends for `args`."""
     ns = load_args(args, "", math.inf, args.num_prompts)
-    return bench_serve.make_prompts(ns, random.Random(args.seed))  # type: ignore[return-value]
+    return [(prompt, max_tokens)  # type: ignore[misc]
+            for prompt, _, max_tokens in bench_serve.make_workload(ns)]
 
 
 def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -254,13 +257,15 @@ def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path,
 
 
 def offline(args: argparse.Namespace, model_dir: Path,
-            prompts: list[list[int]]) -> dict[str, Any]:
-    """`LLM.generate` on the same prompts and sampling params, timed after one untimed pass."""
+            requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """`LLM.generate` on the same prompts and sampling params (each request's max_tokens),
+    timed after one untimed pass."""
     started = time.perf_counter()
     llm = LLM(str(model_dir), **engine_flags(args))
     startup = time.perf_counter() - started
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p, _ in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for _, n in requests]
     if args.warmup:
         llm.generate(inputs, params, use_tqdm=False)
     device = llm.config.device
@@ -273,9 +278,9 @@ def offline(args: argparse.Namespace, model_dir: Path,
     elapsed = time.perf_counter() - start
     llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"startup_s": startup, "elapsed_s": elapsed, "num_prompts": len(prompts),
+    return {"startup_s": startup, "elapsed_s": elapsed, "num_prompts": len(requests),
             "total_output_tokens": tokens, "output_throughput": tokens / elapsed,
-            "request_throughput": len(prompts) / elapsed}
+            "request_throughput": len(requests) / elapsed}
 
 
 def saturation(sweep: dict[str, Any]) -> dict[str, Any]:
@@ -287,7 +292,8 @@ def saturation(sweep: dict[str, Any]) -> dict[str, Any]:
 
 def print_report(result: dict[str, Any]) -> None:
     print(f"\n{result['model']} on {result['device']}: {result['args']['num_prompts']} prompts, "
-          f"input {result['args']['input_len']}, output {result['args']['output_len']}, "
+          f"input {result['args']['input_len']}, output {result['args']['output_len']} "
+          f"(range ratio {result['args']['random_range_ratio']}), "
           f"max concurrency {result['args']['max_concurrency']} (None: no limit)")
     print(f"{'engine':>7} {'conc':>5} {'rate':>6} {'reqs':>5} {'err':>4} {'req/s':>7} "
           f"{'out tok/s':>10} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'E2E p50':>8} "
@@ -330,6 +336,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--request-rates", type=float, nargs="+", default=[4, 16, 64, math.inf],
                    help="requests per second, each a row; inf sends all at once")
+    p.add_argument("--random-range-ratio", type=float, default=0.0, metavar="R",
+                   help="input and output lengths uniform in [len x (1 - R), len x (1 + R)], "
+                   "the same for the server's load and offline (default: 0, exact lengths, so "
+                   "requests admitted together finish together)")
     p.add_argument("--rate-duration-s", type=float, default=15.0,
                    help="a finite rate sends at most rate x this many prompts")
     p.add_argument("--max-concurrency", type=int, nargs="+", default=None,
@@ -366,7 +376,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.max_concurrency is None:
         args.max_concurrency = [args.max_num_seqs]
     args.max_concurrency = [c or None for c in args.max_concurrency]  # 0: no limit
-    args.max_model_len = args.max_model_len or args.input_len + args.output_len
+    if not 0 <= args.random_range_ratio < 1:
+        raise SystemExit(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    longest = sum(math.ceil(n * (1 + args.random_range_ratio))
+                  for n in (args.input_len, args.output_len))
+    args.max_model_len = args.max_model_len or longest
     args.vocab_size = load_hf_config(args.model).vocab_size
     return args
 
@@ -375,12 +389,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    prompts = workload(args)
+    requests = workload(args)
     with tempfile.TemporaryDirectory(prefix="kvfit-serving-") as tmp:
         model_dir = with_word_tokenizer(args.model, Path(tmp) / "model")
         sweeps = [serve_sweep(args, model_dir, out.with_name(f"{out.stem}_server_{mode}.log"),
                               mode) for mode in args.engines]
-        off = offline(args, model_dir, prompts)
+        off = offline(args, model_dir, requests)
     for sweep in sweeps:
         row = saturation(sweep)
         sweep["saturation_rate"] = "inf" if row["request_rate"] is None else row["request_rate"]

@@ -49,3 +49,24 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
                 if "serve" in " ".join(p.cmdline())]
     assert "kvfit serve" in Path(result["server_log"]).read_text()
     assert "stream interval 2" in Path(result["server_log"]).read_text()  # passed to the server
+
+
+def test_serving_bench_spreads_lengths_alike_served_and_offline(tmp_path: Path) -> None:
+    """--random-range-ratio: the load and offline run the same per-request output lengths."""
+    for module in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(module)
+    spec = importlib.util.spec_from_file_location("bench_serving", BENCH)
+    assert spec is not None and spec.loader is not None
+    serving = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serving)
+
+    args = ["--device", "cpu", "--model", "kvfit-tiny", "--num-prompts", "6", "--input-len",
+            "12", "--output-len", "6", "--random-range-ratio", "0.5", "--request-rates", "inf",
+            "--max-num-seqs", "4", "--no-warmup", "--out", str(tmp_path / "s.json")]
+    requests = serving.workload(serving.parse_args(args))
+    assert len({n for _, n in requests}) > 1 and all(3 <= n <= 9 for _, n in requests)
+    result = serving.main(args)
+    expected = sum(n for _, n in requests)
+    assert result["offline"]["total_output_tokens"] == expected
+    assert result["serve"]["rows"][0]["total_output_tokens"] == expected
+    assert result["args"]["max_model_len"] >= 18 + 9  # the longest request fits

@@ -3,6 +3,7 @@ chunk timing and failures are scripted, so TTFT, ITL and E2E can be checked agai
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import socket
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvfit.cli import main
-from kvfit.commands.bench_serve import RequestResult, per_token_itl, summarize
+from kvfit.commands.bench_serve import RequestResult, make_workload, per_token_itl, summarize
 
 
 def test_bench_throughput(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -151,7 +152,40 @@ def test_bench_serve_unreachable_server_fails_every_request_without_crashing(
     assert "Failed requests:" in capsys.readouterr().out
 
 
+def test_bench_serve_random_range_ratio_spreads_lengths(fake_server: Callable,
+                                                       tmp_path: Path) -> None:
+    """Lengths spread over [len (1 - R), len (1 + R)], both sides; each request asks for its
+    own max_tokens and its tokens are counted; the first k requests are those of a longer run
+    (bench/serving.py's finite rates send a prefix of the workload)."""
+    server = fake_server()
+    path = tmp_path / "s.json"
+    argv = ["bench", "serve", "--base-url", server.url, "--model", "m", "--num-prompts", "40",
+            "--input-len", "20", "--output-len", "10", "--random-range-ratio", "0.5",
+            "--max-concurrency", "4",  # the fake server's listen backlog is small
+            "--num-client-processes", "1", "--result-file", str(path)]
+    assert main(argv) == 0
+    result = json.loads(path.read_text())["results"]
+    assert result["completed"] == 40 and result["random_range_ratio"] == 0.5
+    prompt_lens = [len(b["prompt"]) for b in server.bodies]
+    max_tokens = [b["max_tokens"] for b in server.bodies]
+    assert min(prompt_lens) >= 10 and max(prompt_lens) <= 30 and len(set(prompt_lens)) > 5
+    assert min(max_tokens) >= 5 and max(max_tokens) <= 15 and len(set(max_tokens)) > 3
+    assert result["total_output_tokens"] == sum(max_tokens)
+    assert sorted(r["output_tokens"] for r in result["requests"]) == sorted(max_tokens)
+
+    def workload(n: int, ratio: float) -> list:
+        return make_workload(argparse.Namespace(
+            num_prompts=n, input_len=128, output_len=128, random_range_ratio=ratio,
+            prompt_kind="token-ids", random_vocab_size=512, seed=0, request_rate=math.inf))
+
+    assert workload(40, 0.5)[:7] == workload(7, 0.5)
+    fixed = workload(5, 0.0)
+    assert {len(p) for p, _, _ in fixed} == {128} and {n for _, _, n in fixed} == {128}
+
+
 def test_bench_serve_bad_flags_name_them() -> None:
+    with pytest.raises(ValueError, match="--random-range-ratio must be in"):
+        main(["bench", "serve", "--base-url", "http://x", "--random-range-ratio", "1"])
     with pytest.raises(ValueError, match="--request-rate must be > 0"):
         main(["bench", "serve", "--base-url", "http://x", "--request-rate", "0"])
     with pytest.raises(ValueError, match="--max-concurrency must be >= 1"):

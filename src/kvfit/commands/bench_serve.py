@@ -81,6 +81,10 @@ def add_parser(sub: Subparsers) -> None:
     w.add_argument("--output-len", type=int, default=128,
                    help="max_tokens per request; ignore_eos is sent so outputs have this length "
                         "(default: %(default)s)")
+    w.add_argument("--random-range-ratio", type=float, default=0.0, metavar="R",
+                   help="draw each request's input and output length uniformly from "
+                        "[len x (1 - R), len x (1 + R)], so requests end at different steps "
+                        "as real traffic does (default: %(default)s, every length exact)")
     w.add_argument("--prompt-kind", choices=("token-ids", "words"), default="token-ids",
                    help="random token ids (exact lengths) or random words (for servers that "
                         "take only text; default: %(default)s)")
@@ -105,6 +109,10 @@ def add_parser(sub: Subparsers) -> None:
     p.set_defaults(func=run)
 
 
+Work = tuple[str | list[int], float, int]
+"""`(prompt, arrival in seconds from the start, max_tokens)` of one request."""
+
+
 @dataclass
 class RequestResult:
     """One request's outcome; times in seconds from its send."""
@@ -118,13 +126,39 @@ class RequestResult:
     error: str | None = None
 
 
+def lengths(length: int, ratio: float, n: int, rng: random.Random) -> list[int]:
+    """`n` lengths drawn one after another, uniformly from [length x (1 - ratio), length x
+    (1 + ratio)] (at least 1); all `length`, drawing nothing, when `ratio` is 0."""
+    if not ratio:
+        return [length] * n
+    low, high = max(1, round(length * (1 - ratio))), max(1, round(length * (1 + ratio)))
+    return [rng.randint(low, high) for _ in range(n)]
+
+
 def make_prompts(args: argparse.Namespace, rng: random.Random) -> list[str | list[int]]:
-    """`--num-prompts` random prompts of `--input-len` token ids or words."""
-    if args.prompt_kind == "words":
-        return [" ".join(rng.choice(_WORDS) for _ in range(args.input_len))
-                for _ in range(args.num_prompts)]
-    return [[rng.randrange(args.random_vocab_size) for _ in range(args.input_len)]
-            for _ in range(args.num_prompts)]
+    """`--num-prompts` random prompts of `--input-len` token ids or words (lengths spread by
+    `--random-range-ratio`), each drawn whole before the next: the first k prompts of a run
+    are those of any longer run with the same seed."""
+    prompts: list[str | list[int]] = []
+    for _ in range(args.num_prompts):
+        size = lengths(args.input_len, args.random_range_ratio, 1, rng)[0]
+        if args.prompt_kind == "words":
+            prompts.append(" ".join(rng.choice(_WORDS) for _ in range(size)))
+        else:
+            prompts.append([rng.randrange(args.random_vocab_size) for _ in range(size)])
+    return prompts
+
+
+def make_workload(args: argparse.Namespace) -> list[Work]:
+    """`(prompt, arrival, max_tokens)` of every request from `--seed`: prompts, then arrival
+    times, from one generator (a ratio of 0 sends what a run without the flag sends), output
+    lengths from a second, so the first k requests of any run with that seed are the same."""
+    rng = random.Random(args.seed)
+    prompts = make_prompts(args, rng)
+    arrivals = arrival_times(args, rng)
+    outputs = lengths(args.output_len, args.random_range_ratio, args.num_prompts,
+                      random.Random(f"{args.seed}:output-lengths"))
+    return list(zip(prompts, arrivals, outputs, strict=True))
 
 
 async def send_request(client: Any, endpoint: str, body: dict[str, Any],
@@ -199,9 +233,9 @@ def arrival_times(args: argparse.Namespace, rng: random.Random) -> list[float]:
     return times
 
 
-def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]
-                 ) -> dict[str, Any]:
-    return {"model": model, "prompt": prompt, "max_tokens": args.output_len,
+def request_body(args: argparse.Namespace, model: str, prompt: str | list[int],
+                 max_tokens: int) -> dict[str, Any]:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": args.temperature, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True} | (
                 {"continuous_usage_stats": True}
@@ -209,26 +243,26 @@ def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]
 
 
 async def run_load(args: argparse.Namespace, client: Any, model: str,
-                   work: list[tuple[str | list[int], float]], max_concurrency: int | None,
+                   work: list[Work], max_concurrency: int | None,
                    start: float) -> tuple[list[RequestResult], float]:
-    """Send each `(prompt, arrival)` of `work` at `start` (a `time.monotonic()` reading) +
-    its arrival under the concurrency cap; the results in order and the monotonic time the
-    last one ended."""
+    """Send each `(prompt, arrival, max_tokens)` of `work` at `start` (a `time.monotonic()`
+    reading) + its arrival under the concurrency cap; the results in order and the monotonic
+    time the last one ended."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
-    async def one(prompt: str | list[int]) -> RequestResult:
-        n = len(prompt) if isinstance(prompt, list) else args.input_len
-        body = request_body(args, model, prompt)
+    async def one(prompt: str | list[int], max_tokens: int) -> RequestResult:
+        n = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        body = request_body(args, model, prompt, max_tokens)
         if limit is None:
             return await send_request(client, args.endpoint, body, n)
         async with limit:
             return await send_request(client, args.endpoint, body, n)
 
     tasks = []
-    for prompt, arrival in work:
+    for prompt, arrival, max_tokens in work:
         if (wait := start + arrival - time.monotonic()) > 0:
             await asyncio.sleep(wait)
-        tasks.append(asyncio.create_task(one(prompt)))
+        tasks.append(asyncio.create_task(one(prompt, max_tokens)))
     results = await asyncio.gather(*tasks)
     return list(results), time.monotonic()
 
@@ -286,6 +320,8 @@ def _check_args(args: argparse.Namespace) -> None:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
                              f"got {getattr(args, name)}")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0 (inf: all at once), "
                          f"got {args.request_rate}")
@@ -315,7 +351,7 @@ def _shares(total: int | None, n: int) -> list[int | None]:
     return [total // n + (k < total % n) for k in range(n)]
 
 
-def _worker(args: argparse.Namespace, model: str, work: list[tuple[str | list[int], float]],
+def _worker(args: argparse.Namespace, model: str, work: list[Work],
             max_concurrency: int | None, barrier: Any, results: Any, k: int) -> None:
     """One client process: its share of the load, started with the others at the barrier."""
     async def go() -> tuple[list[RequestResult], float, float, float]:
@@ -335,7 +371,7 @@ def _worker(args: argparse.Namespace, model: str, work: list[tuple[str | list[in
 
 
 def _run_processes(args: argparse.Namespace, model: str,
-                   work: list[tuple[str | list[int], float]], n: int
+                   work: list[Work], n: int
                    ) -> tuple[list[RequestResult], float, float]:
     """The load over `n` spawned processes, request `i` in process `i % n`; the merged
     results in request order, the wall time from the first start to the last end and the
@@ -391,9 +427,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             except Exception as e:
                 raise SystemExit(f"cannot read the served model from {base}/v1/models "
                                  f"({type(e).__name__}: {e}); pass --model") from None
-    rng = random.Random(args.seed)
-    prompts = make_prompts(args, rng)
-    work = list(zip(prompts, arrival_times(args, rng), strict=True))
+    work = make_workload(args)
     n = num_client_processes(args)
     if n == 1:
         async with _client(args, args.max_concurrency or args.num_prompts) as client:
@@ -407,7 +441,9 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     return {"base_url": base, "endpoint": args.endpoint, "model": model,
             "num_prompts": args.num_prompts, "request_rate": args.request_rate,
             "max_concurrency": args.max_concurrency, "input_len": args.input_len,
-            "output_len": args.output_len, "num_client_processes": n,
+            "output_len": args.output_len,
+            "random_range_ratio": args.random_range_ratio,
+            "num_client_processes": n,
             # The load's own CPU time (all client processes, their start-up excluded).
             "client_cpu_s": cpu, **metrics,
             "requests": [asdict(r) for r in results]}
