@@ -62,7 +62,7 @@ def _cpu(name: str, start: float, end: float, children: tuple = (),
               kernels=linked)
 
 
-def fake_events(decode_us: float) -> list[NS]:
+def fake_events(decode_us: float, flag_span: bool = True) -> list[NS]:
     """A mixed step (a cuBLAS GEMM under aten::mm, a Triton prefill launched from the step
     itself) and a decode step (Triton GEMM and decode attention, `decode_us` long), one copy
     linked to no step, and the device-side span of the decode step's range."""
@@ -74,13 +74,15 @@ def fake_events(decode_us: float) -> list[NS]:
     mm = _cpu("aten::mm", 100, 200, kernels=(gemm,))
     mixed = _cpu(STEP_PREFIX + "mixed", 0, 1_000, children=(mm,), kernels=(prefill,))
     step = _cpu(STEP_PREFIX + "decode", 1_000, 1_500, kernels=(matmul, decode))
-    span = NS(name=STEP_PREFIX + "decode", device_type=CUDA, is_user_annotation=True,
+    # Flagged or not, the range's device span is no kernel.
+    span = NS(name=STEP_PREFIX + "decode", device_type=CUDA, is_user_annotation=flag_span,
               time_range=NS(start=4_000, end=4_500 + decode_us), cpu_children=[], kernels=[])
     return [mixed, mm, step, gemm, prefill, matmul, decode, copy, span]
 
 
-def test_a_profile_from_events() -> None:
-    p = kernel_profile(fake_events(1_500), bins=4)
+@pytest.mark.parametrize("flag_span", [True, False])
+def test_a_profile_from_events(flag_span: bool) -> None:
+    p = kernel_profile(fake_events(1_500, flag_span), bins=4)
     assert {k: (s.device_us, s.count) for k, s in p.kernels.items()} == {
         "nvjet_sm90_tst_64x32": (600, 1), "_prefill_kernel": (1_400, 1),
         "_matmul_kernel": (500, 1), "_decode_kernel": (1_500, 1),

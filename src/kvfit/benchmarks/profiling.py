@@ -139,8 +139,10 @@ def _on_device(event: Any) -> bool:
 
 def _is_kernel(event: Any) -> bool:
     """A device activity (kernel, copy, memset): not the device-side span the profiler adds
-    for a `record_function` range."""
-    return _on_device(event) and not getattr(event, "is_user_annotation", False)
+    for a `record_function` range (flagged as a user annotation; the step ranges are also
+    known by name, should a torch version not flag them)."""
+    return (_on_device(event) and not getattr(event, "is_user_annotation", False)
+            and not event.name.startswith(STEP_PREFIX))
 
 
 def kernel_profile(events: list[Any], table: str = "", bins: int = 20) -> KernelProfile:
