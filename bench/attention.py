@@ -2,12 +2,25 @@
 
     PYTHONPATH=src python3 bench/attention.py --out attn.json
     PYTHONPATH=src python3 bench/attention.py --kv-cache-dtype fp8 --out attn_fp8.json
+    PYTHONPATH=src python3 bench/attention.py --batch-invariant --num-heads 16 --num-kv-heads 8 \\
+        --batches 256 --contexts 1024 --out $OUT/attn-bi.json     # the deterministic mode
 
 Decode is memory bound, so it is reported as KV bytes read per second against the bandwidth of a
 device-to-device copy (bytes read + written) measured in the same run. Prefill is reported as
 attention TFLOP/s against torch's scaled_dot_product_attention on the same sequences laid out
 contiguously (no paging, KV heads pre-expanded): an upper bound. `--kv-cache-dtype fp8` reads an
 e4m3 cache (scales 1.0) with the same queries; its KV bytes are one per value.
+
+`--batch-invariant`: what attention costs in the deterministic mode, where the prefill kernel
+runs every row (`batch_invariant=True`: no split-KV, a decode row in a tile of BLOCK_M query
+rows of which only its GQA group is real). At each `--batches` x `--contexts` decode case: the
+default path (split-KV decode kernel + reduction) against the mode's, each with its share of
+the copy bandwidth, and the mode's kernel with smaller BLOCK_M (`--bi-block-m`, the current
+BLOCK_N and warps kept) with a bit check against the mode's current output: a BLOCK_M that
+gives the same bits can run the mode's decode-only steps without breaking invariance. Plus one
+prefill case (`BI_PREFILL`) in both modes. The command above (qwen3-0.6b-shape's heads) should
+take well under a minute on an H200 (an estimate: the copy-bandwidth measure, ~10 timed
+kernels of ~0.2 s, a few Triton compiles).
 """
 
 from __future__ import annotations
@@ -31,6 +44,9 @@ except ImportError as e:
                      f"CUDA device (pip install 'kvfit[cuda]'): {e}") from None
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+BI_PREFILL = (8, 1024)
+"""(sequences, tokens each) of `--batch-invariant`'s prefill case: a mixed step's prefill rows
+at the default 8192-token step budget."""
 PREFILL_SWEEP = [
     dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
     for bm, bn, w, st in [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
@@ -173,6 +189,69 @@ def sweep(shape: Shape, k_cache, v_cache) -> list[dict]:
     return rows
 
 
+def _fp8_scales(k_cache: torch.Tensor) -> dict:
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return {}
+    return {"k_scale": torch.ones(1, device="cuda"), "v_scale": torch.ones(1, device="cuda")}
+
+
+def bench_batch_invariant(shape: Shape, k_cache, v_cache, case: str, batch: int, length: int,
+                          block_ms: list[int], copy_bw: float) -> dict:
+    """One case (`case` "decode": `batch` rows over `length` tokens of context; "prefill":
+    `batch` sequences of `length` new tokens) in the default and the batch-invariant path;
+    for decode also the mode's kernel at each of `block_ms` with its bits against the mode's
+    current output."""
+    from kvfit.ops.triton_attention import _prefill_config  # the mode's current tiles
+
+    query_lens = [1] * batch if case == "decode" else [length] * batch
+    md = metadata(query_lens, [length] * batch, shape.block_size, k_cache.shape[0])
+    query = torch.randn(sum(query_lens), shape.num_heads, shape.head_dim, dtype=shape.dtype,
+                        device="cuda")
+    scale, extra = shape.head_dim**-0.5, _fp8_scales(k_cache)
+
+    def run(out: torch.Tensor, **kw) -> torch.Tensor:
+        return paged_attention_triton(query, k_cache, v_cache, md, scale, out, **extra, **kw)
+
+    def ms(**kw) -> float:
+        out = torch.empty_like(query)
+        return do_bench(lambda: run(out, **kw), return_mode="median")
+
+    row = dict(case=case, batch=batch, length=length, default_ms=ms(),
+               mode_ms=ms(batch_invariant=True))
+    row["mode_over_default"] = row["mode_ms"] / row["default_ms"]
+    if case == "prefill":
+        return row
+    kv_bytes = 2 * batch * length * shape.num_kv_heads * shape.head_dim * k_cache.element_size()
+    row["default_frac_of_copy"] = kv_bytes / (row["default_ms"] * 1e-3) / copy_bw
+    row["mode_frac_of_copy"] = kv_bytes / (row["mode_ms"] * 1e-3) / copy_bw
+    current = _prefill_config(shape.head_dim)
+    row["mode_config"] = current
+    reference = run(torch.empty_like(query), batch_invariant=True)
+    row["candidates"] = []
+    for bm in block_ms:
+        cfg = {**current, "BLOCK_M": bm}
+        got = run(torch.empty_like(query), batch_invariant=True, prefill_config=cfg)
+        t = ms(batch_invariant=True, prefill_config=cfg)
+        row["candidates"].append(dict(config=cfg, ms=t, over_default=t / row["default_ms"],
+                                      same_bits_as_mode=torch.equal(got, reference)))
+    return row
+
+
+def print_batch_invariant(rows: list[dict]) -> None:
+    print(f"{'case':>8} {'batch':>6} {'length':>7} {'default ms':>11} {'mode ms':>9} "
+          f"{'mode/default':>12} {'default of copy':>15} {'mode of copy':>12}")
+    for r in rows:
+        copy = (f"{r['default_frac_of_copy']:>15.0%} {r['mode_frac_of_copy']:>12.0%}"
+                if r["case"] == "decode" else "")
+        print(f"{r['case']:>8} {r['batch']:>6} {r['length']:>7} {r['default_ms']:>11.3f} "
+              f"{r['mode_ms']:>9.3f} {r['mode_over_default']:>12.2f} {copy}")
+        for c in r.get("candidates", []):
+            print(f"{'':>8} the mode at BLOCK_M {c['config']['BLOCK_M']:>3}: {c['ms']:.3f} ms "
+                  f"({c['over_default']:.2f} x default), same bits as the mode's "
+                  f"BLOCK_M {r['mode_config']['BLOCK_M']}: "
+                  f"{'yes' if c['same_bits_as_mode'] else 'no'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON results path")
@@ -192,6 +271,11 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time tile configs, not the table")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="the cache's dtype: auto = --dtype, fp8 = e4m3 (scales 1.0)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="decode (and one prefill case) in the default path vs the "
+                             "deterministic mode's, not the table")
+    parser.add_argument("--bi-block-m", type=int, nargs="*", default=[64, 32, 16],
+                        help="BLOCK_M values tried for the mode's decode rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -212,6 +296,21 @@ def main() -> None:
     if args.sweep:
         write_record(args.out, record_of("attention-sweep", sweep(shape, k_cache, v_cache),
                                          vars(args)))
+        return
+    if args.batch_invariant:
+        rows = [bench_batch_invariant(shape, k_cache, v_cache, "decode", b, c, args.bi_block_m,
+                                      copy_bw) for b, c in cases]
+        rows.append(bench_batch_invariant(shape, k_cache, v_cache, "prefill", *BI_PREFILL, [],
+                                          copy_bw))
+        print(f"{torch.cuda.get_device_name()}  {args.dtype}  KV {args.kv_cache_dtype}  heads "
+              f"{shape.num_heads}/{shape.num_kv_heads}  head_dim {shape.head_dim}; copy "
+              f"bandwidth {copy_bw / 1e9:.0f} GB/s")
+        print_batch_invariant(rows)
+        result = dict(device=torch.cuda.get_device_name(),
+                      shape={**asdict(shape), "dtype": args.dtype,
+                             "kv_cache_dtype": args.kv_cache_dtype},
+                      copy_gb_per_s=copy_bw / 1e9, cases=rows)
+        write_record(args.out, record_of("attention-batch-invariant", result, vars(args)))
         return
 
     print(

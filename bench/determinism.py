@@ -3,6 +3,8 @@
     python3 bench/determinism.py --out determinism.json                      # on the GPU machine
     python3 bench/determinism.py --skip-checks --out cost.json               # the cost alone
     python3 bench/determinism.py --skip-throughput --out checks.json         # the checks alone
+    PYTHONPATH=src python3 bench/determinism.py --skip-checks --profile $OUT/det-profile.txt \\
+        --out $OUT/det-cost.json                                 # where the cost goes (GPU)
     python3 bench/determinism.py --device cpu --model kvfit-tiny --num-seqs 8 --min-len 8 \\
         --max-len 32 --check-models kvfit-tiny --check-prompts 4 --check-others 8 \\
         --check-max-tokens 4 --out d.json
@@ -11,6 +13,18 @@ Cost: `bench/throughput.py`'s offline workload (its `offline_workload`: `--num-s
 prompt and output lengths uniform in [`--min-len`, `--max-len`], dummy weights, temperature 1),
 timed as there, in the default mode and with `deterministic=True` side by side in this one
 process; the cost is 1 - deterministic / default output tokens per second.
+
+`--profile PATH`: after each mode's timed runs, the same workload once more (other token ids)
+under torch.profiler (`bench/throughput.py`'s `profile_offline`); PATH gets both modes side by
+side: device time per kernel family (GEMM by cuBLAS vs the mode's `_matmul_kernel`, attention
+prefill/decode kernels, norms, sampling, ...), the same split by step kind (decode-only vs
+mixed steps, with the steps' host time), the top kernels, and the difference; the record gets
+the per-family totals (`results.profile`). On an H200 the `--skip-checks --profile` command
+above should take about 3 to 5 minutes: an estimate, not a measurement (per mode: start-up,
+Triton compiles on a fresh machine, the untimed, timed and profiled runs at the 2026-12-04
+pace of ~6 s default and ~11 s deterministic each, and the profiler's processing of a few
+hundred thousand kernel events, the least certain part); without `--skip-checks` the checks
+come on top.
 
 Checks, for each of `--check-models` (dummy weights), in both modes: `--check-prompts` prompts
 (16 to 256 tokens, greedy, `--check-max-tokens` tokens, the top logprob), each alone on a
@@ -34,17 +48,20 @@ import time
 import torch
 
 from kvfit import LLM, SamplingParams
+from kvfit.benchmarks.profiling import FAMILY_NAMES, KernelProfile, comparison_text
 from kvfit.benchmarks.record import figure, make_record, write_record
 from kvfit.ops.compiles import triton_compiles
-from throughput import offline_workload
+from throughput import offline_workload, profile_offline
 
 MODES = {"default": False, "deterministic": True}
 
 
-def offline_throughput(args: argparse.Namespace, deterministic: bool) -> dict:
+def offline_throughput(args: argparse.Namespace, deterministic: bool
+                       ) -> tuple[dict, KernelProfile | None]:
     """`bench/throughput.py`'s offline workload on one engine in one mode: output tokens per
     second from submission to the last completion, median of `--repeat` timed runs (other
-    token ids each) after an untimed run of the same shape (kernel compilation)."""
+    token ids each) after an untimed run of the same shape (kernel compilation); and with
+    `--profile`, the profile of one more run (else None)."""
     llm = LLM(args.model, device=args.device, load_format="dummy",
               max_model_len=2 * args.max_len + 1, enforce_eager=args.enforce_eager,
               deterministic=deterministic)
@@ -64,11 +81,26 @@ def offline_throughput(args: argparse.Namespace, deterministic: bool) -> dict:
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         runs.append({"seed": seed, "elapsed_s": elapsed, "output_tokens": tokens,
                      "output_tokens_per_s": tokens / elapsed, "kernels_compiled": compiled})
+    profile = profile_offline(llm, args, vocab, seeds[-1] + 2) if args.profile else None
     llm.shutdown()
     speed = statistics.median_low(r["output_tokens_per_s"] for r in runs)
     median = next(r for r in runs if r["output_tokens_per_s"] == speed)
     return {"mode": "deterministic" if deterministic else "default", "model": args.model,
-            "num_seqs": args.num_seqs, **median, "runs": runs}
+            "num_seqs": args.num_seqs, **median, "runs": runs}, profile
+
+
+def profile_summary(profiles: dict[str, KernelProfile]) -> dict:
+    """The record's `profile`: per mode its totals, families, step split and top kernels, and
+    per family the deterministic - default device ms."""
+    modes = {mode: p.as_dict() for mode, p in profiles.items()}
+    summary: dict = {"modes": modes}
+    if {"default", "deterministic"} <= set(modes):
+        a, b = modes["default"]["families_ms"], modes["deterministic"]["families_ms"]
+        summary["families_diff_ms"] = {f: b[f] - a[f] for f in FAMILY_NAMES}
+        summary["device_diff_ms"] = modes["deterministic"]["device_ms"] - modes["default"][
+            "device_ms"]
+        summary["wall_diff_s"] = modes["deterministic"]["wall_s"] - modes["default"]["wall_s"]
+    return summary
 
 
 def _sync(llm: LLM) -> None:
@@ -171,16 +203,29 @@ def main(argv: list[str] | None = None) -> int:
                         f"{CHECK_MAX_MODEL_LEN - 256})")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--profile", metavar="PATH",
+                        help="profile the offline workload once more in each mode and write "
+                             "both kernel tables, grouped by family, side by side to PATH")
     args = parser.parse_args(argv)
+    if args.profile and args.skip_throughput:
+        parser.error("--profile profiles the cost's workload: drop --skip-throughput")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
 
     result: dict = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda")
                     else "cpu", "throughputs": [], "checks": []}
     if not args.skip_throughput:
-        for deterministic in MODES.values():
-            result["throughputs"].append(offline_throughput(args, deterministic))
+        profiles = {}
+        for mode, deterministic in MODES.items():
+            throughput, profile = offline_throughput(args, deterministic)
+            result["throughputs"].append(throughput)
+            if profile is not None:
+                profiles[mode] = profile
             gc.collect()
+        if profiles:
+            with open(args.profile, "w") as f:
+                f.write(comparison_text(profiles))
+            result["profile"] = profile_summary(profiles)
     if not args.skip_checks:
         for model in args.check_models:
             for deterministic in MODES.values():
@@ -214,6 +259,8 @@ def print_tables(result: dict) -> None:
         print(f"offline {t['model']} {t['mode']:<13}: {t['num_seqs']} seqs in "
               f"{t['elapsed_s']:.2f} s, {t['output_tokens_per_s']:,.0f} output tok/s "
               f"({ratio:.3f} x default, {len(t['kernels_compiled'])} compiles in the timed run)")
+    if "profile" in result:
+        print_profile(result["profile"])
     if result["checks"]:
         cases = list(result["checks"][0]["identical"])
         print(f"{'model':<18} {'mode':<13} " + " ".join(f"{c:>17}" for c in cases)
@@ -221,6 +268,19 @@ def print_tables(result: dict) -> None:
         for c in result["checks"]:
             cells = " ".join(f"{c['identical'][k]:>11} of {c['prompts']:<3}" for k in cases)
             print(f"{c['model']:<18} {c['mode']:<13} {cells}  {c['preemptions']}")
+
+
+def print_profile(summary: dict) -> None:
+    """Device ms per kernel family in each profiled mode, and the difference."""
+    modes = summary["modes"]
+    print("profiled run, device ms per kernel family: " + ", ".join(
+        f"{m} {p['wall_s']:.2f} s wall, busy {p['busy_mean']:.0%}" for m, p in modes.items()))
+    print(f"{'family':<18} " + " ".join(f"{m:>13}" for m in modes)
+          + (f" {'diff':>10}" if "families_diff_ms" in summary else ""))
+    for family in FAMILY_NAMES:
+        cells = " ".join(f"{p['families_ms'][family]:>13.1f}" for p in modes.values())
+        diff = summary.get("families_diff_ms", {}).get(family)
+        print(f"{family:<18} {cells}" + (f" {diff:>+10.1f}" if diff is not None else ""))
 
 
 if __name__ == "__main__":

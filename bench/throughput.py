@@ -30,6 +30,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -43,6 +44,7 @@ from kvfit.benchmarks.limits import (
     measure_device_limits,
     run_limit,
 )
+from kvfit.benchmarks.profiling import KernelProfile, profile_run, profile_text
 from kvfit.benchmarks.record import write_record
 from kvfit.engine.sequence import ScheduledBatch, Sequence
 from kvfit.ops.compiles import triton_compiles
@@ -156,51 +158,29 @@ def bench_throughput(args: argparse.Namespace, limits: DeviceLimits, backend: st
             "of_limit": limit.seconds / elapsed, "limit": limit.as_dict(),
             "kernels_compiled": compiled,  # inside the timed run: each costs ~1 s
         })
+    profile = None
     if args.profile:
-        profile_offline(llm, args, vocab, seeds[-1] + 2)
+        profile = profile_offline(llm, args, vocab, seeds[-1] + 2)
+        Path(args.profile).write_text(profile_text(profile))
     llm.shutdown()
     median = sorted(runs, key=lambda r: r["output_tokens_per_s"])[(len(runs) - 1) // 2]
     return {"model": args.model, "num_seqs": args.num_seqs, "warmup": args.warmup,
             "backend": backend, "cudagraph_mode": cudagraph_mode,
-            "tensor_parallel_size": args.tensor_parallel_size, **median, "runs": runs}
+            "tensor_parallel_size": args.tensor_parallel_size, **median, "runs": runs,
+            **({"profile": profile.as_dict()} if profile else {})}
 
 
-def busy_fractions(events: list, start_us: float, end_us: float, bins: int) -> list[float]:
-    """Share of each of `bins` equal slices of [start_us, end_us] in which a kernel ran."""
-    width = (end_us - start_us) / bins
-    busy = [0.0] * bins
-    merged_end = start_us
-    for begin, end in sorted((e.time_range.start, e.time_range.end) for e in events):
-        begin = max(begin, merged_end)  # overlapping kernels count once
-        if end <= begin:
-            continue
-        merged_end = end
-        first, last = int((begin - start_us) // width), int((end - start_us) // width)
-        for i in range(first, min(last, bins - 1) + 1):
-            lo, hi = start_us + i * width, start_us + (i + 1) * width
-            busy[i] += max(0.0, min(end, hi) - max(begin, lo))
-    return [b / width for b in busy]
-
-
-def profile_offline(llm: LLM, args: argparse.Namespace, vocab: int, seed: int) -> None:
+def profile_offline(llm: LLM, args: argparse.Namespace, vocab: int, seed: int) -> KernelProfile:
     """The offline workload once more (other token ids) under torch.profiler: the kernels by
-    device time and how busy the device was through the run, written to `--profile`."""
-    from torch.profiler import ProfilerActivity, profile
-
+    device time and family, split by step kind, and how busy the device was through the run
+    (`kvfit.benchmarks.profiling`)."""
     prompts, params = offline_workload(args, vocab, seed)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+
+    def run() -> None:
         llm.generate(prompts, params, use_tqdm=False)
         _sync(llm.config.device)
-    events = prof.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    start = min(e.time_range.start for e in events)
-    end = max(e.time_range.end for e in events)
-    busy = busy_fractions(kernels, start, end, bins=20)
-    with open(args.profile, "w") as f:
-        f.write(f"offline workload under the profiler: {(end - start) / 1e6:.2f} s, device busy "
-                f"{sum(busy) / len(busy):.0%}\nbusy by twentieth of the run: "
-                f"{' '.join(f'{b:.0%}' for b in busy)}\n\n")
-        f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
+
+    return profile_run(run, llm, llm.config.device)
 
 
 def decode_batch(batch_size: int, context: int, block_size: int) -> ScheduledBatch:

@@ -112,6 +112,28 @@ def kv_dtype() -> dict[str, Any]:
                                                "mean_kl": 0.0}, "fp8": variant}}}
 
 
+def batch_invariant_gemm() -> dict[str, Any]:
+    us = {"cublas": 10.0, "current": 14.0, "m128n128k64w8s3": 12.0}
+    timings = [{"model": "tiny", "gemm": "qkv_proj", "n": 384, "k": 256, "m": m, "us": us,
+                "over_cublas": {k: v / us["cublas"] for k, v in us.items() if k != "cublas"}}
+               for m in (1, 64)]
+    checks = [{"model": "tiny", "gemm": "qkv_proj", "kernel": k, "rows": 64, "config": None,
+               "invariant": k != "cublas", "failures": [], "same_bits_as_current": k != "cublas"}
+              for k in us]
+    return {"device": "cpu", "dtype": "bf16", "shapes": [], "timings": timings,
+            "checks": checks, "picks": []}
+
+
+def attention_batch_invariant() -> dict[str, Any]:
+    return {"device": "cpu", "copy_gb_per_s": 100.0, "cases": [
+        {"case": "decode", "batch": 256, "length": 1024, "default_ms": 0.1, "mode_ms": 0.3,
+         "mode_over_default": 3.0, "candidates": []},
+        {"case": "prefill", "batch": 8, "length": 1024, "default_ms": 0.5, "mode_ms": 0.6,
+         "mode_over_default": 1.2}]}
+
+
 ALL = {"capacity": capacity, "throughput": throughput, "serving": serving, "sleep": sleep,
        "sampling": sampling, "adversarial": adversarial, "elastic": elastic,
-       "elastic-pair": elastic_pair, "async-engine": async_engine, "kv-dtype": kv_dtype}
+       "elastic-pair": elastic_pair, "async-engine": async_engine, "kv-dtype": kv_dtype,
+       "batch-invariant-gemm": batch_invariant_gemm,
+       "attention-batch-invariant": attention_batch_invariant}

@@ -68,10 +68,15 @@ def _matmul_kernel(
 
 
 def matmul_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """`x` `[M, K]` times `weight^T` (`weight` `[N, K]`, any strides) plus `bias` `[N]`, into a
     new `[M, N]` of x's dtype. float32 inputs multiply in IEEE float32 (no TF32).
+
+    `config` (tile sizes, `num_warps`, `num_stages`; default `matmul_config(N)`) is for
+    `bench/batch_invariant_gemm.py`, which times other configs and compares their bits: a
+    caller that passes one must pass the same for every M, or rows lose their invariance.
 
     Memory: the output only (no split-K workspace).
     """
@@ -83,7 +88,7 @@ def matmul_triton(
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    cfg = matmul_config(n)
+    cfg = matmul_config(n) if config is None else config
     grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _matmul_kernel[grid](
         x, weight, weight if bias is None else bias, out, num_rows, n, k,

@@ -145,6 +145,30 @@ def attention(p: dict[str, Any]) -> Figures:
     return f
 
 
+def attention_batch_invariant(p: dict[str, Any]) -> Figures:
+    f: Figures = {}
+    for r in p["cases"]:
+        name = f"{r['case']}.batch{r['batch']}.len{r['length']}"
+        f[f"{name}.default_ms"] = figure(r["default_ms"], "ms", "lower")
+        f[f"{name}.mode_ms"] = figure(r["mode_ms"], "ms", "lower")
+        f[f"{name}.mode_over_default"] = figure(r["mode_over_default"], "ratio", "lower")
+    return f
+
+
+def batch_invariant_gemm(p: dict[str, Any]) -> Figures:
+    """The mode's GEMM as it is (the current config) against cuBLAS, and its invariance; the
+    candidate configs are exploration, not claims."""
+    f: Figures = {}
+    for t in p["timings"]:
+        f[f"{t['model']}.{t['gemm']}.m{t['m']}.current_over_cublas"] = figure(
+            t["over_cublas"]["current"], "ratio", "lower")
+    for c in p["checks"]:
+        if c["kernel"] == "current":
+            f[f"{c['model']}.{c['gemm']}.current_invariant"] = figure(
+                float(c["invariant"]), "bool", "higher")
+    return f
+
+
 def vmm(p: dict[str, Any]) -> Figures:
     return {"growth_us_per_chunk": figure(p["growth_us_per_chunk"], "us", "lower"),
             "release_plus_recommit_s": figure(p["release_plus_recommit_s"], "s", "lower"),
@@ -247,7 +271,8 @@ def no_figures(p: Any) -> Figures:
 FIGURES: dict[str, Callable[[Any], Figures]] = {
     "capacity": capacity, "throughput": throughput, "serving": serving, "sleep": sleep,
     "elastic": elastic, "elastic-pair": elastic_pair, "sampling": sampling,
-    "attention": attention, "vmm": vmm,
+    "attention": attention, "attention-batch-invariant": attention_batch_invariant, "vmm": vmm,
+    "batch-invariant-gemm": batch_invariant_gemm,
     "adversarial": adversarial, "sampling-sweep": no_figures, "attention-sweep": no_figures,
     "bench-throughput": bench_throughput, "bench-latency": bench_latency,
     "bench-serve": bench_serve, "async-engine": async_engine, "kv-dtype": kv_dtype,
@@ -268,7 +293,8 @@ def _bench_of(data: Any, name: str) -> str:
     """Which bench wrote a published file: by its keys, the file name where they are alike."""
     if isinstance(data, list):
         return "sampling-sweep" if "filters" in name or "sampling" in name else "attention-sweep"
-    for key, bench in (("kv_cache_dtypes", "kv-dtype"),
+    for key, bench in (("timings", "batch-invariant-gemm"), ("cases", "attention-batch-invariant"),
+                       ("kv_cache_dtypes", "kv-dtype"),
                        ("sweeps", "adversarial"), ("serve", "serving"), ("components", "sleep"),
                        ("samples", "elastic"), ("modes", "elastic-pair"), ("prefill", "attention"),
                        ("growth_gib", "vmm"), ("throughput", "throughput"),
