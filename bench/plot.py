@@ -16,6 +16,7 @@ from the last input that carries its data (the adversarial one from all of them)
     adversarial.png  the worst need of each adversarial run against the headroom kept
     elastic.png      KV cache size and the co-tenant's memory over time (elastic)
     elastic_pair.png each engine's KV cache over time, elastic against static (elastic-pair)
+    kv_dtype.png     KV blocks, output tok/s and decode step by cache dtype (kv-dtype)
 """
 
 from __future__ import annotations
@@ -276,6 +277,31 @@ def plot_elastic_pair(r: Record) -> Figure:
     return fig
 
 
+def plot_kv_dtype(r: Record) -> Figure:
+    """Blocks under measured sizing, offline output tok/s and the decode steps per cache dtype,
+    each labelled with its ratio to the first (the model's dtype)."""
+    runs = r["results"]["engine"]
+    names = [f"{run['kv_cache_dtype']}\n({run['dtype']})" for run in runs]
+    panels = [("KV blocks (measured sizing)", [run["num_blocks"] for run in runs], "{:,.0f}"),
+              ("output tok/s (offline)",
+               [run["throughput"]["output_tokens_per_s"] for run in runs], "{:,.0f}")]
+    for d in runs[0]["decode"]:
+        steps = [next(x["step_ms"] for x in run["decode"] if x["batch"] == d["batch"])
+                 for run in runs]
+        panels.append((f"decode step, {d['batch']} seqs (ms)", steps, "{:.2f}"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 4.2), squeeze=False)
+    for ax, (label, values, fmt) in zip(axes[0], panels, strict=True):
+        bars = ax.bar(names, values, color=["C0", "C1", "C2", "C3"][:len(values)])
+        _label_bars(ax, bars, lambda v, fmt=fmt, first=values[0]: f"{fmt.format(v)}\n"
+                    f"{v / first:.2f}x")
+        ax.set_title(label, fontsize=10)
+        ax.set_ylim(0, max(values) * 1.3)
+        ax.tick_params(axis="x", labelsize=8)
+    _title(fig, f"KV cache dtype: capacity and speed ({runs[0].get('model', '')})", r)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))
+    return fig
+
+
 def _has(*path: str) -> Callable[[Record], bool]:
     def test(r: Record) -> bool:
         node: Any = r["results"]
@@ -297,10 +323,11 @@ PLOTS: dict[str, tuple[Callable[[Record], bool], Callable[[Record], Figure]]] = 
     "filters": (_has("filters"), plot_filters),
     "elastic": (_has("samples"), plot_elastic),
     "elastic_pair": (_has("modes"), plot_elastic_pair),
+    "kv_dtype": (_has("engine"), plot_kv_dtype),
 }
 BENCH_OF = {"capacity": "capacity", "memory": "capacity", "decode": "throughput",
             "serving": "serving", "sleep": "sleep", "filters": "sampling", "elastic": "elastic",
-            "elastic_pair": "elastic-pair"}
+            "elastic_pair": "elastic-pair", "kv_dtype": "kv-dtype"}
 
 
 def plot_all(records: list[Record], out_dir: Path) -> list[Path]:
