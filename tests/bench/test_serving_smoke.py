@@ -35,9 +35,10 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
         assert row["failed"] == 0 and row["errors"] == {}
         assert row["total_output_tokens"] == result["offline"]["total_output_tokens"] == 6 * 6
         assert row["output_throughput"] > 0 and row["p99_itl_ms"] >= row["p50_itl_ms"] > 0
-        # Both processes worked during the row, neither more than the machine's cores.
+        # CPU over the row alone (a tiny row may measure 0 at the clock's 10 ms ticks): the
+        # server's start-up, seconds of CPU, would put a whole-life figure far above the cores.
         cores = psutil.cpu_count()
-        assert 0 < row["server_cpu"] <= cores and 0 < row["engine_cpu"] <= cores
+        assert 0 <= row["server_cpu"] <= cores and 0 <= row["engine_cpu"] <= cores
     # Saturation is the best of the rate-inf rows, whichever limit gave it.
     best = max(rows, key=lambda r: r["output_throughput"])
     assert result["saturation_concurrency"] == best["max_concurrency"]
