@@ -18,9 +18,11 @@ default path (split-KV decode kernel + reduction) against the mode's, each with 
 the copy bandwidth, and the mode's kernel with smaller BLOCK_M (`--bi-block-m`, the current
 BLOCK_N and warps kept) with a bit check against the mode's current output: a BLOCK_M that
 gives the same bits can run the mode's decode-only steps without breaking invariance. Plus one
-prefill case (`BI_PREFILL`) in both modes. The command above (qwen3-0.6b-shape's heads) should
-take well under a minute on an H200 (an estimate: the copy-bandwidth measure, ~10 timed
-kernels of ~0.2 s, a few Triton compiles).
+prefill case (`BI_PREFILL`) in both modes, with the same candidates: one smaller BLOCK_M for
+every row of the mode keeps invariance by construction (one tile config for all rows, as
+today), and the two cases' candidate times give what it would cost prefill and save decode. The
+command above (qwen3-0.6b-shape's heads) should take well under a minute on an H200 (an
+estimate: the copy-bandwidth measure, ~10 timed kernels of ~0.2 s, a few Triton compiles).
 """
 
 from __future__ import annotations
@@ -198,9 +200,9 @@ def _fp8_scales(k_cache: torch.Tensor) -> dict:
 def bench_batch_invariant(shape: Shape, k_cache, v_cache, case: str, batch: int, length: int,
                           block_ms: list[int], copy_bw: float) -> dict:
     """One case (`case` "decode": `batch` rows over `length` tokens of context; "prefill":
-    `batch` sequences of `length` new tokens) in the default and the batch-invariant path;
-    for decode also the mode's kernel at each of `block_ms` with its bits against the mode's
-    current output."""
+    `batch` sequences of `length` new tokens) in the default and the batch-invariant path,
+    and the mode's kernel at each of `block_ms` with its bits against the mode's current
+    output."""
     from kvfit.ops.triton_attention import _prefill_config  # the mode's current tiles
 
     query_lens = [1] * batch if case == "decode" else [length] * batch
@@ -219,11 +221,11 @@ def bench_batch_invariant(shape: Shape, k_cache, v_cache, case: str, batch: int,
     row = dict(case=case, batch=batch, length=length, default_ms=ms(),
                mode_ms=ms(batch_invariant=True))
     row["mode_over_default"] = row["mode_ms"] / row["default_ms"]
-    if case == "prefill":
-        return row
-    kv_bytes = 2 * batch * length * shape.num_kv_heads * shape.head_dim * k_cache.element_size()
-    row["default_frac_of_copy"] = kv_bytes / (row["default_ms"] * 1e-3) / copy_bw
-    row["mode_frac_of_copy"] = kv_bytes / (row["mode_ms"] * 1e-3) / copy_bw
+    if case == "decode":
+        kv_bytes = (2 * batch * length * shape.num_kv_heads * shape.head_dim
+                    * k_cache.element_size())
+        row["default_frac_of_copy"] = kv_bytes / (row["default_ms"] * 1e-3) / copy_bw
+        row["mode_frac_of_copy"] = kv_bytes / (row["mode_ms"] * 1e-3) / copy_bw
     current = _prefill_config(shape.head_dim)
     row["mode_config"] = current
     reference = run(torch.empty_like(query), batch_invariant=True)
@@ -300,8 +302,8 @@ def main() -> None:
     if args.batch_invariant:
         rows = [bench_batch_invariant(shape, k_cache, v_cache, "decode", b, c, args.bi_block_m,
                                       copy_bw) for b, c in cases]
-        rows.append(bench_batch_invariant(shape, k_cache, v_cache, "prefill", *BI_PREFILL, [],
-                                          copy_bw))
+        rows.append(bench_batch_invariant(shape, k_cache, v_cache, "prefill", *BI_PREFILL,
+                                          args.bi_block_m, copy_bw))
         print(f"{torch.cuda.get_device_name()}  {args.dtype}  KV {args.kv_cache_dtype}  heads "
               f"{shape.num_heads}/{shape.num_kv_heads}  head_dim {shape.head_dim}; copy "
               f"bandwidth {copy_bw / 1e9:.0f} GB/s")
