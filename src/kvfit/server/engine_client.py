@@ -21,9 +21,11 @@ import logging
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -70,8 +72,17 @@ class _Channel:
 
     def send(self, message: Any) -> None:
         """OSError once closed (never a write to a descriptor number reused since)."""
-        data = pickle.dumps(message, _PROTOCOL)
-        view = memoryview(len(data).to_bytes(8, "little") + data)
+        self.send_many([message])
+
+    def send_many(self, messages: list[Any]) -> None:
+        """`send` each of `messages`, in order, in one write: a socket charges every write
+        its own buffer overhead, so hundreds of small ones fill it long before their bytes
+        would."""
+        frames = []
+        for message in messages:
+            data = pickle.dumps(message, _PROTOCOL)
+            frames += (len(data).to_bytes(8, "little"), data)
+        view = memoryview(b"".join(frames))
         with self._send_lock:
             if self._closed:
                 raise OSError("the channel is closed")
@@ -103,6 +114,53 @@ class _Channel:
             pos += 8 + size
         del buffer[:pos]
         return messages
+
+
+class _Outbox:
+    """Sends a channel's messages from a thread of its own, so a caller on the event loop never
+    blocks on a full pipe while the engine is busy stepping; whatever queued up meanwhile goes
+    out in one write (`send_many`), in order. After a failed write the rest is dropped: the
+    reader sees the peer's end close and reports the engine dead."""
+
+    def __init__(self, channel: _Channel) -> None:
+        self._channel = channel
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvfit-engine-commands",
+                                        daemon=True)
+        self._thread.start()
+
+    def put(self, message: Any) -> None:
+        """Queue `message` (thread-safe, never blocks); OSError once closed."""
+        if self._closed:
+            raise OSError("the channel is closed")
+        self._queue.put(message)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Send what is queued, then stop the thread (waiting at most `timeout`)."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(_OUTBOX_END)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while batch[-1] is not _OUTBOX_END:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            end = batch[-1] is _OUTBOX_END
+            try:
+                self._channel.send_many(batch[:-1] if end else batch)
+            except OSError:
+                return
+            if end:
+                return
+
+
+_OUTBOX_END = object()
 
 
 class InThreadEngine:
@@ -162,6 +220,7 @@ class EngineProcess:
         self._process.start()
         child_conn.close()  # the child's end lives in the child only: its exit is our EOF
         self._channel = _Channel(conn)
+        self._outbox = _Outbox(self._channel)
         self.pid: int | None = self._process.pid
         self._stop_timeout_s = stop_timeout_s
         self._stopping = False
@@ -210,10 +269,13 @@ class EngineProcess:
         return self._process.is_alive()
 
     def send(self, command: tuple[Any, ...]) -> None:
-        """Send a command (thread-safe); EngineDeadError when the process is gone."""
+        """Queue a command for the engine (thread-safe, never blocks on the pipe);
+        EngineDeadError once the process is gone or shut down."""
         try:
-            self._channel.send(command)
-        except OSError as e:  # closed by shutdown, or a broken pipe
+            if not self._process.is_alive():
+                raise OSError("the engine process exited")
+            self._outbox.put(command)
+        except OSError as e:  # shut down, or the process died
             raise EngineDeadError("the engine process is gone") from e
 
     def shutdown(self) -> None:
@@ -225,7 +287,9 @@ class EngineProcess:
         atexit.unregister(self.shutdown)
         with contextlib.suppress(EngineDeadError):
             self.send(("stop",))
-        self._process.join(timeout=self._stop_timeout_s)
+        deadline = time.monotonic() + self._stop_timeout_s  # for the write and the exit both
+        self._outbox.close(timeout=self._stop_timeout_s)
+        self._process.join(timeout=max(0.0, deadline - time.monotonic()))
         for end in (self._process.terminate, self._process.kill):
             if self._process.exitcode is not None:
                 break
