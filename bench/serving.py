@@ -307,8 +307,8 @@ def print_report(result: dict[str, Any]) -> None:
                   f"{r['p50_ttft_ms']:>9.1f} {r['p99_ttft_ms']:>8.1f} {r['p50_itl_ms']:>8.2f} "
                   f"{r['p99_itl_ms']:>8.2f} {r['p50_e2el_ms']:>8.1f} {r['client_cpu']:>10.0%} "
                   f"{_share(r.get('server_cpu')):>10} {_share(r.get('engine_cpu')):>10}")
-            for reason, count in r["errors"].items():
-                print(f"       failed x{count}: {reason}")
+            for line in bench_serve.failure_lines(r["errors"]):
+                print(f"       {line}")
     o = result["offline"]
     print(f"offline LLM.generate: {o['total_output_tokens']} tokens in {o['elapsed_s']:.2f} s, "
           f"{o['output_throughput']:,.0f} output tok/s")

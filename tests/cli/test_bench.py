@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from kvfit.cli import main
-from kvfit.commands.bench_serve import RequestResult, make_workload, per_token_itl, summarize
+from kvfit.commands.bench_serve import (
+    RequestResult,
+    failure_lines,
+    make_workload,
+    per_token_itl,
+    summarize,
+)
 
 
 def test_bench_throughput(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -234,3 +240,11 @@ def test_per_token_itl_spreads_a_chunk_over_its_tokens() -> None:
     assert per_token_itl([(1.0, 2), (1.3, 3), (1.4, 1)]) == pytest.approx(
         [0.1, 0.1, 0.1, 0.1])
     assert per_token_itl([(1.0, 1)]) == []
+
+
+def test_failure_lines_keep_the_commonest_reasons_and_count_the_rest() -> None:
+    errors = {f"HTTP 400: token {i} out of range": 1 for i in range(30)} | {"timeout": 5}
+    lines = failure_lines(errors, most=3)
+    assert lines[0] == "failed x5: timeout" and len(lines) == 4
+    assert lines[-1] == "failed x28: 28 other reasons (all of them in --result-file)"
+    assert failure_lines({"a": 2}) == ["failed x2: a"]

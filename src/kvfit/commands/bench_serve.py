@@ -310,9 +310,18 @@ def format_metrics(metrics: dict[str, Any], ps: list[float]) -> str:
             rows.append((f"{stat.capitalize()} {label} (ms):",
                          f"{metrics[f'{stat}_{name}_ms']:.2f}"))
     table = format_table("Serving Benchmark Result", rows)
-    for reason, count in metrics["errors"].items():
-        table += f"\nfailed x{count}: {reason}"
-    return table
+    return table + "".join(f"\n{line}" for line in failure_lines(metrics["errors"]))
+
+
+def failure_lines(errors: dict[str, int], most: int = 10) -> list[str]:
+    """`failed xN: reason` for the `most` commonest reasons, then one line for the rest (a
+    reason that names its value, such as a bad token id, can differ for every request)."""
+    ranked = sorted(errors.items(), key=lambda item: -item[1])
+    lines = [f"failed x{count}: {reason}" for reason, count in ranked[:most]]
+    if rest := ranked[most:]:
+        lines.append(f"failed x{sum(c for _, c in rest)}: {len(rest)} other reasons "
+                     f"(all of them in --result-file)")
+    return lines
 
 
 def _check_args(args: argparse.Namespace) -> None:
