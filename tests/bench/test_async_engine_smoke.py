@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "async_engine.py"
+from .scripts import load_bench
 
 
 def test_async_engine_bench_smoke(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("bench_async_engine", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("async_engine")
 
     out = tmp_path / "async_engine.json"
     result = bench.main(["--device", "cpu", "--model", "kvfit-tiny", "--num-prompts", "4",

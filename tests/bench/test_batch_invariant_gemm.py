@@ -4,10 +4,6 @@ timings (fake ones here)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -15,18 +11,12 @@ from kvfit.batch_invariant.matmul import row_tiled_linear
 from kvfit.benchmarks.figures import record_of
 from kvfit.benchmarks.record import validate
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "batch_invariant_gemm.py"
+from .scripts import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():  # noqa: ANN201 (the bench module)
-    spec = importlib.util.spec_from_file_location("bench_batch_invariant_gemm", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    return load_bench("batch_invariant_gemm")
 
 
 def test_configs_parse_from_their_names_and_back(bench) -> None:  # noqa: ANN001

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +11,9 @@ from kvfit.benchmarks.figures import record_of
 from kvfit.benchmarks.record import write_record
 
 from . import payloads
+from .scripts import BENCH_DIR, load_bench
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("bench_compare", ROOT / "bench" / "compare.py")
-assert spec is not None and spec.loader is not None
-compare = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = compare  # dataclasses look their module up
-spec.loader.exec_module(compare)
+compare = load_bench("compare")
 
 
 def _write(tmp_path: Path, name: str, bench: str, payload: dict[str, Any]) -> str:
@@ -70,7 +64,7 @@ def test_a_count_that_was_zero_is_flagged_on_any_rise() -> None:
 
 
 def test_a_published_file_compares_with_itself(capsys: pytest.CaptureFixture[str]) -> None:
-    path = str(ROOT / "docs" / "results" / "capacity-h200-2026-12-03.json")
+    path = str(BENCH_DIR.parent / "docs" / "results" / "capacity-h200-2026-12-03.json")
     assert compare.main([path, path]) == 0
     assert "1.000" in capsys.readouterr().out
 

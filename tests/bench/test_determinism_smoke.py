@@ -3,7 +3,6 @@ its `--profile` of both modes and the record's summary of it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,16 +10,12 @@ import pytest
 
 from kvfit.benchmarks.profiling import KernelProfile, KernelStat
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "determinism.py"
+from . import scripts
 
 
 def load_bench(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 (the bench module)
-    monkeypatch.syspath_prepend(str(BENCH.parent))  # it imports bench/throughput.py
-    spec = importlib.util.spec_from_file_location("bench_determinism", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    monkeypatch.syspath_prepend(str(scripts.BENCH_DIR))  # it imports bench/throughput.py
+    return scripts.load_bench("determinism")
 
 
 def test_determinism_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

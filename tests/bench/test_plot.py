@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,15 +10,11 @@ from kvfit.benchmarks.figures import record_of
 from kvfit.benchmarks.record import write_record
 
 from . import payloads
+from .scripts import load_bench
 
 pytest.importorskip("matplotlib")
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("bench_plot", ROOT / "bench" / "plot.py")
-assert spec is not None and spec.loader is not None
-plot = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = plot  # dataclasses look their module up
-spec.loader.exec_module(plot)
+plot = load_bench("plot")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

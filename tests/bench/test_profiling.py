@@ -4,8 +4,6 @@ machine), two profiles side by side, and the step annotation on a real engine.""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
@@ -21,6 +19,8 @@ from kvfit.benchmarks.profiling import (
     profile_run,
     profile_text,
 )
+
+from .scripts import load_bench
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
@@ -133,12 +133,7 @@ def test_two_profiles_side_by_side() -> None:
 
 @pytest.fixture(scope="module")
 def throughput():  # noqa: ANN201 (bench/throughput.py)
-    path = Path(__file__).resolve().parents[2] / "bench" / "throughput.py"
-    spec = importlib.util.spec_from_file_location("bench_throughput_profiling", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("throughput")
 
 
 def test_every_engine_step_is_annotated_with_its_kind(throughput) -> None:  # noqa: ANN001

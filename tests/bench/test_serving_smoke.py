@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import psutil
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "serving.py"
+from .scripts import load_bench
 
 
 def test_serving_bench_smoke(tmp_path: Path) -> None:
     for module in ("fastapi", "uvicorn", "httpx"):
         pytest.importorskip(module)
-    spec = importlib.util.spec_from_file_location("bench_serving", BENCH)
-    assert spec is not None and spec.loader is not None
-    serving = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serving)
+    serving = load_bench("serving")
 
     out = tmp_path / "serving.json"
     result = serving.main(["--device", "cpu", "--model", "kvfit-tiny", "--num-prompts", "6",
@@ -56,10 +52,7 @@ def test_serving_bench_spreads_lengths_alike_served_and_offline(tmp_path: Path) 
     """--random-range-ratio: the load and offline run the same per-request output lengths."""
     for module in ("fastapi", "uvicorn", "httpx"):
         pytest.importorskip(module)
-    spec = importlib.util.spec_from_file_location("bench_serving", BENCH)
-    assert spec is not None and spec.loader is not None
-    serving = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serving)
+    serving = load_bench("serving")
 
     args = ["--device", "cpu", "--model", "kvfit-tiny", "--num-prompts", "6", "--input-len",
             "12", "--output-len", "6", "--random-range-ratio", "0.5", "--request-rates", "inf",

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "sleep.py"
+from .scripts import load_bench
 
 
 def test_sleep_bench_smoke(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("bench_sleep", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("sleep")
 
     out = tmp_path / "sleep.json"
     assert bench.main(["--device", "cpu", "--model", "kvfit-tiny", "--prompt-len", "256",

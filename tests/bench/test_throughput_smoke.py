@@ -3,7 +3,6 @@ throughput figure of its record carries its share of the limit."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,16 +10,12 @@ import pytest
 
 from kvfit import LLM, SamplingParams
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "throughput.py"
+from .scripts import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():  # noqa: ANN201 (the bench module)
-    spec = importlib.util.spec_from_file_location("bench_throughput", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("throughput")
 
 
 def test_step_recorder_sees_every_token_computed_and_every_row_sampled(bench) -> None:  # noqa: ANN001
