@@ -152,7 +152,8 @@ def make_prompts(args: argparse.Namespace, rng: random.Random) -> list[str | lis
 def make_workload(args: argparse.Namespace) -> list[Work]:
     """`(prompt, arrival, max_tokens)` of every request from `--seed`: prompts, then arrival
     times, from one generator (a ratio of 0 sends what a run without the flag sends), output
-    lengths from a second, so the first k requests of any run with that seed are the same."""
+    lengths from a second, so the first k prompts and output lengths of any run with that
+    seed are the same (arrival times at a finite rate are not: they follow the prompts)."""
     rng = random.Random(args.seed)
     prompts = make_prompts(args, rng)
     arrivals = arrival_times(args, rng)
