@@ -64,3 +64,11 @@ def test_serving_bench_spreads_lengths_alike_served_and_offline(tmp_path: Path) 
     assert result["offline"]["total_output_tokens"] == expected
     assert result["serve"]["rows"][0]["total_output_tokens"] == expected
     assert result["args"]["max_model_len"] >= 18 + 9  # the longest request fits
+
+
+def test_serving_bench_checks_the_workload_flags_as_bench_serve_does() -> None:
+    serving = load_bench("serving")
+    for flag, value in (("--random-range-ratio", "1"), ("--input-len", "0"),
+                        ("--max-concurrency", "-1")):
+        with pytest.raises(ValueError, match=flag):
+            serving.parse_args(["--out", "/tmp/s.json", "--device", "cpu", flag, value])
