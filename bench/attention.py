@@ -15,14 +15,15 @@ e4m3 cache (scales 1.0) with the same queries; its KV bytes are one per value.
 runs every row (`batch_invariant=True`: no split-KV, a decode row in a tile of BLOCK_M query
 rows of which only its GQA group is real). At each `--batches` x `--contexts` decode case: the
 default path (split-KV decode kernel + reduction) against the mode's, each with its share of
-the copy bandwidth, and the mode's kernel with smaller BLOCK_M (`--bi-block-m`, the current
+the copy bandwidth, and the mode's kernel with other BLOCK_M (`--bi-block-m`, the current
 BLOCK_N and warps kept) with a bit check against the mode's current output: a BLOCK_M that
 gives the same bits can run the mode's decode-only steps without breaking invariance. Plus one
-prefill case (`BI_PREFILL`) in both modes, with the same candidates: one smaller BLOCK_M for
+prefill case (`BI_PREFILL`) in both modes, with the same candidates: one other BLOCK_M for
 every row of the mode keeps invariance by construction (one tile config for all rows, as
-today), and the two cases' candidate times give what it would cost prefill and save decode. The
-command above (qwen3-0.6b-shape's heads) should take well under a minute on an H200 (an
-estimate: the copy-bandwidth measure, ~10 timed kernels of ~0.2 s, a few Triton compiles).
+today: 64, from this bench's 2026-12-04 run), and the two cases' candidate times give what it
+would cost prefill and save decode. The command above (qwen3-0.6b-shape's heads) should take
+well under a minute on an H200 (an estimate: the copy-bandwidth measure, ~10 timed kernels of
+~0.2 s, a few Triton compiles).
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def bench_batch_invariant(shape: Shape, k_cache, v_cache, case: str, batch: int,
     `batch` sequences of `length` new tokens) in the default and the batch-invariant path,
     and the mode's kernel at each of `block_ms` with its bits against the mode's current
     output."""
-    from kvfit.ops.triton_attention import _prefill_config  # the mode's current tiles
+    from kvfit.ops.triton_attention import _batch_invariant_config  # the mode's tiles
 
     query_lens = [1] * batch if case == "decode" else [length] * batch
     md = metadata(query_lens, [length] * batch, shape.block_size, k_cache.shape[0])
@@ -226,7 +227,7 @@ def bench_batch_invariant(shape: Shape, k_cache, v_cache, case: str, batch: int,
                     * k_cache.element_size())
         row["default_frac_of_copy"] = kv_bytes / (row["default_ms"] * 1e-3) / copy_bw
         row["mode_frac_of_copy"] = kv_bytes / (row["mode_ms"] * 1e-3) / copy_bw
-    current = _prefill_config(shape.head_dim)
+    current = _batch_invariant_config(shape.head_dim)
     row["mode_config"] = current
     reference = run(torch.empty_like(query), batch_invariant=True)
     row["candidates"] = []
@@ -276,7 +277,7 @@ def main() -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="decode (and one prefill case) in the default path vs the "
                              "deterministic mode's, not the table")
-    parser.add_argument("--bi-block-m", type=int, nargs="*", default=[64, 32, 16],
+    parser.add_argument("--bi-block-m", type=int, nargs="*", default=[128, 32, 16],
                         help="BLOCK_M values tried for the mode's decode rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -14,15 +14,16 @@ runs through `kvfit.batch_invariant.functional.linear` in the mode: qkv_proj, o_
 gate_up_proj, down_proj and the LM head (whose M is the sampled rows of a step: only the
 `--m` values up to `--lm-head-max-m`). bf16 (`--dtype`), no bias, x `[M, K]` random.
 
-Timed: `torch.nn.functional.linear` (cuBLAS), `matmul_triton` with the current config
-(`matmul_config(N)`) and with each of `--configs` (named `m<BLOCK_M>n<BLOCK_N>k<BLOCK_K>w<warps>
-s<stages>`, GROUP_M 8; keep k64: BLOCK_K fixes each row's K order). Median microseconds, and
+Timed: `torch.nn.functional.linear` (cuBLAS), `matmul_triton` with the mode's own config at
+each M (`matmul_config(M, N, K, dtype)`, "current") and with each of `--configs` (named
+`m<BLOCK_M>n<BLOCK_N>k<BLOCK_K>w<warps>s<stages>`, GROUP_M 8; keep k64: BLOCK_K fixes each
+row's K order). Median microseconds, and
 the ratio to cuBLAS.
 
 Checked, per shape and kernel, at the shape's largest M (`--check-m`, 8192, or the LM head's
 cap): rows of the full product against the same rows computed at M = 1, 3, 64, 255 starting
 at row 0, 5, the middle + 13 and the end ("invariant"); and the full product against the
-current config's ("same bits"). A config that is invariant and gives the same bits as the
+current kernel's ("same bits"). A config that is invariant and gives the same bits as the
 current one can replace it at any M without breaking invariance; one that is only invariant
 can replace it for every M of that weight (one config per shape). cuBLAS is checked too, as
 the control: it is expected to fail. Writes a record (`kvfit.benchmarks.record`) to --out
@@ -140,7 +141,7 @@ class Kernels:
     device: str
     time_us: Callable[[Callable[[], object]], float]
     matmul: Callable[[torch.Tensor, torch.Tensor, dict[str, int]], torch.Tensor]
-    default_config: Callable[[int], dict[str, int]]
+    default_config: Callable[[int, int, int, torch.dtype], dict[str, int]]
 
 
 def cuda_kernels() -> Kernels:
@@ -163,26 +164,27 @@ def measure_shape(shape: GemmShape, configs: dict[str, dict[str, int] | None],
     x = torch.randn(rows, shape.k, device=kernels.device, dtype=dtype, generator=g)
     w = torch.randn(shape.n, shape.k, device=kernels.device, dtype=dtype, generator=g)
     w *= shape.k**-0.5
-    current = kernels.default_config(shape.n)
 
     def op(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         if name == CUBLAS:
             return lambda a: F.linear(a, w)
-        return lambda a: kernels.matmul(a, w, configs[name] or current)
+        return lambda a: kernels.matmul(a, w, configs[name])  # None: the mode's, per M
 
     ops = {k: op(k) for k in [CUBLAS, *configs]}
     timings = []
     for m in m_values(shape, ms):
         us = {k: kernels.time_us(partial(f, x[:m])) for k, f in ops.items()}
+        current = config_name(kernels.default_config(m, shape.n, shape.k, dtype))
         timings.append({"model": shape.model, "gemm": shape.gemm, "n": shape.n, "k": shape.k,
-                        "m": m, "us": us})
+                        "m": m, "us": us, "current_config": current})
     reference = ops[CURRENT](x)
     checks = []
     for k, f in ops.items():
         full = f(x)
         failures = row_mismatches(full, f, x)
         checks.append({"model": shape.model, "gemm": shape.gemm, "kernel": k, "rows": rows,
-                       "config": config_name(configs[k] or current) if k != CUBLAS else None,
+                       "config": (None if k == CUBLAS else config_name(configs[k]) if configs[k]
+                                  else "per M"),
                        "invariant": not failures, "failures": failures[:8],
                        "same_bits_as_current": torch.equal(full, reference)})
         del full
@@ -209,7 +211,7 @@ def summarise(timings: list[dict], checks: list[dict]) -> dict:
         best = min(total, key=total.get) if total else None
         picks.append({
             "model": model, "gemm": gemm,
-            "current_config": ok[CURRENT]["config"] if CURRENT in ok else None,
+            "current_config": {t["m"]: t["current_config"] for t in rows},
             "same_bits_configs": same,
             "fastest_same_bits_per_m": per_m,
             "fastest_invariant_overall": best,
@@ -251,7 +253,8 @@ def table_text(result: dict) -> str:
         overall = (f"{best} {p['overall_us'][best]:.1f} us vs current "
                    f"{p['current_overall_us']:.1f}, cuBLAS {p['cublas_overall_us']:.1f}"
                    if best else "none invariant")
-        lines.append(f"{p['model']:<18} {p['gemm']:<13} (current {p['current_config']}) per M: "
+        current = "/".join(dict.fromkeys(p["current_config"].values()))
+        lines.append(f"{p['model']:<18} {p['gemm']:<13} (current {current}) per M: "
                      f"{per_m or 'none'}; one config: {overall}")
     return "\n".join(lines)
 

@@ -94,12 +94,13 @@ def fake_run(bench) -> dict:  # noqa: ANN001
                   "fast": 11.0 * m**0.5 + (30 if m == 1 else 0), "same": 25.0 * m**0.5}
             if m == 1:
                 us["same"] = 5.0
+            current = "m64n32k64w4s4" if m == 1 else "m128n128k64w8s3"
             timings.append({"model": "qwen3-0.6b-shape", "gemm": gemm, "n": 1024, "k": 2048,
-                            "m": m, "us": us})
+                            "m": m, "us": us, "current_config": current})
         for kernel in ("cublas", "current", "fast", "same"):
             checks.append({"model": "qwen3-0.6b-shape", "gemm": gemm, "kernel": kernel,
                            "rows": 8192, "failures": [],
-                           "config": "m64n32k64w4s4" if kernel == "current" else None,
+                           "config": "per M" if kernel == "current" else None,
                            "invariant": kernel != "cublas",
                            "same_bits_as_current": kernel in ("current", "same")})
     return bench.summarise(timings, checks)
@@ -129,7 +130,8 @@ def test_table_and_record(bench) -> None:  # noqa: ANN001
     bits = [ln for ln in lines if ln.split()[:1] == ["bits"]]
     assert len(bits) == 2 and bits[0].split()[1:3] == ["inv", "NO"]  # cuBLAS fails
     assert "inv yes, same no" in bits[0] and "inv yes, same yes" in bits[0]
-    assert "(current m64n32k64w4s4) per M: M=1: same, M=8192: current; one config: fast" in text
+    assert ("(current m64n32k64w4s4/m128n128k64w8s3) per M: M=1: same, M=8192: current; "
+            "one config: fast") in text
     record = record_of("batch-invariant-gemm", {"device": "cpu", **result}, {"out": "x"})
     assert validate(record) == []
     figures = record["figures"]
@@ -142,11 +144,11 @@ def test_a_measurement_on_cpu_stand_ins(bench) -> None:  # noqa: ANN001
     """The whole pipeline of one shape with the CPU's batch-invariant GEMM as the current
     config and a scaled copy of it as a candidate (invariant, other bits): the checks tell
     them apart, and plain `F.linear` (MKL, float32) is caught as batch dependent."""
-    current = bench.parse_config("m64n32k64w4s4")  # as matmul_config(48) gives
+    current = bench.parse_config("m64n32k64w4s4")  # as matmul_config(m, 48, 96, float32) gives
     candidate = bench.parse_config("m128n128k64w8s3")
 
     def matmul(x: torch.Tensor, w: torch.Tensor, cfg: dict) -> torch.Tensor:
-        return row_tiled_linear(x, w if cfg is current else w * (1 + 2**-10))
+        return row_tiled_linear(x, w if cfg is None else w * (1 + 2**-10))
 
     calls = []
 
@@ -155,7 +157,7 @@ def test_a_measurement_on_cpu_stand_ins(bench) -> None:  # noqa: ANN001
         fn()
         return 1.0 + len(calls)
 
-    kernels = bench.Kernels("cpu", time_us, matmul, lambda n: current)
+    kernels = bench.Kernels("cpu", time_us, matmul, lambda m, n, k, dtype: current)
     shape = bench.GemmShape("tiny", "qkv_proj", 48, 96)
     timings, checks = bench.measure_shape(shape, {"current": None, "m128n128k64w8s3": candidate},
                                           [1, 8], 300, torch.float32, 0, kernels)

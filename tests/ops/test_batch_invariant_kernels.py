@@ -74,7 +74,7 @@ def test_triton_matmul_matches_linear(rows: int, bias: bool, monkeypatch) -> Non
 
     # Small tiles keep the interpreter quick; the kernel is the same.
     monkeypatch.setattr(triton_matmul, "matmul_config",
-                        lambda n: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2))
+                        lambda m, n, k, dtype: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2))
     x, w, b = torch.randn(rows, 40), torch.randn(36, 40), torch.randn(36)
     torch.testing.assert_close(triton_matmul.matmul_triton(x, w, b if bias else None),
                                F.linear(x, w, b if bias else None), rtol=1e-4, atol=1e-4)
@@ -89,3 +89,27 @@ def test_triton_logsumexp_matches_torch(monkeypatch) -> None:
     x = torch.randn(4, 1000) * 4
     x[1] = float("-inf")
     torch.testing.assert_close(triton_logsumexp.logsumexp_triton(x), x.logsumexp(-1))
+
+
+@pytest.mark.parametrize("seqs", [[(13, 1), (70, 1)], MIXED, [(0, 300)]])
+def test_the_mode_launches_one_attention_config_for_every_step(paged_batch, monkeypatch,
+                                                               seqs) -> None:
+    """Decode-only, mixed and long-prefill steps all run the one prefill-kernel config of the
+    mode (a row's bits must not follow the step's shape), and no split-KV decode kernel."""
+    triton_attention = pytest.importorskip("kvfit.ops.triton_attention")
+    launches: list[dict] = []
+
+    class Recorder:
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(triton_attention, "_prefill_kernel", Recorder())
+    monkeypatch.setattr(triton_attention, "_decode_kernel", None)  # a launch would raise
+    batch = paged_batch(seqs, num_heads=16, num_kv_heads=8, head_dim=128)
+    triton_attention.paged_attention_triton(batch.query, batch.k_cache, batch.v_cache,
+                                            batch.metadata, 0.1, torch.empty_like(batch.query),
+                                            batch_invariant=True)
+    (kwargs,) = launches
+    config = {k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+    assert config == triton_attention._batch_invariant_config(128)
+    assert config["BLOCK_M"] == 64 and kwargs["BATCH_INVARIANT"]

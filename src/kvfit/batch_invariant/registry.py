@@ -61,14 +61,24 @@ def _randn(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype,
     return (torch.randn(shape, generator=g) * scale).to(device, dtype)
 
 
+PREFILL_ROWS = 1029
+"""Rows of a prefill-sized GEMM: past `triton_matmul.LARGE_M` (1024), where the CUDA GEMM takes
+its big tiles."""
+
+
 def _linear(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> list[str]:
-    # Widths for each of the CUDA GEMM's tile configs (narrow, middle, LM-head wide).
-    x = _randn((NUM_ROWS, 256), device, dtype, g)
+    # Widths for each of the CUDA GEMM's narrow tile configs (narrow, middle, LM-head wide); at
+    # 255 and 300 rows the widest takes the big tiles, and every width does at PREFILL_ROWS.
+    x = _randn((PREFILL_ROWS, 256), device, dtype, g)
     failures = []
     for width in (384, 3000, 9000):
         w, b = _randn((width, 256), device, dtype, g, 0.06), _randn((width,), device, dtype, g)
         linear = functools.partial(functional.linear, weight=w, bias=b)
         failures += check_rows(rowwise(linear, x), NUM_ROWS)
+        full = linear(x)
+        failures += [f"rows {a}:{a + n} of a {PREFILL_ROWS}-row product, width {width}"
+                     for n in (1, 3, 255) for a in (0, 5, PREFILL_ROWS - n)
+                     if not torch.equal(linear(x[a:a + n]), full[a:a + n])]
     return failures
 
 

@@ -2,10 +2,16 @@
 `batch_invariant_linear`.
 
 Each output tile accumulates its K loop in BLOCK_K steps from k = 0 upward, in float32, inside
-one program; the tile sizes depend on the weight's shape only, never on M. Row i of the output
-is then the same sequence of tensor-core products and adds whether the launch has 1 row or
-8192, and wherever row i sits in its tile. cuBLAS promises none of this: it picks kernels,
-tiles and split-K factors by M.
+one program. Row i of the output is then the same sequence of tensor-core products and adds
+whether the launch has 1 row or 8192, and wherever row i sits in its tile. cuBLAS promises none
+of this: it picks kernels, tiles and split-K factors by M.
+
+The tile shape may follow M for 16-bit inputs only, and BLOCK_K never does: a 16-bit tensor-core
+instruction adds its k = 16 products into the float32 accumulator in one fixed order whatever
+the tile's rows and columns, so each output element sees the same additions in any tile
+(`bench/batch_invariant_gemm.py` checks the bits of every config against the default one, and
+the registry's linear check crosses each M threshold). float32 multiplies on FMA units, whose
+order follows the layout: it keeps one tile for every M.
 """
 
 from __future__ import annotations
@@ -14,13 +20,27 @@ import torch
 import triton
 import triton.language as tl
 
+SMALL_M = 128
+"""Up to this many rows (decode steps) the tiles are narrow: without split-K, a program per
+64-row by BLOCK_N tile is all the parallelism a small M has."""
+LARGE_M = 1024
+"""From this many rows (prefill chunks) every weight takes 128 x 128 tiles, which reuse each
+loaded operand twice as often (1.3-2.2x faster than the narrow tiles at 2048 and 8192 rows on
+an H200)."""
 
-def matmul_config(n: int) -> dict[str, int]:
-    """The tile config for a weight of `n` output features: a function of the weight's shape
-    alone, never of M, so one layer runs one config for every batch (the invariance rests on
-    it). Narrow tiles for narrow weights: without split-K, a program per 64-row by BLOCK_N
-    tile is all the parallelism a decode step has, and the 0.6B model's o_proj and down_proj
-    (N = 1024) need 32-column tiles to give an H200's 132 SMs a wave at 256 rows."""
+
+def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> dict[str, int]:
+    """The tile config for `m` rows times a `[n, k]` weight of `dtype`, as measured best on an
+    H200 (`bench/batch_invariant_gemm.py`, 2026-12-04). Every config it returns keeps
+    BLOCK_K = 64, so a row's bits never depend on which one ran (see the module docstring);
+    float32 takes the narrow config at every M.
+
+    Narrow tiles for narrow weights at small M: the 0.6B model's o_proj and down_proj (N = 1024)
+    need 32-column tiles to give an H200's 132 SMs a wave at 256 rows. Wide weights (N >= 6K:
+    gate_up, the LM head) take the big tiles from SMALL_M rows on, where their narrow tiles
+    run 1.2-1.7x slower."""
+    if dtype != torch.float32 and (m >= LARGE_M or (m > SMALL_M and n >= 6 * k)):
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
     block_n = 32 if n <= 1024 else 64 if n <= 8192 else 128
     return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
 
@@ -74,9 +94,9 @@ def matmul_triton(
     """`x` `[M, K]` times `weight^T` (`weight` `[N, K]`, any strides) plus `bias` `[N]`, into a
     new `[M, N]` of x's dtype. float32 inputs multiply in IEEE float32 (no TF32).
 
-    `config` (tile sizes, `num_warps`, `num_stages`; default `matmul_config(N)`) is for
-    `bench/batch_invariant_gemm.py`, which times other configs and compares their bits: a
-    caller that passes one must pass the same for every M, or rows lose their invariance.
+    `config` (tile sizes, `num_warps`, `num_stages`; default `matmul_config(M, N, K, dtype)`)
+    is for `bench/batch_invariant_gemm.py`, which times other configs and compares their bits:
+    a caller that passes one must pass the same for every M, or rows may lose their invariance.
 
     Memory: the output only (no split-K workspace).
     """
@@ -88,7 +108,7 @@ def matmul_triton(
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    cfg = matmul_config(n) if config is None else config
+    cfg = matmul_config(num_rows, n, k, x.dtype) if config is None else config
     grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _matmul_kernel[grid](
         x, weight, weight if bias is None else bias, out, num_rows, n, k,

@@ -269,6 +269,14 @@ def _prefill_config(head_dim: int) -> dict[str, int]:
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
 
 
+def _batch_invariant_config(head_dim: int) -> dict[str, int]:
+    """The mode's one config, for every row (prefill and decode alike). BLOCK_M 64: a decode
+    row's tile holds its query group alone, so BLOCK_M 128 spends half of each program on
+    padding (the mode's decode at 256 x 1k context 1.12x the split-KV default at 64, 1.96x at
+    128; prefill 0.95x vs 1.08x; `bench/attention.py --batch-invariant`, H200, 2026-12-04)."""
+    return dict(_prefill_config(head_dim), BLOCK_M=64)
+
+
 def _decode_config(head_dim: int) -> dict[str, int]:
     if head_dim <= 128:
         return dict(BLOCK_N=64, num_warps=4, num_stages=3)
@@ -322,7 +330,8 @@ def paged_attention_triton(
         *query.stride(), *out.stride(), *k_cache.stride(), metadata.block_table.stride(0),
     )  # fmt: skip
     if metadata.max_query_len > 1 or batch_invariant:
-        cfg = prefill_config or _prefill_config(head_dim)
+        cfg = prefill_config or (_batch_invariant_config if batch_invariant
+                                 else _prefill_config)(head_dim)
         grid = (num_kv_heads, triton.cdiv(metadata.max_query_len * group, cfg["BLOCK_M"]), num_seqs)
         _prefill_kernel[grid](
             query, k_cache, v_cache, out,
