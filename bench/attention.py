@@ -20,7 +20,7 @@ BLOCK_N and warps kept) with a bit check against the mode's current output: a BL
 gives the same bits can run the mode's decode-only steps without breaking invariance. Plus one
 prefill case (`BI_PREFILL`) in both modes, with the same candidates: one other BLOCK_M for
 every row of the mode keeps invariance by construction (one tile config for all rows, as
-today: 64, from this bench's 2026-12-04 run), and the two cases' candidate times give what it
+today: 16, from this bench's 2026-12-04 run), and the two cases' candidate times give what it
 would cost prefill and save decode. The command above (qwen3-0.6b-shape's heads) should take
 well under a minute on an H200 (an estimate: the copy-bandwidth measure, ~10 timed kernels of
 ~0.2 s, a few Triton compiles).
@@ -277,7 +277,7 @@ def main() -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="decode (and one prefill case) in the default path vs the "
                              "deterministic mode's, not the table")
-    parser.add_argument("--bi-block-m", type=int, nargs="*", default=[128, 32, 16],
+    parser.add_argument("--bi-block-m", type=int, nargs="*", default=[128, 64, 32],
                         help="BLOCK_M values tried for the mode's decode rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -112,4 +112,4 @@ def test_the_mode_launches_one_attention_config_for_every_step(paged_batch, monk
     (kwargs,) = launches
     config = {k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
     assert config == triton_attention._batch_invariant_config(128)
-    assert config["BLOCK_M"] == 64 and kwargs["BATCH_INVARIANT"]
+    assert config["BLOCK_M"] == 16 and kwargs["BATCH_INVARIANT"]
