@@ -16,7 +16,7 @@ from kvfit.ops.attention import paged_attention as _paged_attention
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """`F.linear`; in the mode `batch_invariant_linear` (fixed tiles, no split-K)."""
+    """`F.linear`; in the mode `batch_invariant_linear` (one K order, no split-K)."""
     if is_batch_invariant():
         return batch_invariant_linear(x, weight, bias)
     return F.linear(x, weight, bias)

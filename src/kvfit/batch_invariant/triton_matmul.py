@@ -1,4 +1,4 @@
-"""Triton GEMM with one tile config for every M and no split-K: the CUDA path of
+"""Triton GEMM with one K order for every M and no split-K: the CUDA path of
 `batch_invariant_linear`.
 
 Each output tile accumulates its K loop in BLOCK_K steps from k = 0 upward, in float32, inside
