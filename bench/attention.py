@@ -2,6 +2,8 @@
 
     PYTHONPATH=src python3 bench/attention.py --out attn.json
     PYTHONPATH=src python3 bench/attention.py --kv-cache-dtype fp8 --out attn_fp8.json
+    PYTHONPATH=src python3 bench/attention.py --sweep --kv-cache-dtype fp8 --num-heads 16 \
+        --num-kv-heads 8 --out $OUT/attn-sweep-fp8.json  # tiles, splits, and the fp8 dots' dtype
     PYTHONPATH=src python3 bench/attention.py --batch-invariant --num-heads 16 --num-kv-heads 8 \\
         --batches 256 --contexts 1024 --out $OUT/attn-bi.json     # the deterministic mode
 
@@ -187,8 +189,26 @@ def sweep(shape: Shape, k_cache, v_cache) -> list[dict]:
                             split_tokens=tokens)  # fmt: skip
             rows.append(dict(case=f"decode {batch}x{context}", config=dict(split_tokens=tokens),
                              ms=ms))
+    if k_cache.dtype == torch.float8_e4m3fn:
+        rows += fp8_compute_rows(shape, k_cache, v_cache)
     for r in rows:
         print(f"{r['case']:>20} {r['ms']:>8.3f} ms  {r['config']}", flush=True)
+    return rows
+
+
+def fp8_compute_rows(shape: Shape, k_cache, v_cache) -> list[dict]:
+    """An e4m3 cache's tiles widened to the query's dtype (the default) against float16
+    (`fp8_compute_dtype`), at the default tile configs, side by side."""
+    rows = []
+    for compute in (None, torch.float16):
+        name = str(compute or shape.dtype).removeprefix("torch.")
+        for batch, context in [(64, 4096), (256, 1024), (1, 32768)]:
+            ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch,
+                            fp8_compute_dtype=compute)  # fmt: skip
+            rows.append(dict(case=f"decode {batch}x{context}", config=dict(fp8_compute=name),
+                             ms=ms))
+        ms = time_paged(shape, k_cache, v_cache, [16384], [16384], fp8_compute_dtype=compute)
+        rows.append(dict(case="prefill 1x16k", config=dict(fp8_compute=name), ms=ms))
     return rows
 
 

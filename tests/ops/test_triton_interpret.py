@@ -82,9 +82,13 @@ def _e4m3_values(shape: tuple[int, ...], scale: float) -> torch.Tensor:
     return torch.where(values.isnan(), 1.0, values) * scale
 
 
+@pytest.mark.parametrize("compute", [None, torch.float16])
 @pytest.mark.parametrize("max_splits", [1, 3])
 @pytest.mark.parametrize("layout", ["block_outermost", "head_major"])
-def test_attention_kernels_read_fp8_pages_with_their_scales(paged_batch, layout, max_splits):
+def test_attention_kernels_read_fp8_pages_with_their_scales(paged_batch, layout, max_splits,
+                                                            compute):  # fmt: skip
+    """Both widenings (to the query's float32 here, and to float16 with the query cast) give
+    attention over the dequantised pages; float16's 11-bit query costs ~1e-3."""
     batch = paged_batch(MIXED, num_heads=8, num_kv_heads=2, head_dim=16, layout=layout)
     k_scale, v_scale = torch.tensor([0.02]), torch.tensor([0.05])
     k8 = batch.k_cache.div(k_scale).to(torch.float8_e4m3fn)
@@ -92,11 +96,23 @@ def test_attention_kernels_read_fp8_pages_with_their_scales(paged_batch, layout,
     out = torch.full_like(batch.query, float("nan"))
     triton_attention.paged_attention_triton(
         batch.query, k8, v8, batch.metadata, 0.3, out, max_splits=max_splits, split_tokens=16,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, fp8_compute_dtype=compute,
     )
     expect = paged_attention_reference(batch.query, k8, v8, batch.metadata, 0.3,
                                        k_scale=k_scale, v_scale=v_scale)
-    torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)
+    tol = 1e-4 if compute is None else 3e-3
+    torch.testing.assert_close(out, expect, rtol=tol, atol=tol)
+    if compute is not None:  # the query really went through float16
+        assert not torch.allclose(out, expect, rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_compute_dtype_is_float16_or_the_querys(paged_batch):
+    batch = paged_batch([(0, 5)], num_heads=4, num_kv_heads=2, head_dim=16)
+    k8, v8 = batch.k_cache.to(torch.float8_e4m3fn), batch.v_cache.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="fp8_compute_dtype must be float16"):
+        triton_attention.paged_attention_triton(
+            batch.query, k8, v8, batch.metadata, 0.3, torch.empty_like(batch.query),
+            k_scale=torch.ones(1), v_scale=torch.ones(1), fp8_compute_dtype=torch.bfloat16)
 
 
 def test_write_kv_kernel_quantises_with_the_scale_and_saturates(paged_batch):

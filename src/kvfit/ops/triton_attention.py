@@ -6,8 +6,9 @@ per group. Launch shapes depend only on host ints, so both are CUDA-graph safe.
 
 An FP8 cache (`FP8`, a constexpr: the other dtypes compile exactly as before) is dequantised in
 registers: each tile is widened to the query's dtype after the load (exact: every e4m3 value is
-a bf16/fp16 value), and the scales are folded where they cost nothing per element, k_scale into
-the scores' scalar factor and v_scale into the output's normalisation, which is the same sum as
+a bf16/fp16 value; `fp8_compute_dtype=torch.float16` widens to float16 and casts the query),
+and the scales are folded where they cost nothing per element, k_scale into the scores' scalar
+factor and v_scale into the output's normalisation, which is the same sum as
 multiplying every element by its scale.
 """
 
@@ -75,6 +76,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_F16: tl.constexpr,
     BATCH_INVARIANT: tl.constexpr = False,
 ):  # fmt: skip
     # Later query tiles see more keys (causal): start them first, every head's before any
@@ -97,6 +99,8 @@ def _prefill_kernel(
     d = tl.arange(0, HEAD_DIM)
     q_ptrs = query + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
     q = tl.load(q_ptrs + d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
+    if FP8_F16:  # the tiles follow the query's dtype: e4m3 -> f16 is one cvt per pair
+        q = q.to(tl.float16)
     pos = prefix + tok  # absolute position of each row: causal mask is lower-right aligned
     block_table_row = block_table + seq * stride_bt
     if FP8:
@@ -161,6 +165,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_F16: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -184,6 +189,8 @@ def _decode_kernel(
     d = tl.arange(0, HEAD_DIM)
     q_ptrs = query + q_row * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)
+    if FP8_F16:
+        q = q.to(tl.float16)
     block_table_row = block_table + seq * stride_bt
     if FP8:
         scale_log2 = scale_log2 * tl.load(k_scale)
@@ -299,12 +306,17 @@ def paged_attention_triton(
     batch_invariant: bool = False,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    fp8_compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Launch the prefill kernel (query length > 1) and the decode kernel (query length 1).
 
     Decode splits a sequence of n tokens into min(max_splits, ceil(n / split_tokens)) parts.
     The split settings and tile configs override the defaults (tests and `bench/attention.py
     --sweep` use them). An FP8 cache is read with the [1] float32 scales (on the device).
+    `fp8_compute_dtype` is the 16-bit dtype its tiles widen to for the dots (default the
+    query's); float16 casts the query once per program and widens e4m3 in one conversion per
+    pair of values instead of bf16's several (`bench/attention.py --sweep --kv-cache-dtype
+    fp8` times both). float16 holds every e4m3 value exactly and queries up to 65504.
 
     `batch_invariant`: the prefill kernel alone runs every row (decodes too), each over key
     tiles of BLOCK_N from key 0 with the causal mask on every tile: no split-KV, so a row's
@@ -314,6 +326,10 @@ def paged_attention_triton(
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_seqs = metadata.seq_lens.shape[0]
     fp8 = is_fp8(k_cache.dtype)
+    if fp8_compute_dtype not in (None, query.dtype, torch.float16):
+        raise ValueError(f"fp8_compute_dtype must be float16 or the query's dtype "
+                         f"({query.dtype}), got {fp8_compute_dtype}")
+    fp8_f16 = fp8 and fp8_compute_dtype == torch.float16 and query.dtype != torch.float16
     if k_cache.stride() != v_cache.stride() or (query.dtype != k_cache.dtype and not fp8):
         raise ValueError(
             "k_cache and v_cache must share strides and the query's dtype (or be FP8); got "
@@ -339,7 +355,8 @@ def paged_attention_triton(
             query, k_cache, v_cache, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
             scale_log2, k_scale, v_scale, *common,
-            QUERY_GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, FP8=fp8,
+            QUERY_GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            FP8=fp8, FP8_F16=fp8_f16,
             BATCH_INVARIANT=batch_invariant, **cfg,
         )  # fmt: skip
     if batch_invariant:
@@ -360,7 +377,7 @@ def paged_attention_triton(
         metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
         scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens, *common,
         NUM_HEADS=num_heads, QUERY_GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split, FP8=fp8,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split, FP8=fp8, FP8_F16=fp8_f16,
         **(decode_config or _decode_config(head_dim)),
     )  # fmt: skip
     if split:
