@@ -48,8 +48,9 @@ import time
 import torch
 
 from kvfit import LLM, SamplingParams
+from kvfit.benchmarks.figures import record_of
 from kvfit.benchmarks.profiling import FAMILY_NAMES, KernelProfile, comparison_text
-from kvfit.benchmarks.record import figure, make_record, write_record
+from kvfit.benchmarks.record import write_record
 from kvfit.ops.compiles import triton_compiles
 from throughput import offline_workload, profile_offline
 
@@ -230,25 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.check_models:
             for deterministic in MODES.values():
                 result["checks"].append(invariance(args, model, deterministic))
-    write_record(args.out, make_record("determinism", figures(result), vars(args), result))
+    write_record(args.out, record_of("determinism", result, vars(args)))
     print_tables(result)
     return 0
-
-
-def figures(result: dict) -> dict:
-    """The cost (share of default throughput lost) and, per model, the share of prompts
-    bit-identical in the mode's worst case."""
-    out = {}
-    speeds = {t["mode"]: t["output_tokens_per_s"] for t in result["throughputs"]}
-    if len(speeds) == 2:
-        out["cost"] = figure(1 - speeds["deterministic"] / speeds["default"], "fraction", "lower")
-        for mode, speed in speeds.items():
-            out[f"{mode}.output_tokens_per_s"] = figure(speed, "tok/s", "higher")
-    for check in result["checks"]:
-        if check["mode"] == "deterministic":
-            worst = min(check["identical"].values()) / check["prompts"]
-            out[f"{check['model']}.identical"] = figure(worst, "fraction", "higher")
-    return out
 
 
 def print_tables(result: dict) -> None:

@@ -247,6 +247,22 @@ def kv_dtype(p: dict[str, Any]) -> Figures:
     return f
 
 
+def determinism(p: dict[str, Any]) -> Figures:
+    """The cost (share of the default mode's throughput lost) and, per model, the share of
+    prompts bit-identical in the mode's worst case."""
+    f: Figures = {}
+    speeds = {t["mode"]: t["output_tokens_per_s"] for t in p["throughputs"]}
+    if len(speeds) == 2:
+        f["cost"] = figure(1 - speeds["deterministic"] / speeds["default"], "fraction", "lower")
+        for mode, speed in speeds.items():
+            f[f"{mode}.output_tokens_per_s"] = figure(speed, "tok/s", "higher")
+    for check in p["checks"]:
+        if check["mode"] == "deterministic":
+            worst = min(check["identical"].values()) / check["prompts"]
+            f[f"{check['model']}.identical"] = figure(worst, "fraction", "higher")
+    return f
+
+
 def copy_limit(p: dict[str, Any]) -> Figures:
     """Device copy bandwidth measured in the run: the decode and sampling roofline."""
     for key in ("copy_gb_per_s", "copy_bandwidth_gbps"):
@@ -276,6 +292,7 @@ FIGURES: dict[str, Callable[[Any], Figures]] = {
     "adversarial": adversarial, "sampling-sweep": no_figures, "attention-sweep": no_figures,
     "bench-throughput": bench_throughput, "bench-latency": bench_latency,
     "bench-serve": bench_serve, "async-engine": async_engine, "kv-dtype": kv_dtype,
+    "determinism": determinism,
 }
 LIMITS: dict[str, Callable[[Any], Figures]] = {
     "throughput": device_limits, "sampling": copy_limit, "attention": copy_limit,
