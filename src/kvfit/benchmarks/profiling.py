@@ -3,15 +3,16 @@ attention by kernel, norms, sampling, ...), split by the kind of engine step tha
 and how busy the device was; two profiles side by side with their difference.
 
 `profile_run(run, llm)` runs `run()` under torch.profiler with every engine step annotated by its
-kind (`annotate_steps`); `kernel_profile` turns the profiler's events into a `KernelProfile`
-(pure over the events, so it is tested with fake ones); `profile_text` and `comparison_text`
-render one or two of them. Used by `bench/throughput.py --profile` and `bench/determinism.py
---profile`.
+kind (`annotate_steps`); `kernel_profile` turns the profiler's events into a `KernelProfile`,
+giving each kernel to the step whose device-side span holds it (pure over the events, so it is
+tested with fake ones); `profile_text` and `comparison_text` render one or two of them. Used by
+`bench/throughput.py --profile` and `bench/determinism.py --profile`.
 """
 
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,6 +43,10 @@ STEP_PREFIX = "kvfit.step."
 """The profiler range each engine step is launched in: `kvfit.step.decode` (every sequence
 computes one token) or `kvfit.step.mixed` (prefill chunks, alone or with decodes)."""
 
+SPAN, LINK = "span", "link"
+"""How `kernel_profile` gave kernels to step kinds: by the steps' device-side spans (time) or,
+where the profile has none, by the profiler's kernel-to-launching-op links."""
+
 
 def kernel_family(name: str) -> str:
     """The family of a device kernel's name (`FAMILIES`), "other" if none matches."""
@@ -62,10 +67,10 @@ class KernelStat:
 @dataclass
 class KernelProfile:
     """One profiled run: its wall time, the share of each twentieth of it in which a kernel ran
-    (`busy`), every device kernel by name, and, per step kind, the device time of the kernels
-    launched inside that kind's steps by family, the steps' host time, their device span (first
-    to last kernel of each step, gaps included, as the profiler's GPU range reports it) and
-    their count."""
+    (`busy`), every device kernel by name, and, per step kind, the device time of that kind's
+    kernels by family (attributed by `attribution`, see `kernel_profile`), the steps' host
+    time, their device span (first to last kernel of each step, gaps included, as the
+    profiler's GPU range reports it) and their count."""
 
     wall_s: float
     busy: list[float]
@@ -75,6 +80,7 @@ class KernelProfile:
     step_device_span_us: dict[str, float] = field(default_factory=dict)
     step_counts: dict[str, int] = field(default_factory=dict)
     table: str = ""  # torch's own table, by device time
+    attribution: str = SPAN  # how kernels were given to step kinds: SPAN or LINK
 
     @property
     def device_us(self) -> float:
@@ -101,6 +107,7 @@ class KernelProfile:
                              "families_ms": {f: us / 1e3 for f, us in fams.items()}}
                       for kind, fams in self.step_families_us.items()},
             "attributed_to_steps": attributed / self.device_us if self.device_us else 0.0,
+            "attribution": self.attribution,
             "top_kernels": [{"name": n, "family": kernel_family(n), "ms": k.device_us / 1e3,
                              "count": k.count} for n, k in kernels],
         }
@@ -147,12 +154,23 @@ def _is_kernel(event: Any) -> bool:
 
 def kernel_profile(events: list[Any], table: str = "", bins: int = 20) -> KernelProfile:
     """The profile of torch.profiler's `events` (FunctionEvents: `name`, `device_type`,
-    `time_range`, and for CPU ones `cpu_children` and the `kernels` linked to them).
+    `device_index`, `device_resource_id` (the stream), `time_range`, and for CPU ones
+    `cpu_children` and the `kernels` linked to them).
 
-    A step's kernels are those linked to its `STEP_PREFIX` range or any CPU event under it
-    (torch links a kernel to the innermost op or range open when it was launched, graph
-    replays included); kernels linked nowhere count in the totals, not in any step kind, and
-    `as_dict()['attributed_to_steps']` says how much was attributed.
+    Kernels go to step kinds by time: each `STEP_PREFIX` range also appears as device-side
+    spans, one per device and stream its step ran kernels on (first to last of them), and a
+    kernel belongs to the kind of the span on its device and stream that contains its start
+    (`[start, end)`). A stream runs its kernels in order, so its spans of consecutive steps
+    should not overlap; should some all the same (nested ranges, say), the latest-starting span
+    containing the kernel wins, the step that began most recently. Kernels in no span
+    (launched between or outside steps) count in the totals, not in any kind.
+
+    Only a profile with kernels but no device-side span at all (a tracer that emits none) falls
+    back to the links: a kernel linked to a step's range or any CPU event under it. The links
+    miss most kernels of an engine that replays CUDA graphs and overlaps its steps (on the H200,
+    2026-12-04, they reached 6% of the device time in the default mode, 0% in the
+    deterministic one), hence time first. `attribution` says which rule ran and
+    `as_dict()['attributed_to_steps']` how much device time it gave to some kind.
     """
     kernels: dict[str, KernelStat] = {}
     device = [e for e in events if _is_kernel(e)]
@@ -163,24 +181,74 @@ def kernel_profile(events: list[Any], table: str = "", bins: int = 20) -> Kernel
     start = min((e.time_range.start for e in events), default=0.0)
     end = max((e.time_range.end for e in events), default=0.0)
     busy = busy_fractions(device, start, end, bins) if end > start else []
-    step_families: dict[str, dict[str, float]] = {}
     host: dict[str, float] = {}
     span: dict[str, float] = {}
     counts: dict[str, int] = {}
+    steps: list[Any] = []  # the ranges on the host
+    spans: list[tuple[Any, str]] = []  # their device-side spans, with their kinds
     for e in events:
         if _is_kernel(e) or not e.name.startswith(STEP_PREFIX):
             continue
         kind = e.name.removeprefix(STEP_PREFIX)
-        if _on_device(e):  # the range's device-side span
-            span[kind] = span.get(kind, 0.0) + e.time_range.end - e.time_range.start
+        duration = e.time_range.end - e.time_range.start
+        if _on_device(e):
+            span[kind] = span.get(kind, 0.0) + duration
+            spans.append((e, kind))
             continue
-        families = step_families.setdefault(kind, dict.fromkeys(FAMILY_NAMES, 0.0))
-        for kernel in _linked_kernels(e):
-            families[kernel_family(kernel.name)] += kernel.duration
-        host[kind] = host.get(kind, 0.0) + e.time_range.end - e.time_range.start
+        steps.append(e)
+        host[kind] = host.get(kind, 0.0) + duration
         counts[kind] = counts.get(kind, 0) + 1
+    step_families = {kind: dict.fromkeys(FAMILY_NAMES, 0.0)
+                     for kind in dict.fromkeys([*counts, *span])}
+    # A CPU profile has neither kernels nor spans, so either rule gives nothing there; the link
+    # rule is kept for a device profile without spans, where it is the only one that can run.
+    attribution = SPAN if spans or not device else LINK
+    if attribution == SPAN:
+        for kernel, kind in _kernels_in_spans(device, spans):
+            step_families[kind][kernel_family(kernel.name)] += (kernel.time_range.end
+                                                                - kernel.time_range.start)
+    else:
+        for step in steps:
+            families = step_families[step.name.removeprefix(STEP_PREFIX)]
+            for kernel in _linked_kernels(step):
+                families[kernel_family(kernel.name)] += kernel.duration
     return KernelProfile((end - start) / 1e6, busy, kernels, step_families, host, span, counts,
-                         table)
+                         table, attribution)
+
+
+def _kernels_in_spans(kernels: Iterable[Any], spans: Iterable[tuple[Any, str]]
+                      ) -> Iterator[tuple[Any, str]]:
+    """(kernel, kind) for every kernel whose start lies in a span on its device and stream:
+    the latest-starting such span, `[start, end)`."""
+    by_stream: dict[Any, list[tuple[float, float, str]]] = {}
+    for e, kind in spans:
+        by_stream.setdefault(_stream_of(e), []).append((e.time_range.start, e.time_range.end,
+                                                        kind))
+    index = {}
+    for key, ranges in by_stream.items():
+        ranges.sort(key=lambda r: r[0])
+        reach, latest_end = [], float("-inf")  # reach[i]: the latest end among ranges[:i + 1]
+        for _, span_end, _ in ranges:
+            latest_end = max(latest_end, span_end)
+            reach.append(latest_end)
+        index[key] = ([r[0] for r in ranges], reach, ranges)
+    for kernel in kernels:
+        if (found := index.get(_stream_of(kernel))) is None:
+            continue
+        starts, reach, ranges = found
+        t = kernel.time_range.start
+        i = bisect_right(starts, t) - 1  # the latest span starting at or before t
+        while i >= 0 and reach[i] > t:  # no earlier span can hold t once reach[i] <= t
+            if t < ranges[i][1]:
+                yield kernel, ranges[i][2]
+                break
+            i -= 1
+
+
+def _stream_of(event: Any) -> tuple[Any, int, int]:
+    """Kineto gives a range's device span the device and stream of the kernels it covers."""
+    return (event.device_type, getattr(event, "device_index", 0),
+            getattr(event, "device_resource_id", 0))
 
 
 def _linked_kernels(event: Any) -> Iterator[Any]:
@@ -252,8 +320,10 @@ def profile_text(profile: KernelProfile) -> str:
 
 def comparison_text(profiles: dict[str, KernelProfile], top: int = 40) -> str:
     """Two profiles (first = the baseline) side by side: wall time and busy share, device time
-    per family, per step kind and family, and the `top` kernels, each with the difference
-    (second - first) and that difference as a share of the baseline's device time."""
+    per family, per step kind and family (with the share of device time each profile gave to
+    some kind, and by which rule: `kernel_profile`), and the `top` kernels, each with the
+    difference (second - first) and that difference as a share of the baseline's device
+    time."""
     (base_name, base), (name, other) = profiles.items()
     base_total = base.device_us
     w = max(14, len(base_name), len(name))
@@ -279,12 +349,14 @@ def comparison_text(profiles: dict[str, KernelProfile], top: int = 40) -> str:
 
     kinds = list(dict.fromkeys([*base.step_families_us, *other.step_families_us]))
     if kinds:
-        shares = ", ".join(f"{n} {p.as_dict()['attributed_to_steps']:.0%}"
+        shares = ", ".join(f"{n} {p.as_dict()['attributed_to_steps']:.0%} by {p.attribution}"
                            for n, p in profiles.items())
-        lines += ["", f"by step kind: the kernels launched inside each kind's steps "
-                      f"(attributed: {shares} of device time); host ms = the steps' launch "
-                      f"time on the host (forward and sampling enqueued), device span = first "
-                      f"to last kernel of each step, gaps included", ""]
+        lines += ["", f"by step kind (device time attributed: {shares}): by {SPAN}, a "
+                      f"kernel goes to the step whose device span holds its start (the "
+                      f"latest-starting one where steps overlap), by {LINK}, to the step whose "
+                      f"host range the profiler links it to; host ms = the steps' launch time "
+                      f"on the host (forward and sampling enqueued), device span = first to "
+                      f"last kernel of each step, gaps included", ""]
         for kind in kinds:
             sa = base.step_families_us.get(kind, {})
             sb = other.step_families_us.get(kind, {})
