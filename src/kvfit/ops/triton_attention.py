@@ -282,8 +282,9 @@ def _batch_invariant_config(head_dim: int) -> dict[str, int]:
     mode's decode at 256 x 1k context runs 0.93x the split-KV default at BLOCK_M 16, 1.12x at
     64, 1.96x at 128; its prefill (8 x 1k) 2.26x, 0.95x and 1.08x (`bench/attention.py
     --batch-invariant`, H200, 2026-12-04). Decode steps carry 98% of the offline workload's
-    attention time (its profile, same day), so the small tile wins; long prompts pay for it."""
-    return dict(_prefill_config(head_dim), BLOCK_M=16)
+    attention time (its profile, same day), so the small tile wins; long prompts pay for it.
+    Four warps: a 16-row tile has no rows for more."""
+    return dict(_prefill_config(head_dim), BLOCK_M=16, num_warps=4)
 
 
 def _decode_config(head_dim: int) -> dict[str, int]:
