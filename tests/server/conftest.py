@@ -5,6 +5,7 @@ settings for `LLM` references."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -73,7 +74,7 @@ class ServeProcess:
     """`kvfit serve kvfit-tiny FLAGS` in a subprocess on a free port, up once /health answers
     (its output is read at `stop`)."""
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
@@ -86,7 +87,8 @@ class ServeProcess:
             [sys.executable, "-c", code, "serve", "kvfit-tiny", "--device", "cpu", "--port",
              str(self.port), "--max-model-len", "128", "--num-gpu-blocks-override", "64",
              "--uvicorn-log-level", "warning", *flags],
-            cwd=SRC, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            cwd=SRC, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=None if env is None else {**os.environ, **env})
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -46,6 +46,26 @@ def test_stream_interval_is_a_count_of_at_least_one(capsys: pytest.CaptureFixtur
         assert "argument --stream-interval" in err and ">= 1" in err and repr(bad) in err
 
 
+def test_api_server_count_is_at_least_one_and_needs_the_engine_process(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert parser().parse_args(["serve", "m"]).api_server_count == 1
+    assert parser().parse_args(["serve", "m", "--api-server-count", "4"]).api_server_count == 4
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit) as exit_:
+            parser().parse_args(["serve", "m", "--api-server-count", bad])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --api-server-count" in err and ">= 1" in err and repr(bad) in err
+    args = parser().parse_args(["serve", "m", "--api-server-count", "2", "--no-engine-process"])
+    with pytest.raises(SystemExit) as exit_:
+        serve.run_serve(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--api-server-count" in err and "--no-engine-process" in err and "usage:" in err
+    help_text = parser().parse_args(["serve", "m"]).serve_parser.format_help()
+    assert "--api-server-count N" in help_text
+
+
 def test_serve_without_the_extra_names_the_install_command(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(serve, "missing_server_modules", lambda: ["fastapi", "uvicorn"])

@@ -24,7 +24,13 @@ from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
 from kvfit.kv.report import KVCacheReport
 from kvfit.models.loader import load_tokenizer
-from kvfit.server.engine_client import EngineProcess, InThreadEngine
+from kvfit.server.engine_client import (
+    AttachedEngine,
+    EngineProcess,
+    InThreadEngine,
+    OnDead,
+    OnOutputs,
+)
 from kvfit.server.engine_messages import (
     EngineDeadError,
     EngineOutputs,
@@ -38,6 +44,8 @@ if TYPE_CHECKING:
     from kvfit.engine.llm import LLM
 
 logger = logging.getLogger(__name__)
+EngineClientFactory = Callable[[EngineArgs, OnOutputs, OnDead],
+                               "EngineProcess | InThreadEngine | AttachedEngine"]
 _Item = RequestDelta | PlainDelta | BaseException  # what a stream carries
 
 
@@ -225,13 +233,17 @@ class AsyncLLM:
     process killed or crashed) fails every request it held and every later one with
     `EngineDeadError`, and `is_alive` turns False.
 
+    `client` overrides `engine_process`: a factory `client(engine_args, on_outputs, on_dead)`
+    of the engine client (as `EngineProcess(..., num_api_servers=N)` for the first of several
+    API server processes, `AttachedEngine` over a pipe for the others; `engine_client`).
+
     `stream_interval` (`--stream-interval`): how many new tokens a request's stream gathers
     before its reader is woken (its first token, its end and its errors go at once); above 1 it
     trades smoother streams for less event-loop work per token.
     """
 
     def __init__(self, engine_args: EngineArgs, engine_process: bool = True,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, client: EngineClientFactory | None = None) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval (--stream-interval) must be >= 1, "
                              f"got {stream_interval}")
@@ -242,7 +254,8 @@ class AsyncLLM:
         self._call_ids = itertools.count()
         self._dead: BaseException | None = None
         self._dead_callbacks: list[Callable[[BaseException], None]] = []
-        client = EngineProcess if engine_process else InThreadEngine
+        if client is None:
+            client = EngineProcess if engine_process else InThreadEngine
         self._client = client(engine_args, self._on_outputs, self._on_dead)
         ready = self._client.ready
         self.config: EngineConfig = ready.config
@@ -264,6 +277,11 @@ class AsyncLLM:
     def kv_cache_report(self) -> KVCacheReport:
         """How the KV cache was sized (`oom_guard_shrinks` counts the guard's shrinks since)."""
         return self._kv_cache_report
+
+    @property
+    def engine_client(self) -> EngineProcess | InThreadEngine | AttachedEngine:
+        """The client that carries commands and outputs to and from the engine."""
+        return self._client
 
     @property
     def engine_pid(self) -> int | None:

@@ -23,6 +23,7 @@ import os
 import pickle
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -43,6 +44,7 @@ from kvfit.server.engine_messages import (
     EngineStartFailed,
     portable,
 )
+from kvfit.server.engine_router import ChannelRouter
 
 logger = logging.getLogger(__name__)
 
@@ -211,14 +213,21 @@ class EngineProcess:
     reported to `on_dead` as an `EngineDeadError` within one read."""
 
     def __init__(self, engine_args: EngineArgs, on_outputs: OnOutputs, on_dead: OnDead,
-                 stop_timeout_s: float = 60.0) -> None:
+                 stop_timeout_s: float = 60.0, num_api_servers: int = 1) -> None:
+        if num_api_servers < 1:
+            raise ValueError(f"num_api_servers must be >= 1, got {num_api_servers}")
         ctx = multiprocessing.get_context("spawn")  # never fork a process holding threads
-        conn, child_conn = ctx.Pipe()
+        # One pipe per API server; this one's is the first, the others' ends wait in
+        # `api_server_conns` until handed to their processes.
+        pipes = [ctx.Pipe() for _ in range(num_api_servers)]
+        conn, child_conns = pipes[0][0], [child for _, child in pipes]
+        self.api_server_conns: list[Connection] = [mine for mine, _ in pipes[1:]]
         self._process = ctx.Process(
             target=run_engine_process, name="kvfit-engine", daemon=False,
-            args=(child_conn, engine_args, torch.get_num_threads(), _log_setup()))
+            args=(child_conns, engine_args, torch.get_num_threads(), _log_setup()))
         self._process.start()
-        child_conn.close()  # the child's end lives in the child only: its exit is our EOF
+        for child_conn in child_conns:
+            child_conn.close()  # the child's ends live in the child only: its exit is our EOF
         self._channel = _Channel(conn)
         self._outbox = _Outbox(self._channel)
         self.pid: int | None = self._process.pid
@@ -300,6 +309,82 @@ class EngineProcess:
         if reader is not None and reader is not threading.current_thread():
             reader.join(timeout=5)
         self._channel.close()
+        for conn in self.api_server_conns:  # not handed over: close them here
+            conn.close()
+
+
+class AttachedEngine:
+    """A client of an engine process that another API process started
+    (`EngineProcess(num_api_servers=N)`), over one of its pipes: this process sends its own
+    commands and receives only its own requests' outputs, plus the engine-wide state. It
+    does not own the engine: `shutdown` detaches (the engine aborts this process's requests
+    and serves on); an engine that stops is reported to `on_dead` like `EngineProcess`'s."""
+
+    def __init__(self, conn: Connection, on_outputs: OnOutputs, on_dead: OnDead,
+                 engine_pid: int | None = None) -> None:
+        self.pid = engine_pid
+        self._conn = conn
+        self._channel = _Channel(conn)
+        self._outbox = _Outbox(self._channel)
+        self._stopping = False
+        self._outbox.put(("attach",))  # the engine answers with its `EngineReady`
+        try:
+            message, *self._early = self._channel.receive()  # the early ones: the reader's
+        except (EOFError, OSError):
+            self._channel.close()
+            raise EngineDeadError("the engine process closed the pipe before it "
+                                  "attached this API server") from None
+        self.ready: EngineReady = message
+        self._on_outputs, self._on_dead = on_outputs, on_dead
+        self._dead = False
+        self._reader = threading.Thread(target=self._read, name="kvfit-engine-outputs",
+                                        daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        error: BaseException | None = None
+        try:
+            for message in self._early:
+                self._on_outputs(message)
+            while True:
+                for message in self._channel.receive():
+                    self._on_outputs(message)
+        except (EOFError, OSError):
+            if not self._stopping:
+                error = EngineDeadError("the engine process closed its pipe (it exited)")
+        except BaseException as e:
+            logger.exception("reading the engine's outputs failed")
+            error = EngineDeadError(f"reading the engine's outputs failed: {e}")
+        self._dead = True
+        self._on_dead(error)
+
+    def is_alive(self) -> bool:
+        return not self._dead
+
+    def send(self, command: tuple[Any, ...]) -> None:
+        """Queue a command for the engine (thread-safe, never blocks on the pipe);
+        EngineDeadError once detached or the engine is gone."""
+        try:
+            if self._dead:
+                raise OSError("the engine process exited")
+            self._outbox.put(command)
+        except OSError as e:
+            raise EngineDeadError("the engine process is gone") from e
+
+    def shutdown(self) -> None:
+        """Detach from the engine: send what is queued, then close the pipe (the engine aborts
+        this process's requests). Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._outbox.close(timeout=5)
+        # Shut the socket down rather than only closing it: that wakes the reader blocked
+        # on it (a close under a blocked read does not) and is the engine's EOF.
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(self._conn.fileno())) as s:
+            s.shutdown(socket.SHUT_RDWR)
+        if self._reader is not threading.current_thread():
+            self._reader.join(timeout=5)
+        self._channel.close()
 
 
 def _log_setup() -> tuple[int, str | None]:
@@ -315,10 +400,11 @@ def _log_setup() -> tuple[int, str | None]:
     return kvfit_logger.level, fmt
 
 
-def run_engine_process(conn: Connection, engine_args: EngineArgs, num_threads: int,
+def run_engine_process(conns: list[Connection], engine_args: EngineArgs, num_threads: int,
                        log_setup: tuple[int, str | None]) -> None:
     """The engine process's main: start the `LLM`, send `EngineReady`, then run the core loop
-    until told to stop or the front end's end of the pipe closes."""
+    until told to stop or the front end's end of the pipe closes. With several pipes (one per
+    API server) a `ChannelRouter` shares the engine between them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group
     torch.set_num_threads(num_threads)
     level, fmt = log_setup
@@ -328,13 +414,17 @@ def run_engine_process(conn: Connection, engine_args: EngineArgs, num_threads: i
         logging.getLogger("kvfit").addHandler(handler)
     logging.getLogger("kvfit").setLevel(level)
 
-    channel = _Channel(conn)
+    channels = [_Channel(conn) for conn in conns]
     try:
         llm = LLM(**dataclasses.asdict(engine_args))
     except BaseException as e:
-        channel.send(EngineStartFailed(portable(e), traceback.format_exc()))
+        channels[0].send(EngineStartFailed(portable(e), traceback.format_exc()))
         return
     try:
+        if len(channels) > 1:
+            _run_routed(llm, channels)
+            return
+        channel = channels[0]
         loop = EngineCoreLoop(llm, channel.send)
         # Startup's objects live as long as the engine: keep the collector off them.
         gc.collect()
@@ -360,3 +450,55 @@ def _forward_commands(channel: _Channel, loop: EngineCoreLoop) -> None:
                     return
     except (EOFError, OSError):
         loop.submit(("stop",))
+
+
+def _run_routed(llm: LLM, channels: list[_Channel]) -> None:
+    """The core loop for several API servers: one command reader per channel, every output
+    split by `ChannelRouter`. A channel whose API process is gone is detached (its requests
+    aborted); the engine serves the others, and stops when every channel has closed."""
+    router: ChannelRouter | None = None
+
+    def send(outputs: EngineOutputs) -> None:
+        for i, message in router.route(outputs):
+            with contextlib.suppress(OSError):  # its API process is gone: its reader detaches it
+                channels[i].send(message)
+
+    loop = EngineCoreLoop(llm, send)
+    ready = loop.ready()
+    router = ChannelRouter(len(channels), ready.stats, ready.is_sleeping)
+    gc.collect()
+    gc.freeze()
+    channels[0].send(ready)
+    for i in range(len(channels)):
+        threading.Thread(target=_route_commands, args=(channels, i, router, loop),
+                         name=f"kvfit-commands-{i}", daemon=True).start()
+    loop.run()
+
+
+def _route_commands(channels: list[_Channel], index: int, router: ChannelRouter,
+                    loop: EngineCoreLoop) -> None:
+    """Read channel `index`'s commands into the loop's queue through `router`; detach the
+    channel once it closes (or its API process asks to stop)."""
+    channel = channels[index]
+    try:
+        while True:
+            for command in channel.receive():
+                if command[0] == "attach":
+                    # Ready first, live second: nothing reaches the channel ahead of it.
+                    channel.send(loop.ready())
+                    router.attach(index)
+                    continue
+                if command[0] == "stop" and index != 0:
+                    raise EOFError("the API server detached")
+                engine_command, reply = router.command(index, command)
+                if reply is not None:
+                    channel.send(reply)
+                if engine_command is not None:
+                    loop.submit(engine_command)
+                    if engine_command[0] == "stop":
+                        return
+    except (EOFError, OSError):
+        pass
+    for command in router.detach(index):
+        loop.submit(command)
+    channel.close()

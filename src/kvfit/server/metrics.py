@@ -3,16 +3,20 @@
 Each app has its own `CollectorRegistry`, so two apps (or tests) in one process never share
 counts. Request figures (tokens, latencies, outcomes) are observed as requests stream; engine
 figures (queues, KV cache, sizing report, out-of-memory guard, prefix cache) are read from the
-engine's latest stats snapshot at every scrape.
+engine's latest stats snapshot at every scrape. With several API processes
+(`--api-server-count`, prometheus_client's multiprocess mode) the request figures of every
+process are summed.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from kvfit.engine.metrics import engine_metrics
@@ -23,6 +27,11 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 # Status code -> failure reason label.
 _FAILURE_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 503: "rejected"}
+
+
+def multiprocess_dir() -> str | None:
+    """prometheus_client's multiprocess folder (`PROMETHEUS_MULTIPROC_DIR`), None when off."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
 class _EngineCollector(Collector):
@@ -49,6 +58,15 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(_EngineCollector(engine))
+        self._scrape = r
+        if multiprocess_dir() is not None:
+            # Several API processes (`--api-server-count`): the request figures are the sum of
+            # every process's files; the engine's are the same in every process (each gets the
+            # engine-wide state), so this process's own snapshot reports them. There are no
+            # `Gauge`s (a gauge added here needs an explicit `multiprocess_mode`).
+            self._scrape = CollectorRegistry()
+            MultiProcessCollector(self._scrape)
+            self._scrape.register(_EngineCollector(engine))
         self.prompt_tokens = Counter("kvfit:prompt_tokens", "Prompt tokens of finished and "
                                      "aborted requests.", registry=r)
         self.generation_tokens = Counter("kvfit:generation_tokens", "Generated tokens.",
@@ -67,7 +85,7 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         """The exposition text of every collector."""
-        return generate_latest(self.registry)
+        return generate_latest(self._scrape)
 
     def failure(self, status_code: int) -> None:
         """Count a request answered with an error status."""

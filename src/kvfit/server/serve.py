@@ -54,6 +54,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="run the engine core in a process of its own, fed over a pipe, so "
                         "its steps never wait on HTTP work for the GIL (--no-engine-process: "
                         "on a thread of the server's process)")
+    server.add_argument("--api-server-count", type=api_server_count, default=1, metavar="N",
+                        help="HTTP API server processes sharing the port in front of the one "
+                        "engine process, so HTTP, SSE and text decoding use N GILs (needs "
+                        "--engine-process; default: %(default)s)")
     server.add_argument("--stream-interval", type=stream_interval, default=1, metavar="N",
                         help="new tokens a streamed request gathers before its next chunk is "
                         "sent (its first token and its end go at once); above 1, less server "
@@ -64,8 +68,20 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's own log level (access and server logs)")
-    parser.set_defaults(func=run_serve)
+    parser.set_defaults(func=run_serve, serve_parser=parser)
     return parser
+
+
+def api_server_count(value: str) -> int:
+    """`--api-server-count`'s type: an integer >= 1 (argparse names the flag on error)."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (API server processes), "
+                                         f"got {value!r}")
+    return n
 
 
 def stream_interval(value: str) -> int:
@@ -130,6 +146,16 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_concurrent_requests < 0:
         print("--max-concurrent-requests must be >= 0 (0: unbounded)", file=sys.stderr)
         return 2
+    num_api_servers = getattr(args, "api_server_count", 1)
+    if num_api_servers > 1 and not args.engine_process:
+        message = ("--api-server-count above 1 needs the engine in a process of its own: drop "
+                   "--no-engine-process")
+        if getattr(args, "serve_parser", None) is not None:
+            args.serve_parser.error(message)  # exits with status 2, as argparse does
+        print(message, file=sys.stderr)
+        return 2
+    if num_api_servers > 1:
+        return _run_api_servers(args, num_api_servers)
     import uvicorn
 
     from kvfit.engine.config import EngineArgs
@@ -183,6 +209,119 @@ def run_serve(args: argparse.Namespace) -> int:
                 stats.stop()
     finally:
         engine.shutdown()
+    if died:
+        print(f"kvfit serve: exiting, the engine stopped: {died[0]}", file=sys.stderr,
+              flush=True)
+        return 1
+    return 0
+
+
+def _run_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
+    """`run_serve` with `num_api_servers` API server processes (`api_servers`): this process
+    is the first; it binds the port, starts the engine and the others, serves, and at the end
+    stops the others, then the engine."""
+    import shutil
+    import tempfile
+
+    from kvfit.server.api_servers import PROMETHEUS_MULTIPROC_ENV
+
+    made_dir = None
+    if not os.environ.get(PROMETHEUS_MULTIPROC_ENV):  # a folder of the user's own is kept
+        if "prometheus_client" in sys.modules:
+            print("kvfit serve: --api-server-count needs prometheus_client imported after "
+                  f"{PROMETHEUS_MULTIPROC_ENV} is set", file=sys.stderr)
+            return 1
+        made_dir = tempfile.mkdtemp(prefix="kvfit-metrics-")
+        os.environ[PROMETHEUS_MULTIPROC_ENV] = made_dir  # inherited by the spawned processes
+    try:
+        return _serve_api_servers(args, num_api_servers)
+    finally:
+        if made_dir is not None:
+            shutil.rmtree(made_dir, ignore_errors=True)
+            os.environ.pop(PROMETHEUS_MULTIPROC_ENV, None)
+
+
+def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
+    import functools
+    import signal
+
+    import uvicorn
+
+    from kvfit.engine.config import EngineArgs
+    from kvfit.server.api_servers import ApiServerProcesses, ApiServerSpec, bind_sockets
+    from kvfit.server.async_llm import AsyncLLM
+    from kvfit.server.engine_client import EngineProcess
+    from kvfit.server.openai_api import ServeConfig, build_app
+    from kvfit.server.stats_logger import StatsLogger
+
+    if args.model_tag:
+        args.model = args.model_tag
+    engine_args = EngineArgs.from_cli_args(args)
+    try:
+        # Before the engine loads: a port in use fails at once.
+        sock, *other_sockets = bind_sockets(args.host, args.port, num_api_servers)
+    except OSError as e:
+        print(f"kvfit serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    print(f"kvfit serve: loading {engine_args.model} and sizing the KV cache ...", flush=True)
+    try:
+        engine = AsyncLLM(engine_args, stream_interval=args.stream_interval,
+                          client=functools.partial(EngineProcess,
+                                                   num_api_servers=num_api_servers))
+    except BaseException:
+        for s in (sock, *other_sockets):
+            s.close()
+        raise
+    others = None
+    try:
+        print(f"KV cache:\n{engine.kv_cache_report.format_table()}", flush=True)
+        config = ServeConfig(
+            served_model_names=args.served_model_name or [engine_args.model],
+            api_key=args.api_key or None,
+            max_concurrent_requests=args.max_concurrent_requests or None,
+            max_request_body_bytes=args.max_request_body_bytes or None,
+            root=engine_args.model,
+            enable_sleep_endpoints=sleep_endpoints(engine_args),
+            enable_kv_cache_endpoints=dev_mode(),
+        )
+        spec = ApiServerSpec(engine_args, config, engine.engine_pid, args.stream_interval,
+                             args.uvicorn_log_level)
+        conns = engine.engine_client.api_server_conns
+        engine.engine_client.api_server_conns = []  # theirs now
+        others = ApiServerProcesses(conns, other_sockets, spec)
+        others.wait_ready()
+        app = build_app(engine, config)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
+        died: list[BaseException] = []
+
+        def engine_died(error: BaseException) -> None:
+            died.append(error)
+            server.should_exit = True
+
+        engine.add_dead_callback(engine_died)
+        print(f"kvfit serve: {', '.join(config.served_model_names)} on "
+              f"http://{args.host}:{sock.getsockname()[1]}/v1 ({num_api_servers} API server "
+              f"processes, engine in its own process; {_event_loop_kinds()}; stream interval "
+              f"{args.stream_interval})", flush=True)
+        gc.collect()
+        gc.freeze()
+        stats = None if args.disable_log_stats else StatsLogger(engine).start()
+        # uvicorn re-raises the SIGTERM it handled once it has stopped: as a KeyboardInterrupt
+        # here, so the other API processes and the engine are stopped below, not orphaned.
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                server.run(sockets=[sock])
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if stats is not None:
+                stats.stop()
+    finally:
+        if others is not None:
+            others.stop()
+        engine.shutdown()
+        for s in (sock, *other_sockets):  # closed already where handed over
+            s.close()
     if died:
         print(f"kvfit serve: exiting, the engine stopped: {died[0]}", file=sys.stderr,
               flush=True)

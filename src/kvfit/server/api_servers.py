@@ -1,0 +1,207 @@
+"""`kvfit serve --api-server-count N`: N API server processes in front of one engine process.
+
+One API process spends a GIL on every streamed token (HTTP send, SSE JSON, the async generator
+chain, metrics); several share that work. The `kvfit serve` process is API server 0: it starts
+the engine (`EngineProcess(num_api_servers=N)`, one pipe per API server) and then the N-1 others
+(`ApiServerProcesses`), each attached to the engine over its own pipe (`AttachedEngine`).
+
+They share the port through SO_REUSEPORT: the first process binds one listening socket per
+API process on the same port (all before the engine loads: a port in use fails at once, port 0
+works, and no other process slips into the group between two binds) and hands each its own.
+The kernel then spreads new connections over the sockets by a hash of their addresses. One
+socket shared by every process would leave the choice to whichever event loop wakes first, and
+an asyncio or uvloop server accepts everything queued when it wakes: a burst of connections
+(a benchmark's clients starting together) would all land in one process.
+
+The others ignore SIGINT (a Ctrl-C reaches the whole process group: the first process stops
+them, with SIGTERM), and exit when their engine pipe closes or the first process dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvfit.engine.config import EngineArgs
+    from kvfit.server.openai_api import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+PROMETHEUS_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus_client's multiprocess mode: every API process writes its counts to files in this
+folder, and `/metrics` (in whichever process answers it) adds them all up. It must be set before
+prometheus_client is imported."""
+
+
+def bind_sockets(host: str, port: int, count: int, backlog: int = 2048
+                 ) -> list[socket.socket]:
+    """`count` listening TCP sockets on `host:port` (SO_REUSEPORT), one per API process;
+    OSError if the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            port = sock.getsockname()[1]  # port 0: the others take the port the first got
+            sock.listen(backlog)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+@dataclass
+class ApiServerSpec:
+    """What an API server process needs besides its pipe and the socket (pickled to it)."""
+
+    engine_args: EngineArgs
+    config: ServeConfig
+    engine_pid: int | None
+    stream_interval: int = 1
+    uvicorn_log_level: str = "info"
+
+
+class ApiServerProcesses:
+    """The API server processes 1..N-1: spawned with their engine pipe ends and the listening
+    socket; `wait_ready` returns once every one serves; `stop` ends them (SIGTERM, then
+    SIGKILL after `stop_timeout_s`)."""
+
+    def __init__(self, conns: list[Connection], sockets: list[socket.socket],
+                 spec: ApiServerSpec, stop_timeout_s: float = 30.0) -> None:
+        ctx = multiprocessing.get_context("spawn")  # never fork a process holding threads
+        self.stop_timeout_s = stop_timeout_s
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        self._status: list[Connection] = []
+        for index, (conn, sock) in enumerate(zip(conns, sockets, strict=True), start=1):
+            status, child_status = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=run_api_server, name=f"kvfit-api-server-{index}",
+                                  args=(index, conn, sock, spec, child_status), daemon=False)
+            process.start()
+            # Their ends live in the child only: its exit is the engine's EOF (and ours), and
+            # closes its socket, whose connections the kernel then hashes to the others.
+            for end in (conn, sock, child_status):
+                end.close()
+            self.processes.append(process)
+            self._status.append(status)
+        self._stopping = False
+        threading.Thread(target=self._watch, name="kvfit-api-servers", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Reap a process that exits before `stop` and say so (the engine has aborted its
+        requests; the other processes serve on)."""
+        pending = {process.sentinel: process for process in self.processes}
+        while pending:
+            for sentinel in multiprocessing.connection.wait(list(pending)):
+                process = pending.pop(sentinel)
+                process.join()
+                if not self._stopping:
+                    print(f"kvfit serve: {process.name} exited (exit code {process.exitcode});"
+                          f" the other API processes serve on", file=sys.stderr, flush=True)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Wait until each process serves; RuntimeError if one exits first."""
+        for process, status in zip(self.processes, self._status, strict=True):
+            try:
+                if not status.poll(timeout_s):
+                    raise RuntimeError(f"{process.name} did not start in {timeout_s:.0f} s")
+                status.recv()
+            except EOFError:
+                process.join(timeout=5)
+                raise RuntimeError(f"{process.name} exited (exit code {process.exitcode}) "
+                                   f"before it served; its log says why") from None
+            finally:
+                status.close()
+
+    def stop(self) -> None:
+        """SIGTERM every process (uvicorn finishes what it serves), then wait; SIGKILL what
+        is left after `stop_timeout_s`. Idempotent."""
+        self._stopping = True
+        for process in self.processes:
+            if process.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGTERM)
+        for process in self.processes:
+            process.join(timeout=self.stop_timeout_s)
+            if process.exitcode is None:
+                logger.warning("%s did not stop; killing it", process.name)
+                process.kill()
+                process.join(timeout=5)
+
+
+def run_api_server(index: int, conn: Connection, sock: socket.socket, spec: ApiServerSpec,
+                   status: Connection) -> None:
+    """An API server process's main: attach to the engine, build the app, tell the first
+    process it is up, and serve on the shared socket until SIGTERM, the engine's exit or the
+    first process's."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group
+    import uvicorn
+
+    from kvfit.server.async_llm import AsyncLLM
+    from kvfit.server.engine_client import AttachedEngine
+    from kvfit.server.openai_api import build_app
+
+    def attach(_: Any, on_outputs: Any, on_dead: Any) -> AttachedEngine:
+        return AttachedEngine(conn, on_outputs, on_dead, spec.engine_pid)
+
+    engine = AsyncLLM(spec.engine_args, stream_interval=spec.stream_interval, client=attach)
+    died: list[BaseException] = []
+    try:
+        app = build_app(engine, spec.config)
+        server = _sigterm_server(uvicorn.Config(app, log_level=spec.uvicorn_log_level))
+
+        def stop(error: BaseException | None = None) -> None:
+            if error is not None:
+                died.append(error)
+            server.should_exit = True  # polled by uvicorn's main loop: a clean exit
+
+        engine.add_dead_callback(stop)
+        parent = multiprocessing.parent_process()
+        if parent is not None:  # its sentinel turns ready when it exits, however it exits
+            threading.Thread(target=lambda: (parent.join(), stop()), name="kvfit-parent",
+                             daemon=True).start()
+        gc.collect()
+        gc.freeze()
+        status.send(os.getpid())
+        status.close()
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+    if died:
+        print(f"kvfit serve: API server {index} exiting, the engine stopped: {died[0]}",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def _sigterm_server(config: Any) -> Any:
+    """A uvicorn server stopped by SIGTERM only: SIGINT stays ignored (the first process
+    sends SIGTERM to stop this one)."""
+    import uvicorn
+
+    class SigtermServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            previous = signal.signal(signal.SIGTERM, self.handle_exit)
+            try:
+                yield
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+
+    return SigtermServer(config)
