@@ -256,3 +256,20 @@ def test_sigint_stops_every_process_and_removes_the_metrics_folder(tmp_path: Pat
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive
     assert not list(tmp_path.glob("kvfit-metrics-*"))
+
+
+def test_every_api_process_exits_when_the_engine_dies() -> None:
+    server = ServeProcess("--api-server-count", "2")
+    try:
+        processes = server.engine_processes()
+        (engine,) = [p for p in processes if not any(
+            c.status == psutil.CONN_LISTEN for c in p.net_connections("tcp"))]
+        (other,) = [p for p in processes if p.pid != engine.pid]
+        engine.kill()
+        server.proc.wait(timeout=60)
+        other.wait(timeout=30)
+    finally:
+        output = server.stop()
+    assert server.proc.returncode == 1, output
+    assert "exiting, the engine stopped" in output
+    assert "API server 1 exiting, the engine stopped" in output

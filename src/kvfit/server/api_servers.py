@@ -29,6 +29,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -101,30 +102,34 @@ class ApiServerProcesses:
                 end.close()
             self.processes.append(process)
             self._status.append(status)
+        # Only the watcher reaps (joins) them: two threads waiting on one child would race.
+        self._exited = [threading.Event() for _ in self.processes]
         self._stopping = False
         threading.Thread(target=self._watch, name="kvfit-api-servers", daemon=True).start()
 
     def _watch(self) -> None:
-        """Reap a process that exits before `stop` and say so (the engine has aborted its
-        requests; the other processes serve on)."""
-        pending = {process.sentinel: process for process in self.processes}
+        """Reap each process as it exits; say so if it exits before `stop` (the engine has
+        aborted its requests; the other processes serve on)."""
+        pending = {process.sentinel: i for i, process in enumerate(self.processes)}
         while pending:
             for sentinel in multiprocessing.connection.wait(list(pending)):
-                process = pending.pop(sentinel)
+                i = pending.pop(sentinel)
+                process = self.processes[i]
                 process.join()
+                self._exited[i].set()
                 if not self._stopping:
                     print(f"kvfit serve: {process.name} exited (exit code {process.exitcode});"
                           f" the other API processes serve on", file=sys.stderr, flush=True)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Wait until each process serves; RuntimeError if one exits first."""
-        for process, status in zip(self.processes, self._status, strict=True):
+        for i, (process, status) in enumerate(zip(self.processes, self._status, strict=True)):
             try:
                 if not status.poll(timeout_s):
                     raise RuntimeError(f"{process.name} did not start in {timeout_s:.0f} s")
                 status.recv()
             except EOFError:
-                process.join(timeout=5)
+                self._exited[i].wait(5)
                 raise RuntimeError(f"{process.name} exited (exit code {process.exitcode}) "
                                    f"before it served; its log says why") from None
             finally:
@@ -134,16 +139,17 @@ class ApiServerProcesses:
         """SIGTERM every process (uvicorn finishes what it serves), then wait; SIGKILL what
         is left after `stop_timeout_s`. Idempotent."""
         self._stopping = True
-        for process in self.processes:
-            if process.exitcode is None:
+        for process, exited in zip(self.processes, self._exited, strict=True):
+            if not exited.is_set():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGTERM)
-        for process in self.processes:
-            process.join(timeout=self.stop_timeout_s)
-            if process.exitcode is None:
+        deadline = time.monotonic() + self.stop_timeout_s
+        for process, exited in zip(self.processes, self._exited, strict=True):
+            if not exited.wait(max(0.0, deadline - time.monotonic())):
                 logger.warning("%s did not stop; killing it", process.name)
-                process.kill()
-                process.join(timeout=5)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+                exited.wait(5)
 
 
 def run_api_server(index: int, conn: Connection, sock: socket.socket, spec: ApiServerSpec,

@@ -499,6 +499,8 @@ def _route_commands(channels: list[_Channel], index: int, router: ChannelRouter,
                         return
     except (EOFError, OSError):
         pass
+    except Exception:  # a malformed command: this channel is lost, the others go on
+        logger.exception("reading API server %d's commands failed; detaching it", index)
     for command in router.detach(index):
         loop.submit(command)
     channel.close()

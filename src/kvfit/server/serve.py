@@ -273,6 +273,10 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
             s.close()
         raise
     others = None
+    died: list[BaseException] = []
+    # From here on a Ctrl-C (or SIGTERM, which uvicorn re-raises once it has stopped; made a
+    # KeyboardInterrupt here) stops the other API processes and the engine, not orphans them.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         print(f"KV cache:\n{engine.kv_cache_report.format_table()}", flush=True)
         config = ServeConfig(
@@ -292,7 +296,6 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
         others.wait_ready()
         app = build_app(engine, config)
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
-        died: list[BaseException] = []
 
         def engine_died(error: BaseException) -> None:
             died.append(error)
@@ -306,17 +309,15 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
         gc.collect()
         gc.freeze()
         stats = None if args.disable_log_stats else StatsLogger(engine).start()
-        # uvicorn re-raises the SIGTERM it handled once it has stopped: as a KeyboardInterrupt
-        # here, so the other API processes and the engine are stopped below, not orphaned.
-        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
-            with contextlib.suppress(KeyboardInterrupt):
-                server.run(sockets=[sock])
+            server.run(sockets=[sock])
         finally:
-            signal.signal(signal.SIGTERM, previous)
             if stats is not None:
                 stats.stop()
+    except KeyboardInterrupt:
+        pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if others is not None:
             others.stop()
         engine.shutdown()
