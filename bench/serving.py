@@ -164,6 +164,8 @@ def start_server(args: argparse.Namespace, model_dir: Path, port: int, log: Path
             cmd += [flag, str(value)]
     if args.stream_interval is not None:  # a server flag: offline has no streams
         cmd += ["--stream-interval", str(args.stream_interval)]
+    if args.api_server_count is not None:
+        cmd += ["--api-server-count", str(args.api_server_count)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")  # the GPU machine's PYTHONPATH goes along
     src = str(Path(kvfit.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
@@ -187,22 +189,25 @@ def start_server(args: argparse.Namespace, model_dir: Path, port: int, log: Path
 
 
 def process_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds so far of the server process (`server`: HTTP, tokenization, SSE; and the
-    engine too with `--no-engine-process`) and of its busiest child (`engine`: the engine core
-    process, where there is one)."""
+    """CPU seconds so far of each process of the server, by `api:PID` (the API server
+    processes, those listening on the port: HTTP, tokenization, SSE; the engine too with
+    `--no-engine-process`) and `other:PID` (its other children: the engine core process)."""
     server = psutil.Process(pid)
     times = server.cpu_times()
-    result = {"server": times.user + times.system}
-    children = []
+    result = {f"api:{pid}": times.user + times.system}
     for child in server.children(recursive=True):
         try:
             t = child.cpu_times()
-            children.append(t.user + t.system)
-        except psutil.NoSuchProcess:  # a helper process that just exited
-            pass
-    if children:
-        result["engine"] = max(children)
+            listening = any(c.status == psutil.CONN_LISTEN for c in child.net_connections("tcp"))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # a helper that just exited
+            continue
+        result[f"{'api' if listening else 'other'}:{child.pid}"] = t.user + t.system
     return result
+
+
+def busiest(cpu: dict[str, float], kind: str) -> float | None:
+    """The highest CPU share among `process_cpu`'s processes of `kind` ("api", "other")."""
+    return max((v for k, v in cpu.items() if k.startswith(kind + ":")), default=None)
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
@@ -244,8 +249,10 @@ def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path,
                 "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms")}
             # Near 1: the load generator (its mean process) was the bottleneck, not the server.
             row["client_cpu"] = m["client_cpu_s"] / m["num_client_processes"] / m["duration_s"]
-            # Near 1: the API server's process (one GIL) was busy the whole row.
-            row["server_cpu"], row["engine_cpu"] = cpu["server"], cpu.get("engine")
+            # Near 1: an API server process (one GIL) was busy the whole row (the busiest of
+            # them with --api-server-count); "engine": the engine core process.
+            row["server_cpu"], row["engine_cpu"] = busiest(cpu, "api"), busiest(cpu, "other")
+            row["api_servers_cpu"] = sum(v for k, v in cpu.items() if k.startswith("api:"))
             result["rows"].append({"request_rate": None if math.isinf(rate) else rate, **row})
             print(f"{mode}, rate {rate:g}, at most {concurrency or 'any'} in flight: "
                   f"{row['completed']}/{n} done, "
@@ -363,6 +370,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stream-interval", type=int, default=None, metavar="N",
                    help="the server's --stream-interval: tokens per streamed chunk (default: "
                    "the server's, 1)")
+    p.add_argument("--api-server-count", type=int, default=None, metavar="N",
+                   help="the server's --api-server-count: API server processes in front of "
+                   "the engine process (default: the server's, 1)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="one untimed pass of the workload before the timed ones, in both")
     p.add_argument("--server-timeout", type=float, default=240.0,
