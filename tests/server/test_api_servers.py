@@ -5,13 +5,16 @@ folder. And `ChannelRouter`, which shares the engine between the API processes, 
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import functools
 import shutil
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import engine_hooks
 import httpx
 import openai
 import psutil
@@ -21,11 +24,14 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfit import LLM, SamplingParams
+from kvfit.engine.config import EngineArgs
 from kvfit.engine.engine_core import EngineStats
+from kvfit.server.async_llm import AsyncLLM
+from kvfit.server.engine_client import AttachedEngine, EngineProcess
 from kvfit.server.engine_messages import EngineOutputs
 from kvfit.server.engine_router import ChannelRouter
 
-from .conftest import ServeProcess
+from .conftest import ServeProcess, engine_kwargs
 
 FLAGS = ("--max-model-len", "2048", "--num-gpu-blocks-override", "2200", "--api-server-count",
          "2")
@@ -106,6 +112,53 @@ def test_router_detaches_a_closed_channel() -> None:
         [(0, [("keep", [1])], [], [])]
     # The last channel to close stops the engine.
     assert router.detach(0) == [("abort", "keep"), ("stop",)]
+
+
+# --- one engine process, two front ends (in this process) ---
+
+def test_two_front_ends_share_one_engine_process(model_path: Path) -> None:
+    """An `AsyncLLM` attached over the second pipe gets its own requests' outputs and its own
+    calls' results (both front ends number their calls from 0); detaching it leaves the
+    engine serving the first."""
+    args = EngineArgs(**engine_kwargs(model_path))
+    first = AsyncLLM(args, client=functools.partial(EngineProcess, num_api_servers=2))
+    (conn,) = first.engine_client.api_server_conns
+    first.engine_client.api_server_conns = []
+    second = AsyncLLM(args, client=lambda _, on_outputs, on_dead: AttachedEngine(
+        conn, on_outputs, on_dead, first.engine_pid))
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    llm = LLM(**engine_kwargs(model_path))
+    refs = [o.outputs[0].text for o in llm.generate(PROMPTS[:8], params, use_tqdm=False)]
+    llm.shutdown()
+
+    async def text(engine: AsyncLLM, prompt: str) -> str:
+        output = None
+        async for output in engine.generate(prompt, params):  # noqa: B007
+            pass
+        return output.outputs[0].text
+
+    async def both() -> tuple[list[str], list[int]]:
+        texts = await asyncio.gather(*(text((first, second)[i % 2], p)
+                                       for i, p in enumerate(PROMPTS[:8])))
+        # Both calls are in flight in the engine at once, with the same id on either side.
+        slow = asyncio.ensure_future(first.call_engine(engine_hooks.pause, 0.5))
+        await asyncio.sleep(0.1)
+        quick = second.call_engine(engine_hooks.num_unfinished)
+        results = await asyncio.wait_for(asyncio.gather(slow, quick), 30)
+        return texts, results
+
+    try:
+        assert second.engine_pid == first.engine_pid
+        assert second.max_model_len == first.max_model_len
+        texts, results = asyncio.run(both())
+        assert texts == refs
+        assert results == [None, 0]  # each call settled with its own result
+        second.shutdown()
+        assert not second.is_alive and first.is_alive
+        assert asyncio.run(text(first, PROMPTS[0])) == refs[0]
+    finally:
+        second.shutdown()
+        first.shutdown()
 
 
 # --- kvfit serve --api-server-count 2 ---

@@ -7,7 +7,11 @@ decoding serialize. The process is spawned and fed over a socket pair (`_Channel
 way, one pickled `EngineOutputs` per step the other. It ignores SIGINT (the front end stops it)
 and exits when the pipe closes, so it never outlives its front end.
 
-Both clients take two callbacks, called from a thread of theirs: `on_outputs(EngineOutputs)`
+With `num_api_servers` N > 1 (`kvfit serve --api-server-count N`) the engine process gets one
+pipe per API server process: the first process's `EngineProcess` hands the others' ends over,
+each of those attaches with `AttachedEngine`, and `ChannelRouter` splits the outputs by pipe.
+
+Every client takes two callbacks, called from a thread of theirs: `on_outputs(EngineOutputs)`
 and, once, `on_dead(error)` when the engine stops (`error` None for `shutdown`).
 """
 
@@ -456,7 +460,7 @@ def _run_routed(llm: LLM, channels: list[_Channel]) -> None:
     """The core loop for several API servers: one command reader per channel, every output
     split by `ChannelRouter`. A channel whose API process is gone is detached (its requests
     aborted); the engine serves the others, and stops when every channel has closed."""
-    router: ChannelRouter | None = None
+    router = ChannelRouter(len(channels), llm.engine.stats(), llm.engine.is_sleeping)
 
     def send(outputs: EngineOutputs) -> None:
         for i, message in router.route(outputs):
@@ -464,11 +468,9 @@ def _run_routed(llm: LLM, channels: list[_Channel]) -> None:
                 channels[i].send(message)
 
     loop = EngineCoreLoop(llm, send)
-    ready = loop.ready()
-    router = ChannelRouter(len(channels), ready.stats, ready.is_sleeping)
     gc.collect()
     gc.freeze()
-    channels[0].send(ready)
+    channels[0].send(loop.ready())
     for i in range(len(channels)):
         threading.Thread(target=_route_commands, args=(channels, i, router, loop),
                          name=f"kvfit-commands-{i}", daemon=True).start()
