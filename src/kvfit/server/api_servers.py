@@ -189,6 +189,9 @@ def run_api_server(index: int, conn: Connection, sock: socket.socket, spec: ApiS
         status.close()
         server.run(sockets=[sock])
     finally:
+        # Exiting now: a SIGTERM from the first process (stopping everything) must not cut
+        # the detach and the last words short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         engine.shutdown()
     if died:
         print(f"kvfit serve: API server {index} exiting, the engine stopped: {died[0]}",

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -54,12 +54,17 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """The collectors of one app and the hooks that feed them."""
 
-    def __init__(self, engine: AsyncLLM) -> None:
+    def __init__(self, engine: AsyncLLM, multiprocess: bool = False) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(_EngineCollector(engine))
         self._scrape = r
-        if multiprocess_dir() is not None:
+        if multiprocess:
+            # Counts go to files only where the variable was set before prometheus_client's
+            # import (it picks the kind of value then); else every process would report zeros.
+            if multiprocess_dir() is None or values.ValueClass.__name__ != "MmapedValue":
+                raise RuntimeError("multiprocess metrics need PROMETHEUS_MULTIPROC_DIR set "
+                                   "before prometheus_client is imported")
             # Several API processes (`--api-server-count`): the request figures are the sum of
             # every process's files; the engine's are the same in every process (each gets the
             # engine-wide state), so this process's own snapshot reports them. There are no

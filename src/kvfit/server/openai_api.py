@@ -62,6 +62,8 @@ class ServeConfig:
     `/is_sleeping` (an engine with sleep mode, behind the development flag: they let any
     client take the model away from every other). `enable_kv_cache_endpoints`: serve
     `GET /kv_cache` and `POST /kv_cache/resize?num_blocks=N` (behind the development flag too).
+    `multiprocess_metrics`: `/metrics` sums the request figures of every API server process
+    (`--api-server-count` > 1; prometheus_client's multiprocess mode, `PROMETHEUS_MULTIPROC_DIR`).
     """
 
     served_model_names: list[str]
@@ -71,6 +73,7 @@ class ServeConfig:
     enable_sleep_endpoints: bool = False
     enable_kv_cache_endpoints: bool = False
     max_request_body_bytes: int | None = 64 << 20
+    multiprocess_metrics: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -112,7 +115,7 @@ class _Admission:
 def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     """A FastAPI app serving `engine` (which it does not own: shut it down after the app)."""
     app = FastAPI(title="kvfit", version=kvfit.__version__)
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(engine, multiprocess=config.multiprocess_metrics)
     slots = _Slots(config.max_concurrent_requests)
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
     model_name = config.served_model_names[0]

@@ -287,6 +287,7 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
             root=engine_args.model,
             enable_sleep_endpoints=sleep_endpoints(engine_args),
             enable_kv_cache_endpoints=dev_mode(),
+            multiprocess_metrics=True,
         )
         spec = ApiServerSpec(engine_args, config, engine.engine_pid, args.stream_interval,
                              args.uvicorn_log_level)
