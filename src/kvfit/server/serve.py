@@ -12,10 +12,13 @@ import gc
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvfit.engine.config import EngineArgs
+    from kvfit.server.async_llm import AsyncLLM
+    from kvfit.server.openai_api import ServeConfig
 
 SERVER_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 
@@ -160,8 +163,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kvfit.engine.config import EngineArgs
     from kvfit.server.async_llm import AsyncLLM
-    from kvfit.server.openai_api import ServeConfig, build_app
-    from kvfit.server.stats_logger import StatsLogger
+    from kvfit.server.openai_api import build_app
 
     if args.model_tag:
         args.model = args.model_tag
@@ -171,15 +173,7 @@ def run_serve(args: argparse.Namespace) -> int:
                       stream_interval=args.stream_interval)
     try:
         print(f"KV cache:\n{engine.kv_cache_report.format_table()}", flush=True)
-        config = ServeConfig(
-            served_model_names=args.served_model_name or [engine_args.model],
-            api_key=args.api_key or None,
-            max_concurrent_requests=args.max_concurrent_requests or None,
-            max_request_body_bytes=args.max_request_body_bytes or None,
-            root=engine_args.model,
-            enable_sleep_endpoints=sleep_endpoints(engine_args),
-            enable_kv_cache_endpoints=dev_mode(),
-        )
+        config = _serve_config(args, engine_args)
         app = build_app(engine, config)
         # uvicorn's "auto" takes uvloop and httptools where they are installed.
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
@@ -196,24 +190,10 @@ def run_serve(args: argparse.Namespace) -> int:
               f"http://{args.host}:{args.port}/v1 (engine in {where}; {_event_loop_kinds()}; "
               f"stream interval {args.stream_interval})",
               flush=True)
-        # Startup's objects (modules, the tokenizer) live as long as the server: keep the
-        # collector's full passes off them while requests stream.
-        gc.collect()
-        gc.freeze()
-        stats = None if args.disable_log_stats else StatsLogger(engine).start()
-        try:
-            with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
-                server.run()
-        finally:
-            if stats is not None:
-                stats.stop()
+        _serve_logging_stats(args, engine, lambda: _until_interrupted(server.run))
     finally:
         engine.shutdown()
-    if died:
-        print(f"kvfit serve: exiting, the engine stopped: {died[0]}", file=sys.stderr,
-              flush=True)
-        return 1
-    return 0
+    return _exit_status(died)
 
 
 def _run_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
@@ -251,8 +231,7 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
     from kvfit.server.api_servers import ApiServerProcesses, ApiServerSpec, bind_sockets
     from kvfit.server.async_llm import AsyncLLM
     from kvfit.server.engine_client import EngineProcess
-    from kvfit.server.openai_api import ServeConfig, build_app
-    from kvfit.server.stats_logger import StatsLogger
+    from kvfit.server.openai_api import build_app
 
     if args.model_tag:
         args.model = args.model_tag
@@ -279,16 +258,7 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         print(f"KV cache:\n{engine.kv_cache_report.format_table()}", flush=True)
-        config = ServeConfig(
-            served_model_names=args.served_model_name or [engine_args.model],
-            api_key=args.api_key or None,
-            max_concurrent_requests=args.max_concurrent_requests or None,
-            max_request_body_bytes=args.max_request_body_bytes or None,
-            root=engine_args.model,
-            enable_sleep_endpoints=sleep_endpoints(engine_args),
-            enable_kv_cache_endpoints=dev_mode(),
-            multiprocess_metrics=True,
-        )
+        config = _serve_config(args, engine_args, multiprocess_metrics=True)
         spec = ApiServerSpec(engine_args, config, engine.engine_pid, args.stream_interval,
                              args.uvicorn_log_level)
         conns = engine.engine_client.api_server_conns
@@ -307,14 +277,7 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
               f"http://{args.host}:{sock.getsockname()[1]}/v1 ({num_api_servers} API server "
               f"processes, engine in its own process; {_event_loop_kinds()}; stream interval "
               f"{args.stream_interval})", flush=True)
-        gc.collect()
-        gc.freeze()
-        stats = None if args.disable_log_stats else StatsLogger(engine).start()
-        try:
-            server.run(sockets=[sock])
-        finally:
-            if stats is not None:
-                stats.stop()
+        _serve_logging_stats(args, engine, lambda: server.run(sockets=[sock]))
     except KeyboardInterrupt:
         pass
     finally:
@@ -324,6 +287,50 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
         engine.shutdown()
         for s in (sock, *other_sockets):  # closed already where handed over
             s.close()
+    return _exit_status(died)
+
+
+def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
+                  multiprocess_metrics: bool = False) -> ServeConfig:
+    """The app's `ServeConfig` from `kvfit serve`'s flags (one API process or several)."""
+    from kvfit.server.openai_api import ServeConfig
+
+    return ServeConfig(
+        served_model_names=args.served_model_name or [engine_args.model],
+        api_key=args.api_key or None,
+        max_concurrent_requests=args.max_concurrent_requests or None,
+        max_request_body_bytes=args.max_request_body_bytes or None,
+        root=engine_args.model,
+        enable_sleep_endpoints=sleep_endpoints(engine_args),
+        enable_kv_cache_endpoints=dev_mode(),
+        multiprocess_metrics=multiprocess_metrics,
+    )
+
+
+def _serve_logging_stats(args: argparse.Namespace, engine: AsyncLLM,
+                         run: Callable[[], object]) -> None:
+    """`run()` (uvicorn's serving) with the stats logger on unless `--disable-log-stats`."""
+    # Startup's objects (modules, the tokenizer) live as long as the server: keep the
+    # collector's full passes off them while requests stream.
+    gc.collect()
+    gc.freeze()
+    from kvfit.server.stats_logger import StatsLogger
+
+    stats = None if args.disable_log_stats else StatsLogger(engine).start()
+    try:
+        run()
+    finally:
+        if stats is not None:
+            stats.stop()
+
+
+def _until_interrupted(run: Callable[[], object]) -> None:
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
+        run()
+
+
+def _exit_status(died: list[BaseException]) -> int:
+    """1 (with the reason) when the engine stopped under the server, else 0."""
     if died:
         print(f"kvfit serve: exiting, the engine stopped: {died[0]}", file=sys.stderr,
               flush=True)
