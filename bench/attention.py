@@ -122,9 +122,7 @@ def time_paged(shape: Shape, k_cache, v_cache, query_lens, seq_lens, **overrides
     )
     out = torch.empty_like(query)
     scale = shape.head_dim**-0.5
-    if k_cache.dtype == torch.float8_e4m3fn:
-        overrides = {"k_scale": torch.ones(1, device="cuda"),
-                     "v_scale": torch.ones(1, device="cuda"), **overrides}
+    overrides = {**_fp8_scales(k_cache), **overrides}
     return do_bench(
         lambda: paged_attention_triton(query, k_cache, v_cache, md, scale, out, **overrides),
         return_mode="median",
