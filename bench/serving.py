@@ -149,10 +149,10 @@ def log_tail(log: Path, lines: int = 40) -> str:
 
 
 def start_server(args: argparse.Namespace, model_dir: Path, port: int, log: Path,
-                 mode: str) -> subprocess.Popen:
+                 mode: str, api_servers: int | None) -> subprocess.Popen:
     """`python3 -m kvfit serve` with the bench's engine flags, the engine in its own process
-    (`mode` "process") or on a thread of the server's ("thread"); returns once /health
-    answers."""
+    (`mode` "process") or on a thread of the server's ("thread"), `api_servers` API processes
+    (None: the server's default); returns once /health answers."""
     cmd = [sys.executable, "-m", "kvfit", "serve", str(model_dir), "--port", str(port),
            "--served-model-name", args.model, "--uvicorn-log-level", "warning",
            "--engine-process" if mode == "process" else "--no-engine-process"]
@@ -164,8 +164,8 @@ def start_server(args: argparse.Namespace, model_dir: Path, port: int, log: Path
             cmd += [flag, str(value)]
     if args.stream_interval is not None:  # a server flag: offline has no streams
         cmd += ["--stream-interval", str(args.stream_interval)]
-    if args.api_server_count is not None:
-        cmd += ["--api-server-count", str(args.api_server_count)]
+    if api_servers is not None:
+        cmd += ["--api-server-count", str(api_servers)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")  # the GPU machine's PYTHONPATH goes along
     src = str(Path(kvfit.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
@@ -221,16 +221,17 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
             proc.wait()
 
 
-def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path,
-                mode: str) -> dict[str, Any]:
-    """The rate sweep against a fresh server (engine `mode`); the server is stopped before
-    this returns."""
+def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path, mode: str,
+                api_servers: int | None = None) -> dict[str, Any]:
+    """The rate sweep against a fresh server (engine `mode`, `api_servers` API processes); the
+    server is stopped before this returns."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     started = time.perf_counter()
-    proc = start_server(args, model_dir, port, log, mode)
-    result: dict[str, Any] = {"engine": mode, "log": str(log),
-                              "startup_s": time.perf_counter() - started, "rows": []}
+    proc = start_server(args, model_dir, port, log, mode, api_servers)
+    result: dict[str, Any] = {"engine": mode, "api_server_count": api_servers or 1,
+                              "log": str(log), "startup_s": time.perf_counter() - started,
+                              "rows": []}
     try:
         if args.warmup:
             warm = asyncio.run(bench_serve._main(load_args(
@@ -254,8 +255,8 @@ def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path,
             row["server_cpu"], row["engine_cpu"] = busiest(cpu, "api"), busiest(cpu, "other")
             row["api_servers_cpu"] = sum(v for k, v in cpu.items() if k.startswith("api:"))
             result["rows"].append({"request_rate": None if math.isinf(rate) else rate, **row})
-            print(f"{mode}, rate {rate:g}, at most {concurrency or 'any'} in flight: "
-                  f"{row['completed']}/{n} done, "
+            print(f"{server_label(result)}, rate {rate:g}, at most {concurrency or 'any'} in "
+                  f"flight: {row['completed']}/{n} done, "
                   f"{row['output_throughput']:,.0f} output tok/s", flush=True)
     finally:
         stop_server(proc)
@@ -290,6 +291,12 @@ def offline(args: argparse.Namespace, model_dir: Path,
             "request_throughput": len(requests) / elapsed}
 
 
+def server_label(sweep: dict[str, Any]) -> str:
+    """`process`, `thread`, or `process x N` for N API server processes."""
+    n = sweep.get("api_server_count", 1)
+    return sweep["engine"] if n == 1 else f"{sweep['engine']} x {n}"
+
+
 def saturation(sweep: dict[str, Any]) -> dict[str, Any]:
     """The sweep's row at saturation: its best row at rate inf (over the concurrency limits),
     else its best row."""
@@ -302,16 +309,17 @@ def print_report(result: dict[str, Any]) -> None:
           f"input {result['args']['input_len']}, output {result['args']['output_len']} "
           f"(range ratio {result['args']['random_range_ratio']}), "
           f"max concurrency {result['args']['max_concurrency']} (None: no limit)")
-    print(f"{'engine':>7} {'conc':>5} {'rate':>6} {'reqs':>5} {'err':>4} {'req/s':>7} "
+    print(f"{'engine':>11} {'conc':>5} {'rate':>6} {'reqs':>5} {'err':>4} {'req/s':>7} "
           f"{'out tok/s':>10} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'E2E p50':>8} "
           f"{'client cpu':>10} {'server cpu':>10} {'engine cpu':>10}")
     for sweep in result["serve_by_engine"]:
         for r in sweep["rows"]:
             rate = "inf" if r["request_rate"] is None else f"{r['request_rate']:g}"
             conc = r.get("max_concurrency") or "-"
-            print(f"{sweep['engine']:>7} {conc:>5} {rate:>6} {r['completed']:>5} {r['failed']:>4} "
-                  f"{r['request_throughput']:>7.2f} {r['output_throughput']:>10,.0f} "
-                  f"{r['p50_ttft_ms']:>9.1f} {r['p99_ttft_ms']:>8.1f} {r['p50_itl_ms']:>8.2f} "
+            print(f"{server_label(sweep):>11} {conc:>5} {rate:>6} {r['completed']:>5} "
+                  f"{r['failed']:>4} {r['request_throughput']:>7.2f} "
+                  f"{r['output_throughput']:>10,.0f} {r['p50_ttft_ms']:>9.1f} "
+                  f"{r['p99_ttft_ms']:>8.1f} {r['p50_itl_ms']:>8.2f} "
                   f"{r['p99_itl_ms']:>8.2f} {r['p50_e2el_ms']:>8.1f} {r['client_cpu']:>10.0%} "
                   f"{_share(r.get('server_cpu')):>10} {_share(r.get('engine_cpu')):>10}")
             for line in bench_serve.failure_lines(r["errors"]):
@@ -320,7 +328,7 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"offline LLM.generate: {o['total_output_tokens']} tokens in {o['elapsed_s']:.2f} s, "
           f"{o['output_throughput']:,.0f} output tok/s")
     for sweep in result["serve_by_engine"]:
-        print(f"serve (engine in {sweep['engine']}) at saturation (rate "
+        print(f"serve ({server_label(sweep)}) at saturation (rate "
               f"{sweep['saturation_rate']}, at most {sweep['saturation_concurrency'] or 'any'} "
               f"in flight) / offline: {sweep['ratio']:.1%} (target >= "
               f"{TARGET:.0%}: {'met' if sweep['ratio'] >= TARGET else 'not met'})")
@@ -370,9 +378,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stream-interval", type=int, default=None, metavar="N",
                    help="the server's --stream-interval: tokens per streamed chunk (default: "
                    "the server's, 1)")
-    p.add_argument("--api-server-count", type=int, default=None, metavar="N",
+    p.add_argument("--api-server-count", type=int, nargs="+", default=[None], metavar="N",
                    help="the server's --api-server-count: API server processes in front of "
-                   "the engine process (default: the server's, 1)")
+                   "the engine process, each value a server of its own, with `process` "
+                   "engines only (default: the server's, 1)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="one untimed pass of the workload before the timed ones, in both")
     p.add_argument("--server-timeout", type=float, default=240.0,
@@ -395,6 +404,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def servers(args: argparse.Namespace) -> list[tuple[str, int | None]]:
+    """`(engine placement, API server count)` of every server the bench starts, in order: a
+    thread engine lives in its one API process, so it takes no count."""
+    return [(mode, n) for mode in args.engines
+            for n in (args.api_server_count if mode == "process" else [None])]
+
+
+def server_log(out: Path, mode: str, api_servers: int | None) -> Path:
+    suffix = "" if api_servers in (None, 1) else f"_x{api_servers}"
+    return out.with_name(f"{out.stem}_server_{mode}{suffix}.log")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     out = Path(args.out)
@@ -402,8 +423,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     requests = workload(args)
     with tempfile.TemporaryDirectory(prefix="kvfit-serving-") as tmp:
         model_dir = with_word_tokenizer(args.model, Path(tmp) / "model")
-        sweeps = [serve_sweep(args, model_dir, out.with_name(f"{out.stem}_server_{mode}.log"),
-                              mode) for mode in args.engines]
+        sweeps = [serve_sweep(args, model_dir, server_log(out, mode, n), mode, n)
+                  for mode, n in servers(args)]
         off = offline(args, model_dir, requests)
     for sweep in sweeps:
         row = saturation(sweep)

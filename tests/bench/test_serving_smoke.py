@@ -72,3 +72,16 @@ def test_serving_bench_checks_the_workload_flags_as_bench_serve_does() -> None:
                         ("--max-concurrency", "-1")):
         with pytest.raises(ValueError, match=flag):
             serving.parse_args(["--out", "/tmp/s.json", "--device", "cpu", flag, value])
+
+
+def test_serving_bench_starts_a_server_per_api_server_count_and_one_thread_server() -> None:
+    serving = load_bench("serving")
+    args = serving.parse_args(["--device", "cpu", "--model", "kvfit-tiny", "--engines",
+                               "process", "thread", "--api-server-count", "1", "4",
+                               "--out", "s.json"])
+    assert serving.servers(args) == [("process", 1), ("process", 4), ("thread", None)]
+    labels = [serving.server_label({"engine": m, "api_server_count": n or 1})
+              for m, n in serving.servers(args)]
+    assert labels == ["process", "process x 4", "thread"]
+    logs = {serving.server_log(Path("s.json"), m, n).name for m, n in serving.servers(args)}
+    assert len(logs) == 3  # one log per server: none overwrites another's
