@@ -388,7 +388,12 @@ def _run_processes(args: argparse.Namespace, model: str,
     CPU seconds the processes spent on the load."""
     import multiprocessing
 
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads
+    # Not "spawn": a spawned child imports the parent's main module before it reads its work
+    # (for bench/serving.py: torch, the engine, transformers), one child after another, since
+    # each start waits for its child to read the pickled work. On the H200 host (no bytecode
+    # cache) that took ~18 s of CPU per child, over a minute per pass. A fork server imports it
+    # once, and forks each client from its own single thread (never from this one's threads).
+    ctx = multiprocessing.get_context("forkserver")
     # The timeout: a process killed before the start must not hold the others forever.
     barrier, queue = ctx.Barrier(n, timeout=120), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(args, model, work[k::n], share, barrier, queue, k),
