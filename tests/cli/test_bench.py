@@ -6,12 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+import kvfit
 from kvfit.cli import main
 from kvfit.commands.bench_serve import (
     RequestResult,
@@ -222,6 +226,27 @@ def test_bench_serve_merges_client_processes(fake_server: Callable, tmp_path: Pa
     assert all(len(r["itl"]) == 2 and r["output_tokens"] == 3
                for r in result["requests"] if r["ok"])
     assert result["output_throughput"] == pytest.approx(4 * 3 / result["duration_s"])
+
+
+def test_bench_serve_clients_never_import_the_callers_main_module(fake_server: Callable,
+                                                                 tmp_path: Path) -> None:
+    """A client process imports the load generator alone: a caller whose main module is heavy
+    (bench/serving.py imports torch and the engine) must not pay for it once per client."""
+    server = fake_server(behaviors=("ok",))
+    imports, path = tmp_path / "imports", tmp_path / "s.json"
+    caller = tmp_path / "caller.py"
+    caller.write_text(f"import sys\nopen({str(imports)!r}, 'a').write('x')\n"
+                      "from kvfit.cli import main\n"
+                      "if __name__ == '__main__':\n    sys.exit(main(sys.argv[1:]))\n")
+    argv = ["bench", "serve", "--base-url", server.url, "--model", "m", "--num-prompts", "6",
+            "--input-len", "5", "--output-len", "3", "--num-client-processes", "3",
+            "--result-file", str(path)]
+    src = str(Path(kvfit.__file__).resolve().parents[1])
+    subprocess.run([sys.executable, str(caller), *argv], check=True, timeout=120,
+                   capture_output=True, env=dict(os.environ, PYTHONPATH=src))
+    assert imports.read_text() == "x"  # the caller's own import, none in its three clients
+    result = json.loads(path.read_text())["results"]
+    assert result["num_client_processes"] == 3 and result["completed"] == 6
 
 
 def test_bench_serve_a_failing_client_process_fails_its_requests(tmp_path: Path) -> None:

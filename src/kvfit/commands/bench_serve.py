@@ -21,10 +21,15 @@ import asyncio
 import contextlib
 import math
 import os
+import pickle
 import random
+import select
+import subprocess
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvfit.benchmarks.figures import record_of
@@ -361,73 +366,113 @@ def _shares(total: int | None, n: int) -> list[int | None]:
     return [total // n + (k < total % n) for k in range(n)]
 
 
-def _worker(args: argparse.Namespace, model: str, work: list[Work],
-            max_concurrency: int | None, barrier: Any, results: Any, k: int) -> None:
-    """One client process: its share of the load, started with the others at the barrier."""
+_WORKER = "from kvfit.commands.bench_serve import worker_main; worker_main()"
+_READY, _GO = b"R", b"G"
+_START_TIMEOUT_S = 120.0
+
+
+def worker_main() -> None:
+    """A client process's main (`_run_processes`): read `(args, model, work,
+    max_concurrency)` pickled on stdin, open the client, write `_READY`, wait for `_GO`, run the
+    load and write `(results, start, end, cpu, error)` pickled to stdout. Anything else the
+    process prints goes to stderr, so nothing can corrupt the reply."""
+    reply = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    args, model, work, max_concurrency = pickle.load(sys.stdin.buffer)
+
     async def go() -> tuple[list[RequestResult], float, float, float]:
         async with _client(args, max_concurrency or len(work)) as client:
-            barrier.wait()
+            reply.write(_READY)
+            reply.flush()
+            if sys.stdin.buffer.read(1) != _GO:
+                raise RuntimeError("the load was called off before it started")
             start, cpu = time.monotonic(), time.process_time()
             out, end = await run_load(args, client, model, work, max_concurrency, start)
             return out, start, end, time.process_time() - cpu
 
     try:
         out, start, end, cpu = asyncio.run(go())
-        results.put((k, [asdict(r) for r in out], start, end, cpu, None))
+        message = ([asdict(r) for r in out], start, end, cpu, None)
     except BaseException as e:  # reported, so the parent counts its requests as failed
-        with contextlib.suppress(Exception):
-            barrier.abort()
-        results.put((k, None, 0.0, 0.0, 0.0, f"{type(e).__name__}: {e}"[:200]))
+        message = (None, 0.0, 0.0, 0.0, f"{type(e).__name__}: {e}"[:200])
+    pickle.dump(message, reply)
+    reply.close()
 
 
 def _run_processes(args: argparse.Namespace, model: str,
                    work: list[Work], n: int
                    ) -> tuple[list[RequestResult], float, float]:
-    """The load over `n` spawned processes, request `i` in process `i % n`; the merged
-    results in request order, the wall time from the first start to the last end and the
-    CPU seconds the processes spent on the load."""
-    import multiprocessing
+    """The load over `n` client processes, request `i` in process `i % n`, all started
+    together once each is ready; the merged results in request order, the wall time from the
+    first start to the last end and the CPU seconds the processes spent on the load.
 
-    # Not "spawn": a spawned child imports the parent's main module before it reads its work
-    # (for bench/serving.py: torch, the engine, transformers), one child after another, since
-    # each start waits for its child to read the pickled work. On the H200 host (no bytecode
-    # cache) that took ~18 s of CPU per child, over a minute per pass. A fork server imports it
-    # once, and forks each client from its own single thread (never from this one's threads).
-    ctx = multiprocessing.get_context("forkserver")
-    # The timeout: a process killed before the start must not hold the others forever.
-    barrier, queue = ctx.Barrier(n, timeout=120), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(args, model, work[k::n], share, barrier, queue, k),
-                         daemon=True)
-             for k, share in enumerate(_shares(args.max_concurrency, n))]
-    for proc in procs:
-        proc.start()
-    parts: dict[int, tuple[list[RequestResult], float, float]] = {}
-    cpu = 0.0
-    while len(parts) < n:
-        try:
-            k, rows, start, end, cpu_k, error = queue.get(timeout=1.0)
-        except Exception:  # queue.Empty: is anyone still running?
-            dead = [k for k, p in enumerate(procs) if not p.is_alive() and k not in parts]
-            if dead and queue.empty():
-                for k in dead:  # died without a word (killed)
-                    failed = RequestResult(error=f"client process exited with "
-                                                 f"{procs[k].exitcode}")
-                    parts[k] = ([failed] * len(work[k::n]), math.inf, -math.inf)
-            continue
-        if rows is None:
-            rows = [asdict(RequestResult(error=f"client process failed: {error}"))
-                    ] * len(work[k::n])
-            start, end = math.inf, -math.inf
-        parts[k] = ([RequestResult(**r) for r in rows], start, end)
-        cpu += cpu_k
-    for proc in procs:
-        proc.join()
+    Each client is `python -c` importing this module alone, never multiprocessing's child:
+    that imports the caller's main module first (for bench/serving.py torch, the engine and
+    transformers), which took ~18 s of CPU per child on the H200 host, one after another."""
+    src = str(Path(__file__).resolve().parents[2])  # this kvfit, whatever the caller's path
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, env=env) for _ in range(n)]
+    try:
+        for k, (proc, share) in enumerate(zip(procs, _shares(args.max_concurrency, n),
+                                              strict=True)):
+            with contextlib.suppress(OSError):  # one that died is reported below
+                pickle.dump((args, model, work[k::n], share), proc.stdin)
+                proc.stdin.flush()
+        first = _wait_ready(procs, time.monotonic() + _START_TIMEOUT_S)
+        ready = all(byte == _READY for byte in first)
+        for proc, byte in zip(procs, first, strict=True):
+            with contextlib.suppress(OSError):
+                if ready:
+                    proc.stdin.write(_GO)
+                proc.stdin.close()  # a ready client not told to go stops with an error
+            if byte is None:  # silent past the deadline: stop it
+                proc.kill()
+        parts = [_reply(proc, byte, len(work[k::n]))
+                 for k, (proc, byte) in enumerate(zip(procs, first, strict=True))]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
     results: list[RequestResult] = [RequestResult()] * len(work)
-    for k, (rows, _, _) in parts.items():
+    for k, (rows, _, _, _) in enumerate(parts):
         results[k::n] = rows
-    starts = [p[1] for p in parts.values() if math.isfinite(p[1])]
-    ends = [p[2] for p in parts.values() if math.isfinite(p[2])]
+    starts = [p[1] for p in parts if math.isfinite(p[1])]
+    ends = [p[2] for p in parts if math.isfinite(p[2])]
+    cpu = sum(p[3] for p in parts)
     return results, (max(ends) - min(starts)) if starts else 0.0, cpu
+
+
+def _wait_ready(procs: list[subprocess.Popen], deadline: float) -> list[bytes | None]:
+    """The first byte each client wrote before `deadline`: `_READY`, else the start of its
+    reply (it failed; b"": it exited without one); None if it said nothing."""
+    first: list[bytes | None] = [None] * len(procs)
+    waiting = {proc.stdout: k for k, proc in enumerate(procs)}
+    while waiting:
+        readable, _, _ = select.select(list(waiting), [], [],
+                                       max(0.0, deadline - time.monotonic()))
+        if not readable:
+            break
+        for stdout in readable:
+            first[waiting.pop(stdout)] = stdout.read(1)
+    return first
+
+
+def _reply(proc: subprocess.Popen, first: bytes | None, num_requests: int
+           ) -> tuple[list[RequestResult], float, float, float]:
+    """A client's `(results, start, end, cpu)` (`first`: the byte `_wait_ready` read); each
+    request failed with the reason when the client failed or said nothing."""
+    head = first if first not in (None, _READY) else b""
+    try:
+        rows, start, end, cpu, error = pickle.loads(head + proc.stdout.read())
+    except (EOFError, pickle.UnpicklingError, ValueError):
+        rows, error = None, f"client process exited with {proc.wait()}"
+    if rows is None:
+        failed = RequestResult(error=f"client process failed: {error}")
+        return [failed] * num_requests, math.inf, -math.inf, 0.0
+    return [RequestResult(**r) for r in rows], start, end, cpu
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
