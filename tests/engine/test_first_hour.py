@@ -159,3 +159,27 @@ def test_logprobs_are_vllm_logprob_objects(llm: LLM) -> None:
     # Greedy: each sampled token is the most likely one.
     assert all(entry[t].rank == 1 for t, entry in
                zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True))
+
+
+def test_get_metrics_counts_the_steps_and_the_tokens_they_computed(llm: LLM) -> None:
+    def steps() -> tuple[float, float, float]:
+        m = {metric.name: metric.value for metric in llm.get_metrics()}
+        return (m["kvfit:engine_steps"], m["kvfit:engine_step_tokens"],
+                m["kvfit:engine_decode_steps"])
+
+    llm.reset_prefix_cache()  # a cached prefix would not be computed: keep counts exact
+    before = steps()
+    # Two 40-token prompts (one prefill step under the 128-token budget), 4 tokens each: the
+    # first comes from the prefill, the last is sampled by a step that needs no successor.
+    prompts = [{"prompt_token_ids": list(range(100 + i, 140 + i))} for i in range(2)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    num_steps, num_tokens, num_decode = (a - b for a, b in zip(steps(), before, strict=True))
+    assert (num_steps, num_decode) == (4, 3)
+    assert num_tokens == 2 * 40 + 2 * 3
+    # One token of one prompt: its prefill step alone, which is no decode step.
+    before = steps()
+    llm.generate({"prompt_token_ids": list(range(300, 400))},
+                 SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    num_steps, num_tokens, num_decode = (a - b for a, b in zip(steps(), before, strict=True))
+    assert (num_steps, num_tokens, num_decode) == (1, 100, 0)

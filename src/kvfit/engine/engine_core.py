@@ -65,6 +65,9 @@ class EngineStats:
     kv_cache_grows: int = 0
     kv_cache_failed_grows: int = 0
     kv_cache_idle_shrinks: int = 0  # of the shrinks: an idle cache giving back (`elastic_idle_s`)
+    num_steps: int = 0  # steps launched since startup
+    num_step_tokens: int = 0  # tokens those steps computed, prompt and output
+    num_decode_steps: int = 0  # of the steps: one token per sequence (no prompt chunk)
 
 
 class EngineCore:
@@ -485,6 +488,9 @@ class EngineCore:
             kv_cache_grows=self.kv_resizer.num_grows,
             kv_cache_failed_grows=self.kv_resizer.num_failed_grows,
             kv_cache_idle_shrinks=self.kv_resizer.num_idle_shrinks,
+            num_steps=self.scheduler.num_steps,
+            num_step_tokens=self.scheduler.num_step_tokens,
+            num_decode_steps=self.scheduler.num_decode_steps,
         )
 
     def has_unfinished(self) -> bool:

@@ -80,5 +80,10 @@ def engine_metrics(s: EngineStats, report: KVCacheReport) -> list[Metric]:
                 s.prefix_cache_hit_tokens),
         gauge("prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, since startup.",
               s.prefix_cache_hit_tokens / max(s.prefix_cache_queried_tokens, 1)),
+        counter("engine_steps", "Engine steps launched (one forward pass each).", s.num_steps),
+        counter("engine_step_tokens", "Tokens the engine's steps computed, prompt and output "
+                "(per step: the batch the device ran).", s.num_step_tokens),
+        counter("engine_decode_steps", "Engine steps that computed one token per sequence "
+                "(the others ran a prompt chunk, alone or beside decodes).", s.num_decode_steps),
     ]
     return metrics

@@ -73,6 +73,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is last
         self.num_preemptions = 0
+        # Steps launched, the tokens they computed, and the decode-only ones (one token per
+        # sequence: what a decode graph runs): the batch's shape over a run, e.g. a served
+        # load's against offline `generate`'s.
+        self.num_steps = self.num_step_tokens = self.num_decode_steps = 0
         self.kv_connector = kv_connector
         # Prompt tokens whose K/V came from the connector's store (not the local prefix cache).
         self.num_external_hit_tokens = 0
@@ -161,6 +165,10 @@ class Scheduler:
     def advance(self, batch: ScheduledBatch) -> None:
         """Account for a launched step: its chunks are computed (their full blocks become
         prefix-cache hits) and each sequence it samples ends with a `PENDING_TOKEN`."""
+        num_tokens = batch.num_tokens
+        self.num_steps += 1
+        self.num_step_tokens += num_tokens
+        self.num_decode_steps += num_tokens == len(batch)  # no sequence computed more
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.status is not SequenceStatus.RUNNING:  # finished or aborted meanwhile
                 continue
