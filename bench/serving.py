@@ -43,9 +43,12 @@ waves. Steps:
    meaning the load generator, not the server, was the limit; "server cpu" and "engine cpu"
    the same for the server's process, whose one GIL runs HTTP, tokenization, text and SSE,
    and for its engine core process: a server near 100% is the HTTP layer's limit, an
-   engine well under it an engine left waiting), and per placement serve output
-   tok/s at saturation (the best rate-inf row, else the best row) / offline; the first
-   placement's ratio is the one checked against the target.
+   engine well under it an engine left waiting; "steps", "tok/step", "decode": the engine's
+   steps over the row (its `kvfit:engine_steps*` counters on /metrics), tokens per step and
+   the share of decode-only steps, also given for offline, so a served load that cuts the
+   batch into more, smaller or mixed steps than offline shows as such), and per placement
+   serve output tok/s at saturation (the best rate-inf row, else the best row) / offline;
+   the first placement's ratio is the one checked against the target.
 
 Prefix caching is off in both by default (`--enable-prefix-caching` turns it on): every pass
 sends the same prompts, so later passes would otherwise hit the cache and skip their prefills.
@@ -205,6 +208,34 @@ def process_cpu(pid: int) -> dict[str, float]:
     return result
 
 
+_STEP_COUNTERS = ("engine_steps", "engine_step_tokens", "engine_decode_steps")
+
+
+def served_steps(base_url: str) -> dict[str, float]:
+    """The engine's step counters now, from the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {family.name.removeprefix("kvfit:"): family.samples[0].value
+            for family in text_string_to_metric_families(text)
+            if family.name.removeprefix("kvfit:") in _STEP_COUNTERS}
+
+
+def offline_steps(llm: LLM) -> dict[str, float]:
+    s = llm.engine.stats()
+    return dict(zip(_STEP_COUNTERS, (s.num_steps, s.num_step_tokens, s.num_decode_steps),
+                    strict=True))
+
+
+def step_shape(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the engine ran between two readings of its step counters: steps, tokens per step
+    and the share of decode-only steps (those a decode graph runs)."""
+    steps, tokens, decode = (after[k] - before[k] for k in _STEP_COUNTERS)
+    return {"engine_steps": steps, "tokens_per_step": tokens / max(steps, 1),
+            "decode_step_share": decode / max(steps, 1)}
+
+
 def busiest(cpu: dict[str, float], kind: str) -> float | None:
     """The highest CPU share among `process_cpu`'s processes of `kind` ("api", "other")."""
     return max((v for k, v in cpu.items() if k.startswith(kind + ":")), default=None)
@@ -240,8 +271,9 @@ def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path, mode: str,
         for concurrency, rate in itertools.product(args.max_concurrency, args.request_rates):
             n = args.num_prompts if math.isinf(rate) else min(
                 args.num_prompts, max(1, math.ceil(rate * args.rate_duration_s)))
-            cpu_before = process_cpu(proc.pid)
+            cpu_before, steps_before = process_cpu(proc.pid), served_steps(base_url)
             m = asyncio.run(bench_serve._main(load_args(args, base_url, rate, n, concurrency)))
+            steps = step_shape(steps_before, served_steps(base_url))
             cpu = {k: (v - cpu_before.get(k, 0.0)) / m["duration_s"]
                    for k, v in process_cpu(proc.pid).items()}
             row = {"max_concurrency": concurrency} | {k: m[k] for k in (
@@ -254,6 +286,7 @@ def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path, mode: str,
             # them with --api-server-count); "engine": the engine core process.
             row["server_cpu"], row["engine_cpu"] = busiest(cpu, "api"), busiest(cpu, "other")
             row["api_servers_cpu"] = sum(v for k, v in cpu.items() if k.startswith("api:"))
+            row |= steps
             result["rows"].append({"request_rate": None if math.isinf(rate) else rate, **row})
             print(f"{server_label(result)}, rate {rate:g}, at most {concurrency or 'any'} in "
                   f"flight: {row['completed']}/{n} done, "
@@ -279,16 +312,17 @@ def offline(args: argparse.Namespace, model_dir: Path,
     device = llm.config.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
+    steps_before, start = offline_steps(llm), time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=False)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
+    steps = step_shape(steps_before, offline_steps(llm))
     llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"startup_s": startup, "elapsed_s": elapsed, "num_prompts": len(requests),
             "total_output_tokens": tokens, "output_throughput": tokens / elapsed,
-            "request_throughput": len(requests) / elapsed}
+            "request_throughput": len(requests) / elapsed, **steps}
 
 
 def server_label(sweep: dict[str, Any]) -> str:
@@ -311,7 +345,8 @@ def print_report(result: dict[str, Any]) -> None:
           f"max concurrency {result['args']['max_concurrency']} (None: no limit)")
     print(f"{'engine':>11} {'conc':>5} {'rate':>6} {'reqs':>5} {'err':>4} {'req/s':>7} "
           f"{'out tok/s':>10} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'E2E p50':>8} "
-          f"{'client cpu':>10} {'server cpu':>10} {'engine cpu':>10}")
+          f"{'client cpu':>10} {'server cpu':>10} {'engine cpu':>10} {'steps':>6} "
+          f"{'tok/step':>8} {'decode':>6}")
     for sweep in result["serve_by_engine"]:
         for r in sweep["rows"]:
             rate = "inf" if r["request_rate"] is None else f"{r['request_rate']:g}"
@@ -321,12 +356,13 @@ def print_report(result: dict[str, Any]) -> None:
                   f"{r['output_throughput']:>10,.0f} {r['p50_ttft_ms']:>9.1f} "
                   f"{r['p99_ttft_ms']:>8.1f} {r['p50_itl_ms']:>8.2f} "
                   f"{r['p99_itl_ms']:>8.2f} {r['p50_e2el_ms']:>8.1f} {r['client_cpu']:>10.0%} "
-                  f"{_share(r.get('server_cpu')):>10} {_share(r.get('engine_cpu')):>10}")
+                  f"{_share(r.get('server_cpu')):>10} {_share(r.get('engine_cpu')):>10} "
+                  f"{_steps(r)}")
             for line in bench_serve.failure_lines(r["errors"]):
                 print(f"       {line}")
     o = result["offline"]
     print(f"offline LLM.generate: {o['total_output_tokens']} tokens in {o['elapsed_s']:.2f} s, "
-          f"{o['output_throughput']:,.0f} output tok/s")
+          f"{o['output_throughput']:,.0f} output tok/s; steps, tok/step, decode: {_steps(o)}")
     for sweep in result["serve_by_engine"]:
         print(f"serve ({server_label(sweep)}) at saturation (rate "
               f"{sweep['saturation_rate']}, at most {sweep['saturation_concurrency'] or 'any'} "
@@ -336,6 +372,12 @@ def print_report(result: dict[str, Any]) -> None:
 
 def _share(cpu: float | None) -> str:
     return "-" if cpu is None else f"{cpu:.0%}"
+
+
+def _steps(r: dict[str, Any]) -> str:
+    """Engine steps, tokens per step and the decode-only share (a served row or offline)."""
+    return (f"{r['engine_steps']:>6,.0f} {r['tokens_per_step']:>8.1f} "
+            f"{r['decode_step_share']:>6.0%}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -35,6 +35,12 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
         # server's start-up, seconds of CPU, would put a whole-life figure far above the cores.
         cores = psutil.cpu_count()
         assert 0 <= row["server_cpu"] <= cores and 0 <= row["engine_cpu"] <= cores
+    # The engine's steps over each pass, read from /metrics, and over offline's: each request
+    # computes its 12 prompt tokens and 5 of its 6 output tokens (the prefill samples the
+    # first; the last is sampled by a step that needs no successor), prefix caching off.
+    for shape in (*rows, result["offline"]):
+        assert shape["engine_steps"] * shape["tokens_per_step"] == pytest.approx(6 * (12 + 5))
+        assert shape["engine_steps"] >= 5 and 0 < shape["decode_step_share"] < 1
     # Saturation is the best of the rate-inf rows, whichever limit gave it.
     best = max(rows, key=lambda r: r["output_throughput"])
     assert result["saturation_concurrency"] == best["max_concurrency"]
