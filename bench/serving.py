@@ -66,7 +66,6 @@ import datetime
 import itertools
 import json
 import math
-import os
 import shlex
 import signal
 import socket
@@ -81,11 +80,11 @@ from typing import Any
 import psutil
 import torch
 
-import kvfit
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
 from kvfit.benchmarks.record import write_record
 from kvfit.commands import bench_serve
+from kvfit.commands.common import child_env
 from kvfit.models.loader import load_hf_config, resolve_model
 
 TARGET = 0.85
@@ -169,9 +168,7 @@ def start_server(args: argparse.Namespace, model_dir: Path, port: int, log: Path
         cmd += ["--stream-interval", str(args.stream_interval)]
     if api_servers is not None:
         cmd += ["--api-server-count", str(api_servers)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")  # the GPU machine's PYTHONPATH goes along
-    src = str(Path(kvfit.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    env = child_env(PYTHONUNBUFFERED="1")  # the GPU machine's PYTHONPATH goes along
     print(f"server: {shlex.join(cmd)} (log {log})", flush=True)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)

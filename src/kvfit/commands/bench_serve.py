@@ -29,7 +29,6 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvfit.benchmarks.figures import record_of
@@ -39,6 +38,7 @@ from kvfit.commands.common import (
     Subparsers,
     add_remote_args,
     auth_headers,
+    child_env,
     format_table,
     parse_percentiles,
     parse_sse_line,
@@ -409,11 +409,8 @@ def _run_processes(args: argparse.Namespace, model: str,
     Each client is `python -c` importing this module alone, never multiprocessing's child:
     that imports the caller's main module first (for bench/serving.py torch, the engine and
     transformers), which took ~18 s of CPU per child on the H200 host, one after another."""
-    src = str(Path(__file__).resolve().parents[2])  # this kvfit, whatever the caller's path
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, env=env) for _ in range(n)]
+                              stdout=subprocess.PIPE, env=child_env()) for _ in range(n)]
     try:
         for k, (proc, share) in enumerate(zip(procs, _shares(args.max_concurrency, n),
                                               strict=True)):

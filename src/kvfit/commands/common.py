@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -225,3 +226,13 @@ def sse_error(payload: dict[str, Any]) -> str | None:
     if error is None:
         return None
     return str(error.get("message", error)) if isinstance(error, dict) else str(error)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment (plus `extra`) with this kvfit's source folder first on
+    PYTHONPATH: a child Python process imports this kvfit, wherever it runs and whatever is
+    installed."""
+    src = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    return env
