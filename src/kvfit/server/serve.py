@@ -57,11 +57,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="run the engine core in a process of its own, fed over a pipe, so "
                         "its steps never wait on HTTP work for the GIL (--no-engine-process: "
                         "on a thread of the server's process)")
-    server.add_argument("--api-server-count", type=api_server_count, default=1, metavar="N",
+    server.add_argument("--api-server-count", type=at_least_one("API server processes"),
+                        default=1, metavar="N",
                         help="HTTP API server processes sharing the port in front of the one "
                         "engine process, so HTTP, SSE and text decoding use N GILs (needs "
                         "--engine-process; default: %(default)s)")
-    server.add_argument("--stream-interval", type=stream_interval, default=1, metavar="N",
+    server.add_argument("--stream-interval", type=at_least_one("tokens per streamed chunk"),
+                        default=1, metavar="N",
                         help="new tokens a streamed request gathers before its next chunk is "
                         "sent (its first token and its end go at once); above 1, less server "
                         "work per token at many concurrent streams (default: %(default)s)")
@@ -75,28 +77,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return parser
 
 
-def api_server_count(value: str) -> int:
-    """`--api-server-count`'s type: an integer >= 1 (argparse names the flag on error)."""
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (API server processes), "
-                                         f"got {value!r}")
-    return n
+def at_least_one(what: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= 1 counting `what` (argparse names the flag on error)."""
 
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"must be an integer >= 1 ({what}), got {value!r}")
+        return n
 
-def stream_interval(value: str) -> int:
-    """`--stream-interval`'s type: an integer >= 1 (argparse names the flag on error)."""
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (tokens per streamed chunk), "
-                                         f"got {value!r}")
-    return n
+    return parse
 
 
 def _event_loop_kinds() -> str:
