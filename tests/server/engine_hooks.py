@@ -12,8 +12,9 @@ from typing import Any
 
 from kvfit.engine.llm import LLM
 
-# prompt -> ("stall", release file) or ("fail", None); module state of the engine's process.
-_rules: dict[str, tuple[str, str | None]] = {}
+# prompt -> ("stall", release file), ("slow", seconds) or ("fail", None); module state of the
+# engine's process.
+_rules: dict[str, tuple[str, Any]] = {}
 _batch_sizes: list[int] = []
 _detokenized: list[str] = []
 _STALL_LIMIT_S = 30.0
@@ -32,6 +33,8 @@ def _install(llm: LLM) -> None:
             kind, release = _rules.get(seq.prompt, (None, None))
             if kind == "fail":
                 raise RuntimeError("injected failure")
+            if kind == "slow":
+                time.sleep(release)
             if kind == "stall":
                 deadline = time.monotonic() + _STALL_LIMIT_S
                 while not Path(release).exists() and time.monotonic() < deadline:
@@ -55,6 +58,12 @@ def stall(llm: LLM, prompt: str, release_file: str) -> None:
     """Steps holding `prompt` wait until `release_file` exists (at most 30 s)."""
     _install(llm)
     _rules[prompt] = ("stall", release_file)
+
+
+def slow(llm: LLM, prompt: str, seconds: float) -> None:
+    """Steps holding `prompt` take `seconds` longer."""
+    _install(llm)
+    _rules[prompt] = ("slow", seconds)
 
 
 def fail(llm: LLM, prompt: str) -> None:

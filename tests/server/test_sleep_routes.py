@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import engine_hooks
 import httpx
 import pytest
 
@@ -17,7 +18,7 @@ from kvfit.engine.config import EngineArgs
 from kvfit.server import serve
 from kvfit.server.async_llm import AsyncLLM
 
-from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerThread, engine_kwargs
+from .conftest import MODEL_NAME, ServerThread, engine_kwargs, in_engine
 
 COMPLETION = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8, 9], "max_tokens": 8,
               "temperature": 0, "ignore_eos": True}
@@ -91,21 +92,27 @@ def _running(http: httpx.Client) -> bool:
 
 
 @pytest.mark.parametrize(("mode", "finish_reason"), [("wait", "length"), ("abort", "abort")])
-def test_sleep_waits_for_a_running_request_or_aborts_it(http: httpx.Client, mode: str,
-                                                        finish_reason: str) -> None:
-    long = {**COMPLETION, "max_tokens": MAX_MODEL_LEN - len(COMPLETION["prompt"])}
-    results: list[httpx.Response] = []
-    worker = threading.Thread(target=lambda: results.append(
-        http.post("/v1/completions", json=long)))
-    worker.start()
-    deadline = time.monotonic() + 30
-    while not _running(http):  # sleep must meet the request running
-        assert worker.is_alive() and time.monotonic() < deadline, "it never ran, or ran out"
-    assert http.post("/sleep", params={"mode": mode}).status_code == 200
-    worker.join(timeout=60)
-    assert results[0].status_code == 200, results[0].text
-    assert results[0].json()["choices"][0]["finish_reason"] == finish_reason
-    assert not _running(http)
+def test_sleep_waits_for_a_running_request_or_aborts_it(http: httpx.Client, engine: AsyncLLM,
+                                                        mode: str, finish_reason: str) -> None:
+    # 100 steps of at least 20 ms: the request runs for seconds, so the poll below always
+    # meets it running, however busy the machine.
+    in_engine(engine, engine_hooks.slow, "slow", 0.02)
+    try:
+        long = {**COMPLETION, "prompt": "slow", "max_tokens": 100}
+        results: list[httpx.Response] = []
+        worker = threading.Thread(target=lambda: results.append(
+            http.post("/v1/completions", json=long)))
+        worker.start()
+        deadline = time.monotonic() + 30
+        while not _running(http):  # sleep must meet the request running
+            assert worker.is_alive() and time.monotonic() < deadline, "it never ran, or ran out"
+        assert http.post("/sleep", params={"mode": mode}).status_code == 200
+        worker.join(timeout=60)
+        assert results[0].status_code == 200, results[0].text
+        assert results[0].json()["choices"][0]["finish_reason"] == finish_reason
+        assert not _running(http)
+    finally:
+        in_engine(engine, engine_hooks.clear)
 
 
 def test_the_routes_need_sleep_mode_and_the_development_flag(
