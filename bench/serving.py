@@ -436,7 +436,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.max_concurrency = [c or None for c in args.max_concurrency]  # 0: no limit
     args.vocab_size = load_hf_config(args.model).vocab_size
     for limit in args.max_concurrency:  # bench serve's own checks of every workload flag
-        bench_serve._check_args(load_args(args, "", math.inf, args.num_prompts, limit))
+        bench_serve._check_args(load_args(args, "http://127.0.0.1", math.inf,
+                                          args.num_prompts, limit))
     longest = sum(math.ceil(n * (1 + args.random_range_ratio))
                   for n in (args.input_len, args.output_len))
     args.max_model_len = args.max_model_len or longest

@@ -106,7 +106,8 @@ def test_bench_serve_times_chunks_and_counts_failures(
     errors = result["errors"]
     assert sum(errors.values()) == 6
     assert sum(n for e, n in errors.items() if e.startswith("HTTP 500")) == 2
-    assert sum(n for e, n in errors.items() if "RemoteProtocolError" in e) == 2
+    # A connection dropped mid-stream: aiohttp's payload error.
+    assert sum(n for e, n in errors.items() if "ClientPayloadError" in e) == 2
     assert errors["error event: engine died"] == 2
     assert result["model"] == "fake-model" and result["request_rate"] is None
     body = server.bodies[0]
@@ -157,7 +158,7 @@ def test_bench_serve_unreachable_server_fails_every_request_without_crashing(
     record = json.loads(path.read_text())
     result = record["results"]
     assert result["failed"] == 3 and result["completed"] == 0
-    assert all("ConnectError" in e for e in result["errors"])
+    assert all("Cannot connect to host" in e for e in result["errors"])
     assert math.isclose(result["request_throughput"], 0.0)
     assert "Failed requests:" in capsys.readouterr().out
 
@@ -220,7 +221,7 @@ def test_bench_serve_merges_client_processes(fake_server: Callable, tmp_path: Pa
     assert (result["completed"], result["failed"]) == (4, 6)
     errors = result["errors"]
     assert sum(n for e, n in errors.items() if e.startswith("HTTP 500")) == 2
-    assert sum(n for e, n in errors.items() if "RemoteProtocolError" in e) == 2
+    assert sum(n for e, n in errors.items() if "ClientPayloadError" in e) == 2
     assert errors["error event: engine died"] == 2
     assert sorted(len(b["prompt"]) for b in server.bodies) == [5] * 10
     assert all(len(r["itl"]) == 2 and r["output_tokens"] == 3
@@ -249,15 +250,33 @@ def test_bench_serve_clients_never_import_the_callers_main_module(fake_server: C
     assert result["num_client_processes"] == 3 and result["completed"] == 6
 
 
-def test_bench_serve_a_failing_client_process_fails_its_requests(tmp_path: Path) -> None:
+def test_bench_serve_a_failing_client_process_fails_its_requests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every client process fails before its first request: a sitecustomize on its PYTHONPATH
+    # breaks the session it opens.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import kvfit.commands.bench_serve as b\n"
+        "def _broken(args, connections):\n"
+        "    raise RuntimeError('no session in this client')\n"
+        "b._session = _broken\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
     path = tmp_path / "s.json"
-    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:notaport", "--model", "m",
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--model", "m",
             "--num-prompts", "4", "--num-client-processes", "2", "--result-file", str(path)]
     assert main(argv) == 1
     record = json.loads(path.read_text())
     result = record["results"]
     assert result["failed"] == 4 and len(result["requests"]) == 4
-    assert all(e.startswith("client process failed: InvalidURL") for e in result["errors"])
+    assert result["errors"] == {
+        "client process failed: RuntimeError: no session in this client": 4}
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:notaport", "127.0.0.1:8000", "ftp://h/"])
+def test_bench_serve_a_bad_base_url_names_the_flag(url: str) -> None:
+    with pytest.raises(ValueError, match="--base-url must be an http"):
+        main(["bench", "serve", "--base-url", url, "--model", "m"])
 
 
 def test_per_token_itl_spreads_a_chunk_over_its_tokens() -> None:
