@@ -21,7 +21,11 @@ The workload: `--num-prompts` prompts of `--input-len` random token ids (bench_s
 each, ignore_eos, greedy; `--random-range-ratio R` spreads both lengths uniformly over
 [len x (1 - R), len x (1 + R)], offline and served alike, so requests stop finishing in
 waves. Steps:
-1. Per `--engines` placement (`process`: the engine core in a process of its own, `kvfit
+1. Offline first, in this process before any server has run: `LLM(...)` with the same engine
+   flags, one untimed pass, then `--offline-repeat` timed `generate` passes on the same prompts
+   and sampling params (startup excluded); the median pass is the figure. On the H200 one
+   pass run after the servers took 6.0 s where another night's took 3.8 s on the same steps.
+2. Per `--engines` placement (`process`: the engine core in a process of its own, `kvfit
    serve`'s default; `thread`: `--no-engine-process`, the engine on a thread of the server's
    process), `python3 -m kvfit serve` in a subprocess (log beside --out), wait for /health,
    one untimed pass of the workload at rate inf (kernel compilation), then per
@@ -29,15 +33,13 @@ waves. Steps:
    that many requests in flight. The default limit is `--max-num-seqs`, the engine's batch.
    Capped there, every request of this workload (one output length) finishes in the same few
    steps as the rest of its wave, and the engine idles for a client round trip of the next
-   wave that offline `generate` never waits for. A higher limit keeps a queue, but on the H200
-   (2026-12-04) 512 in flight gave 27.5k output tok/s against 43.1k at 256: staggered arrivals
-   turn most steps into mixed prefill+decode steps. Give several limits to compare them; 0
+   wave that offline `generate` never waits for. A higher limit keeps a queue (on the H200,
+   2026-12-04, 512 in flight ran offline's very steps). Give several limits to compare them; 0
    means no limit, as `vllm bench serve`; then keep `--num-prompts` under the server's
    `--max-concurrent-requests` (1024), or the excess is answered 503. A finite rate sends
    the first rate x `--rate-duration-s` prompts of the workload (the whole workload at 4
-   req/s would take minutes); inf sends them all. Then SIGINT, wait, kill after 30 s.
-2. In this process, once the server is gone: `LLM(...)` with the same engine flags, one untimed
-   pass, then `generate` on the same prompts and sampling params, timed (startup excluded).
+   req/s would take minutes); inf sends them all. Then SIGINT, wait, kill after 30 s, and
+   wait for every process the server started (one left would share the GPU).
 3. A table (latencies in ms; "client cpu": the load generator's CPU time over the row's
    duration, per client process (`--num-client-processes`, bench serve's default), near 100%
    meaning the load generator, not the server, was the limit; "server cpu" and "engine cpu"
@@ -62,7 +64,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
+import gc
 import itertools
 import json
 import math
@@ -239,7 +243,13 @@ def busiest(cpu: dict[str, float], kind: str) -> float | None:
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    """SIGINT (uvicorn's clean shutdown, which shuts the engine down), kill after `timeout`."""
+    """SIGINT (uvicorn's clean shutdown, which shuts the engine down), kill after `timeout`;
+    then wait for every process the server started (its engine and API processes), killing
+    any left: one that outlived its server would share the GPU with the next measurement."""
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
@@ -247,6 +257,12 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    _, alive = psutil.wait_procs(tree, timeout=timeout)
+    for child in alive:
+        print(f"server: its process {child.pid} outlived it; killed", flush=True)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(alive, timeout=5)
 
 
 def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path, mode: str,
@@ -296,30 +312,46 @@ def serve_sweep(args: argparse.Namespace, model_dir: Path, log: Path, mode: str,
 
 def offline(args: argparse.Namespace, model_dir: Path,
             requests: list[tuple[list[int], int]]) -> dict[str, Any]:
-    """`LLM.generate` on the same prompts and sampling params (each request's max_tokens),
-    timed after one untimed pass."""
+    """`LLM.generate` on the same prompts and sampling params (each request's max_tokens):
+    one untimed pass, then `--offline-repeat` timed ones; the figures are the median pass's.
+    It runs before any server starts, in a process that has run nothing else; the engine gets
+    the server engine process's hygiene (startup's objects frozen out of the collector)."""
     started = time.perf_counter()
     llm = LLM(str(model_dir), **engine_flags(args))
     startup = time.perf_counter() - started
+    gc.collect()
+    gc.freeze()
     inputs = [{"prompt_token_ids": p} for p, _ in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
               for _, n in requests]
     if args.warmup:
         llm.generate(inputs, params, use_tqdm=False)
     device = llm.config.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    steps_before, start = offline_steps(llm), time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - start
-    steps = step_shape(steps_before, offline_steps(llm))
+    passes = []
+    for _ in range(args.offline_repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        steps_before, start = offline_steps(llm), time.perf_counter()
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        passes.append({"elapsed_s": elapsed, "total_output_tokens": tokens,
+                       **step_shape(steps_before, offline_steps(llm))})
+        print(f"offline pass {len(passes)}: {tokens / elapsed:,.0f} output tok/s", flush=True)
     llm.shutdown()
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"startup_s": startup, "elapsed_s": elapsed, "num_prompts": len(requests),
-            "total_output_tokens": tokens, "output_throughput": tokens / elapsed,
-            "request_throughput": len(requests) / elapsed, **steps}
+    del llm
+    gc.unfreeze()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    median = sorted(passes, key=lambda p: p["elapsed_s"])[len(passes) // 2]
+    return {"startup_s": startup, **median, "num_prompts": len(requests),
+            "output_throughput": median["total_output_tokens"] / median["elapsed_s"],
+            "request_throughput": len(requests) / median["elapsed_s"],
+            "passes_output_throughput": [p["total_output_tokens"] / p["elapsed_s"]
+                                         for p in passes]}
 
 
 def server_label(sweep: dict[str, Any]) -> str:
@@ -358,7 +390,9 @@ def print_report(result: dict[str, Any]) -> None:
             for line in bench_serve.failure_lines(r["errors"]):
                 print(f"       {line}")
     o = result["offline"]
-    print(f"offline LLM.generate: {o['total_output_tokens']} tokens in {o['elapsed_s']:.2f} s, "
+    passes = ", ".join(f"{t:,.0f}" for t in o["passes_output_throughput"])
+    print(f"offline LLM.generate (median of {len(o['passes_output_throughput'])} passes: "
+          f"{passes}): {o['total_output_tokens']} tokens in {o['elapsed_s']:.2f} s, "
           f"{o['output_throughput']:,.0f} output tok/s; steps, tok/step, decode: {_steps(o)}")
     for sweep in result["serve_by_engine"]:
         print(f"serve ({server_label(sweep)}) at saturation (rate "
@@ -423,6 +457,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "engines only (default: the server's, 1)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="one untimed pass of the workload before the timed ones, in both")
+    p.add_argument("--offline-repeat", type=int, default=3, metavar="N",
+                   help="timed offline passes; the median one is the figure (passes on one "
+                   "H200 have differed by 1.6x)")
     p.add_argument("--server-timeout", type=float, default=240.0,
                    help="seconds to wait for the server's /health")
     p.add_argument("--seed", type=int, default=0)
@@ -434,6 +471,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.max_concurrency is None:
         args.max_concurrency = [args.max_num_seqs]
     args.max_concurrency = [c or None for c in args.max_concurrency]  # 0: no limit
+    if args.offline_repeat < 1:
+        p.error(f"--offline-repeat must be >= 1, got {args.offline_repeat}")
     args.vocab_size = load_hf_config(args.model).vocab_size
     for limit in args.max_concurrency:  # bench serve's own checks of every workload flag
         bench_serve._check_args(load_args(args, "http://127.0.0.1", math.inf,
@@ -463,9 +502,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     requests = workload(args)
     with tempfile.TemporaryDirectory(prefix="kvfit-serving-") as tmp:
         model_dir = with_word_tokenizer(args.model, Path(tmp) / "model")
+        off = offline(args, model_dir, requests)
         sweeps = [serve_sweep(args, model_dir, server_log(out, mode, n), mode, n)
                   for mode, n in servers(args)]
-        off = offline(args, model_dir, requests)
     for sweep in sweeps:
         row = saturation(sweep)
         sweep["saturation_rate"] = "inf" if row["request_rate"] is None else row["request_rate"]
