@@ -71,3 +71,33 @@ def test_stats_and_fail_step(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     run(llm)
     assert waiting[0].finish_reason == "length"
     assert core.stats().num_free_blocks == 64
+
+
+def test_updated_seqs_hold_every_sequence_a_step_changed(llm: LLM) -> None:
+    # Four requests, two running at a time behind a 2-sequence cap: the waiting ones must
+    # never be reported, and every token, finish or logprob a step makes ready must be.
+    llm.engine.scheduler.max_num_seqs = 2
+    try:
+        seqs = [seq for i in range(4) for seq in llm.make_request(
+            {"prompt_token_ids": list(range(10 + i, 30 + i))},
+            SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True, logprobs=1),
+            f"r{i}")]
+        for seq in seqs:
+            llm.engine.add_request(seq)
+
+        def state(seq: object) -> tuple[object, ...]:
+            ready = [t for t in seq.output_token_ids if t >= 0]  # a pending token is < 0
+            return len(ready), seq.is_finished, len(seq.logprobs)
+
+        while llm.engine.has_unfinished():
+            before = {seq.seq_id: state(seq) for seq in seqs}
+            llm.engine.step()
+            changed = {seq.seq_id for seq in seqs if state(seq) != before[seq.seq_id]}
+            updated = {seq.seq_id for seq in llm.engine.updated_seqs}
+            assert changed <= updated
+            waiting = {seq.seq_id for seq in llm.engine.scheduler.waiting
+                       if seq.num_computed_tokens == 0}
+            assert not updated & waiting
+        assert [len(seq.output_token_ids) for seq in seqs] == [3, 4, 5, 6]
+    finally:
+        llm.engine.scheduler.max_num_seqs = 8

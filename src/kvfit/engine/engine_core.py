@@ -91,6 +91,9 @@ class EngineCore:
         # Sequences finished between steps (a sleep drained or aborted them, a resize applied
         # the step in flight) that no `step` has returned yet.
         self._finished_early: list[Sequence] = []
+        # The sequences of the batches the last `step` applied: their tokens are the ones it
+        # made ready, so a front end streaming them visits these rather than every request.
+        self.updated_seqs: list[Sequence] = []
         try:
             self.kv_cache_report = self._initialize_kv_cache()
         except BaseException:
@@ -347,6 +350,7 @@ class EngineCore:
             self.kv_resizer.govern(self.kv_cache_governor, self._settle, time.monotonic(),
                                    self._kv_usage())
         finished, self._finished_early = self._finished_early, []
+        self.updated_seqs = []
         if self.scheduler.has_unfinished():
             self.check_can_run()  # never schedule onto released memory or unloaded weights
         if self._in_flight is not None and self._pending_tokens_needed():
@@ -444,6 +448,7 @@ class EngineCore:
     def _apply_in_flight(self) -> list[Sequence]:
         batch, launched = self._in_flight
         self._in_flight = None
+        self.updated_seqs += batch.seqs
         return self.scheduler.update(batch, launched.result())
 
     def fail_step(self) -> list[str]:

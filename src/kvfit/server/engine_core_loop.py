@@ -8,6 +8,7 @@ process (`engine_client`); only `send` differs.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 import queue
@@ -98,6 +99,7 @@ class EngineCoreLoop:
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._tracked: dict[str, _Tracked] = {}
+        self._added: list[_Tracked] = []  # since the last publish: not yet in any step
         # What commands and failed steps produced: deltas of aborted requests, errors.
         self._pending: list[RequestDelta] = []
         self._errors: list[tuple[str, BaseException]] = []
@@ -124,11 +126,11 @@ class EngineCoreLoop:
                 # Idle, the elastic cache's governor still watches memory on its poll.
                 if not self._wake.wait(self._idle_poll_s):
                     self.core.step()
-                    self._publish(scan=False)
+                    self._publish(scan=[])
                 self._wake.clear()
                 continue
             self._step()
-            self._publish(scan=True)
+            self._publish(scan=self._stepped())
 
     def _step(self) -> None:
         try:
@@ -161,7 +163,7 @@ class EngineCoreLoop:
         # A call (a sleep) may have stepped every request to its end: look at them all. Adds
         # alone send nothing: the next step's message carries the stats they changed.
         if called or self._pending or self._errors:
-            self._publish(scan=called)
+            self._publish(scan=list(self._tracked.values()) if called else [])
         return True
 
     def _add(self, request_id: str, prompt_token_ids: list[int], prompt: str | None,
@@ -178,7 +180,8 @@ class EngineCoreLoop:
                 error = EngineSleepingError(f"the engine is asleep: {error}")
             self._errors.append((request_id, portable(error)))
             return
-        self._tracked[request_id] = _Tracked(request_id, seqs)
+        self._tracked[request_id] = tracked = _Tracked(request_id, seqs)
+        self._added.append(tracked)
 
     def _abort(self, request_id: str) -> None:
         self.core.abort_request(request_id)
@@ -195,25 +198,37 @@ class EngineCoreLoop:
         except Exception as error:  # the caller's to handle; the engine serves on
             self._results.append((call_id, None, portable(error)))
 
-    def _publish(self, scan: bool) -> None:
-        """Send what is pending, plus (`scan`) every tracked request's delta, in one message;
+    def _stepped(self) -> list[_Tracked]:
+        """The requests a step can have changed: those whose sequences it applied (the core's
+        `updated_seqs`, at most two batches) and those added since the last publish. Visiting
+        these, not every request held, keeps a queue of waiting requests off every step's
+        cost (the delta of a request visited twice is None the second time)."""
+        tracked = self._tracked
+        ids = [t.request_id for t in self._added]
+        self._added = []
+        # A request failed or aborted since it was added is no longer tracked: its end is sent.
+        return [t for request_id in itertools.chain(
+            ids, (seq.request_id for seq in self.core.updated_seqs))
+            if (t := tracked.get(request_id)) is not None]
+
+    def _publish(self, scan: list[_Tracked]) -> None:
+        """Send what is pending plus the deltas of the requests in `scan`, in one message;
         nothing when nothing changed."""
         outputs, self._pending = self._pending, []
         tokens: list[PlainDelta] = []
-        if scan:
-            finished = []
-            for tracked in self._tracked.values():
-                delta = tracked.delta()
-                if delta is None:
-                    continue
-                if len(delta) == 2:
-                    tokens.append(delta)
-                    continue
-                outputs.append(delta)
-                if delta[2]:
-                    finished.append(tracked.request_id)
-            for request_id in finished:
-                del self._tracked[request_id]
+        finished = []
+        for tracked in scan:
+            delta = tracked.delta()
+            if delta is None:
+                continue
+            if len(delta) == 2:
+                tokens.append(delta)
+                continue
+            outputs.append(delta)
+            if delta[2]:
+                finished.append(tracked.request_id)
+        for request_id in finished:
+            self._tracked.pop(request_id, None)
         core = self.core
         stats, report, sleeping = core.stats(), core.kv_cache_report, core.is_sleeping
         changed_report = report if report is not self._report else None
