@@ -125,6 +125,14 @@ def test_git_state_outside_a_checkout_takes_the_revision_from_the_environment(
     assert git_state(tmp_path) == {"revision": "abc123", "dirty": None}
 
 
+def test_git_state_takes_a_named_revision_over_a_checkouts_head(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVFIT_GIT_REVISION", raising=False)
+    assert git_state()["revision"] not in (None, "abc123")  # this checkout's HEAD
+    monkeypatch.setenv("KVFIT_GIT_REVISION", "abc123")  # a copy whose .git is stale
+    assert git_state() == {"revision": "abc123", "dirty": None}
+
+
 @pytest.mark.gpu
 def test_record_on_a_gpu_names_the_device_and_its_stack() -> None:
     import torch

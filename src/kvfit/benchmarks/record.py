@@ -63,12 +63,15 @@ def _version(dist: str) -> str | None:
 def git_state(repo: Path = _REPO) -> dict[str, Any]:
     """The revision the run's sources are at, and whether tracked files differ from it.
 
-    A copy of the tree without `.git` (a GPU machine's) takes the revision from
-    `KVFIT_GIT_REVISION` where set; whether it is dirty is then unknown (None).
+    `KVFIT_GIT_REVISION`, where set, names it instead (whether the tree is dirty is then
+    unknown: None): a GPU machine's copy of the tree has no `.git`, or one whose HEAD is
+    stale (the device tool's copies named a revision two sessions old).
     """
+    if named := os.environ.get("KVFIT_GIT_REVISION"):
+        return {"revision": named, "dirty": None}
     revision = _run(["git", "-C", str(repo), "rev-parse", "HEAD"])
     if revision is None:
-        return {"revision": os.environ.get("KVFIT_GIT_REVISION") or None, "dirty": None}
+        return {"revision": None, "dirty": None}
     status = _run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"])
     return {"revision": revision, "dirty": status is not None}
 
