@@ -335,10 +335,10 @@ def failure_lines(errors: dict[str, int], most: int = 10) -> list[str]:
 def _check_args(args: argparse.Namespace) -> None:
     url = urllib.parse.urlsplit(args.base_url)
     try:
-        url.port  # noqa: B018  # raises for a port that is not a number
-    except ValueError:
-        url = url._replace(netloc="")
-    if url.scheme not in ("http", "https") or not url.hostname:
+        valid = url.scheme in ("http", "https") and bool(url.hostname) and (url.port or True)
+    except ValueError:  # a port that is not a number
+        valid = False
+    if not valid:
         raise ValueError(f"--base-url must be an http(s)://host[:port] URL, got {args.base_url!r}")
     for name in ("num_prompts", "input_len", "output_len", "random_vocab_size"):
         if getattr(args, name) < 1:

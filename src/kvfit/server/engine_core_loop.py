@@ -99,7 +99,7 @@ class EngineCoreLoop:
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._tracked: dict[str, _Tracked] = {}
-        self._added: list[_Tracked] = []  # since the last publish: not yet in any step
+        self._added: list[str] = []  # request ids since the last publish: in no step yet
         # What commands and failed steps produced: deltas of aborted requests, errors.
         self._pending: list[RequestDelta] = []
         self._errors: list[tuple[str, BaseException]] = []
@@ -180,8 +180,8 @@ class EngineCoreLoop:
                 error = EngineSleepingError(f"the engine is asleep: {error}")
             self._errors.append((request_id, portable(error)))
             return
-        self._tracked[request_id] = tracked = _Tracked(request_id, seqs)
-        self._added.append(tracked)
+        self._tracked[request_id] = _Tracked(request_id, seqs)
+        self._added.append(request_id)
 
     def _abort(self, request_id: str) -> None:
         self.core.abort_request(request_id)
@@ -203,12 +203,10 @@ class EngineCoreLoop:
         `updated_seqs`, at most two batches) and those added since the last publish. Visiting
         these, not every request held, keeps a queue of waiting requests off every step's
         cost (the delta of a request visited twice is None the second time)."""
-        tracked = self._tracked
-        ids = [t.request_id for t in self._added]
-        self._added = []
+        tracked, added, self._added = self._tracked, self._added, []
         # A request failed or aborted since it was added is no longer tracked: its end is sent.
         return [t for request_id in itertools.chain(
-            ids, (seq.request_id for seq in self.core.updated_seqs))
+            added, (seq.request_id for seq in self.core.updated_seqs))
             if (t := tracked.get(request_id)) is not None]
 
     def _publish(self, scan: list[_Tracked]) -> None:
