@@ -24,7 +24,7 @@ waves. Steps:
 1. Offline first, in this process before any server has run: `LLM(...)` with the same engine
    flags, one untimed pass, then `--offline-repeat` timed `generate` passes on the same prompts
    and sampling params (startup excluded); the median pass is the figure. On the H200 one
-   pass run after the servers took 6.0 s where another night's took 3.8 s on the same steps.
+   pass run after the servers took 6.0 s where the call before took 3.8 s on the same steps.
 2. Per `--engines` placement (`process`: the engine core in a process of its own, `kvfit
    serve`'s default; `thread`: `--no-engine-process`, the engine on a thread of the server's
    process), `python3 -m kvfit serve` in a subprocess (log beside --out), wait for /health,
