@@ -21,17 +21,13 @@ from prometheus_client.registry import Collector
 
 from kvfit.engine.metrics import engine_metrics
 from kvfit.engine.outputs import RequestOutput
+from kvfit.server.api_servers import PROMETHEUS_MULTIPROC_ENV
 from kvfit.server.async_llm import AsyncLLM
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 # Status code -> failure reason label.
 _FAILURE_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 503: "rejected"}
-
-
-def multiprocess_dir() -> str | None:
-    """prometheus_client's multiprocess folder (`PROMETHEUS_MULTIPROC_DIR`), None when off."""
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
 class _EngineCollector(Collector):
@@ -62,7 +58,8 @@ class ServerMetrics:
         if multiprocess:
             # Counts go to files only where the variable was set before prometheus_client's
             # import (it picks the kind of value then); else every process would report zeros.
-            if multiprocess_dir() is None or values.ValueClass.__name__ != "MmapedValue":
+            if (not os.environ.get(PROMETHEUS_MULTIPROC_ENV)
+                    or values.ValueClass.__name__ != "MmapedValue"):
                 raise RuntimeError("multiprocess metrics need PROMETHEUS_MULTIPROC_DIR set "
                                    "before prometheus_client is imported")
             # Several API processes (`--api-server-count`): the request figures are the sum of
