@@ -92,11 +92,36 @@ def test_young_sequences_count_what_they_will_hold_so_a_busy_cache_is_not_idle(
         llm.engine.add_request(seq)
         llm.engine.step()
         usage = llm.engine._kv_usage()
-        assert usage.used_blocks == bm.blocks_for(len(seq.token_ids)) < usage.running_need_blocks
-        assert usage.running_need_blocks == bm.blocks_for(4 + max_tokens)
-        assert usage.idle_target == max(usage.floor, 2 * usage.running_need_blocks)
-        assert replace(usage, running_need_blocks=0).idle_target < usage.idle_target
+        assert usage.used_blocks == bm.blocks_for(len(seq.token_ids)) < usage.need_blocks
+        assert usage.need_blocks == bm.blocks_for(4 + max_tokens)
+        assert usage.idle_target == max(usage.floor, 2 * usage.need_blocks)
+        assert replace(usage, need_blocks=0).idle_target < usage.idle_target
         llm.engine.abort_request("young")
-        assert llm.engine._kv_usage().running_need_blocks == 0
+        assert llm.engine._kv_usage().need_blocks == 0
+    finally:
+        llm.shutdown()
+
+
+def test_a_burst_still_waiting_counts_up_to_a_full_batch(qwen3: Path) -> None:
+    """A burst that arrives at a small cache mostly waits: its demand is what the next full
+    batch (max_num_seqs sequences, running first) holds at prompt + max_tokens, so a cache just
+    grown for it is not read as idle; requests queued behind a full batch add nothing."""
+    max_num_seqs = 3
+    llm = LLM(str(qwen3), device="cpu",
+              **{**ENGINE, "elastic_idle_s": IDLE_S, "max_num_seqs": max_num_seqs})
+    try:
+        bm = llm.engine.scheduler.block_manager
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        each = bm.blocks_for(4 + 24)
+        for i in range(max_num_seqs + 2):
+            [seq] = llm.make_request({"prompt_token_ids": [1, 2, 3, 4]}, params, f"r{i}")
+            llm.engine.add_request(seq)
+            if i == 0:  # one running, the rest waiting
+                llm.engine.step()
+        scheduler = llm.engine.scheduler
+        assert len(scheduler.running) == 1 and len(scheduler.waiting) == max_num_seqs + 1
+        usage = llm.engine._kv_usage()
+        assert usage.need_blocks == max_num_seqs * each
+        assert usage.used_blocks < usage.need_blocks
     finally:
         llm.shutdown()

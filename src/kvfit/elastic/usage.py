@@ -16,23 +16,27 @@ class KVUsage:
     """One engine's KV cache between steps: `num_blocks` committed, `used_blocks` referenced by
     live sequences (free prefix-cache blocks are not: they may be evicted), `floor` the blocks
     of one `max_model_len` sequence, `short`: sequences were preempted, or a waiting one
-    does not fit in the free blocks, and `running_need_blocks`: what the running sequences
-    will hold at their length limit (prompt + max_tokens, capped at max_model_len).
+    does not fit in the free blocks, and `need_blocks`: what the next full batch will hold
+    at its sequences' length limit (prompt + max_tokens, capped at max_model_len): the running
+    sequences and the waiting ones that fill the batch up to max_num_seqs.
 
     The governor reads the larger of use and that need as the cache's demand: a burst of
     young sequences uses a fraction of what it is about to take, and a shrink to its current
-    use would only be undone a few steps later, after preempting some of it."""
+    use would only be undone a few steps later, after preempting some of it. Waiting
+    sequences count because a burst arriving at a small cache mostly waits (a cache just
+    grown for it has admitted few of them yet): by its use alone it would look idle."""
 
     num_blocks: int
     used_blocks: int
     floor: int
     short: bool = False
-    running_need_blocks: int = 0
+    need_blocks: int = 0
 
     @property
     def demand_blocks(self) -> int:
-        """Blocks the live sequences use now or will use before they finish."""
-        return max(self.used_blocks, self.running_need_blocks)
+        """Blocks the live sequences use now, or the next full batch will use before it
+        finishes."""
+        return max(self.used_blocks, self.need_blocks)
 
     @property
     def idle_target(self) -> int:

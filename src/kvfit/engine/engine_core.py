@@ -3,6 +3,7 @@ scheduler steps. The only place that knows the startup order."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -423,15 +424,18 @@ class EngineCore:
     def _kv_usage(self) -> KVUsage:
         """The cache's use, for the governor: blocks referenced, whether it is short
         (sequences preempted since the last poll, or the first waiting one does not fit), and
-        the blocks the running sequences need to finish."""
+        the blocks the next full batch needs to finish: the running sequences and the first
+        waiting ones up to max_num_seqs (those behind them run only as these finish)."""
         bm, scheduler = self.scheduler.block_manager, self.scheduler
         preempted = scheduler.num_preemptions > self._preemptions_seen
         self._preemptions_seen = scheduler.num_preemptions
         waiting = scheduler.waiting[0] if scheduler.waiting else None
         starved = waiting is not None and bm.blocks_for(len(waiting)) > bm.num_free_blocks
         limit = scheduler.max_model_len
+        admits = max(0, scheduler.max_num_seqs - len(scheduler.running))
+        batch = itertools.chain(scheduler.running, itertools.islice(scheduler.waiting, admits))
         need = sum(bm.blocks_for(min(limit, seq.num_prompt_tokens + seq.sampling_params.max_tokens))
-                   for seq in scheduler.running)
+                   for seq in batch)
         return KVUsage(bm.num_blocks, bm.num_blocks - bm.num_free_blocks,
                        self.kv_resizer.floor, preempted or starved, need)
 
