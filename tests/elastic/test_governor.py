@@ -56,16 +56,22 @@ def test_free_memory_within_the_band_changes_nothing(free: int) -> None:
     assert governor().decide(free, TOTAL, now=100.0) == 0
 
 
-def test_grows_take_down_to_the_middle_at_most_once_per_interval() -> None:
+def test_grows_take_down_to_the_middle_and_one_that_grew_nothing_waits_an_interval() -> None:
     g = governor(min_interval_s=10.0)
     assert g.decide(20 * GiB, TOTAL, now=0.0) == -14 * GiB  # first grow: nothing before it
-    g.grow_attempted(0.0)
-    g.resized(0.0)
+    g.resized(0.0, grew=True)
+    # Another process gave more back right after: taken at once, a grow holds none back.
+    assert g.decide(30 * GiB, TOTAL, now=0.1) == -24 * GiB
+    g.grow_attempted(0.2)  # it failed (or the cache was at its budget): the retry waits
+    assert g.decide(20 * GiB, TOTAL, now=10.1) == 0
+    assert g.decide(20 * GiB, TOTAL, now=10.2) == -14 * GiB
+
+
+def test_a_resize_through_the_api_holds_off_the_next_grow_for_an_interval() -> None:
+    g = governor(min_interval_s=10.0)
+    g.resized(0.0)  # LLM.resize_kv_cache: the user's size stands for an interval
     assert g.decide(20 * GiB, TOTAL, now=9.9) == 0
     assert g.decide(20 * GiB, TOTAL, now=10.0) == -14 * GiB
-    g.grow_attempted(10.0)  # e.g. it failed: no resize, but the retry waits too
-    assert g.decide(20 * GiB, TOTAL, now=19.9) == 0
-    assert g.decide(20 * GiB, TOTAL, now=20.0) == -14 * GiB
 
 
 def test_a_shrink_holds_off_the_next_grow_for_an_interval() -> None:

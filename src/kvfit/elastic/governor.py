@@ -94,10 +94,12 @@ class KVCacheGovernor:
     Free memory under the low watermark (another process is allocating) gives back, at once,
     what brings it to the middle of the two watermarks: a shrink is never delayed, since the
     other process may fail without it. Free memory above the high watermark takes what brings
-    it down to that middle, but only `min_interval_s` after the last resize and the last grow
-    attempt. Between the watermarks nothing changes. Landing in the middle of the band, a
-    resize cannot trigger the opposite one by itself: hysteresis, with grows at most one per
-    interval.
+    it down to that middle, but only `min_interval_s` after the last shrink (or resize through
+    the API) and the last grow attempt that grew nothing (it failed, or the cache was at its
+    budget). A grow does not hold the next one back: memory another engine gives back in
+    steps is taken as it comes, and growing twice is no oscillation. Between the watermarks
+    nothing changes. Landing in the middle of the band, a resize cannot trigger the opposite
+    one by itself: hysteresis, with a grow after a shrink at most one per interval.
 
     With `idle_s` and the cache's `KVUsage`, memory also flows between co-tenant engines,
     whose free memory alone never moves: a cache whose use stays low for `idle_s` shrinks to
@@ -109,8 +111,8 @@ class KVCacheGovernor:
 
     config: ElasticConfig
     last_poll: float = -math.inf
-    last_resize: float = -math.inf
-    last_grow_attempt: float = -math.inf
+    last_resize: float = -math.inf  # the last resize that holds grows back: not a grow
+    last_grow_attempt: float = -math.inf  # the last grow attempt that grew nothing
     low_since: float | None = None  # since when the cache's use has been low
 
     def due(self, now: float) -> bool:
@@ -153,10 +155,13 @@ class KVCacheGovernor:
         self.low_since = None
         return usage.idle_target
 
-    def resized(self, now: float) -> None:
-        """The cache was resized at `now`."""
-        self.last_resize = now
+    def resized(self, now: float, grew: bool = False) -> None:
+        """The cache was resized at `now`; `grew`: by this governor's grow, which does not
+        hold the next grow back."""
+        if not grew:
+            self.last_resize = now
 
     def grow_attempted(self, now: float) -> None:
-        """A grow was tried at `now` (done, failed, or nothing to do at the budget)."""
+        """A grow was tried at `now` and grew nothing (failed, or nothing to do at the
+        budget): the next attempt waits the interval."""
         self.last_grow_attempt = now

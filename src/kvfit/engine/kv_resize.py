@@ -356,6 +356,7 @@ class KVCacheResizer:
 
     def _govern_grow(self, governor: KVCacheGovernor, settle: Callable[[], None],
                      nbytes: int, free: int) -> KVCacheResize | None:
+        event = None
         try:
             _, capacity, budget = self.limits()
             fits = min(self.executor.collective_rpc("kv_cache_blocks_at", nbytes))
@@ -369,10 +370,11 @@ class KVCacheResizer:
                 logger.warning("%s; the governor retries in %.1f s", error,
                                governor.config.min_interval_s)
                 return None
-            governor.resized(event.time)
+            governor.resized(event.time, grew=True)
             return event
-        finally:  # the next attempt waits the interval from the end of this one
-            governor.grow_attempted(time.monotonic())
+        finally:  # an attempt that grew nothing: the next waits the interval from its end
+            if event is None:
+                governor.grow_attempted(time.monotonic())
 
     # -- reporting ---------------------------------------------------------------------------
 
