@@ -121,12 +121,14 @@ class ModelRunner:
         elif num_blocks > self.num_blocks:
             raise ValueError(f"the KV cache holds {self.num_blocks} blocks, {num_blocks} asked")
 
-    def commit_blocks(self, num_blocks: int, defragment: bool = False) -> None:
+    def commit_blocks(self, num_blocks: int, defragment: bool = False,
+                      elastic: bool = False) -> None:
         """Commit exactly `num_blocks` of the extensible cache (grow or shrink); same addresses.
-        `defragment`: each segment one physical allocation, contents zeroed (for a connector)."""
+        `defragment`: each segment one physical allocation, contents zeroed (for a connector);
+        `elastic`: a runtime resize, grown in small chunks (`ExtensibleKVCache.commit`)."""
         if self.kv_cache is None:
             raise RuntimeError("commit_blocks needs the extensible KV cache")
-        self.kv_cache.commit(num_blocks, defragment=defragment)
+        self.kv_cache.commit(num_blocks, defragment=defragment, elastic=elastic)
         if defragment:  # fresh device pages hold garbage, which a masked product can leak
             for view in self.kv_cache.committed_views():
                 view.zero_()

@@ -274,14 +274,15 @@ class Worker:
         no step may be running; a failed commit leaves the cache as it was.
 
         Device memory beyond the new size: a shrink that cuts a physical chunk holds a copy of
-        the chunk's kept part while it swaps (at most `BULK_CHUNK_BYTES`, 1 GiB, per segment);
+        the chunk's kept part while it swaps: at most `ELASTIC_CHUNK_BYTES` (2 GiB) over all
+        segments for chunks this grew, `BULK_CHUNK_BYTES` (1 GiB) per segment for startup's;
         `kv_cache_blocks_at(..., uncut=True)` gives the sizes that need none."""
         cache = self.runner.kv_cache
         before = cache.physical_bytes
         if self.kv_connector is not None:  # its storages end where the committed bytes do
             self.kv_connector.unregister_kv_caches()
         try:
-            self.runner.commit_blocks(num_blocks)
+            self.runner.commit_blocks(num_blocks, elastic=True)
         finally:
             if self.kv_connector is not None:
                 self.kv_connector.register_kv_caches(self.runner.kv_cache_views())

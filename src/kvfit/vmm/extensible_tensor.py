@@ -124,10 +124,12 @@ class ExtensibleTensor:
 
     # --- commit ----------------------------------------------------------------------------
 
-    def commit(self, bytes_per_segment: int, defragment: bool = False) -> None:
+    def commit(self, bytes_per_segment: int, defragment: bool = False,
+               max_chunk_bytes: int = BULK_CHUNK_BYTES) -> None:
         """Grow or shrink every segment to `bytes_per_segment` rounded up to the granule.
 
-        Growth keeps contents; a shrink keeps each segment's prefix (a chunk it cuts is copied
+        Growth keeps contents, and maps chunks of up to `max_chunk_bytes` (rounded down to the
+        granule, at least one); a shrink keeps each segment's prefix (a chunk it cuts is copied
         onto a smaller allocation, so it briefly needs that chunk's kept part again).
         `defragment=True` remaps each segment as a single allocation, as RDMA registration needs,
         and discards the contents. A failing commit leaves the tensor as it was, but for a
@@ -145,7 +147,7 @@ class ExtensibleTensor:
         if defragment:
             self._defragment(target, reservation)
         elif target > self.committed_bytes:
-            self._grow(target, BULK_CHUNK_BYTES, reservation)
+            self._grow(target, max_chunk_bytes, reservation)
         elif target < self.committed_bytes:
             self._shrink(target, reservation)
         self.committed_bytes = target
