@@ -63,6 +63,7 @@ import torch
 from capacity import free_memory, print_table, shut_down
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.engine.sampling_params import MAX_TOKEN_LIST
 from kvfit.kv.monitor import CudaMemoryMonitor, HostMemoryMonitor, MemoryMonitor
@@ -559,6 +560,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    limits = in_run_limits(args.device)  # before any engine: it holds 2.4 GiB for a moment
     began = time.monotonic()
     device = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
     sweeps = [Sweep(model, length, margin) for model in args.models for margin in args.margins
@@ -569,7 +571,8 @@ def main() -> None:
 
     def save(summaries: list[dict[str, Any]] | None = None) -> None:
         write_record(args.out, record_of("adversarial", {
-            "device": device, "args": vars(args), "elapsed_s": time.monotonic() - began,
+            "device": device, "args": vars(args), **limits,
+            "elapsed_s": time.monotonic() - began,
             "sweeps": [dataclasses.asdict(s) for s in sweeps], "summaries": summaries},
             vars(args)))
 

@@ -31,6 +31,7 @@ import torch
 
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.engine.config import EngineArgs
 from kvfit.models.loader import load_hf_config
@@ -112,6 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    limits = in_run_limits(args.device)  # in a process of its own: this one keeps no context
     rng = random.Random(args.seed)
     vocab = load_hf_config(args.model).vocab_size
     prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.input_len)]}
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": args.model, "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "args": vars(args), "offline": off, "rows": rows,
+        "args": vars(args), "offline": off, "rows": rows, **limits,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_record(args.out, record_of("async-engine", result, vars(args)))

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.ops.attention import AttentionMetadata
 
@@ -310,6 +311,8 @@ def main() -> None:
         for c in args.contexts
         if b * c * token_bytes <= args.max_cache_gib * 2**30
     ]
+    # The record's limits; `copy_bw` stays the rows' roofline, timed by do_bench as they are.
+    limits = {} if args.sweep else in_run_limits("cuda")
     cache_tokens = max(max(b * c for b, c in cases), 65536)
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else shape.dtype
     k_cache, v_cache = paged_cache(shape, cache_tokens, cache_dtype)
@@ -330,7 +333,7 @@ def main() -> None:
         result = dict(device=torch.cuda.get_device_name(),
                       shape={**asdict(shape), "dtype": args.dtype,
                              "kv_cache_dtype": args.kv_cache_dtype},
-                      copy_gb_per_s=copy_bw / 1e9, cases=rows)
+                      copy_gb_per_s=copy_bw / 1e9, cases=rows, **limits)
         write_record(args.out, record_of("attention-batch-invariant", result, vars(args)))
         return
 
@@ -367,6 +370,7 @@ def main() -> None:
         copy_gb_per_s=copy_bw / 1e9,
         decode=decode,
         prefill=prefill,
+        **limits,
     )
     write_record(args.out, record_of("attention", result, vars(args)))
 

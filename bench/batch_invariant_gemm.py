@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
 
 CANDIDATES = ["m128n128k64w8s3", "m64n128k64w4s4", "m128n64k64w4s4", "m128n256k64w8s3"]
@@ -301,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         import triton  # noqa: F401
     except ImportError as e:
         parser.error(f"needs Triton (pip install 'kvfit[cuda]'): {e}")
+    limits = in_run_limits("cuda")
     configs: dict[str, dict[str, int] | None] = {CURRENT: None}
     configs |= {name: parse_config(name) for name in args.configs}
     kernels = cuda_kernels()
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     shapes = [s for model in args.models for s in gemm_shapes(model, args.lm_head_max_m)]
     result = {"device": torch.cuda.get_device_name(), "dtype": args.dtype,
-              "shapes": [asdict(s) for s in shapes], **summarise(timings, checks)}
+              "shapes": [asdict(s) for s in shapes], **summarise(timings, checks), **limits}
     write_record(args.out, record_of("batch-invariant-gemm", result, vars(args)))
     print(f"device: {result['device']}, {args.dtype}")
     print(table_text(result))

@@ -27,6 +27,7 @@ import torch
 
 from kvfit import LLM
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.kv.report import format_bytes
 
@@ -151,10 +152,11 @@ def main() -> None:
                         help="build one untimed engine per model first (kernel compilation)")
     parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
+    limits = in_run_limits(args.device)  # before the engines: they size from free memory
     results = [bench_model(args, model) for model in args.models]
     device = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
     write_record(args.out, record_of("capacity", {"device": device, "args": vars(args),
-                                                  "results": results}, vars(args)))
+                                                  "results": results, **limits}, vars(args)))
     print_tables(results)
 
 

@@ -7,7 +7,8 @@ Prints every figure (and in-run limit) the two share with its ratio B/A, and fla
 moved more than `--threshold` (a fraction) in the wrong direction for that figure: down for a
 figure where higher is better, up for one where lower is better. Exit status 1 when any is
 flagged. Either file may be a record or a result file published before records existed.
-The limits (copy bandwidth) are shown, never flagged: they say whether the machine itself moved.
+The limits (copy bandwidth, GEMM throughput) are shown, never flagged: they say whether the
+machine itself moved.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ import torch
 
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.profiling import FAMILY_NAMES, KernelProfile, comparison_text
 from kvfit.benchmarks.record import write_record
 from kvfit.ops.compiles import triton_compiles
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
 
     result: dict = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda")
-                    else "cpu", "throughputs": [], "checks": []}
+                    else "cpu", **in_run_limits(args.device), "throughputs": [], "checks": []}
     if not args.skip_throughput:
         profiles = {}
         for mode, deterministic in MODES.items():

@@ -36,6 +36,7 @@ import torch
 
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.kv.report import format_bytes
 
@@ -168,6 +169,7 @@ def cpu_watermarks(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    limits = in_run_limits(args.device)  # before the co-tenant and the engine
     ctx = mp.get_context("spawn")
     go, held, events = ctx.Event(), ctx.Value("q", 0), ctx.Queue()
     # The co-tenant's context exists before the engine sizes its cache, as a process sharing
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load.stop.set()
     load.thread.join()
     tenant.join(timeout=60)
-    result = summarize(args, llm, load, marks, samples)
+    result = summarize(args, llm, load, marks, samples) | limits
     llm.shutdown()
     write_record(args.out, record_of("elastic", result, vars(args)))
     print_table(result)

@@ -50,6 +50,7 @@ import numpy as np
 
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
 
 
@@ -234,8 +235,9 @@ def run_mode(args: argparse.Namespace, elastic: bool) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    limits = in_run_limits(args.device)  # before the engines, in a process that has exited
     modes = {mode: run_mode(args, mode == "elastic") for mode in args.modes}
-    result: dict[str, Any] = {"args": vars(args), "modes": modes}
+    result: dict[str, Any] = {"args": vars(args), "modes": modes, **limits}
     if {"static", "elastic"} <= modes.keys() and modes["static"]["output_tokens"]:
         result["token_ratio"] = modes["elastic"]["output_tokens"] / modes["static"]["output_tokens"]
     write_record(args.out, record_of("elastic-pair", result, vars(args)))

@@ -53,7 +53,7 @@ import torch
 
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
-from kvfit.benchmarks.limits import copy_bandwidth
+from kvfit.benchmarks.limits import copy_bandwidth, in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.engine.sequence import ScheduledBatch, Sequence
 from kvfit.models.loader import is_builtin, resolve_model
@@ -333,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # tiny models gain nothing from threads that spin
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "copy_bandwidth_gbps": copy_bandwidth(device, 1 << 28 if device.type == "cpu" else GiB)
-        / 1e9,
+        # Both limits on a GPU; the CPU's copy alone, the roofline of its decode steps.
+        **(in_run_limits(device)
+           or {"copy_bandwidth_gbps": copy_bandwidth(device, 1 << 28) / 1e9}),
         "kv_cache_dtypes": args.kv_cache_dtypes, "targets": TARGETS,
     }
     if not args.skip_engine:

@@ -27,6 +27,7 @@ from functools import partial
 import torch
 
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.ops import filter_thresholds, gumbel_sample
 from kvfit.ops.memwatch import watch_memory
@@ -281,6 +282,8 @@ def main() -> None:
         write_record(args.out, record_of("sampling-sweep", sweep(batches, vocab_size), vars(args)))
         return
 
+    # The record's limits; `copy_bw` stays the rows' roofline, timed by do_bench as they are.
+    limits = in_run_limits(device)
     copy_bw = copy_bandwidth() if on_cuda else None
     name = torch.cuda.get_device_name() if on_cuda else "cpu (torch paths)"
     print(f"{name}  bf16 logits  vocab {vocab_size}")
@@ -301,7 +304,7 @@ def main() -> None:
         )
     filters = filter_table(filter_rows, vocab_size, device) if filter_rows else []
     result = dict(device=name, copy_gb_per_s=None if copy_bw is None else copy_bw / 1e9,
-                  sampling=rows, filters=filters)  # fmt: skip
+                  sampling=rows, filters=filters, **limits)  # fmt: skip
     write_record(args.out, record_of("sampling", result, vars(args)))
 
 

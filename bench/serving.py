@@ -86,6 +86,7 @@ import torch
 
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.commands import bench_serve
 from kvfit.commands.common import child_env
@@ -497,6 +498,7 @@ def server_log(out: Path, mode: str, api_servers: int | None) -> Path:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    limits = in_run_limits(args.device)  # in a process of its own: this one keeps no context
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     requests = workload(args)
@@ -526,7 +528,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "server_log": serve["log"], "serve": serve, "serve_by_engine": sweeps, "offline": off,
         "saturation_rate": serve["saturation_rate"],
         "saturation_concurrency": serve["saturation_concurrency"],
-        "ratio": ratio, "target": TARGET, "target_met": ratio >= TARGET,
+        "ratio": ratio, "target": TARGET, "target_met": ratio >= TARGET, **limits,
     }
     write_record(out, record_of("serving", result, result["args"]))
     print_report(result)

@@ -49,6 +49,7 @@ import torch
 
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
 
 GiB = 1 << 30
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
+    limits = in_run_limits(device)  # in a process of its own: not part of the baseline
     if device.type == "cuda":
         torch.zeros(1, device=device)  # the context is part of the baseline
     else:
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                             else "cpu"),
             "startup_s": startup_s, "num_blocks": llm.config.cache_config.num_gpu_blocks,
-            "baseline_bytes": baseline,
+            "baseline_bytes": baseline, **limits,
             "ttft": ttft(llm, args, vocab, device),
             "components": components(llm, args, device),
         }

@@ -41,6 +41,7 @@ from kvfit.benchmarks.limits import (
     ModelShape,
     RunLimit,
     StepShape,
+    limit_keys,
     measure_device_limits,
     run_limit,
 )
@@ -356,14 +357,11 @@ def main(argv: list[str] | None = None) -> None:
 
     result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
                     else "cpu"}
-    # First, before any engine holds memory: the limits every figure is held against.
+    # First, before any engine holds memory: the limits every figure is held against (on the
+    # CPU too, unlike `in_run_limits`: the CPU figures are held against them as well).
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the engine's default
     limits = measure_device_limits(device, dtype)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    result["copy_bandwidth_gbps"] = limits.copy_bytes_per_s / 1e9
-    result["gemm_tflops"] = limits.gemm_flops_per_s / 1e12
-    result["gemm_dtype"] = str(dtype).removeprefix("torch.")
+    result |= limit_keys(limits, dtype)
     if not args.skip_throughput:
         result["throughputs"] = []
         for backend in args.distributed_executor_backend:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.vmm import ExtensibleTensor
 
@@ -146,7 +147,8 @@ def main() -> None:
 
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (host driver)"
-    results: dict[str, object] = {"device": name, "torch": torch.__version__}
+    results: dict[str, object] = {"device": name, "torch": torch.__version__,
+                                  **in_run_limits(device)}
     results |= bench_growth(device, args.growth_gib)
     results |= bench_bulk(device, args.bulk_gib, args.pause_s)
     results |= bench_bandwidth(device, args.copy_gib, args.repeats)

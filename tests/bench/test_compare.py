@@ -75,3 +75,16 @@ def test_different_benches_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as e:
         compare.main([a, b])
     assert e.value.code == 2
+
+
+def test_limits_are_printed_but_never_flagged(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    a = _write(tmp_path, "a.json", "throughput", payloads.throughput())
+    slower_machine = payloads.throughput() | {"copy_bandwidth_gbps": 50.0, "gemm_tflops": 1.0}
+    b = _write(tmp_path, "b.json", "throughput", slower_machine)
+    assert compare.main([a, b]) == 0
+    out = capsys.readouterr().out
+    limits = out.split("in-run limits")[1].splitlines()
+    assert {line.split()[0]: line.split()[3] for line in limits[2:4]} == {
+        "copy_gb_per_s": "0.500", "gemm_tflops": "0.500"}
+    assert "<-- worse" not in out and "0 worse" in out

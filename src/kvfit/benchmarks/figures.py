@@ -1,9 +1,10 @@
 """The figures each benchmark claims, drawn from its detailed payload; and older result files
 adapted into records.
 
-`FIGURES[bench](payload)` gives the figures, `LIMITS[bench](payload)` the in-run limit figures.
-The same functions serve a fresh run (`record_of`) and a file published before records existed
-(`adapt`), so a new GPU run compares with the last published one figure by figure.
+`FIGURES[bench](payload)` gives the figures, `device_limits(payload)` the in-run limit figures
+(the same payload keys in every bench: `limits.in_run_limits`). The same functions serve a
+fresh run (`record_of`) and a file published before records existed (`adapt`), so a new GPU
+run compares with the last published one figure by figure.
 """
 
 from __future__ import annotations
@@ -263,17 +264,17 @@ def determinism(p: dict[str, Any]) -> Figures:
     return f
 
 
-def copy_limit(p: dict[str, Any]) -> Figures:
-    """Device copy bandwidth measured in the run: the decode and sampling roofline."""
-    for key in ("copy_gb_per_s", "copy_bandwidth_gbps"):
-        if isinstance(p, dict) and p.get(key) is not None:
-            return {"copy_gb_per_s": figure(p[key], "GB/s", "higher")}
-    return {}
-
-
-def device_limits(p: dict[str, Any]) -> Figures:
-    """Copy bandwidth and GEMM throughput measured in the run (`kvfit.benchmarks.limits`)."""
-    f = copy_limit(p)
+def device_limits(p: Any) -> Figures:
+    """Copy bandwidth and GEMM throughput measured in the run (`limits.limit_keys`), those of
+    them the payload has. `copy_gb_per_s` is the copy bandwidth sampling and attention
+    published before every bench measured both (they keep it as their kernels' roofline)."""
+    if not isinstance(p, dict):  # a sweep's list of configurations
+        return {}
+    f: Figures = {}
+    for key in ("copy_bandwidth_gbps", "copy_gb_per_s"):
+        if p.get(key) is not None:
+            f["copy_gb_per_s"] = figure(p[key], "GB/s", "higher")
+            break
     if p.get("gemm_tflops") is not None:
         f["gemm_tflops"] = figure(p["gemm_tflops"], "TFLOP/s", "higher")
     return f
@@ -294,16 +295,12 @@ FIGURES: dict[str, Callable[[Any], Figures]] = {
     "bench-serve": bench_serve, "async-engine": async_engine, "kv-dtype": kv_dtype,
     "determinism": determinism,
 }
-LIMITS: dict[str, Callable[[Any], Figures]] = {
-    "throughput": device_limits, "sampling": copy_limit, "attention": copy_limit,
-    "kv-dtype": copy_limit}
 
 
 def record_of(bench: str, payload: Any, config: dict[str, Any]) -> dict[str, Any]:
     """The record of a run of `bench` (a `bench/` script or `kvfit bench ...`) on this machine:
     its payload, its figures and limits."""
-    return make_record(bench, FIGURES[bench](payload), config, payload,
-                       LIMITS.get(bench, no_figures)(payload))
+    return make_record(bench, FIGURES[bench](payload), config, payload, device_limits(payload))
 
 
 def _bench_of(data: Any, name: str) -> str:
@@ -345,6 +342,6 @@ def adapt(data: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
                     "cpu": None, "host": None},
         "versions": {"python": None, "torch": info.get("torch"), "cuda": info.get("cuda"),
                      "driver": None, "triton": None, "transformers": None},
-        "config": info.get("args", {}), "limits": LIMITS.get(bench, no_figures)(data),
+        "config": info.get("args", {}), "limits": device_limits(data),
         "figures": FIGURES[bench](data), "results": data,
     }

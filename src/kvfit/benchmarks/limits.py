@@ -22,9 +22,11 @@ limit is the sum over its steps, which run one after another.
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,9 +224,48 @@ def measure_device_limits(device: Any, dtype: Any, copy_bytes: int | None = None
                           gemm_size: int | None = None) -> DeviceLimits:
     """Copy bandwidth and GEMM throughput of `device` now: 1 GiB copies and 8192^3 products on
     a GPU (large enough to reach peak), 256 MiB and 1024^3 elsewhere (a CPU takes seconds
-    for more)."""
+    for more). What it held on a GPU is back with the device when it returns."""
     gpu = getattr(device, "type", str(device)) == "cuda"
     copy_bytes = copy_bytes or (GiB if gpu else GiB // 4)
     gemm_size = gemm_size or (8192 if gpu else 1024)
-    return DeviceLimits(copy_bandwidth(device, copy_bytes), gemm_throughput(device, dtype,
-                                                                            gemm_size))
+    limits = DeviceLimits(copy_bandwidth(device, copy_bytes),
+                          gemm_throughput(device, dtype, gemm_size))
+    if gpu:  # an engine started next sizes its KV cache from the free memory it measures
+        import torch
+
+        torch.cuda.empty_cache()
+    return limits
+
+
+def limit_keys(limits: DeviceLimits, dtype: Any) -> dict[str, Any]:
+    """`limits` as a bench's payload carries them: the keys `figures.device_limits` reads."""
+    return {"copy_bandwidth_gbps": limits.copy_bytes_per_s / 1e9,
+            "gemm_tflops": limits.gemm_flops_per_s / 1e12,
+            "gemm_dtype": str(dtype).removeprefix("torch.")}
+
+
+def _measured_keys(device: str, dtype: Any) -> dict[str, Any]:
+    import torch
+
+    return limit_keys(measure_device_limits(torch.device(device), dtype), dtype)
+
+
+def in_run_limits(device: Any, dtype: Any = None) -> dict[str, Any]:
+    """The limits of a CUDA `device` ("auto": CUDA where there is one) measured now, as
+    payload keys (`limit_keys`; the GEMM in `dtype`, default bf16); {} on any other device,
+    whose smoke runs need no limit and should stay fast.
+
+    Measured in a spawned process that has exited when this returns, so the caller gains no
+    CUDA context, cuBLAS workspace or cached blocks from it (benches whose engines run in
+    other processes keep none in their own), and the ~2.4 GiB it holds are back before an
+    engine sizes its KV cache from measured free memory. Call it before any engine starts:
+    one running alongside would share the bandwidth."""
+    import torch
+
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type != "cuda":
+        return {}
+    spawn = multiprocessing.get_context("spawn")  # fork is unsafe once the caller used CUDA
+    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        return pool.submit(_measured_keys, str(device), dtype or torch.bfloat16).result()

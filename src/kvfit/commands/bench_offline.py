@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.commands.common import (
     Subparsers,
@@ -84,6 +85,12 @@ def random_prompts(num: int, input_len: int, vocab_size: int,
             for _ in range(num)]
 
 
+def _limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The device's limits for `--result-file`'s record, measured before the engine starts
+    (it sizes its KV cache from free memory); none on the CPU or without a record."""
+    return in_run_limits(args.device) if args.result_file else {}
+
+
 def _setup(args: argparse.Namespace, num: int) -> tuple[LLM, list[dict], SamplingParams]:
     from kvfit.engine.sampling_params import SamplingParams
 
@@ -98,6 +105,7 @@ def _setup(args: argparse.Namespace, num: int) -> tuple[LLM, list[dict], Samplin
 def run_throughput(args: argparse.Namespace) -> int:
     """One timed LLM.generate over the batch; print and optionally write the rates."""
     _check_positive(args, "num_prompts", "input_len", "output_len")
+    limits = _limits(args)
     llm, prompts, params = _setup(args, args.num_prompts)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -108,7 +116,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "num_prompts": len(outputs), "input_len": args.input_len, "output_len": args.output_len,
         "elapsed_s": elapsed, "requests_per_s": len(outputs) / elapsed,
         "output_tokens": output_tokens, "output_tokens_per_s": output_tokens / elapsed,
-        "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
+        "total_tokens_per_s": (input_tokens + output_tokens) / elapsed, **limits,
     }
     print(format_table("Offline Throughput", [
         ("Requests:", f"{len(outputs)}"),
@@ -128,6 +136,7 @@ def run_latency(args: argparse.Namespace) -> int:
     _check_positive(args, "batch_size", "input_len", "output_len", "num_iters")
     if args.num_iters_warmup < 0:
         raise ValueError(f"--num-iters-warmup must be >= 0, got {args.num_iters_warmup}")
+    limits = _limits(args)
     llm, prompts, params = _setup(args, args.batch_size)
     for _ in range(args.num_iters_warmup):
         llm.generate(prompts, params, use_tqdm=False)
@@ -139,7 +148,7 @@ def run_latency(args: argparse.Namespace) -> int:
     stats = percentiles(latencies, args.percentiles)
     result = {"batch_size": args.batch_size, "input_len": args.input_len,
               "output_len": args.output_len, "latencies_s": latencies,
-              **{f"latency_{k}_s": v for k, v in stats.items()}}
+              **{f"latency_{k}_s": v for k, v in stats.items()}, **limits}
     print(format_table("Offline Latency", [
         ("Batch size:", f"{args.batch_size}"), ("Iterations:", f"{args.num_iters}"),
         *((f"{k.capitalize()} latency (s):", f"{v:.4f}") for k, v in stats.items()),

@@ -112,6 +112,12 @@ def add_parser(sub: Subparsers) -> None:
                    help="percentiles of TTFT, TPOT, ITL and E2E to report (default: 50,99)")
     o.add_argument("--result-file", metavar="PATH",
                    help="write the metrics and per-request figures as JSON")
+    o.add_argument("--limits-device", default="auto", metavar="DEVICE",
+                   help="for --result-file's record, measure the copy bandwidth and GEMM "
+                        "throughput of this machine's DEVICE before the load: the server's GPU "
+                        "when it runs here. 'auto': CUDA where there is one; 'none' where the "
+                        "server's GPU is elsewhere or it shares its GPU elastically (the "
+                        "measurement holds ~2.4 GiB for a moment; default: %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -520,6 +526,21 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             "requests": [asdict(r) for r in results]}
 
 
+def _limits(args: argparse.Namespace) -> dict[str, Any]:
+    """`--limits-device`'s limits for `--result-file`'s record; {} without CUDA, without a
+    record, or where the measurement fails (a server that holds all the memory leaves none):
+    the load's figures matter more than the machine's."""
+    if not args.result_file or args.limits_device == "none":
+        return {}
+    from kvfit.benchmarks.limits import in_run_limits
+
+    try:
+        return in_run_limits(args.limits_device)
+    except Exception as e:
+        print(f"warning: no in-run limits ({type(e).__name__}: {e})", file=sys.stderr)
+        return {}
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the load, print the table, write `--result-file`; exit 1 if nothing succeeded."""
     _check_args(args)
@@ -527,11 +548,12 @@ def run(args: argparse.Namespace) -> int:
         import aiohttp  # noqa: F401
     except ImportError:
         raise SystemExit("kvfit bench serve needs aiohttp: pip install 'kvfit[server]'") from None
+    limits = _limits(args)  # before the load: the server is idle
     result = asyncio.run(_main(args))
     print(format_metrics(result, args.percentiles))
     if args.result_file:
         # JSON has no infinity: an unlimited rate is written as null.
         rate = result["request_rate"]
-        payload = {**result, "request_rate": rate if math.isfinite(rate) else None}
+        payload = {**result, "request_rate": rate if math.isfinite(rate) else None, **limits}
         write_record(args.result_file, record_of("bench-serve", payload, vars(args)))
     return 0 if result["completed"] else 1
