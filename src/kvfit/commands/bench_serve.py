@@ -112,12 +112,13 @@ def add_parser(sub: Subparsers) -> None:
                    help="percentiles of TTFT, TPOT, ITL and E2E to report (default: 50,99)")
     o.add_argument("--result-file", metavar="PATH",
                    help="write the metrics and per-request figures as JSON")
-    o.add_argument("--limits-device", default="auto", metavar="DEVICE",
+    o.add_argument("--limits-device", default="none", metavar="DEVICE",
                    help="for --result-file's record, measure the copy bandwidth and GEMM "
-                        "throughput of this machine's DEVICE before the load: the server's GPU "
-                        "when it runs here. 'auto': CUDA where there is one; 'none' where the "
-                        "server's GPU is elsewhere or it shares its GPU elastically (the "
-                        "measurement holds ~2.4 GiB for a moment; default: %(default)s)")
+                        "throughput of this machine's DEVICE (cuda, or auto: CUDA where there "
+                        "is one) before the load: only where the server's GPU is here and can "
+                        "spare ~2.4 GiB for a moment, since a server sized from measured memory "
+                        "keeps little free (bench/serving.py measures before its server "
+                        "starts; default: %(default)s)")
     p.set_defaults(func=run)
 
 
