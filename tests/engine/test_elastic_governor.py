@@ -197,3 +197,24 @@ def test_the_flags_reach_the_engine_config(qwen3: Path) -> None:
                                            MemoryAmount(fraction=0.5), min_interval_s=3.0,
                                            idle_s=7.0)
     assert EngineArgs(model=str(qwen3), device="cpu").create_engine_config().elastic is None
+
+
+@pytest.mark.parametrize("elastic_kv_cache", [False, True])
+def test_an_elastic_engine_commits_its_cache_in_small_chunks_from_startup(
+    qwen3: Path, monkeypatch: pytest.MonkeyPatch, elastic_kv_cache: bool
+) -> None:
+    """Under the governor the startup commit maps chunks of `ELASTIC_CHUNK_BYTES` over all
+    segments, as its resizes do, so its first shrink under pressure gives back (unmapping
+    whole chunks) little more than it needs; without it startup maps large chunks."""
+    from kvfit.kv import cache as cache_module
+
+    # The 32 MiB cache fits in one 2 GiB chunk: scale the chunk down to a granule a segment.
+    monkeypatch.setattr(cache_module, "ELASTIC_CHUNK_BYTES", 1)
+    llm = LLM(str(qwen3), device="cpu", **{**ENGINE, "elastic_kv_cache": elastic_kv_cache})
+    try:
+        cache = runner(llm).kv_cache
+        largest = max(c.size for c in cache.tensor._live().chunks.values())
+        assert (largest == cache.granularity) is elastic_kv_cache
+        assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    finally:
+        llm.shutdown()

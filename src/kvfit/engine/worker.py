@@ -216,9 +216,12 @@ class Worker:
     def extend_kv_cache(self, num_blocks: int) -> None:
         """Commit exactly `num_blocks` (growing, or shrinking below what warmup used). For a
         connector the commit defragments: each segment becomes one physical allocation (RDMA
-        registration cannot span several) and warmup's contents are dropped."""
+        registration cannot span several) and warmup's contents are dropped. Under the
+        co-tenancy governor it maps small chunks, as its resizes do (~0.2 s more per 100 GiB),
+        so that its first shrink under memory pressure gives back no more than it needs."""
         self.runner.commit_blocks(num_blocks,
-                                  defragment=self.config.kv_connector_config is not None)
+                                  defragment=self.config.kv_connector_config is not None,
+                                  elastic=self.config.elastic is not None)
 
     def init_kv_connector(self) -> None:
         """Create the worker side of the configured connector and register the cache's backed
