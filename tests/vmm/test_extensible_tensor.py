@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import random
 
 import pytest
 import torch
@@ -271,3 +272,24 @@ def test_uncut_sizes_end_on_chunk_boundaries_so_a_shrink_there_copies_nothing() 
         driver.create = lambda size, device: (creates.append(size), original(size, device))[1]
         t.commit(t.uncut_bytes(9 * MiB))
         assert creates == [] and t.num_physical_chunks == 1 and t.physical_bytes == 2 * MiB
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_uncut_bytes_is_the_largest_size_that_cuts_no_chunk(seed: int) -> None:
+    """Against a search one granule at a time, on random chunk layouts of several segments
+    (sizes not a granule multiple, so granules straddle segments)."""
+    rng = random.Random(seed)
+    g = 2 * MiB
+    segments = rng.choice([1, 2, 3, 5])
+    segment = rng.randrange(4, 24) * g + rng.choice([0, g // 2, 12345 * 8])
+    with ExtensibleTensor(segments * segment, "cpu", segments,
+                          driver=RecyclingHostDriver()) as t:
+        for _ in range(rng.randrange(1, 6)):  # grows in chunks of random sizes
+            target = min(t.committed_bytes + rng.randrange(1, 6) * g, t.segment_capacity)
+            t.commit(target, max_chunk_bytes=rng.choice([g, 2 * g, 3 * g, 1 << 30]))
+        chunks = list(t._live().chunks.values())
+        for asked in sorted({rng.randrange(0, t.committed_bytes + 1) for _ in range(8)}):
+            expected = min(asked, t.committed_bytes) // g * g
+            while expected > 0 and any(t._cuts(c, expected) for c in chunks):
+                expected -= g
+            assert t.uncut_bytes(asked) == expected

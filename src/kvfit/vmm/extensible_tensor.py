@@ -217,10 +217,21 @@ class ExtensibleTensor:
         """The largest size <= `bytes_per_segment` that a shrink reaches by unmapping whole
         physical chunks: a chunk the shrink cuts is copied onto a smaller allocation, which
         needs memory that a device out of memory does not have. A multiple of the granule."""
-        chunks = list(self._live().chunks.values())
-        size = min(bytes_per_segment, self.committed_bytes) // self.granularity * self.granularity
-        while size > 0 and any(self._cuts(chunk, size) for chunk in chunks):
-            size -= self.granularity
+        granule, chunks = self.granularity, list(self._live().chunks.values())
+        size = min(bytes_per_segment, self.committed_bytes) // granule * granule
+        # A size cuts a chunk when its segment's end falls inside it; the largest smaller size
+        # that does not ends that segment at the chunk's start. Lowering one segment's end
+        # moves every segment's, which may fall inside other chunks: repeat until none does
+        # (each pass only lowers, so a few passes, where a granule at a time took hundreds).
+        while size > 0:
+            lower = size
+            for chunk in chunks:
+                if self._cuts(chunk, size):
+                    home_start = self._home_of(chunk.offset) * self.segment_capacity
+                    lower = min(lower, max(0, chunk.offset - home_start) // granule * granule)
+            if lower == size:
+                break
+            size = lower
         return size
 
     def _cuts(self, chunk: Chunk, committed: int) -> bool:
