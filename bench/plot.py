@@ -1,8 +1,10 @@
 """Benchmark records as pictures: PNGs for docs/benchmarks.md.
 
     r=docs/results; PYTHONPATH=src python3 bench/plot.py --out-dir docs/img \\
-        $r/capacity-h200-2026-12-03.json $r/throughput-decode-h200-2026-12-02.json \\
-        $r/serving-h200-2026-12-03.json $r/filters-h200-2026-12-03.json $r/adversarial-*.json
+        $r/capacity-h200-2026-12-03.json $r/throughput-h200-2026-12-04.json \\
+        $r/serving-h200-2026-12-04.json $r/filters-h200-2026-12-03.json $r/adversarial-*.json
+
+(docs/benchmarks.md gives, beside each picture, the files it is drawn from.)
 
 Each input is a record or a result file published before records existed. Each picture is drawn
 from the last input that carries its data (the adversarial one from all of them):
