@@ -262,6 +262,31 @@ def test_an_oom_in_any_phase_shrinks_the_tail_and_reruns_the_step(
     assert_nothing_leaked(llm)
 
 
+def test_the_guard_gives_back_one_small_chunk_a_segment_beyond_its_need(
+    make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch,
+    reference: Callable[..., list[Any]],
+) -> None:
+    """Startup maps the cache's last `TAIL_BYTES` in small chunks, so the guard, which must
+    not copy (out of memory), gives back at most one of them a segment beyond the request and
+    its granule; with startup's large chunks only, a whole chunk a segment goes back."""
+    from kvfit.kv import cache as cache_module
+
+    freed = {}
+    for tail in (0, 1 << 30):
+        monkeypatch.setattr(cache_module, "TAIL_BYTES", tail)
+        monkeypatch.setattr(cache_module, "ELASTIC_CHUNK_BYTES", 1)  # a granule a segment
+        llm = make_llm()
+        cache = runner(llm).kv_cache
+        inject(llm, "decode_forward")
+        assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
+        [event] = llm.engine.oom_guard.events
+        freed[tail] = event.freed_bytes
+        segments, granule = cache.spec.num_segments, cache.granularity
+        llm.shutdown()
+    assert REQUESTED <= freed[1 << 30] <= REQUESTED + granule + segments * granule
+    assert freed[0] > freed[1 << 30]  # the test cache is small: 6 MiB against 4
+
+
 def test_tail_in_use_preempts_its_holders_and_they_are_recomputed(
     make_llm: Callable[..., LLM], reference: Callable[..., list[Any]],
 ) -> None:

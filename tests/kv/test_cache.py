@@ -202,28 +202,29 @@ def test_granule_aligned_blocks_start_and_end_segments_on_granules(device: str) 
     cache.free()
 
 
-def test_an_elastic_grow_maps_small_chunks_that_an_uncut_shrink_gives_back_one_at_a_time(
+def test_an_uncut_shrink_gives_back_one_small_chunk_a_segment_beyond_its_need(
     device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A runtime grow maps `ELASTIC_CHUNK_BYTES` over all segments at a time, so a shrink that
-    must not copy (the device out of memory) gives back at most that beyond what it was asked;
-    startup's bulk commit maps one large chunk per segment, which such a shrink gives back
-    whole."""
+    """A shrink that must not copy (the device out of memory) unmaps whole chunks. An elastic
+    grow maps `ELASTIC_CHUNK_BYTES` over all segments at a time, and a bulk grow maps its last
+    `TAIL_BYTES` so, so such a shrink near the end gives back at most one of those beyond its
+    need; without the tail, a bulk grow's one large chunk a segment goes back whole."""
     # layer_outer: 2 segments of 2048 B per block; 8 MiB over both: 4 MiB chunks per segment.
     monkeypatch.setattr(cache_module, "ELASTIC_CHUNK_BYTES", 8 * MiB)
     spec, capacity, mib = make_spec("layer_outer"), 16 * 512, 512  # 16 MiB per segment
     given_back = {}
-    for elastic in (False, True):
+    for case, elastic, tail in (("bulk", False, 0), ("tail", False, 8 * MiB),
+                                ("elastic", True, 0)):
+        monkeypatch.setattr(cache_module, "TAIL_BYTES", tail)
         cache = ExtensibleKVCache(spec, capacity, device)
         cache.allocate()  # block 0: the first granule of each segment
         cache.commit(capacity, elastic=elastic)
-        chunks = cache.tensor._live().chunks.values()
-        assert max(c.size for c in chunks) == (4 if elastic else 14) * MiB
         written = fill(cache, capacity, seed=0)
         uncut = cache.uncut_blocks(capacity - mib)  # asked: 1 MiB per segment
         before = cache.physical_bytes
         cache.commit(uncut)
         assert_prefix(cache, written, uncut)
-        given_back[elastic] = (before - cache.physical_bytes) // spec.num_segments
+        given_back[case] = (before - cache.physical_bytes) // spec.num_segments
         cache.free()
-    assert given_back == {False: 14 * MiB, True: 2 * MiB}  # the last chunk: [14, 16) MiB
+    # bulk: [2, 16) MiB in one chunk; tail: [2, 12) then [12, 16); elastic: 4 MiB from 2 MiB.
+    assert given_back == {"bulk": 14 * MiB, "tail": 4 * MiB, "elastic": 2 * MiB}

@@ -293,3 +293,27 @@ def test_uncut_bytes_is_the_largest_size_that_cuts_no_chunk(seed: int) -> None:
             while expected > 0 and any(t._cuts(c, expected) for c in chunks):
                 expected -= g
             assert t.uncut_bytes(asked) == expected
+
+
+def test_a_grow_maps_its_tail_in_small_chunks_also_on_recommit_but_not_defragmented() -> None:
+    """`tail_bytes` of each segment's end come in `tail_chunk_bytes` chunks, after large ones;
+    a recommit (wake) lays out the same way; a defragmenting commit stays one chunk."""
+    g = 2 * MiB
+    with ExtensibleTensor(2 * 32 * MiB, "cpu", 2, tail_bytes=6 * MiB + 1,
+                          tail_chunk_bytes=2 * g + 1) as t:
+        assert (t.tail_bytes, t.tail_chunk_bytes) == (6 * MiB, 2 * g)  # down to the granule
+
+        def layout() -> list[tuple[int, int]]:
+            return sorted((c.offset // MiB, c.size // MiB) for c in t._live().chunks.values())
+
+        t.commit(20 * MiB)
+        expected = [(0, 14), (14, 4), (18, 2), (32, 14), (46, 4), (50, 2)]
+        assert layout() == expected
+        t.release_physical()
+        t.recommit()
+        assert layout() == expected
+        t.commit(20 * MiB, defragment=True)
+        assert layout() == [(0, 20), (32, 20)]
+        t.commit(4 * MiB)  # a grow smaller than the tail: tail chunks only
+        t.commit(10 * MiB)
+        assert layout() == [(0, 4), (4, 4), (8, 2), (32, 4), (36, 4), (40, 2)]

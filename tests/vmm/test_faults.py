@@ -34,25 +34,32 @@ OPERATIONS: dict[str, tuple[Step, Step]] = {
 KINDS = ("create", "map", "set_access")
 
 
-def _calls(device: str, operation: str) -> dict[str, int]:
+# A layout whose grows end in small chunks (`tail_bytes`), as the KV cache's do: more calls.
+TAILS = {"bulk": {}, "tail": {"tail_bytes": 2 * MiB, "tail_chunk_bytes": 2 * MiB}}
+
+
+def _calls(device: str, operation: str, tail: str) -> dict[str, int]:
     prepare, act = OPERATIONS[operation]
     driver = FaultyDriver(get_driver(device))
-    with ExtensibleTensor(SEGMENTS * SEGMENT, device, SEGMENTS, driver=driver) as t:
+    with ExtensibleTensor(SEGMENTS * SEGMENT, device, SEGMENTS, driver=driver,
+                          **TAILS[tail]) as t:
         prepare(t)
         driver.calls.clear()
         act(t)
     return dict(driver.calls)
 
 
+@pytest.mark.parametrize("tail", TAILS)
 @pytest.mark.parametrize("operation", OPERATIONS)
-def test_failed_commit_rolls_back_exactly(device: str, operation: str) -> None:
+def test_failed_commit_rolls_back_exactly(device: str, operation: str, tail: str) -> None:
     prepare, act = OPERATIONS[operation]
-    counts = _calls(device, operation)
+    counts = _calls(device, operation, tail)
     assert sum(counts.get(kind, 0) for kind in KINDS) >= 3
     for kind in KINDS:
         for k in range(1, counts.get(kind, 0) + 1):
             driver = FaultyDriver(get_driver(device))
-            with ExtensibleTensor(SEGMENTS * SEGMENT, device, SEGMENTS, driver=driver) as t:
+            with ExtensibleTensor(SEGMENTS * SEGMENT, device, SEGMENTS, driver=driver,
+                                  **TAILS[tail]) as t:
                 prepare(t)
                 before = (t.committed_bytes, t.physical_bytes, dict(t._live().chunks))
                 contents = None if t.physical_bytes == 0 else _fill(t)

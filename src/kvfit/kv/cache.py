@@ -20,6 +20,12 @@ gives back beyond its need, and what a cutting shrink copies. Startup commits 1 
 segment instead: fewer driver calls (~50 us each), so a 100 GiB grow on 72 segments maps ~3,600
 chunks here (~0.2 s) against ~140."""
 
+TAIL_BYTES = 8 << 30
+"""The end of the committed cache, over all segments, that a bulk grow (startup, wake) still
+maps in `ELASTIC_CHUNK_BYTES` chunks: the out-of-memory guard's shrink, which must not copy,
+then gives back at most ~2 GiB beyond what it needs where 1 GiB chunks would give back up to
+1 GiB in every segment. Costs four more chunks a segment (~30 ms on 72 segments)."""
+
 
 class ExtensibleKVCache:
     """A KV cache with `capacity_blocks` reserved and `committed_blocks` backed by memory.
@@ -47,7 +53,10 @@ class ExtensibleKVCache:
         if self._tensor is not None:
             raise RuntimeError("ExtensibleKVCache.allocate() was already called")
         capacity_bytes = self.capacity_blocks * self.spec.block_bytes
-        self._tensor = ExtensibleTensor(capacity_bytes, self.device, self.spec.num_segments)
+        segments = self.spec.num_segments
+        self._tensor = ExtensibleTensor(capacity_bytes, self.device, segments,
+                                        tail_bytes=TAIL_BYTES // segments,
+                                        tail_chunk_bytes=ELASTIC_CHUNK_BYTES // segments)
         self.commit(1)
         raw = self._tensor.full_view()
         self._cache = raw.view(self.spec.dtype).view(self.spec.shape(self.capacity_blocks))

@@ -53,6 +53,12 @@ class ExtensibleTensor:
     Each segment's chunks lie in the granules starting in that segment, so a granule straddling
     two segments is mapped once, by the later one. Views are uint8 tensors on the tensor's device;
     they keep the reservation (and whatever is mapped in it) alive after this object is gone.
+
+    `tail_bytes` / `tail_chunk_bytes`: a grow maps the last `tail_bytes` of each segment it
+    reaches in chunks of `tail_chunk_bytes` (both rounded down to the granule), the rest in
+    large chunks. A shrink that cannot copy (the device out of memory) unmaps whole chunks, so
+    near the committed end it then gives back at most a small chunk per segment beyond its
+    need, at the cost of a few more driver calls per grow.
     """
 
     def __init__(
@@ -62,6 +68,8 @@ class ExtensibleTensor:
         num_segments: int = 1,
         *,
         driver: VmmDriver | None = None,
+        tail_bytes: int = 0,
+        tail_chunk_bytes: int = BULK_CHUNK_BYTES,
     ) -> None:
         if num_segments < 1 or capacity_bytes < num_segments:
             raise ValueError(
@@ -79,6 +87,8 @@ class ExtensibleTensor:
         self.capacity_bytes = capacity_bytes
         self.num_segments = num_segments
         self.segment_capacity = capacity_bytes // num_segments
+        self.tail_bytes = tail_bytes // self.granularity * self.granularity
+        self.tail_chunk_bytes = max(tail_chunk_bytes // self.granularity, 1) * self.granularity
         self.committed_bytes = 0
         self._released = False
         # Cuts whose scratch range or old handle a failed driver call left to give back.
@@ -191,7 +201,7 @@ class ExtensibleTensor:
             return
         reservation.unmap_all()  # what a release that failed part way left mapped
         max_chunk = reservation.size if defragment else BULK_CHUNK_BYTES
-        self._grow(self.committed_bytes, max_chunk, reservation)
+        self._grow(self.committed_bytes, max_chunk, reservation, tail=not defragment)
         self._released = False
         if not reservation.driver.new_pages_are_zero:
             for chunk in reservation.chunks.values():
@@ -263,14 +273,21 @@ class ExtensibleTensor:
 
     # --- mapping ---------------------------------------------------------------------------
 
-    def _grow(self, target: int, max_chunk: int, reservation: Reservation) -> None:
+    def _grow(self, target: int, max_chunk: int, reservation: Reservation,
+              tail: bool = True) -> None:
+        """Map each segment up to `target`: chunks of `max_chunk`, then (`tail`) the last
+        `tail_bytes` in chunks of `tail_chunk_bytes`. On failure nothing it mapped stays."""
         max_chunk = max(max_chunk // self.granularity, 1) * self.granularity
+        tail_bytes = self.tail_bytes if tail else 0
         mapped: list[Chunk] = []
         try:
             for home, start in enumerate(self._mapped_ends(reservation)):
                 end = self._needed_end(home, target)
-                for offset in range(start, end, max_chunk):
-                    mapped.append(reservation.map(offset, min(max_chunk, end - offset)))
+                split = max(start, end - tail_bytes)
+                for lo, hi, size in ((start, split, max_chunk),
+                                     (split, end, min(max_chunk, self.tail_chunk_bytes))):
+                    for offset in range(lo, hi, size):
+                        mapped.append(reservation.map(offset, min(size, hi - offset)))
         except BaseException:
             for chunk in reversed(mapped):
                 reservation.unmap(chunk)
@@ -282,7 +299,7 @@ class ExtensibleTensor:
         reservation.unmap_all()
         self.committed_bytes = 0
         try:
-            self._grow(target, reservation.size, reservation)
+            self._grow(target, reservation.size, reservation, tail=False)
         except BaseException:
             # Contents were forfeit anyway; restore the size the caller had.
             self._grow(previous, BULK_CHUNK_BYTES, reservation)
