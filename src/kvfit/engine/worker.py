@@ -278,7 +278,8 @@ class Worker:
 
         Device memory beyond the new size: a shrink that cuts a physical chunk holds a copy of
         the chunk's kept part while it swaps: at most `ELASTIC_CHUNK_BYTES` (2 GiB) over all
-        segments for chunks this grew, `BULK_CHUNK_BYTES` (1 GiB) per segment for startup's;
+        segments for chunks this grew and startup's last `TAIL_BYTES`, `BULK_CHUNK_BYTES`
+        (1 GiB) per segment for startup's others;
         `kv_cache_blocks_at(..., uncut=True)` gives the sizes that need none."""
         cache = self.runner.kv_cache
         before = cache.physical_bytes
