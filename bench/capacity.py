@@ -69,7 +69,8 @@ def sizing_row(llm: LLM, startup_s: float) -> dict[str, Any]:
     return {"method": report.method, "num_blocks": report.num_blocks,
             "kv_bytes": report.committed_bytes, "transient": report.transient,
             "margin": report.margin, "budget": report.budget, "startup_s": startup_s,
-            "total": report.total, "weights": report.weights, "non_torch": report.non_torch}
+            "total": report.total, "weights": report.weights, "non_torch": report.non_torch,
+            "graphs_and_buffers": report.graphs_and_buffers}
 
 
 def shut_down(llm: LLM, free_before: int) -> dict[str, Any]:

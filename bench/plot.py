@@ -10,7 +10,8 @@ Each input is a record or a result file published before records existed. Each p
 from the last input that carries its data (the adversarial one from all of them):
 
     capacity.png     KV cache size by sizing method and model shape (capacity)
-    memory.png       device memory stacked: before start, weights, transient, margin, KV, unused
+    memory.png       device memory stacked: before start, weights, graphs, transient, margin, KV,
+                     unused
     decode.png       decode step against its memory roofline by batch (throughput)
     serving.png      TTFT and ITL percentiles against request rate (serving)
     sleep.png        sleep and wake times by level (sleep)
@@ -79,14 +80,17 @@ def plot_capacity(r: Record) -> Figure:
 def memory_segments(row: dict[str, Any], total: int) -> dict[str, float]:
     """Bytes of each part of the device for one engine; `total` is the device memory.
 
-    A record written since capacity.py reports weights splits them out; an older file only
-    knows what was in use before the engine started, so weights fall into "other".
+    A record written since capacity.py reports weights (and since it reports them, graph
+    pools) splits them out; an older file only knows what was in use before the engine
+    started, so weights and graphs fall into one part with what is unused.
     """
     # On the host `total` is the configured budget and free memory is the whole host's.
     before = max(total - row["free_before"], 0)
     parts = {"in use before start": before}
     if "weights" in row:
         parts |= {"weights": row["weights"], "non-torch": row["non_torch"]}
+    if row.get("graphs_and_buffers") is not None:
+        parts["CUDA graphs, buffers"] = row["graphs_and_buffers"]
     parts |= {"transient peak": row["transient"], "margin": row["margin"],
               "KV cache": row["kv_bytes"]}
     outside = max(total - row["budget"], 0)  # 1 - gpu_memory_utilization of the device

@@ -15,7 +15,7 @@ def capacity(gain: float = 0.08, startup_s: float = 1.0) -> dict[str, Any]:
                 "transient": GiB // 2, "margin": GiB // 4 if method == "measured" else 0,
                 "budget": budget, "startup_s": startup_s, "free_before": total - GiB,
                 "free_after": total - GiB, "returned": True, "total": total,
-                "weights": 2 * GiB, "non_torch": GiB // 8}
+                "weights": 2 * GiB, "non_torch": GiB // 8, "graphs_and_buffers": GiB // 4}
 
     estimate = 60 * GiB
     return {"device": "cpu", "args": {}, "results": [{

@@ -48,9 +48,21 @@ def test_memory_parts_add_up_to_the_device() -> None:
         parts = plot.memory_segments(row[method], row[method]["total"])
         assert sum(parts.values()) == row[method]["total"]
         assert parts["KV cache"] == row[method]["kv_bytes"]
+        assert parts["CUDA graphs, buffers"] == row[method]["graphs_and_buffers"]
     estimate = plot.memory_segments(row["estimate"], row["estimate"]["total"])
     assert estimate["outside the utilization budget"] == row["estimate"]["total"] - int(
         row["estimate"]["total"] * 0.92)
+
+
+def test_memory_parts_of_a_record_without_graphs_lump_them_with_the_unused() -> None:
+    row = payloads.capacity()["results"][0]["measured"]
+    full = plot.memory_segments(row, row["total"])
+    for key in ("graphs_and_buffers", "weights", "non_torch"):  # older records, in turn
+        row.pop(key)
+        parts = plot.memory_segments(row, row["total"])
+        assert sum(parts.values()) == row["total"] and "CUDA graphs, buffers" not in parts
+    assert parts["weights, graphs, unused"] == (full["weights"] + full["non-torch"]
+                                                + full["CUDA graphs, buffers"] + full["unused"])
 
 
 def test_memory_parts_of_a_host_run_are_never_negative() -> None:

@@ -98,3 +98,17 @@ def test_a_warm_engine_compiles_no_kernel_for_new_batch_shapes(make_llm) -> None
     with triton_compiles() as compiled:
         llm.generate(other, other_params, use_tqdm=False)
     assert compiled == []
+
+
+def test_the_report_splits_graph_pools_from_the_weights_on_either_sizing_path(make_llm) -> None:
+    """`graphs_and_buffers` is torch's live memory besides the weights and the KV cache: it
+    grows with captured graphs, and the estimate path, whose KV cache torch allocates, reports
+    about what the measured path does (the cache itself is not counted in it)."""
+    eager = make_llm(enforce_eager=True).kv_cache_report
+    graphed = make_llm(cuda_graph_sizes=[1, 2, 4, 8, 16, 32]).kv_cache_report
+    estimate = make_llm(cuda_graph_sizes=[1, 2, 4, 8, 16, 32],
+                        enable_extensible_kv_cache=False).kv_cache_report
+    assert eager.graphs_and_buffers is not None and "graphs, buffers" in eager.format_table()
+    assert graphed.graphs_and_buffers > eager.graphs_and_buffers
+    assert estimate.method == "estimate"
+    assert abs(estimate.graphs_and_buffers - graphed.graphs_and_buffers) < estimate.committed_bytes

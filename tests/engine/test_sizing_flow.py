@@ -136,6 +136,8 @@ def test_each_configuration_sizes_by_its_method_and_budget(
     assert cc.enable_extensible_kv_cache is (method == "measured")
     assert report.total == cc.cpu_kv_cache_space_bytes  # the host budget stands for the device
     assert report.on_host and "host budget" in report.format_table()
+    # The host's "torch" figures are the process's private memory: no graph split there.
+    assert report.graphs_and_buffers is None and "graphs" not in report.format_table()
     assert report.budget == int(cc.cpu_kv_cache_space_bytes * utilization)
     assert (report.margin > 0) == (method == "measured")  # only measured sizing keeps one
     assert report.num_blocks == cc.num_gpu_blocks == llm.engine.scheduler.block_manager.num_blocks

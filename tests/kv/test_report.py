@@ -69,3 +69,10 @@ def test_the_cpu_total_is_labelled_a_host_budget() -> None:
     host = report(on_host=True).format_table().splitlines()
     assert host[1].startswith("host budget ") and host[1].endswith("80.00 GiB")
     assert not any("device" in line for line in host)
+
+
+def test_graphs_and_buffers_get_a_row_after_the_weights_when_given() -> None:
+    assert "graphs" not in report().format_table()
+    lines = report(graphs_and_buffers=3 * GiB // 2).format_table().splitlines()
+    assert len(lines) == 12 and len({len(line) for line in lines}) == 1
+    assert lines[4].startswith("graphs, buffers ") and lines[4].endswith("1.50 GiB")

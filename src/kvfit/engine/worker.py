@@ -341,6 +341,11 @@ class Worker:
         if method == "measured":
             margin = kv_margin(profile.transient, cc.kv_cache_margin_floor_bytes,
                                cc.kv_cache_margin_fraction)
+        # Physical (granule-rounded) bytes of the extensible cache; else what torch holds,
+        # which torch's live bytes then include.
+        kv_bytes = (cache.physical_bytes if cache is not None
+                    else num_blocks * self.runner.kv_cache_spec.block_bytes)
+        torch_kv = 0 if cache is not None else kv_bytes
         return KVCacheReport(
             method=method,
             total=profile.total,
@@ -349,15 +354,16 @@ class Worker:
             non_torch=profile.non_torch,
             transient=profile.transient,
             margin=margin,
-            # Physical (granule-rounded) bytes of the extensible cache; else what torch holds.
-            committed_bytes=(cache.physical_bytes if cache is not None
-                             else num_blocks * self.runner.kv_cache_spec.block_bytes),
+            committed_bytes=kv_bytes,
             num_blocks=num_blocks,
             estimate_num_blocks=self.estimate_blocks,
             max_blocks=max_blocks,
             on_host=self.device.type == "cpu",
             dtype=str(self.runner.kv_cache_spec.dtype).removeprefix("torch."),
             block_bytes=self.runner.kv_cache_spec.block_bytes,
+            # On the host torch's figures are the process's private memory: no such split.
+            graphs_and_buffers=(max(0, profile.torch_live - self.weights - torch_kv)
+                                if self.device.type == "cuda" else None),
         )
 
     def kv_cache_bytes(self) -> tuple[int, int]:

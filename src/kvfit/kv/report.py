@@ -27,8 +27,10 @@ class KVCacheReport:
     guard has shrunk the cache since (the other figures stay those of startup); its row is
     shown once there is one. `on_host`: the CPU device, whose `total` is the host memory budget
     (`cpu_kv_cache_space_bytes`) and whose committed KV bytes are allocated host memory.
-    `dtype` (the cache's storage dtype, e.g. `float8_e4m3fn` under `kv_cache_dtype="fp8"`) and
-    `block_bytes` (one block over all layers, K and V) are shown when given.
+    `dtype` (the cache's storage dtype, e.g. `float8_e4m3fn` under `kv_cache_dtype="fp8"`),
+    `block_bytes` (one block over all layers, K and V) and `graphs_and_buffers` (live torch
+    memory besides the weights, the model's buffers and the KV cache: CUDA graph pools and the
+    runner's persistent input buffers) are shown when given.
     """
 
     method: str
@@ -46,6 +48,7 @@ class KVCacheReport:
     on_host: bool = False
     dtype: str | None = None
     block_bytes: int | None = None
+    graphs_and_buffers: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -61,6 +64,8 @@ class KVCacheReport:
             ("host budget" if self.on_host else "device total", format_bytes(self.total)),
             ("budget", format_bytes(self.budget)),
             ("weights", format_bytes(self.weights)),
+            *([("graphs, buffers", format_bytes(self.graphs_and_buffers))]
+              if self.graphs_and_buffers is not None else []),
             ("non-torch use", format_bytes(self.non_torch)),
             ("transient peak", format_bytes(self.transient)),
             ("margin", format_bytes(self.margin)),
