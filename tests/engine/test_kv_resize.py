@@ -330,6 +330,49 @@ def test_a_driver_failure_at_any_call_leaves_the_cache_consistent(
     assert_nothing_leaked(llm)
 
 
+class OutOfMemoryDriver(FailingDriver):
+    """A device out of memory for the first `num_failures` creates (a cut's copy, say)."""
+
+    def __init__(self, inner: VmmDriver, chunks: dict[int, Any], va: int,
+                 num_failures: int) -> None:
+        super().__init__(inner, chunks, va)
+        self.num_failures = num_failures
+
+    def create(self, size: int, device: int) -> AllocationHandle:
+        if self.num_failures:
+            self.num_failures -= 1
+            raise VmmOutOfMemoryError("cuMemCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY")
+        return super().create(size, device)
+
+
+@pytest.mark.parametrize("regrow", [True, False])
+def test_a_shrink_with_no_memory_to_cut_a_chunk_goes_through_whole_chunks(
+    make_llm: Callable[..., LLM], reference: Callable[..., list[list[int]]], regrow: bool,
+) -> None:
+    """Cutting a chunk copies its kept part: on a device out of memory the shrink unmaps whole
+    chunks instead, preempting down to there, and maps fresh pages back up to the size asked;
+    where even that finds no memory it keeps the smaller size. No request fails or changes."""
+    llm = make_llm()
+    llm.resize_kv_cache(llm.engine.kv_resizer.floor)
+    llm.resize_kv_cache(512)  # two chunks: [0, 2 MiB) and [2 MiB, 8 MiB)
+    uncut = runner(llm).kv_cache.uncut_blocks(150)
+    assert llm.engine.kv_resizer.floor <= uncut < 150
+    reservation = runner(llm).kv_cache.tensor._live()
+    driver = OutOfMemoryDriver(reservation.driver, reservation.chunks, reservation.va,
+                               num_failures=1 if regrow else 1 << 30)
+    reservation.driver = driver
+    events = []
+    outputs = generate_stepping(llm, LONG_LENGTHS,
+                                {12: lambda: events.append(llm.resize_kv_cache(150))})
+    assert tokens(outputs) == reference(LONG_LENGTHS)
+    [event] = events
+    assert event.num_blocks_after == (150 if regrow else uncut)
+    assert event.num_preempted > 0  # the long requests held blocks past `uncut`
+    assert_sizes_agree(llm, 150 if regrow else uncut)
+    assert_driver_matches_cache(llm, driver)
+    assert_nothing_leaked(llm)
+
+
 # --- GPU -------------------------------------------------------------------------------------
 
 

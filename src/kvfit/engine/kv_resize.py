@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from kvfit.engine.config import EngineConfig
     from kvfit.engine.executor import Executor
     from kvfit.engine.scheduler import Scheduler
+    from kvfit.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -167,20 +168,52 @@ class KVCacheResizer:
     def shrink(self, num_blocks: int, empty_cache: bool = False) -> tuple[int, int, int]:
         """Preempt the tail's holders, evict its prefix-cache entries, then commit
         `num_blocks` on every worker (`empty_cache`: then hand torch's idle memory back, for
-        the out-of-memory guard). Returns `(delta_bytes, num_preempted, num_evicted)`. On a
-        failure the block manager keeps what every worker still backs, and it raises. A
-        one-chunk cache is recommitted (`recommit`): it may end smaller than `num_blocks`."""
+        the out-of-memory guard). Returns `(delta_bytes, num_preempted, num_evicted)`. Where
+        cutting a physical chunk finds no memory for its copy, it shrinks through whole chunks
+        instead (`_shrink_through_chunks`). On another failure the block manager keeps what
+        every worker still backs, and it raises. A one-chunk cache is recommitted
+        (`recommit`): it may end smaller than `num_blocks`."""
         if self.one_chunk():
             result = self.recommit(num_blocks)
         else:
             victims = self.scheduler.preempt_tail_holders(num_blocks)
             num_evicted = self.scheduler.block_manager.shrink(num_blocks)
-            deltas = self._commit(num_blocks)
-            self.config.cache_config.num_gpu_blocks = num_blocks
-            result = deltas[0], len(victims), num_evicted
+            try:
+                delta = self._commit(num_blocks)[0]
+            except VmmOutOfMemoryError as error:
+                more, evicted, delta = self._shrink_through_chunks(num_blocks, error)
+                victims, num_evicted = victims + more, num_evicted + evicted
+            self.config.cache_config.num_gpu_blocks = self.num_blocks
+            result = delta, len(victims), num_evicted
         if empty_cache:
             self.executor.collective_rpc("empty_cache")
         return result
+
+    def _shrink_through_chunks(self, num_blocks: int, error: VmmOutOfMemoryError,
+                               ) -> tuple[list[Sequence], int, int]:
+        """Shrink to `num_blocks` without copying, after a cut found no memory: unmap whole
+        chunks down to the largest size that cuts none (preempting and evicting down to it),
+        then map fresh pages back up to `num_blocks`, whose new blocks are free. A grow back
+        that finds no memory leaves the smaller size: a shrink never fails for want of
+        memory. Returns `(victims, num_evicted, delta_bytes)`; re-raises `error` where whole
+        chunks would go below one `max_model_len` sequence."""
+        uncut = min(self.executor.collective_rpc("kv_cache_reachable_blocks", num_blocks))
+        if uncut < self.floor:
+            raise error
+        logger.info("shrinking the KV cache to %d blocks copies a chunk's kept part, and the "
+                    "device has no memory for it: going down to %d blocks (whole chunks) and "
+                    "back up", num_blocks, uncut)
+        victims = self.scheduler.preempt_tail_holders(uncut)
+        num_evicted = self.scheduler.block_manager.shrink(uncut)
+        delta = self._commit(uncut)[0]
+        try:
+            delta += self._commit(num_blocks)[0]
+        except VmmError as grow_error:
+            logger.warning("the KV cache could not grow back from %d to %d blocks (%s); it "
+                           "holds %d", uncut, num_blocks, grow_error, self.num_blocks)
+            return victims, num_evicted, delta
+        self.scheduler.block_manager.grow(num_blocks)
+        return victims, num_evicted, delta
 
     def grow(self, num_blocks: int) -> int:
         """Commit `num_blocks` on every worker, then hand the new blocks out; returns the bytes
@@ -325,34 +358,26 @@ class KVCacheResizer:
 
     def _govern_shrink(self, governor: KVCacheGovernor, settle: Callable[[], None],
                        nbytes: int, free: int) -> KVCacheResize | None:
-        # Cutting a physical chunk copies its kept part, which needs memory the device may no
-        # longer have: then unmap whole chunks only (gives back more, needs nothing).
-        for uncut in (False, True):
-            rpc = self.executor.collective_rpc
-            target = max(min(rpc("kv_cache_blocks_at", -nbytes, uncut)), self.floor)
-            if target >= self.num_blocks:  # at one max_model_len sequence: nothing to give
-                if not self._warned_at_floor:
-                    logger.warning("device free memory (%s) is under the low watermark and the "
-                                   "KV cache holds one max_model_len sequence (%d blocks), the "
-                                   "least it may: it cannot give more", format_bytes(free),
-                                   self.num_blocks)
-                    self._warned_at_floor = True
-                return None
-            settle()
-            try:
-                event = self.resize(target, "governor", free)
-            except KVCacheResizeError as error:
-                # (A one-chunk cache's recommit already fell back as far as the floor.)
-                if isinstance(error.__cause__, VmmOutOfMemoryError) and not self.one_chunk():
-                    continue
-                logger.error("the governor could not shrink the KV cache to %d blocks (%s); "
-                             "it holds %d", target, error, self.num_blocks)
-                return None
-            governor.resized(event.time)
-            return event
-        logger.error("the governor could not shrink the KV cache: even unmapping whole chunks "
-                     "ran out of memory; it holds %d blocks", self.num_blocks)
-        return None
+        # (A shrink that finds no memory to cut a chunk goes through whole chunks: `shrink`.)
+        target = max(min(self.executor.collective_rpc("kv_cache_blocks_at", -nbytes)),
+                     self.floor)
+        if target >= self.num_blocks:  # at one max_model_len sequence: nothing to give
+            if not self._warned_at_floor:
+                logger.warning("device free memory (%s) is under the low watermark and the KV "
+                               "cache holds one max_model_len sequence (%d blocks), the least "
+                               "it may: it cannot give more", format_bytes(free),
+                               self.num_blocks)
+                self._warned_at_floor = True
+            return None
+        settle()
+        try:
+            event = self.resize(target, "governor", free)
+        except KVCacheResizeError as error:
+            logger.error("the governor could not shrink the KV cache to %d blocks (%s); it "
+                         "holds %d", target, error, self.num_blocks)
+            return None
+        governor.resized(event.time)
+        return event
 
     def _govern_grow(self, governor: KVCacheGovernor, settle: Callable[[], None],
                      nbytes: int, free: int) -> KVCacheResize | None:

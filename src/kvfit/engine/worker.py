@@ -237,9 +237,9 @@ class Worker:
         guard's shrink target: cutting a chunk would need memory for a copy)."""
         cache = self.runner.kv_cache
         keep = cache.physical_bytes - nbytes - num_granules * cache.granularity
-        return self._reachable_blocks(cache.blocks_that_fit(max(0, keep)))
+        return self.kv_cache_reachable_blocks(cache.blocks_that_fit(max(0, keep)))
 
-    def _reachable_blocks(self, num_blocks: int) -> int:
+    def kv_cache_reachable_blocks(self, num_blocks: int) -> int:
         """The most blocks <= `num_blocks` a shrink reaches without memory for a copy: whole
         physical chunks dropped, or for a one-chunk cache (`kv_cache_one_chunk`) any size whose
         segments end on a granule, since `recommit_kv_cache` releases before it maps."""
@@ -280,7 +280,7 @@ class Worker:
         the chunk's kept part while it swaps: at most `ELASTIC_CHUNK_BYTES` (2 GiB) over all
         segments for chunks this grew and startup's last `TAIL_BYTES`, `BULK_CHUNK_BYTES`
         (1 GiB) per segment for startup's others;
-        `kv_cache_blocks_at(..., uncut=True)` gives the sizes that need none."""
+        `kv_cache_reachable_blocks` gives the sizes that need none."""
         cache = self.runner.kv_cache
         before = cache.physical_bytes
         if self.kv_connector is not None:  # its storages end where the committed bytes do
@@ -308,16 +308,15 @@ class Worker:
             budget = min(budget, cache.blocks_that_fit(self._available(unbounded)))
         return cache.committed_blocks, cache.capacity_blocks, budget
 
-    def kv_cache_blocks_at(self, delta_bytes: int, uncut: bool = False) -> int:
+    def kv_cache_blocks_at(self, delta_bytes: int) -> int:
         """The most blocks that fit in the physical bytes the cache holds now plus
-        `delta_bytes` (negative: to give back). `uncut`: only as far down as whole physical
-        chunks reach, a shrink that needs no memory (`uncut_blocks`). A one-chunk cache: a
-        size whose segments end on a granule (its resizes need no memory beyond the new one)."""
+        `delta_bytes` (negative: to give back). A one-chunk cache: a size whose segments end
+        on a granule (its resizes need no memory beyond the new one)."""
         cache = self.runner.kv_cache
         num_blocks = cache.blocks_that_fit(max(0, cache.physical_bytes + delta_bytes))
         if self.kv_cache_one_chunk():  # a whole chunk per segment: sizes ending on a granule
             return cache.granule_aligned_blocks(num_blocks)
-        return cache.uncut_blocks(num_blocks) if uncut else num_blocks
+        return num_blocks
 
     def device_memory(self) -> tuple[int, int]:
         """`(free, total)` device bytes now, from the memory monitor (the elastic governor's
