@@ -72,7 +72,7 @@ class ServerThread:
 
 class ServeProcess:
     """`kvfit serve kvfit-tiny FLAGS` in a subprocess on a free port, up once /health answers
-    (its output is read at `stop`)."""
+    (its output is read as it comes: `wait_for_output`, and all of it at `stop`)."""
 
     def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
         with socket.socket() as sock:
@@ -89,11 +89,15 @@ class ServeProcess:
              "--uvicorn-log-level", "warning", *flags],
             cwd=SRC, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=None if env is None else {**os.environ, **env})
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self.lines.extend, args=(self.proc.stdout,),
+                                        daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
-                raise RuntimeError(f"the server did not come up:\n{self.proc.communicate()[0]}")
+                raise RuntimeError(f"the server did not come up:\n{self._output()}")
             try:
                 if httpx.get(f"{self.url}/health").status_code == 200:
                     return
@@ -105,15 +109,30 @@ class ServeProcess:
         return [child for child in psutil.Process(self.proc.pid).children()
                 if "spawn_main" in " ".join(child.cmdline())]
 
+    def wait_for_output(self, text: str, timeout: float = 60) -> None:
+        """Until a line of output holds `text`. With several API processes, /health may
+        answer from another before the first has printed its banner."""
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in list(self.lines)):
+            assert time.monotonic() < deadline, f"no {text!r} in:\n{''.join(self.lines)}"
+            time.sleep(0.05)
+
     def stop(self, sig: int = signal.SIGINT, timeout: float = 60) -> str:
         """Send `sig` unless it has exited; its output once it has."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            return self.proc.communicate(timeout=timeout)[0]
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
+        return self._output()
+
+    def _output(self) -> str:
+        """Everything it printed (once it has exited and the reader has drained the pipe)."""
+        if self.proc.poll() is not None:
+            self._reader.join(timeout=30)
+        return "".join(self.lines)
 
 
 @pytest.fixture(scope="module")
