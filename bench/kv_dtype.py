@@ -35,6 +35,12 @@ over the decisive positions alone (auto's top-1 ahead by at least that margin), 
 share and the median margin of auto's top two where a variant disagrees.
 The held-out prompts of the trained built-in model: `tools/tiny_model/heldout.py`.
 
+`--error-split` adds three variants that say where the FP8 cache's disagreements come from, run
+on the model-dtype engine with each layer's stored K/V rounded in place after the store: e4m3 K
+alone (`fp8_k_only`), e4m3 V alone (`fp8_v_only`), and both rounded in a Hadamard-rotated basis
+(`fp8_hadamard`: what a cache holding H k and H v would give, since q.k = Hq.Hk and the output
+rotates back; an idea for the format, not an engine feature). Scale 1.0 as the default cache.
+
 Targets (H200): fp8 >= 1.9x the blocks of bf16; offline throughput >= 1.4x bf16's; on the
 trained model next-token agreement >= 99% and mean KL <= 0.01 nats vs the bf16 cache.
 """
@@ -42,9 +48,11 @@ trained model next-token agreement >= 99% and mean KL <= 0.01 nats vs the bf16 c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import random
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +64,8 @@ from kvfit.benchmarks.figures import record_of
 from kvfit.benchmarks.limits import copy_bandwidth, in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.engine.sequence import ScheduledBatch, Sequence
+from kvfit.kv_quant import dequantize_fp8, quantize_fp8
+from kvfit.models import llama
 from kvfit.models.loader import is_builtin, resolve_model
 from throughput import _sync, engine_decode_step, offline_workload  # the same workload and loop
 
@@ -90,12 +100,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accuracy-prompts", type=int, default=32)
     p.add_argument("--accuracy-len", type=int, default=512)
     p.add_argument("--prompts-file", help="one prompt per line (default: random token ids)")
+    p.add_argument("--accuracy-dtype", default="auto",
+                   help="dtype of the accuracy engines (auto: the model's on a GPU, float32 on "
+                        "a CPU; bfloat16 on a CPU matches a GPU run's rounding)")
     p.add_argument("--accuracy-load-format", default="auto",
                    help="load_format of the accuracy engines (auto: the model's weights, or "
                         "dummy for a built-in shape)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     p.add_argument("--near-tie-nats", type=float, default=0.1,
                    help="auto's top-1 lead under which a position counts as undecided")
+    p.add_argument("--error-split", action="store_true",
+                   help="also e4m3 K alone, V alone, and both in a Hadamard-rotated basis")
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -199,7 +214,7 @@ def accuracy_engine(model: str, args: argparse.Namespace, variant: dict[str, Any
     blocks = -(-(args.accuracy_len + 16) // 16) + 1
     llm = LLM(model, device=args.device, max_model_len=args.accuracy_len + 16, max_num_seqs=4,
               num_gpu_blocks_override=blocks, enforce_eager=True,
-              load_format=args.accuracy_load_format, **variant)
+              load_format=args.accuracy_load_format, dtype=args.accuracy_dtype, **variant)
     # calculate_kv_scales: the first real step sets the scales (the others: no effect).
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1),
                  use_tqdm=False)
@@ -224,6 +239,63 @@ def hf_logprobs(model: str, dtype: torch.dtype, device: str):  # noqa: ANN201 (a
     return logprobs
 
 
+Rounding = Callable[[torch.Tensor], torch.Tensor]
+
+
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded to e4m3 at scale 1.0 (the default cache's) and widened back to float32."""
+    one = torch.ones(1, device=x.device)
+    return dequantize_fp8(quantize_fp8(x, one), one, torch.float32)
+
+
+def hadamard(n: int, device: torch.device) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix of order `n` (a power of two)."""
+    if n & (n - 1):
+        raise ValueError(f"--error-split's rotated variant needs a power-of-two head_dim, got {n}")
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / n**0.5
+
+
+def e4m3_rotated(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded to e4m3 in the basis rotated by the Hadamard matrix, then rotated back."""
+    h = hadamard(x.shape[-1], x.device)
+    return e4m3(x.float() @ h.T) @ h
+
+
+def exact(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+ERROR_SPLIT: dict[str, tuple[Rounding, Rounding]] = {
+    "fp8_k_only": (e4m3, exact), "fp8_v_only": (exact, e4m3),
+    "fp8_hadamard": (e4m3_rotated, e4m3_rotated)}
+
+
+@contextlib.contextmanager
+def rounded_store(k_round: Rounding, v_round: Rounding) -> Iterator[None]:
+    """Within the block every layer's store runs as usual, then the slots it wrote are rounded in
+    place by `k_round`/`v_round` (the cache in the model's dtype). The store is the one point
+    all K/V pass through, so this is the cache a format that rounds so would hold."""
+    store = llama.attention_input
+
+    def rounding_store(*args: Any) -> torch.Tensor:
+        q = store(*args)
+        k_cache, v_cache, slots = args[8], args[9], args[10]
+        slots = slots[slots >= 0]
+        blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+        for cache, rnd in ((k_cache, k_round), (v_cache, v_round)):
+            cache[blocks, offsets] = rnd(cache[blocks, offsets]).to(cache.dtype)
+        return q
+
+    llama.attention_input = rounding_store
+    try:
+        yield
+    finally:
+        llama.attention_input = store
+
+
 def agreement(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     """Top-1 agreement, and top-5 (each side's argmax in the other's top 5), over rows."""
     top_a, top_b = a.topk(5, -1).indices, b.topk(5, -1).indices
@@ -233,16 +305,26 @@ def agreement(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     return {"top1": top1.mean().item(), "top5": (in_a & in_b).float().mean().item()}
 
 
+def variant_logprobs(engines: dict[str, LLM], rounded: dict[str, tuple[Rounding, Rounding]],
+                     name: str, prompt: list[int]) -> torch.Tensor:
+    """`prefill_logprobs` of one variant: its own engine, or auto's with its rounded store."""
+    if name not in rounded:
+        return prefill_logprobs(engines[name], prompt)
+    with rounded_store(*rounded[name]):
+        return prefill_logprobs(engines["auto"], prompt)
+
+
 def accuracy(args: argparse.Namespace) -> dict[str, Any]:
     """Every variant against auto (and against transformers) over the same prompts."""
     model = args.accuracy_model or args.model
     engines = {name: accuracy_engine(model, args, v) for name, v in ACCURACY_VARIANTS.items()}
+    rounded = ERROR_SPLIT if args.error_split else {}
     try:
         prompts = accuracy_prompts(args, engines["auto"])
         mc = engines["auto"].config.model_config
         hf = None if args.no_hf else hf_logprobs(model, mc.dtype, args.device)
-        sums: dict[str, dict[str, float]] = {name: {} for name in engines}
-        flip_margins: dict[str, list[float]] = {name: [] for name in engines}
+        sums: dict[str, dict[str, float]] = {name: {} for name in [*engines, *rounded]}
+        flip_margins: dict[str, list[float]] = {name: [] for name in sums}
         positions = decisive = 0
         for prompt in prompts:
             base = prefill_logprobs(engines["auto"], prompt)
@@ -252,8 +334,8 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
             margin = top2[:, 0] - top2[:, 1]
             is_decisive = margin >= args.near_tie_nats
             decisive += int(is_decisive.sum())
-            for name, llm in engines.items():
-                lp = base if name == "auto" else prefill_logprobs(llm, prompt)
+            for name in sums:
+                lp = base if name == "auto" else variant_logprobs(engines, rounded, name, prompt)
                 agree = lp.argmax(-1) == base.argmax(-1)
                 flip_margins[name] += margin[~agree].tolist()
                 row = {"next_token_agreement": agree.sum().item(),
@@ -270,8 +352,8 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
                          "mean_kl": s["kl_sum"] / positions,
                          **{k.removesuffix("_sum"): v / positions for k, v in s.items()
                             if k.startswith("hf_")},
-                         "kv_scales": engines[name].engine.executor.workers[0].runner
-                         .kv_scales()[:4]}
+                         "kv_scales": (engines[name].engine.executor.workers[0].runner
+                                       .kv_scales()[:4] if name in engines else None)}
                   for name, s in sums.items()}
     finally:
         for llm in engines.values():

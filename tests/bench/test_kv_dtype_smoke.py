@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
@@ -52,3 +53,32 @@ def test_kv_dtype_bench_smoke(bench, tmp_path: Path,  # noqa: ANN001
     assert variants["auto"]["disagreement_margin_median"] is None
     for v in variants.values():
         assert 0 <= v["decisive_agreement"] <= 1
+
+
+def test_the_rounded_store_is_the_fp8_cache(bench, tiny_model: Callable[[str], Path]) -> None:
+    """`--error-split`'s variants round the stored K/V of a model-dtype engine in place. Rounding
+    both to e4m3 must give the real FP8 cache's log-probabilities (the split is then a split of
+    that cache's error), rounding neither must change nothing, and the store is restored."""
+    args = bench.parse_args(["--out", "unused", "--device", "cpu", "--accuracy-len", "40"])
+    model = str(tiny_model("qwen3"))
+    engines = {"auto": bench.accuracy_engine(model, args, {}),
+               "fp8": bench.accuracy_engine(model, args, {"kv_cache_dtype": "fp8"})}
+    try:
+        prompt = list(range(3, 43))
+        base = bench.prefill_logprobs(engines["auto"], prompt)
+        fp8 = bench.prefill_logprobs(engines["fp8"], prompt)
+        rounded = {"both": (bench.e4m3, bench.e4m3), "none": (bench.exact, bench.exact),
+                   **bench.ERROR_SPLIT}
+        logprobs = {name: bench.variant_logprobs(engines, rounded, name, prompt)
+                    for name in rounded}
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    assert not torch.equal(fp8, base)
+    torch.testing.assert_close(logprobs["both"], fp8, rtol=0, atol=1e-5)
+    assert torch.equal(logprobs["none"], base)
+    for name in bench.ERROR_SPLIT:
+        assert not torch.equal(logprobs[name], base), name
+    assert bench.llama.attention_input.__name__ == "attention_input"
+    h = bench.hadamard(64, torch.device("cpu"))
+    torch.testing.assert_close(h @ h.T, torch.eye(64))
