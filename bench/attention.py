@@ -11,7 +11,8 @@ Decode is memory bound, so it is reported as KV bytes read per second against th
 device-to-device copy (bytes read + written) measured in the same run. Prefill is reported as
 attention TFLOP/s against torch's scaled_dot_product_attention on the same sequences laid out
 contiguously (no paging, KV heads pre-expanded): an upper bound. `--kv-cache-dtype fp8` reads an
-e4m3 cache (scales 1.0) with the same queries; its KV bytes are one per value.
+e4m3 cache (scales 1.0, float16 compute as the engine's) with the same queries; its KV bytes
+are one per value; `--sweep` adds each fp8 path side by side (`fp8_compute_rows`).
 
 `--batch-invariant`: what attention costs in the deterministic mode, where the prefill kernel
 runs every row (`batch_invariant=True`: no split-KV, a decode row in a tile of BLOCK_M query
@@ -196,25 +197,33 @@ def sweep(shape: Shape, k_cache, v_cache) -> list[dict]:
 
 
 def fp8_compute_rows(shape: Shape, k_cache, v_cache) -> list[dict]:
-    """An e4m3 cache's tiles widened to the query's dtype (the default) against float16
-    (`fp8_compute_dtype`), at the default tile configs, side by side."""
+    """An e4m3 cache by each path, at the default tile configs, side by side: tiles widened to
+    the query's dtype, tiles widened to float16 (the engine's compute for a bf16 model), and
+    float16 decode reading the pages as uint16 pairs of dims (the engine's decode kernel;
+    prefill has one kernel, so its pairs row repeats the float16 one)."""
+    paths = {str(shape.dtype).removeprefix("torch."): dict(fp8_compute_dtype=shape.dtype,
+                                                           fp8_pairs=False),
+             "float16": dict(fp8_compute_dtype=torch.float16, fp8_pairs=False),
+             "float16 pairs": dict(fp8_compute_dtype=torch.float16, fp8_pairs=True)}
     rows = []
-    for compute in (None, torch.float16):
-        name = str(compute or shape.dtype).removeprefix("torch.")
+    for name, path in paths.items():
         for batch, context in [(64, 4096), (256, 1024), (1, 32768)]:
-            ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch,
-                            fp8_compute_dtype=compute)  # fmt: skip
+            ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch, **path)
             rows.append(dict(case=f"decode {batch}x{context}", config=dict(fp8_compute=name),
                              ms=ms))
-        ms = time_paged(shape, k_cache, v_cache, [16384], [16384], fp8_compute_dtype=compute)
-        rows.append(dict(case="prefill 1x16k", config=dict(fp8_compute=name), ms=ms))
+        if not path["fp8_pairs"]:
+            ms = time_paged(shape, k_cache, v_cache, [16384], [16384], **path)
+            rows.append(dict(case="prefill 1x16k", config=dict(fp8_compute=name), ms=ms))
     return rows
 
 
 def _fp8_scales(k_cache: torch.Tensor) -> dict:
+    """An e4m3 cache's launch arguments as the engine passes them: scales 1.0, and float16
+    compute (`ops/attention.py`'s choice for a bf16 model; the query's own dtype otherwise)."""
     if k_cache.dtype != torch.float8_e4m3fn:
         return {}
-    return {"k_scale": torch.ones(1, device="cuda"), "v_scale": torch.ones(1, device="cuda")}
+    return {"k_scale": torch.ones(1, device="cuda"), "v_scale": torch.ones(1, device="cuda"),
+            "fp8_compute_dtype": torch.float16}
 
 
 def bench_batch_invariant(shape: Shape, k_cache, v_cache, case: str, batch: int, length: int,

@@ -95,6 +95,34 @@ def test_fp8_dots_in_float16_are_as_close_as_in_the_querys_bfloat16(paged_batch,
     assert errors[torch.float16] < 1e-2 and errors[torch.float16] <= errors[None] * 1.5
 
 
+@pytest.mark.parametrize("head_dim,num_heads", [(128, 16), (128, 32), (64, 4)])
+def test_fp8_pairs_decode_matches_the_tile_kernel(paged_batch, head_dim, num_heads):
+    """The decode kernel that reads e4m3 pages as uint16 pairs (its one-cvt widening, sm_89+)
+    gives the tile kernel's output to float16 rounding and the dequantised reference's to e4m3's
+    bound, on every decode row of a mixed batch; prefill rows are the same kernel in both."""
+    from kvfit.ops.triton_attention import _has_e4m3x2_cvt, paged_attention_triton
+
+    if not _has_e4m3x2_cvt(torch.device("cuda")):
+        pytest.skip("cvt.rn.f16x2.e4m3x2 needs sm_89 or later")
+    batch = paged_batch(MIXED, num_heads=num_heads, num_kv_heads=num_heads // 4 or 1,
+                        head_dim=head_dim, dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    k_scale, v_scale = _scales(0.02, 0.03)
+    k8, v8 = quantize_fp8(batch.k_cache, k_scale), quantize_fp8(batch.v_cache, v_scale)
+    scale = head_dim**-0.5
+    outs = {}
+    for pairs in (False, True):
+        outs[pairs] = torch.full_like(batch.query, float("nan"))
+        paged_attention_triton(batch.query, k8, v8, batch.metadata, scale, outs[pairs],
+                               k_scale=k_scale, v_scale=v_scale, fp8_compute_dtype=torch.float16,
+                               fp8_pairs=pairs)  # fmt: skip
+    reference = paged_attention_reference(
+        batch.query.float(), dequantize_fp8(k8, k_scale, torch.float32),
+        dequantize_fp8(v8, v_scale, torch.float32), batch.metadata, scale)
+    assert not outs[True].isnan().any()
+    assert _rel_error(outs[True], outs[False]) < 2e-3
+    assert _rel_error(outs[True], reference) < 1e-2
+
+
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_fused_attention_input_stores_what_the_unfused_kernels_store(qk_norm):
     from kvfit.ops.attention_input import attention_input

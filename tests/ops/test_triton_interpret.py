@@ -82,13 +82,16 @@ def _e4m3_values(shape: tuple[int, ...], scale: float) -> torch.Tensor:
     return torch.where(values.isnan(), 1.0, values) * scale
 
 
-@pytest.mark.parametrize("compute", [None, torch.float16])
+@pytest.mark.parametrize("compute,pairs", [(None, None), (torch.float16, False),
+                                           (torch.float16, None)])
 @pytest.mark.parametrize("max_splits", [1, 3])
 @pytest.mark.parametrize("layout", ["block_outermost", "head_major"])
 def test_attention_kernels_read_fp8_pages_with_their_scales(paged_batch, layout, max_splits,
-                                                            compute):  # fmt: skip
+                                                            compute, pairs):  # fmt: skip
     """Both widenings (to the query's float32 here, and to float16 with the query cast) give
-    attention over the dequantised pages; float16's 11-bit query costs ~1e-3."""
+    attention over the dequantised pages; float16's 11-bit query costs ~1e-3. Float16 decode
+    runs both kernels: the tile one (`fp8_pairs=False`) and the default, which reads the pages
+    as uint16 pairs of dims."""
     batch = paged_batch(MIXED, num_heads=8, num_kv_heads=2, head_dim=16, layout=layout)
     k_scale, v_scale = torch.tensor([0.02]), torch.tensor([0.05])
     k8 = batch.k_cache.div(k_scale).to(torch.float8_e4m3fn)
@@ -96,7 +99,7 @@ def test_attention_kernels_read_fp8_pages_with_their_scales(paged_batch, layout,
     out = torch.full_like(batch.query, float("nan"))
     triton_attention.paged_attention_triton(
         batch.query, k8, v8, batch.metadata, 0.3, out, max_splits=max_splits, split_tokens=16,
-        k_scale=k_scale, v_scale=v_scale, fp8_compute_dtype=compute,
+        k_scale=k_scale, v_scale=v_scale, fp8_compute_dtype=compute, fp8_pairs=pairs,
     )
     expect = paged_attention_reference(batch.query, k8, v8, batch.metadata, 0.3,
                                        k_scale=k_scale, v_scale=v_scale)
@@ -104,6 +107,34 @@ def test_attention_kernels_read_fp8_pages_with_their_scales(paged_batch, layout,
     torch.testing.assert_close(out, expect, rtol=tol, atol=tol)
     if compute is not None:  # the query really went through float16
         assert not torch.allclose(out, expect, rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_pairs_decode_splits_and_pads_like_the_tile_kernel(paged_batch):
+    """The pairs kernel against the tile kernel on decode rows alone: a long row split in
+    parts, a row of one token, a zero-length padded row, 4 query heads to a KV head; e4m3
+    values exact in both (the two differ only in summation order)."""
+    batch = paged_batch([(300, 1), (0, 1), (5, 1)], num_heads=8, num_kv_heads=2, head_dim=32)
+    batch.metadata.seq_lens[1] = 0
+    k8 = _e4m3_values(batch.k_cache.shape, 1.0).to(torch.float8_e4m3fn)
+    v8 = _e4m3_values(batch.v_cache.shape, 1.0).to(torch.float8_e4m3fn)
+    query = batch.query * 0.05
+    outs = {}
+    for pairs in (False, True):
+        outs[pairs] = torch.full_like(query, float("nan"))
+        triton_attention.paged_attention_triton(
+            query, k8, v8, batch.metadata, 0.3, outs[pairs], max_splits=4, split_tokens=64,
+            k_scale=torch.ones(1), v_scale=torch.ones(1), fp8_compute_dtype=torch.float16,
+            fp8_pairs=pairs)
+    assert torch.equal(outs[True][1], torch.zeros_like(outs[True][1]))
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-3, atol=1e-3)
+
+
+def test_fp8_pairs_needs_a_float16_computed_fp8_cache(paged_batch):
+    batch = paged_batch([(3, 1)], num_heads=4, num_kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="fp8_pairs needs an e4m3 cache"):
+        triton_attention.paged_attention_triton(
+            batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.3,
+            torch.empty_like(batch.query), fp8_pairs=True)
 
 
 def test_fp8_compute_dtype_is_float16_or_the_querys(paged_batch):

@@ -9,7 +9,8 @@ registers: each tile is widened to the query's dtype after the load (exact: ever
 a bf16/fp16 value; `fp8_compute_dtype=torch.float16` widens to float16 and casts the query),
 and the scales are folded where they cost nothing per element, k_scale into the scores' scalar
 factor and v_scale into the output's normalisation, which is the same sum as
-multiplying every element by its scale.
+multiplying every element by its scale. Decode over an e4m3 cache computed in float16 has its
+own kernel (`_decode_fp8_pairs_kernel`), which reads the pages as 16-bit pairs of values.
 """
 
 from __future__ import annotations
@@ -170,18 +171,10 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    q_row = tl.load(query_start_loc + seq)
-    if tl.load(query_start_loc + seq + 1) - q_row != 1:
+    q_row, start, end, active = _decode_range(query_start_loc, seq_lens, seq, split, max_splits,
+                                              split_tokens, BLOCK_N)
+    if not active:
         return
-    seq_len = tl.load(seq_lens + seq)
-    # The split layout is a function of seq_len (read on the device) alone; programs past this
-    # sequence's own split count have nothing to do, and the reduction never reads them.
-    seq_splits = _num_seq_splits(seq_len, max_splits, split_tokens)
-    if split >= seq_splits:
-        return
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), seq_splits)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     g = tl.arange(0, GROUP_P2)
     head = kv_head * QUERY_GROUP + g
@@ -215,13 +208,149 @@ def _decode_kernel(
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if FP8:  # the split reduction is linear in o: scaling each part scales the sum
         o = o * tl.load(v_scale)
+    part = (seq * NUM_HEADS + head) * num_splits + split
+    _store_decode_out(o, d, out, part_out, q_row, head, g_mask, part,
+                      stride_ot, stride_oh, stride_od, HEAD_DIM, SPLIT)  # fmt: skip
     if SPLIT:
-        part = (seq * NUM_HEADS + head) * num_splits + split
-        tl.store(part_out + part[:, None] * HEAD_DIM + d[None, :], o, mask=g_mask[:, None])
         tl.store(part_lse + part, m_i + tl.log2(l_i), mask=g_mask)
+
+
+@triton.jit
+def _decode_range(query_start_loc, seq_lens, seq, split, max_splits, split_tokens,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
+    """(query row, first token, end token, active) of one decode program. Inactive: the row is
+    not a decode row, or the split is past its sequence's own split count (the reduction never
+    reads those). The split layout is a function of seq_len (read on the device) alone."""
+    q_row = tl.load(query_start_loc + seq)
+    seq_len = tl.load(seq_lens + seq)
+    seq_splits = _num_seq_splits(seq_len, max_splits, split_tokens)
+    active = (tl.load(query_start_loc + seq + 1) - q_row == 1) & (split < seq_splits)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), seq_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    return q_row, start, end, active
+
+
+@triton.jit
+def _store_decode_out(o, d, out, part_out, q_row, head, g_mask, part,
+                      stride_ot, stride_oh, stride_od,
+                      HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """Columns `d` of a program's [GROUP_P2, len(d)] output: its split's part, or the row."""
+    if SPLIT:
+        tl.store(part_out + part[:, None] * HEAD_DIM + d[None, :], o, mask=g_mask[:, None])
     else:
         o_ptrs = out + q_row * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
         tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _e4m3x2_to_f16(x, ASM: tl.constexpr):
+    """A uint16 holding two e4m3 values -> (low byte's, high byte's) as float16. `ASM`: one
+    `cvt.rn.f16x2.e4m3x2` per pair (sm_89 and later); else bit operations (the interpreter)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+            "=h,=h,h", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=1,
+        )  # fmt: skip
+    lo = (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    hi = (x >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return lo, hi
+
+
+@triton.jit
+def _load_pair_tile(
+    pairs, block_table_row, n, n_mask, kv_head, d2,
+    stride_cb, stride_cs, stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_N, HEAD_DIM // 2] uint16 tile of tokens `n` of an e4m3 cache whose head dim is
+    contiguous: element i holds dims 2i (low byte) and 2i + 1. Strides in e4m3 elements."""
+    block = tl.load(block_table_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    row = (block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch) // 2
+    return tl.load(pairs + row[:, None] + d2[None, :], mask=n_mask[:, None], other=0)
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+def _decode_fp8_pairs_kernel(
+    query, k_cache, v_cache, out, part_out, part_lse,
+    query_start_loc, seq_lens, block_table,
+    scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    QUERY_GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ASM: tl.constexpr,
+):  # fmt: skip
+    """`_decode_kernel` over an e4m3 cache, computing in float16, that reads the cache as
+    uint16 pairs of dims (2i, 2i + 1) and splits each dot by parity: q.k = q_even.k_even +
+    q_odd.k_odd, and p.v fills the even and odd columns of the output in two dots.
+
+    Why: an e4m3 tile feeding a dot is staged in shared memory as bytes, which ldmatrix cannot
+    read transposed, so Triton 3.6 reads it back with scalar loads and widens it there: the
+    sm_90 loop over 64 tokens compiles to 792 instructions (112 LDS, 229 IMAD) at 162
+    registers, against bf16's 513 for twice the bytes. As 16-bit pairs the tile takes bf16's
+    path (ldmatrix), and one cvt widens each pair: 493 instructions, 128 registers
+    (`tools/triton_sass.py`). Same splits, so the same reduction order in every launch."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row, start, end, active = _decode_range(query_start_loc, seq_lens, seq, split, max_splits,
+                                              split_tokens, BLOCK_N)
+    if not active:
+        return
+
+    g = tl.arange(0, GROUP_P2)
+    head = kv_head * QUERY_GROUP + g
+    g_mask = g < QUERY_GROUP
+    d2 = tl.arange(0, HEAD_DIM // 2)
+    q_ptrs = query + q_row * stride_qt + head[:, None] * stride_qh + 2 * d2[None, :] * stride_qd
+    q_even = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0).to(tl.float16)
+    q_odd = tl.load(q_ptrs + stride_qd, mask=g_mask[:, None], other=0.0).to(tl.float16)
+    block_table_row = block_table + seq * stride_bt
+    scale_log2 = scale_log2 * tl.load(k_scale)
+    k_pairs = k_cache.to(tl.pointer_type(tl.uint16), bitcast=True)
+    v_pairs = v_cache.to(tl.pointer_type(tl.uint16), bitcast=True)
+
+    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P2], tl.float32)
+    acc_even = tl.zeros([GROUP_P2, HEAD_DIM // 2], tl.float32)
+    acc_odd = tl.zeros([GROUP_P2, HEAD_DIM // 2], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        k_even, k_odd = _e4m3x2_to_f16(
+            _load_pair_tile(k_pairs, block_table_row, n, n_mask, kv_head, d2,
+                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE), ASM)  # fmt: skip
+        v_even, v_odd = _e4m3x2_to_f16(
+            _load_pair_tile(v_pairs, block_table_row, n, n_mask, kv_head, d2,
+                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE), ASM)  # fmt: skip
+        s = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even))) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(tl.float16)
+        acc_even = tl.dot(p, v_even, acc_even * alpha[:, None])
+        acc_odd = tl.dot(p, v_odd, acc_odd * alpha[:, None])
+        m_i = m_new
+
+    # As `_decode_kernel`: zeros for an empty split; v_scale folded into the output.
+    norm = tl.load(v_scale) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    part = (seq * NUM_HEADS + head) * num_splits + split
+    _store_decode_out(acc_even * norm, 2 * d2, out, part_out, q_row, head, g_mask, part,
+                      stride_ot, stride_oh, stride_od, HEAD_DIM, SPLIT)  # fmt: skip
+    _store_decode_out(acc_odd * norm, 2 * d2 + 1, out, part_out, q_row, head, g_mask, part,
+                      stride_ot, stride_oh, stride_od, HEAD_DIM, SPLIT)  # fmt: skip
+    if SPLIT:
+        tl.store(part_lse + part, m_i + tl.log2(l_i), mask=g_mask)
 
 
 @triton.jit
@@ -269,6 +398,21 @@ def num_kv_splits(max_seq_len: int, max_splits: int = MAX_SPLITS,
     return max(1, min(max_splits, -(-max_seq_len // split_tokens)))
 
 
+def _use_fp8_pairs(requested: bool | None, k_cache: torch.Tensor, computes_f16: bool) -> bool:
+    """Whether decode runs `_decode_fp8_pairs_kernel`: an e4m3 cache computed in float16 whose
+    head dim is contiguous (its dim pairs are then whole uint16 words)."""
+    possible = computes_f16 and is_fp8(k_cache.dtype) and k_cache.stride(3) == 1
+    if requested and not possible:
+        raise ValueError("fp8_pairs needs an e4m3 cache with a contiguous head dim, computed "
+                         "in float16")
+    return possible and requested is not False
+
+
+def _has_e4m3x2_cvt(device: torch.device) -> bool:
+    """PTX's cvt.rn.f16x2.e4m3x2 needs sm_89 or later (Ada, Hopper); the interpreter has none."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 # Tile configs: the best of `bench/attention.py --sweep` on an H200 (bf16, 32/8 heads, dim 128).
 def _prefill_config(head_dim: int) -> dict[str, int]:
     if head_dim <= 128:
@@ -308,6 +452,7 @@ def paged_attention_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     fp8_compute_dtype: torch.dtype | None = None,
+    fp8_pairs: bool | None = None,
 ) -> torch.Tensor:
     """Launch the prefill kernel (query length > 1) and the decode kernel (query length 1).
 
@@ -318,6 +463,8 @@ def paged_attention_triton(
     query's); float16 casts the query once per program and widens e4m3 in one conversion per
     pair of values instead of bf16's several (`bench/attention.py --sweep --kv-cache-dtype
     fp8` times both). float16 holds every e4m3 value exactly and queries up to 65504.
+    `fp8_pairs`: decode over such a float16-computed e4m3 cache runs `_decode_fp8_pairs_kernel`
+    (None: wherever the head dim is contiguous; False: `_decode_kernel`, for side-by-side timing).
 
     `batch_invariant`: the prefill kernel alone runs every row (decodes too), each over key
     tiles of BLOCK_N from key 0 with the causal mask on every tile: no split-KV, so a row's
@@ -373,14 +520,21 @@ def paged_attention_triton(
         (num_seqs, num_heads, num_splits) if split else (0,),
         dtype=torch.float32, device=query.device,
     )  # fmt: skip
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, out, part_out, part_lse,
-        metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-        scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens, *common,
-        NUM_HEADS=num_heads, QUERY_GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=split, FP8=fp8, FP8_F16=fp8_f16,
-        **(decode_config or _decode_config(head_dim)),
-    )  # fmt: skip
+    grid = (num_seqs, num_kv_heads, num_splits)
+    args = (query, k_cache, v_cache, out, part_out, part_lse,
+            metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
+            scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens)  # fmt: skip
+    shape = dict(NUM_HEADS=num_heads, QUERY_GROUP=group,
+                 GROUP_P2=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                 BLOCK_SIZE=block_size, SPLIT=split,
+                 **(decode_config or _decode_config(head_dim)))  # fmt: skip
+    if _use_fp8_pairs(fp8_pairs, k_cache, fp8_f16 or (fp8 and query.dtype == torch.float16)):
+        _decode_fp8_pairs_kernel[grid](
+            *args, *query.stride(), *out.stride(), *k_cache.stride()[:3],
+            metadata.block_table.stride(0), ASM=_has_e4m3x2_cvt(query.device), **shape,
+        )  # fmt: skip
+    else:
+        _decode_kernel[grid](*args, *common, FP8=fp8, FP8_F16=fp8_f16, **shape)
     if split:
         _reduce_splits_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, metadata.query_start_loc, metadata.seq_lens,

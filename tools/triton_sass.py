@@ -1,0 +1,150 @@
+"""What Triton makes of kvfit's decode attention for a GPU, on a machine without one.
+
+Runs `paged_attention_triton` on CPU tensors of a decode batch with Triton's launch replaced by
+a capture, specialises each captured launch as Triton's JIT would (ints of 1 become constants,
+multiples of 16 and pointers are marked divisible, `do_not_specialize` respected), compiles it
+for `--arch` and prints, per kernel: registers, spills and shared memory (ptxas), and the
+instruction mix of its loops (cuobjdump's SASS: a backward branch closes each loop).
+
+    pip install --target /tmp/tritonpkg triton==3.6.0   # ships ptxas and cuobjdump
+    PYTHONPATH=src:/tmp/tritonpkg python3 tools/triton_sass.py --cache-dtype fp8
+    PYTHONPATH=src:/tmp/tritonpkg python3 tools/triton_sass.py --cache-dtype fp8 --no-fp8-pairs
+
+Counts say where instructions go, not how long they take: the H200 times them
+(`bench/attention.py --sweep --kv-cache-dtype fp8`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+import triton
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction, native_specialize_impl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "ops"))
+from conftest import make_paged_batch  # noqa: E402  (the tests' paged batch builder)
+from kvfit.ops import triton_attention  # noqa: E402
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BACK_BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
+
+
+def capture_launches(args: argparse.Namespace) -> list[tuple[JITFunction, dict[str, Any], dict]]:
+    """(kernel, its arguments by name, launch options) of each Triton launch of one decode."""
+    batch = make_paged_batch([(args.context - 1, 1)] * args.batch, num_heads=args.num_heads,
+                             num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                             dtype=torch.bfloat16)  # fmt: skip
+    k_cache, v_cache = batch.k_cache, batch.v_cache
+    extra: dict[str, Any] = {}
+    if args.cache_dtype == "fp8":
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        pairs = False if args.no_fp8_pairs else None
+        extra = dict(k_scale=torch.ones(1), v_scale=torch.ones(1), fp8_compute_dtype=torch.float16,
+                     fp8_pairs=pairs)
+    launches = []
+
+    def capture(self: JITFunction, *call_args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        named = dict(zip(self.arg_names, call_args, strict=False))
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        launches.append((self, named | kwargs, options))
+
+    decode_config = dict(BLOCK_N=args.block_n, num_warps=args.num_warps,
+                         num_stages=args.num_stages)  # fmt: skip
+    with mock.patch.object(JITFunction, "run", capture), \
+            mock.patch.object(triton_attention, "_has_e4m3x2_cvt", lambda device: True):
+        triton_attention.paged_attention_triton(
+            batch.query, k_cache, v_cache, batch.metadata, args.head_dim**-0.5,
+            torch.empty_like(batch.query), decode_config=decode_config, **extra)
+    return launches
+
+
+def compile_launch(fn: JITFunction, named: dict[str, Any], options: dict, arch: int):  # noqa: ANN201
+    """Triton's compiled kernel for one captured launch, specialised as the JIT would."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(fn.params):
+        value = named[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[(i,)] = "constexpr", value
+            continue
+        kind, spec = native_specialize_impl(BaseBackend, value, False,
+                                            not param.do_not_specialize,
+                                            not param.do_not_specialize_on_alignment)
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[(i,)] = spec
+        elif spec:
+            attrs[(i,)] = BaseBackend.parse_attr(spec)
+    source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 128), options=options)
+
+
+def loop_mixes(sass: str) -> list[collections.Counter]:
+    """The opcode counts of each loop body (from a backward branch's target to the branch)."""
+    instrs = [(int(m.group(1), 16), m.group(2)) for m in _SASS_LINE.finditer(sass)]
+    index = {addr: i for i, (addr, _) in enumerate(instrs)}
+    loops = []
+    for i, (addr, text) in enumerate(instrs):
+        branch = _BACK_BRANCH.search(text)
+        target = int(branch.group(1), 16) if branch else None
+        if target is not None and target < addr and target in index:
+            body = instrs[index[target] : i + 1]
+            loops.append(collections.Counter(
+                re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in body))
+    return loops
+
+
+def report(kernel: Any, arch: int, top: int) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx.write_text(kernel.asm["ptx"])
+        cubin.write_bytes(kernel.asm["cubin"])
+        ptxas = subprocess.run([BIN / "ptxas", f"-arch=sm_{arch}a", "-v", ptx, "-o", "/dev/null"],
+                               capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True,
+                              text=True, check=True).stdout
+    regs = re.search(r"Used (\d+) registers", ptxas)
+    spills = re.search(r"(\d+) bytes spill stores", ptxas)
+    lines = [f"{kernel.name}: {regs.group(1) if regs else '?'} registers, "
+             f"{spills.group(1) if spills else '?'} bytes spilled, "
+             f"{kernel.metadata.shared} bytes shared"]
+    for mix in loop_mixes(sass):
+        ops = ", ".join(f"{op} {n}" for op, n in mix.most_common(top))
+        lines.append(f"  loop of {sum(mix.values())} instructions: {ops}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache-dtype", choices=["bf16", "fp8"], default="bf16")
+    p.add_argument("--no-fp8-pairs", action="store_true", help="the fp8 tile kernel")
+    p.add_argument("--num-heads", type=int, default=16)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--block-n", type=int, default=64)
+    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--num-stages", type=int, default=3)
+    p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
+    p.add_argument("--top", type=int, default=12, help="opcodes shown per loop")
+    args = p.parse_args(argv)
+    for fn, named, options in capture_launches(args):
+        print(report(compile_launch(fn, named, options, args.arch), args.arch, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
