@@ -1,10 +1,11 @@
-"""What Triton makes of kvfit's decode attention for a GPU, on a machine without one.
+"""What Triton makes of kvfit's paged attention for a GPU, on a machine without one.
 
-Runs `paged_attention_triton` on CPU tensors of a decode batch with Triton's launch replaced by
-a capture, specialises each captured launch as Triton's JIT would (ints of 1 become constants,
-multiples of 16 and pointers are marked divisible, `do_not_specialize` respected), compiles it
-for `--arch` and prints, per kernel: registers, spills and shared memory (ptxas), and the
-instruction mix of its loops (cuobjdump's SASS: a backward branch closes each loop).
+Runs `paged_attention_triton` on CPU tensors of a batch (decode rows, or prefill rows with
+`--query-len`) with Triton's launch replaced by a capture, specialises each captured launch as
+Triton's JIT would (ints of 1 become constants, multiples of 16 and pointers are marked
+divisible, `do_not_specialize` respected), compiles it for `--arch` and prints, per kernel:
+registers, spills and shared memory (ptxas), and the instruction mix of its loops (cuobjdump's
+SASS: a backward branch closes each loop).
 
     pip install --target /tmp/tritonpkg triton==3.6.0   # ships ptxas and cuobjdump
     PYTHONPATH=src:/tmp/tritonpkg python3 tools/triton_sass.py --cache-dtype fp8
@@ -42,8 +43,9 @@ _BACK_BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
 
 
 def capture_launches(args: argparse.Namespace) -> list[tuple[JITFunction, dict[str, Any], dict]]:
-    """(kernel, its arguments by name, launch options) of each Triton launch of one decode."""
-    batch = make_paged_batch([(args.context - 1, 1)] * args.batch, num_heads=args.num_heads,
+    """(kernel, its arguments by name, launch options) of each Triton launch of one step."""
+    seqs = [(args.context - args.query_len, args.query_len)] * args.batch
+    batch = make_paged_batch(seqs, num_heads=args.num_heads,
                              num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                              dtype=torch.bfloat16)  # fmt: skip
     k_cache, v_cache = batch.k_cache, batch.v_cache
@@ -135,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--query-len", type=int, default=1, help="> 1: the prefill kernel's launch")
     p.add_argument("--block-n", type=int, default=64)
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=3)
