@@ -322,6 +322,21 @@ def test_invalid_json_is_a_400_and_the_server_survives(http: httpx.Client,
     assert r.usage.completion_tokens == 2
 
 
+def test_an_internal_error_is_a_500_on_a_connection_that_stays_usable(
+        http: httpx.Client, engine: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a tokenizer bug")
+
+    monkeypatch.setattr(engine.tokenizer, "encode", broken)
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["type"] == "internal_server_error"
+    monkeypatch.undo()
+    # The same keep-alive connection: uvicorn closed it after a re-raised error.
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200
+
+
 def test_a_failing_step_fails_only_its_request(http: httpx.Client, engine: AsyncLLM) -> None:
     # An engine bug that only this prompt's requests hit.
     in_engine(engine, engine_hooks.fail, "poison")

@@ -143,9 +143,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return error(APIError(str(e.detail), status_code=e.status_code, type=kind))
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("request failed")
+    def internal(e: Exception) -> JSONResponse:
+        logger.exception("request failed", exc_info=e)
         return error(APIError(f"internal error: {e}", 500, "internal_server_error"))
 
     async def check_api_key(request: Request) -> None:
@@ -438,9 +437,38 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                 "choices": choices, "usage": _usage([out])}
 
     app.include_router(api)
+    app.add_middleware(_InternalErrors, answer=internal)
     if config.max_request_body_bytes is not None:
         app.add_middleware(BodyLimit, limit=config.max_request_body_bytes)
     return app
+
+
+class _InternalErrors:
+    """ASGI middleware: an unexpected exception of a route is answered with a 500 OpenAI error
+    body. Not `exception_handler(Exception)`: Starlette's ServerErrorMiddleware, which runs
+    those, re-raises after answering, and uvicorn then closes the connection, so the client's
+    next request on it (keep-alive) fails too."""
+
+    def __init__(self, app: Any, answer: Callable[[Exception], Response]) -> None:
+        self.app, self.answer = app, answer
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:
+            if started:  # too late for an error body: the connection has to go
+                raise
+            await self.answer(e)(scope, receive, send)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
