@@ -322,6 +322,25 @@ def test_invalid_json_is_a_400_and_the_server_survives(http: httpx.Client,
     assert r.usage.completion_tokens == 2
 
 
+LONE_SURROGATES = [  # JSON escapes that decode to no Unicode text
+    ("/v1/completions", b'{"prompt": "\\ud800 x", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"\\ud800": 1}}', "logit_bias"),
+]
+
+
+@pytest.mark.parametrize(("path", "content", "param"), LONE_SURROGATES)
+def test_lone_surrogates_are_a_400(http: httpx.Client, path: str, content: bytes,
+                                   param: str) -> None:
+    r = http.post(path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param)
+    assert http.get("/health").status_code == 200
+
+
 def test_an_internal_error_is_a_500_on_a_connection_that_stays_usable(
         http: httpx.Client, engine: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*args: object, **kwargs: object) -> None:

@@ -186,6 +186,17 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             raise APIError("the model has no tokenizer: send token ids")
         return engine.tokenizer
 
+    def encode(text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids. JSON's `\\ud800` escapes can carry lone UTF-16 surrogates, which
+        are no Unicode text: the tokenizer raises a TypeError on them, so they are a 400."""
+        try:
+            text.encode()
+        except UnicodeEncodeError as e:
+            raise APIError(f"{param} holds a lone UTF-16 surrogate "
+                           f"({e.object[e.start:e.end]!r}): send valid Unicode text",
+                           param=param) from None
+        return tokenizer().encode(text, add_special_tokens=add_special_tokens)
+
     def render_chat(messages: list[Any], add_generation_prompt: bool) -> str:
         try:
             return tokenizer().apply_chat_template(
@@ -204,9 +215,9 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             raise APIError("send one of prompt or messages", param="prompt")
         if body.messages is not None:
             text = render_chat(body.messages, body.add_generation_prompt)
-            tokens = tokenizer().encode(text, add_special_tokens=False)
+            tokens = encode(text, "messages", add_special_tokens=False)
         else:
-            tokens = tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
     @api.post("/detokenize")
@@ -355,7 +366,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         prompts = []
         for p in body.prompts():
             if isinstance(p, str):
-                prompts.append({"prompt_token_ids": tokenizer().encode(p), "prompt": p})
+                prompts.append({"prompt_token_ids": encode(p, "prompt"), "prompt": p})
             else:
                 prompts.append({"prompt_token_ids": p, "prompt": None})
         prompt_logprobs = body.logprobs if body.echo and not body.stream else None
@@ -403,7 +414,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         num_logprobs = body.num_logprobs()
         check_logprobs(num_logprobs, "top_logprobs")
         text = render_chat(body.messages, body.add_generation_prompt)
-        prompt = {"prompt_token_ids": tokenizer().encode(text, add_special_tokens=False),
+        prompt = {"prompt_token_ids": encode(text, "messages", add_special_tokens=False),
                   "prompt": text}
         if not prompt["prompt_token_ids"]:
             raise APIError("the messages render to an empty prompt", param="messages")
