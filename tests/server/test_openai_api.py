@@ -271,7 +271,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"word": 1}}, 400, "logit_bias.word.[key]"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 400, "model"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": "x", "temprature": 0}, 400, "temprature"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
@@ -288,8 +288,9 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w " * MAX_MODEL_LEN}]},
      400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "stream": True, "model": "other"}, 400,
+    ("/v1/chat/completions", {"messages": MESSAGES, "stream": True, "model": "other"}, 404,
      "model"),
+    ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
     ("/detokenize", {"tokens": [100000]}, 400, "tokens"),
     ("/tokenize", {}, 400, "prompt"),
     ("/v1/nothing-here", {}, 404, None),
@@ -407,6 +408,8 @@ def test_models_tokenize_detokenize_version(http: httpx.Client, client: openai.O
                                             engine: AsyncLLM) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
     tokens = http.post("/tokenize", json={"prompt": "Hello world"}).json()
     assert tokens["tokens"] == engine.tokenizer.encode("Hello world")
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN

@@ -177,9 +177,10 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in config.served_model_names:
+            # 404, as OpenAI and vLLM answer (the openai client raises NotFoundError).
             raise APIError(f"the model {name!r} does not exist; this server serves "
-                           f"{', '.join(config.served_model_names)}", param="model",
-                           code="model_not_found")
+                           f"{', '.join(config.served_model_names)}", status_code=404,
+                           type="not_found_error", param="model", code="model_not_found")
 
     def tokenizer() -> Any:
         if engine.tokenizer is None:
