@@ -124,6 +124,7 @@ def test_bad_resizes_are_refused_naming_the_setting(http: httpx.Client, num_bloc
     response = http.post("/kv_cache/resize", params={"num_blocks": num_blocks})
     assert response.status_code == status, response.text
     assert message in response.text
+    assert response.json()["error"]["param"] == "num_blocks"
 
 
 def test_an_idle_elastic_engine_shrinks_when_memory_runs_short(

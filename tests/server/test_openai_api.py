@@ -277,6 +277,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, -5]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1.5]}, 400, "prompt"),  # fits no member of the union
+    ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "n": 65}, 400, "n"),  # above max_num_seqs
     ("/v1/completions", {"prompt": "word " * MAX_MODEL_LEN}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
@@ -288,6 +290,9 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w " * MAX_MODEL_LEN}]},
      400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400,
+     "messages.0.content"),
     ("/v1/chat/completions", {"messages": MESSAGES, "stream": True, "model": "other"}, 404,
      "model"),
     ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),

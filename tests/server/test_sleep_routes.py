@@ -78,6 +78,9 @@ def test_sleep_refuses_generation_and_wake_gives_the_same_text(http: httpx.Clien
 def test_bad_sleep_and_wake_requests_are_400(http: httpx.Client) -> None:
     response = http.post("/sleep", params={"level": 3})
     assert response.status_code == 400 and "level" in response.json()["error"]["message"]
+    for params, param in (({"level": "one"}, "level"), ({"mode": "later"}, "mode")):
+        response = http.post("/sleep", params=params)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
     assert http.post("/wake_up").status_code == 400  # awake already
     assert http.post("/sleep").status_code == 200
     assert http.post("/sleep").status_code == 400  # asleep already

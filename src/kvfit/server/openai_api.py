@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
@@ -133,10 +134,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         if first.get("type") == "json_invalid":
             reason = first.get("ctx", {}).get("error", "")
             return error(APIError(f"the request body is not valid JSON ({reason})"))
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(loc) or None
-        message = f"{param or 'the request body'}: {first.get('msg', 'invalid')}"
-        return error(APIError(message, param=param))
+        return error(_validation_error(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -317,7 +315,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             try:
                 report = await engine.sleep(level, mode)
             except (ValueError, RuntimeError) as e:
-                raise APIError(str(e), param="level" if "level" in str(e) else None) from None
+                param = next((p for p in ("level", "mode") if f"{p}=" in str(e)), None)
+                raise APIError(str(e), param=param) from None
             return {"level": report.level, "released": report.released, "kept": report.kept,
                     "host_bytes": report.host_bytes}
 
@@ -453,6 +452,38 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     if config.max_request_body_bytes is not None:
         app.add_middleware(BodyLimit, limit=config.max_request_body_bytes)
     return app
+
+
+# What pydantic puts in an error's `loc` for the member of a union that failed
+# (`str | list[str]` ...): not a field, so not part of the `param` named.
+_UNION_MEMBER = re.compile(r"(str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*)")
+_LOC_SOURCES = ("body", "query", "path", "header", "cookie")
+
+
+def _validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
+    """A 400 for pydantic's `errors`, its `param` the field path of the first (`messages.0.role`,
+    `num_blocks`). A value that fits no member of a union gets what each member found wrong."""
+    loc = list(errors[0].get("loc", ()))
+    if loc and loc[0] in _LOC_SOURCES:
+        loc = loc[1:]
+    tag = next((i for i, part in enumerate(loc)
+                if isinstance(part, str) and _UNION_MEMBER.fullmatch(part)), None)
+    if tag is None:
+        param = ".".join(map(str, loc)) or None
+        message = f"{param or 'the request body'}: {errors[0].get('msg', 'invalid')}"
+        return APIError(message, param=param)
+    param = ".".join(map(str, loc[:tag])) or None
+    reasons = []
+    for error in errors:  # every member's error, in the order pydantic tried them
+        other = list(error.get("loc", ()))
+        if other and other[0] in _LOC_SOURCES:
+            other = other[1:]
+        if len(other) > tag and other[:tag] == loc[:tag]:
+            where = ".".join(map(str, other[tag + 1:]))
+            reasons.append(f"as {other[tag]}{f' (at {where})' if where else ''}: "
+                           f"{error.get('msg', 'invalid')}")
+    return APIError(f"{param or 'the request body'} fits none of its types: "
+                    f"{'; '.join(reasons)}", param=param)
 
 
 class _InternalErrors:
