@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,30 @@ def test_api_server_count_is_at_least_one_and_needs_the_engine_process(
     assert "--api-server-count" in err and "--no-engine-process" in err and "usage:" in err
     help_text = parser().parse_args(["serve", "m"]).serve_parser.format_help()
     assert "--api-server-count N" in help_text
+
+
+def test_port_is_a_port_number(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parser().parse_args(["serve", "m", "--port", "0"]).port == 0
+    for bad in ("70000", "-1", "http"):
+        with pytest.raises(SystemExit) as exit_:
+            parser().parse_args(["serve", "m", "--port", bad])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --port" in err and "65535" in err and repr(bad) in err
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "999.1.1.1"])
+def test_a_port_it_cannot_listen_on_fails_before_the_engine_loads(host: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "kvfit", "serve", "kvfit-tiny", "--device",
+                              "cpu", "--host", host, "--port", str(port)],
+                             capture_output=True, text=True, cwd=SRC, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"cannot listen on {host}:{port}" in out.stderr
+    assert "loading kvfit-tiny" not in out.stdout  # no model loaded for nothing
 
 
 def test_serve_without_the_extra_names_the_install_command(

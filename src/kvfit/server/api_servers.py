@@ -47,10 +47,10 @@ folder, and `/metrics` (in whichever process answers it) adds them all up. It mu
 prometheus_client is imported."""
 
 
-def bind_sockets(host: str, port: int, count: int, backlog: int = 2048
-                 ) -> list[socket.socket]:
-    """`count` listening TCP sockets on `host:port` (SO_REUSEPORT), one per API process;
-    OSError if the port is taken."""
+def bind_sockets(host: str, port: int, count: int, backlog: int = 2048,
+                 reuse_port: bool = True) -> list[socket.socket]:
+    """`count` listening TCP sockets on `host:port` (SO_REUSEPORT unless `reuse_port` is
+    False), one per API process; OSError if the port is taken or `host` is no address here."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sockets: list[socket.socket] = []
     try:
@@ -58,7 +58,8 @@ def bind_sockets(host: str, port: int, count: int, backlog: int = 2048
             sock = socket.socket(family, socket.SOCK_STREAM)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((host, port))
             port = sock.getsockname()[1]  # port 0: the others take the port the first got
             sock.listen(backlog)

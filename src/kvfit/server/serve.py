@@ -39,7 +39,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",
                         help="address to bind (0.0.0.0 for every interface)")
-    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument("--port", type=port_number, default=8000,
+                        help="port to listen on (0: any free one)")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="names clients use for the model (default: MODEL); the first "
                         "is the one reported")
@@ -90,6 +91,17 @@ def at_least_one(what: str) -> Callable[[str], int]:
         return n
 
     return parse
+
+
+def port_number(value: str) -> int:
+    """An argparse type: a TCP port, 0 to 65535 (the socket layer would take 70000 as 4464)."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {value!r}")
+    return port
 
 
 def _event_loop_kinds() -> str:
@@ -155,22 +167,33 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvfit.engine.config import EngineArgs
+    from kvfit.server.api_servers import bind_sockets
     from kvfit.server.async_llm import AsyncLLM
     from kvfit.server.openai_api import build_app
 
     if args.model_tag:
         args.model = args.model_tag
     engine_args = EngineArgs.from_cli_args(args)
+    try:
+        # Before the engine loads (minutes for a large model): a port in use or a host that is
+        # no address here fails at once, not after it.
+        (sock,) = bind_sockets(args.host, args.port, 1, reuse_port=False)
+    except OSError as e:
+        print(f"kvfit serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
     print(f"kvfit serve: loading {engine_args.model} and sizing the KV cache ...", flush=True)
-    engine = AsyncLLM(engine_args, engine_process=args.engine_process,
-                      stream_interval=args.stream_interval)
+    try:
+        engine = AsyncLLM(engine_args, engine_process=args.engine_process,
+                          stream_interval=args.stream_interval)
+    except BaseException:
+        sock.close()
+        raise
     try:
         print(f"KV cache:\n{engine.kv_cache_report.format_table()}", flush=True)
         config = _serve_config(args, engine_args)
         app = build_app(engine, config)
         # uvicorn's "auto" takes uvloop and httptools where they are installed.
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                               log_level=args.uvicorn_log_level))
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
         died: list[BaseException] = []
 
         def engine_died(error: BaseException) -> None:
@@ -180,12 +203,14 @@ def run_serve(args: argparse.Namespace) -> int:
         engine.add_dead_callback(engine_died)
         where = "its own process" if args.engine_process else "a thread"
         print(f"kvfit serve: {', '.join(config.served_model_names)} on "
-              f"http://{args.host}:{args.port}/v1 (engine in {where}; {_event_loop_kinds()}; "
-              f"stream interval {args.stream_interval})",
+              f"http://{args.host}:{sock.getsockname()[1]}/v1 (engine in {where}; "
+              f"{_event_loop_kinds()}; stream interval {args.stream_interval})",
               flush=True)
-        _serve_logging_stats(args, engine, lambda: _until_interrupted(server.run))
+        _serve_logging_stats(args, engine,
+                             lambda: _until_interrupted(lambda: server.run(sockets=[sock])))
     finally:
         engine.shutdown()
+        sock.close()
     return _exit_status(died)
 
 
