@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import engine_hooks
@@ -345,6 +346,24 @@ def test_lone_surrogates_are_a_400(http: httpx.Client, path: str, content: bytes
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param)
     assert http.get("/health").status_code == 200
+
+
+def test_a_huge_prompt_does_not_stall_the_server(server: ServerThread,
+                                                 http: httpx.Client) -> None:
+    # Seconds of tokenizing (and then a 400: far beyond max_model_len).
+    body = {"prompt": "hello world " * 400_000, "max_tokens": 2}
+    with ThreadPoolExecutor(1) as pool:
+        huge = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=120)
+        time.sleep(0.5)  # sent and being tokenized
+        latencies = []
+        while not huge.done():
+            start = time.perf_counter()
+            assert http.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.05)
+        r = huge.result()
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert latencies and max(latencies) < 1.0, latencies
 
 
 def test_an_internal_error_is_a_500_on_a_connection_that_stays_usable(

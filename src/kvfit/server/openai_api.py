@@ -9,6 +9,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
@@ -48,6 +49,8 @@ T = TypeVar("T")
 # request, 500 for a step that failed on it (`engine_error`).
 _UNAVAILABLE = (EngineDeadError, EngineSleepingError)
 _ENGINE_ERRORS = (ValueError, RequestFailedError, *_UNAVAILABLE)
+# Characters of a request's texts tokenized on the event loop (a few ms); more go to a thread.
+_INLINE_TOKENIZE_CHARS = 1 << 14
 
 
 @dataclass
@@ -185,16 +188,30 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             raise APIError("the model has no tokenizer: send token ids")
         return engine.tokenizer
 
-    def encode(text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        """`text`'s token ids. JSON's `\\ud800` escapes can carry lone UTF-16 surrogates, which
-        are no Unicode text: the tokenizer raises a TypeError on them, so they are a 400."""
-        try:
-            text.encode()
-        except UnicodeEncodeError as e:
-            raise APIError(f"{param} holds a lone UTF-16 surrogate "
-                           f"({e.object[e.start:e.end]!r}): send valid Unicode text",
-                           param=param) from None
-        return tokenizer().encode(text, add_special_tokens=add_special_tokens)
+    # One thread: requests' large texts are tokenized one at a time, off the event loop.
+    tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfit-tokenize")
+
+    def encode_now(texts: list[str], param: str, add_special_tokens: bool) -> list[list[int]]:
+        """Each text's token ids. JSON's `\\ud800` escapes can carry lone UTF-16 surrogates,
+        which are no Unicode text: the tokenizer raises a TypeError on them, so they are a 400."""
+        for text in texts:
+            try:
+                text.encode()
+            except UnicodeEncodeError as e:
+                raise APIError(f"{param} holds a lone UTF-16 surrogate "
+                               f"({e.object[e.start:e.end]!r}): send valid Unicode text",
+                               param=param) from None
+        return [tokenizer().encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+    async def encode(texts: list[str], param: str,
+                     add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode_now`, on the tokenizer's thread when the texts are long: a prompt of
+        megabytes takes seconds to tokenize, during which the event loop would serve no one
+        (no stream's tokens, not /health). The tokenizer lets go of the GIL as it works."""
+        if sum(map(len, texts)) <= _INLINE_TOKENIZE_CHARS:
+            return encode_now(texts, param, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            tokenize_pool, encode_now, texts, param, add_special_tokens)
 
     def render_chat(messages: list[Any], add_generation_prompt: bool) -> str:
         try:
@@ -214,9 +231,9 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             raise APIError("send one of prompt or messages", param="prompt")
         if body.messages is not None:
             text = render_chat(body.messages, body.add_generation_prompt)
-            tokens = encode(text, "messages", add_special_tokens=False)
+            (tokens,) = await encode([text], "messages", add_special_tokens=False)
         else:
-            tokens = encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+            (tokens,) = await encode([body.prompt], "prompt", body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
     @api.post("/detokenize")
@@ -363,12 +380,11 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         check_model(body.model)
         body.check()
         check_logprobs(body.logprobs, "logprobs")
-        prompts = []
-        for p in body.prompts():
-            if isinstance(p, str):
-                prompts.append({"prompt_token_ids": encode(p, "prompt"), "prompt": p})
-            else:
-                prompts.append({"prompt_token_ids": p, "prompt": None})
+        given = body.prompts()
+        texts = [p for p in given if isinstance(p, str)]
+        encoded = iter(await encode(texts, "prompt") if texts else ())
+        prompts = [{"prompt_token_ids": next(encoded), "prompt": p} if isinstance(p, str)
+                   else {"prompt_token_ids": p, "prompt": None} for p in given]
         prompt_logprobs = body.logprobs if body.echo and not body.stream else None
         params = [body.sampling_params(
             check_length(len(p["prompt_token_ids"]), body.max_tokens, "prompt", "max_tokens"),
@@ -414,8 +430,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         num_logprobs = body.num_logprobs()
         check_logprobs(num_logprobs, "top_logprobs")
         text = render_chat(body.messages, body.add_generation_prompt)
-        prompt = {"prompt_token_ids": encode(text, "messages", add_special_tokens=False),
-                  "prompt": text}
+        (token_ids,) = await encode([text], "messages", add_special_tokens=False)
+        prompt = {"prompt_token_ids": token_ids, "prompt": text}
         if not prompt["prompt_token_ids"]:
             raise APIError("the messages render to an empty prompt", param="messages")
         max_tokens, max_field = body.requested_max_tokens()
