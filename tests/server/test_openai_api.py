@@ -181,6 +181,21 @@ def test_echo(client: openai.OpenAI, llm: LLM) -> None:
     assert lp.token_logprobs[0] is None and None not in lp.token_logprobs[1:]
 
 
+def test_streamed_echo_has_the_logprobs_of_the_unstreamed_one(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPTS[12], max_tokens=5, temperature=0, echo=True,
+                  logprobs=1)
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)
+              if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    for field in ("tokens", "text_offset"):
+        assert [x for c in chunks for x in getattr(c.logprobs, field)] == getattr(
+            whole.logprobs, field), field
+    streamed = [x for c in chunks for x in c.logprobs.token_logprobs]
+    assert streamed[0] is None and whole.logprobs.token_logprobs[0] is None
+    assert streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-5)
+
+
 async def _concurrent(url: str, prompts: list[str]) -> list[str]:
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused",
                                   max_retries=0) as aclient:

@@ -47,8 +47,8 @@ class _Tracked:
         params = seqs[0].sampling_params
         self.logprobs = params.logprobs is not None
         self.text = bool(params.stop)  # the engine decodes text only for stop strings
-        self.prompt_logprobs = params.prompt_logprobs is not None
-        self.plain = len(seqs) == 1 and not (self.logprobs or self.text)
+        self.prompt_logprobs = params.prompt_logprobs is not None  # and not sent yet
+        self.plain = len(seqs) == 1 and not (self.logprobs or self.text or self.prompt_logprobs)
 
     def delta(self) -> RequestDelta | PlainDelta | None:
         """What the request gained since the last call (None: nothing); a `PlainDelta` for a
@@ -80,7 +80,10 @@ class _Tracked:
             return None
         finished = all(reported)
         prompt_logprobs = None
-        if finished and self.prompt_logprobs:
+        # With the first output, not the last: the prompt is whole once a token follows it,
+        # and a stream that echoes its prompt sends the prompt's logprobs first.
+        if self.prompt_logprobs:
+            self.prompt_logprobs = False
             prompt_logprobs = list(self.seqs[0].prompt_logprobs)
         return self.request_id, parts, finished, prompt_logprobs
 

@@ -385,7 +385,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         encoded = iter(await encode(texts, "prompt") if texts else ())
         prompts = [{"prompt_token_ids": next(encoded), "prompt": p} if isinstance(p, str)
                    else {"prompt_token_ids": p, "prompt": None} for p in given]
-        prompt_logprobs = body.logprobs if body.echo and not body.stream else None
+        prompt_logprobs = body.logprobs if body.echo else None
         params = [body.sampling_params(
             check_length(len(p["prompt_token_ids"]), body.max_tokens, "prompt", "max_tokens"),
             body.logprobs, prompt_logprobs) for p in prompts]
@@ -686,12 +686,15 @@ async def _stream_completion(streams: list[AsyncIterator[RequestOutput]],
                                    and c.finish_reason is None):
                     continue
                 text = c.text[chars:]
-                if echo is not None and key not in sent:
+                first_echo = echo is not None and key not in sent
+                if first_echo:
                     text = echo[i] + text
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = _completion_logprobs(engine, c, body.logprobs, out, False,
-                                                    tokens, chars)
+                    # As unstreamed: the echoed prompt's tokens lead, and offsets count its text.
+                    offset = 0 if first_echo else chars + (len(echo[i]) if echo else 0)
+                    logprobs = _completion_logprobs(engine, c, body.logprobs, out, first_echo,
+                                                    tokens, offset)
                 sent[key] = (len(c.text), len(c.token_ids))
                 if c.finish_reason is not None:
                     done.add(key)
