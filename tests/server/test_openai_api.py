@@ -312,6 +312,12 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": MESSAGES, "stream": True, "model": "other"}, 404,
      "model"),
     ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, 400,
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+     400, "response_format"),
     ("/detokenize", {"tokens": [100000]}, 400, "tokens"),
     ("/tokenize", {}, 400, "prompt"),
     ("/v1/nothing-here", {}, 404, None),
@@ -330,6 +336,24 @@ def test_bad_requests_get_openai_errors(http: httpx.Client, path: str, body: dic
     assert error["message"] and error["type"]
     assert error["param"] == param
     assert http.get("/health").status_code == 200
+
+
+def test_tool_and_format_fields_that_ask_for_nothing_are_taken(client: openai.OpenAI,
+                                                               http: httpx.Client) -> None:
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
+                                       tools=[], tool_choice="none", parallel_tool_calls=False,
+                                       response_format={"type": "text"})
+    assert r.usage.completion_tokens == 2
+    error = http.post("/v1/completions", json={"prompt": "x", "temprature": 0}).json()["error"]
+    assert "unknown field" in error["message"] and error["param"] == "temprature"
+
+
+def test_a_body_that_is_not_a_json_object_says_so(http: httpx.Client) -> None:
+    # curl -d without -H 'Content-Type: application/json' sends a form's content type.
+    r = http.post("/v1/completions", content=b'{"prompt": "x"}',
+                  headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400
+    assert "Content-Type: application/json" in r.json()["error"]["message"]
 
 
 def test_invalid_json_is_a_400_and_the_server_survives(http: httpx.Client,

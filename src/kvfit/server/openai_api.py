@@ -427,6 +427,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         check_model(body.model)
+        body.check()
         num_logprobs = body.num_logprobs()
         check_logprobs(num_logprobs, "top_logprobs")
         text = render_chat(body.messages, body.add_generation_prompt)
@@ -487,6 +488,13 @@ def _validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
     if tag is None:
         param = ".".join(map(str, loc)) or None
         message = f"{param or 'the request body'}: {errors[0].get('msg', 'invalid')}"
+        if errors[0].get("type") == "extra_forbidden":
+            message = (f"{param}: unknown field (this server refuses fields it does not know "
+                       "rather than ignoring them)")
+        elif not loc and errors[0].get("type") in ("model_attributes_type", "dict_type"):
+            # No JSON object: often a body sent without `Content-Type: application/json`.
+            message = ("the request body must be a JSON object, sent with "
+                       "'Content-Type: application/json'")
         return APIError(message, param=param)
     param = ".".join(map(str, loc[:tag])) or None
     reasons = []

@@ -1,9 +1,11 @@
 """OpenAI-compatible request bodies (pydantic) and their conversion to `SamplingParams`.
 
 Field names follow OpenAI's API, plus vLLM's extra sampling fields (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, ...). Unknown fields are refused, so a misspelt setting
-is an error naming it rather than silently ignored. Every error here is an `APIError`, which
-the app answers with OpenAI's error body.
+`repetition_penalty`, `ignore_eos`, ...). Unknown fields are refused (vLLM ignores them), so a
+misspelt setting is an error naming it rather than silently ignored. OpenAI's tool and format
+fields are taken at the values that ask for nothing (`tools: []`, `tool_choice: "none"`,
+`response_format: {"type": "text"}`; clients send them so) and refused at any other, as
+unsupported. Every error here is an `APIError`, which the app answers with OpenAI's error body.
 """
 
 from __future__ import annotations
@@ -170,8 +172,24 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Taken only at values that ask for nothing (`check`): no tool calling, no format.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
 
     _renamed = {"logprobs": "top_logprobs"}
+
+    def check(self) -> None:
+        """Refuse what this server does not do: tool calls, structured output."""
+        if self.tools:
+            raise APIError("tools are not supported by this server", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise APIError("tool_choice other than 'none' or 'auto' is not supported by this "
+                           "server (it has no tools)", param="tool_choice")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise APIError("response_format other than {'type': 'text'} is not supported by "
+                           "this server", param="response_format")
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """The completion-length limit asked for and the field that asked (None: unset)."""
