@@ -504,6 +504,8 @@ def test_api_key_and_queue_bound(start_server, engine: AsyncLLM, tmp_path: Path)
         assert client.completions.create(model=MODEL_NAME, prompt="x",
                                          max_tokens=2).usage.completion_tokens == 2
         auth = {"authorization": "Bearer sekret"}
+        assert http.get("/v1/models", headers={"authorization": "bearer sekret"}
+                        ).status_code == 200  # the scheme is case-insensitive
         # The engine stalls on the held request's step, so its slot stays taken.
         release = tmp_path / "release"
         in_engine(engine, engine_hooks.stall, "hold", str(release))

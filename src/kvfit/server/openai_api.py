@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import logging
 import re
 import time
@@ -151,7 +152,11 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     async def check_api_key(request: Request) -> None:
         if config.api_key is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+        # The scheme is case-insensitive (RFC 9110); the key is compared in constant time, so
+        # response times do not tell a guesser how much of it is right.
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                key.strip().encode(), config.api_key.encode()):
             raise APIError("a valid API key is needed: send 'Authorization: Bearer <key>'",
                            status_code=401, type="authentication_error", code="invalid_api_key")
 
