@@ -14,6 +14,11 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+LINEAR = {"rope_type": "linear", "factor": 4.0}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+# DeepSeek-style mscales.
+YARN_MSCALE = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+               "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -72,7 +77,8 @@ def test_rotary_keeps_flat_shape_and_dtype():
     assert torch.equal(got_q.view(3, 4, 8), ref_q)
 
 
-@pytest.mark.parametrize("rope_scaling", [None, LLAMA3], ids=["default", "llama3"])
+@pytest.mark.parametrize("rope_scaling", [None, LLAMA3, LINEAR, YARN, YARN_MSCALE],
+                         ids=["default", "llama3", "linear", "yarn", "yarn-mscale"])
 def test_rotary_matches_transformers_llama(rope_scaling):
     llama = pytest.importorskip("transformers.models.llama.modeling_llama")
     from transformers import LlamaConfig
@@ -107,7 +113,7 @@ def test_llama3_scaling_changes_long_wavelengths_only():
 
 def test_rotary_rejects_unknown_rope_type():
     with pytest.raises(ValueError, match="rope_scaling"):
-        RotaryEmbedding(8, 10, 100.0, {"rope_type": "yarn", "factor": 2.0})
+        RotaryEmbedding(8, 10, 100.0, {"rope_type": "dynamic", "factor": 2.0})
 
 
 def test_layers_accept_an_empty_batch():

@@ -1,5 +1,5 @@
 """Small model layers as functions: RMSNorm (alone or after the residual add), SiLU-and-mul and
-rotary embedding (incl. Llama 3)."""
+rotary embedding (default, Llama 3, linear and YaRN scaling)."""
 
 from __future__ import annotations
 
@@ -80,10 +80,52 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict, base: float,
+                   max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN (transformers' `_compute_yarn_parameters`): high frequencies kept, low ones divided
+    by `factor`, a linear ramp between; returns the frequencies and the cos/sin scale."""
+    dim = 2 * len(inv_freq)
+    original = rope_scaling.get("original_max_position_embeddings") or max_position
+    factor = rope_scaling.get("factor") or max_position / original
+    attention_factor = rope_scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(rope_scaling.get("beta_fast") or 32)
+    high = correction_dim(rope_scaling.get("beta_slow") or 1)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # Rounded as transformers rounds it (1 - (1 - ramp), 1 / (factor * base^(2i/d))): positions
+    # near max_position multiply a last-bit difference past float32 noise.
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    interpolated = 1.0 / (factor * pos_freqs) * (1 - extrapolation)
+    return interpolated + inv_freq * extrapolation, float(attention_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+"""`rope_type`s of `rope_scaling` that `RotaryEmbedding` computes as transformers does."""
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) rotary embedding with a precomputed cos/sin cache.
 
-    `rope_scaling` is the HF dict (`rope_type` or `type`): None/"default" or "llama3".
+    `rope_scaling` is the HF dict (`rope_type` or `type`): None or one of `ROPE_TYPES`.
     Called as `rotary(positions, q, k) -> (q, k)` with q/k `[T, heads, head_dim]` or
     `[T, heads * head_dim]`; the output keeps the input shape and dtype.
     """
@@ -99,14 +141,20 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+        rope_type = rope_type or "default"
+        scale = 1.0  # YaRN's attention factor, folded into cos and sin as transformers does
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
-        elif rope_type not in (None, "default"):
-            raise ValueError(
-                f"rope_scaling rope_type {rope_type!r} is not supported; use 'default' or 'llama3'"
-            )
+        elif rope_type == "linear":
+            inv_freq = inv_freq / rope_scaling["factor"]
+        elif rope_type == "yarn":
+            inv_freq, scale = _yarn_inv_freq(inv_freq, rope_scaling, base, max_position)
+        elif rope_type != "default":
+            raise ValueError(f"rope_scaling rope_type {rope_type!r} is not supported; kvfit "
+                             f"supports {', '.join(ROPE_TYPES)}")
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1), False)
+        cos_sin = torch.cat([freqs.cos() * scale, freqs.sin() * scale], -1)
+        self.register_buffer("cos_sin_cache", cos_sin, False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
