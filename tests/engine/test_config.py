@@ -140,3 +140,34 @@ def test_explicit_extensible_cache_where_vmm_is_unusable_is_an_error(
         config(enable_extensible_kv_cache=True)
     # Unset, it stays on: the engine probes again at startup and falls back with a warning.
     assert config().cache_config.enable_extensible_kv_cache
+
+
+def _saved_config(tmp_path, arch: str = "qwen3", **fields: object) -> str:
+    from transformers import LlamaConfig, Qwen3Config
+
+    cls = Qwen3Config if arch == "qwen3" else LlamaConfig
+    cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        architectures=[cls.__name__.replace("Config", "ForCausalLM")],
+        **fields).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(("arch", "fields", "match"), [
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
+     "sliding_window=64.*lower max_model_len to 64"),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+])
+def test_model_features_kvfit_does_not_run_are_refused_naming_the_field(
+        tmp_path, arch: str, fields: dict, match: str) -> None:
+    model = _saved_config(tmp_path, arch, **fields)
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=model, device="cpu", max_model_len=128).create_engine_config()
+
+
+def test_a_sliding_window_as_long_as_the_context_runs(tmp_path) -> None:
+    model = _saved_config(tmp_path, use_sliding_window=True, sliding_window=64,
+                          max_window_layers=0)
+    args = EngineArgs(model=model, device="cpu", max_model_len=64)
+    assert args.create_engine_config().model_config.max_model_len == 64

@@ -359,6 +359,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Resolve defaults against the model and device, and validate everything."""
         # Imported here so that building the CLI parser does not load transformers.
+        from kvfit.models.llama import check_config
         from kvfit.models.loader import LOAD_FORMATS, load_hf_config
         from kvfit.models.registry import get_model_class
 
@@ -375,6 +376,7 @@ class EngineArgs:
             max_logprobs=_at_least("max_logprobs", self.max_logprobs, 0),
         )
         max_len = model_config.max_model_len
+        check_config(hf_config, max_len)  # features the model does not run: refused now
         block_size = _at_least("block_size", self.block_size, 1)
         if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")

@@ -19,7 +19,7 @@ from kvfit.models.parallel_layers import (
 )
 from kvfit.ops.attention import AttentionMetadata
 from kvfit.ops.attention_input import attention_input, stored_key
-from kvfit.ops.layers import RotaryEmbedding, add_rms_norm, rms_norm
+from kvfit.ops.layers import ROPE_TYPES, RotaryEmbedding, add_rms_norm, rms_norm
 
 
 def head_dim(config: PretrainedConfig) -> int:
@@ -39,6 +39,40 @@ def rope_parameters(config: PretrainedConfig) -> tuple[float, dict | None]:
     # Older configs say "type" where newer ones say "rope_type".
     params["rope_type"] = params.pop("type", None) or params.get("rope_type", "default")
     return float(theta), None if params["rope_type"] == "default" else params
+
+
+def check_config(config: PretrainedConfig, max_model_len: int) -> None:
+    """Raise ValueError naming the config.json field of a feature the Llama body (and so
+    Qwen3) does not implement, rather than run it and generate something else than
+    transformers would."""
+    if config.hidden_act != "silu":
+        raise ValueError(f"config.json hidden_act {config.hidden_act!r} is not supported "
+                         f"(only 'silu')")
+    _, scaling = rope_parameters(config)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"config.json rope_scaling rope_type {rope_type!r} is not supported; "
+                         f"kvfit supports {', '.join(ROPE_TYPES)}")
+    params = getattr(config, "rope_parameters", None) or {}
+    partial = (params.get("partial_rotary_factor")
+               or getattr(config, "partial_rotary_factor", None) or 1.0)
+    if partial != 1.0:
+        raise ValueError(f"config.json partial_rotary_factor {partial} is not supported "
+                         f"(rope over the whole head only)")
+    # Qwen3 names its sliding-window layers (transformers 4.53+); older configs only say
+    # use_sliding_window. A window as long as the context attends to everything anyway.
+    layer_types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None)
+    sliding = "sliding_attention" in layer_types or (
+        not layer_types and getattr(config, "use_sliding_window", False))
+    if sliding and window is not None and max_model_len > window:
+        raise ValueError(f"config.json turns on sliding-window attention (sliding_window="
+                         f"{window}), which kvfit does not implement: lower max_model_len to "
+                         f"{window} or less, where it attends to every token anyway")
+    kinds = set(layer_types) - {"full_attention", "sliding_attention"}
+    if kinds:
+        raise ValueError(f"config.json layer_types holds {sorted(kinds)}; kvfit runs "
+                         f"full attention only")
 
 
 class RMSNorm(nn.Module):
