@@ -231,6 +231,25 @@ def test_unknown_architecture_names_the_config_field(tmp_path: Path, qwen3: Path
         LLM(str(tmp_path / "m"), device="cpu")
 
 
+def test_generation_config_eos_ids_end_the_output(tmp_path: Path, qwen3: Path) -> None:
+    # Chat models list their end-of-turn token only in generation_config.json (Llama 3
+    # Instruct: config.json eos 128001, generation_config.json [128001, 128009]).
+    prompt = make_prompts((9,), seed=3)[0]
+    expected = hf_greedy(qwen3, prompt)
+    eos = expected[3]
+    shutil.copytree(qwen3, tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, eos]}))
+    llm = make_llm(tmp_path / "m")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    [out] = llm.generate(token_prompts([prompt]), params, use_tqdm=False)
+    assert out.outputs[0].token_ids == expected[: expected.index(eos) + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    # Below min_tokens it is banned like the config's own EOS.
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+    [out] = llm.generate(token_prompts([prompt]), params, use_tqdm=False)
+    assert eos not in out.outputs[0].token_ids and len(out.outputs[0].token_ids) == MAX_TOKENS
+
+
 def test_folder_without_tokenizer_serves_token_ids(tmp_path: Path, qwen3: Path) -> None:
     folder = tmp_path / "m"
     shutil.copytree(qwen3, folder, ignore=shutil.ignore_patterns("tokenizer*"))

@@ -56,6 +56,9 @@ class ModelConfig:
     load_format: str = "auto"
     seed: int = 0
     max_logprobs: int = 20
+    # Ids that end generation: config.json's `eos_token_id` and generation_config.json's
+    # (chat models list their end-of-turn token there only, e.g. Llama 3 Instruct's <|eot_id|>).
+    eos_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_layers(self) -> int:
@@ -360,7 +363,7 @@ class EngineArgs:
         """Resolve defaults against the model and device, and validate everything."""
         # Imported here so that building the CLI parser does not load transformers.
         from kvfit.models.llama import check_config
-        from kvfit.models.loader import LOAD_FORMATS, load_hf_config
+        from kvfit.models.loader import LOAD_FORMATS, load_eos_token_ids, load_hf_config
         from kvfit.models.registry import get_model_class
 
         device = _resolve_device(self.device)
@@ -374,6 +377,7 @@ class EngineArgs:
             load_format=_check_choice("load_format", self.load_format, LOAD_FORMATS),
             seed=self.seed,
             max_logprobs=_at_least("max_logprobs", self.max_logprobs, 0),
+            eos_token_ids=load_eos_token_ids(self.model, hf_config),
         )
         max_len = model_config.max_model_len
         check_config(hf_config, max_len)  # features the model does not run: refused now

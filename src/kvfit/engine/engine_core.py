@@ -21,7 +21,6 @@ from kvfit.engine.config import EngineConfig
 from kvfit.engine.detokenizer import Detokenizer
 from kvfit.engine.executor import create_executor
 from kvfit.engine.kv_resize import KVCacheResize, KVCacheResizer
-from kvfit.engine.model_runner import eos_token_ids
 from kvfit.engine.oom_guard import OOMGuard, is_device_oom
 from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.sequence import ScheduledBatch, Sequence
@@ -106,7 +105,7 @@ class EngineCore:
             max_num_batched_tokens=sc.max_num_batched_tokens,
             max_model_len=sc.max_model_len,
             block_manager=BlockManager(cc.num_gpu_blocks, cc.block_size, cc.enable_prefix_caching),
-            eos_token_id=eos_token_ids(config.model_config.hf_config),
+            eos_token_id=config.model_config.eos_token_ids,
             detokenizer=Detokenizer(tokenizer),
             kv_connector=self._create_kv_connector(),
         )

@@ -12,7 +12,6 @@ from typing import TypeVar
 
 import numpy as np
 import torch
-from transformers import PretrainedConfig
 
 from kvfit.batch_invariant import batch_invariant_mode
 from kvfit.distributed import broadcast
@@ -72,7 +71,7 @@ class ModelRunner:
         self.weight_arena = (WeightArena(self.model, self.device) if config.enable_sleep_mode
                              else None)
         self.sampler = Sampler(self.device, mc.seed)
-        self.eos_token_ids = eos_token_ids(mc.hf_config)
+        self.eos_token_ids = mc.eos_token_ids
         self.kv_cache: ExtensibleKVCache | None = None
         self.kv_cache_spec = config.kv_cache_spec()
         self._num_allocated_blocks = 0
@@ -406,12 +405,6 @@ class ModelRunner:
     def drop_cuda_graphs(self) -> None:
         """Free the captured graphs and their pool (after the estimate's throwaway pass)."""
         self.graphs = self.piecewise = None
-
-
-def eos_token_ids(hf_config: PretrainedConfig) -> list[int]:
-    """The config's end-of-sequence ids (`eos_token_id` is an int, a list or None)."""
-    eos = getattr(hf_config, "eos_token_id", None)
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 def _items(batch: ScheduledBatch) -> zip[tuple[Sequence, int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,6 +86,21 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         return None
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def load_eos_token_ids(model: str, hf_config: PretrainedConfig) -> list[int]:
+    """The ids that end generation, as vLLM gathers them: config.json's `eos_token_id` and
+    generation_config.json's (each an int, a list or absent), in that order, once each."""
+    ids = [getattr(hf_config, "eos_token_id", None)]
+    generation_config = resolve_model(model) / "generation_config.json"
+    if generation_config.is_file():
+        try:
+            ids.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(f"{generation_config} is not a JSON object: {e}") from e
+    flat = [i for entry in ids if entry is not None
+            for i in ([entry] if isinstance(entry, int) else entry)]
+    return list(dict.fromkeys(flat))
 
 
 @contextmanager
