@@ -89,6 +89,8 @@ class InputProcessor:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{where}: SamplingParams.stop needs a tokenizer; use "
                              f"stop_token_ids instead")
+        if params.max_tokens is None:  # the rest of the context, as vLLM resolves it
+            params = dataclasses.replace(params, max_tokens=mc.max_model_len - len(token_ids))
         request_id = str(next(self._request_counter))
         parent = Sequence(token_ids, params, request_id=request_id, prompt=text)
         siblings = [Sequence(token_ids, params, request_id=request_id, prompt=text,

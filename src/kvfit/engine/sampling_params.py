@@ -27,6 +27,7 @@ class SamplingParams:
     one when the output ends with all but its last token (`bad_words_token_ids` holds them
     tokenized; the `LLM` front end fills it).
 
+    `max_tokens=None` generates until the context is full (`max_model_len`) or a stop.
     `n` completions share the prompt (and, with prefix caching, its KV blocks). `stop` strings
     end generation and are cut from the text unless `include_stop_str_in_output`.
     `logprobs=n` returns the top-n log-probabilities of every generated token plus the sampled
@@ -46,7 +47,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -92,8 +93,9 @@ class SamplingParams:
             _check(-2 <= getattr(self, name) <= 2, name, "must be in [-2, 2]", getattr(self, name))
         _check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1 = off)",
                self.repetition_penalty)
-        _check(self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens)
-        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+               "must be >= 1 or None (up to max_model_len)", self.max_tokens)
+        _check(0 <= self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens",
                f"must be in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -155,7 +157,7 @@ class SamplingParams:
 
 
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
-_OPTIONAL_FIELDS = ("seed", "logprobs", "prompt_logprobs")
+_OPTIONAL_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
 
