@@ -155,3 +155,37 @@ def test_max_tokens_none_generates_to_the_end_of_the_context(qwen3: Path) -> Non
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     assert params.max_tokens is None  # the caller's params are left as given
     llm.shutdown()
+
+
+def test_allowed_token_ids_limit_sampling_and_leave_logprobs_raw(llm: LLM) -> None:
+    allowed = [7, 40, 300]
+    prompt = {"prompt_token_ids": prompts(6)[0]}
+    free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    limited = [SamplingParams(temperature=t, max_tokens=6, ignore_eos=True, logprobs=2,
+                              allowed_token_ids=allowed, seed=1, top_k=2)
+               for t in (0, 1.5)]
+    outs = llm.generate([prompt] * 3, [free, *limited], use_tqdm=False)
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in outs[1:])
+    # Its neighbour in the batch is untouched, and logprobs are of the raw distribution.
+    [alone] = llm.generate([prompt], free, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    raw = alone.outputs[0].logprobs[0]
+    first = outs[1].outputs[0].logprobs[0]
+    assert {t: e.logprob for t, e in first.items() if t in raw} == {
+        t: e.logprob for t, e in raw.items() if t in first}
+    assert any(t not in allowed for t in first)  # the raw top-2 come along
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"allowed_token_ids": []}, "allowed_token_ids must name at least one token"),
+    ({"allowed_token_ids": [1.5]}, "allowed_token_ids must hold integers"),
+])
+def test_bad_allowed_token_ids_are_refused(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_refused(llm: LLM) -> None:
+    with pytest.raises(ValueError, match=r"allowed_token_ids token ids must be in \[0, 512\)"):
+        llm.generate([{"prompt_token_ids": [5]}], SamplingParams(allowed_token_ids=[3, 512]),
+                     use_tqdm=False)

@@ -12,7 +12,7 @@ import pytest
 import kvfit.engine.model_runner as model_runner
 from kvfit import LLM
 from kvfit.engine import sampling_features as features
-from kvfit.engine.logits_processors import BannedTokens, LogitBias, Penalties
+from kvfit.engine.logits_processors import AllowedTokens, BannedTokens, LogitBias, Penalties
 from kvfit.engine.sampler import SamplingMetadata
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import ScheduledBatch, Sequence
@@ -72,6 +72,10 @@ def warmup_steps(qwen3: Path) -> tuple[LLM, list[Step]]:
     llm.shutdown()
 
 
+def _processor_rows(meta: SamplingMetadata, kind: type) -> int:
+    return sum(len(p.rows) for p in meta.processors if isinstance(p, kind))
+
+
 # What it means, in a warmup step's sampling metadata, that a feature ran at its worst case.
 CHECKS: dict[type[features.SamplingFeature], Callable[[LLM, Step], bool]] = {
     features.Temperature: lambda llm, s: not s[2].all_greedy
@@ -90,6 +94,8 @@ CHECKS: dict[type[features.SamplingFeature], Callable[[LLM, Step], bool]] = {
         min(len(seq), llm.config.model_config.hf_config.vocab_size) for seq in s[1]),
     features.LogitBias: lambda llm, s: _entries(s[2], LogitBias) == sum(
         len(seq.sampling_params.logit_bias) for seq in s[1]) > 0,
+    # Every row's undo copies the row whole.
+    features.AllowedTokens: lambda llm, s: _processor_rows(s[2], AllowedTokens) == len(s[1]),
     features.BannedTokens: lambda llm, s: _entries(s[2], BannedTokens) >= sum(
         len(seq.sampling_params.stop_token_ids) + len(seq.sampling_params.bad_words_token_ids)
         for seq in s[1]) > 0,

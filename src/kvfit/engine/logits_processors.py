@@ -1,7 +1,9 @@
-"""Sparse, in-place, undoable changes to a step's logits: penalties, logit bias, bans.
+"""Sparse, in-place, undoable changes to a step's logits: penalties, logit bias, bans, and
+allowed tokens.
 
-Each processor touches only the entries its rows name (E of them), so its device memory is
-O(E), never an `[N, V]` temporary: a flat int64 index per entry plus a few values. `apply`
+Each processor but `AllowedTokens` touches only the entries its rows name (E of them), so its
+device memory is O(E), never an `[N, V]` temporary: a flat int64 index per entry plus a few
+values. `apply`
 returns an `Undo` holding the entries' original values, so that after sampling the sampler puts
 the raw logits back for logprobs (vLLM's default: logprobs of the raw distribution).
 """
@@ -28,6 +30,47 @@ class Undo:
 
     def restore(self, logits: torch.Tensor) -> None:
         logits.view(-1).index_put_((self.index,), self.values)
+
+
+@dataclass
+class RowsUndo:
+    """The original `rows` of the logits, whole."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
+
+    def restore(self, logits: torch.Tensor) -> None:
+        logits.index_copy_(0, self.rows, self.values)
+
+
+class AllowedTokens:
+    """Rows limited to their `allowed_token_ids`: every other token set to -inf. Its undo is
+    the only dense one: the R rows that set it, whole (R x V in the logits' dtype), plus 8
+    bytes per allowed entry."""
+
+    def __init__(self, rows: torch.Tensor, index: torch.Tensor) -> None:
+        self.rows, self.index = rows, index
+
+    @classmethod
+    def from_seqs(cls, seqs: SequenceOf[Sequence], vocab_size: int,
+                  device: torch.device) -> AllowedTokens | None:
+        parts = [(row, seq.sampling_params.allowed_token_ids) for row, seq in enumerate(seqs)
+                 if seq.sampling_params.allowed_token_ids is not None]
+        if not parts:
+            return None
+        index = np.concatenate([row * vocab_size + np.asarray(ids, np.int64)
+                                for row, ids in parts])
+        rows = np.array([row for row, _ in parts], np.int64)
+        return cls(to_device(torch.from_numpy(rows), device),
+                   to_device(torch.from_numpy(index), device))
+
+    def apply(self, logits: torch.Tensor) -> RowsUndo:
+        original = logits.index_select(0, self.rows)
+        flat = logits.view(-1)
+        allowed = flat[self.index]
+        logits.index_fill_(0, self.rows, float("-inf"))
+        flat.index_put_((self.index,), allowed)
+        return RowsUndo(self.rows, original)
 
 
 class Penalties:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfit.batch_invariant.functional import logsumexp, topk_indices
-from kvfit.engine.logits_processors import BannedTokens, LogitBias, Penalties
+from kvfit.engine.logits_processors import AllowedTokens, BannedTokens, LogitBias, Penalties
 from kvfit.engine.sequence import Logprob, Logprobs, Sequence
 from kvfit.engine.transfer import to_device, to_host
 from kvfit.ops import filter_thresholds, gumbel_sample
@@ -27,7 +27,7 @@ PROMPT_LOGPROBS_CHUNK = 1024
 # [rows, V] temporaries (26 rows of a 152k vocabulary), small next to one chunk's logits.
 _LOGSUMEXP_BYTES = 16 << 20
 
-LogitsProcessor = Penalties | LogitBias | BannedTokens
+LogitsProcessor = AllowedTokens | Penalties | LogitBias | BannedTokens
 
 
 @dataclass
@@ -66,6 +66,7 @@ class SamplingMetadata:
             return to_device(torch.tensor(values, dtype=dtype), device)
 
         processors = [
+            AllowedTokens.from_seqs(seqs, vocab_size, device),
             Penalties.from_seqs(seqs, vocab_size, device),
             LogitBias.from_seqs(seqs, vocab_size, device),
             BannedTokens.from_seqs(seqs, vocab_size, device, eos_token_ids),
@@ -137,7 +138,8 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per logits row; runs outside CUDA graphs, batched over rows.
 
-    Order (vLLM's): penalties, logit bias and bans change the logits in place; greedy rows take
+    Order (vLLM's): the allowed-tokens mask, penalties, logit bias and bans change the logits
+    in place; greedy rows take
     the argmax of the result; the others take the Gumbel-max draw of `kvfit.ops.gumbel_sample`
     at their temperature, over the tokens that pass their top-k / top-p / min-p threshold
     (`kvfit.ops.filter_thresholds`, no sort). Each row's noise comes from its own 64-bit seed:

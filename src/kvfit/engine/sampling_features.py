@@ -153,6 +153,21 @@ class LogitBias(SamplingFeature):
         return {"logit_bias": {t: 1.0 for t in _token_range(limits)}}
 
 
+class AllowedTokens(SamplingFeature):
+    """`allowed_token_ids`: every other token -inf; the undo copies the row whole."""
+
+    fields = ("allowed_token_ids",)
+
+    @classmethod
+    def active(cls, params: SamplingParams) -> bool:
+        return params.allowed_token_ids is not None
+
+    @classmethod
+    def worst_case(cls, limits: WarmupLimits) -> dict[str, Any]:
+        # Disjoint from the bans below, so no row is left without a token.
+        return {"allowed_token_ids": _token_range(limits, 3)}
+
+
 class BannedTokens(SamplingFeature):
     """Tokens set to -inf in place: stop and EOS ids below `min_tokens`, and bad words."""
 
@@ -178,7 +193,7 @@ def _token_range(limits: WarmupLimits, part: int = 0) -> list[int]:
 
 SAMPLING_FEATURES: tuple[type[SamplingFeature], ...] = (
     Temperature, Filters, Seed, Siblings, Logprobs, PromptLogprobs, Penalties, LogitBias,
-    BannedTokens,
+    AllowedTokens, BannedTokens,
 )
 
 HOST_ONLY_FIELDS = frozenset({"max_tokens", "stop", "include_stop_str_in_output",

@@ -9,9 +9,9 @@ from functools import cached_property
 import numpy as np
 
 MAX_TOKEN_LIST = 1024
-"""Most entries of `logit_bias`, of `stop_token_ids` and of `bad_words` (token sequences) one
-request may carry. Warmup samples every row with this many of each, so the step that holds the
-most of them is one that was measured before the KV cache was sized."""
+"""Most entries of `logit_bias`, of `stop_token_ids`, of `allowed_token_ids` and of `bad_words`
+(token sequences) one request may carry. Warmup samples every row with this many of each, so
+the step that holds the most of them is one that was measured before the KV cache was sized."""
 
 
 @dataclass
@@ -23,7 +23,8 @@ class SamplingParams:
     over what is left. Penalties act on the raw logits before them: `repetition_penalty` (> 1
     discourages) on every token of the prompt and output, `presence_penalty` and
     `frequency_penalty` on output tokens (once, and per occurrence); `logit_bias` adds to given
-    token ids. `bad_words` are never generated: a one-token word is banned outright, a longer
+    token ids; `allowed_token_ids` (when set) are the only tokens that may be sampled.
+    `bad_words` are never generated: a one-token word is banned outright, a longer
     one when the output ends with all but its last token (`bad_words_token_ids` holds them
     tokenized; the `LLM` front end fills it).
 
@@ -46,6 +47,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -65,6 +67,8 @@ class SamplingParams:
             value = getattr(self, name)
             setattr(self, name, [value] if isinstance(value, str) else list(value or []))
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids or []]
         if self.logit_bias is not None:
             # JSON object keys arrive as strings.
@@ -82,8 +86,11 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_real(value) and math.isfinite(value), name, "must be a finite number",
                    value)
-        _check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids",
-               "must hold integers", self.stop_token_ids)
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name) or ()
+            _check(all(_is_int(t) for t in ids), name, "must hold integers", ids)
+        _check(self.allowed_token_ids != [], "allowed_token_ids",
+               "must name at least one token (None: every token)", self.allowed_token_ids)
         _check(self.n >= 1, "n", "must be >= 1", self.n)
         _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
@@ -106,7 +113,8 @@ class SamplingParams:
         if self.logit_bias is not None:
             _check(all(math.isfinite(v) for v in self.logit_bias.values()), "logit_bias",
                    "values must be finite", self.logit_bias)
-        for name in ("logit_bias", "stop_token_ids", "bad_words", "bad_words_token_ids"):
+        for name in ("logit_bias", "stop_token_ids", "allowed_token_ids", "bad_words",
+                     "bad_words_token_ids"):
             size = len(getattr(self, name) or ())
             _check(size <= MAX_TOKEN_LIST, name,
                    f"holds at most {MAX_TOKEN_LIST} entries (warmup measures that many)",
@@ -116,6 +124,7 @@ class SamplingParams:
         """Raise ValueError if a token id this request names is outside `[0, vocab_size)`."""
         for name, ids in (("logit_bias", self.logit_bias or ()),
                           ("stop_token_ids", self.stop_token_ids),
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
                           ("bad_words_token_ids", [t for w in self.bad_words_token_ids
                                                    for t in w])):  # fmt: skip
             bad = [t for t in ids if not 0 <= t < vocab_size]
