@@ -59,6 +59,18 @@ def test_vllm_prompt_dict_forms_are_accepted(llm: LLM) -> None:
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
 
 
+def test_numpy_and_torch_prompt_token_ids_are_accepted(llm: LLM) -> None:
+    import numpy as np
+    import torch
+
+    ids = [5, 6, 7]
+    forms = [np.array(ids), torch.tensor(ids), [np.int64(i) for i in ids]]
+    outs = llm.generate([{"prompt_token_ids": f} for f in [ids, *forms]], greedy(),
+                        use_tqdm=False)
+    assert all(o.prompt_token_ids == ids and type(o.prompt_token_ids[0]) is int for o in outs)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+
+
 @pytest.mark.parametrize(("prompts", "params", "error", "match"), [
     ("hi", {"temperature": 0}, TypeError,
      r"sampling_params must be a SamplingParams .* got dict .*SamplingParams\(\*\*params\)"),

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvfit.engine.sampling_params import SamplingParams
 
 Prompt = str | dict[str, Any]
@@ -36,6 +38,8 @@ def parse_prompt(where: str, prompt: Prompt, tokenizer: Any | None) -> tuple[str
     """`(text or None, token ids)` of one prompt; errors start with `where`."""
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
+        if hasattr(ids, "tolist") and not isinstance(ids, Sequence):
+            ids = ids.tolist()  # a numpy array or torch tensor (a tokenizer's tensors)
         if isinstance(ids, str) or not isinstance(ids, Sequence):
             raise ValueError(f"{where}: prompt_token_ids is a list of ints, got "
                              f"{type(ids).__name__}")
@@ -51,8 +55,11 @@ def parse_prompt(where: str, prompt: Prompt, tokenizer: Any | None) -> tuple[str
 
 
 def check_token_ids(where: str, token_ids: list, vocab_size: int) -> None:
-    """Every id an int (not a bool) in `[0, vocab_size)`; the first that is not is named."""
+    """Every id an int (numpy's too, made a Python int in place; not a bool) in
+    `[0, vocab_size)`; the first that is not is named."""
     for position, t in enumerate(token_ids):
+        if isinstance(t, np.integer):
+            t = token_ids[position] = int(t)
         if not isinstance(t, int) or isinstance(t, bool):
             raise ValueError(f"{where}: prompt_token_ids[{position}] is {t!r}, not an int")
         if not 0 <= t < vocab_size:
