@@ -294,6 +294,9 @@ def test_vmm_probe_failure_falls_back_to_the_estimate(
 def test_cache_smaller_than_max_model_len_is_an_error_naming_it(qwen3: Path) -> None:
     with pytest.raises(ValueError, match="num_gpu_blocks_override or lower max_model_len"):
         make_llm(qwen3, num_gpu_blocks_override=4)
+    # Less than one block: refused before warmup, which has no block to run on.
+    with pytest.raises(ValueError, match="holds 0 blocks .* raise kv_cache_memory_bytes"):
+        make_llm(qwen3, num_gpu_blocks_override=None, kv_cache_memory_bytes=1)
 
 
 def test_a_stop_token_ends_the_output_though_the_next_step_is_in_flight(

@@ -152,6 +152,8 @@ class EngineCore:
         with _stage("profiling"):
             estimate = min_over_workers(rpc("profile", method == "estimate"))
         capacity = self._capacity(method, estimate)
+        if method == "override":  # a fixed size: too small is known before any warmup
+            self._check_max_model_len_fits(capacity)
         committable = min_over_workers(rpc("initialize_kv_cache", capacity, extensible))
         # Every rank's commit granule (0 without the extensible cache); the largest, so a size
         # aligned to it is aligned on every rank (connectors align segments to it).
