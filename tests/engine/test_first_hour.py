@@ -139,6 +139,8 @@ def test_tokenizer_from_another_folder(qwen3: Path, tmp_path: Path) -> None:
     llm.shutdown()
     with pytest.raises(ValueError, match="tokenizer=.* holds no tokenizer files"):
         LLM(str(model), tokenizer=str(model), **kwargs)
+    with pytest.raises(ValueError, match="tokenizer='/no/such/folder' is neither a folder"):
+        LLM(str(model), tokenizer="/no/such/folder", **kwargs)
 
 
 def test_truncated_checkpoint_names_the_file(qwen3: Path, tmp_path: Path) -> None:

@@ -62,7 +62,14 @@ class LLM:
             enforce_eager=enforce_eager, load_format=load_format, seed=seed, **kwargs,
         )
         self.config = args.create_engine_config()
-        self.tokenizer = load_tokenizer(args.tokenizer or model)
+        try:
+            self.tokenizer = load_tokenizer(args.tokenizer or model)
+        except FileNotFoundError as e:
+            if not args.tokenizer:
+                raise
+            raise ValueError(f"tokenizer={args.tokenizer!r} is neither a folder nor a built-in "
+                             f"model; pass a folder holding tokenizer files (tokenizer.json, "
+                             f"...)") from e
         if args.tokenizer and self.tokenizer is None:
             raise ValueError(f"tokenizer={args.tokenizer!r} holds no tokenizer files "
                              f"(tokenizer.json, tokenizer_config.json, ...)")
