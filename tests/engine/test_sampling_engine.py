@@ -189,3 +189,15 @@ def test_allowed_token_ids_outside_the_vocabulary_are_refused(llm: LLM) -> None:
     with pytest.raises(ValueError, match=r"allowed_token_ids token ids must be in \[0, 512\)"):
         llm.generate([{"prompt_token_ids": [5]}], SamplingParams(allowed_token_ids=[3, 512]),
                      use_tqdm=False)
+
+
+def test_logprobs_above_the_vocabulary_size_give_the_whole_vocabulary(qwen3: Path) -> None:
+    # Warmup measures max_logprobs (600) top entries over a 512-token vocabulary too.
+    llm = LLM(str(qwen3), device="cpu", num_gpu_blocks_override=16, max_model_len=64,
+              max_num_batched_tokens=64, max_logprobs=600)
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=600, prompt_logprobs=513)
+    [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    entries = [*out.outputs[0].logprobs, *out.prompt_logprobs[1:]]
+    assert all(sorted(e) == list(range(512)) for e in entries)
+    assert all(sorted(x.rank for x in e.values()) == list(range(1, 513)) for e in entries)
+    llm.shutdown()

@@ -204,7 +204,8 @@ def logprobs_at(
     """`(ids, logprobs, ranks)` for rows `rows` of `logits` `[N, V]` (all rows when None), left
     on the device: `ids` and `logprobs` `[R, 1 + n]` hold the log-softmax at `token_ids[r]`
     (`token_ids` has one id per selected row), then at the row's top-`n`; `ranks` `[R]` is
-    `token_ids[r]`'s rank (1 + the number of larger logits).
+    `token_ids[r]`'s rank (1 + the number of larger logits). An `n` above the vocabulary
+    size gives the whole vocabulary.
 
     No [R, V] float32 log-softmax (and no gathered copy of the selected rows) is made: rows are
     taken a `_LOGSUMEXP_BYTES` block at a time, and only the returned entries are normalised.
@@ -213,6 +214,7 @@ def logprobs_at(
     top-n of the logits are the top-n of the logprobs (one shift per row).
     """
     num_rows = logits.shape[0] if rows is None else rows.shape[0]
+    n = min(n, logits.shape[-1])
     block = max(1, _LOGSUMEXP_BYTES // (4 * logits.shape[-1]))
     token_ids = token_ids.to(logits.device, torch.int64)
     parts = []
@@ -241,7 +243,7 @@ def logprob_dicts(ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor |
     for row_ids, row_values, rank, n in zip(ids.tolist(), values.tolist(), first_ranks, nums,
                                             strict=True):
         entry = {row_ids[0]: Logprob(row_values[0], rank)}
-        for i in range(1, 1 + n):
+        for i in range(1, 1 + min(n, len(row_ids) - 1)):  # fewer columns: the whole vocab
             entry.setdefault(row_ids[i], Logprob(row_values[i], i))
         dicts.append(entry)
     return dicts
