@@ -101,7 +101,7 @@ class SamplingParams:
         _check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1 = off)",
                self.repetition_penalty)
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-               "must be >= 1 or None (up to max_model_len)", self.max_tokens)
+               "must be >= 1", self.max_tokens)  # or None: up to max_model_len
         _check(0 <= self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens",
                f"must be in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         for name in ("logprobs", "prompt_logprobs"):
