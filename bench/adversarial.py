@@ -79,11 +79,12 @@ ALL, LONG = "all", "all+long"
 LONG_DECODE_SLACK = 1.25
 
 
-def token_lists(vocab_size: int) -> tuple[list[int], list[int], list[int]]:
-    """Three disjoint runs of token ids (bias, bad words, stop ids), MAX_TOKEN_LIST long where
-    the vocabulary allows, else a quarter of it each, so bans never cover a whole row."""
+def token_lists(vocab_size: int) -> tuple[list[int], ...]:
+    """Four disjoint runs of token ids (bias, bad words, stop ids, allowed ids), MAX_TOKEN_LIST
+    long where the vocabulary allows, else a quarter of it each: the allowed tokens are never
+    banned, so no row is left without a token."""
     size = min(MAX_TOKEN_LIST, vocab_size // 4)
-    return tuple(list(range(i * size, (i + 1) * size)) for i in range(3))  # type: ignore[return-value]
+    return tuple(list(range(i * size, (i + 1) * size)) for i in range(4))
 
 
 def bad_words(ids: list[int]) -> list[list[int]]:
@@ -95,7 +96,7 @@ def bad_words(ids: list[int]) -> list[list[int]]:
 
 def feature_kwargs(vocab_size: int, max_logprobs: int, max_tokens: int) -> dict[str, dict]:
     """Each feature's SamplingParams settings as users send them; one line per feature."""
-    bias, words, stops = token_lists(vocab_size)
+    bias, words, stops, allowed = token_lists(vocab_size)
     return {
         "temperature": {"temperature": 0.8},
         "top_k": {"top_k": 40},
@@ -109,6 +110,8 @@ def feature_kwargs(vocab_size: int, max_logprobs: int, max_tokens: int) -> dict[
         "bad_words": {"bad_words_token_ids": bad_words(words)},
         # min_tokens = max_tokens: the stop ids stay banned for the whole run.
         "min_tokens": {"min_tokens": max_tokens, "stop_token_ids": stops},
+        # Each row's undo copies the row whole: the one dense [rows, V] copy of the sampler.
+        "allowed_token_ids": {"allowed_token_ids": allowed},
         "logprobs": {"logprobs": max_logprobs},
         "prompt_logprobs": {"prompt_logprobs": max_logprobs},
     }
