@@ -251,3 +251,48 @@ def test_a_fixed_size_kv_cache_is_kept_and_reported(qwen3, reference) -> None:
         assert not fixed.is_sleeping and outputs(fixed) == reference
     finally:
         fixed.shutdown()
+
+
+def test_a_wake_short_of_memory_backs_a_smaller_cache_and_one_at_none_stays_asleep(
+    qwen3, monkeypatch
+) -> None:
+    """Memory another process took while the engine slept: the KV cache wakes at the most
+    blocks that fit (never below one max_model_len sequence) rather than leaving an engine
+    that neither wakes nor resizes; with not even that, it stays asleep until memory frees."""
+    from kvfit.engine.kv_resize import KVCacheResizeError
+    from kvfit.vmm import host
+
+    big = LLM(str(qwen3), **{**SETTINGS, "max_num_seqs": 64, "max_model_len": 512})
+    try:
+        reference = outputs(big)
+        blocks, cache = big.engine.scheduler.block_manager.num_blocks, worker(big).runner.kv_cache
+        assert cache.physical_bytes == 16 * 2 * 1024 * 1024 and blocks == 2048
+        available = host._available_bytes
+        big.sleep(level=1)
+        monkeypatch.setattr(host, "_available_bytes", lambda: 9 << 20)  # weights and 8 MiB
+        big.wake_up()
+        woken = big.engine.scheduler.block_manager.num_blocks
+        assert not big.is_sleeping and big.engine.kv_resizer.floor <= woken < blocks
+        assert cache.committed_blocks == woken and cache.physical_bytes <= 8 << 20
+        assert outputs(big) == reference
+
+        big.sleep(level=1)
+        monkeypatch.setattr(host, "_available_bytes", lambda: 0)
+        with pytest.raises(RuntimeError, match=r"wake_up\(\): no device memory for the weights"):
+            big.wake_up()
+        assert big.engine._sleep_state.asleep_tags() == ["weights", "kv_cache"]
+        monkeypatch.setattr(host, "_available_bytes", available)
+        big.wake_up(tags=["weights"])
+        monkeypatch.setattr(host, "_available_bytes", lambda: 0)
+        with pytest.raises(KVCacheResizeError, match=r"wake_up\(\).*free device memory"):
+            big.wake_up()
+        assert big.engine._sleep_state.asleep_tags() == ["kv_cache"]
+        with pytest.raises(RuntimeError, match="asleep"):
+            big.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        monkeypatch.setattr(host, "_available_bytes", available)
+        big.wake_up()  # the size it had: none of the failed attempts sticks
+        assert big.engine.scheduler.block_manager.num_blocks == cache.committed_blocks == woken
+        big.resize_kv_cache(blocks)
+        assert outputs(big) == reference
+    finally:
+        big.shutdown()

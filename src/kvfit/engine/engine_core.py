@@ -27,6 +27,7 @@ from kvfit.engine.sequence import ScheduledBatch, Sequence
 from kvfit.engine.sleep import SleepReport, SleepState, check_sleep_args, resolve_tags
 from kvfit.kv.report import KVCacheReport, format_bytes
 from kvfit.kv.sizing import min_over_workers
+from kvfit.vmm import VmmOutOfMemoryError
 
 logger = logging.getLogger(__name__)
 
@@ -297,12 +298,23 @@ class EngineCore:
 
         Weights come back from their host copy (level 1) or, after level 2, are reloaded from
         the model's source unless `reload_weights=False` (an RL trainer's `load_weights` then
-        fills them; generating refuses to run until every weight is loaded). Raises if a tag
-        is not asleep; a failed recommit leaves that part asleep.
+        fills them; generating refuses to run until every weight is loaded). The KV cache comes
+        back at its size, or smaller where the device no longer has the memory
+        (`KVCacheResizer.wake`). Raises if a tag is not asleep; a failed recommit leaves that
+        part asleep.
         """
         tags = resolve_tags(tags, self._sleep_state)
         try:
-            self.executor.collective_rpc("wake_up", tags, reload_weights)
+            if "weights" in tags:  # first: the KV cache takes what memory they leave
+                try:
+                    self.executor.collective_rpc("wake_up", ["weights"], reload_weights)
+                except VmmOutOfMemoryError as error:
+                    raise RuntimeError(
+                        f"wake_up(): no device memory for the weights ({error}); they stay "
+                        f"asleep (the KV cache too): free device memory and call wake_up() "
+                        f"again") from error
+            if "kv_cache" in tags:
+                self.kv_resizer.wake()
         finally:
             self._refresh_sleep_state()
         if self._sleep_state.missing_weights and not self._sleep_state.weights_asleep:

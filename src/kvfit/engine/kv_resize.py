@@ -263,8 +263,8 @@ class KVCacheResizer:
             try:
                 rpc("recommit_kv_cache", size)
             except VmmError as e:
-                logger.warning("could not commit the KV cache as %d blocks in one chunk per "
-                               "segment (%s); trying fewer", size, e)
+                logger.warning("could not commit the KV cache as %d blocks (%s); trying "
+                               "fewer", size, e)
                 error = e
                 continue
             self._set_blocks(size)
@@ -275,6 +275,35 @@ class KVCacheResizer:
             f"could not commit the KV cache even as {sizes[-1]} blocks (one max_model_len "
             f"sequence) after releasing it: {error}; it is released (asleep) until "
             f"wake_up() backs it") from error
+
+    def wake(self) -> KVCacheResize | None:
+        """Back the released (asleep) cache again, zeroed (`wake_up`): at its size, or where
+        the device lacks the memory for it (another process took it meanwhile), at the most
+        blocks that fit, halving down to one `max_model_len` sequence, logged and counted as a
+        shrink (the governor or `resize_kv_cache` grows it back). Returns that shrink, if any.
+
+        Raises `KVCacheResizeError` where not even one sequence fits: the cache then stays
+        asleep, at its size, for the next `wake_up`."""
+        before, start = self.num_blocks, time.perf_counter()
+        try:
+            delta = self.recommit(before)[0]
+        except KVCacheResizeError as error:
+            self._set_blocks(before)  # the next wake_up tries the whole size again
+            raise KVCacheResizeError(
+                f"wake_up(): no device memory for the KV cache, not even for one max_model_len "
+                f"({self.config.scheduler_config.max_model_len}) sequence "
+                f"({error.__cause__}); it stays asleep: free device memory and call wake_up() "
+                f"again, or lower max_model_len") from error.__cause__
+        if self.num_blocks == before:
+            return None
+        event = KVCacheResize("wake", before, self.num_blocks, delta, 0, 0,
+                              time.perf_counter() - start, time.monotonic())
+        self.events.append(event)
+        self.num_shrinks += 1
+        logger.warning("woke the KV cache at %d blocks, not the %d it had: the device no longer "
+                       "has the memory for them; resize_kv_cache() grows it back once it has",
+                       self.num_blocks, before)
+        return event
 
     def _recommit_sizes(self, num_blocks: int, fallback: int | None) -> list[int]:
         """`num_blocks`, then `fallback`, then halvings with segments ending on a granule,

@@ -103,10 +103,13 @@ class LLM:
     def wake_up(self, tags: list[str] | None = None, reload_weights: bool = True) -> None:
         """Restore what `tags` names (`"weights"`, `"kv_cache"`; None: everything asleep), each
         on its own if asked, at the addresses the graphs captured. The KV cache comes back
-        zeroed for the same block count (the prefix cache was invalidated); weights from their
-        host copy, or after level 2 reloaded from the model's source, unless
-        `reload_weights=False`: then `load_weights` must fill them before generating, which
-        refuses to run until it has. Raises `RuntimeError` when a tag is not asleep."""
+        zeroed for the same block count (the prefix cache was invalidated), or for fewer,
+        with a warning, where the device no longer has the memory (`resize_kv_cache` grows it
+        back); weights from their host copy, or after level 2 reloaded from the model's
+        source, unless `reload_weights=False`: then `load_weights` must fill them before
+        generating, which refuses to run until it has. Raises `RuntimeError` when a tag is not
+        asleep, `KVCacheResizeError` when not even one max_model_len sequence's KV cache fits
+        (it stays asleep: free memory and call it again)."""
         self.engine.wake_up(tags, reload_weights)
 
     @property

@@ -255,20 +255,23 @@ class Worker:
         return self.kv_connector is not None and self.runner.kv_cache is not None
 
     def recommit_kv_cache(self, num_blocks: int) -> None:
-        """Resize a one-chunk cache (`kv_cache_one_chunk`): unregister it from the connector,
-        release its pages, commit `num_blocks` as one zeroed chunk per segment at the same
-        addresses (graphs stay valid) and register that. Every block's contents are dropped:
-        none may be in use and no step may be running.
+        """Release the extensible cache's pages (unless asleep already) and back `num_blocks`
+        zeroed at the same addresses (graphs stay valid): how a one-chunk cache
+        (`kv_cache_one_chunk`) resizes, as one chunk per segment registered with the connector
+        again, and how a wake short of memory backs fewer blocks. Every block's contents are
+        dropped: none may be in use and no step may be running.
 
         Device memory: none beyond the new chunks, the old ones being released first. A
-        failure leaves the cache released and unregistered (nothing mapped): call it again,
-        smaller, or `wake_up(["kv_cache"])` to back the size that failed."""
-        cache = self.runner.kv_cache
-        self.kv_connector.unregister_kv_caches()
+        failure leaves the cache released (and unregistered; nothing mapped): call it again,
+        smaller."""
+        cache, connector = self.runner.kv_cache, self.kv_connector
+        if connector is not None:
+            connector.unregister_kv_caches()
         if not cache.is_released:
             cache.release_physical()
-        cache.recommit(defragment=True, num_blocks=num_blocks)
-        self.kv_connector.register_kv_caches(self.runner.kv_cache_views())
+        cache.recommit(defragment=connector is not None, num_blocks=num_blocks)
+        if connector is not None:
+            connector.register_kv_caches(self.runner.kv_cache_views())
 
     def resize_kv_cache(self, num_blocks: int) -> int:
         """Commit exactly `num_blocks` of the extensible cache (same addresses: graphs stay
