@@ -126,8 +126,10 @@ def test_resize_kv_cache_down_and_up_recommits_one_chunk(connected, reference) -
     loaded = connector.stats.loaded_blocks
     assert_same(generate(llm, PARAMS["greedy"], lengths), expected)
     assert connector.stats.loaded_blocks > loaded  # the evicted prefixes came from the store
+    cached = len(bm.hash_to_block)
     event = llm.resize_kv_cache(before)
     assert (event.num_blocks_before, event.num_blocks_after) == (down, before)
+    assert event.num_evicted == cached > 0 and not bm.hash_to_block  # a grow recommits too
     assert_one_chunk_registered(llm)
     assert_same(generate(llm, PARAMS["greedy"], lengths), expected)
     assert_nothing_leaked(llm)

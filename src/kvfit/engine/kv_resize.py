@@ -112,7 +112,7 @@ class KVCacheResizer:
                 delta, num_preempted, num_evicted = self.shrink(num_blocks)
                 self.num_shrinks += 1
             elif num_blocks > before:
-                delta = self.grow(num_blocks)
+                delta, num_preempted, num_evicted = self.grow(num_blocks)
                 self.num_grows += 1
                 self._warned_at_floor = False
             else:  # gives back what a failed resize left, if anything
@@ -215,24 +215,25 @@ class KVCacheResizer:
         self.scheduler.block_manager.grow(num_blocks)
         return victims, num_evicted, delta
 
-    def grow(self, num_blocks: int) -> int:
-        """Commit `num_blocks` on every worker, then hand the new blocks out; returns the bytes
-        gained. On a failure every worker gives back what it grew, and it raises. A one-chunk
-        cache is recommitted (`recommit`: every sequence preempted); where `num_blocks` found
-        no memory it raises `KVCacheResizeError` once the cache holds the largest size that
-        did (the old one, or less)."""
+    def grow(self, num_blocks: int) -> tuple[int, int, int]:
+        """Commit `num_blocks` on every worker, then hand the new blocks out; returns
+        `(delta_bytes, num_preempted, num_evicted)` (both counts 0 but for a one-chunk cache).
+        On a failure every worker gives back what it grew, and it raises. A one-chunk cache is
+        recommitted (`recommit`: every sequence preempted, the prefix cache evicted); where
+        `num_blocks` found no memory it raises `KVCacheResizeError` once the cache holds the
+        largest size that did (the old one, or less)."""
         if self.one_chunk():
             before = self.num_blocks
-            delta = self.recommit(num_blocks, fallback=before)[0]
+            result = self.recommit(num_blocks, fallback=before)
             if self.num_blocks < num_blocks:
                 raise KVCacheResizeError(
                     f"could not grow the KV cache from {before} to {num_blocks} blocks: no "
-                    f"memory for it; it holds {self.num_blocks} blocks ({delta:+d} bytes)")
-            return delta
+                    f"memory for it; it holds {self.num_blocks} blocks ({result[0]:+d} bytes)")
+            return result
         delta = self._commit(num_blocks)[0]
         self.scheduler.block_manager.grow(num_blocks)
         self.config.cache_config.num_gpu_blocks = num_blocks
-        return delta
+        return delta, 0, 0
 
     def one_chunk(self) -> bool:
         """Whether the cache's segments must each stay one physical chunk (a KV connector
