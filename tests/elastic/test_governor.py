@@ -25,7 +25,8 @@ def test_watermarks_are_fractions_or_bytes(text: str | float, amount: MemoryAmou
     assert MemoryAmount.parse(text, "elastic_low_watermark") == amount
 
 
-@pytest.mark.parametrize("text", ["0", "-1", "2GB", "2 gigabytes", "1.5", "", "0.0"])
+@pytest.mark.parametrize("text", ["0", "-1", "2GB", "2 gigabytes", "1.5", "", "0.0", "1.0", 1.0,
+                                  "2147483648.0"])
 def test_bad_watermarks_name_the_setting(text: str) -> None:
     with pytest.raises(ValueError, match="elastic_high_watermark"):
         MemoryAmount.parse(text, "elastic_high_watermark")
@@ -36,6 +37,9 @@ def test_watermarks_resolve_against_the_device_and_low_must_be_below_high() -> N
     assert config.watermarks(TOTAL) == (5 * GiB, 8 * GiB)
     with pytest.raises(ValueError, match="elastic_low_watermark .* below elastic_high"):
         config.watermarks(200 * GiB)  # 10 GiB low, 8 GiB high
+    # Free memory never exceeds the device's: such a cache would never grow back.
+    with pytest.raises(ValueError, match=r"elastic_high_watermark .* below the device's 6"):
+        config.watermarks(6 * GiB)
 
 
 def governor(min_interval_s: float = 10.0) -> KVCacheGovernor:

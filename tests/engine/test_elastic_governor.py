@@ -7,6 +7,7 @@ no request fails or changes its greedy output meanwhile."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -180,6 +181,23 @@ def test_elastic_settings_are_checked_at_config_time(qwen3: Path, kwargs: dict,
     args = EngineArgs(model=str(qwen3), device="cpu", elastic_kv_cache=True, **kwargs)
     with pytest.raises(ValueError, match=match):
         args.create_engine_config()
+
+
+def test_watermarks_the_device_contradicts_fail_before_loading_and_hold_nothing(
+    qwen3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Watermarks of two kinds are checked against the device at startup: before the weights
+    load, and with nothing left allocated."""
+    from kvfit.engine.worker import Worker
+
+    loaded = []
+    load_model = Worker.load_model
+    monkeypatch.setattr(Worker, "load_model", lambda w: (loaded.append(w), load_model(w)))
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ValueError, match="elastic_low_watermark .* below elastic_high_watermark"):
+        LLM(str(qwen3), device="cpu", elastic_kv_cache=True, elastic_low_watermark="0.5",
+            elastic_high_watermark="64MiB", cpu_kv_cache_space_bytes=1 << 30)
+    assert not loaded and len(os.listdir("/proc/self/fd")) == fds
 
 
 def test_the_flags_reach_the_engine_config(qwen3: Path) -> None:

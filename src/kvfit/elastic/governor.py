@@ -49,7 +49,7 @@ class MemoryAmount:
             if number <= 0:
                 raise ValueError(f"{setting} must be above 0, got {value!r}")
             return cls(fraction=number)
-        if not unit and number != int(number):
+        if not unit and "." in match[1]:  # 1.0 means a fraction, not one byte
             raise ValueError(f"{setting}: {value!r} is neither a fraction below 1 nor a whole "
                              f"number of bytes; add a unit (e.g. 1.5GiB)")
         return cls(nbytes=math.ceil(number * _UNITS[unit]))
@@ -77,13 +77,18 @@ class ElasticConfig:
     poll_interval_s: float = POLL_INTERVAL_S
 
     def watermarks(self, total: int) -> tuple[int, int]:
-        """`(low, high)` in bytes on a device of `total` bytes; `ValueError` unless low < high."""
+        """`(low, high)` in bytes on a device of `total` bytes; `ValueError` unless
+        low < high < total."""
         low, high = self.low_watermark.resolve(total), self.high_watermark.resolve(total)
         if not low < high:
             raise ValueError(
                 f"elastic_low_watermark ({self.low_watermark}: {low} bytes) must be below "
                 f"elastic_high_watermark ({self.high_watermark}: {high} bytes) on a device of "
                 f"{total} bytes: the band between them keeps the cache from oscillating")
+        if not high < total:  # free memory never gets there: the cache would never grow back
+            raise ValueError(
+                f"elastic_high_watermark ({self.high_watermark}: {high} bytes) must be below "
+                f"the device's {total} bytes (its free memory never exceeds them); lower it")
         return low, high
 
 

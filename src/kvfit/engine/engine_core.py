@@ -96,6 +96,8 @@ class EngineCore:
         # made ready, so a front end streaming them visits these rather than every request.
         self.updated_seqs: list[Sequence] = []
         try:
+            if config.elastic is not None:  # watermarks of two kinds meet the device only now
+                config.elastic.watermarks(self._device_total())
             self.kv_cache_report = self._initialize_kv_cache()
         except BaseException:
             self.shutdown()  # a failed startup must not keep the model and cache alive
@@ -126,12 +128,15 @@ class EngineCore:
             logger.warning("elastic_kv_cache needs the extensible KV cache, which is off on "
                            "this device (see above): the cache keeps its size")
             return None
-        total = min(t for _, t in self.executor.collective_rpc("device_memory"))
-        low, high = elastic.watermarks(total)
+        low, high = elastic.watermarks(self._device_total())
         logger.info("elastic KV cache: shrinks under %s free, grows above %s free (at most "
                     "once per %.1f s)", format_bytes(low), format_bytes(high),
                     elastic.min_interval_s)
         return KVCacheGovernor(elastic)
+
+    def _device_total(self) -> int:
+        """The smallest device's memory over the workers (what watermarks are fractions of)."""
+        return min(t for _, t in self.executor.collective_rpc("device_memory"))
 
     def _initialize_kv_cache(self) -> KVCacheReport:
         cc = self.config.cache_config
