@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -140,9 +141,18 @@ def test_commit_beyond_capacity_names_it(device: str) -> None:
             t.commit(4 * MiB + 1)
         with pytest.raises(ValueError, match="capacity_bytes"):
             t.commit(-1)
-        assert t.committed_bytes == 0
+        with pytest.raises(TypeError, match="bytes_per_segment must be an integer"):
+            t.commit(1.5 * MiB)  # a float size was committed, and kept as the size
+        with pytest.raises(TypeError, match="bytes_per_segment must be an integer"):
+            t.release_physical() or t.recommit(bytes_per_segment=2.0 * MiB)
+        t.recommit()
+        assert t.committed_bytes == 0 and not t.is_released
+        t.commit(np.int64(2 * MiB))  # what a size computed with numpy is
+        assert t.committed_bytes == 2 * MiB and type(t.committed_bytes) is int
     with pytest.raises(ValueError, match="num_segments"):
         ExtensibleTensor(10 * MiB + 1, device, num_segments=2)
+    with pytest.raises(TypeError, match="capacity_bytes must be an integer"):
+        ExtensibleTensor(4.5 * MiB, device)  # reached the driver as a ctypes ArgumentError
 
 
 def test_defragment_maps_each_segment_as_one_allocation(device: str) -> None:

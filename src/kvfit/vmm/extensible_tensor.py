@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,15 @@ to keep the prefix of the chunk it cuts."""
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _size(value: int, name: str) -> int:
+    """`value` as a Python int (numpy and torch integers too): a float size would be rounded
+    somewhere below and reach the driver, or be kept as the committed size."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer number of bytes, got {value!r}") from None
 
 
 def commit_granule(driver_granularity: int) -> int:
@@ -71,6 +81,8 @@ class ExtensibleTensor:
         tail_bytes: int = 0,
         tail_chunk_bytes: int = BULK_CHUNK_BYTES,
     ) -> None:
+        capacity_bytes = _size(capacity_bytes, "capacity_bytes")
+        num_segments = _size(num_segments, "num_segments")
         if num_segments < 1 or capacity_bytes < num_segments:
             raise ValueError(
                 f"capacity_bytes ({capacity_bytes}) must hold num_segments ({num_segments}) >= 1 "
@@ -164,6 +176,7 @@ class ExtensibleTensor:
 
     def _target(self, bytes_per_segment: int) -> int:
         """`bytes_per_segment` rounded up to the granule (capped at the segment), checked."""
+        bytes_per_segment = _size(bytes_per_segment, "bytes_per_segment")
         if not 0 <= bytes_per_segment <= self.segment_capacity:
             raise ValueError(
                 f"cannot commit {bytes_per_segment} bytes per segment: segment_capacity is "
