@@ -281,7 +281,8 @@ class KVCacheResizer:
         """Back the released (asleep) cache again, zeroed (`wake_up`): at its size, or where
         the device lacks the memory for it (another process took it meanwhile), at the most
         blocks that fit, halving down to one `max_model_len` sequence, logged and counted as a
-        shrink (the governor or `resize_kv_cache` grows it back). Returns that shrink, if any.
+        shrink (the governor or `resize_kv_cache` grows it back). Returns that shrink, if any
+        (cause `wake`; its `delta_bytes`: what the wake committed, from nothing).
 
         Raises `KVCacheResizeError` where not even one sequence fits: the cache then stays
         asleep, at its size, for the next `wake_up`."""
