@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvfit import LLM, SamplingParams
@@ -181,6 +182,9 @@ def test_resizes_out_of_bounds_raise_naming_the_setting_and_change_nothing(
         assert_sizes_agree(llm, budget)
     assert llm.resize_kv_cache(floor).num_blocks_after == floor  # the bounds are inclusive
     assert llm.resize_kv_cache(budget).num_blocks_after == budget
+    # A count computed with numpy (or torch) is an integer too.
+    event = llm.resize_kv_cache(np.int64(floor))
+    assert event.num_blocks_after == floor and type(event.num_blocks_after) is int
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

@@ -13,6 +13,7 @@ so captured graphs stay valid. No step may be in flight: the engine applies it f
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Callable
@@ -104,7 +105,7 @@ class KVCacheResizer:
         `recommit`); raises `ValueError` naming the setting for a size out of bounds,
         `KVCacheResizeError` where a driver call failed (a grow that found no memory: the
         cache stays as it was; a shrink: the cache keeps what it still backs)."""
-        self._check_target(num_blocks)
+        num_blocks = self._check_target(num_blocks)
         before, start = self.num_blocks, time.perf_counter()
         num_preempted = num_evicted = 0
         try:
@@ -139,10 +140,15 @@ class KVCacheResizer:
                 "" if free_bytes is None else f"; device free memory {format_bytes(free_bytes)}")
         return event
 
-    def _check_target(self, num_blocks: int) -> None:
+    def _check_target(self, num_blocks: int) -> int:
+        """`num_blocks` as an int (numpy and torch integers too), checked against the bounds."""
         cc, sc = self.config.cache_config, self.config.scheduler_config
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool):
-            raise ValueError(f"num_blocks must be an integer, got {num_blocks!r}")
+        try:
+            if isinstance(num_blocks, bool):
+                raise TypeError
+            num_blocks = operator.index(num_blocks)
+        except TypeError:
+            raise ValueError(f"num_blocks must be an integer, got {num_blocks!r}") from None
         floor, capacity, budget = self.limits()
         what = f"resize_kv_cache(num_blocks={num_blocks})"
         if num_blocks < floor:
@@ -162,6 +168,7 @@ class KVCacheResizer:
                 f"{what}: the memory budget allows {budget} blocks ({setting} of the device, "
                 f"less the model, the transient and the margin); ask for at most {budget}, or "
                 f"start the engine with a larger {setting.split()[0]}")
+        return num_blocks
 
     # -- the mechanism (also the out-of-memory guard's) ---------------------------------------
 
