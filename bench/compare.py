@@ -60,6 +60,41 @@ def compare(a: dict[str, Any], b: dict[str, Any], threshold: float,
             for name in fa if name in fb]
 
 
+# Config keys that name where a run wrote its output, not what it ran.
+_OUTPUT_KEYS = frozenset({"out", "result_file", "out_dir"})
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """How the two runs differ in what they ran (config) and where (machine): each one makes
+    the ratios less of a like-for-like comparison. Unknown (None) machine fields are skipped."""
+    lines = []
+    ca, cb = a["config"], b["config"]
+    changed = [f"{k} {ca[k]!r} -> {cb[k]!r}" for k in ca
+               if k in cb and k not in _OUTPUT_KEYS and ca[k] != cb[k]]
+    if changed:
+        lines.append("different configs: " + ", ".join(changed))
+    one_side = sorted((set(ca) ^ set(cb)) - _OUTPUT_KEYS)
+    if one_side and ca and cb:  # an empty config: a published file that kept none
+        lines.append("config keys in one record only: " + ", ".join(one_side))
+    ma, mb = a["machine"], b["machine"]
+    moved = [f"{k} {ma[k]!r} -> {mb[k]!r}" for k in ma
+             if ma.get(k) is not None and mb.get(k) is not None and ma[k] != mb[k]]
+    if moved or bool(ma.get("gpu")) != bool(mb.get("gpu")):
+        if not moved:
+            moved = [f"gpu {ma.get('gpu')!r} -> {mb.get('gpu')!r}"]
+        lines.append("different machines: " + ", ".join(moved))
+    return lines
+
+
+def _load(p: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """The record at `path`; a file that is missing, not JSON or not a record is a usage error
+    (exit 2) naming it, never a traceback with exit 1, which would read as a regression."""
+    try:
+        return load_record(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        p.error(f"{path}: {e}")
+
+
 def _describe(r: dict[str, Any]) -> str:
     rev = (r["git"]["revision"] or "?")[:10] + ("+dirty" if r["git"]["dirty"] else "")
     return f"{r['bench']}  {r['date'] or '?'}  {r['machine']['gpu'] or 'cpu'}  git {rev}"
@@ -87,18 +122,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threshold < 0:
         p.error("--threshold must be >= 0")
-    a, b = load_record(args.a), load_record(args.b)
+    a, b = _load(p, args.a), _load(p, args.b)
     if a["bench"] != b["bench"]:
         p.error(f"different benches: {a['bench']} vs {b['bench']}")
     print(f"A: {_describe(a)}\nB: {_describe(b)}\n")
+    for line in differences(a, b):
+        print(f"warning: {line}")
     changes = compare(a, b, args.threshold)
     print(format_table(changes))
     limits = compare(a, b, args.threshold, "limits")
     if limits:
         print("\nin-run limits (the machine, not the code):\n" + format_table(limits))
-    only = sorted(set(a["figures"]) ^ set(b["figures"]))
-    if only:
-        print(f"\nin one record only (not compared): {', '.join(only)}")
+    for side, mine, other in (("A", a, b), ("B", b, a)):
+        only = [name for name in mine["figures"] if name not in other["figures"]]
+        if only:
+            print(f"\nin one record only (not compared), in {side} only: {', '.join(only)}")
     flagged = [c.name for c in changes if c.flagged]
     print(f"\n{len(changes)} figures compared, {len(flagged)} worse by more than "
           f"{args.threshold:.0%}" + (f": {', '.join(flagged)}" if flagged else ""))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +89,87 @@ def test_limits_are_printed_but_never_flagged(tmp_path: Path,
     assert {line.split()[0]: line.split()[3] for line in limits[2:4]} == {
         "copy_gb_per_s": "0.500", "gemm_tflops": "0.500"}
     assert "<-- worse" not in out and "0 worse" in out
+
+
+@pytest.mark.parametrize("content", ["{not json", "3", '"results and sweeps"', "[1, 2]",
+                                     '{"a": 1}', "null"])
+def test_a_file_that_is_no_record_is_a_clear_error_not_a_traceback(
+        tmp_path: Path, content: str, capsys: pytest.CaptureFixture[str]) -> None:
+    good = _write(tmp_path, "a.json", "throughput", payloads.throughput())
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    for argv in ([good, str(bad)], [str(bad), good]):
+        with pytest.raises(SystemExit) as e:  # a usage error (2), never 1: 1 is a regression
+            compare.main(argv)
+        assert e.value.code == 2
+        assert "bad.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_figure_that_is_not_finite_is_a_clear_error(
+        tmp_path: Path, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    good = _write(tmp_path, "a.json", "throughput", payloads.throughput())
+    text = Path(good).read_text().replace('"value": 1000.0', f'"value": {value}', 1)
+    assert value in text
+    bad = tmp_path / "b.json"
+    bad.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        compare.main([good, str(bad)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "b.json" in err and "finite" in err and "Traceback" not in err
+
+
+def test_a_missing_file_is_a_clear_error(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    good = _write(tmp_path, "a.json", "throughput", payloads.throughput())
+    with pytest.raises(SystemExit) as e:
+        compare.main([good, str(tmp_path / "missing.json")])
+    assert e.value.code == 2 and "missing.json" in capsys.readouterr().err
+
+
+def test_different_configs_and_machines_are_warned(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    a = tmp_path / "a.json"
+    b = tmp_path / "b.json"
+    record = record_of("throughput", payloads.throughput(), {"num_seqs": 8, "device": "cpu"})
+    write_record(a, record)
+    other = copy.deepcopy(record)
+    other["config"]["num_seqs"] = 64
+    other["machine"]["gpu"] = "NVIDIA H200"
+    write_record(b, other)
+    assert compare.main([str(a), str(b)]) == 0  # a warning, not a regression
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "num_seqs" in text and "8" in text and "64" in text
+    assert "H200" in text and "warning" in text.lower()
+    assert compare.main([str(a), str(a)]) == 0
+    out = capsys.readouterr()
+    assert "warning" not in (out.out + out.err).lower()
+
+
+def test_figures_in_one_record_only_say_which(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    a = tmp_path / "a.json"
+    b = tmp_path / "b.json"
+    record = record_of("throughput", payloads.throughput(), {})
+    write_record(a, record)
+    other = copy.deepcopy(record)
+    other["figures"]["new.figure"] = other["figures"].pop("offline.of_limit")
+    write_record(b, other)
+    assert compare.main([str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "A only" in out and "B only" in out
+    a_only = next(line for line in out.splitlines() if "A only" in line)
+    b_only = next(line for line in out.splitlines() if "B only" in line)
+    assert "offline.of_limit" in a_only and "new.figure" in b_only
+
+
+@pytest.mark.parametrize("a, b, direction, flagged", [
+    (0.0, 1.0, "lower", True), (0.0, 0.0, "higher", False), (0.0, -1.0, "higher", True),
+    (-2.0, -1.0, "lower", True), (-2.0, -1.0, "higher", False), (-1.0, -2.0, "higher", True),
+    (10.0, 9.4, "higher", True), (10.0, 9.6, "higher", False), (10.0, 10.6, "lower", True),
+])
+def test_zero_and_negative_values_are_judged_on_the_right_side(
+        a: float, b: float, direction: str, flagged: bool) -> None:
+    assert compare.worse(a, b, direction, 0.05) is flagged

@@ -305,8 +305,11 @@ def record_of(bench: str, payload: Any, config: dict[str, Any]) -> dict[str, Any
 
 def _bench_of(data: Any, name: str) -> str:
     """Which bench wrote a published file: by its keys, the file name where they are alike."""
-    if isinstance(data, list):
+    if isinstance(data, list) and data and all(isinstance(row, dict) for row in data):
         return "sampling-sweep" if "filters" in name or "sampling" in name else "attention-sweep"
+    if not isinstance(data, dict):  # a number, a string (whose `in` would match substrings)
+        raise ValueError(f"{name}: not a record, nor a result file of a known bench "
+                         f"(a JSON {type(data).__name__}, not an object)")
     for key, bench in (("timings", "batch-invariant-gemm"), ("cases", "attention-batch-invariant"),
                        ("kv_cache_dtypes", "kv-dtype"),
                        ("sweeps", "adversarial"), ("serve", "serving"), ("components", "sleep"),
