@@ -129,7 +129,7 @@ def bench_bandwidth(device: torch.device, gib: float, repeats: int) -> dict[str,
             "bandwidth_ratio": gbps["vmm"] / gbps["torch"]}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--growth-gib", type=float, default=1.0)
@@ -139,11 +139,33 @@ def main() -> None:
     parser.add_argument("--pause-s", type=float, default=2.0,
                         help="seconds between a release and a second, paused recommit")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--parts-gib", type=float, default=32.0,
-                        help="size of the recommit breakdown (allocation, map, access, zeroing)")
-    parser.add_argument("--parts-chunk-gib", type=float, nargs="*", default=[1.0, 4.0])
+    parser.add_argument("--parts-gib", type=float, default=None,
+                        help="size of the recommit breakdown (allocation, map, access, zeroing); "
+                        "default 32, at most --bulk-gib")
+    parser.add_argument("--parts-chunk-gib", type=float, nargs="*", default=None,
+                        help="chunk sizes of the breakdown, each dividing --parts-gib "
+                        "(default: 1 and 4, those that fit)")
     parser.add_argument("--out", required=True, help="JSON results path")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    # The breakdown commits --parts-gib at once: sized with --bulk-gib, so a run sized down for
+    # a small device (the CPU smoke check's 2 GiB on the host) does not ask for 32 GiB.
+    if args.parts_gib is None:
+        args.parts_gib = min(32.0, args.bulk_gib)
+    if args.parts_chunk_gib is None:
+        args.parts_chunk_gib = [c for c in (1.0, 4.0) if c <= args.parts_gib] or [args.parts_gib]
+    parts = round(args.parts_gib * GiB)
+    for chunk_gib in args.parts_chunk_gib:
+        chunk = round(chunk_gib * GiB)
+        # Each chunk is mapped whole inside the reservation of --parts-gib: one past its end
+        # would map over whatever lies beyond it.
+        if chunk <= 0 or parts % chunk:
+            parser.error(f"--parts-chunk-gib {chunk_gib:g} does not divide --parts-gib "
+                         f"{args.parts_gib:g}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
 
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (host driver)"
