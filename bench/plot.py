@@ -225,9 +225,14 @@ def plot_filters(r: Record) -> Figure:
     return fig
 
 
+def _adversarial_sweeps(records: list[Record]) -> list[dict[str, Any]]:
+    """The sweeps with at least one run that measured its need."""
+    return [s for r in records for s in r["results"].get("sweeps") or []
+            if any(run.get("need_reserved") for run in s["runs"])]
+
+
 def plot_adversarial(records: list[Record]) -> Figure:
-    sweeps = [s for r in records for s in r["results"]["sweeps"]
-              if any(run.get("need_reserved") for run in s["runs"])]
+    sweeps = _adversarial_sweeps(records)
     fig, axes = plt.subplots(len(sweeps), 1, figsize=(11, 3.2 * len(sweeps)), squeeze=False)
     for ax, s in zip(axes[:, 0], sweeps, strict=True):
         runs = [run for run in s["runs"] if run.get("need_reserved")]
@@ -292,9 +297,12 @@ def plot_kv_dtype(r: Record) -> Figure:
               ("output tok/s (offline)",
                [run["throughput"]["output_tokens_per_s"] for run in runs], "{:,.0f}")]
     for d in runs[0]["decode"]:
-        steps = [next(x["step_ms"] for x in run["decode"] if x["batch"] == d["batch"])
+        # A batch one dtype's cache could not hold is skipped there (bench/kv_dtype.py): only
+        # the batches every run measured are compared.
+        steps = [next((x["step_ms"] for x in run["decode"] if x["batch"] == d["batch"]), None)
                  for run in runs]
-        panels.append((f"decode step, {d['batch']} seqs (ms)", steps, "{:.2f}"))
+        if None not in steps:
+            panels.append((f"decode step, {d['batch']} seqs (ms)", steps, "{:.2f}"))
     fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 4.2), squeeze=False)
     for ax, (label, values, fmt) in zip(axes[0], panels, strict=True):
         bars = ax.bar(names, values, color=["C0", "C1", "C2", "C3"][:len(values)])
@@ -344,7 +352,8 @@ def plot_all(records: list[Record], out_dir: Path) -> list[Path]:
         found = [r for r in records if r["bench"] == BENCH_OF[name] and carries(r)]
         if found:
             written.append(_save(draw(found[-1]), out_dir / f"{name}.png"))
-    adversarial = [r for r in records if r["bench"] == "adversarial"]
+    # A sweep whose every run was skipped (its deadline) or failed has no need to draw.
+    adversarial = [r for r in records if r["bench"] == "adversarial" and _adversarial_sweeps([r])]
     if adversarial:
         written.append(_save(plot_adversarial(adversarial), out_dir / "adversarial.png"))
     return written
@@ -361,7 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("records", nargs="+", help="records or published result files")
     p.add_argument("--out-dir", default="docs/img", help="where the PNGs go")
     args = p.parse_args(argv)
-    for path in plot_all([load_record(f) for f in args.records], Path(args.out_dir)):
+    records = []
+    for path in args.records:
+        try:
+            records.append(load_record(path))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            p.error(f"{path}: {e}")  # a clear usage error, not a traceback
+    for path in plot_all(records, Path(args.out_dir)):
         print(path)
     return 0
 

@@ -70,3 +70,32 @@ def test_memory_parts_of_a_host_run_are_never_negative() -> None:
     row["free_before"] = 10 * row["total"]  # the host's free memory, beyond the budget
     parts = plot.memory_segments(row, row["total"])
     assert parts["in use before start"] == 0 and min(parts.values()) >= 0
+
+
+def test_an_adversarial_record_whose_runs_were_all_skipped_draws_nothing(tmp_path: Path) -> None:
+    payload = payloads.adversarial()  # the --deadline-s passed before any run started
+    payload["sweeps"][0]["runs"] = [{"run": r["run"], "skipped": "deadline"}
+                                    for r in payload["sweeps"][0]["runs"]]
+    payload["summaries"][0]["worst_kept_over_peak_need"] = None
+    skipped = record_of("adversarial", payload, {})
+    assert plot.plot_all([skipped], tmp_path) == []
+    drawn = record_of("adversarial", payloads.adversarial(), {})
+    assert [p.name for p in plot.plot_all([drawn, skipped], tmp_path)] == ["adversarial.png"]
+
+
+def test_kv_dtype_draws_the_decode_batches_every_dtype_measured(tmp_path: Path) -> None:
+    payload = payloads.kv_dtype()  # fp8 first: the bf16 cache held too few blocks for batch 64
+    payload["engine"] = payload["engine"][::-1]
+    payload["engine"][1]["decode"] = []
+    record = record_of("kv-dtype", payload, {})
+    assert [p.name for p in plot.plot_all([record], tmp_path)] == ["kv_dtype.png"]
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"a": 1}', "7"])
+def test_a_file_that_is_no_record_is_a_clear_error(tmp_path: Path, content: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        plot.main([str(bad), "--out-dir", str(tmp_path / "img")])
+    assert e.value.code == 2 and "bad.json" in capsys.readouterr().err
