@@ -173,3 +173,14 @@ def test_figures_in_one_record_only_say_which(tmp_path: Path,
 def test_zero_and_negative_values_are_judged_on_the_right_side(
         a: float, b: float, direction: str, flagged: bool) -> None:
     assert compare.worse(a, b, direction, 0.05) is flagged
+
+
+def test_records_that_share_no_figure_are_warned(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    a = _write(tmp_path, "a.json", "capacity", payloads.capacity())
+    other = payloads.capacity()
+    other["results"][0]["model"] = "other-model"
+    b = _write(tmp_path, "b.json", "capacity", other)
+    assert compare.main([a, b]) == 0
+    out = capsys.readouterr().out
+    assert "warning" in out and "no figure" in out and "0 figures compared" in out
