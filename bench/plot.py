@@ -137,10 +137,19 @@ def plot_decode(r: Record) -> Figure:
     for ax, model in zip(axes[0], models, strict=True):
         rows = [d for d in decode if d["model"] == model]
         batches = [d["batch"] for d in rows]
-        ax.plot(batches, [d["step_ms"] for d in rows], "o-", label="decode step (graphs)")
+        # Records since the graph flag say whether each step ran from a CUDA graph; a CPU run
+        # (or --enforce-eager) ran none, and the label must not claim them.
+        graphs = {d.get("graphs", True) for d in rows}
+        how = {frozenset({True}): "graphs", frozenset({False}): "eager"}.get(
+            frozenset(graphs), "graphs where captured")
+        ax.plot(batches, [d["step_ms"] for d in rows], "o-", label=f"decode step ({how})")
         if all("sync_step_ms" in d for d in rows):
             ax.plot(batches, [d["sync_step_ms"] for d in rows], "s--", label="step + host sync")
-        ax.plot(batches, [d["roofline_ms"] for d in rows], "k:", label="roofline (bytes / copy)")
+        # Since the limit model the roofline is the steps' limit: bytes over the copy bandwidth,
+        # or FLOPs over the GEMM throughput where those take longer.
+        limit = ("limit (bytes / copy or FLOPs / GEMM)" if "memory_bound" in rows[0]
+                 else "roofline (bytes / copy)")
+        ax.plot(batches, [d["roofline_ms"] for d in rows], "k:", label=limit)
         for d in rows:
             ax.annotate(f"{d['ratio']:.1f}x", (d["batch"], d["step_ms"]), xytext=(4, 4),
                         textcoords="offset points", fontsize=8)
@@ -179,10 +188,13 @@ def plot_serving(r: Record) -> Figure:
         ax.legend(fontsize=8)
     offline = r["results"]["offline"]["output_throughput"]
     axes[2].axhline(offline, color="k", ls=":", label="offline LLM.generate")
+    served = max(x["output_throughput"] for x in all_rows)
+    axes[2].set_ylim(0, max(offline, served) * 1.12)  # the offline line clear of the frame
     axes[2].set_title("output tokens/s", fontsize=10)
     axes[2].legend(fontsize=8)
     for ax in axes:
         ax.set_xlabel("request rate (req/s)")
+    for ax in axes[:2]:
         ax.set_ylim(bottom=0)
     _title(fig, "Serving latency and throughput against request rate", r)
     fig.tight_layout()

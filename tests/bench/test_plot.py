@@ -99,3 +99,30 @@ def test_a_file_that_is_no_record_is_a_clear_error(tmp_path: Path, content: str,
     with pytest.raises(SystemExit) as e:
         plot.main([str(bad), "--out-dir", str(tmp_path / "img")])
     assert e.value.code == 2 and "bad.json" in capsys.readouterr().err
+
+
+def _legend(fig: plot.Figure) -> list[str]:
+    return [t.get_text() for ax in fig.axes if ax.get_legend()
+            for t in ax.get_legend().get_texts()]
+
+
+def test_decode_labels_say_eager_steps_and_the_limit_they_are_drawn_against() -> None:
+    payload = payloads.throughput()
+    for d in payload["decode"]:  # a CPU run: no CUDA graph; the limit model's rows
+        d |= {"graphs": False, "memory_bound": True}
+    labels = _legend(plot.plot_decode(record_of("throughput", payload, {})))
+    assert "decode step (eager)" in labels and "decode step (graphs)" not in labels
+    assert any(x.startswith("limit") and "FLOPs" in x for x in labels)
+    payload["decode"][0]["graphs"] = True
+    assert "decode step (graphs where captured)" in _legend(
+        plot.plot_decode(record_of("throughput", payload, {})))
+    old = payloads.throughput()  # a file from before both flags: graphs, bytes / copy
+    assert {"decode step (graphs)", "roofline (bytes / copy)"} <= set(
+        _legend(plot.plot_decode(record_of("throughput", old, {}))))
+
+
+def test_serving_keeps_the_offline_line_inside_the_frame() -> None:
+    payload = payloads.serving()
+    payload["offline"]["output_throughput"] = 1000.0  # above every served row
+    fig = plot.plot_serving(record_of("serving", payload, {}))
+    assert fig.axes[2].get_ylim()[1] > 1000.0 * 1.05
