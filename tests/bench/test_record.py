@@ -153,3 +153,18 @@ def test_a_result_file_without_the_record_fields_adapts_to_its_bench(
     record = load_record(path)
     assert record["bench"] == bench and record["date"] == "2026-01-02"
     assert record["figures"] == record_of(bench, payloads.ALL[bench](), {})["figures"]
+
+
+def test_an_adversarial_sweep_whose_runs_were_all_skipped_claims_no_zero_counts() -> None:
+    # adversarial-8b-4k-h200-2026-12-03.json: its margin-zero sweep ran past the deadline, every
+    # run skipped; its summary still reads 0 OOMs, 0 errors, 0 guard events.
+    record = load_record(RESULTS / "adversarial-8b-4k-h200-2026-12-03.json")
+    assert not [n for n in record["figures"] if n.startswith("qwen3-8b-shape.zero.")]
+    assert record["figures"]["qwen3-8b-shape.default.ooms"]["value"] == 0
+    payload = copy.deepcopy(payloads.adversarial())
+    payload["sweeps"][0]["runs"] = [{"run": "all", "skipped": "deadline"}]
+    payload["summaries"][0] |= {"worst_kept_over_peak_need": None, "skipped": 1}
+    assert FIGURES["adversarial"](payload) == {}
+    payload["sweeps"][0]["runs"].append({"run": "top_p", "oom": "CUDA out of memory"})
+    payload["summaries"][0]["ooms"] = 1  # one run ran and failed: that is a claim
+    assert FIGURES["adversarial"](payload)["tiny.default.ooms"]["value"] == 1

@@ -179,7 +179,15 @@ def vmm(p: dict[str, Any]) -> Figures:
 
 def adversarial(p: dict[str, Any]) -> Figures:
     f: Figures = {}
+    ran: dict[tuple[str, str], int] = {}
+    for sweep in p.get("sweeps") or []:
+        key = (sweep["model"], sweep["margin"])
+        ran[key] = ran.get(key, 0) + sum("skipped" not in r for r in sweep["runs"])
     for s in p.get("summaries") or _summaries_of_runs(p):
+        if ran.get((s["model"], s["margin"])) == 0:
+            # Every run skipped (the deadline passed first): its zero OOMs, errors and guard
+            # events were never measured, so the sweep claims nothing.
+            continue
         name = f"{s['model']}.{s['margin']}"
         # Kept over the worst need seen: a fall toward 1 is safety lost (below 1 is an OOM).
         # None where every run of the sweep was skipped (a deadline): no figure then.
