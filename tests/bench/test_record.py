@@ -168,3 +168,24 @@ def test_an_adversarial_sweep_whose_runs_were_all_skipped_claims_no_zero_counts(
     payload["sweeps"][0]["runs"].append({"run": "top_p", "oom": "CUDA out of memory"})
     payload["summaries"][0]["ooms"] = 1  # one run ran and failed: that is a claim
     assert FIGURES["adversarial"](payload)["tiny.default.ooms"]["value"] == 1
+
+
+def test_a_load_that_measured_no_latency_claims_none() -> None:
+    # `kvfit bench serve` reports 0.0 ms for a latency with no sample: every request failed,
+    # or none produced a second token (no TPOT, no ITL). As "lower is better" figures those
+    # zeros read as the fastest run ever, and compare.py calls a total failure an improvement.
+    failed = payloads.bench_serve() | {"completed": 0, "failed": 8, "total_output_tokens": 0,
+                                       "p50_ttft_ms": 0.0, "p99_itl_ms": 0.0}
+    f = FIGURES["bench-serve"](failed)
+    assert not [k for k in f if k.endswith("_ms")] and f["failed"]["value"] == 8
+    one_token = payloads.bench_serve() | {"completed": 8, "total_output_tokens": 8,
+                                          "p50_ttft_ms": 5.0, "p99_itl_ms": 0.0,
+                                          "mean_tpot_ms": 0.0}
+    f = FIGURES["bench-serve"](one_token)
+    assert "p50_ttft_ms" in f and "p99_itl_ms" not in f and "mean_tpot_ms" not in f
+    ok = payloads.bench_serve() | {"completed": 8, "total_output_tokens": 64}
+    assert {"p50_ttft_ms", "p99_itl_ms"} <= set(FIGURES["bench-serve"](ok))
+    rows = payloads.serving()
+    rows["serve"]["rows"][0] |= {"completed": 0, "total_output_tokens": 0}
+    f = FIGURES["serving"](rows)
+    assert "serve.rate4.p50_ttft_ms" not in f and "serve.rate16.p50_ttft_ms" in f

@@ -62,6 +62,19 @@ def throughput(p: dict[str, Any]) -> Figures:
     return f
 
 
+def _measured_latencies(row: dict[str, Any]) -> set[str]:
+    """The latency kinds a load measured: none where no request succeeded, and no TPOT or
+    ITL where no request produced a second token. The load reports 0.0 ms for a kind with
+    no sample, which as a "lower is better" figure would read as the best run ever."""
+    completed = row.get("completed")
+    if completed == 0:
+        return set()
+    tokens = row.get("total_output_tokens")
+    if completed is not None and tokens is not None and tokens <= completed:
+        return {"ttft", "e2el"}
+    return {"ttft", "tpot", "itl", "e2el"}
+
+
 def serving(p: dict[str, Any]) -> Figures:
     f: Figures = {}
     for row in p["serve"]["rows"]:
@@ -69,8 +82,9 @@ def serving(p: dict[str, Any]) -> Figures:
         if "max_concurrency" in row:  # records since the concurrency sweep
             name += f".conc{row['max_concurrency'] or 'any'}"
         f[f"{name}.output_throughput"] = figure(row["output_throughput"], "tokens/s", "higher")
+        measured = _measured_latencies(row)
         for key in ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms"):
-            if key in row:
+            if key in row and key.split("_")[1] in measured:
                 f[f"{name}.{key}"] = figure(row[key], "ms", "lower")
     f["offline.output_throughput"] = figure(p["offline"]["output_throughput"], "tokens/s",
                                             "higher")
@@ -230,8 +244,10 @@ def bench_latency(p: dict[str, Any]) -> Figures:
 def bench_serve(p: dict[str, Any]) -> Figures:
     f = {k: figure(p[k], unit, "higher") for k, unit in (
         ("request_throughput", "requests/s"), ("output_throughput", "tokens/s"))}
+    measured = _measured_latencies(p)
     f |= {k: figure(v, "ms", "lower") for k, v in p.items()
-          if k.endswith(("_ttft_ms", "_itl_ms", "_tpot_ms", "_e2el_ms"))}
+          if k.endswith(("_ttft_ms", "_itl_ms", "_tpot_ms", "_e2el_ms"))
+          and k.split("_")[1] in measured}
     f["failed"] = figure(p["failed"], "requests", "lower")
     return f
 
