@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threshold", type=float, default=0.05,
                    help="noise: a move the wrong way by more than this fraction is flagged")
     args = p.parse_args(argv)
-    if args.threshold < 0:
-        p.error("--threshold must be >= 0")
+    if not math.isfinite(args.threshold) or args.threshold < 0:  # nan would flag nothing
+        p.error(f"--threshold must be a finite fraction >= 0, got {args.threshold}")
     a, b = _load(p, args.a), _load(p, args.b)
     if a["bench"] != b["bench"]:
         p.error(f"different benches: {a['bench']} vs {b['bench']}")

@@ -184,3 +184,12 @@ def test_records_that_share_no_figure_are_warned(tmp_path: Path,
     assert compare.main([a, b]) == 0
     out = capsys.readouterr().out
     assert "warning" in out and "no figure" in out and "0 figures compared" in out
+
+
+@pytest.mark.parametrize("threshold", ["nan", "inf", "-0.1"])
+def test_a_threshold_that_could_flag_nothing_is_refused(tmp_path: Path, threshold: str) -> None:
+    a = _write(tmp_path, "a.json", "throughput", payloads.throughput(tokens_per_s=1000.0))
+    b = _write(tmp_path, "b.json", "throughput", payloads.throughput(tokens_per_s=10.0))
+    with pytest.raises(SystemExit) as e:  # nan passed the old `< 0` check: exit 0 on a 99% drop
+        compare.main([a, b, "--threshold", threshold])
+    assert e.value.code == 2
