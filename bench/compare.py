@@ -55,9 +55,27 @@ def compare(a: dict[str, Any], b: dict[str, Any], threshold: float,
     fa, fb = a[section], b[section]
     return [Change(name, fb[name]["unit"], fb[name]["direction"], fa[name]["value"],
                    fb[name]["value"],
-                   section == "figures" and worse(fa[name]["value"], fb[name]["value"],
-                                                  fb[name]["direction"], threshold))
+                   section == "figures" and fa[name]["unit"] == fb[name]["unit"]
+                   and worse(fa[name]["value"], fb[name]["value"], fb[name]["direction"],
+                             threshold))
             for name in fa if name in fb]
+
+
+def mismatches(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Shared figures whose unit or direction differ between the records: a unit that
+    differs makes B/A meaningless (not flagged); a direction that differs is judged by B's."""
+    lines = []
+    for name, fa in a["figures"].items():
+        fb = b["figures"].get(name)
+        if fb is None:
+            continue
+        if fa["unit"] != fb["unit"]:
+            lines.append(f"{name}: unit {fa['unit']!r} in A, {fb['unit']!r} in B "
+                         "(B/A not comparable, never flagged)")
+        if fa["direction"] != fb["direction"]:
+            lines.append(f"{name}: {fa['direction']} is better in A, {fb['direction']} in B "
+                         "(judged by B's)")
+    return lines
 
 
 # Config keys that name where a run wrote its output, not what it ran.
@@ -126,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if a["bench"] != b["bench"]:
         p.error(f"different benches: {a['bench']} vs {b['bench']}")
     print(f"A: {_describe(a)}\nB: {_describe(b)}\n")
-    for line in differences(a, b):
+    for line in differences(a, b) + mismatches(a, b):
         print(f"warning: {line}")
     changes = compare(a, b, args.threshold)
     if not changes and (a["figures"] or b["figures"]):

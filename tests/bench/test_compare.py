@@ -193,3 +193,19 @@ def test_a_threshold_that_could_flag_nothing_is_refused(tmp_path: Path, threshol
     with pytest.raises(SystemExit) as e:  # nan passed the old `< 0` check: exit 0 on a 99% drop
         compare.main([a, b, "--threshold", threshold])
     assert e.value.code == 2
+
+
+def test_a_figure_whose_unit_or_direction_changed_is_warned_not_misjudged(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    record = record_of("throughput", payloads.throughput(), {})
+    write_record(a, record)
+    other = copy.deepcopy(record)
+    ttft = other["figures"]["ttft.tiny.len64.ttft_s"]
+    ttft |= {"value": ttft["value"] * 1000, "unit": "ms"}  # the same time, in ms
+    other["figures"]["offline.of_limit"]["direction"] = "lower"
+    write_record(b, other)
+    assert compare.main([str(a), str(b)]) == 0  # 1000x "slower" is a unit, not a regression
+    out = capsys.readouterr().out
+    assert "warning: ttft.tiny.len64.ttft_s: unit 's' in A, 'ms' in B" in out
+    assert "warning: offline.of_limit: higher is better in A, lower in B" in out
