@@ -293,7 +293,9 @@ def plot_elastic_pair(r: Record) -> Figure:
     ax.set_xlabel("seconds since the load started (the busy engine alternates each phase)")
     ax.set_ylabel("KV cache (GiB)")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8, loc="upper right")
+    # Beside the plot: inside, it hid the curves of a cache grown to the top (the 8B engine's
+    # elastic cache at 60-70 s of the 2026-12-04 chat run).
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ratio = res.get("token_ratio")
     _title(fig, "Two engines on one device: KV cache over time"
            + ("" if ratio is None else f" (elastic / static tokens {ratio:.2f})"), r)

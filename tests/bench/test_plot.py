@@ -126,3 +126,11 @@ def test_serving_keeps_the_offline_line_inside_the_frame() -> None:
     payload["offline"]["output_throughput"] = 1000.0  # above every served row
     fig = plot.plot_serving(record_of("serving", payload, {}))
     assert fig.axes[2].get_ylim()[1] > 1000.0 * 1.05
+
+
+def test_elastic_pair_legend_hides_no_curve() -> None:
+    fig = plot.plot_elastic_pair(record_of("elastic-pair", payloads.elastic_pair(), {}))
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent()
+    assert not legend.overlaps(ax.get_window_extent())
