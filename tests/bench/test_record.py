@@ -189,3 +189,20 @@ def test_a_load_that_measured_no_latency_claims_none() -> None:
     rows["serve"]["rows"][0] |= {"completed": 0, "total_output_tokens": 0}
     f = FIGURES["serving"](rows)
     assert "serve.rate4.p50_ttft_ms" not in f and "serve.rate16.p50_ttft_ms" in f
+
+
+def test_every_served_placement_is_a_figure() -> None:
+    # serving-h200-2026-12-04.json: one API process (the target's ratio, 87.2%) and four
+    # (99.4%, a claim of docs/benchmarks.md); the four had no figure, so compare.py never saw it.
+    path = RESULTS / "serving-h200-2026-12-04.json"
+    results = json.loads(path.read_text())["results"]
+    f = FIGURES["serving"](results)
+    assert f["serve_over_offline"]["value"] == pytest.approx(0.8722, abs=1e-4)
+    assert f["process.api4.serve_over_offline"]["value"] == pytest.approx(0.9937, abs=1e-4)
+    assert "process.api4.serve.rateinf.conc512.output_throughput" in f
+    assert not [n for n in f if n.startswith("process.api1.")]  # the first: its own names
+    engines = json.loads((RESULTS / "serving-engines-h200-2026-12-03b.json").read_text())
+    f = FIGURES["serving"](engines["results"])  # --engines process thread
+    assert f["thread.serve_over_offline"]["value"] == engines["results"][
+        "serve_by_engine"][1]["ratio"]
+    assert not [n for n in f if n.startswith("process.")]
