@@ -209,11 +209,14 @@ def test_the_flags_reach_the_engine_config(qwen3: Path) -> None:
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = parser.parse_args(["--model", str(qwen3), "--device", "cpu", "--elastic-kv-cache",
                               "--elastic-low-watermark", "1GiB", "--elastic-high-watermark",
-                              "0.5", "--elastic-min-interval", "3", "--elastic-idle-s", "7"])
+                              "0.5", "--elastic-min-interval", "3", "--elastic-idle-s", "7",
+                              "--elastic-demand-dir", "/tmp/board"])
     config = EngineArgs.from_cli_args(args).create_engine_config()
     assert config.elastic == ElasticConfig(MemoryAmount(nbytes=1 << 30),
                                            MemoryAmount(fraction=0.5), min_interval_s=3.0,
-                                           idle_s=7.0)
+                                           idle_s=7.0, demand_dir="/tmp/board")
+    args.elastic_demand_dir = "none"
+    assert EngineArgs.from_cli_args(args).create_engine_config().elastic.demand_dir is None
     assert EngineArgs(model=str(qwen3), device="cpu").create_engine_config().elastic is None
 
 

@@ -68,13 +68,15 @@ class MemoryAmount:
 class ElasticConfig:
     """`--elastic-kv-cache`: watermarks of device free memory and the least time between a
     resize and the next grow (a grow that failed is retried after it too); `idle_s`: how long
-    the cache's use must stay low before it gives the unused part back (0: never)."""
+    the cache's use must stay low before it gives the unused part back (0: never);
+    `demand_dir`: where engines on one device publish what their caches lack."""
 
     low_watermark: MemoryAmount
     high_watermark: MemoryAmount
     min_interval_s: float = DEFAULT_MIN_INTERVAL_S
     idle_s: float = 0.0
     poll_interval_s: float = POLL_INTERVAL_S
+    demand_dir: str | None = None  # the `DemandBoard`'s root (None: engines share no demand)
 
     def watermarks(self, total: int) -> tuple[int, int]:
         """`(low, high)` in bytes on a device of `total` bytes; `ValueError` unless
@@ -108,8 +110,9 @@ class KVCacheGovernor:
 
     With `idle_s` and the cache's `KVUsage`, memory also flows between co-tenant engines,
     whose free memory alone never moves: a cache whose use stays low for `idle_s` shrinks to
-    what it uses plus headroom (`idle_shrink`), and only a cache short of headroom grows (one
-    that has it would take back what it just gave). A busy cache short of blocks grows even
+    what it uses plus headroom (`idle_shrink`), or, where kvfit peers publish what they lack,
+    by that much only; and only a cache short of headroom grows (one that has it would take
+    back what it just gave). A busy cache short of blocks grows even
     inside the band, down to its lower quarter, so it never pushes free memory under the low
     watermark itself.
     """
@@ -147,9 +150,14 @@ class KVCacheGovernor:
             return floor_of_band - free
         return 0
 
-    def idle_shrink(self, usage: KVUsage, now: float) -> int | None:
+    def idle_shrink(self, usage: KVUsage, now: float,
+                    peers_keep: int | None = None) -> int | None:
         """Blocks to shrink the cache to, once its use has stayed low for `idle_s` (None
-        until then, or with `idle_s` 0): what it uses plus headroom, never below `floor`."""
+        until then, or with `idle_s` 0): what it uses plus headroom, never below `floor`.
+
+        `peers_keep`, where other kvfit engines share the device (`DemandBoard`): the blocks
+        left once they have what they lack. The cache then gives back only that, keeping the
+        rest (and its prefix cache) until a peer asks: an idle cache nobody needs stays."""
         if not (self.config.idle_s > 0 and usage.is_low):
             self.low_since = None
             return None
@@ -157,8 +165,11 @@ class KVCacheGovernor:
             self.low_since = now
         if now - self.low_since < self.config.idle_s:
             return None
+        target = max(usage.idle_target, peers_keep or 0)
+        if target >= usage.num_blocks:
+            return None  # idle still: the next peer that asks is answered at once
         self.low_since = None
-        return usage.idle_target
+        return target
 
     def resized(self, now: float, grew: bool = False) -> None:
         """The cache was resized at `now`; `grew`: by this governor's grow, which does not

@@ -49,6 +49,13 @@ class KVUsage:
         nothing waits for blocks)."""
         return not self.short and 2 * self.idle_target <= self.num_blocks
 
+    def shortfall(self, budget: int) -> int:
+        """Blocks the cache lacks, up to `budget` blocks in all: its demand beyond its size,
+        or one `floor` more when it is short with its demand in hand (preempted, or a waiting
+        sequence that does not fit). What it asks co-tenant engines for (`DemandBoard`)."""
+        want = max(self.demand_blocks, (self.num_blocks + self.floor) if self.short else 0)
+        return max(0, min(want, budget) - self.num_blocks)
+
     @property
     def needs_more(self) -> bool:
         """Short of blocks, or with less than the headroom an idle shrink keeps: what a grow

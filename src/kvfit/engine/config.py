@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvfit.connectors.config import CONNECTOR_NAMES, KVConnectorConfig
+from kvfit.elastic.demand import DEFAULT_DEMAND_DIR
 from kvfit.elastic.governor import (
     DEFAULT_HIGH_WATERMARK,
     DEFAULT_IDLE_S,
@@ -216,6 +217,7 @@ class EngineArgs:
     elastic_high_watermark: str | float = DEFAULT_HIGH_WATERMARK
     elastic_min_interval: float = DEFAULT_MIN_INTERVAL_S
     elastic_idle_s: float = DEFAULT_IDLE_S
+    elastic_demand_dir: str | None = DEFAULT_DEMAND_DIR
     deterministic: bool = False
     batch_invariant: bool = False  # vLLM's name for `deterministic`
     kv_cache_dtype: str = "auto"
@@ -338,6 +340,11 @@ class EngineArgs:
                        "what it uses plus headroom, leaving the memory to a busy co-tenant "
                        "engine (e.g. 5 for engines sharing a device; then only a cache short "
                        "of headroom grows back); 0, the default, turns it off")
+        p.add_argument("--elastic-demand-dir", default=d.elastic_demand_dir,
+                       help="folder where elastic engines on one device publish what their KV "
+                       "caches lack, so that an idle one (--elastic-idle-s) gives back only "
+                       "that and keeps the rest, its prefix cache with it; 'none' turns it off "
+                       "(default: %(default)s)")
         p.add_argument("--deterministic", "--batch-invariant", action="store_true",
                        default=d.deterministic,
                        help="batch-invariant kernels: a request gets the same token ids and "
@@ -456,7 +463,11 @@ class EngineArgs:
                              f"{self.elastic_min_interval}")
         low = MemoryAmount.parse(self.elastic_low_watermark, "elastic_low_watermark")
         high = MemoryAmount.parse(self.elastic_high_watermark, "elastic_high_watermark")
-        config = ElasticConfig(low, high, self.elastic_min_interval, idle_s=self.elastic_idle_s)
+        demand_dir = self.elastic_demand_dir
+        if demand_dir is not None and str(demand_dir).lower() in ("", "none"):
+            demand_dir = None
+        config = ElasticConfig(low, high, self.elastic_min_interval, idle_s=self.elastic_idle_s,
+                               demand_dir=demand_dir)
         if (low.fraction is None) == (high.fraction is None):
             config.watermarks(1 << 40)  # same kind: low < high holds on any device
         return config

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvfit.connectors import KVConnector, KVLoadError, create_kv_connector, model_identity
-from kvfit.elastic import KVCacheGovernor, KVUsage
+from kvfit.elastic import DemandBoard, KVCacheGovernor, KVUsage
 from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.block_manager import BlockManager
 from kvfit.engine.config import EngineConfig
@@ -116,6 +116,7 @@ class EngineCore:
                                          on_released=self._refresh_sleep_state)
         self.oom_guard = OOMGuard(config, self.kv_resizer, self.kv_cache_report.margin)
         self.kv_cache_governor = self._kv_cache_governor()
+        self.demand_board = self._demand_board()
         self._preemptions_seen = 0  # the scheduler's count at the governor's last poll
 
     def _kv_cache_governor(self) -> KVCacheGovernor | None:
@@ -133,6 +134,15 @@ class EngineCore:
                     "once per %.1f s)", format_bytes(low), format_bytes(high),
                     elastic.min_interval_s)
         return KVCacheGovernor(elastic)
+
+    def _demand_board(self) -> DemandBoard | None:
+        """This engine's entry on its devices' demand board (`elastic_demand_dir`), where
+        elastic engines sharing the devices say what their caches lack."""
+        elastic = self.config.elastic
+        if self.kv_cache_governor is None or elastic is None or elastic.demand_dir is None:
+            return None
+        keys = sorted({key for key in self.executor.collective_rpc("device_key")})
+        return DemandBoard(elastic.demand_dir, "+".join(keys))
 
     def _device_total(self) -> int:
         """The smallest device's memory over the workers (what watermarks are fractions of)."""
@@ -367,7 +377,7 @@ class EngineCore:
         """
         if self.kv_cache_governor is not None and not self.is_sleeping:
             self.kv_resizer.govern(self.kv_cache_governor, self._settle, time.monotonic(),
-                                   self._kv_usage())
+                                   self._kv_usage(), self.demand_board)
         finished, self._finished_early = self._finished_early, []
         self.updated_seqs = []
         if self.scheduler.has_unfinished():
@@ -530,5 +540,7 @@ class EngineCore:
         """Free every worker's model and KV cache; the engine cannot run afterwards. A step
         still in flight is dropped (the cache waits for the device before it unmaps)."""
         self._in_flight = None
+        if getattr(self, "demand_board", None) is not None:
+            self.demand_board.close()
         self.executor.shutdown()
 

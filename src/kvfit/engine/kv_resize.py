@@ -24,7 +24,7 @@ from kvfit.kv.report import format_bytes
 from kvfit.vmm import VmmError, VmmOutOfMemoryError
 
 if TYPE_CHECKING:
-    from kvfit.elastic import KVCacheGovernor, KVUsage
+    from kvfit.elastic import DemandBoard, KVCacheGovernor, KVUsage
     from kvfit.engine.config import EngineConfig
     from kvfit.engine.executor import Executor
     from kvfit.engine.scheduler import Scheduler
@@ -361,31 +361,50 @@ class KVCacheResizer:
     # -- the governor ------------------------------------------------------------------------
 
     def govern(self, governor: KVCacheGovernor, settle: Callable[[], None],
-               now: float, usage: KVUsage | None = None) -> KVCacheResize | None:
+               now: float, usage: KVUsage | None = None,
+               board: DemandBoard | None = None) -> KVCacheResize | None:
         """One poll of `governor` (no-op between poll intervals): read device free memory and
-        shrink or grow as it decides, given the cache's `usage`. `settle` applies the step in
-        flight, called only right before a resize. Never raises for want of memory: a shrink
-        falls back to unmapping whole chunks, a grow that fails is retried after the
-        governor's interval."""
+        shrink or grow as it decides, given the cache's `usage`; with a demand `board`, say
+        what this cache lacks there, and let an idle one give back only what its peers lack.
+        `settle` applies the step in flight, called only right before a resize. Never raises
+        for want of memory: a shrink falls back to unmapping whole chunks, a grow that fails
+        is retried after the governor's interval."""
         if not governor.due(now):
             return None
         memory = self.executor.collective_rpc("device_memory")
         free, total = min(f for f, _ in memory), min(t for _, t in memory)
+        peers_keep = None if usage is None else self._share_demand(board, usage, now)
         want = governor.decide(free, total, now, usage)
         if want > 0:
             return self._govern_shrink(governor, settle, want, free)
         if want < 0:
             return self._govern_grow(governor, settle, -want, free)
-        target = None if usage is None else governor.idle_shrink(usage, now)
+        target = None if usage is None else governor.idle_shrink(usage, now, peers_keep)
         if target is not None and target < self.num_blocks:
             return self._idle_shrink(governor, settle, target, free)
         return None
+
+    def _share_demand(self, board: DemandBoard | None, usage: KVUsage,
+                      now: float) -> int | None:
+        """Publish the bytes this cache lacks (up to its budget) on `board`; return the blocks
+        it keeps once its peers have what they lack (None: no peer on the device). A peer's
+        want under one `max_model_len` sequence is not worth a resize: it keeps all."""
+        if board is None:
+            return None
+        block_bytes = self.config.kv_cache_spec().block_bytes
+        budget = min(self.limits()[1:]) if usage.needs_more else usage.num_blocks  # else: 0
+        board.publish(usage.shortfall(budget) * block_bytes, now)
+        peers_short = board.peers_short_bytes()
+        if peers_short is None:
+            return None
+        give = -(-peers_short // block_bytes)
+        return usage.num_blocks - give if give >= usage.floor else usage.num_blocks
 
     def _idle_shrink(self, governor: KVCacheGovernor, settle: Callable[[], None],
                      target: int, free: int) -> KVCacheResize | None:
         settle()
         try:
-            event = self.resize(target, "idle", free)
+            event = self.resize(max(target, self.floor), "idle", free)
         except KVCacheResizeError as error:
             logger.error("the idle KV cache could not shrink to %d blocks (%s); it holds %d",
                          target, error, self.num_blocks)

@@ -326,6 +326,14 @@ class Worker:
         poll: one `cudaMemGetInfo` on a GPU)."""
         return self.monitor.free_and_total()
 
+    def device_key(self) -> str:
+        """The physical device, the same in every process that sees it (a GPU's UUID, under
+        whatever index CUDA_VISIBLE_DEVICES gives it; `cpu` for the host): where elastic
+        engines meet to share their demand."""
+        if self.device.type == "cuda":
+            return f"cuda-{torch.cuda.get_device_properties(self.device).uuid}"
+        return self.device.type
+
     def empty_cache(self) -> None:
         """Release the memory torch's caching allocator holds idle (after an out-of-memory
         error, so the retried step can have it)."""

@@ -1,0 +1,155 @@
+"""Engines sharing one device publish what their KV caches lack (`DemandBoard`), and an idle
+one gives back only that: the board's files, the governor's use of a peer's want, and two
+simulated engines whose busy one gets its demand while the idle one keeps the rest."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kvfit.elastic import DemandBoard, KVCacheGovernor, KVUsage
+
+from .test_idle import HIGH, LOW, TOTAL, GiB, governor
+
+
+def test_a_board_reads_its_peers_wants_not_its_own(tmp_path: Path) -> None:
+    a, b, c = (DemandBoard(tmp_path, "cuda-GPU-1") for _ in range(3))
+    other_device = DemandBoard(tmp_path, "cuda-GPU-2")
+    assert a.peers_short_bytes() is None  # nobody has published yet
+    a.publish(5 * GiB)
+    b.publish(0)
+    other_device.publish(7 * GiB)
+    assert a.peers_short_bytes() == 0  # a peer that lacks nothing is still a peer
+    assert b.peers_short_bytes() == 5 * GiB
+    c.publish(3 * GiB)
+    assert b.peers_short_bytes() == 8 * GiB and other_device.peers_short_bytes() is None
+    a.close()
+    assert b.peers_short_bytes() == 3 * GiB
+    b.publish(1, now=100.0)  # changed: rewritten at once
+    assert c.peers_short_bytes() == 1
+
+
+def test_entries_of_dead_or_silent_engines_are_ignored(tmp_path: Path) -> None:
+    board = DemandBoard(tmp_path, "cpu")
+    dead_pid = 2**22 + 12345  # above the kernel's pid_max: never a live process
+    (board.folder / f"{dead_pid}-0").write_text(str(9 * GiB))
+    silent = board.folder / f"{os.getpid()}-999"
+    silent.write_text(str(4 * GiB))
+    os.utime(silent, (time.time() - 60, time.time() - 60))
+    (board.folder / "notes.txt").write_text("not an entry")
+    assert board.peers_short_bytes() is None
+    assert not (board.folder / f"{dead_pid}-0").exists()  # removed: its engine died
+    os.utime(silent)  # written again: alive
+    assert board.peers_short_bytes() == 4 * GiB
+
+
+def test_an_unchanged_want_is_rewritten_only_to_show_the_engine_alive(tmp_path: Path) -> None:
+    board = DemandBoard(tmp_path, "cpu")
+    board.publish(GiB, now=0.0)
+    entry = board.folder / board.name
+    entry.write_text("0")  # what a rewrite would overwrite
+    board.publish(GiB, now=0.5)
+    assert entry.read_text() == "0"
+    board.publish(GiB, now=1.5)
+    assert entry.read_text() == str(GiB)
+
+
+def test_a_board_it_cannot_write_shares_nothing_and_fails_nothing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    board = DemandBoard(blocker, "cpu")  # a folder under a file: cannot be made
+    board.publish(GiB)
+    assert board.peers_short_bytes() is None
+    board.close()
+    assert "elastic_demand_dir" in caplog.text
+
+
+def test_shortfall_is_the_demand_beyond_the_cache_up_to_the_budget() -> None:
+    assert KVUsage(100, 90, floor=8, need_blocks=150).shortfall(budget=400) == 50
+    assert KVUsage(100, 90, floor=8, need_blocks=150).shortfall(budget=120) == 20
+    assert KVUsage(100, 90, floor=8, need_blocks=60).shortfall(budget=400) == 0
+    assert KVUsage(100, 90, floor=8, short=True).shortfall(budget=400) == 8  # preempted
+    assert KVUsage(100, 90, floor=8, short=True).shortfall(budget=100) == 0  # at its budget
+
+
+def test_an_idle_cache_with_peers_gives_what_they_lack_and_keeps_the_rest() -> None:
+    g, idle = governor(idle_s=1.0), KVUsage(100, used_blocks=0, floor=4)
+    assert g.idle_shrink(idle, now=0.0, peers_keep=100) is None
+    assert g.idle_shrink(idle, now=5.0, peers_keep=100) is None  # nobody lacks: keeps all
+    assert g.idle_shrink(idle, now=5.1, peers_keep=70) == 70  # at once: idle long enough
+    assert g.idle_shrink(idle, now=5.2, peers_keep=1) is None  # a give starts a new idle spell
+    assert g.idle_shrink(idle, now=6.2, peers_keep=1) == 4  # never below the floor
+    assert g.idle_shrink(KVUsage(100, 30, floor=4), now=9.0, peers_keep=10) is None  # busy
+
+
+@dataclass
+class Engine:
+    """A simulated engine on a demand board: 1 GiB blocks, `demand` blocks wanted when busy."""
+
+    governor: KVCacheGovernor
+    board: DemandBoard
+    blocks: int
+    budget: int
+    demand: int = 0
+    busy: bool = False
+    sizes: list[int] = field(default_factory=list)
+
+    def usage(self) -> KVUsage:
+        need = self.demand if self.busy else 0
+        return KVUsage(self.blocks, min(need, self.blocks), floor=2,
+                       short=self.busy and self.blocks < need, need_blocks=need)
+
+    def poll(self, free: int, now: float) -> None:
+        """What `KVCacheResizer.govern` does, in whole blocks."""
+        usage = self.usage()
+        self.board.publish(usage.shortfall(self.budget) * GiB, now)
+        peers = self.board.peers_short_bytes()
+        give = 0 if peers is None else -(-peers // GiB)
+        keep = None if peers is None else self.blocks - (give if give >= 2 else 0)
+        want = self.governor.decide(free, TOTAL, now, usage)
+        if want > 0:
+            target = self.blocks - want // GiB
+        elif want < 0:
+            target = self.blocks + (-want) // GiB
+        else:
+            target = self.governor.idle_shrink(usage, now, keep) or self.blocks
+        target = max(2, min(target, self.budget))
+        if want < 0 and target <= self.blocks:
+            self.governor.grow_attempted(now)
+        if target != self.blocks:
+            self.governor.resized(now, grew=target > self.blocks and want < 0)
+            self.blocks = target
+        self.sizes.append(self.blocks)
+
+
+@pytest.mark.parametrize("demand", [30, 60, 85])
+def test_the_idle_engine_keeps_what_the_busy_one_does_not_need(tmp_path: Path,
+                                                              demand: int) -> None:
+    """Alternating load, 90 GiB of caches between two engines: the busy one reaches its
+    demand (or what the device holds), the idle one gives no more than that and keeps the rest
+    of its cache (its prefix cache with it), and free memory stays above the low watermark."""
+    a, b = (Engine(governor(idle_s=0.5, min_interval_s=2.0), DemandBoard(tmp_path, "gpu"),
+                   blocks=42, budget=85, demand=demand) for _ in range(2))
+    other = 10 * GiB
+    now, dt = 0.0, 0.1
+    for phase in range(4):
+        busy, idle = (a, b) if phase % 2 == 0 else (b, a)
+        busy.busy, idle.busy = True, False
+        while now < (phase + 1) * 20.0:
+            for engine in (a, b):
+                free = TOTAL - other - (a.blocks + b.blocks) * GiB
+                engine.poll(free, now)
+            now += dt
+        free = TOTAL - other - (a.blocks + b.blocks) * GiB
+        assert busy.blocks >= min(demand, 85 - 4), (phase, a.blocks, b.blocks)
+        # The busy one took what it needs, not the device; the idle one kept the rest (each
+        # within the band's width). Without the board: 82 and 2 blocks at every demand.
+        need = max(demand, 42)
+        assert busy.blocks <= need + HIGH // GiB, (phase, a.blocks, b.blocks)
+        assert idle.blocks >= 90 - need - HIGH // GiB, (phase, a.blocks, b.blocks)
+        assert free >= LOW
