@@ -109,6 +109,19 @@ def test_tp2_greedy_matches_tp1_and_transformers(
         two.shutdown()
 
 
+def test_tp2_dummy_weights_match_tp1() -> None:
+    # Built-in shapes get seeded random weights: every rank must draw the same model as one
+    # rank does and keep its part, or TP=2 generates other tokens than TP=1.
+    outputs = []
+    for tp in (1, 2):
+        llm = LLM("kvfit-tiny", load_format="dummy", tensor_parallel_size=tp, **LIMITS)
+        try:
+            outputs.append(generate(llm))
+        finally:
+            llm.shutdown()
+    assert outputs[1] == outputs[0]
+
+
 def test_mp_executor_at_tp1_matches_in_process(tiny_model: Callable[[str], Path]) -> None:
     folder = str(tiny_model("qwen3"))
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=MAX_TOKENS,

@@ -166,12 +166,42 @@ def load_safetensors(model: nn.Module, folder: Path, device: torch.device) -> No
 @torch.no_grad()
 def init_dummy(model: nn.Module, seed: int = DUMMY_SEED) -> None:
     """Deterministic random weights at the real shapes: norms at one, biases at zero, the rest
-    normal(0, DUMMY_STD) from a generator seeded with `seed` on the parameters' device."""
+    normal(0, DUMMY_STD) from a generator seeded with `seed` on the parameters' device.
+
+    Under tensor parallelism each rank draws every parameter whole, as one rank holds it, and
+    keeps its part: the model, and so greedy output, is the same at every tensor_parallel_size.
+    """
     generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    owners: dict[int, tuple[nn.Module, str]] = {}
+    for module in model.modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), (module, param_name))
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith("bias"):
             param.zero_()
         else:
-            param.normal_(0.0, DUMMY_STD, generator=generator)
+            _draw_sharded(*owners[id(param)], param, generator)
+
+
+def _draw_sharded(module: nn.Module, param_name: str, param: torch.Tensor,
+                  generator: torch.Generator) -> None:
+    """Fill `param` with its part of the whole parameter drawn from `generator` (what one rank
+    would hold: a fused projection's parts stacked, an unpadded vocabulary)."""
+    if isinstance(module, MergedColumnParallelLinear):
+        parts = [(module.shard(param, name), shard) for name, shard in module.shards.items()]
+    else:
+        shard = getattr(module, "tp_shards", {}).get(param_name)
+        parts = [(param, None) if shard is None else (param.narrow(shard.dim, 0, shard.size),
+                                                      shard)]
+    if all(shard is None or (shard.start, shard.size) == (0, shard.full) for _, shard in parts) \
+            and sum(rows.numel() for rows, _ in parts) == param.numel():
+        param.normal_(0.0, DUMMY_STD, generator=generator)  # one rank: nothing to cut
+        return
+    shapes = [rows.shape if shard is None else shard.full_shape(rows.shape)
+              for rows, shard in parts]
+    whole = torch.empty((sum(shape[0] for shape in shapes), *shapes[0][1:]), dtype=param.dtype,
+                        device=param.device).normal_(0.0, DUMMY_STD, generator=generator)
+    for (rows, shard), full in zip(parts, whole.split([s[0] for s in shapes]), strict=True):
+        rows.copy_(full if shard is None else shard.take(full))
