@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> int:
     """The `kvfit` program: `main`, with an error in a setting or an input (`ValueError`,
     `FileNotFoundError`, whose messages name what to change) shown as one line and exit status
-    1 instead of a traceback. `KVFIT_TRACEBACK=1` shows the traceback."""
+    1 instead of a traceback. `KVFIT_TRACEBACK=1` shows the traceback. Ctrl-C exits with
+    status 130 and output to a closed pipe (`| head -1`) with 141, each without a traceback:
+    the statuses a shell reports for SIGINT and SIGPIPE."""
     try:
         return main()
     except (ValueError, FileNotFoundError) as e:
@@ -96,6 +98,14 @@ def run() -> int:
             raise
         print(f"kvfit: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("kvfit: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # Python flushes stdout again at exit, into the same closed pipe: point it elsewhere.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

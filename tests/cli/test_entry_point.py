@@ -5,6 +5,7 @@ status, vLLM's temperature default, and no progress-bar lines in a log."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,37 @@ def test_the_traceback_is_there_when_asked_for() -> None:
                             env=env)
     assert result.returncode == 1
     assert "Traceback" in result.stderr and "block_size must be a power of two" in result.stderr
+
+
+ENGINE = ("--device", "cpu", "--max-num-batched-tokens", "128", "--max-num-seqs", "4",
+          "--max-model-len", "128", "--log-level", "warning")
+
+
+def test_output_to_a_closed_pipe_is_no_traceback() -> None:
+    # `kvfit generate ... | head -1`: the reader leaves after the first line.
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvfit", "generate", *ENGINE,
+                             "--max-tokens", "1", *map(str, range(2000))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().startswith("prompt: ")
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141  # as a shell reports a process SIGPIPE ended
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+
+
+def test_ctrl_c_exits_130_without_a_traceback() -> None:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvfit", "generate", *ENGINE[:-1], "info",
+                             "--max-tokens", "100", "--ignore-eos", *map(str, range(500))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    lines = []
+    for line in proc.stderr:  # generating once the KV cache table is out
+        lines.append(line)
+        if "blocks" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    stderr = "".join(lines) + proc.stderr.read()
+    assert proc.wait(timeout=60) == 130
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
