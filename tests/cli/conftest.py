@@ -30,7 +30,9 @@ class FakeOpenAIServer(ThreadingHTTPServer):
       every `itl` seconds up to `max_tokens`, a usage chunk, `[DONE]`;
     - `500`: an HTTP 500 with an error body;
     - `drop`: the first content chunk, then the connection closes mid-body;
-    - `error`: an `{"error": ...}` event after the first content chunk.
+    - `error`: an `{"error": ...}` event after the first content chunk;
+    - `held`: like `ok`, but every chunk's text is empty (tokens that are parts of one
+      character, which a server holds back) while its continuous usage counts the tokens.
     """
 
     daemon_threads = True
@@ -89,10 +91,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
 
-        def chunk(text: str) -> dict[str, Any]:
+        def chunk(text: str, tokens: int | None = None) -> dict[str, Any]:
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0,
                                                                              "text": text}
-            return {"id": "x", "model": body["model"], "choices": [choice]}
+            event = {"id": "x", "model": body["model"], "choices": [choice]}
+            if tokens is not None:
+                event["usage"] = {"prompt_tokens": 7, "completion_tokens": tokens}
+            return event
 
         # A chunk before any content (a role delta, as servers send): TTFT must skip it.
         self._event(chunk(""))
@@ -103,7 +108,7 @@ class _Handler(BaseHTTPRequestHandler):
         for k, piece in enumerate(pieces):
             if k:
                 time.sleep(self.server.itl)
-            self._event(chunk(piece))
+            self._event(chunk("", k + 1) if behavior == "held" else chunk(piece))
             if behavior == "drop":
                 self.close_connection = True  # no final chunk: the body is cut short
                 return

@@ -128,6 +128,23 @@ def test_bench_serve_times_chunks_and_counts_failures(
     assert "Successful requests:" in out and "failed x2: HTTP 500" in out
 
 
+def test_bench_serve_counts_tokens_whose_text_is_held_back(
+    fake_server: Callable, tmp_path: Path,
+) -> None:
+    # Random token ids often sample byte tokens: a streamed chunk then carries tokens (its
+    # usage grew) but no text yet. The request succeeded; its chunks are timed.
+    server = fake_server(behaviors=("held",), ttft=TTFT, itl=ITL)
+    path = tmp_path / "s.json"
+    argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "2",
+            "--input-len", "3", "--output-len", str(OUTPUT_LEN), "--result-file", str(path)]
+    assert main(argv) == 0
+    result = json.loads(path.read_text())["results"]
+    assert (result["completed"], result["failed"]) == (2, 0), result["errors"]
+    for r in result["requests"]:
+        assert r["output_tokens"] == OUTPUT_LEN and len(r["itl"]) == OUTPUT_LEN - 1
+        assert TTFT <= r["ttft"] < TTFT + 0.5
+
+
 def test_bench_serve_request_rate_spreads_arrivals(fake_server: Callable,
                                                    tmp_path: Path) -> None:
     server = fake_server()

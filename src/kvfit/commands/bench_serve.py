@@ -208,7 +208,11 @@ async def send_request(session: Any, url: str, body: dict[str, Any],
                     result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
                     if usage_tokens is not None:  # continuous usage: this chunk's tokens
                         tokens = max(1, usage_tokens - counted)
-                if any(choice.get("text") for choice in payload.get("choices") or []):
+                choices = payload.get("choices") or []
+                # A chunk of tokens whose text is held back (parts of one character) has
+                # no text, but its continuous usage grew: it is content all the same.
+                grew = bool(choices) and usage_tokens is not None and usage_tokens > counted
+                if grew or any(choice.get("text") for choice in choices):
                     chunks.append((time.perf_counter(), tokens))
             if not done:
                 result.error = "stream ended before [DONE]"
