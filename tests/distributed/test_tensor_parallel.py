@@ -122,6 +122,22 @@ def test_tp2_dummy_weights_match_tp1() -> None:
     assert outputs[1] == outputs[0]
 
 
+def test_tp2_with_a_fixed_cache_size_reports_its_stats() -> None:
+    # The workers hold their own copy of the config, which the engine's sizing never reaches:
+    # a fixed-size cache's figures come from what each worker allocated (the front ends read
+    # them at every step; `kvfit serve --num-gpu-blocks-override` failed at startup).
+    llm = LLM("kvfit-tiny", load_format="dummy", tensor_parallel_size=2,
+              num_gpu_blocks_override=64, **LIMITS)
+    try:
+        block_bytes = llm.config.kv_cache_spec().block_bytes
+        stats = llm.engine.stats()
+        assert stats.committed_kv_bytes == stats.reserved_kv_bytes == 64 * block_bytes
+        assert llm.engine.kv_cache_state()["num_blocks"] == 64
+        assert generate(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_mp_executor_at_tp1_matches_in_process(tiny_model: Callable[[str], Path]) -> None:
     folder = str(tiny_model("qwen3"))
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=MAX_TOKENS,

@@ -303,7 +303,9 @@ class Worker:
         size, three times."""
         cache = self.runner.kv_cache
         if cache is None:
-            num_blocks = self.config.cache_config.num_gpu_blocks
+            # What this worker allocated: in a worker process the config is a copy that the
+            # engine's `num_gpu_blocks` never reaches.
+            num_blocks = self.runner.num_blocks
             return num_blocks, num_blocks, num_blocks
         budget = cache.capacity_blocks
         if self.sized_profile is not None:
@@ -381,7 +383,7 @@ class Worker:
         both are what torch allocated for it."""
         cache, spec = self.runner.kv_cache, self.runner.kv_cache_spec
         if cache is None:
-            nbytes = self.config.cache_config.num_gpu_blocks * spec.block_bytes
+            nbytes = self.runner.num_blocks * spec.block_bytes  # allocated (as above)
             return nbytes, nbytes
         return cache.physical_bytes, cache.capacity_blocks * spec.block_bytes
 
