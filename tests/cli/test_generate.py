@@ -121,3 +121,18 @@ def test_bad_flags_name_them(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["generate", "--prompt-token-ids", "1,x"])
     assert "--prompt-token-ids takes comma-separated integers" in capsys.readouterr().err
+
+
+def test_an_output_file_that_cannot_be_written_fails_before_the_model_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine_flags: list[str],
+) -> None:
+    # Found only after generating, it threw every completion away.
+    import kvfit.commands.generate as generate
+
+    def no_engine(args: object) -> None:
+        raise AssertionError("the model loaded before --output-file was checked")
+
+    monkeypatch.setattr(generate, "build_llm", no_engine)
+    with pytest.raises(ValueError, match=r"--output-file .*missing.*No such file"):
+        main(["generate", "hi", "--output-file", str(tmp_path / "missing" / "out.jsonl"),
+              *engine_flags])

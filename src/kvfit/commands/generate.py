@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Iterable
@@ -115,25 +116,37 @@ def run(args: argparse.Namespace) -> int:
     """Generate for every prompt; print each, and write JSONL to --output-file if given."""
     prompts = collect_prompts(args)
     params = sampling_params_from_args(args)
-    llm = build_llm(args)
-    tokenizer = llm.get_tokenizer()
-    if not prompts:
-        prompts = list(DEFAULT_PROMPTS) if tokenizer else [{"prompt_token_ids": [1]}]
-    outputs = llm.generate(prompts, params)
-    for out in outputs:
-        prompt = out.prompt if out.prompt is not None else out.prompt_token_ids
-        print(f"prompt: {prompt!r}")
-        for completion in out.outputs:
-            text = completion.text if tokenizer else completion.token_ids
-            print(f"completion: {text!r} ({completion.finish_reason})")
-        print()
-    if args.output_file:
-        with open(args.output_file, "w", encoding="utf-8") as f:
+    # Opened before the model loads: a path that cannot be written fails now, not after
+    # every completion has been generated.
+    with _open_output(args.output_file) as output_file:
+        llm = build_llm(args)
+        tokenizer = llm.get_tokenizer()
+        if not prompts:
+            prompts = list(DEFAULT_PROMPTS) if tokenizer else [{"prompt_token_ids": [1]}]
+        outputs = llm.generate(prompts, params)
+        for out in outputs:
+            prompt = out.prompt if out.prompt is not None else out.prompt_token_ids
+            print(f"prompt: {prompt!r}")
+            for completion in out.outputs:
+                text = completion.text if tokenizer else completion.token_ids
+                print(f"completion: {text!r} ({completion.finish_reason})")
+            print()
+        if output_file is not None:
             for out in outputs:
                 record = {
                     "prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
                     "outputs": [{"text": c.text, "token_ids": c.token_ids,
                                  "finish_reason": c.finish_reason} for c in out.outputs],
                 }
-                f.write(json.dumps(record) + "\n")
+                output_file.write(json.dumps(record) + "\n")
     return 0
+
+
+def _open_output(path: str | None) -> IO[str] | contextlib.nullcontext[None]:
+    """--output-file opened for writing (nothing for None); an error names the flag."""
+    if path is None:
+        return contextlib.nullcontext()
+    try:
+        return open(path, "w", encoding="utf-8")  # noqa: SIM115 - the caller's `with` closes it
+    except OSError as e:
+        raise ValueError(f"--output-file {path}: cannot write it ({e.strerror})") from None
