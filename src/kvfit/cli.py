@@ -41,6 +41,15 @@ def _add_serve(sub: Subparsers) -> None:
     add_serve_parser(sub)
 
 
+def _probe_device(text: str) -> str:
+    """`--device` of `probe`: 'auto', 'cpu', 'cuda' or 'cuda:N' (anything else is a usage
+    error, not a device whose VMM is "unavailable")."""
+    kind, _, index = text.partition(":")
+    if text == "auto" or (kind in ("cpu", "cuda") and (not index or index.isdigit())):
+        return text
+    raise argparse.ArgumentTypeError(f"must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {text!r}")
+
+
 def _cmd_probe(args: argparse.Namespace) -> int:
     """Print the probe's report; exit status 1 when the VMM-backed cache is unusable there."""
     from kvfit.vmm.probe import probe
@@ -68,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_parser(modes)
 
     probe = sub.add_parser("probe", help="report whether the VMM-backed KV cache works here")
-    probe.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    probe.add_argument("--device", default="auto", type=_probe_device,
+                       help="'auto', 'cpu', 'cuda' or 'cuda:N'")
     probe.set_defaults(func=_cmd_probe)
     return parser
 

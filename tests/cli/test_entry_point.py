@@ -68,6 +68,14 @@ def test_probe_exits_non_zero_with_the_reason_where_vmm_is_unusable() -> None:
     assert "vmm:     unavailable (" in result.stdout
 
 
+@pytest.mark.parametrize("device", ["nonsense", "cuda:x", "cpu:0:1"])
+def test_probe_with_a_device_that_is_no_device_is_a_usage_error(device: str) -> None:
+    # It reported "vmm: unavailable" with torch's parse error and status 1.
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["probe", "--device", device])
+    assert exit_info.value.code == 2
+
+
 def test_probe_exits_zero_where_vmm_works() -> None:
     result = kvfit_cli("probe", "--device", "cpu")
     assert result.returncode == 0 and "vmm:     usable" in result.stdout
