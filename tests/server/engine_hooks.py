@@ -104,3 +104,12 @@ def detokenized(llm: LLM) -> list[str]:
 def pause(llm: LLM, seconds: float) -> None:
     """Hold the engine between two steps."""
     time.sleep(seconds)
+
+
+def break_stats(llm: LLM) -> None:
+    """The engine's next figures raise: its core loop fails outside any step, as an executor
+    whose workers died does."""
+    def broken() -> Any:
+        raise RuntimeError("worker rank 1 was killed (injected)")
+
+    llm.engine.stats = broken

@@ -86,6 +86,22 @@ def test_a_call_in_flight_when_the_engine_dies_fails(doomed: AsyncLLM, tmp_path:
     asyncio.run(run())
 
 
+def test_an_engine_that_fails_tells_its_clients_why(doomed: AsyncLLM) -> None:
+    # Its loop raised outside any step (its workers died): the clients' error says why, not
+    # only "the engine process exited (exit code 1)".
+    died: list[BaseException] = []
+    doomed.add_dead_callback(died.append)
+
+    async def run() -> None:
+        # The call's own answer is the first thing the broken loop cannot send.
+        with pytest.raises(EngineDeadError, match="worker rank 1 was killed"):
+            await doomed.call_engine(engine_hooks.break_stats)
+
+    asyncio.run(run())
+    _wait_for(lambda: died, "the engine was not reported dead")
+    assert "worker rank 1 was killed" in str(died[0])
+
+
 def test_kvfit_serve_exits_when_its_engine_process_dies() -> None:
     server = ServeProcess()
     try:

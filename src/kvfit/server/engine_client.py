@@ -263,15 +263,20 @@ class EngineProcess:
 
     def _read(self) -> None:
         error: BaseException | None = None
+        failed: EngineStartFailed | None = None  # why the engine stopped, as it said
         try:
             while True:
                 for message in self._channel.receive():
-                    self._on_outputs(message)
+                    if isinstance(message, EngineStartFailed):
+                        failed = message
+                    else:
+                        self._on_outputs(message)
         except (EOFError, OSError):
             if not self._stopping:
                 self._process.join(timeout=5)
+                why = "" if failed is None else f": {type(failed.error).__name__}: {failed.error}"
                 error = EngineDeadError(f"the engine process exited (exit code "
-                                        f"{self._process.exitcode})")
+                                        f"{self._process.exitcode}){why}")
         except BaseException as e:
             logger.exception("reading the engine's outputs failed")
             error = EngineDeadError(f"reading the engine's outputs failed: {e}")
@@ -439,6 +444,11 @@ def run_engine_process(conns: list[Connection], engine_args: EngineArgs, num_thr
         loop.run()
     except (BrokenPipeError, ConnectionResetError):
         pass  # the front end is gone: nobody to serve
+    except Exception as e:
+        # Tell the front end why (its workers died, ...): it only sees the exit code else.
+        with contextlib.suppress(OSError):
+            channels[0].send(EngineStartFailed(portable(e), traceback.format_exc()))
+        raise
     finally:
         llm.shutdown()
 

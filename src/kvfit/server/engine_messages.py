@@ -63,7 +63,8 @@ class EngineReady:
 
 @dataclass
 class EngineStartFailed:
-    """Sent instead of `EngineReady` when the engine could not start."""
+    """Sent instead of `EngineReady` when the engine could not start, and as its last message
+    when its core loop fails (as when its tensor-parallel workers die)."""
 
     error: BaseException
     traceback: str
