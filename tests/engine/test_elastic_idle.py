@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvfit import LLM, SamplingParams
+from kvfit.elastic import DemandBoard
 
 from .test_elastic_governor import (
     ENGINE,
@@ -125,3 +126,38 @@ def test_a_burst_still_waiting_counts_up_to_a_full_batch(qwen3: Path) -> None:
         assert usage.used_blocks < usage.need_blocks
     finally:
         llm.shutdown()
+
+
+def test_an_idle_engine_gives_a_peer_what_it_lacks_and_keeps_the_rest(
+    qwen3: Path, tmp_path: Path
+) -> None:
+    """With a demand board (`elastic_demand_dir`) an idle engine whose peer lacks nothing
+    keeps its whole cache past idle_s; once the peer publishes a want it gives that much back
+    at the next poll (to its chunks' granule), not down to one sequence, and it publishes what
+    it lacks itself: nothing while idle."""
+    llm = LLM(str(qwen3), device="cpu",
+              **{**ENGINE, "elastic_idle_s": IDLE_S, "elastic_demand_dir": str(tmp_path)})
+    try:
+        device = CoTenantDevice(llm)
+        llm.engine.executor.workers[0].monitor = device
+        resizer, board = llm.engine.kv_resizer, llm.engine.demand_board
+        peer = DemandBoard(tmp_path, board.folder.name)  # a second engine on the device
+        peer.publish(0)
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        start = resizer.num_blocks
+        end = time.monotonic() + 4 * IDLE_S
+        poll_idle_until(llm, lambda: time.monotonic() > end)
+        assert resizer.num_blocks == start and llm.engine.stats().kv_cache_idle_shrinks == 0
+        assert peer.peers_short_bytes() == 0  # the idle engine asks for nothing
+
+        block_bytes = llm.config.kv_cache_spec().block_bytes
+        want = start // 4 * block_bytes
+        peer.publish(want)
+        poll_idle_until(llm, lambda: llm.engine.stats().kv_cache_idle_shrinks == 1,
+                        deadline_s=5.0)
+        kept = resizer.num_blocks
+        assert resizer.floor < kept <= start - start // 4  # gave the want, kept the rest
+        assert (start - kept) * block_bytes - want < 2 << 20  # at most a granule more
+    finally:
+        llm.shutdown()
+    assert not list(tmp_path.rglob(f"{board.name}"))  # shutdown took its entry off the board
