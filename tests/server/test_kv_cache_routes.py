@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvfit.elastic.demand import DEFAULT_DEMAND_DIR
 from kvfit.engine.config import EngineArgs
 from kvfit.kv.monitor import HostMemoryMonitor
 from kvfit.server import serve
@@ -93,7 +94,8 @@ def test_get_reports_the_size_its_bounds_and_the_governor(full_size: dict[str, A
     assert state["min_blocks"] < state["num_blocks"] <= state["capacity_blocks"]
     assert state["committed_bytes"] > 0 and state["reserved_bytes"] >= state["committed_bytes"]
     assert state["elastic"] == {"low_watermark": "4.00 MiB", "high_watermark": "10.00 MiB",
-                                "min_interval_s": 0.2, "idle_s": 0.0}
+                                "min_interval_s": 0.2, "idle_s": 0.0,
+                                "demand_dir": DEFAULT_DEMAND_DIR}
 
 
 def test_resize_changes_the_size_not_the_text_and_is_counted(

@@ -479,5 +479,6 @@ class KVCacheResizer:
             c = governor.config
             state["elastic"] = {"low_watermark": str(c.low_watermark),
                                 "high_watermark": str(c.high_watermark),
-                                "min_interval_s": c.min_interval_s, "idle_s": c.idle_s}
+                                "min_interval_s": c.min_interval_s, "idle_s": c.idle_s,
+                                "demand_dir": c.demand_dir}
         return state
