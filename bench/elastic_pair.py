@@ -13,7 +13,11 @@ finish; requests still running when the phase ends are aborted); idle, it only s
 governor polls. Both modes run one after the other:
 
 - static: `--gpu-memory-utilization-static` (0.45) each, no elastic cache: the usual split.
-- elastic: `--elastic-kv-cache` with `--elastic-idle-s`. Startup order matters on one device:
+- elastic: `--elastic-kv-cache` with `--elastic-idle-s`, the engines sharing their demand on a
+  board of their own (`--elastic-demand-dir`, a fresh folder per run): an idle engine gives
+  back what the busy one lacks and keeps the rest. `elastic-alone` (opt-in in `--modes`): the
+  same without the board, so each idle engine gives back all it does not use. Startup order
+  matters on one device:
   an engine sizes its cache from measured memory, so the first would take everything. Each
   engine therefore starts with `--gpu-memory-utilization` (0.9: the most it may ever grow to,
   its budget); the bench shrinks the first with `LLM.resize_kv_cache` to `--start-share` of
@@ -43,6 +47,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import random
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -81,18 +87,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-interval", type=float, default=2.0, help="--elastic-min-interval")
     p.add_argument("--idle-s", type=float, default=0.5, help="--elastic-idle-s")
     p.add_argument("--modes", nargs="+", default=["static", "elastic"],
-                   choices=["static", "elastic"])
+                   choices=["static", "elastic", "elastic-alone"])
     p.add_argument("--sample-ms", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="elastic_pair.json")
     return p.parse_args(argv)
 
 
-def engine(args: argparse.Namespace, model: str, elastic: bool) -> LLM:
+def engine(args: argparse.Namespace, model: str, elastic: bool, board: str | None) -> LLM:
+    """An engine of the pair: elastic (sharing demand on `board`, None: alone) or static."""
     kwargs: dict[str, Any] = dict(
         elastic_kv_cache=True, elastic_low_watermark=args.low_watermark,
         elastic_high_watermark=args.high_watermark, elastic_min_interval=args.min_interval,
-        elastic_idle_s=args.idle_s) if elastic else {}
+        elastic_idle_s=args.idle_s, elastic_demand_dir=board or "none") if elastic else {}
     if args.device != "cpu":
         kwargs["gpu_memory_utilization"] = (args.gpu_memory_utilization if elastic
                                             else args.gpu_memory_utilization_static)
@@ -100,11 +107,11 @@ def engine(args: argparse.Namespace, model: str, elastic: bool) -> LLM:
                max_num_seqs=args.max_num_seqs, **kwargs)
 
 
-def serve(rank: int, args: argparse.Namespace, elastic: bool, ready: Any, start: Any,
-          results: Any) -> None:
+def serve(rank: int, args: argparse.Namespace, elastic: bool, board: str | None, ready: Any,
+          start: Any, results: Any) -> None:
     """One engine's process: start (shrinking to its start share when elastic), say ready,
     then run its phases from the shared start time and put its result on `results`."""
-    llm = engine(args, args.models[rank], elastic)
+    llm = engine(args, args.models[rank], elastic, board)
     if elastic and rank == 0:  # the second sizes itself from what the first leaves free
         bm = llm.engine.scheduler.block_manager
         llm.resize_kv_cache(max(llm.engine.kv_resizer.floor,
@@ -207,14 +214,18 @@ def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict
                         for e in core.kv_resizer.events if e.time >= t0]}
 
 
-def run_mode(args: argparse.Namespace, elastic: bool) -> dict[str, Any]:
+def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """Start the two engines one after the other, run the phases, gather both results."""
     ctx = mp.get_context("spawn")
     start, results = ctx.Queue(), ctx.Queue()
+    elastic = mode != "static"
+    # A board of this run's own: no entry of another run or engine on the device joins it.
+    board = tempfile.mkdtemp(prefix="kvfit-pair-") if mode == "elastic" else None
     procs = []
     for rank in (0, 1):  # the second sizes itself after the first has
         ready = ctx.Event()
-        proc = ctx.Process(target=serve, args=(rank, args, elastic, ready, start, results))
+        proc = ctx.Process(target=serve,
+                           args=(rank, args, elastic, board, ready, start, results))
         proc.start()
         procs.append(proc)
         while not ready.wait(1.0):
@@ -226,6 +237,8 @@ def run_mode(args: argparse.Namespace, elastic: bool) -> dict[str, Any]:
     engines = dict(results.get(timeout=args.phase_s * args.num_phases + 600) for _ in procs)
     for proc in procs:
         proc.join(timeout=120)
+    if board is not None:
+        shutil.rmtree(board, ignore_errors=True)
     ttfts = [t for e in engines.values() for t in e["ttft_s"]]
     return {"output_tokens": sum(e["output_tokens"] for e in engines.values()),
             "ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts else None,
@@ -236,7 +249,7 @@ def run_mode(args: argparse.Namespace, elastic: bool) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     limits = in_run_limits(args.device)  # before the engines, in a process that has exited
-    modes = {mode: run_mode(args, mode == "elastic") for mode in args.modes}
+    modes = {mode: run_mode(args, mode) for mode in args.modes}
     result: dict[str, Any] = {"args": vars(args), "modes": modes, **limits}
     if {"static", "elastic"} <= modes.keys() and modes["static"]["output_tokens"]:
         result["token_ratio"] = modes["elastic"]["output_tokens"] / modes["static"]["output_tokens"]

@@ -283,7 +283,7 @@ def plot_elastic(r: Record) -> Figure:
 def plot_elastic_pair(r: Record) -> Figure:
     res = r["results"]
     fig, ax = plt.subplots(figsize=(9, 4.2))
-    for mode, style in (("elastic", "-"), ("static", ":")):
+    for mode, style in (("elastic", "-"), ("elastic-alone", "--"), ("static", ":")):
         for engine in res["modes"].get(mode, {}).get("engines", []):
             samples = engine["samples"]
             ax.plot([s["t"] for s in samples], [s["kv_bytes"] / GiB for s in samples], style,
