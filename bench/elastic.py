@@ -178,6 +178,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                 args.chunk_mib * MiB, args.hold_s, go, held,
                                                 events))
     tenant.start()
+    try:
+        return measure(args, tenant, go, held, events, limits)
+    finally:  # an engine that failed must not leave the co-tenant waiting for its signal
+        if tenant.is_alive():
+            tenant.terminate()
+            tenant.join(timeout=10)
+
+
+def measure(args: argparse.Namespace, tenant: Any, go: Any, held: Any, events: Any,
+            limits: dict[str, Any]) -> dict[str, Any]:
+    """Serve under load while the co-tenant takes and frees its memory; the record."""
     marks: dict[str, Any] = dict([events.get(timeout=600)])
     if args.device == "cpu":
         cpu_watermarks(args)

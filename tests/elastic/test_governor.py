@@ -37,9 +37,11 @@ def test_watermarks_resolve_against_the_device_and_low_must_be_below_high() -> N
     assert config.watermarks(TOTAL) == (5 * GiB, 8 * GiB)
     with pytest.raises(ValueError, match="elastic_low_watermark .* below elastic_high"):
         config.watermarks(200 * GiB)  # 10 GiB low, 8 GiB high
-    # Free memory never exceeds the device's: such a cache would never grow back.
+    # A GPU's free memory never exceeds its total: such a cache would never grow back. On the
+    # CPU free memory is the host's and the total the KV budget, so it can.
     with pytest.raises(ValueError, match=r"elastic_high_watermark .* below the device's 6"):
-        config.watermarks(6 * GiB)
+        config.watermarks(6 * GiB, free_bounded=True)
+    assert config.watermarks(6 * GiB) == (int(0.05 * 6 * GiB), 8 * GiB)
 
 
 def governor(min_interval_s: float = 10.0) -> KVCacheGovernor:

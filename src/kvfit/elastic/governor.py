@@ -78,16 +78,17 @@ class ElasticConfig:
     poll_interval_s: float = POLL_INTERVAL_S
     demand_dir: str | None = None  # the `DemandBoard`'s root (None: engines share no demand)
 
-    def watermarks(self, total: int) -> tuple[int, int]:
+    def watermarks(self, total: int, free_bounded: bool = False) -> tuple[int, int]:
         """`(low, high)` in bytes on a device of `total` bytes; `ValueError` unless
-        low < high < total."""
+        low < high, and, where free memory never exceeds `total` (`free_bounded`: a GPU; on
+        the CPU free memory is the host's, `total` the KV budget), high < total."""
         low, high = self.low_watermark.resolve(total), self.high_watermark.resolve(total)
         if not low < high:
             raise ValueError(
                 f"elastic_low_watermark ({self.low_watermark}: {low} bytes) must be below "
                 f"elastic_high_watermark ({self.high_watermark}: {high} bytes) on a device of "
                 f"{total} bytes: the band between them keeps the cache from oscillating")
-        if not high < total:  # free memory never gets there: the cache would never grow back
+        if free_bounded and not high < total:  # never reached: the cache would never grow
             raise ValueError(
                 f"elastic_high_watermark ({self.high_watermark}: {high} bytes) must be below "
                 f"the device's {total} bytes (its free memory never exceeds them); lower it")

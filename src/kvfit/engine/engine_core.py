@@ -97,7 +97,8 @@ class EngineCore:
         self.updated_seqs: list[Sequence] = []
         try:
             if config.elastic is not None:  # watermarks of two kinds meet the device only now
-                config.elastic.watermarks(self._device_total())
+                config.elastic.watermarks(self._device_total(),
+                                          free_bounded=config.device.type != "cpu")
             self.kv_cache_report = self._initialize_kv_cache()
         except BaseException:
             self.shutdown()  # a failed startup must not keep the model and cache alive
