@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     probe = sub.add_parser("probe", help="report whether the VMM-backed KV cache works here")
     probe.add_argument("--device", default="auto", type=_probe_device,
-                       help="'auto', 'cpu', 'cuda' or 'cuda:N'")
+                       help="'auto' (cuda where there is one, else cpu), 'cpu', 'cuda' or "
+                       "'cuda:N' (default: %(default)s)")
     probe.set_defaults(func=_cmd_probe)
     return parser
 

@@ -4,6 +4,7 @@ the server package says what to install."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Iterator
 
@@ -68,3 +69,30 @@ def test_unknown_flags_are_still_errors(capsys: pytest.CaptureFixture[str]) -> N
         main(["probe", "--no-such-flag"])
     assert exit_info.value.code == 2
     assert "--no-such-flag" in capsys.readouterr().err
+
+
+def _help_text(action: argparse.Action) -> str:
+    return (action.help or "") % {**vars(action), "prog": "kvfit"}
+
+
+def test_every_flag_with_a_default_names_it() -> None:
+    # A flag that takes a value, or can be turned off, says what it is when not given; a
+    # number it states is the one argparse uses.
+    silent, wrong = [], []
+    for path, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            if not action.option_strings or action.default in (None, argparse.SUPPRESS):
+                continue
+            takes_value = action.nargs != 0
+            if not (takes_value or isinstance(action, argparse.BooleanOptionalAction)):
+                continue  # store_true: off unless given
+            text = _help_text(action)
+            name = f"{path} {action.option_strings[0]}"
+            if "default" not in text:
+                silent.append(name)
+            stated = re.search(r"default: (-?[\d.]+)\)", text)
+            if stated and isinstance(action.default, (int, float)) and \
+                    float(stated.group(1)) != float(action.default):
+                wrong.append(f"{name}: says {stated.group(1)}, is {action.default}")
+    assert not silent, f"flags whose help does not name the default: {silent}"
+    assert not wrong, wrong

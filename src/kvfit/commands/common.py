@@ -38,16 +38,22 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 32,
     g.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature; 0 is greedy (default: %(default)s, as vLLM's "
                    "SamplingParams and the API's)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus filter; 1 is off")
-    g.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest; -1 is off")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus filter; 1, the default, is off")
+    g.add_argument("--top-k", type=int, default=-1,
+                   help="keep the k likeliest; -1, the default, is off")
     g.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens below min-p x the likeliest's probability; 0 is off")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; 0 is off")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]; 0 is off")
+                   help="drop tokens below min-p x the likeliest's probability; 0, the "
+                   "default, is off")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="in [-2, 2]; 0, the default, is off")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2]; 0, the default, is off")
     g.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="> 1 discourages repeats; 1 is off")
+                   help="> 1 discourages repeats; 1, the default, is off")
     if with_n:
-        g.add_argument("--n", type=int, default=1, help="completions per prompt")
+        g.add_argument("--n", type=int, default=1,
+                       help="completions per prompt (default: %(default)s)")
     g.add_argument("--stop", action="append", metavar="STRING",
                    help="a stop string (repeatable)")
     g.add_argument("--sampling-seed", type=int, default=None,

@@ -236,8 +236,10 @@ class EngineArgs:
                        "or another is wanted (default: --model's own)")
         p.add_argument("--dtype", default=d.dtype, choices=["auto", *_DTYPES],
                        help="weights and activations; auto is float32 on the CPU, the "
-                       "checkpoint's bf16/fp16 (else bf16) on a GPU")
-        p.add_argument("--device", default=d.device, help="'auto', 'cpu', 'cuda' or 'cuda:N'")
+                       "checkpoint's bf16/fp16 (else bf16) on a GPU (default: %(default)s)")
+        p.add_argument("--device", default=d.device,
+                       help="'auto' (cuda where there is one, else cpu), 'cpu', 'cuda' or "
+                       "'cuda:N' (default: %(default)s)")
         p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                        help="context window in tokens (default: the model's, capped at "
                        f"{_DEFAULT_MAX_MODEL_LEN_CAP['cuda']} on a GPU and "
@@ -252,20 +254,22 @@ class EngineArgs:
                        help="tokens per KV cache block, a power of two (default: %(default)s)")
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d.enable_prefix_caching,
-                       help="reuse the KV blocks of shared prompt prefixes")
+                       help="reuse the KV blocks of shared prompt prefixes (default: on)")
         p.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                        help="no CUDA graphs (always so on the CPU)")
         p.add_argument("--load-format", default=d.load_format,
-                       help="auto (dummy for built-in shapes without weights), safetensors or "
-                       "dummy")
+                       help="auto (dummy for built-in shapes without weights, else "
+                       "safetensors), safetensors or dummy (default: %(default)s)")
         p.add_argument("--seed", type=int, default=d.seed,
-                       help="engine random seed (dummy weights, unseeded sampling)")
+                       help="engine random seed (dummy weights, unseeded sampling; "
+                       "default: %(default)s)")
         p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                        help="most logprobs / prompt_logprobs a request may ask for; warmup "
                        "measures this many (default: %(default)s)")
         p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=d.cuda_graph_sizes,
-                       metavar="N", help="batch sizes to capture (default: 1 2 4 8 16..512 "
-                       "by 16, up to max-num-seqs)")
+                       metavar="N", help="decode batch sizes to capture as CUDA graphs "
+                       "(default: 1 2 4 8 16..512 by 16; sizes above max-num-seqs or "
+                       "max-num-batched-tokens are dropped)")
         p.add_argument("--cudagraph-mode", default=d.cudagraph_mode, type=str.upper,
                        choices=CUDAGRAPH_MODES,
                        help="FULL_DECODE_ONLY: decode steps from whole-step graphs, the rest "
@@ -279,10 +283,12 @@ class EngineArgs:
                        f"{_UTILIZATION_EXTENSIBLE} with the extensible cache, "
                        f"{_UTILIZATION_ESTIMATE} otherwise)")
         p.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes,
-                       help="a fixed KV cache size (turns the extensible default off)")
+                       help="a fixed KV cache size in bytes (turns the extensible default "
+                       "off; default: none, sized from memory)")
         p.add_argument("--num-gpu-blocks-override", type=int,
                        default=d.num_gpu_blocks_override,
-                       help="a fixed KV cache block count (turns the extensible default off)")
+                       help="a fixed KV cache block count (turns the extensible default off; "
+                       "default: none, sized from memory)")
         p.add_argument("--enable-extensible-kv-cache", action=argparse.BooleanOptionalAction,
                        default=d.enable_extensible_kv_cache,
                        help="size the KV cache from measured memory on a VMM reservation "
@@ -296,7 +302,8 @@ class EngineArgs:
                        help="least safety margin in bytes (default: %(default)s)")
         p.add_argument("--cpu-kv-cache-space-bytes", type=int,
                        default=d.cpu_kv_cache_space_bytes,
-                       help="memory budget on the CPU device, weights included (default: "
+                       help="memory budget in bytes on the CPU device, weights included "
+                       "(default: "
                        "8 GiB, at most a third of the host; the KV cache takes no more than "
                        "max-num-seqs sequences of max-model-len)")
         p.add_argument("--enable-sleep-mode", action="store_true", default=d.enable_sleep_mode,
@@ -308,7 +315,8 @@ class EngineArgs:
         p.add_argument("--kv-connector", default=d.kv_connector, choices=CONNECTOR_NAMES,
                        help="move KV blocks to and from a store outside the engine: "
                        "shared_storage keeps full blocks as files in --kv-connector-path, so "
-                       "other engines on the same model get prefix hits from them")
+                       "other engines on the same model get prefix hits from them (default: "
+                       "none)")
         p.add_argument("--kv-connector-path", default=d.kv_connector_path, metavar="DIR",
                        help="the shared_storage connector's directory (created if missing)")
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
@@ -354,7 +362,7 @@ class EngineArgs:
                        choices=list(KV_CACHE_DTYPES),
                        help="KV cache storage: auto (the model's dtype) or fp8 / fp8_e4m3 "
                        "(e4m3 with a per-layer k/v scale, 1.0 unless --calculate-kv-scales: "
-                       "about twice the blocks in the same memory)")
+                       "about twice the blocks in the same memory; default: %(default)s)")
         p.add_argument("--calculate-kv-scales", action="store_true",
                        default=d.calculate_kv_scales,
                        help="with --kv-cache-dtype fp8: set each layer's k/v scales once, from "

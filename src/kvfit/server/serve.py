@@ -38,9 +38,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     EngineArgs.add_cli_args(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",
-                        help="address to bind (0.0.0.0 for every interface)")
+                        help="address to bind (0.0.0.0 for every interface; default: "
+                        "%(default)s)")
     server.add_argument("--port", type=port_number, default=8000,
-                        help="port to listen on (0: any free one)")
+                        help="port to listen on (0: any free one; default: %(default)s)")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="names clients use for the model (default: MODEL); the first "
                         "is the one reported")
@@ -49,7 +50,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "(default: $KVFIT_API_KEY)")
     server.add_argument("--max-concurrent-requests", type=int, default=1024,
                         help="generation requests in progress at once; more get HTTP 503 "
-                        "(0: unbounded)")
+                        "(0: unbounded; default: %(default)s)")
     server.add_argument("--max-request-body-bytes", type=int, default=64 << 20,
                         help="request bodies over this many bytes get HTTP 413 (0: unbounded; "
                         "default: %(default)s)")
@@ -57,7 +58,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         default=True,
                         help="run the engine core in a process of its own, fed over a pipe, so "
                         "its steps never wait on HTTP work for the GIL (--no-engine-process: "
-                        "on a thread of the server's process)")
+                        "on a thread of the server's process; default: --engine-process)")
     server.add_argument("--api-server-count", type=at_least_one("API server processes"),
                         default=1, metavar="N",
                         help="HTTP API server processes sharing the port in front of the one "
@@ -73,7 +74,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "cache hits) every 10 s while it works")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
-                        help="uvicorn's own log level (access and server logs)")
+                        help="uvicorn's own log level (access and server logs; default: "
+                        "%(default)s)")
     parser.set_defaults(func=run_serve, serve_parser=parser)
     return parser
 
