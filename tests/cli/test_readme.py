@@ -29,7 +29,8 @@ import kvfit
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 SETUP = ("python3 -m pip install torch==2.13.0 -e . && kvfit generate",
-         "python3 -m pip install torch==2.13.0 -e '.[dev,server]' && python3 -m pytest -q")
+         "python3 -m pip install torch==2.13.0 -e '.[dev,server]' && python3 -m ruff check src "
+         "tests bench && python3 -m pytest -q")
 GPU_ONLY = "PYTHONPATH=src python3 -m pytest -m gpu"
 PLACEHOLDER = re.compile(r"/path/to/[\w.-]+")
 
@@ -69,12 +70,20 @@ def model_folder(tiny_model: Callable[[str], Path]) -> str:
 
 
 def test_every_readme_command_is_run_here() -> None:
-    assert code_blocks("bash")[:2] == [f"{SETUP[0]}\n", f"{SETUP[1]}\n"]  # two set-up commands
+    assert [" ".join(commands(b)) for b in code_blocks("bash")[:2]] == list(SETUP)  # set-up
     known = {*SETUP, GPU_ONLY, *SERVE, *KVFIT}
     assert [c for c in BASH if c not in known] == []
     # The set-up's own `kvfit generate` is the first command below.
     assert KVFIT[0] == "kvfit --version" and "kvfit generate" in SETUP[0]
     assert len(PYTHON) == 2 and len(SERVE) == 2
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    # .ci/run's commands in order (pip's -q aside): the README's set-up for the tests.
+    ci = [line.replace("pip install -q ", "pip install ")
+          for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.startswith("python3 ")]
+    assert " && ".join(ci) == SETUP[1]
 
 
 # A real shape (random weights) on the CPU: about a minute; runs by default (`-m "not slow"`
