@@ -516,6 +516,7 @@ def test_api_key_and_queue_bound(start_server, engine: AsyncLLM, tmp_path: Path)
                 r = http.post("/v1/completions", json={"prompt": "x"}, headers=auth)
                 assert r.status_code == 503
                 assert r.json()["error"]["type"] == "service_unavailable"
+                assert "(--max-concurrent-requests)" in r.json()["error"]["message"]
                 release.touch()
                 assert "data: [DONE]" in list(held.iter_lines())
         finally:

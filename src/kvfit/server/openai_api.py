@@ -89,7 +89,8 @@ class _Slots:
 
     def take(self) -> None:
         if self.limit is not None and self.in_use >= self.limit:
-            raise APIError(f"the server is at max_concurrent_requests={self.limit}; retry later",
+            raise APIError(f"the server has {self.limit} generation requests in progress, its "
+                           f"limit (--max-concurrent-requests); retry later",
                            status_code=503, type="service_unavailable")
         self.in_use += 1
 
