@@ -139,7 +139,7 @@ def test_dummy_run_addresses_only_blocks_below_the_bound(runner: ModelRunner) ->
 
     runner.prepare_inputs = spy  # type: ignore[method-assign]
     try:
-        # 27 prefill tokens address 7 blocks; the bound allows 3.
+        # The prefill chunk ends a max_model_len - 1 context of many blocks; the bound allows 3.
         runner.dummy_run(32, 3, num_decodes=5)
         runner.dummy_run(32, 1, num_decodes=5)
     finally:

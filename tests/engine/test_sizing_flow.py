@@ -245,9 +245,11 @@ def test_startup_order_commits_only_what_warmup_addresses(
     for _, _, _, max_block_id, committed_now in steps:
         # Dummy ids stay within what the step committed, and within the engine's bound.
         assert max_block_id < committed_now <= committable
-    mixed, decode = steps[1], steps[2]
+    mixed, full_rows = steps[1], steps[2]
     assert mixed[1] == LIMITS["max_num_batched_tokens"] and mixed[2] > 0  # prefill + decodes
-    assert decode[1] == decode[2] == LIMITS["max_num_seqs"]  # the most rows a step samples
+    # The most rows a step samples, beside the activations of the whole token budget.
+    assert full_rows[1] == LIMITS["max_num_batched_tokens"]
+    assert full_rows[2] == LIMITS["max_num_seqs"]
     assert events[5][1] == steps[-1][4]  # captured with what warmup committed, nothing more
     assert events[6][1] == llm.kv_cache_report.num_blocks
 

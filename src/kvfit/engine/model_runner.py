@@ -327,33 +327,39 @@ class ModelRunner:
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, max_blocks: int, num_decodes: int = 0,
                   params: SamplingParams | None = None) -> None:
-        """One step of `num_tokens` dummy tokens: `num_decodes` decodes, the rest prefill
-        sequences of at most `max_model_len` tokens, every sequence sampled with `params`
-        (greedy when None).
+        """One step of `num_tokens` dummy tokens: `num_decodes` decodes (the rows sampled, with
+        `params`; greedy when None), the rest prefill chunks of at most `max_model_len - 1`.
 
         The step is as large as a real one can be in every dimension that allocates: decodes
-        attend over `max_model_len` tokens (the decode kernel's most KV splits), prefill chunks
-        score prompt logprobs when `params` asks (beside the step's live activations, as in a
-        real step), and contexts are distinct tokens (the most penalty entries); decodes come
-        in sibling pairs. Block ids wrap at the blocks the prefills address (at least one) or
-        `max_blocks`, whichever is fewer, and those are committed first: reading a block twice
-        costs no memory. While `calculate_kv_scales` waits for the first real step, the dummy
-        step calculates them too (so that memory is measured) and leaves them at 1.0.
+        attend over `max_model_len` tokens (the decode kernel's most KV splits); each prefill
+        chunk is the last of a `max_model_len - 1`-token context (the longest a prefill
+        attends over, as a chunked or prefix-cached prompt's later chunk does) inside a prompt
+        one token longer, so it scores prompt logprobs at every one of its rows when `params`
+        asks (a chunk that ends its prompt scores one fewer) beside the step's live
+        activations, and it is not sampled; contexts are distinct tokens (the most penalty
+        entries); decodes come in sibling pairs. Block ids wrap at the blocks the prefills
+        address (at least one) or `max_blocks`, whichever is fewer, and those are committed
+        first: reading a block twice costs no memory. While `calculate_kv_scales` waits for
+        the first real step, the dummy step calculates them too (so that memory is measured)
+        and leaves them at 1.0.
         """
         params = params or SamplingParams(temperature=0.0, max_tokens=1)
         vocab_size = self.config.model_config.hf_config.vocab_size
-        lengths = [1] * num_decodes + _split(num_tokens - num_decodes, self.max_model_len)
-        contexts = [self.max_model_len] * num_decodes + lengths[num_decodes:]
+        longest_chunk = max(1, self.max_model_len - 1)
+        lengths = [1] * num_decodes + _split(num_tokens - num_decodes, longest_chunk)
+        contexts = [self.max_model_len] * num_decodes + [longest_chunk] * (len(lengths)
+                                                                          - num_decodes)
         prefill_blocks = sum(-(-c // self.block_size) for c in contexts[num_decodes:])
         num_blocks = min(max_blocks, max(1, prefill_blocks))
         self.ensure_blocks(num_blocks)
         block_ids = itertools.count()
-        distinct = (np.arange(max(contexts)) % vocab_size).tolist()
+        distinct = (np.arange(max(contexts) + 1) % vocab_size).tolist()
         seqs = []
         for i, (n, context) in enumerate(zip(lengths, contexts, strict=True)):
             decode = i < num_decodes
-            seq = Sequence(distinct[:context], params, num_prompt_tokens=1 if decode else context,
-                           sibling_index=i % 2)
+            # A prefill's prompt holds one token past its chunk: not sampled, every row scored.
+            seq = Sequence(distinct[:context + (not decode)], params,
+                           num_prompt_tokens=1 if decode else context + 1, sibling_index=i % 2)
             seq.num_computed_tokens = context - n
             seq.block_table = [next(block_ids) % num_blocks
                                for _ in range(-(-context // self.block_size))]

@@ -147,16 +147,18 @@ class Worker:
 
     def warm_up(self, num_committable_blocks: int) -> None:
         """Kernel warmup, then the two steps that make every allocation a real step can make at
-        its largest, each step's memory peak recorded. Dummy block ids stay below
+        its largest, each step's memory peak recorded (the profiling step, a prefill of
+        `max_num_batched_tokens`, is the third). Dummy block ids stay below
         `num_committable_blocks` (the engine's minimum over workers).
 
         - A mixed prefill+decode step at `max_num_batched_tokens`: the prefill activations, the
           decode kernel's split-KV scratch at `max_model_len`, and a whole
           `PROMPT_LOGPROBS_CHUNK` of prompt logprobs where the budget allows (the largest
           logits tensor any step makes, beside the step's activations, as a real step meets it).
-        - A decode step at the most rows one step samples (`max_num_seqs`, within the token
-          budget), every sampling feature at its worst case (`ModelRunner.warmup_params`).
-        Both sample with those worst-case settings.
+        - The most rows one step samples (`max_num_seqs`, within the token budget) as decodes,
+          beside a prefill of the rest of the budget: a real step samples that many rows while
+          the activations of `max_num_batched_tokens` tokens are live.
+        Both sample with every feature at its worst case (`ModelRunner.warmup_params`).
         """
         sc = self.config.scheduler_config
         runner, params = self.runner, self.runner.warmup_params
@@ -164,12 +166,13 @@ class Worker:
         num_decodes = min(sc.max_num_seqs - 1, sc.max_num_batched_tokens // 2)
         if sc.max_num_batched_tokens > sampler.PROMPT_LOGPROBS_CHUNK:
             num_decodes = min(num_decodes,
-                              sc.max_num_batched_tokens - sampler.PROMPT_LOGPROBS_CHUNK - 1)
+                              sc.max_num_batched_tokens - sampler.PROMPT_LOGPROBS_CHUNK)
         self._measured_step(runner.dummy_run, min(16, sc.max_num_batched_tokens),
                             num_committable_blocks)
         self._measured_step(runner.dummy_run, sc.max_num_batched_tokens, num_committable_blocks,
                             num_decodes, params)
-        self._measured_step(runner.dummy_run, max_rows, num_committable_blocks, max_rows, params)
+        self._measured_step(runner.dummy_run, sc.max_num_batched_tokens, num_committable_blocks,
+                            max_rows, params)
 
     def _measured_step(self, step: Callable[..., None], *args: object) -> None:
         """Run `step(*args)` and record its memory peak (the transient sizing keeps free)."""

@@ -1,0 +1,87 @@
+"""Warmup's steps allocate at least what any real step does: each real step of an adversarial
+request mix is measured (every torch storage a step creates, `watch_memory`) against the
+largest profiling or warmup step of the same engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvfit.engine.model_runner as model_runner
+from kvfit import LLM, SamplingParams
+from kvfit.engine.sequence import ScheduledBatch
+from kvfit.ops.memwatch import watch_memory
+
+
+@pytest.fixture(scope="module")
+def wide_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer Qwen3 whose vocabulary dwarfs its hidden size, as real models' do (152k
+    over 1-4k): logits, not activations, set a step's peak."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(vocab_size=8192, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
+                         eos_token_id=2, bos_token_id=0)
+    folder = tmp_path_factory.mktemp("wide-vocab")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+class StepPeaks:
+    """Peak bytes of every step launched, warmup's (the engine's startup) and real ones."""
+
+    def __init__(self) -> None:
+        self.warmup: list[int] = []
+        self.real: list[tuple[int, list[int]]] = []  # (peak, tokens per sequence)
+        self.started = False
+
+    def record(self, batch: ScheduledBatch, peak: int) -> None:
+        if self.started:
+            self.real.append((peak, list(batch.num_new_tokens)))
+        else:
+            self.warmup.append(peak)
+
+
+@pytest.fixture
+def peaks(monkeypatch: pytest.MonkeyPatch) -> Iterator[StepPeaks]:
+    peaks = StepPeaks()
+    launch = model_runner.ModelRunner.launch
+
+    def watched(self: model_runner.ModelRunner, batch: ScheduledBatch) -> object:
+        with watch_memory("cpu") as watch:
+            output = launch(self, batch)
+            output.result()
+        peaks.record(batch, watch.peak_bytes)
+        return output
+
+    monkeypatch.setattr(model_runner.ModelRunner, "launch", watched)
+    yield peaks
+
+
+def prompt(n: int, offset: int = 0) -> dict[str, list[int]]:
+    return {"prompt_token_ids": [3 + (offset + i) % 8000 for i in range(n)]}
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_a_middle_prompt_logprobs_chunk_is_no_larger_than_warmup(
+    wide_vocab: Path, peaks: StepPeaks, max_num_seqs: int
+) -> None:
+    # With max_num_batched_tokens under PROMPT_LOGPROBS_CHUNK, a prompt's middle chunk scores
+    # one prompt logprob per token: one row more than a chunk that ends its prompt.
+    llm = LLM(str(wide_vocab), device="cpu", max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=128, max_model_len=1024)
+    try:
+        peaks.started = True
+        llm.generate([prompt(900)], SamplingParams(temperature=0, max_tokens=1,
+                                                   prompt_logprobs=20), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    worst = max(peaks.real)
+    assert worst[0] <= max(peaks.warmup), (worst, peaks.warmup)
+
