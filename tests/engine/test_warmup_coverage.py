@@ -85,3 +85,19 @@ def test_a_middle_prompt_logprobs_chunk_is_no_larger_than_warmup(
     worst = max(peaks.real)
     assert worst[0] <= max(peaks.warmup), (worst, peaks.warmup)
 
+
+
+def test_logprobs_of_some_rows_take_no_more_memory_than_of_every_row() -> None:
+    # Warmup asks logprobs of every row; a real batch may ask them of some rows only, whose
+    # blocks are then gathered copies of the logits.
+    from kvfit.engine.sampler import Sampler
+
+    logits = torch.randn(64, 8192)
+    token_ids = torch.zeros(64, dtype=torch.int64)
+
+    def peak(num_logprobs: list[int | None]) -> int:
+        with watch_memory("cpu") as watch:
+            Sampler._with_logprobs(logits, token_ids, num_logprobs)
+        return watch.peak_bytes
+
+    assert peak([5] * 63 + [None]) <= peak([5] * 64)

@@ -190,11 +190,11 @@ class Sampler:
         if not rows:
             return SamplerOutput(token_ids, rows, None, None)
         max_n = max(num_logprobs[row] for row in rows)
-        index = None
-        if len(rows) < len(num_logprobs):
-            index = to_device(torch.tensor(rows), logits.device)
-        ids, values, ranks = logprobs_at(logits, token_ids if index is None else token_ids[index],
-                                         max_n, index)
+        # Always by index, even when every row asks: a subset's blocks are gathered copies
+        # (at most `_LOGSUMEXP_BYTES` / 4 x the logits' element size), and warmup, where
+        # every row asks, must make that copy at its largest.
+        index = to_device(torch.tensor(rows), logits.device)
+        ids, values, ranks = logprobs_at(logits, token_ids[index], max_n, index)
         return SamplerOutput(token_ids, rows, ids, values, ranks)
 
 
@@ -211,7 +211,9 @@ def logprobs_at(
     taken a `_LOGSUMEXP_BYTES` block at a time, and only the returned entries are normalised.
     A float32 copy of the logits would be the largest transient of a step (0.6 GiB for 1024 rows
     over a 152k vocabulary), and measured sizing keeps 1.5x the largest transient free. The
-    top-n of the logits are the top-n of the logprobs (one shift per row).
+    top-n of the logits are the top-n of the logprobs (one shift per row). With `rows`, each
+    block is a gathered copy: at most `_LOGSUMEXP_BYTES` / 4 x the logits' element size bytes
+    (16 MiB for float32 logits) beyond the path without it.
     """
     num_rows = logits.shape[0] if rows is None else rows.shape[0]
     n = min(n, logits.shape[-1])
