@@ -50,14 +50,20 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _softmax_update(s, v, m_i, l_i, acc):
-    """One online-softmax step over log2-scaled scores `s` (masked entries are -inf)."""
+def _softmax_weights(s, m_i, l_i):
+    """One online-softmax step over log2-scaled scores `s` (masked entries are -inf): the
+    weights `p`, the factor `alpha` the accumulators scale by, and the new max and sum."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _softmax_update(s, v, m_i, l_i, acc):
+    """`_softmax_weights`, with `acc` scaled and the weighted `v` added."""
+    p, alpha, m_i, l_i = _softmax_weights(s, m_i, l_i)
+    return m_i, l_i, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
 # Arguments that change from step to step (block-table width, split counts) are not specialised:
@@ -333,14 +339,10 @@ def _decode_fp8_pairs_kernel(
                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE), ASM)  # fmt: skip
         s = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even))) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_weights(s, m_i, l_i)
         p = p.to(tl.float16)
         acc_even = tl.dot(p, v_even, acc_even * alpha[:, None])
         acc_odd = tl.dot(p, v_odd, acc_odd * alpha[:, None])
-        m_i = m_new
 
     # As `_decode_kernel`: zeros for an empty split; v_scale folded into the output.
     norm = tl.load(v_scale) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
