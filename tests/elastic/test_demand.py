@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from kvfit.elastic import DemandBoard, KVCacheGovernor, KVUsage
+from kvfit.elastic import DemandBoard, KVUsage
 
-from .test_idle import HIGH, LOW, TOTAL, GiB, governor
+from .test_idle import HIGH, LOW, TOTAL, Engine, GiB, governor
 
 
 def test_a_board_reads_its_peers_wants_not_its_own(tmp_path: Path) -> None:
@@ -88,43 +88,25 @@ def test_an_idle_cache_with_peers_gives_what_they_lack_and_keeps_the_rest() -> N
 
 
 @dataclass
-class Engine:
-    """A simulated engine on a demand board: 1 GiB blocks, `demand` blocks wanted when busy."""
+class BoardEngine(Engine):
+    """`test_idle.Engine` on a demand board, wanting `demand` blocks when busy."""
 
-    governor: KVCacheGovernor
-    board: DemandBoard
-    blocks: int
-    budget: int
+    board: DemandBoard | None = None
     demand: int = 0
-    busy: bool = False
-    sizes: list[int] = field(default_factory=list)
 
     def usage(self) -> KVUsage:
         need = self.demand if self.busy else 0
         return KVUsage(self.blocks, min(need, self.blocks), floor=2,
                        short=self.busy and self.blocks < need, need_blocks=need)
 
-    def poll(self, free: int, now: float) -> None:
-        """What `KVCacheResizer.govern` does, in whole blocks."""
-        usage = self.usage()
+    def peers_keep(self, usage: KVUsage, now: float) -> int | None:
+        """What `KVCacheResizer._share_demand` does, in whole blocks."""
         self.board.publish(usage.shortfall(self.budget) * GiB, now)
         peers = self.board.peers_short_bytes()
-        give = 0 if peers is None else -(-peers // GiB)
-        keep = None if peers is None else self.blocks - (give if give >= 2 else 0)
-        want = self.governor.decide(free, TOTAL, now, usage)
-        if want > 0:
-            target = self.blocks - want // GiB
-        elif want < 0:
-            target = self.blocks + (-want) // GiB
-        else:
-            target = self.governor.idle_shrink(usage, now, keep) or self.blocks
-        target = max(2, min(target, self.budget))
-        if want < 0 and target <= self.blocks:
-            self.governor.grow_attempted(now)
-        if target != self.blocks:
-            self.governor.resized(now, grew=target > self.blocks and want < 0)
-            self.blocks = target
-        self.sizes.append(self.blocks)
+        if peers is None:
+            return None
+        give = -(-peers // GiB)
+        return self.blocks - (give if give >= usage.floor else 0)
 
 
 @pytest.mark.parametrize("demand", [30, 60, 85])
@@ -133,8 +115,8 @@ def test_the_idle_engine_keeps_what_the_busy_one_does_not_need(tmp_path: Path,
     """Alternating load, 90 GiB of caches between two engines: the busy one reaches its
     demand (or what the device holds), the idle one gives no more than that and keeps the rest
     of its cache (its prefix cache with it), and free memory stays above the low watermark."""
-    a, b = (Engine(governor(idle_s=0.5, min_interval_s=2.0), DemandBoard(tmp_path, "gpu"),
-                   blocks=42, budget=85, demand=demand) for _ in range(2))
+    a, b = (BoardEngine(governor(idle_s=0.5, min_interval_s=2.0), blocks=42, budget=85,
+                        board=DemandBoard(tmp_path, "gpu"), demand=demand) for _ in range(2))
     other = 10 * GiB
     now, dt = 0.0, 0.1
     for phase in range(4):
@@ -143,7 +125,7 @@ def test_the_idle_engine_keeps_what_the_busy_one_does_not_need(tmp_path: Path,
         while now < (phase + 1) * 20.0:
             for engine in (a, b):
                 free = TOTAL - other - (a.blocks + b.blocks) * GiB
-                engine.poll(free, now)
+                engine.poll_free(free, now)
             now += dt
         free = TOTAL - other - (a.blocks + b.blocks) * GiB
         assert busy.blocks >= min(demand, 85 - 4), (phase, a.blocks, b.blocks)

@@ -106,13 +106,21 @@ class Engine:
         used = self.blocks if self.busy else 0
         return KVUsage(self.blocks, used, floor=2, short=self.busy)
 
+    def peers_keep(self, usage: KVUsage, now: float) -> int | None:
+        """The blocks kept for peers on a demand board (None: no board)."""
+        return None
+
     def poll(self, device: Device, now: float) -> None:
-        """What `KVCacheResizer.govern` does, in whole blocks."""
+        self.poll_free(device.free(), now)
+
+    def poll_free(self, free: int, now: float) -> None:
+        """What `KVCacheResizer.govern` does with `free` device bytes, in whole blocks."""
         usage = self.usage()
-        want = self.governor.decide(device.free(), TOTAL, now, usage)
+        keep = self.peers_keep(usage, now)
+        want = self.governor.decide(free, TOTAL, now, usage)
         target = self.blocks - want // GiB if want > 0 else self.blocks + (-want) // GiB
         if want == 0:
-            target = self.governor.idle_shrink(usage, now) or self.blocks
+            target = self.governor.idle_shrink(usage, now, keep) or self.blocks
         target = max(2, min(target, self.budget))
         if want < 0 and target <= self.blocks:
             self.governor.grow_attempted(now)
