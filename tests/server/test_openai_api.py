@@ -171,6 +171,38 @@ def test_logprobs(client: openai.OpenAI, llm: LLM) -> None:
     assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
 
 
+def test_allowed_token_ids(client: openai.OpenAI, llm: LLM) -> None:
+    """vLLM's extra field, on both routes: only the listed tokens are sampled."""
+    allowed = [10, 11, 12]
+    params = greedy(6, ignore_eos=True, allowed_token_ids=allowed)
+    (ref,) = llm.generate(PROMPTS[7], params, use_tqdm=False)
+    assert set(ref.outputs[0].token_ids) <= set(allowed)
+    extra = {"allowed_token_ids": allowed, "ignore_eos": True}
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[7], max_tokens=6,
+                                  temperature=0, extra_body=extra)
+    assert r.choices[0].text == ref.outputs[0].text
+    (chat_ref,) = llm.chat(MESSAGES, params, use_tqdm=False)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6,
+                                          temperature=0, extra_body=extra)
+    assert chat.choices[0].message.content == chat_ref.outputs[0].text
+
+
+@pytest.mark.parametrize(("path", "ids", "says"), [
+    ("/v1/completions", [], "at least one token"),
+    ("/v1/completions", [99999], "token ids must be in [0,"),
+    ("/v1/chat/completions", [-1], "token ids must be in [0,"),
+    ("/v1/chat/completions", list(range(1025)), "at most 1024"),
+])
+def test_invalid_allowed_token_ids_are_a_400_naming_the_field(
+        http: httpx.Client, path: str, ids: list[int], says: str) -> None:
+    body = {"max_tokens": 2, "allowed_token_ids": ids,
+            **({"prompt": "x"} if path == "/v1/completions" else {"messages": MESSAGES})}
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "allowed_token_ids" and says in error["message"], error
+
+
 def test_echo(client: openai.OpenAI, llm: LLM) -> None:
     r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[5], max_tokens=4,
                                   temperature=0, echo=True, logprobs=1)

@@ -1,11 +1,12 @@
 """OpenAI-compatible request bodies (pydantic) and their conversion to `SamplingParams`.
 
 Field names follow OpenAI's API, plus vLLM's extra sampling fields (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, ...). Unknown fields are refused (vLLM ignores them), so a
-misspelt setting is an error naming it rather than silently ignored. OpenAI's tool and format
-fields are taken at the values that ask for nothing (`tools: []`, `tool_choice: "none"`,
-`response_format: {"type": "text"}`; clients send them so) and refused at any other, as
-unsupported. Every error here is an `APIError`, which the app answers with OpenAI's error body.
+`repetition_penalty`, `ignore_eos`, `allowed_token_ids`, ...). Unknown fields are refused (vLLM
+ignores them), so a misspelt setting is an error naming it rather than silently ignored.
+OpenAI's tool and format fields are taken at the values that ask for nothing (`tools: []`,
+`tool_choice: "none"`, `response_format: {"type": "text"}`; clients send them so) and refused
+at any other, as unsupported. Every error here is an `APIError`, which the app answers with
+OpenAI's error body.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
+    # Checked by the engine (`SamplingParams`, then its vocabulary as the request is queued):
+    # non-empty, at most MAX_TOKEN_LIST ids, each in the vocabulary; a 400 naming the field.
+    allowed_token_ids: list[int] | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -89,7 +93,8 @@ class _SamplingFields(_Body):
         fields: dict[str, Any] = dict(
             n=self.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            logit_bias=self.logit_bias, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
         )
