@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import engine_hooks
 import httpx
@@ -169,6 +170,30 @@ def test_logprobs(client: openai.OpenAI, llm: LLM) -> None:
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(client: openai.OpenAI) -> None:
+    """As vLLM (and OpenAI's completions): `top_logprobs` has the sampled token and the
+    `logprobs` most likely, up to logprobs + 1 entries; logprobs=0 gives the sampled alone."""
+    def check(lp: Any, num: int, first: int = 0) -> None:
+        for token, chosen, top in zip(lp.tokens[first:], lp.token_logprobs[first:],
+                                      lp.top_logprobs[first:], strict=True):
+            assert top[token] == pytest.approx(chosen), (token, top)
+            assert (len(top) == 1) if num == 0 else (num <= len(top) <= num + 1), top
+
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPTS[13], max_tokens=4, temperature=0)
+    whole = client.completions.create(**kwargs, logprobs=0, echo=True).choices[0].logprobs
+    assert whole.top_logprobs[0] is None  # the prompt's first token has none
+    check(whole, 0, first=1)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        **kwargs, logprobs=0, stream=True) if c.choices]
+    for lp in streamed:
+        check(lp, 0)
+    # A token outside the top 2 (allowed_token_ids forces it) is there too: 3 entries.
+    forced = client.completions.create(**kwargs, logprobs=2, extra_body={
+        "allowed_token_ids": [10], "ignore_eos": True}).choices[0].logprobs
+    check(forced, 2)
+    assert any(len(top) == 3 for top in forced.top_logprobs)
 
 
 def test_allowed_token_ids(client: openai.OpenAI, llm: LLM) -> None:

@@ -579,7 +579,7 @@ def _top(entries: Logprobs, num: int) -> list[tuple[int, Any]]:
 def _completion_logprobs(engine: AsyncLLM, c: CompletionOutput, num: int, out: RequestOutput,
                          echo: bool, start: int = 0, text_offset: int = 0) -> dict[str, Any]:
     """OpenAI's completions logprobs of tokens `start:` of `c` (with the prompt's first when
-    `echo`): token texts, their logprobs, the top `num` of each, and text offsets."""
+    `echo`): token texts, their logprobs, each one's top `num` and itself, and text offsets."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
@@ -599,7 +599,11 @@ def _completion_logprobs(engine: AsyncLLM, c: CompletionOutput, num: int, out: R
             continue
         chosen = entries.get(token_id)
         token_logprobs.append(None if chosen is None else chosen.logprob)
-        top_logprobs.append({(e.decoded_token or ""): e.logprob for _, e in _top(entries, num)})
+        # As vLLM and OpenAI's completions: the sampled token first, then the `num` most
+        # likely (up to num + 1 entries; logprobs=0 gives the sampled token alone).
+        top = {} if chosen is None else {(chosen.decoded_token or ""): chosen.logprob}
+        top.update({(e.decoded_token or ""): e.logprob for _, e in _top(entries, num)})
+        top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
 
