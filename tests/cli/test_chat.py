@@ -77,12 +77,29 @@ def test_remote_error_is_reported_and_the_session_goes_on(
     server = fake_server(behaviors=("500", "ok"))
     status, out = _chat(["--url", f"{server.url}/v1", "--model", "named"], "a\nb\n",
                         monkeypatch, capsys)
-    assert status == 0
+    assert status == 1  # a turn failed, though the session went on and the next one did not
     assert "error: HTTP 500" in out and "boom" in out
     # The failed turn left the history: the second request holds only its own message.
     assert out.strip().endswith("seen 1")
     assert [len(b["messages"]) for b in server.bodies] == [1, 1]
     assert server.bodies[0]["model"] == "named"
+
+
+def test_every_turn_failing_exits_1(
+    fake_server: Callable, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = fake_server(behaviors=("500",))
+    status, out = _chat(["--url", f"{server.url}/v1", "--model", "m"], "a\nb\n", monkeypatch,
+                        capsys)
+    assert status == 1 and out.count("error: HTTP 500") == 2
+    assert "exits 1 if any turn failed" in " ".join(_chat_help(capsys).split())
+
+
+def _chat_help(capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    return capsys.readouterr().out
 
 
 def test_sse_parsing_skips_non_data_lines_and_raises_error_events() -> None:

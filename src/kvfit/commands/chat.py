@@ -37,7 +37,9 @@ def add_parser(sub: Subparsers) -> None:
         "chat", help="chat in the terminal with a running server or a local model",
         description="Chat in the terminal. With --url, talk to a running OpenAI-compatible "
         "server (streamed); without it, load --model in this process (the engine flags apply "
-        "then). Reads one user turn per line; " + HELP + ". Works with piped stdin too.",
+        "then). Reads one user turn per line; " + HELP + ". Works with piped stdin too. A "
+        "failed turn is printed and the session goes on, but kvfit chat exits 1 if any turn "
+        "failed (0 otherwise), so a script that pipes turns in can tell.",
     )
     r = p.add_argument_group("remote server")
     r.add_argument("--url", metavar="URL",
@@ -154,9 +156,12 @@ def read_turns(stdin: IO[str], prompt: str) -> Iterator[str]:
 def chat_loop(reply: Reply, stdin: IO[str], out: IO[str],
               system_prompt: str | None = None) -> int:
     """Read turns until /exit or end of input; keep the history; a failed turn is reported
-    and dropped from the history, and the loop goes on."""
+    and dropped from the history, and the loop goes on. The exit status: 1 if any turn
+    failed, else 0 (with piped turns, printed errors alone would leave a script none the
+    wiser)."""
     start: list[Message] = [{"role": "system", "content": system_prompt}] if system_prompt else []
     history = list(start)
+    failed = False
     for line in read_turns(stdin, "> "):
         text = line.strip()
         if not text:
@@ -176,11 +181,12 @@ def chat_loop(reply: Reply, stdin: IO[str], out: IO[str],
         except Exception as e:  # a server error or a bad turn must not end the session
             history.pop()
             out.write(f"\nerror: {e}\n")
+            failed = True
             continue
         out.write("\n")
         out.flush()
         history.append({"role": "assistant", "content": answer})
-    return 0
+    return 1 if failed else 0
 
 
 def run(args: argparse.Namespace) -> int:
