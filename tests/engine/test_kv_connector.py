@@ -211,6 +211,24 @@ def test_load_weights_turns_the_connector_off(second, qwen3) -> None:
     assert second.engine.scheduler.num_external_hit_tokens == 0
 
 
+def test_a_store_that_stops_taking_saves_is_counted_and_requests_go_on(
+        qwen3, tmp_path, reference, caplog) -> None:
+    llm = connected(qwen3, tmp_path / "store")
+    try:
+        blocker = tmp_path / "a-file"
+        blocker.write_text("")
+        connector(llm).root = blocker  # the store turned unwritable after startup
+        with caplog.at_level(logging.WARNING, logger="kvfit.connectors"):
+            assert outputs(llm) == reference
+        assert len([r for r in caplog.records if "save" in r.getMessage()]) == 1
+        failed = llm.engine.stats().kv_connector_failed_saves
+        assert failed == connector(llm).stats.failed_saves >= sum(FULL_PREFIX_BLOCKS)
+        assert {m.name: m.value for m in llm.get_metrics()}[
+            "kvfit:kv_connector_failed_saves"] == failed
+    finally:
+        llm.shutdown()
+
+
 def test_unwritable_store_is_an_error_at_startup(qwen3, tmp_path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")

@@ -126,3 +126,8 @@ class KVConnector(ABC):
     @abstractmethod
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
         """Save `meta.saves` once the step's forward has written them; returns when done."""
+
+    def num_failed_saves(self) -> int:
+        """Blocks `wait_for_save` could not save since startup (for the engine's metrics);
+        0 for a connector that does not count them."""
+        return 0

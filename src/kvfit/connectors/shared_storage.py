@@ -46,6 +46,9 @@ STAGING_BLOCKS = 64
 """Blocks moved per round through the host staging buffer (which bounds its size)."""
 IO_THREADS = 8
 """Files read or written at once (file I/O and the checksum release the GIL)."""
+SAVE_WARNING_INTERVAL_S = 30.0
+"""Least seconds between two warnings about failed saves: a full or unwritable store fails
+every block of every step, and one line per block would flood the log."""
 
 
 @dataclass
@@ -59,6 +62,7 @@ class ConnectorStats:
     saved_blocks: int = 0
     save_bytes: int = 0
     save_seconds: float = 0.0
+    failed_saves: int = 0  # blocks a save could not write (the store is best effort)
 
 
 class SharedStorageConnector(KVConnector):
@@ -69,11 +73,12 @@ class SharedStorageConnector(KVConnector):
     Worker side: no device memory is allocated; blocks move between the registered cache and a
     host staging buffer (pinned on a GPU) of `STAGING_BLOCKS` blocks, and file I/O runs on
     `IO_THREADS` threads. Saves are synchronous: a step that fills blocks waits for its forward
-    and its files before the engine goes on.
+    and its files before the engine goes on. Failed saves are warned about at most once per
+    `SAVE_WARNING_INTERVAL_S` of `clock` (the first with its cause, then counts).
     """
 
     def __init__(self, role: str, config: KVConnectorConfig, spec: KVCacheSpec,
-                 model_id: str) -> None:
+                 model_id: str, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(role)
         self.root = Path(config.kv_connector_path)
         self.block_size = spec.block_size
@@ -93,6 +98,10 @@ class SharedStorageConnector(KVConnector):
         self._staging: torch.Tensor | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.stats = ConnectorStats()
+        self._clock = clock
+        self._save_warned_at: float | None = None  # `clock` at the last failed-save warning
+        self._unsaved = 0  # blocks not saved since that warning
+        self._save_error: tuple[str, Exception] | None = None  # the latest failure's key, cause
 
     def path(self, key: str) -> Path:
         """The file that holds the block named `key`."""
@@ -235,7 +244,7 @@ class SharedStorageConnector(KVConnector):
         if not meta.saves:
             return
         caches, start = self._registered(), time.perf_counter()
-        saved = 0
+        saved = failed = 0
         for group, staging in self._rounds(meta.saves):
             for t, buffer in zip(group, staging, strict=True):
                 for cache, part in zip(caches, buffer, strict=True):
@@ -245,11 +254,39 @@ class SharedStorageConnector(KVConnector):
                                                           data, self._file_meta), group, staging)
             for t, error in zip(group, errors, strict=True):
                 if error is not None:  # a save is best effort: the engine goes on
-                    logger.warning("KV store: could not save block %s (%s)", t.key, error)
+                    failed += 1
+                    self._save_error = (t.key, error)
             saved += sum(error is None for error in errors)
         self.stats.saved_blocks += saved
+        self.stats.failed_saves += failed
         self.stats.save_bytes += saved * self.format.nbytes
         self.stats.save_seconds += time.perf_counter() - start
+        self._warn_unsaved(failed)
+
+    def num_failed_saves(self) -> int:
+        return self.stats.failed_saves
+
+    def _warn_unsaved(self, failed: int) -> None:
+        """Count `failed` blocks not saved; warn when `SAVE_WARNING_INTERVAL_S` has passed since
+        the last warning. A failure after a quiet interval is warned about at once, with its
+        cause; failures within an interval of a warning are summed into the next one."""
+        now, last = self._clock(), self._save_warned_at
+        self._unsaved += failed
+        if last is not None and now - last < SAVE_WARNING_INTERVAL_S:
+            return
+        if not self._unsaved:
+            self._save_warned_at = None  # a quiet interval: the next failure is a first one
+            return
+        key, error = self._save_error
+        if last is None:
+            logger.warning("KV store: could not save %d block(s) to %s (block %s: %s); requests "
+                           "go on, their blocks stay out of the store; further failures are "
+                           "counted, one warning per %.0f s", self._unsaved, self.root, key,
+                           error, SAVE_WARNING_INTERVAL_S)
+        else:
+            logger.warning("KV store: %d block(s) not saved to %s in the last %.0f s (latest: "
+                           "block %s: %s)", self._unsaved, self.root, now - last, key, error)
+        self._save_warned_at, self._unsaved = now, 0
 
     def _registered(self) -> list[torch.Tensor]:
         if self._caches is None:

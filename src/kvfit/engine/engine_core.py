@@ -69,6 +69,7 @@ class EngineStats:
     num_steps: int = 0  # steps launched since startup
     num_step_tokens: int = 0  # tokens those steps computed, prompt and output
     num_decode_steps: int = 0  # of the steps: one token per sequence (no prompt chunk)
+    kv_connector_failed_saves: int | None = None  # blocks not saved; None: no connector
 
 
 class EngineCore:
@@ -509,7 +510,11 @@ class EngineCore:
         """The scheduler's, block manager's and KV cache's figures now; call it between steps
         (from the thread that steps)."""
         bm = self.scheduler.block_manager
-        committed, reserved = self.executor.collective_rpc("kv_cache_bytes")[0]
+        rpc = self.executor.collective_rpc
+        committed, reserved = rpc("kv_cache_bytes")[0]
+        # A connector runs on one rank (no tensor parallelism); asked only when configured.
+        failed_saves = (rpc("kv_connector_failed_saves")[0]
+                        if self.config.kv_connector_config is not None else None)
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -529,6 +534,7 @@ class EngineCore:
             num_steps=self.scheduler.num_steps,
             num_step_tokens=self.scheduler.num_step_tokens,
             num_decode_steps=self.scheduler.num_decode_steps,
+            kv_connector_failed_saves=failed_saves,
         )
 
     def has_unfinished(self) -> bool:

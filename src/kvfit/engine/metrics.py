@@ -86,4 +86,8 @@ def engine_metrics(s: EngineStats, report: KVCacheReport) -> list[Metric]:
         counter("engine_decode_steps", "Engine steps that computed one token per sequence "
                 "(the others ran a prompt chunk, alone or beside decodes).", s.num_decode_steps),
     ]
+    if s.kv_connector_failed_saves is not None:
+        metrics.append(counter("kv_connector_failed_saves", "KV blocks the connector could not "
+                               "save to its store (full or unwritable; requests go on).",
+                               s.kv_connector_failed_saves))
     return metrics

@@ -234,6 +234,10 @@ class Worker:
                                                 model_identity(mc.model, mc.load_format))
         self.kv_connector.register_kv_caches(self.runner.kv_cache_views())
 
+    def kv_connector_failed_saves(self) -> int:
+        """Blocks the connector's saves could not write since startup (0 before it exists)."""
+        return self.kv_connector.num_failed_saves() if self.kv_connector is not None else 0
+
     def kv_cache_shrink_target(self, nbytes: int, num_granules: int = 1) -> int:
         """The most blocks the extensible cache can commit in `nbytes` and `num_granules` commit
         granules less than it holds now, by unmapping whole physical chunks (the out-of-memory
