@@ -5,6 +5,7 @@ defragmented cache; bad files are recomputed with a warning; startup and layout 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import shutil
 from collections.abc import Iterator
@@ -16,8 +17,10 @@ import torch
 from kvfit import LLM, SamplingParams
 from kvfit.connectors import SharedStorageConnector
 from kvfit.connectors.block_file import BlockFormat, read_block, write_block
+from kvfit.connectors.shared_storage import STAGING_BLOCKS
 from kvfit.engine.config import EngineArgs
 from kvfit.engine.worker import Worker
+from kvfit.kv.sizing import kv_margin
 
 BLOCK_SIZE = 16
 SETTINGS = dict(device="cpu", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=256,
@@ -225,6 +228,37 @@ def test_a_store_that_stops_taking_saves_is_counted_and_requests_go_on(
         assert failed == connector(llm).stats.failed_saves >= sum(FULL_PREFIX_BLOCKS)
         assert {m.name: m.value for m in llm.get_metrics()}[
             "kvfit:kv_connector_failed_saves"] == failed
+    finally:
+        llm.shutdown()
+
+
+def test_cpu_sizing_keeps_the_staging_buffer_free(qwen3, tmp_path, monkeypatch) -> None:
+    # Allocated after sizing, the staging buffer comes out of the host budget the cache was
+    # sized in: sizing keeps its bound free on the CPU, and not on a GPU (host memory there).
+    # 32 sequences: several granules of capacity, so the kept bytes cost whole granules.
+    llm = connected(qwen3, tmp_path / "store", max_num_seqs=32)
+    try:
+        w, cc = worker(llm), llm.engine.config.cache_config
+        cache, spec = w.runner.kv_cache, w.runner.kv_cache_spec
+        staging = STAGING_BLOCKS * spec.block_bytes
+        # A profile in which the whole capacity just fits, so any bytes kept show.
+        fits = cache.footprint_bytes(cache.capacity_blocks)
+        profile = w.sized_profile
+        kept = profile.transient + kv_margin(profile.transient, cc.kv_cache_margin_floor_bytes,
+                                             cc.kv_cache_margin_fraction)
+        profile = dataclasses.replace(profile, total=1 << 50, torch_live=0, non_torch=0,
+                                      free=fits + kept - profile.committed_kv)
+        monkeypatch.setattr(w, "memory_profile", lambda: profile)
+        capacity = cache.granule_aligned_blocks(cache.capacity_blocks)
+        expected = cache.granule_aligned_blocks(cache.blocks_that_fit(fits - staging))
+        assert 0 < expected < capacity
+        assert w.measure_kv_cache_blocks() == expected
+        monkeypatch.setattr(w, "device", torch.device("cuda"))
+        assert w.measure_kv_cache_blocks() == capacity
+        # The buffer the saves use stays within the bound that sizing kept.
+        assert SharedStorageConnector.host_buffer_bytes(spec) == staging
+        outputs(llm)
+        assert 0 < connector(llm)._staging.nbytes <= staging
     finally:
         llm.shutdown()
 

@@ -25,6 +25,7 @@ __all__ = [
     "ScheduledSeq",
     "SharedStorageConnector",
     "create_kv_connector",
+    "kv_connector_host_bytes",
     "model_identity",
 ]
 
@@ -38,8 +39,16 @@ def model_identity(model: str, load_format: str) -> str:
     return f"{model if is_builtin(model) else resolve_model(model).resolve()}:{load_format}"
 
 
+_CONNECTORS: dict[str, type[KVConnector]] = {"shared_storage": SharedStorageConnector}
+
+
 def create_kv_connector(config: KVConnectorConfig, role: str, spec: KVCacheSpec,
                         model_id: str) -> KVConnector:
     """The connector `config` names, for `role` ("scheduler" or "worker")."""
-    connectors = {"shared_storage": SharedStorageConnector}
-    return connectors[config.kv_connector](role, config, spec, model_id)
+    return _CONNECTORS[config.kv_connector](role, config, spec, model_id)
+
+
+def kv_connector_host_bytes(config: KVConnectorConfig, spec: KVCacheSpec) -> int:
+    """The most host memory the worker side of the connector `config` names allocates for a
+    cache of `spec` (`KVConnector.host_buffer_bytes`), known before it is created."""
+    return _CONNECTORS[config.kv_connector].host_buffer_bytes(spec)

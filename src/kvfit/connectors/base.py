@@ -22,6 +22,8 @@ from typing import Protocol
 
 import torch
 
+from kvfit.kv.spec import KVCacheSpec
+
 ROLES = ("scheduler", "worker")
 
 
@@ -73,6 +75,13 @@ class KVLoadError(RuntimeError):
 class KVConnector(ABC):
     """A connector of one role (`"scheduler"` in the engine, `"worker"` beside each cache);
     each instance serves its own role's methods only."""
+
+    @classmethod
+    def host_buffer_bytes(cls, spec: KVCacheSpec) -> int:
+        """The most host memory the worker side allocates for a cache of `spec` once it runs
+        (after the cache was sized): on the CPU, whose host memory is the device's, sizing
+        keeps it free. 0 for a connector that allocates none."""
+        return 0
 
     def __init__(self, role: str) -> None:
         if role not in ROLES:

@@ -77,6 +77,12 @@ class SharedStorageConnector(KVConnector):
     `SAVE_WARNING_INTERVAL_S` of `clock` (the first with its cause, then counts).
     """
 
+    @classmethod
+    def host_buffer_bytes(cls, spec: KVCacheSpec) -> int:
+        """The staging buffer at its largest: `STAGING_BLOCKS` blocks of `spec` (see
+        `_staging_buffer`)."""
+        return STAGING_BLOCKS * spec.block_bytes
+
     def __init__(self, role: str, config: KVConnectorConfig, spec: KVCacheSpec,
                  model_id: str, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(role)
@@ -303,8 +309,16 @@ class SharedStorageConnector(KVConnector):
             yield group, staging[: len(group)]
 
     def _staging_buffer(self, num_blocks: int) -> torch.Tensor:
+        """A host buffer of at least `num_blocks` (<= `STAGING_BLOCKS`) blocks, grown on demand.
+
+        Host memory, at most `host_buffer_bytes(spec)` = `STAGING_BLOCKS * spec.block_bytes`
+        (Qwen3-0.6B, bf16, 16-token blocks: 64 x 1.75 MiB = 112 MiB), never two buffers at
+        once. It is allocated after the KV cache was sized, so on the CPU, where the host is
+        the device, the worker keeps this much out of the cache's budget; on a GPU it is pinned
+        host memory, outside the device's budget."""
         if self._staging is None or len(self._staging) < num_blocks:
             shape, pin = (num_blocks, *self.format.shape), self._caches[0].device.type == "cuda"
+            self._staging = None  # the old buffer goes first: the bound holds while growing
             try:
                 self._staging = torch.empty(shape, dtype=self.format.dtype, pin_memory=pin)
             except RuntimeError as error:  # pinned memory is capped (ulimit -l, containers)

@@ -9,7 +9,12 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from kvfit.connectors import KVConnector, create_kv_connector, model_identity
+from kvfit.connectors import (
+    KVConnector,
+    create_kv_connector,
+    kv_connector_host_bytes,
+    model_identity,
+)
 from kvfit.engine import sampler
 from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.config import EngineConfig
@@ -109,7 +114,9 @@ class Worker:
             weights=self.weights,
             activation_peak=transient_bytes(self.step_peaks),
             graph_capture=graph_capture,
-            non_torch=non_torch_bytes(self.baseline, now, self._arena_bytes()),
+            # The connector's host buffers come after sizing: on the CPU, more of the same use.
+            non_torch=non_torch_bytes(self.baseline, now, self._arena_bytes())
+            + self._connector_host_bytes(),
             block_bytes=self.runner.kv_cache_spec.block_bytes,
             setting=self.monitor.budget_setting,
         )
@@ -213,8 +220,19 @@ class Worker:
 
     def _available(self, profile: MemoryProfile) -> int:
         cc = self.config.cache_config
-        return available_kv_bytes(profile, cc.memory_utilization, cc.kv_cache_margin_floor_bytes,
-                                  cc.kv_cache_margin_fraction, self.monitor.budget_setting)
+        available = available_kv_bytes(profile, cc.memory_utilization,
+                                       cc.kv_cache_margin_floor_bytes, cc.kv_cache_margin_fraction,
+                                       self.monitor.budget_setting)
+        return max(0, available - self._connector_host_bytes())
+
+    def _connector_host_bytes(self) -> int:
+        """Memory sizing keeps for the KV connector's worker side, which allocates it only
+        after the cache was sized (so no measurement saw it): its host buffers on the CPU,
+        where host memory is the device's budget; 0 on a GPU, whose budget they are not in."""
+        cfg = self.config.kv_connector_config
+        if cfg is None or self.device.type != "cpu":
+            return 0
+        return kv_connector_host_bytes(cfg, self.runner.kv_cache_spec)
 
     def extend_kv_cache(self, num_blocks: int) -> None:
         """Commit exactly `num_blocks` (growing, or shrinking below what warmup used). For a
