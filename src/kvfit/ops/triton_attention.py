@@ -300,9 +300,9 @@ def _decode_fp8_pairs_kernel(
 
     Why: an e4m3 tile feeding a dot is staged in shared memory as bytes, which ldmatrix cannot
     read transposed, so Triton 3.6 reads it back with scalar loads and widens it there: the
-    sm_90 loop over 64 tokens compiles to 792 instructions (112 LDS, 229 IMAD) at 162
-    registers, against bf16's 513 for twice the bytes. As 16-bit pairs the tile takes bf16's
-    path (ldmatrix), and one cvt widens each pair: 493 instructions, 128 registers
+    sm_90 loop over 64 tokens compiles to 788 instructions (112 LDS, 225 IMAD) at 162
+    registers, against bf16's 498 for twice the bytes. As 16-bit pairs the tile takes bf16's
+    path (ldmatrix), and one cvt widens each pair: 494 instructions, 128 registers
     (`tools/triton_sass.py`). Same splits, so the same reduction order in every launch."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
