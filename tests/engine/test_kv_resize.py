@@ -440,3 +440,26 @@ def test_a_commit_failing_on_one_worker_is_reconciled_across_workers(
         assert [c.committed_blocks for c in caches] == [target, target] and bm.num_blocks == target
     finally:
         core.shutdown()
+
+
+def test_a_resize_between_steps_leaves_the_steps_it_applied_for_the_front_end(
+    make_llm: Callable[..., LLM],
+) -> None:
+    """A resize applies the step in flight before it commits; the sequences of that step are
+    among the next `step`'s `updated_seqs`, which a streaming front end visits, so a request
+    that finished in it is still reported (dropping them left its stream waiting forever)."""
+    llm = make_llm()
+    core = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    seqs = [seq for i, prompt in enumerate(make_prompts((5, 9)))
+            for seq in llm.make_request(prompt, params, f"r{i}")]
+    for seq in seqs:
+        core.add_request(seq)
+    core.step()  # the prefill, in flight
+    core.step()  # applied; the first decode in flight
+    assert core._in_flight is not None
+    core.resize_kv_cache(core.kv_resizer.num_blocks - core.kv_resizer.floor)
+    assert all(seq.is_finished for seq in seqs)  # the resize applied the last decode
+    finished = core.step()
+    assert {s.request_id for s in finished} == {"r0", "r1"}
+    assert {s.request_id for s in core.updated_seqs} >= {"r0", "r1"}

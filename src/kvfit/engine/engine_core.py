@@ -93,9 +93,12 @@ class EngineCore:
         # Sequences finished between steps (a sleep drained or aborted them, a resize applied
         # the step in flight) that no `step` has returned yet.
         self._finished_early: list[Sequence] = []
-        # The sequences of the batches the last `step` applied: their tokens are the ones it
-        # made ready, so a front end streaming them visits these rather than every request.
+        # The sequences of the batches applied since the step before the last returned (by
+        # the last `step`, or between steps by a resize or the governor settling the step in
+        # flight): their tokens are the ones made ready, so a front end streaming them visits
+        # these rather than every request.
         self.updated_seqs: list[Sequence] = []
+        self._applied: list[Sequence] = []  # applied since the last `step` returned
         try:
             if config.elastic is not None:  # watermarks of two kinds meet the device only now
                 config.elastic.watermarks(self._device_total(),
@@ -381,7 +384,6 @@ class EngineCore:
             self.kv_resizer.govern(self.kv_cache_governor, self._settle, time.monotonic(),
                                    self._kv_usage(), self.demand_board)
         finished, self._finished_early = self._finished_early, []
-        self.updated_seqs = []
         if self.scheduler.has_unfinished():
             self.check_can_run()  # never schedule onto released memory or unloaded weights
         if self._in_flight is not None and self._pending_tokens_needed():
@@ -392,6 +394,7 @@ class EngineCore:
         if batch is not None:
             self.scheduler.advance(batch)
             self._in_flight = (batch, launched)
+        self.updated_seqs, self._applied = self._applied, []
         return finished
 
     def _pending_tokens_needed(self) -> bool:
@@ -482,7 +485,7 @@ class EngineCore:
     def _apply_in_flight(self) -> list[Sequence]:
         batch, launched = self._in_flight
         self._in_flight = None
-        self.updated_seqs += batch.seqs
+        self._applied += batch.seqs
         return self.scheduler.update(batch, launched.result())
 
     def fail_step(self) -> list[str]:
