@@ -172,6 +172,20 @@ def test_folder_without_weights_suggests_dummy(
     assert model.model.embed_tokens.weight.shape == (config.vocab_size, config.hidden_size)
 
 
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt"])
+def test_pickle_only_folder_says_safetensors_is_needed(
+    tiny_model: Callable[[str], Path], tmp_path: Path, name: str
+) -> None:
+    """A folder with PyTorch pickle weights only: the error names them and asks for safetensors,
+    rather than suggesting random (dummy) weights."""
+    src = tiny_model("qwen3")
+    folder = copy_config(src, tmp_path / "m")
+    torch.save(load_file(src / "model.safetensors"), folder / name)
+    with pytest.raises(FileNotFoundError, match=rf"{name}.*safetensors") as info:
+        load_model(load_hf_config(str(folder)), str(folder), torch.float32, CPU, "auto")
+    assert "dummy" not in str(info.value)
+
+
 def test_bad_load_format() -> None:
     config = load_hf_config("kvfit-tiny")
     with pytest.raises(ValueError, match="load_format 'pt'"):

@@ -18,6 +18,9 @@ DUMMY_SEED = 0
 DUMMY_STD = 0.02  # small enough that logits stay finite at 8B shapes in bf16
 # Buffers some older checkpoints carry; kvfit computes them.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Weights saved with torch.save (pytorch_model.bin and its shards): pickles, which kvfit does not
+# read.
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,13 @@ def safetensors_files(folder: Path) -> list[Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
         return [folder / name for name in sorted(set(weight_map.values()))]
     files = sorted(folder.glob("*.safetensors"))
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if not files and pickles:
+        raise FileNotFoundError(
+            f"{folder} holds PyTorch pickle weights ({', '.join(pickles)}) and no "
+            f"*.safetensors: kvfit reads safetensors only. Convert them, e.g. with transformers: "
+            f"AutoModelForCausalLM.from_pretrained(src).save_pretrained(dst) writes safetensors"
+        )
     if not files:
         raise FileNotFoundError(
             f"no *.safetensors weights in {folder}; pass load_format='dummy' for random weights"
