@@ -96,6 +96,20 @@ def test_folder_without_config(tmp_path: Path) -> None:
         load_hf_config(str(tmp_path))
 
 
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_path_to_a_file_names_its_folder(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """A file of the model given instead of its folder (relative `dir/file` too, which is no
+    Hub id to download) is named, with the folder to pass."""
+    folder = tiny_model("qwen3")
+    monkeypatch.chdir(folder.parent)
+    for path in (str(folder / name), f"{folder.name}/{name}"):
+        with pytest.raises(FileNotFoundError, match=rf"is a file.*{folder.name}") as info:
+            load_hf_config(path)
+        assert "download" not in str(info.value)
+
+
 def test_unknown_architecture(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
     folder = copy_config(tiny_model("llama"), tmp_path / "m", architectures=["GPT2LMHeadModel"])
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*architectures.*Qwen3ForCausalLM"):

@@ -34,6 +34,11 @@ def resolve_model(model: str) -> Path:
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"model folder {folder} has no config.json")
         return folder
+    if folder.is_file():
+        raise FileNotFoundError(
+            f"model {model!r} is a file; kvfit loads a model's folder (config.json, "
+            f"*.safetensors, tokenizer files): pass {str(folder.parent)!r}"
+        )
     if model in BUILTIN_MODELS:
         return BUILTIN_DIR / model
     if _looks_like_hub_id(model):
