@@ -116,6 +116,21 @@ def test_unknown_architecture(tiny_model: Callable[[str], Path], tmp_path: Path)
         load_model(load_hf_config(str(folder)), str(folder), torch.float32, CPU, "dummy")
 
 
+@pytest.mark.parametrize(
+    "custom_code", [{}, {"auto_map": {"AutoConfig": "configuration_foo.FooConfig"}}]
+)
+def test_architecture_transformers_does_not_know(
+    tiny_model: Callable[[str], Path], tmp_path: Path, custom_code: dict
+) -> None:
+    """A model_type unknown to transformers (or one that needs the folder's own code) is
+    kvfit's unsupported architecture, named with the supported ones; no prompt, no advice to
+    upgrade transformers or trust remote code."""
+    folder = copy_config(tiny_model("qwen3"), tmp_path / "m", model_type="foo",
+                         architectures=["FooForCausalLM"], **custom_code)
+    with pytest.raises(ValueError, match="FooForCausalLM.*architectures.*Qwen3ForCausalLM"):
+        load_hf_config(str(folder))
+
+
 def test_sharded_checkpoint_loads_like_single_file(
     tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:

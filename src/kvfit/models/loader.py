@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-from kvfit.models.registry import get_model_class
+from kvfit.models.registry import get_model_class, model_class_for
 from kvfit.models.weights import init_dummy, load_safetensors
 
 if TYPE_CHECKING:
@@ -77,8 +77,22 @@ def resolve_load_format(model: str, load_format: str) -> str:
 
 
 def load_hf_config(model: str) -> PretrainedConfig:
-    """The Hugging Face config of a local folder or built-in model; nothing is downloaded."""
-    return AutoConfig.from_pretrained(resolve_model(model), local_files_only=True)
+    """The Hugging Face config of a local folder or built-in model; nothing is downloaded.
+
+    kvfit runs its own model code, never a folder's (`trust_remote_code` stays off): a config
+    transformers cannot read (an unknown `model_type`, custom code) of an architecture kvfit
+    does not run is refused as that architecture, naming the supported ones."""
+    folder = resolve_model(model)
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except ValueError as e:
+        try:
+            architectures = json.loads((folder / "config.json").read_text()).get("architectures")
+        except (OSError, ValueError, AttributeError):
+            raise e from None
+        if isinstance(architectures, list):
+            model_class_for(architectures)  # raises, naming them, if kvfit runs none of them
+        raise
 
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:

@@ -16,7 +16,11 @@ MODELS: dict[str, type[nn.Module]] = {
 
 def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
     """The class for the first supported entry of `hf_config.architectures`."""
-    architectures = getattr(hf_config, "architectures", None) or []
+    return model_class_for(getattr(hf_config, "architectures", None) or [])
+
+
+def model_class_for(architectures: list[str]) -> type[nn.Module]:
+    """The class for the first supported entry of `architectures` (config.json's field)."""
     for name in architectures:
         if name in MODELS:
             return MODELS[name]
