@@ -172,6 +172,26 @@ def test_checkpoint_dtype_is_cast(tiny_model: Callable[[str], Path]) -> None:
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+def test_tied_embeddings_with_an_lm_head_in_the_file(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """tie_word_embeddings with lm_head.weight in the checkpoint: the same values load tied; other
+    values (transformers then unties them) are refused, naming both tensors and the setting."""
+    src = tiny_model("qwen3")
+    tensors = load_file(src / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    config = load_hf_config(str(src))
+    same = copy_config(src, tmp_path / "same")
+    save_file(tensors | {"lm_head.weight": embed.clone()}, same / "model.safetensors")
+    model = load_model(config, str(same), torch.float32, CPU, "auto")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, embed)
+    differ = copy_config(src, tmp_path / "differ")
+    save_file(tensors | {"lm_head.weight": embed.flip(0)}, differ / "model.safetensors")
+    with pytest.raises(ValueError, match="lm_head.*embed_tokens.*tie_word_embeddings"):
+        load_model(config, str(differ), torch.float32, CPU, "auto")
+
+
 def test_missing_weight_is_named(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
     src = tiny_model("qwen3")
     folder = copy_config(src, tmp_path / "m")

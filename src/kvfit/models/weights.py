@@ -120,14 +120,31 @@ def load_weights(
     copied before the bad one stay copied.
     """
     targets = targets if targets is not None else checkpoint_targets(model)
-    loaded: set[str] = set()
+    filled: dict[str, str] = {}
     for name, tensor in weights:
         target = _target(targets, name, where, model, tuple(tensor.shape))
         if target is None:
             continue
-        target.local_rows().copy_(tensor if target.shard is None else target.shard.take(tensor))
-        loaded.add(target.canonical)
-    return loaded
+        _fill(target, name, tensor if target.shard is None else target.shard.take(tensor), filled)
+    return set(filled)
+
+
+def _fill(target: Target, name: str, value: torch.Tensor, filled: dict[str, str]) -> None:
+    """Copy checkpoint tensor `name`'s `value` into `target`'s rows; `filled` maps each canonical
+    name filled so far to the checkpoint name that filled it.
+
+    A tied parameter (lm_head.weight sharing embed_tokens.weight) filled by two checkpoint tensors
+    that differ is refused: transformers unties such a model, so either value would be wrong."""
+    rows = target.local_rows()
+    first = filled.setdefault(target.canonical, name)
+    if first != name and not torch.equal(rows, value.to(rows.dtype)):
+        raise ValueError(
+            f"checkpoint tensors {first!r} and {name!r} both fill one tied parameter but differ; "
+            f"if the checkpoint's lm_head is its own, set tie_word_embeddings to false in "
+            f"config.json"
+        )
+    with torch.no_grad():
+        rows.copy_(value)
 
 
 def _target(targets: dict[str, Target], name: str, where: str, model: nn.Module,
@@ -156,7 +173,7 @@ def load_safetensors(model: nn.Module, folder: Path, device: torch.device) -> No
     Raises if a parameter is left unfilled, a tensor has no place in the model, or shapes differ.
     """
     targets = checkpoint_targets(model)
-    loaded: set[str] = set()
+    filled: dict[str, str] = {}
     for file in safetensors_files(folder):
         with _reading(file), safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118
@@ -165,10 +182,8 @@ def load_safetensors(model: nn.Module, folder: Path, device: torch.device) -> No
                 if target is None:
                     continue
                 index = () if target.shard is None else target.shard.index()
-                with torch.no_grad():
-                    target.local_rows().copy_(part[index] if index else part[:])
-                loaded.add(target.canonical)
-    missing = sorted(canonical_names(model) - loaded)
+                _fill(target, name, part[index] if index else part[:], filled)
+    missing = sorted(canonical_names(model) - set(filled))
     if missing:
         raise ValueError(f"weights missing from the checkpoint in {folder}: {', '.join(missing)}")
 
