@@ -131,6 +131,16 @@ def test_architecture_transformers_does_not_know(
         load_hf_config(str(folder))
 
 
+def test_an_index_without_a_weight_map_is_named(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    folder = Path(shutil.copytree(tiny_model("llama"), tmp_path / "m"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    config = load_hf_config(str(folder))
+    with pytest.raises(ValueError, match="model.safetensors.index.json is no sharded"):
+        load_model(config, str(folder), torch.float32, CPU, "safetensors")
+
+
 def test_sharded_checkpoint_loads_like_single_file(
     tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:

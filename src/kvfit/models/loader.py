@@ -104,7 +104,8 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
         folder = resolve_model(model)
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         return None
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    # As for the config: never a folder's own code, and never a prompt on stdin asking.
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
 
 
 def load_eos_token_ids(model: str, hf_config: PretrainedConfig) -> list[int]:

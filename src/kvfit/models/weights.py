@@ -71,8 +71,12 @@ def safetensors_files(folder: Path) -> list[Path]:
     """The checkpoint's files: those the sharded index names, else every `*.safetensors`."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [folder / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is no sharded-checkpoint index: it needs a 'weight_map' "
+                             f"object from tensor names to file names ({e!r})") from None
     files = sorted(folder.glob("*.safetensors"))
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
     if not files and pickles:
