@@ -327,7 +327,7 @@ class EngineCore:
         try:
             if "weights" in tags:  # first: the KV cache takes what memory they leave
                 try:
-                    self.executor.collective_rpc("wake_up", ["weights"], reload_weights)
+                    self.executor.collective_rpc("wake_up_weights", reload_weights)
                 except VmmOutOfMemoryError as error:
                     raise RuntimeError(
                         f"wake_up(): no device memory for the weights ({error}); they stay "

@@ -387,13 +387,16 @@ class KVCacheResizer:
     def _share_demand(self, board: DemandBoard | None, usage: KVUsage,
                       now: float) -> int | None:
         """Publish the bytes this cache lacks (up to its budget) on `board`; return the blocks
-        it keeps once its peers have what they lack (None: no peer on the device). A peer's
-        want under one `max_model_len` sequence is not worth a resize: it keeps all."""
+        it keeps once its peers have what they lack (None: no peer on the device, or a cache
+        not idle, which `idle_shrink` leaves alone anyway: the board is read only then). A
+        peer's want under one `max_model_len` sequence is not worth a resize: it keeps all."""
         if board is None:
             return None
         block_bytes = self.config.kv_cache_spec().block_bytes
         budget = min(self.limits()[1:]) if usage.needs_more else usage.num_blocks  # else: 0
         board.publish(usage.shortfall(budget) * block_bytes, now)
+        if not usage.is_low:
+            return None
         peers_short = board.peers_short_bytes()
         if peers_short is None:
             return None
@@ -404,7 +407,7 @@ class KVCacheResizer:
                      target: int, free: int) -> KVCacheResize | None:
         settle()
         try:
-            event = self.resize(max(target, self.floor), "idle", free)
+            event = self.resize(target, "idle", free)
         except KVCacheResizeError as error:
             logger.error("the idle KV cache could not shrink to %d blocks (%s); it holds %d",
                          target, error, self.num_blocks)

@@ -453,29 +453,25 @@ class Worker:
             released["torch_cache"] = before - torch.cuda.memory_reserved(self.device)
         return SleepReport(level, released, kept, host_bytes)
 
-    def wake_up(self, tags: list[str], reload_weights: bool = True) -> None:
-        """Recommit what `tags` name at the same addresses (nothing is recaptured): the weights
-        from their host copy, else reloaded from the model's source (`reload_weights`), else
-        left zeroed and missing until `load_weights`; the KV cache zeroed, for the same block
-        count, in large chunks. A failed recommit leaves that part asleep."""
-        arena, cache = self.runner.weight_arena, self.runner.kv_cache
-        if "weights" in tags and arena is not None and arena.is_released:
+    def wake_up_weights(self, reload_weights: bool = True) -> None:
+        """Recommit asleep weights at the same addresses (nothing is recaptured): from their
+        host copy, else reloaded from the model's source (`reload_weights`), else left zeroed
+        and missing until `load_weights`. The KV cache wakes through
+        `recommit_kv_cache` (`KVCacheResizer.wake`), which can back fewer blocks."""
+        arena = self.runner.weight_arena
+        if arena is not None and arena.is_released:
             restored = arena.restore()
             if not restored and reload_weights:
                 mc = self.config.model_config
                 fill_weights(self.runner.model, mc.model, self.device, mc.load_format)
                 self.missing_weights = set()
-        if "kv_cache" in tags and cache is not None and cache.is_released:
-            cache.recommit(defragment=self.kv_connector is not None)
-            if self.kv_connector is not None:
-                self.kv_connector.register_kv_caches(self.runner.kv_cache_views())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint-named tensors into the parameters, in place. Asleep weights are
         woken first (from their host copy, else zeroed: then only what is given is loaded)."""
         arena = self.runner.weight_arena
         if arena is not None and arena.is_released:
-            self.wake_up(["weights"], reload_weights=False)
+            self.wake_up_weights(reload_weights=False)
         self.missing_weights -= load_weights(self.runner.model, weights)
         self._synchronize()
 
