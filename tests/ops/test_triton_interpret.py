@@ -160,3 +160,35 @@ def test_write_kv_kernel_quantises_with_the_scale_and_saturates(paged_batch):
     assert torch.equal(k8.view(torch.uint8), expect_k.view(torch.uint8))
     assert torch.equal(v8.view(torch.uint8), expect_v.view(torch.uint8))
     assert k8[0, 0, 0, :3].float().tolist() == [448.0, -448.0, 448.0]
+
+
+# --- head dims that are not a power of two ------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(48, 12, 4), (80, 14, 2), (96, 3, 1)])
+@pytest.mark.parametrize("kernels", ["split", "batch_invariant", "fp8_tile", "fp8_pairs"])
+def test_attention_kernels_pad_head_dims_that_are_not_a_power_of_two(
+    paged_batch, head_dim, num_heads, num_kv_heads, kernels
+):
+    """Models with head_dim 48, 80 or 96 (config.json's head_dim, or hidden_size /
+    num_attention_heads) run: the tiles span the next power of two, the rest masked, and no
+    output is written past each head's dims (the rows around `out` keep their sentinel)."""
+    batch = paged_batch([(0, 5), (20, 1), (40, 1), (0, 1), (7, 3)], num_heads=num_heads,
+                        num_kv_heads=num_kv_heads, head_dim=head_dim)  # fmt: skip
+    k_cache, v_cache, scales = batch.k_cache, batch.v_cache, {}
+    if kernels.startswith("fp8"):
+        scales = dict(k_scale=torch.tensor([0.02]), v_scale=torch.tensor([0.05]),
+                      fp8_compute_dtype=torch.float16, fp8_pairs=kernels == "fp8_pairs")
+        k_cache = k_cache.div(scales["k_scale"]).to(torch.float8_e4m3fn)
+        v_cache = v_cache.div(scales["v_scale"]).to(torch.float8_e4m3fn)
+    padded = torch.full((batch.query.shape[0] + 2, num_heads, head_dim), 7.0)
+    triton_attention.paged_attention_triton(
+        batch.query, k_cache, v_cache, batch.metadata, 0.3, padded[1:-1], max_splits=3,
+        split_tokens=16, batch_invariant=kernels == "batch_invariant", **scales,
+    )
+    expect = paged_attention_reference(batch.query, k_cache, v_cache, batch.metadata, 0.3,
+                                       k_scale=scales.get("k_scale"),
+                                       v_scale=scales.get("v_scale"))  # fmt: skip
+    tol = 3e-3 if scales else 1e-4
+    torch.testing.assert_close(padded[1:-1], expect, rtol=tol, atol=tol)
+    assert (padded[0] == 7).all() and (padded[-1] == 7).all()

@@ -41,12 +41,23 @@ then sum each sequence's attention in the same order, so their greedy outputs ag
 def _load_kv_tile(
     cache, block_table_row, n, n_mask, kv_head, d,
     stride_cb, stride_cs, stride_ch, stride_cd,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
 ):  # fmt: skip
-    """[BLOCK_N, HEAD_DIM] tile of tokens `n` of one sequence, gathered page by page."""
+    """[BLOCK_N, HEAD_DIM_P2] tile of tokens `n` of one sequence, gathered page by page; the
+    columns past HEAD_DIM are 0."""
     block = tl.load(block_table_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     row = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-    return tl.load(cache + row[:, None] + d[None, :] * stride_cd, mask=n_mask[:, None], other=0.0)
+    mask = _dims_mask(n_mask, d, HEAD_DIM, HEAD_DIM_P2)
+    return tl.load(cache + row[:, None] + d[None, :] * stride_cd, mask=mask, other=0.0)
+
+
+@triton.jit
+def _dims_mask(row_mask, d, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr):
+    """`[rows, HEAD_DIM_P2]` mask of a tile's real rows and dims. A head dim that is not a power
+    of two is padded to one (tl.arange's lengths are); a power of two compiles unmasked."""
+    if HEAD_DIM == HEAD_DIM_P2:
+        return row_mask[:, None]
+    return row_mask[:, None] & (d[None, :] < HEAD_DIM)
 
 
 @triton.jit
@@ -79,6 +90,7 @@ def _prefill_kernel(
     stride_bt,
     QUERY_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -103,9 +115,10 @@ def _prefill_kernel(
     tok = rows // QUERY_GROUP
     head = kv_head * QUERY_GROUP + rows % QUERY_GROUP
     row_mask = tok < q_len
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM_P2)
+    tile_mask = _dims_mask(row_mask, d, HEAD_DIM, HEAD_DIM_P2)
     q_ptrs = query + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
-    q = tl.load(q_ptrs + d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
+    q = tl.load(q_ptrs + d[None, :] * stride_qd, mask=tile_mask, other=0.0)
     if FP8_F16:  # the tiles follow the query's dtype: e4m3 -> f16 is one cvt per pair
         q = q.to(tl.float16)
     pos = prefix + tok  # absolute position of each row: causal mask is lower-right aligned
@@ -115,7 +128,7 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
     first_tok = tile * BLOCK_M // QUERY_GROUP
     last_tok = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // QUERY_GROUP, q_len - 1)
     # Keys up to the tile's first position are visible to every row: no causal mask there.
@@ -127,9 +140,11 @@ def _prefill_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < unmasked_end
         k = _load_kv_tile(k_cache, block_table_row, n, n_mask, kv_head, d,
-                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                          HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
         v = _load_kv_tile(v_cache, block_table_row, n, n_mask, kv_head, d,
-                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                          HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
         if FP8:  # widen after the load; the scales are folded in outside the loop
             k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale_log2
@@ -139,9 +154,11 @@ def _prefill_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         k = _load_kv_tile(k_cache, block_table_row, n, n_mask, kv_head, d,
-                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                          HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
         v = _load_kv_tile(v_cache, block_table_row, n, n_mask, kv_head, d,
-                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                          HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
         if FP8:  # widen after the load; the scales are folded in outside the loop
             k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale_log2
@@ -152,7 +169,7 @@ def _prefill_kernel(
     if FP8:
         o = o * tl.load(v_scale)
     o_ptrs = out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
-    tl.store(o_ptrs + d[None, :] * stride_od, o.to(out.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(o_ptrs + d[None, :] * stride_od, o.to(out.dtype.element_ty), mask=tile_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
@@ -168,6 +185,7 @@ def _decode_kernel(
     QUERY_GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -185,9 +203,9 @@ def _decode_kernel(
     g = tl.arange(0, GROUP_P2)
     head = kv_head * QUERY_GROUP + g
     g_mask = g < QUERY_GROUP
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM_P2)
     q_ptrs = query + q_row * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)
+    q = tl.load(q_ptrs, mask=_dims_mask(g_mask, d, HEAD_DIM, HEAD_DIM_P2), other=0.0)
     if FP8_F16:
         q = q.to(tl.float16)
     block_table_row = block_table + seq * stride_bt
@@ -196,14 +214,16 @@ def _decode_kernel(
 
     m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         k = _load_kv_tile(k_cache, block_table_row, n, n_mask, kv_head, d,
-                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                          HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
         v = _load_kv_tile(v_cache, block_table_row, n, n_mask, kv_head, d,
-                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)  # fmt: skip
+                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                          HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
         if FP8:  # widen after the load; the scales are folded in outside the loop
             k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale_log2
@@ -216,7 +236,7 @@ def _decode_kernel(
         o = o * tl.load(v_scale)
     part = (seq * NUM_HEADS + head) * num_splits + split
     _store_decode_out(o, d, out, part_out, q_row, head, g_mask, part,
-                      stride_ot, stride_oh, stride_od, HEAD_DIM, SPLIT)  # fmt: skip
+                      stride_ot, stride_oh, stride_od, HEAD_DIM, HEAD_DIM_P2, SPLIT)  # fmt: skip
     if SPLIT:
         tl.store(part_lse + part, m_i + tl.log2(l_i), mask=g_mask)
 
@@ -240,13 +260,16 @@ def _decode_range(query_start_loc, seq_lens, seq, split, max_splits, split_token
 @triton.jit
 def _store_decode_out(o, d, out, part_out, q_row, head, g_mask, part,
                       stride_ot, stride_oh, stride_od,
-                      HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
-    """Columns `d` of a program's [GROUP_P2, len(d)] output: its split's part, or the row."""
+                      HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+                      SPLIT: tl.constexpr):  # fmt: skip
+    """Columns `d` of a program's [GROUP_P2, len(d)] output: its split's part, or the row.
+    Columns at or past HEAD_DIM (padding) are not stored."""
+    mask = _dims_mask(g_mask, d, HEAD_DIM, HEAD_DIM_P2)
     if SPLIT:
-        tl.store(part_out + part[:, None] * HEAD_DIM + d[None, :], o, mask=g_mask[:, None])
+        tl.store(part_out + part[:, None] * HEAD_DIM + d[None, :], o, mask=mask)
     else:
         o_ptrs = out + q_row * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
-        tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=g_mask[:, None])
+        tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -267,13 +290,15 @@ def _e4m3x2_to_f16(x, ASM: tl.constexpr):
 def _load_pair_tile(
     pairs, block_table_row, n, n_mask, kv_head, d2,
     stride_cb, stride_cs, stride_ch,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
 ):  # fmt: skip
-    """[BLOCK_N, HEAD_DIM // 2] uint16 tile of tokens `n` of an e4m3 cache whose head dim is
-    contiguous: element i holds dims 2i (low byte) and 2i + 1. Strides in e4m3 elements."""
+    """[BLOCK_N, PAIRS_P2] uint16 tile of tokens `n` of an e4m3 cache whose head dim is
+    contiguous: element i holds dims 2i (low byte) and 2i + 1; 0 from pair PAIRS on. Strides
+    in e4m3 elements."""
     block = tl.load(block_table_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     row = (block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch) // 2
-    return tl.load(pairs + row[:, None] + d2[None, :], mask=n_mask[:, None], other=0)
+    mask = _dims_mask(n_mask, d2, PAIRS, PAIRS_P2)
+    return tl.load(pairs + row[:, None] + d2[None, :], mask=mask, other=0)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
@@ -289,6 +314,7 @@ def _decode_fp8_pairs_kernel(
     QUERY_GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -315,10 +341,11 @@ def _decode_fp8_pairs_kernel(
     g = tl.arange(0, GROUP_P2)
     head = kv_head * QUERY_GROUP + g
     g_mask = g < QUERY_GROUP
-    d2 = tl.arange(0, HEAD_DIM // 2)
+    d2 = tl.arange(0, HEAD_DIM_P2 // 2)
+    q_mask = _dims_mask(g_mask, d2, HEAD_DIM // 2, HEAD_DIM_P2 // 2)
     q_ptrs = query + q_row * stride_qt + head[:, None] * stride_qh + 2 * d2[None, :] * stride_qd
-    q_even = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0).to(tl.float16)
-    q_odd = tl.load(q_ptrs + stride_qd, mask=g_mask[:, None], other=0.0).to(tl.float16)
+    q_even = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float16)
+    q_odd = tl.load(q_ptrs + stride_qd, mask=q_mask, other=0.0).to(tl.float16)
     block_table_row = block_table + seq * stride_bt
     scale_log2 = scale_log2 * tl.load(k_scale)
     k_pairs = k_cache.to(tl.pointer_type(tl.uint16), bitcast=True)
@@ -326,17 +353,19 @@ def _decode_fp8_pairs_kernel(
 
     m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P2], tl.float32)
-    acc_even = tl.zeros([GROUP_P2, HEAD_DIM // 2], tl.float32)
-    acc_odd = tl.zeros([GROUP_P2, HEAD_DIM // 2], tl.float32)
+    acc_even = tl.zeros([GROUP_P2, HEAD_DIM_P2 // 2], tl.float32)
+    acc_odd = tl.zeros([GROUP_P2, HEAD_DIM_P2 // 2], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         k_even, k_odd = _e4m3x2_to_f16(
             _load_pair_tile(k_pairs, block_table_row, n, n_mask, kv_head, d2,
-                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE), ASM)  # fmt: skip
+                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
+                            HEAD_DIM // 2, HEAD_DIM_P2 // 2), ASM)  # fmt: skip
         v_even, v_odd = _e4m3x2_to_f16(
             _load_pair_tile(v_pairs, block_table_row, n, n_mask, kv_head, d2,
-                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE), ASM)  # fmt: skip
+                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
+                            HEAD_DIM // 2, HEAD_DIM_P2 // 2), ASM)  # fmt: skip
         s = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even))) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_weights(s, m_i, l_i)
@@ -348,9 +377,9 @@ def _decode_fp8_pairs_kernel(
     norm = tl.load(v_scale) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     part = (seq * NUM_HEADS + head) * num_splits + split
     _store_decode_out(acc_even * norm, 2 * d2, out, part_out, q_row, head, g_mask, part,
-                      stride_ot, stride_oh, stride_od, HEAD_DIM, SPLIT)  # fmt: skip
+                      stride_ot, stride_oh, stride_od, HEAD_DIM, HEAD_DIM_P2, SPLIT)  # fmt: skip
     _store_decode_out(acc_odd * norm, 2 * d2 + 1, out, part_out, q_row, head, g_mask, part,
-                      stride_ot, stride_oh, stride_od, HEAD_DIM, SPLIT)  # fmt: skip
+                      stride_ot, stride_oh, stride_od, HEAD_DIM, HEAD_DIM_P2, SPLIT)  # fmt: skip
     if SPLIT:
         tl.store(part_lse + part, m_i + tl.log2(l_i), mask=g_mask)
 
@@ -367,6 +396,7 @@ def _reduce_splits_kernel(
     stride_ot, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -374,7 +404,8 @@ def _reduce_splits_kernel(
     if tl.load(query_start_loc + seq + 1) - q_row != 1:
         return
     seq_splits = _num_seq_splits(tl.load(seq_lens + seq), max_splits, split_tokens)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM_P2)
+    d_mask = d < HEAD_DIM
     base = (seq * NUM_HEADS + head) * num_splits
     # Sequential loops over this sequence's own splits: the summation order is fixed by
     # seq_len, whatever the grid's split count (a tree reduction's order follows its width).
@@ -382,15 +413,15 @@ def _reduce_splits_kernel(
     for s in range(0, seq_splits):
         m = tl.maximum(m, tl.load(part_lse + base + s))
     m = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([HEAD_DIM_P2], tl.float32)
     weight = 0.0
     for s in range(0, seq_splits):
         w = tl.exp2(tl.load(part_lse + base + s) - m)
-        acc += w * tl.load(part_out + (base + s) * HEAD_DIM + d)
+        acc += w * tl.load(part_out + (base + s) * HEAD_DIM + d, mask=d_mask, other=0.0)
         weight += w
     o = acc / tl.maximum(weight, 1e-30)
     o_ptrs = out + q_row * stride_ot + head * stride_oh + d * stride_od
-    tl.store(o_ptrs, o.to(out.dtype.element_ty))
+    tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=d_mask)
 
 
 def num_kv_splits(max_seq_len: int, max_splits: int = MAX_SPLITS,
@@ -402,11 +433,13 @@ def num_kv_splits(max_seq_len: int, max_splits: int = MAX_SPLITS,
 
 def _use_fp8_pairs(requested: bool | None, k_cache: torch.Tensor, computes_f16: bool) -> bool:
     """Whether decode runs `_decode_fp8_pairs_kernel`: an e4m3 cache computed in float16 whose
-    head dim is contiguous (its dim pairs are then whole uint16 words)."""
-    possible = computes_f16 and is_fp8(k_cache.dtype) and k_cache.stride(3) == 1
+    head dim is contiguous and even, at even strides (its dim pairs are then whole uint16
+    words)."""
+    even = all(s % 2 == 0 for s in k_cache.stride()[:3]) and k_cache.shape[3] % 2 == 0
+    possible = computes_f16 and is_fp8(k_cache.dtype) and k_cache.stride(3) == 1 and even
     if requested and not possible:
-        raise ValueError("fp8_pairs needs an e4m3 cache with a contiguous head dim, computed "
-                         "in float16")
+        raise ValueError("fp8_pairs needs an e4m3 cache with a contiguous, even head dim, "
+                         "computed in float16")
     return possible and requested is not False
 
 
@@ -466,7 +499,7 @@ def paged_attention_triton(
     pair of values instead of bf16's several (`bench/attention.py --sweep --kv-cache-dtype
     fp8` times both). float16 holds every e4m3 value exactly and queries up to 65504.
     `fp8_pairs`: decode over such a float16-computed e4m3 cache runs `_decode_fp8_pairs_kernel`
-    (None: wherever the head dim is contiguous; False: `_decode_kernel`, for side-by-side timing).
+    (None: wherever the head dim is contiguous and even; False: `_decode_kernel`, for timing).
 
     `batch_invariant`: the prefill kernel alone runs every row (decodes too), each over key
     tiles of BLOCK_N from key 0 with the causal mask on every tile: no split-KV, so a row's
@@ -488,11 +521,11 @@ def paged_attention_triton(
         )
     # Unread unless FP8: any pointer will do.
     k_scale, v_scale = (k_scale, v_scale) if fp8 else (metadata.seq_lens, metadata.seq_lens)
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two for the Triton kernels, got {head_dim}")
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
+    # Tiles span a power of two of dims (tl.arange's lengths are); the rest of them is masked.
+    dims = dict(HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim))
     scale_log2 = scale * math.log2(math.e)
     common = (
         *query.stride(), *out.stride(), *k_cache.stride(), metadata.block_table.stride(0),
@@ -505,7 +538,7 @@ def paged_attention_triton(
             query, k_cache, v_cache, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
             scale_log2, k_scale, v_scale, *common,
-            QUERY_GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            QUERY_GROUP=group, **dims, BLOCK_SIZE=block_size,
             FP8=fp8, FP8_F16=fp8_f16,
             BATCH_INVARIANT=batch_invariant, **cfg,
         )  # fmt: skip
@@ -527,7 +560,7 @@ def paged_attention_triton(
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
             scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens)  # fmt: skip
     shape = dict(NUM_HEADS=num_heads, QUERY_GROUP=group,
-                 GROUP_P2=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                 GROUP_P2=max(16, triton.next_power_of_2(group)), **dims,
                  BLOCK_SIZE=block_size, SPLIT=split,
                  **(decode_config or _decode_config(head_dim)))  # fmt: skip
     if _use_fp8_pairs(fp8_pairs, k_cache, fp8_f16 or (fp8 and query.dtype == torch.float16)):
@@ -541,6 +574,6 @@ def paged_attention_triton(
         _reduce_splits_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, metadata.query_start_loc, metadata.seq_lens,
             num_splits, max_splits, split_tokens, *out.stride(),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            NUM_HEADS=num_heads, **dims,
         )  # fmt: skip
     return out
