@@ -88,7 +88,9 @@ def test_triton_logsumexp_matches_torch(monkeypatch) -> None:
     monkeypatch.setattr(triton_logsumexp, "BLOCK", 256)
     x = torch.randn(4, 1000) * 4
     x[1] = float("-inf")
+    x[3, 700] = float("inf")  # an overflowed logit: the row's log-sum-exp is inf, not NaN
     torch.testing.assert_close(triton_logsumexp.logsumexp_triton(x), x.logsumexp(-1))
+    torch.testing.assert_close(logsumexp_torch(x), x.logsumexp(-1))
 
 
 @pytest.mark.parametrize("seqs", [[(13, 1), (70, 1)], MIXED, [(0, 300)]])

@@ -19,7 +19,9 @@ def _logsumexp_kernel(x, out, stride_r, stride_v, V, BLOCK: tl.constexpr):
         t = tl.load(base + (v0 + cols) * stride_v, mask=v0 + cols < V, other=float("-inf"))
         top = tl.maximum(top, t.to(tl.float32))
     m = tl.max(top)
-    shift = tl.where(m == float("-inf"), 0.0, m)
+    # An infinite max is no shift: inf - inf would be NaN where torch's log-sum-exp gives the
+    # row's +-inf (a float16 logit that overflowed, a row of only -inf).
+    shift = tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
     # Each lane sums its columns in tile order; the lanes are then summed by one fixed tree.
     acc = tl.zeros([BLOCK], tl.float32)
     for v0 in range(0, V, BLOCK):
