@@ -121,6 +121,38 @@ def test_rotary_kernel_keeps_flat_shape():
     _close(got_k, expect_k, 1e-5)
 
 
+def _far_rows(num_rows: int, width: int) -> torch.Tensor:
+    """float16 `[num_rows, width]` rows 2**30 + 512 elements apart, so row 2 starts past 2**31
+    elements: where a program's `token * row_stride` wraps in int32. The wrapped offset lands
+    2**31 elements before the view, still inside its allocation (virtual memory: only the rows
+    are written), so a wrapped kernel reads wrong values rather than crashing."""
+    stride = 2**30 + 512
+    try:
+        storage = torch.empty(2**31 + (num_rows - 1) * stride + width, dtype=torch.float16)
+    except RuntimeError:
+        pytest.skip("no room for an 8 GiB virtual allocation")
+    rows = storage[2**31 :].as_strided((num_rows, width), (stride, 1))
+    rows.copy_(torch.randn(num_rows, width))
+    return rows
+
+
+@interpret
+def test_row_kernels_address_rows_past_2_pow_31_elements():
+    """silu_and_mul, rms_norm and rotary take each token's offset in int64: in int32 it wraps
+    once tokens x row width passes 2**31: a 75k-token step of an 8B model's 2 x 14336-wide
+    gate_up, 37k of a 70B's."""
+    x = _far_rows(3, 2 * 24)
+    _close(triton_layers.silu_and_mul_triton(x), silu_and_mul_torch(x), 2e-3)
+    weight = torch.randn(48, dtype=torch.float16)
+    _close(triton_layers.rms_norm_triton(x, weight, 1e-6), rms_norm_torch(x, weight, 1e-6), 2e-3)
+    rope = RotaryEmbedding(16, max_position=10, base=100.0)
+    q = x.view(3, 3, 16)
+    got = triton_layers.rotary_triton(torch.tensor([1, 5, 9]), q, q, rope.cos_sin_cache, 16)
+    expect = rotary_torch(torch.tensor([1, 5, 9]), q, q, rope.cos_sin_cache, 16)
+    for g, e in zip(got, expect, strict=True):
+        _close(g, e, 2e-3)
+
+
 # --- GPU ---------------------------------------------------------------------------------------
 
 GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -56,7 +56,7 @@ def _attention_input_kernel(
     QK_NORM: tl.constexpr,
     FP8: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * row stride may pass 2**31
     cos, sin = _cos_sin(cos_sin_cache, positions, token, HALF, HALF_P2)
 
     q1, q2 = _load_halves(q, token, stride_qt, stride_qh, stride_qd,

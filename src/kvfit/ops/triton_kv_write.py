@@ -36,7 +36,7 @@ def _write_kv_kernel(
     DIM_P2: tl.constexpr,
     FP8: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * row stride may pass 2**31
     slot = tl.load(slot_mapping + token)
     if slot < 0:  # padded CUDA-graph slot
         return

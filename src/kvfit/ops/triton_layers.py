@@ -37,7 +37,7 @@ def _rms_norm_kernel(
     DIM_P2: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * row stride may pass 2**31
     r = tl.arange(0, ROWS_P2)[:, None]
     d = tl.arange(0, DIM_P2)[None, :]
     mask = (r < ROWS) & (d < DIM)
@@ -102,7 +102,7 @@ def add_rms_norm_triton(
 
 @triton.jit
 def _silu_and_mul_kernel(x, out, stride_xt, INTER: tl.constexpr, BLOCK: tl.constexpr):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * row stride may pass 2**31
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < INTER
     gate = tl.load(x + token * stride_xt + i, mask=mask, other=0.0)
@@ -196,7 +196,7 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     HALF_P2: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * row stride may pass 2**31
     cos, sin = _cos_sin(cos_sin_cache, positions, token, HALF, HALF_P2)
     _rotate_heads(q, q_out, token, stride_qt, stride_qh, stride_qd, cos, sin,
                   Q_HEADS, Q_HEADS_P2, HALF, HALF_P2)  # fmt: skip
