@@ -192,3 +192,26 @@ def test_attention_kernels_pad_head_dims_that_are_not_a_power_of_two(
     tol = 3e-3 if scales else 1e-4
     torch.testing.assert_close(padded[1:-1], expect, rtol=tol, atol=tol)
     assert (padded[0] == 7).all() and (padded[-1] == 7).all()
+
+
+def test_attention_kernels_address_query_rows_past_2_pow_31_elements(paged_batch):
+    """Prefill, decode and the split reduction take a row's offset in int64: in int32,
+    token x row stride wraps past 2**31 elements (a 262k-token step at 64 heads x 128).
+    Query and output rows sit 2**30 + 512 elements apart (virtual memory; a wrapped offset
+    stays inside the allocation, so a wrapped kernel reads and writes wrong rows, no fault)."""
+    batch = paged_batch([(40, 1), (3, 2), (20, 1)], num_heads=4, num_kv_heads=2, head_dim=16,
+                        dtype=torch.float16)  # rows 2 (prefill) and 3 (decode) wrap  # fmt: skip
+    stride = 2**30 + 512
+    try:  # untouched pages cost no memory
+        storage = torch.empty(2**31 + 3 * stride + 128, dtype=torch.float16)
+    except RuntimeError:
+        pytest.skip("no room for a 10 GiB virtual allocation")
+    # Query and output rows interleave: each output row 64 elements after its query row.
+    query, out = (storage[2**31 + i :].as_strided((4, 4, 16), (stride, 16, 1))
+                  for i in (0, 64))  # fmt: skip
+    query.copy_(batch.query)
+    triton_attention.paged_attention_triton(query, batch.k_cache, batch.v_cache, batch.metadata,
+                                            0.3, out, max_splits=2, split_tokens=16)
+    expect = paged_attention_reference(batch.query, batch.k_cache, batch.v_cache,
+                                       batch.metadata, 0.3)  # fmt: skip
+    torch.testing.assert_close(out, expect, rtol=2e-3, atol=2e-3)

@@ -103,8 +103,8 @@ def _prefill_kernel(
     kv_head = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
     seq = tl.program_id(2)
-    q_start = tl.load(query_start_loc + seq)
-    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    q_start = tl.load(query_start_loc + seq).to(tl.int64)  # row * stride may pass 2**31
+    q_len = (tl.load(query_start_loc + seq + 1) - q_start).to(tl.int32)
     # Single-token queries belong to the decode kernel, except in the batch-invariant mode,
     # where this kernel runs every row so a decode reduces exactly as a prefill row would.
     if (q_len < 2 - BATCH_INVARIANT) | (tile * BLOCK_M >= q_len * QUERY_GROUP):
@@ -247,7 +247,7 @@ def _decode_range(query_start_loc, seq_lens, seq, split, max_splits, split_token
     """(query row, first token, end token, active) of one decode program. Inactive: the row is
     not a decode row, or the split is past its sequence's own split count (the reduction never
     reads those). The split layout is a function of seq_len (read on the device) alone."""
-    q_row = tl.load(query_start_loc + seq)
+    q_row = tl.load(query_start_loc + seq).to(tl.int64)  # row * stride may pass 2**31
     seq_len = tl.load(seq_lens + seq)
     seq_splits = _num_seq_splits(seq_len, max_splits, split_tokens)
     active = (tl.load(query_start_loc + seq + 1) - q_row == 1) & (split < seq_splits)
@@ -400,7 +400,7 @@ def _reduce_splits_kernel(
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    q_row = tl.load(query_start_loc + seq)
+    q_row = tl.load(query_start_loc + seq).to(tl.int64)  # row * stride may pass 2**31
     if tl.load(query_start_loc + seq + 1) - q_row != 1:
         return
     seq_splits = _num_seq_splits(tl.load(seq_lens + seq), max_splits, split_tokens)
