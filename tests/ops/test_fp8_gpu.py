@@ -53,7 +53,7 @@ def test_write_kernel_rounds_and_saturates_as_torch(paged_batch, dtype):
 
 
 @pytest.mark.parametrize("layout", ["block_outermost", "head_major"])
-@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("head_dim", [128, 64, 96])
 def test_attention_over_fp8_pages(paged_batch, layout, head_dim):
     batch = paged_batch(MIXED, num_heads=16, num_kv_heads=4, head_dim=head_dim,
                         dtype=torch.bfloat16, layout=layout, device="cuda")  # fmt: skip
@@ -95,7 +95,7 @@ def test_fp8_dots_in_float16_are_as_close_as_in_the_querys_bfloat16(paged_batch,
     assert errors[torch.float16] < 1e-2 and errors[torch.float16] <= errors[None] * 1.5
 
 
-@pytest.mark.parametrize("head_dim,num_heads", [(128, 16), (128, 32), (64, 4)])
+@pytest.mark.parametrize("head_dim,num_heads", [(128, 16), (128, 32), (64, 4), (80, 8)])
 def test_fp8_pairs_decode_matches_the_tile_kernel(paged_batch, head_dim, num_heads):
     """The decode kernel that reads e4m3 pages as uint16 pairs (its one-cvt widening, sm_89+)
     gives the tile kernel's output to float16 rounding and the dequantised reference's to e4m3's

@@ -57,7 +57,8 @@ def test_decode_matches_reference(paged_batch, case):
 
 
 @pytest.mark.parametrize("layout", ["block_outermost", "head_major"])
-@pytest.mark.parametrize("block_size,head_dim", [(16, 128), (32, 64), (16, 256)])
+@pytest.mark.parametrize("block_size,head_dim",
+                         [(16, 128), (32, 64), (16, 256), (16, 80), (16, 96)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mixed_batch_matches_reference(paged_batch, layout, block_size, head_dim, dtype):
     seqs = [(0, 1000), (512, 300), (31, 1), (4000, 1), (0, 17), (30000, 2048), (7, 1), (100, 2)]
