@@ -6,6 +6,7 @@ Runs only with `TRITON_INTERPRET=1` set before Python starts and triton installe
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -215,3 +216,30 @@ def test_attention_kernels_address_query_rows_past_2_pow_31_elements(paged_batch
     expect = paged_attention_reference(batch.query, batch.k_cache, batch.v_cache,
                                        batch.metadata, 0.3)  # fmt: skip
     torch.testing.assert_close(out, expect, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_prefill_grid_keeps_axes_1_and_2_within_cuda_limits(paged_batch, monkeypatch,
+                                                             batch_invariant):  # fmt: skip
+    """A 70k-token chunk at 16 query heads per KV head is 70k query tiles of 16 rows in the
+    batch-invariant mode: past the 65,535 programs CUDA allows on grid axes 1 and 2, where a
+    launch fails. The tiles go on axis 0 (2**31 - 1) with the KV heads."""
+    launches: list[tuple[int, ...]] = []
+
+    class Recorder:
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            return lambda *args, **kwargs: launches.append(grid)
+
+    monkeypatch.setattr(triton_attention, "_prefill_kernel", Recorder())
+    monkeypatch.setattr(triton_attention, "_decode_kernel", Recorder())
+    monkeypatch.setattr(triton_attention, "_reduce_splits_kernel", Recorder())
+    batch = paged_batch([(0, 5), (3, 1)], num_heads=32, num_kv_heads=2, head_dim=16)
+    batch.metadata.max_query_len = 70_000  # the launch reads host ints only
+    triton_attention.paged_attention_triton(
+        batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.3,
+        torch.empty_like(batch.query), prefill_config=dict(BLOCK_M=16, BLOCK_N=16),
+        batch_invariant=batch_invariant,
+    )
+    grid = launches[0]
+    assert all(n <= 65_535 for n in grid[1:])
+    assert math.prod(grid) == 2 * 70_000 * 16 // 16 * 2  # every (KV head, tile, sequence)

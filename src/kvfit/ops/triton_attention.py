@@ -88,6 +88,7 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,
     stride_bt,
+    NUM_KV_HEADS: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
@@ -98,11 +99,14 @@ def _prefill_kernel(
     FP8_F16: tl.constexpr,
     BATCH_INVARIANT: tl.constexpr = False,
 ):  # fmt: skip
-    # Later query tiles see more keys (causal): start them first, every head's before any
-    # shorter one (heads vary fastest in launch order), so short tiles fill the tail.
-    kv_head = tl.program_id(0)
-    tile = tl.num_programs(1) - 1 - tl.program_id(1)
-    seq = tl.program_id(2)
+    # Axis 0 holds (query tile, KV head) pairs: CUDA caps axes 1 and 2 at 65,535 programs,
+    # which a long chunk's tiles pass (a 64k-token chunk at 16 query heads per KV head in the
+    # batch-invariant mode's 16-row tiles). Later query tiles see more keys (causal): start
+    # them first, every head's before any shorter one (heads vary fastest in launch order),
+    # so short tiles fill the tail.
+    kv_head = tl.program_id(0) % NUM_KV_HEADS
+    tile = tl.num_programs(0) // NUM_KV_HEADS - 1 - tl.program_id(0) // NUM_KV_HEADS
+    seq = tl.program_id(1)
     q_start = tl.load(query_start_loc + seq).to(tl.int64)  # row * stride may pass 2**31
     q_len = (tl.load(query_start_loc + seq + 1) - q_start).to(tl.int32)
     # Single-token queries belong to the decode kernel, except in the batch-invariant mode,
@@ -533,12 +537,12 @@ def paged_attention_triton(
     if metadata.max_query_len > 1 or batch_invariant:
         cfg = prefill_config or (_batch_invariant_config if batch_invariant
                                  else _prefill_config)(head_dim)
-        grid = (num_kv_heads, triton.cdiv(metadata.max_query_len * group, cfg["BLOCK_M"]), num_seqs)
-        _prefill_kernel[grid](
+        tiles = triton.cdiv(metadata.max_query_len * group, cfg["BLOCK_M"])
+        _prefill_kernel[(num_kv_heads * tiles, num_seqs)](
             query, k_cache, v_cache, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
             scale_log2, k_scale, v_scale, *common,
-            QUERY_GROUP=group, **dims, BLOCK_SIZE=block_size,
+            NUM_KV_HEADS=num_kv_heads, QUERY_GROUP=group, **dims, BLOCK_SIZE=block_size,
             FP8=fp8, FP8_F16=fp8_f16,
             BATCH_INVARIANT=batch_invariant, **cfg,
         )  # fmt: skip
