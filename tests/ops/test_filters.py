@@ -412,6 +412,21 @@ def test_gumbel_draws_only_kept_columns_and_minus_inf_changes_nothing(sample):
     assert (unfiltered != tokens)[~greedy].any()
 
 
+@pytest.mark.parametrize("thresholds_fn", [
+    pytest.param(filter_thresholds_torch, id="torch"),
+    pytest.param(lambda *a: triton_filters.filter_thresholds_triton(*a, chunk=16), id="triton",
+                 marks=[_interpreted, pytest.mark.filterwarnings("ignore::RuntimeWarning")]),
+])  # fmt: skip
+def test_vanishing_temperature_keeps_the_top_logit(thresholds_fn):
+    """At a temperature whose 1 / T overflows float32 the tempered mass is all on the top
+    logit: top-p keeps it alone (an inf scale made its weight 0 x inf = NaN, and the search
+    then kept every column)."""
+    logits = torch.tensor([[-3.0, 0.5, -1.0, 2.5, 1.0] * 8] * 2)
+    temperature = torch.tensor([1e-40, 1e-45])
+    got = thresholds_fn(logits, temperature, None, torch.full((2,), 0.5), None)
+    assert got.tolist() == [2.5, 2.5]
+
+
 # --- Triton kernel through the interpreter -----------------------------------------------------
 
 

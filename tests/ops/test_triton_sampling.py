@@ -119,6 +119,17 @@ def test_zero_temperature_is_argmax_with_first_index_ties(sample, num_rows, dtyp
 
 
 @pytest.mark.parametrize("sample,num_rows", IMPLS)
+def test_vanishing_temperature_takes_the_argmax(sample, num_rows):
+    """A temperature so small that 1 / T (or a logit / T) overflows float32 still samples
+    softmax(logits / T), which is all on the argmax: not the first column whose score became
+    inf (the first positive logit)."""
+    logits = torch.tensor([-3.0, 0.5, -1.0, 2.5, 1.0] * 3).expand(4, -1)
+    temperature = torch.tensor([1e-30, 1e-38, 1e-40, 1e-45])
+    tokens = sample(logits, temperature, torch.arange(4))
+    assert tokens.tolist() == [3] * 4
+
+
+@pytest.mark.parametrize("sample,num_rows", IMPLS)
 def test_token_depends_only_on_seed_and_logits(sample, num_rows):
     logits = torch.randn(12, 37) * 0.1  # near-flat: the noise decides
     temperatures = torch.full((12,), 1.5)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfit.ops.sampling import check_filter_inputs
+from kvfit.ops.sampling import MIN_TEMPERATURE, check_filter_inputs
 
 # Columns per program (one load), cut points per pass (4 bits of the key) and warps. Chosen by
 # `bench/sampling.py --sweep-filters` on the H200.
@@ -37,6 +37,7 @@ CHUNK = 2048
 CANDIDATES = 16
 NUM_WARPS = 4
 _LOG2E = tl.constexpr(1 / math.log(2))
+_MIN_T = tl.constexpr(MIN_TEMPERATURE)
 _INT32_MIN = tl.constexpr(-(2**31))
 _INT32_MAX = tl.constexpr(2**31 - 1)
 # Flags that say whether a filter tensor was given; specialised, each mix of filters would
@@ -240,7 +241,8 @@ def _mass_kernel(
         top = tl.load(fstate + row * 3 + 1).to(tl.float32)
         floor = tl.load(fstate + row * 3 + 2).to(tl.float32)
         xf = x.to(tl.float32)
-        w = tl.where(xf >= floor, tl.exp2((xf - top) * (_LOG2E / tl.where(t > 0, t, 1.0))), 0.0)
+        scale = _LOG2E / tl.where(t > 0, tl.maximum(t, _MIN_T), 1.0)
+        w = tl.where(xf >= floor, tl.exp2((xf - top) * scale), 0.0)
         counted = w > 0
         # float64 within the piece too only where the torch path's kept set must be matched
         # exactly (see `filter_thresholds_triton`).

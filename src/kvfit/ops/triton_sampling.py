@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kvfit.ops.sampling import check_sample_inputs
+from kvfit.ops.sampling import MIN_TEMPERATURE, check_sample_inputs
 
 BLOCK = 1024  # columns per tile (a [BLOCK // 4, 4] tile: one Philox call feeds 4 columns)
 NUM_WARPS = 4
@@ -27,6 +27,7 @@ PROGRAMS_PER_SM = 8
 _2_POW_M32 = tl.constexpr(2.0**-32)
 _LN2 = tl.constexpr(math.log(2))
 _LOG2E = tl.constexpr(1 / math.log(2))
+_MIN_T = tl.constexpr(MIN_TEMPERATURE)
 
 
 @triton.jit
@@ -71,7 +72,7 @@ def _gumbel_argmax_kernel(
     # -inf, which leaves every value as it was: the same bits as without thresholds.
     floor = tl.load(thresholds + row, mask=sample & (has_thresholds != 0), other=float("-inf"))
     # Scores in base 2, (x / T + g) * log2(e): same argmax, and log2 is the cheap log.
-    scale = _LOG2E / tl.where(sample, t, 1.0)
+    scale = _LOG2E / tl.where(sample, tl.maximum(t, _MIN_T), 1.0)
     q = tl.arange(0, BLOCK // 4)[:, None]
     j = tl.arange(0, 4)[None, :]
     row_logits = logits + row.to(tl.int64) * stride_n
