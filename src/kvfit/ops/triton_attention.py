@@ -55,9 +55,13 @@ def _load_kv_tile(
 def _dims_mask(row_mask, d, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr):
     """`[rows, HEAD_DIM_P2]` mask of a tile's real rows and dims. A head dim that is not a power
     of two is padded to one (tl.arange's lengths are); a power of two compiles unmasked."""
+    # One return: Triton's compiler (not the interpreter) also visits the statements after a
+    # static `if` that returns, and refuses two returns of different shapes.
     if HEAD_DIM == HEAD_DIM_P2:
-        return row_mask[:, None]
-    return row_mask[:, None] & (d[None, :] < HEAD_DIM)
+        mask = row_mask[:, None]
+    else:
+        mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
+    return mask
 
 
 @triton.jit
@@ -345,8 +349,10 @@ def _decode_fp8_pairs_kernel(
     g = tl.arange(0, GROUP_P2)
     head = kv_head * QUERY_GROUP + g
     g_mask = g < QUERY_GROUP
-    d2 = tl.arange(0, HEAD_DIM_P2 // 2)
-    q_mask = _dims_mask(g_mask, d2, HEAD_DIM // 2, HEAD_DIM_P2 // 2)
+    PAIRS: tl.constexpr = HEAD_DIM // 2
+    PAIRS_P2: tl.constexpr = HEAD_DIM_P2 // 2
+    d2 = tl.arange(0, PAIRS_P2)
+    q_mask = _dims_mask(g_mask, d2, PAIRS, PAIRS_P2)
     q_ptrs = query + q_row * stride_qt + head[:, None] * stride_qh + 2 * d2[None, :] * stride_qd
     q_even = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float16)
     q_odd = tl.load(q_ptrs + stride_qd, mask=q_mask, other=0.0).to(tl.float16)
@@ -357,19 +363,19 @@ def _decode_fp8_pairs_kernel(
 
     m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P2], tl.float32)
-    acc_even = tl.zeros([GROUP_P2, HEAD_DIM_P2 // 2], tl.float32)
-    acc_odd = tl.zeros([GROUP_P2, HEAD_DIM_P2 // 2], tl.float32)
+    acc_even = tl.zeros([GROUP_P2, PAIRS_P2], tl.float32)
+    acc_odd = tl.zeros([GROUP_P2, PAIRS_P2], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         k_even, k_odd = _e4m3x2_to_f16(
             _load_pair_tile(k_pairs, block_table_row, n, n_mask, kv_head, d2,
                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
-                            HEAD_DIM // 2, HEAD_DIM_P2 // 2), ASM)  # fmt: skip
+                            PAIRS, PAIRS_P2), ASM)  # fmt: skip
         v_even, v_odd = _e4m3x2_to_f16(
             _load_pair_tile(v_pairs, block_table_row, n, n_mask, kv_head, d2,
                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
-                            HEAD_DIM // 2, HEAD_DIM_P2 // 2), ASM)  # fmt: skip
+                            PAIRS, PAIRS_P2), ASM)  # fmt: skip
         s = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even))) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_weights(s, m_i, l_i)
