@@ -1,4 +1,4 @@
-"""The attention kernels compile for sm_90, on a machine without a GPU.
+"""kvfit's Triton kernels compile for sm_90, on a machine without a GPU.
 
 Triton's interpreter (tests/ops/test_triton_interpret.py) runs a kernel's Python, not its
 compiler: a kernel the interpreter runs can still fail to compile (a helper with a static `if`
@@ -16,6 +16,7 @@ import importlib
 from pathlib import Path
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
@@ -46,3 +47,98 @@ def test_attention_kernels_compile_for_sm90(
     for fn, named, options in launches:
         kernel = sass.compile_launch(fn, named, options, arch=90)
         assert kernel.asm["cubin"], fn.__name__
+
+
+def _compile_launches(monkeypatch: pytest.MonkeyPatch, call) -> list[str]:  # noqa: ANN001
+    """Names of the kernels `call()` launches, each compiled for sm_90 (launches captured)."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    sass = importlib.import_module("triton_sass")
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+
+    def capture(self, *call_args, grid, warmup, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        named = dict(zip(self.arg_names, call_args, strict=False))
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        launches.append((self, named | kwargs, options))
+
+    with monkeypatch.context() as m:
+        m.setattr(JITFunction, "run", capture)
+        call()
+    for fn, named, options in launches:
+        assert sass.compile_launch(fn, named, options, arch=90).asm["cubin"], fn.__name__
+    return [fn.__name__ for fn, _, _ in launches]
+
+
+def _attention_input_args(head_dim: int, fp8: bool) -> dict:
+    from kvfit.ops.layers import RotaryEmbedding
+
+    t, heads, kv_heads, block_size = 5, 4, 2, 16
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    cache = torch.zeros(4, block_size, kv_heads, head_dim, dtype=cache_dtype)
+    return dict(
+        positions=torch.arange(t), q=q.view(t, heads, head_dim), k=k.view(t, kv_heads, head_dim),
+        v=v.view(t, kv_heads, head_dim), q_norm_weight=torch.ones(head_dim, dtype=torch.bfloat16),
+        k_norm_weight=torch.ones(head_dim, dtype=torch.bfloat16), eps=1e-6,
+        cos_sin_cache=RotaryEmbedding(head_dim, 64, base=10_000.0).cos_sin_cache,
+        k_cache=cache, v_cache=cache.clone(), slot_mapping=torch.arange(t),
+        k_scale=torch.ones(1), v_scale=torch.ones(1))
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_attention_input_and_kv_write_compile_for_sm90(
+    monkeypatch: pytest.MonkeyPatch, head_dim: int, fp8: bool,
+) -> None:
+    from kvfit.ops import triton_attention_input, triton_kv_write
+
+    args = _attention_input_args(head_dim, fp8)
+    names = _compile_launches(monkeypatch,
+                              lambda: triton_attention_input.attention_input_triton(**args))
+    names += _compile_launches(monkeypatch, lambda: triton_kv_write.write_kv_triton(
+        args["k"], args["v"], args["k_cache"], args["v_cache"], args["slot_mapping"],
+        args["k_scale"], args["v_scale"]))
+    assert len(names) == 2
+
+
+@pytest.mark.parametrize("hidden", [896, 1024, 3584])
+def test_layer_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch, hidden: int) -> None:
+    from kvfit.ops import triton_layers
+
+    x = torch.randn(3, hidden, dtype=torch.bfloat16)
+    w = torch.ones(hidden, dtype=torch.bfloat16)
+    names = _compile_launches(monkeypatch, lambda: (
+        triton_layers.rms_norm_triton(x, w, 1e-6),
+        triton_layers.add_rms_norm_triton(x, x.clone(), w, 1e-6),
+        triton_layers.silu_and_mul_triton(torch.randn(3, 2 * hidden, dtype=torch.bfloat16))))
+    assert len(names) == 3
+
+
+@pytest.mark.parametrize("vocab", [1000, 151_936])
+def test_sampling_and_filter_kernels_compile_for_sm90(
+    monkeypatch: pytest.MonkeyPatch, vocab: int,
+) -> None:
+    from kvfit.ops import triton_filters, triton_sampling
+
+    logits = torch.randn(4, vocab, dtype=torch.bfloat16)
+    temperature = torch.tensor([0.0, 0.7, 1.0, 2.0])
+    seeds = torch.arange(4, dtype=torch.int64)
+    top_k = torch.tensor([0, 5, 50, vocab], dtype=torch.int32)
+    top_p, min_p = torch.tensor([1.0, 0.9, 0.5, 0.1]), torch.tensor([0.0, 0.0, 0.1, 0.0])
+    names = _compile_launches(monkeypatch, lambda: triton_filters.filter_thresholds_triton(
+        logits, temperature, top_k, top_p, min_p))
+    names += _compile_launches(monkeypatch, lambda: triton_sampling.gumbel_sample_triton(
+        logits, temperature, seeds, torch.full((4,), -1e30)))
+    assert names
+
+
+def test_batch_invariant_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfit.batch_invariant import triton_logsumexp, triton_matmul
+
+    x = torch.randn(3, 1000, dtype=torch.bfloat16)
+    names = _compile_launches(monkeypatch, lambda: (
+        triton_logsumexp.logsumexp_triton(x.float()),
+        triton_matmul.matmul_triton(x, torch.randn(300, 1000, dtype=torch.bfloat16))))
+    assert len(names) >= 2
