@@ -16,21 +16,30 @@ from kvfit.engine.sequence import ScheduledBatch
 from kvfit.ops.memwatch import watch_memory
 
 
-@pytest.fixture(scope="module")
-def wide_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A one-layer Qwen3 whose vocabulary dwarfs its hidden size, as real models' do (152k
-    over 1-4k): logits, not activations, set a step's peak."""
+def _one_layer_qwen3(folder: Path, vocab_size: int) -> Path:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    config = Qwen3Config(vocab_size=8192, hidden_size=64, intermediate_size=128,
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
                          eos_token_id=2, bos_token_id=0)
-    folder = tmp_path_factory.mktemp("wide-vocab")
     with torch.random.fork_rng():
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def wide_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer Qwen3 whose vocabulary dwarfs its hidden size, as real models' do (152k
+    over 1-4k): logits, not activations, set a step's peak."""
+    return _one_layer_qwen3(tmp_path_factory.mktemp("wide-vocab"), 8192)
+
+
+@pytest.fixture(scope="module")
+def narrow_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model with a 512-token vocabulary: attention, not logits, sets a step's peak."""
+    return _one_layer_qwen3(tmp_path_factory.mktemp("narrow-vocab"), 512)
 
 
 class StepPeaks:
@@ -65,7 +74,7 @@ def peaks(monkeypatch: pytest.MonkeyPatch) -> Iterator[StepPeaks]:
 
 
 def prompt(n: int, offset: int = 0) -> dict[str, list[int]]:
-    return {"prompt_token_ids": [3 + (offset + i) % 8000 for i in range(n)]}
+    return {"prompt_token_ids": [3 + (offset + i) % 500 for i in range(n)]}
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 8])
@@ -101,3 +110,25 @@ def test_logprobs_of_some_rows_take_no_more_memory_than_of_every_row() -> None:
         return watch.peak_bytes
 
     assert peak([5] * 63 + [None]) <= peak([5] * 64)
+
+
+def test_many_chunks_behind_a_cached_prefix_are_no_larger_than_warmup(
+    narrow_vocab: Path, peaks: StepPeaks
+) -> None:
+    # Requests sharing a long cached prefix (a system prompt) compute only their short tails,
+    # all in one step at the longest context: many equal-length chunks, none of which warmup
+    # ran together.
+    llm = LLM(str(narrow_vocab), device="cpu", max_num_seqs=32, max_num_batched_tokens=512,
+              max_model_len=2048)
+    try:
+        peaks.started = True
+        shared = prompt(2032)["prompt_token_ids"]
+        greedy = SamplingParams(temperature=0, max_tokens=1)
+        llm.generate([{"prompt_token_ids": shared + [5]}], greedy, use_tqdm=False)
+        tails = [{"prompt_token_ids": shared + [3 + i] * 15} for i in range(32)]
+        llm.generate(tails, greedy, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert any(len(tokens) == 32 for _, tokens in peaks.real)  # one step ran every tail
+    worst = max(peaks.real)
+    assert worst[0] <= max(peaks.warmup), (worst, peaks.warmup)

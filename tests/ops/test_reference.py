@@ -132,5 +132,8 @@ def test_reference_batches_only_as_many_sequences_as_fit_its_group_bytes(
     out = paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.3)
     torch.testing.assert_close(out.double(), naive(batch, 0.3), rtol=1e-5, atol=1e-5)
     assert sorted(n for n, q_len, _ in calls if q_len == 1) == [3, 3, 3]
+    # Longer queries alone: batched, their contexts and masks would add up past what a
+    # single sequence or a decode batch (what warmup measures) takes.
+    assert [n for n, q_len, _ in calls if q_len > 1] == [1, 1]
     assert all(n * context * 4 * (16 + q_len) * 4 <= 3 * per_decode
                for n, q_len, context in calls)

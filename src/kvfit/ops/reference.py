@@ -106,13 +106,18 @@ def paged_attention_reference(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Gather each sequence's pages and run SDPA; sequences of equal query length run batched,
-    as many at once as keep the gathered context within `GROUP_BYTES` (at least one).
+    """Gather each sequence's pages and run SDPA; decodes (query length 1) run batched, as
+    many at once as keep the gathered context within `GROUP_BYTES` (at least one), and each
+    longer query alone.
 
-    Extra memory: about 6 x `GROUP_BYTES` (K and V gathered, widened to the query heads, the
-    scores) or, for one long sequence alone, that of its own context. Batching every decode of
-    a step at once would take memory in proportion to rows x `max_model_len` (gigabytes on the
-    CPU for a few hundred decodes of a 4k window), all of it transient that sizing keeps free.
+    Extra memory: that of the largest decode batch (about 6 x `GROUP_BYTES`: K and V gathered,
+    widened to the query heads, the scores) or of the largest single sequence (its context and
+    its [query rows, context] mask), whichever is more: warmup's `max_num_seqs` decodes at
+    `max_model_len` and its longest prefill chunk measure both. Batching every decode of a step
+    at once would take memory in proportion to rows x `max_model_len` (gigabytes on the CPU for
+    a few hundred decodes of a 4k window); batching prefill chunks would hold many contexts and
+    their masks at once (many short chunks behind a shared cached prefix), a combination no
+    warmup step makes.
 
     Reads the metadata on the host, so it is not CUDA-graph safe: it is the CPU path and the
     oracle for the Triton kernels.
@@ -128,8 +133,8 @@ def paged_attention_reference(
         if q_len == 0:
             continue
         group = (query_lens == q_len).nonzero().flatten()
-        per_seq = int(host_lens[group].max()) * num_heads * (head_dim + q_len) * 4
-        step = max(1, GROUP_BYTES // per_seq)
+        per_seq = int(host_lens[group].max()) * num_heads * (head_dim + 1) * 4
+        step = max(1, GROUP_BYTES // per_seq) if q_len == 1 else 1
         for seqs in group.split(step):
             rows = (starts[seqs][:, None] + torch.arange(q_len)).to(query.device)  # [n, q_len]
             seqs = seqs.to(query.device)
