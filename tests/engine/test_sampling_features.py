@@ -127,3 +127,27 @@ def test_warmup_decodes_attend_over_max_model_len(
     llm, steps = warmup_steps
     sampled = next(s for s in steps if len(s[1]) > 1)
     assert {len(seq) for seq in sampled[1]} == {llm.config.model_config.max_model_len}
+
+
+@pytest.mark.parametrize("vocab_size", [512, 1009, 2500, 151936])
+def test_warmup_token_lists_are_as_long_as_any_request_may_name(vocab_size: int) -> None:
+    # Each list's entries are device memory (an index per entry, the values they replace):
+    # a small vocabulary's requests may still name up to MAX_TOKEN_LIST ids in each list.
+    from kvfit.engine.sampling_params import MAX_TOKEN_LIST
+
+    most = min(MAX_TOKEN_LIST, vocab_size)
+    ids = list(range(vocab_size))
+    largest = SamplingParams(
+        logit_bias={t: 1.0 for t in ids[:most]}, allowed_token_ids=ids[-most:],
+        min_tokens=1, max_tokens=1, stop_token_ids=ids[:most],
+        bad_words_token_ids=[[t] for t in ids[most:2 * most]])
+    limits = features.WarmupLimits(vocab_size, max_model_len=64, max_logprobs=20)
+
+    def entries(params: SamplingParams) -> dict[type, int]:
+        meta = SamplingMetadata.from_seqs([Sequence([0], params)], vocab_size, "cpu", [2])
+        return {kind: _entries(meta, kind) for kind in (LogitBias, AllowedTokens, BannedTokens)}
+
+    warm, real = entries(features.worst_case_params(limits)), entries(largest)
+    assert warm[LogitBias] == real[LogitBias] and warm[AllowedTokens] == real[AllowedTokens]
+    # One token stays unbanned so that no warmup row is left without a token to sample.
+    assert warm[BannedTokens] >= min(real[BannedTokens], vocab_size - 1)

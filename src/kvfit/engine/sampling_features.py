@@ -150,7 +150,7 @@ class LogitBias(SamplingFeature):
 
     @classmethod
     def worst_case(cls, limits: WarmupLimits) -> dict[str, Any]:
-        return {"logit_bias": {t: 1.0 for t in _token_range(limits)}}
+        return {"logit_bias": {t: 1.0 for t in range(_list_size(limits))}}
 
 
 class AllowedTokens(SamplingFeature):
@@ -164,8 +164,9 @@ class AllowedTokens(SamplingFeature):
 
     @classmethod
     def worst_case(cls, limits: WarmupLimits) -> dict[str, Any]:
-        # Disjoint from the bans below, so no row is left without a token.
-        return {"allowed_token_ids": _token_range(limits, 3)}
+        # The last ids: the last one is never banned below, so no row is left without a token.
+        return {"allowed_token_ids": list(range(limits.vocab_size - _list_size(limits),
+                                                limits.vocab_size))}
 
 
 class BannedTokens(SamplingFeature):
@@ -179,16 +180,19 @@ class BannedTokens(SamplingFeature):
 
     @classmethod
     def worst_case(cls, limits: WarmupLimits) -> dict[str, Any]:
-        # Disjoint lists, so every ban is an entry of its own.
-        return {"min_tokens": limits.max_model_len, "stop_token_ids": _token_range(limits, 1),
-                "bad_words_token_ids": [[t] for t in _token_range(limits, 2)]}
+        # Disjoint lists, so every ban is an entry of its own, up to every id but the last
+        # (allowed above, so no row is left without a token: one entry short of a request
+        # that bans the whole vocabulary: its index and value, about 16 bytes a row).
+        bannable = limits.vocab_size - 1
+        size = min(MAX_TOKEN_LIST, bannable)
+        return {"min_tokens": limits.max_model_len, "stop_token_ids": list(range(size)),
+                "bad_words_token_ids": [[t] for t in range(size, min(2 * size, bannable))]}
 
 
-def _token_range(limits: WarmupLimits, part: int = 0) -> list[int]:
-    """`MAX_TOKEN_LIST` token ids, the `part`-th such run; a quarter of a vocabulary too small
-    for that, so bans never cover a whole row."""
-    size = min(MAX_TOKEN_LIST, limits.vocab_size // 4)
-    return list(range(part * size, (part + 1) * size))
+def _list_size(limits: WarmupLimits) -> int:
+    """The most ids a request's list may hold: `MAX_TOKEN_LIST`, or every id of a smaller
+    vocabulary (each id is an entry of device memory, so a quarter would not do)."""
+    return min(MAX_TOKEN_LIST, limits.vocab_size)
 
 
 SAMPLING_FEATURES: tuple[type[SamplingFeature], ...] = (
