@@ -117,23 +117,26 @@ def test_reference_batches_only_as_many_sequences_as_fit_its_group_bytes(
     # rows x the longest context; the reference splits them so each call stays in budget.
     from kvfit.ops import reference
 
-    lengths = [(40 + 7 * i, 1) for i in range(9)] + [(5, 3), (60, 3)]
+    lengths = ([(40 + 7 * i, 1) for i in range(9)] + [(5, 3), (60, 3)]
+               + [(9 + 11 * i, 2) for i in range(3)])
     batch = paged_batch(lengths, num_heads=4, num_kv_heads=2, head_dim=16)
-    calls: list[tuple[int, int, int]] = []
-    attend = reference._attend_group
+    calls: list[tuple[int, int, int, int]] = []  # (sequences, rows, context, query length)
+    attend = reference._attend_rows
 
-    def recording(query, k_cache, v_cache, block_table, seq_lens, *scales):
-        calls.append((query.shape[0], query.shape[1], int(seq_lens.max())))
-        return attend(query, k_cache, v_cache, block_table, seq_lens, *scales)
+    def recording(query, k, v, seq_lens, q_len, first, scale):
+        calls.append((query.shape[0], query.shape[1], k.shape[2], q_len))
+        return attend(query, k, v, seq_lens, q_len, first, scale)
 
     per_decode = 97 * 4 * (16 + 1) * 4  # the longest decode context (40 + 7 x 8 + 1)
     monkeypatch.setattr(reference, "GROUP_BYTES", 3 * per_decode)
-    monkeypatch.setattr(reference, "_attend_group", recording)
+    monkeypatch.setattr(reference, "_attend_rows", recording)
     out = paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.3)
     torch.testing.assert_close(out.double(), naive(batch, 0.3), rtol=1e-5, atol=1e-5)
-    assert sorted(n for n, q_len, _ in calls if q_len == 1) == [3, 3, 3]
-    # Longer queries alone: batched, their contexts and masks would add up past what a
-    # single sequence or a decode batch (what warmup measures) takes.
-    assert [n for n, q_len, _ in calls if q_len > 1] == [1, 1]
-    assert all(n * context * 4 * (16 + q_len) * 4 <= 3 * per_decode
-               for n, q_len, context in calls)
+    assert sorted(n for n, _, _, q_len in calls if q_len == 1) == [3, 3, 3]
+    # Longer queries: several sequences attend one row at a time (a decode batch's memory),
+    # else each alone; all rows of several at once would hold their contexts and masks
+    # together, more than a single sequence or a decode batch (what warmup measures) takes.
+    assert sorted((n, rows) for n, rows, _, q_len in calls if q_len == 3) == [(1, 3), (1, 3)]
+    assert [(n, rows) for n, rows, _, q_len in calls if q_len == 2] == [(3, 1), (3, 1)]
+    assert all(n * context * 4 * (16 + 1) * 4 <= 3 * per_decode or n == 1
+               for n, _, context, _ in calls)

@@ -20,6 +20,13 @@ GROUP_BYTES = 32 << 20
 gathers; the reference attention's working set scales with this, not with the step."""
 
 
+_CALL_WORTH_BYTES = 512 << 10
+"""Float32 products (query rows x keys x heads x head dim) whose time one SDPA call's overhead
+is worth on the CPU: a batch attending row by row runs about 3.5x slower per product than one
+sequence at a time, so it pays only where it saves many calls over short contexts (256
+prompts of 8 tokens: 2.5x faster; 32 tails at a 2k context: 3.5x slower)."""
+
+
 def write_kv_reference(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -59,32 +66,43 @@ def _gather_context(
     return tokens.transpose(1, 2)
 
 
-def _attend_group(
-    query: torch.Tensor,  # [n, q_len, heads, d]
+def _gather_group(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_table: torch.Tensor,  # [n, max_blocks]
     seq_lens: torch.Tensor,  # [n] int64
-    scale: float,
+    dtype: torch.dtype,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
-) -> torch.Tensor:
-    """Attention for n sequences sharing one query length; contexts padded to the longest.
-    FP8 pages are dequantised as gathered (the group's copy, never the whole cache)."""
-    q_len = query.shape[1]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V `[n, kv_heads, context, d]` of n sequences in `dtype`, padded with zeros to the
+    longest. FP8 pages are dequantised as gathered (the group's copy, never the whole cache)."""
     context_len = int(seq_lens.max())
-    rows = torch.arange(q_len, device=query.device)
-    cols = torch.arange(context_len, device=query.device)
+    cols = torch.arange(context_len, device=seq_lens.device)
     # Slots past a sequence's length were never written (garbage, possibly NaN, on reused device
     # memory); a masked score does not stop 0 * NaN from reaching the output, so zero them.
     unwritten = (cols[None, :] >= seq_lens[:, None])[:, None, :, None]  # [n, 1, context, 1]
     # The gathered tensors are fresh copies: zero them in place.
-    k = _from_cache(_gather_context(k_cache, block_table, context_len), k_scale, query.dtype)
-    v = _from_cache(_gather_context(v_cache, block_table, context_len), v_scale, query.dtype)
-    k, v = k.masked_fill_(unwritten, 0), v.masked_fill_(unwritten, 0)
+    k = _from_cache(_gather_context(k_cache, block_table, context_len), k_scale, dtype)
+    v = _from_cache(_gather_context(v_cache, block_table, context_len), v_scale, dtype)
+    return k.masked_fill_(unwritten, 0), v.masked_fill_(unwritten, 0)
+
+
+def _attend_rows(
+    query: torch.Tensor,  # [n, r, heads, d]: rows first_row .. first_row + r of each query
+    k: torch.Tensor,  # [n, kv_heads, context, d] from `_gather_group`
+    v: torch.Tensor,
+    seq_lens: torch.Tensor,  # [n] int64
+    q_len: int,
+    first_row: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of some query rows of n sequences sharing one query length `q_len`."""
+    rows = torch.arange(first_row, first_row + query.shape[1], device=query.device)
+    cols = torch.arange(k.shape[2], device=query.device)
     # Lower-right aligned causal mask: query row i sits at position seq_len - q_len + i.
-    last_visible = seq_lens[:, None] - q_len + rows[None, :]  # [n, q_len]
-    mask = cols[None, None, :] <= last_visible[:, :, None]  # [n, q_len, context_len]
+    last_visible = seq_lens[:, None] - q_len + rows[None, :]  # [n, r]
+    mask = cols[None, None, :] <= last_visible[:, :, None]  # [n, r, context_len]
     out = F.scaled_dot_product_attention(
         query.transpose(1, 2),
         k,
@@ -106,18 +124,19 @@ def paged_attention_reference(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Gather each sequence's pages and run SDPA; decodes (query length 1) run batched, as
-    many at once as keep the gathered context within `GROUP_BYTES` (at least one), and each
-    longer query alone.
+    """Gather each sequence's pages and run SDPA. Sequences of one query length are batched,
+    as many at once as keep the gathered context within `GROUP_BYTES` (at least one); a batch
+    of longer queries attends one row at a time over its gathered context, or, where that
+    takes more calls, one sequence at a time.
 
     Extra memory: that of the largest decode batch (about 6 x `GROUP_BYTES`: K and V gathered,
-    widened to the query heads, the scores) or of the largest single sequence (its context and
-    its [query rows, context] mask), whichever is more: warmup's `max_num_seqs` decodes at
-    `max_model_len` and its longest prefill chunk measure both. Batching every decode of a step
-    at once would take memory in proportion to rows x `max_model_len` (gigabytes on the CPU for
-    a few hundred decodes of a 4k window); batching prefill chunks would hold many contexts and
-    their masks at once (many short chunks behind a shared cached prefix), a combination no
-    warmup step makes.
+    widened to the query heads, the scores), which a batch attending row by row also takes, or
+    that of one sequence alone (its context and its [query rows, context] mask), whichever is
+    more: warmup's `max_num_seqs` decodes at `max_model_len` and its longest prefill chunk
+    measure both. Batching every decode of a step at once would take memory in proportion to
+    rows x `max_model_len` (gigabytes on the CPU for a few hundred decodes of a 4k window);
+    attending every row of a batch at once would hold many contexts and their masks together
+    (many short chunks behind a shared cached prefix), a combination no warmup step makes.
 
     Reads the metadata on the host, so it is not CUDA-graph safe: it is the CPU path and the
     oracle for the Triton kernels.
@@ -134,20 +153,23 @@ def paged_attention_reference(
             continue
         group = (query_lens == q_len).nonzero().flatten()
         per_seq = int(host_lens[group].max()) * num_heads * (head_dim + 1) * 4
-        step = max(1, GROUP_BYTES // per_seq) if q_len == 1 else 1
-        for seqs in group.split(step):
-            rows = (starts[seqs][:, None] + torch.arange(q_len)).to(query.device)  # [n, q_len]
-            seqs = seqs.to(query.device)
-            out[rows] = _attend_group(
-                query[rows],
-                k_cache,
-                v_cache,
-                metadata.block_table[seqs],
-                seq_lens[seqs],
-                scale,
-                k_scale,
-                v_scale,
-            ).to(out.dtype)
+        for seqs in group.split(max(1, GROUP_BYTES // per_seq)):
+            # Several sequences attend one row at a time, a decode batch's memory, where that
+            # saves calls (short contexts); otherwise one sequence at a time, whole.
+            n = len(seqs)
+            work = n * q_len * int(host_lens[seqs].max()) * num_heads * head_dim * 4
+            batched = q_len == 1 or (n > q_len and work < (n - q_len) * _CALL_WORTH_BYTES)
+            for part in [seqs] if batched else seqs.split(1):
+                rows_per_call = q_len if len(part) == 1 else 1
+                on_device = part.to(query.device)
+                k, v = _gather_group(k_cache, v_cache, metadata.block_table[on_device],
+                                     seq_lens[on_device], query.dtype, k_scale, v_scale)
+                for first in range(0, q_len, rows_per_call):
+                    rows = (starts[part][:, None]
+                            + torch.arange(first, first + rows_per_call)).to(query.device)
+                    out[rows] = _attend_rows(query[rows], k, v, seq_lens[on_device], q_len,
+                                             first, scale).to(out.dtype)
+                del k, v  # before the next part's are gathered
     return out
 
 
