@@ -72,6 +72,19 @@ def test_prompt_context_keeps_the_leading_space(metaspace: Tokenizer) -> None:
     assert seq.output_text == " world moon"
 
 
+def test_prompt_cut_inside_a_character_adds_nothing_to_the_output(
+    byte_level: Tokenizer,
+) -> None:
+    # A token-id prompt may end with the first bytes of a character; they are the prompt's,
+    # so the output's text must not start with the replacement character they decode to.
+    first_bytes = byte_level.encode("日").ids[:-1]
+    assert byte_level.decode(first_bytes).endswith("\ufffd")  # the character spans tokens
+    prompt = byte_level.encode("Good night ").ids + first_bytes
+    output = byte_level.encode(" moon").ids
+    seq, _, _ = generate(Detokenizer(byte_level), prompt, output)
+    assert seq.output_text == byte_level.decode(output) == " moon"
+
+
 def test_stop_string_across_token_boundaries(byte_level: Tokenizer) -> None:
     output = byte_level.encode("hello world, the stop word").ids
     seq, stop, fed = generate(Detokenizer(byte_level), [1], output, stop=["lo wor", "stop"])

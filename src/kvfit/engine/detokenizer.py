@@ -77,11 +77,24 @@ class Detokenizer:
         self._streams.pop(seq.seq_id, None)
 
     def _new_stream(self, seq: Sequence) -> DecodeStream:
-        stream = DecodeStream(skip_special_tokens=seq.sampling_params.skip_special_tokens)
         # The prompt's text is already known: feed its tail as context and drop what it yields.
-        for token_id in seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]:
-            stream.step(self.tokenizer, token_id)
+        context = seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
+        stream, num_complete = self._stream_over(seq, context)
+        if num_complete < len(context):
+            # The prompt ends inside a character (a token-id prompt cut mid-way): the stream
+            # holds its first bytes and would emit them, as U+FFFD, at the start of the
+            # output's text. They are the prompt's: leave them out of the context.
+            stream, _ = self._stream_over(seq, context[:num_complete])
         return stream
+
+    def _stream_over(self, seq: Sequence, context: list[int]) -> tuple[DecodeStream, int]:
+        """A stream fed `context`, and how many of its tokens end in complete text."""
+        stream = DecodeStream(skip_special_tokens=seq.sampling_params.skip_special_tokens)
+        num_complete = 0
+        for i, token_id in enumerate(context, start=1):
+            if stream.step(self.tokenizer, token_id) is not None:
+                num_complete = i
+        return stream, num_complete
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence, new_start: int) -> str | None:
