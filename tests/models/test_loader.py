@@ -18,6 +18,7 @@ from kvfit.models.llama import rope_parameters
 from kvfit.models.loader import (
     BUILTIN_DIR,
     BUILTIN_MODELS,
+    load_eos_token_ids,
     load_hf_config,
     load_model,
     load_tokenizer,
@@ -84,6 +85,17 @@ def test_shape_configs_have_no_tokenizer() -> None:
 def test_folder_without_tokenizer(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
     assert load_tokenizer(str(tiny_model("qwen3"))) is not None
     assert load_tokenizer(str(copy_config(tiny_model("qwen3"), tmp_path / "m"))) is None
+
+
+def test_eos_ids_outside_the_vocabulary_are_dropped(
+    tiny_model: Callable[[str], Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The sampler bans EOS ids below min_tokens at row * vocab_size + id: one outside the
+    # vocabulary would index past the logits, or ban a token of another row.
+    folder = copy_config(tiny_model("qwen3"), tmp_path / "m", eos_token_id=[2, 512])
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [-1, 7]}))
+    assert load_eos_token_ids(str(folder), load_hf_config(str(folder))) == [2, 7]
+    assert "512" in caplog.text and "-1" in caplog.text and "vocab_size" in caplog.text
 
 
 def test_unknown_model_name() -> None:

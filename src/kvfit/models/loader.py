@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +26,8 @@ BUILTIN_DIR = Path(__file__).parent / "configs"
 BUILTIN_MODELS = ("kvfit-tiny", "kvfit-sotu", "qwen3-0.6b-shape", "qwen3-8b-shape")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model(model: str) -> Path:
@@ -120,7 +123,15 @@ def load_eos_token_ids(model: str, hf_config: PretrainedConfig) -> list[int]:
             raise ValueError(f"{generation_config} is not a JSON object: {e}") from e
     flat = [i for entry in ids if entry is not None
             for i in ([entry] if isinstance(entry, int) else entry)]
-    return list(dict.fromkeys(flat))
+    # An id the model cannot sample never ends anything; kept, the sampler's min_tokens ban
+    # (row * vocab_size + id) would index past the logits or ban another row's token.
+    vocab_size = hf_config.vocab_size
+    outside = list(dict.fromkeys(i for i in flat if not 0 <= i < vocab_size))
+    if outside:
+        logger.warning("eos_token_id %s (config.json / generation_config.json) outside the "
+                       "vocabulary (vocab_size=%d) ignored: the model cannot generate it",
+                       outside, vocab_size)
+    return list(dict.fromkeys(i for i in flat if 0 <= i < vocab_size))
 
 
 @contextmanager
