@@ -313,6 +313,33 @@ def test_a_stop_token_ends_the_output_though_the_next_step_is_in_flight(
         assert out.outputs[0].finish_reason == "stop"
 
 
+def test_an_interrupted_generate_leaves_nothing_behind(
+    qwen3_llm: LLM, qwen3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ctrl-C in a notebook: the requests of the interrupted call must not hold blocks, nor run
+    # to their end inside the next call.
+    engine = qwen3_llm.engine
+    step, calls = engine.step, []
+
+    def interrupted_step() -> list[Sequence]:
+        calls.append(None)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        qwen3_llm.generate(token_prompts(make_prompts((12, 30))), greedy(max_tokens=200),
+                           use_tqdm=False)
+    assert not engine.has_unfinished()
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    prompt = make_prompts((9,), seed=4)[0]
+    [out] = qwen3_llm.generate(token_prompts([prompt]), greedy(), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(qwen3, prompt)
+    assert len(calls) < 3 + 2 * MAX_TOKENS  # not the 200 tokens of the interrupted requests
+
+
 def test_abort_while_a_step_is_in_flight_frees_everything(qwen3_llm: LLM) -> None:
     engine = qwen3_llm.engine
     [seq] = qwen3_llm.input_processor.make_sequences(

@@ -232,7 +232,15 @@ class LLM:
                   # None: no bar where stderr is not a terminal (a log file gets no line
                   # per update).
                   disable=None if use_tqdm else True) as bar:
-            while self.engine.has_unfinished():
-                bar.update(len(self.engine.step()))
+            try:
+                while self.engine.has_unfinished():
+                    bar.update(len(self.engine.step()))
+            except BaseException:
+                # Interrupted (Ctrl-C) or failed: drop this call's requests, or they would keep
+                # their KV blocks and run to their end inside the next call.
+                self.engine.fail_step()
+                for seqs in requests:
+                    self.engine.abort_request(seqs[0].request_id)
+                raise
         return [RequestOutput.from_seqs(seqs) for seqs in requests]
 
