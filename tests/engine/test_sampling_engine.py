@@ -150,8 +150,11 @@ def test_max_tokens_none_generates_to_the_end_of_the_context(qwen3: Path) -> Non
     llm = LLM(str(qwen3), device="cpu", num_gpu_blocks_override=16, max_model_len=40,
               max_num_batched_tokens=64)
     params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, min_tokens=5)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(3, 30)], params, use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [37, 10]
+    # The last prompt leaves less room than min_tokens: it runs to the end of the context, as
+    # with a max_tokens beyond that room.
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(3, 30, 37)], params,
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [37, 10, 3]
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     assert params.max_tokens is None  # the caller's params are left as given
     llm.shutdown()

@@ -90,7 +90,11 @@ class InputProcessor:
             raise ValueError(f"{where}: SamplingParams.stop needs a tokenizer; use "
                              f"stop_token_ids instead")
         if params.max_tokens is None:  # the rest of the context, as vLLM resolves it
-            params = dataclasses.replace(params, max_tokens=mc.max_model_len - len(token_ids))
+            room = mc.max_model_len - len(token_ids)
+            # A min_tokens beyond the room bans stops to the end of the context either way
+            # (like an explicit max_tokens past it); unclamped it would fail validation.
+            params = dataclasses.replace(params, max_tokens=room,
+                                         min_tokens=min(params.min_tokens, room))
         request_id = str(next(self._request_counter))
         parent = Sequence(token_ids, params, request_id=request_id, prompt=text)
         siblings = [Sequence(token_ids, params, request_id=request_id, prompt=text,
