@@ -12,9 +12,10 @@ OpenAI's error body.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvfit.engine.sampling_params import SamplingParams
 
@@ -38,8 +39,25 @@ def error_body(message: str, type: str, param: str | None = None,
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def _admits_none(annotation: Any) -> bool:
+    return get_origin(annotation) in (Union, types.UnionType) and type(None) in get_args(
+        annotation)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """A JSON `null` for an optional field whose type has no None (`n`, `stream`, `echo`,
+        `logprobs`, ...) means its default, as OpenAI's API (where they are nullable) and vLLM
+        take it: clients send `"n": null` for a parameter left at None."""
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None or (field := cls.model_fields.get(key)) is None
+                or field.is_required() or _admits_none(field.annotation)}
 
 
 class StreamOptions(_Body):
