@@ -57,3 +57,46 @@ def test_the_client_passing_none_is_served(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
                                        n=None, logprobs=None, stream=None)
     assert len(r.choices) == 1 and r.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_scores_the_prompt(client: openai.OpenAI, stream: bool) -> None:
+    """Prompt scoring (evaluation harnesses send it): the prompt, its logprobs, no completion."""
+    prompt = "The capital of France is Paris"
+    whole = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3,
+                                      temperature=0, echo=True, logprobs=2)
+    kwargs = dict(model=MODEL_NAME, prompt=[prompt, "Hi"], max_tokens=0, echo=True, logprobs=2,
+                  n=2, temperature=1.0)
+    if stream:
+        chunks = list(client.completions.create(**kwargs, stream=True,
+                                                stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        choices: dict[int, list] = {}
+        for chunk in chunks:
+            for c in chunk.choices:
+                choices.setdefault(c.index, []).append(c)
+        texts = {i: "".join(c.text for c in cs) for i, cs in choices.items()}
+        tokens = {i: [t for c in cs for t in c.logprobs.tokens] for i, cs in choices.items()}
+        finish = {i: cs[-1].finish_reason for i, cs in choices.items()}
+    else:
+        r = client.completions.create(**kwargs)
+        usage = r.usage
+        texts = {c.index: c.text for c in r.choices}
+        tokens = {c.index: c.logprobs.tokens for c in r.choices}
+        finish = {c.index: c.finish_reason for c in r.choices}
+        lp = r.choices[0].logprobs
+        n_prompt = len(lp.tokens)
+        assert lp.token_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(
+            whole.choices[0].logprobs.token_logprobs[1:n_prompt], abs=1e-4)
+    assert texts == {0: prompt, 1: prompt, 2: "Hi", 3: "Hi"}
+    assert tokens[0] == whole.choices[0].logprobs.tokens[:len(tokens[0])]
+    assert "".join(tokens[0]) == prompt and "".join(tokens[2]) == "Hi"
+    assert set(finish.values()) == {"length"}
+    assert usage.completion_tokens == 0
+    assert usage.prompt_tokens == whole.usage.prompt_tokens + len(tokens[2])
+
+
+def test_max_tokens_0_without_echo_is_still_refused(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

@@ -392,10 +392,16 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         prompts = [{"prompt_token_ids": next(encoded), "prompt": p} if isinstance(p, str)
                    else {"prompt_token_ids": p, "prompt": None} for p in given]
         prompt_logprobs = body.logprobs if body.echo else None
+        # Prompt scoring (echo with max_tokens 0, as OpenAI's legacy API and vLLM take it, and
+        # evaluation harnesses send): the engine generates one token, left out of the answer.
+        scoring = body.echo and body.max_tokens == 0
         params = [body.sampling_params(
-            check_length(len(p["prompt_token_ids"]), body.max_tokens, "prompt", "max_tokens"),
+            check_length(len(p["prompt_token_ids"]), 1 if scoring else body.max_tokens,
+                         "prompt", "max_tokens"),
             body.logprobs, prompt_logprobs) for p in prompts]
         streams, admission = start(body, prompts, params)
+        if scoring:
+            streams = [_prompt_only(s) for s in streams]
         ids = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streaming = False
@@ -563,6 +569,20 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             await task
         raise APIError("the client disconnected", 499, "client_disconnected")
     return task.result()
+
+
+async def _prompt_only(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """A prompt-scoring request's one output, once it is finished: its prompt (and prompt
+    logprobs) with empty completions, the token generated to get them left out."""
+    async with aclosing(stream):
+        async for out in stream:  # noqa: B007 (the last one is the result)
+            pass
+    out.outputs = [CompletionOutput(
+        index=c.index, text="", token_ids=[],
+        cumulative_logprob=None if c.logprobs is None else 0.0,
+        logprobs=None if c.logprobs is None else [], finish_reason="length")
+        for c in out.outputs]
+    yield out
 
 
 def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
