@@ -100,3 +100,33 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client: openai.OpenAI, stream:
 def test_max_tokens_0_without_echo_is_still_refused(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+PREFILL = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, I"}]
+
+
+def test_continue_final_message_continues_the_assistant_prefill(client: openai.OpenAI,
+                                                                  http: httpx.Client) -> None:
+    rendered = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello, I"
+    ref = client.completions.create(model=MODEL_NAME, prompt=rendered, max_tokens=6,
+                                    temperature=0)
+    for flags in ({"continue_final_message": True, "add_generation_prompt": False},
+                  {"continue_final_message": True}):  # add_generation_prompt left unset
+        r = client.chat.completions.create(model=MODEL_NAME, messages=PREFILL, max_tokens=6,
+                                           temperature=0, extra_body=flags)
+        assert r.choices[0].message.content == ref.choices[0].text
+        assert r.usage.prompt_tokens == ref.usage.prompt_tokens
+        tokens = http.post("/tokenize", json={"messages": PREFILL, **flags}).json()["tokens"]
+        assert http.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == rendered
+    # Without it the final message is closed and a new turn follows, as before.
+    closed = http.post("/tokenize", json={"messages": PREFILL, "add_generation_prompt": False})
+    assert http.post("/detokenize", json={"tokens": closed.json()["tokens"]}).json()[
+        "prompt"] == rendered + "<|im_end|>\n"
+
+
+def test_continue_final_message_with_add_generation_prompt_is_a_400(http: httpx.Client) -> None:
+    r = http.post("/v1/chat/completions", json={
+        "messages": PREFILL, "continue_final_message": True, "add_generation_prompt": True})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "add_generation_prompt"
+    assert "continue_final_message" in r.json()["error"]["message"]

@@ -219,11 +219,11 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         return await asyncio.get_running_loop().run_in_executor(
             tokenize_pool, encode_now, texts, param, add_special_tokens)
 
-    def render_chat(messages: list[Any], add_generation_prompt: bool) -> str:
+    def render_chat(body: ChatCompletionRequest | TokenizeRequest) -> str:
+        flags = body.template_flags()
         try:
             return tokenizer().apply_chat_template(
-                [m.template_dict() for m in messages], tokenize=False,
-                add_generation_prompt=add_generation_prompt)
+                [m.template_dict() for m in body.messages], tokenize=False, **flags)
         except APIError:
             raise
         except Exception as e:  # a template error is the messages' fault (or no template)
@@ -236,7 +236,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError("send one of prompt or messages", param="prompt")
         if body.messages is not None:
-            text = render_chat(body.messages, body.add_generation_prompt)
+            text = render_chat(body)
             (tokens,) = await encode([text], "messages", add_special_tokens=False)
         else:
             (tokens,) = await encode([body.prompt], "prompt", body.add_special_tokens)
@@ -442,7 +442,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         body.check()
         num_logprobs = body.num_logprobs()
         check_logprobs(num_logprobs, "top_logprobs")
-        text = render_chat(body.messages, body.add_generation_prompt)
+        text = render_chat(body)
         (token_ids,) = await encode([text], "messages", add_special_tokens=False)
         prompt = {"prompt_token_ids": token_ids, "prompt": text}
         if not prompt["prompt_token_ids"]:

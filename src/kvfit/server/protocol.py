@@ -1,7 +1,8 @@
 """OpenAI-compatible request bodies (pydantic) and their conversion to `SamplingParams`.
 
 Field names follow OpenAI's API, plus vLLM's extra sampling fields (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `allowed_token_ids`, ...). Unknown fields are refused (vLLM
+`repetition_penalty`, `ignore_eos`, `allowed_token_ids`, ...) and chat-template flags
+(`add_generation_prompt`, `continue_final_message`). Unknown fields are refused (vLLM
 ignores them), so a misspelt setting is an error naming it rather than silently ignored.
 OpenAI's tool and format fields are taken at the values that ask for nothing (`tools: []`,
 `tool_choice: "none"`, `response_format: {"type": "text"}`; clients send them so) and refused
@@ -170,6 +171,26 @@ class ContentPart(_Body):
     text: str
 
 
+class _ChatTemplateFields(_Body):
+    """How the messages are rendered: a new assistant turn's header after them
+    (`add_generation_prompt`), or the final message left open for the model to continue
+    (vLLM's `continue_final_message`: an assistant prefill)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def template_flags(self) -> dict[str, bool]:
+        """The chat template's keyword arguments. A continued final message takes no new
+        turn's header, so add_generation_prompt left at its default is false then."""
+        if not self.continue_final_message:
+            return {"add_generation_prompt": self.add_generation_prompt}
+        if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise APIError("continue_final_message and add_generation_prompt cannot both be "
+                           "true: set add_generation_prompt to false to continue the final "
+                           "message", param="add_generation_prompt")
+        return {"add_generation_prompt": False, "continue_final_message": True}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # tool and function fields pass to the template
 
@@ -186,7 +207,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -194,7 +215,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
     # Taken only at values that ask for nothing (`check`): no tool calling, no format.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -226,14 +246,13 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_ChatTemplateFields):
     """`POST /tokenize`: a prompt, or messages rendered with the chat template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Body):
