@@ -130,3 +130,20 @@ def test_continue_final_message_with_add_generation_prompt_is_a_400(http: httpx.
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "add_generation_prompt"
     assert "continue_final_message" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("part", "kind"), [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "image_url"),
+    ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+     "input_audio"),
+])
+def test_an_image_or_audio_part_is_a_400_that_names_it(http: httpx.Client, part: dict,
+                                                       kind: str) -> None:
+    content = [{"type": "text", "text": "What is this?"}, part]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = http.post(path, json={"messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "messages.0.content"
+        assert f"part 1 is of type '{kind}'" in error["message"]
+        assert "text only" in error["message"] and "fits none" not in error["message"]

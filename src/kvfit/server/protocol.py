@@ -16,7 +16,8 @@ import re
 import types
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from kvfit.engine.sampling_params import SamplingParams
 
@@ -197,6 +198,20 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """A part of another kind (image_url, input_audio, file, ...) is named as such rather
+        than reported as a mismatch with every type `content` could have."""
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise PydanticCustomError(
+                    "content_part_unsupported",
+                    "part {index} is of type '{kind}': this server's model takes text only; "
+                    "send a string or parts of type 'text'", {"index": i, "kind": kind})
+        return content
 
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template reads it (text parts joined)."""
