@@ -147,3 +147,25 @@ def test_scheduler_finishes_on_a_stop_string(byte_level: Tokenizer) -> None:
     assert (seq.finish_reason, seq.stop_reason) == ("stop", "STOP")
     assert seq.output_text == " the stop word is "
     assert scheduler.block_manager.num_free_blocks == 32
+
+
+@pytest.mark.parametrize("text", ["hello 日本語 night", "é moon ü 🌙"])
+def test_token_bytes_join_into_the_text(byte_level: Tokenizer, text: str) -> None:
+    """Tokens holding part of a character give its raw bytes, not U+FFFD's."""
+    detok = Detokenizer(byte_level)
+    ids = byte_level.encode(text).ids
+    assert any(detok.decode_token(t) == "\ufffd" for t in ids)
+    assert b"".join(detok.token_bytes(t) for t in ids) == text.encode()
+
+
+def test_token_bytes_of_byte_fallback_pieces() -> None:
+    """SentencePiece-style byte fallback: a `<0xNN>` piece is the byte NN."""
+    pieces = ["<unk>", *(f"<0x{b:02X}>" for b in range(256)), "▁moon"]
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>",
+                               byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    detok = Detokenizer(tok)
+    ids = [1 + b for b in "日".encode()] + [257]
+    assert [detok.decode_token(t) for t in ids[:3]] == ["\ufffd"] * 3
+    assert b"".join(detok.token_bytes(t) for t in ids) == "日 moon".encode()

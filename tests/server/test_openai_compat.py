@@ -147,3 +147,31 @@ def test_an_image_or_audio_part_is_a_400_that_names_it(http: httpx.Client, part:
         assert error["param"] == "messages.0.content"
         assert f"part 1 is of type '{kind}'" in error["message"]
         assert "text only" in error["message"] and "fits none" not in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_bytes_of_a_split_character_join_into_it(client: openai.OpenAI,
+                                                               http: httpx.Client,
+                                                               stream: bool) -> None:
+    """kvfit-tiny spells '日' as three one-byte tokens; each one's `bytes` is its byte (not
+    U+FFFD's), so a client joining the bytes gets the character back."""
+    byte_tokens = http.post("/tokenize", json={"prompt": "日"}).json()["tokens"]
+    (whole,) = http.post("/tokenize", json={"prompt": "llo"}).json()["tokens"]
+    assert len(byte_tokens) == 3
+    kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, logprobs=True,
+                  top_logprobs=4, temperature=1.0, seed=3,
+                  extra_body={"allowed_token_ids": [*byte_tokens, whole]})
+    if stream:
+        entries = [e for chunk in client.chat.completions.create(**kwargs, stream=True)
+                   if chunk.choices and chunk.choices[0].logprobs
+                   for e in chunk.choices[0].logprobs.content]
+    else:
+        entries = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    by_token = {bytes([b]) for b in "日".encode()} | {b"llo"}
+    assert len(entries) == 6
+    assert {bytes(e.bytes) for e in entries} <= by_token
+    for e in [*entries, *(top for x in entries for top in x.top_logprobs)]:
+        if "\ufffd" in e.token:  # part of a character: raw bytes, none of them U+FFFD's
+            assert e.bytes and "\ufffd".encode() not in bytes(e.bytes)
+        else:
+            assert bytes(e.bytes).decode() == e.token

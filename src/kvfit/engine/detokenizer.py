@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -12,6 +14,21 @@ from kvfit.engine.sequence import Logprobs, Sequence
 # Prompt tokens fed to a new stream as context: enough for decoders that drop a leading space
 # at the start of text, or merge bytes of a character split across tokens.
 PROMPT_CONTEXT_TOKENS = 6
+# A byte-fallback vocabulary's token for one raw byte (SentencePiece-style, as Llama 2's).
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte is spelled by one printable character,
+    itself where it is printable and not a space, else U+0100 onwards in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    chars = {chr(b): b for b in kept}
+    chars.update({chr(256 + i): b for i, b in enumerate(moved)})
+    return chars
+
+
+_BYTE_LEVEL_CHARS = _byte_level_chars()
 
 
 class Detokenizer:
@@ -35,6 +52,7 @@ class Detokenizer:
         # seq_id -> (stream, number of output tokens fed to it)
         self._streams: dict[int, tuple[DecodeStream, int]] = {}
         self._token_texts: dict[int, str] = {}
+        self._byte_level: bool | None = None  # whether the decoder is byte-level (lazily)
 
     def decode_token(self, token_id: int) -> str | None:
         """The text of one token on its own (cached; None without a tokenizer)."""
@@ -45,6 +63,28 @@ class Detokenizer:
             text = self._token_texts[token_id] = self.tokenizer.decode(
                 [token_id], skip_special_tokens=False)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for. Its text's UTF-8, except for a token that holds
+        part of a character (alone it decodes to U+FFFD): its raw bytes, read from its
+        vocabulary entry (byte-level BPE, or a byte-fallback `<0xNN>` piece), so that the
+        bytes of consecutive tokens join into the character, as OpenAI's logprobs `bytes`
+        promise. Empty without a tokenizer."""
+        text = self.decode_token(token_id) or ""
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return text.encode()
+        if match := _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(match[1], 16)])
+        if self._byte_level is None:
+            decoder = json.loads(self.tokenizer.to_str()).get("decoder") or {}
+            self._byte_level = "ByteLevel" in {decoder.get("type"), *(
+                d.get("type") for d in decoder.get("decoders") or ())}
+        if self._byte_level and all(ch in _BYTE_LEVEL_CHARS for ch in piece):
+            return bytes(_BYTE_LEVEL_CHARS[ch] for ch in piece)
+        return text.encode()
 
     def annotate(self, logprobs: Logprobs) -> Logprobs:
         """Fill each entry's `decoded_token` (in place); returns `logprobs`."""

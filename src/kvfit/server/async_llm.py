@@ -356,6 +356,10 @@ class AsyncLLM:
         """One token's text on its own (None without a tokenizer)."""
         return self._detokenizer.decode_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's raw bytes (`Detokenizer.token_bytes`)."""
+        return self._detokenizer.token_bytes(token_id)
+
     def add_request(self, prompt: Prompt, params: SamplingParams,
                     request_id: str | None = None) -> RequestStream:
         """Queue one request (call from a running event loop); iterate the returned stream

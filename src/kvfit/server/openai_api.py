@@ -470,7 +470,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         choices = [{"index": c.index,
                     "message": {"role": "assistant", "content": c.text},
                     "logprobs": (None if num_logprobs is None
-                                 else {"content": _chat_logprobs(c, 0, num_logprobs)}),
+                                 else {"content": _chat_logprobs(engine, c, 0, num_logprobs)}),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                    for c in out.outputs]
         return {"id": ids, "object": "chat.completion", "created": created, "model": model_name,
@@ -628,17 +628,19 @@ def _completion_logprobs(engine: AsyncLLM, c: CompletionOutput, num: int, out: R
             "text_offset": offsets}
 
 
-def _chat_logprobs(c: CompletionOutput, start: int, num: int) -> list[dict[str, Any]]:
-    """OpenAI's chat logprobs `content` entries of tokens `start:` of `c`."""
-    def entry(text: str | None, logprob: float) -> dict[str, Any]:
-        text = text or ""
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+def _chat_logprobs(engine: AsyncLLM, c: CompletionOutput, start: int, num: int
+                   ) -> list[dict[str, Any]]:
+    """OpenAI's chat logprobs `content` entries of tokens `start:` of `c`. `bytes` are each
+    token's own (a token holding part of a character has the part's bytes, not those of its
+    text, U+FFFD), so a client can join them into the characters."""
+    def entry(token_id: int, e: Any) -> dict[str, Any]:
+        return {"token": e.decoded_token or "", "logprob": e.logprob,
+                "bytes": list(engine.token_bytes(token_id))}
 
     content = []
     for token_id, entries in zip(c.token_ids[start:], c.logprobs[start:], strict=False):
-        chosen = entries[token_id]
-        item = entry(chosen.decoded_token, chosen.logprob)
-        item["top_logprobs"] = [entry(e.decoded_token, e.logprob) for _, e in _top(entries, num)]
+        item = entry(token_id, entries[token_id])
+        item["top_logprobs"] = [entry(t, e) for t, e in _top(entries, num)]
         content.append(item)
     return content
 
@@ -772,7 +774,7 @@ async def _stream_chat(stream: AsyncIterator[RequestOutput], body: ChatCompletio
                         continue
                     logprobs = None
                     if num_logprobs is not None:
-                        logprobs = {"content": _chat_logprobs(c, tokens, num_logprobs)}
+                        logprobs = {"content": _chat_logprobs(engine, c, tokens, num_logprobs)}
                     choices.append({"index": c.index, "delta": {"content": c.text[chars:]},
                                     "logprobs": logprobs, "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason})
