@@ -4,11 +4,16 @@ and raw httpx against a real uvicorn server."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import openai
 import pytest
+
+from kvfit.server.async_llm import AsyncLLM
 
 from .conftest import MODEL_NAME, ServerThread
 
@@ -175,3 +180,34 @@ def test_chat_logprobs_bytes_of_a_split_character_join_into_it(client: openai.Op
             assert e.bytes and "\ufffd".encode() not in bytes(e.bytes)
         else:
             assert bytes(e.bytes).decode() == e.token
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_rendering_many_messages_leaves_the_event_loop_free(
+        server: ServerThread, http: httpx.Client, engine: AsyncLLM,
+        monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """The chat template is Python: seconds for a body of megabytes of messages. While it
+    renders (held here until /health has answered), the server answers others."""
+    rendering, release = threading.Event(), threading.Event()
+    render = engine.tokenizer.apply_chat_template
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        rendering.set()
+        release.wait(timeout=60)
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", held)
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi there"}] * 400}
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(httpx.post, f"{server.url}{path}", json=body, timeout=120)
+        try:
+            assert rendering.wait(timeout=60)
+            # On the event loop, the render would hold /health until the timeout.
+            assert http.get("/health", timeout=20).status_code == 200
+        finally:
+            release.set()
+        r = big.result()
+    if path == "/tokenize":
+        assert r.status_code == 200 and r.json()["count"] > 400 * 3, r.text
+    else:  # far beyond max_model_len
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text

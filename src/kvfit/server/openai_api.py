@@ -37,6 +37,7 @@ from kvfit.server.metrics import ServerMetrics
 from kvfit.server.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -219,16 +220,25 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         return await asyncio.get_running_loop().run_in_executor(
             tokenize_pool, encode_now, texts, param, add_special_tokens)
 
-    def render_chat(body: ChatCompletionRequest | TokenizeRequest) -> str:
-        flags = body.template_flags()
+    def render_chat_now(messages: list[ChatMessage], flags: dict[str, bool]) -> str:
         try:
-            return tokenizer().apply_chat_template(
-                [m.template_dict() for m in body.messages], tokenize=False, **flags)
+            return tokenizer().apply_chat_template([m.template_dict() for m in messages],
+                                                   tokenize=False, **flags)
         except APIError:
             raise
         except Exception as e:  # a template error is the messages' fault (or no template)
             raise APIError(f"the chat template could not render the messages: {e}",
                            param="messages") from None
+
+    async def render_chat(body: ChatCompletionRequest | TokenizeRequest) -> str:
+        """The messages rendered with the chat template; on the tokenizer's thread when they
+        are long or many: the template is Python (jinja), seconds for a body of megabytes,
+        and on a thread the event loop keeps its turns at the GIL (streams go on)."""
+        flags = body.template_flags()
+        if sum(map(_chat_message_size, body.messages)) <= _INLINE_TOKENIZE_CHARS:
+            return render_chat_now(body.messages, flags)
+        return await asyncio.get_running_loop().run_in_executor(
+            tokenize_pool, render_chat_now, body.messages, flags)
 
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -236,7 +246,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError("send one of prompt or messages", param="prompt")
         if body.messages is not None:
-            text = render_chat(body)
+            text = await render_chat(body)
             (tokens,) = await encode([text], "messages", add_special_tokens=False)
         else:
             (tokens,) = await encode([body.prompt], "prompt", body.add_special_tokens)
@@ -442,7 +452,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         body.check()
         num_logprobs = body.num_logprobs()
         check_logprobs(num_logprobs, "top_logprobs")
-        text = render_chat(body)
+        text = await render_chat(body)
         (token_ids,) = await encode([text], "messages", add_special_tokens=False)
         prompt = {"prompt_token_ids": token_ids, "prompt": text}
         if not prompt["prompt_token_ids"]:
@@ -481,6 +491,14 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     if config.max_request_body_bytes is not None:
         app.add_middleware(BodyLimit, limit=config.max_request_body_bytes)
     return app
+
+
+def _chat_message_size(message: ChatMessage) -> int:
+    """About how many characters `message` adds to a rendered chat: its text and a header."""
+    content = message.content
+    if isinstance(content, list):
+        return 64 + sum(len(part.text) for part in content)
+    return 64 + len(content or "")
 
 
 # What pydantic puts in an error's `loc` for the member of a union that failed
