@@ -211,3 +211,36 @@ def test_rendering_many_messages_leaves_the_event_loop_free(
         assert r.status_code == 200 and r.json()["count"] > 400 * 3, r.text
     else:  # far beyond max_model_len
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, http: httpx.Client,
+                                                 engine: AsyncLLM,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3's `enable_thinking: false`, as vLLM users send it."""
+    monkeypatch.setattr(engine.tokenizer, "chat_template", THINKING_TEMPLATE)
+    rendered = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    tokens = http.post("/tokenize", json={"messages": MESSAGES, **kwargs}).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == (
+        rendered + "<think></think>")
+    thinking = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": thinking}).json()["prompt"] == rendered
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
+                                       extra_body=kwargs)
+    assert r.usage.prompt_tokens == len(tokens)
+
+
+@pytest.mark.parametrize("name", ["tokenize", "add_generation_prompt", "messages"])
+def test_chat_template_kwargs_may_not_set_the_call_s_own_arguments(http: httpx.Client,
+                                                                    name: str) -> None:
+    r = http.post("/v1/chat/completions", json={
+        "messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {name: True}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == f"chat_template_kwargs.{name}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import inspect
 import logging
 import re
 import time
@@ -220,7 +221,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         return await asyncio.get_running_loop().run_in_executor(
             tokenize_pool, encode_now, texts, param, add_special_tokens)
 
-    def render_chat_now(messages: list[ChatMessage], flags: dict[str, bool]) -> str:
+    def render_chat_now(messages: list[ChatMessage], flags: dict[str, Any]) -> str:
         try:
             return tokenizer().apply_chat_template([m.template_dict() for m in messages],
                                                    tokenize=False, **flags)
@@ -235,6 +236,15 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         are long or many: the template is Python (jinja), seconds for a body of megabytes,
         and on a thread the event loop keeps its turns at the GIL (streams go on)."""
         flags = body.template_flags()
+        # chat_template_kwargs are the template's variables; the call's own arguments
+        # (tokenize, return_tensors, ...) are not for a client to set.
+        call_args = {"messages", *(
+            name for name, p in inspect.signature(tokenizer().apply_chat_template).parameters
+            .items() if p.kind is not inspect.Parameter.VAR_KEYWORD)}
+        if clash := sorted(call_args & set(body.chat_template_kwargs or ())):
+            raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}: an argument "
+                           "of the template call, not a variable of the template",
+                           param=f"chat_template_kwargs.{clash[0]}")
         if sum(map(_chat_message_size, body.messages)) <= _INLINE_TOKENIZE_CHARS:
             return render_chat_now(body.messages, flags)
         return await asyncio.get_running_loop().run_in_executor(

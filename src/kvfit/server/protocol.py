@@ -1,9 +1,10 @@
 """OpenAI-compatible request bodies (pydantic) and their conversion to `SamplingParams`.
 
 Field names follow OpenAI's API, plus vLLM's extra sampling fields (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `allowed_token_ids`, ...) and chat-template flags
-(`add_generation_prompt`, `continue_final_message`). Unknown fields are refused (vLLM
-ignores them), so a misspelt setting is an error naming it rather than silently ignored.
+`repetition_penalty`, `ignore_eos`, `allowed_token_ids`, ...) and chat-template fields
+(`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`). Unknown fields
+are refused (vLLM ignores them), so a misspelt setting is an error naming it rather than
+silently ignored.
 OpenAI's tool and format fields are taken at the values that ask for nothing (`tools: []`,
 `tool_choice: "none"`, `response_format: {"type": "text"}`; clients send them so) and refused
 at any other, as unsupported. Every error here is an `APIError`, which the app answers with
@@ -179,17 +180,21 @@ class _ChatTemplateFields(_Body):
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Variables the template reads besides the messages (vLLM's field): Qwen3's
+    # `enable_thinking`, a date, ...
+    chat_template_kwargs: dict[str, Any] | None = None
 
-    def template_flags(self) -> dict[str, bool]:
+    def template_flags(self) -> dict[str, Any]:
         """The chat template's keyword arguments. A continued final message takes no new
         turn's header, so add_generation_prompt left at its default is false then."""
+        flags: dict[str, Any] = dict(self.chat_template_kwargs or {})
         if not self.continue_final_message:
-            return {"add_generation_prompt": self.add_generation_prompt}
+            return {**flags, "add_generation_prompt": self.add_generation_prompt}
         if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
             raise APIError("continue_final_message and add_generation_prompt cannot both be "
                            "true: set add_generation_prompt to false to continue the final "
                            "message", param="add_generation_prompt")
-        return {"add_generation_prompt": False, "continue_final_message": True}
+        return {**flags, "add_generation_prompt": False, "continue_final_message": True}
 
 
 class ChatMessage(BaseModel):
