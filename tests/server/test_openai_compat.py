@@ -15,7 +15,7 @@ import pytest
 
 from kvfit.server.async_llm import AsyncLLM
 
-from .conftest import MODEL_NAME, ServerThread
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerThread
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 
@@ -244,3 +244,25 @@ def test_chat_template_kwargs_may_not_set_the_call_s_own_arguments(http: httpx.C
         "messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {name: True}})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == f"chat_template_kwargs.{name}"
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({"prompt": [[1], [5] * MAX_MODEL_LEN]},
+     "the prompt at index 1 is 128 tokens; shorten it to at most 127 tokens"),
+    ({"prompt": [5] * MAX_MODEL_LEN}, "the prompt is 128 tokens; shorten it"),
+    ({"messages": [{"role": "user", "content": "w " * MAX_MODEL_LEN}]},
+     "the messages render to 14"),
+    ({"prompt": [[1], [5, 6]], "max_tokens": MAX_MODEL_LEN - 1},
+     "(2 in the prompt at index 1, 127 in the completion): lower max_tokens to at most 126"),
+    ({"messages": MESSAGES, "max_completion_tokens": MAX_MODEL_LEN},
+     "in the messages, 128 in the completion): lower max_completion_tokens to at most"),
+])
+def test_a_prompt_beyond_max_model_len_is_a_400_that_says_by_how_much(
+        http: httpx.Client, body: dict, says: str) -> None:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
+    assert says in error["message"], error["message"]

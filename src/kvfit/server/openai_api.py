@@ -271,20 +271,24 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         return {"prompt": tokenizer().decode(body.tokens)}
 
     def check_length(num_prompt: int, max_tokens: int | None, where: str,
-                     max_field: str) -> int:
+                     max_field: str, which: str = "") -> int:
         """The request's max_tokens (unset: the rest of the context) after checking that
-        prompt and completion fit in max_model_len."""
+        prompt and completion fit in max_model_len. `which` tells one prompt of several."""
         limit = engine.max_model_len
+        subject = f"the {where}{which}"
         if num_prompt >= limit:
-            raise APIError(f"this model's maximum context length is {limit} tokens; the "
-                           f"{where} has {num_prompt} (one more is needed to generate)",
+            size = f"{'render to' if where == 'messages' else 'is'} {num_prompt} tokens"
+            raise APIError(f"this model's maximum context length is {limit} tokens and "
+                           f"{subject} {size}; shorten it to at most {limit - 1} tokens "
+                           f"(one is needed for the completion)",
                            param=where, code="context_length_exceeded")
         if max_tokens is None:
             return limit - num_prompt
         if max_tokens >= 1 and num_prompt + max_tokens > limit:
             raise APIError(f"this model's maximum context length is {limit} tokens; you asked "
-                           f"for {num_prompt + max_tokens} ({num_prompt} in the {where}, "
-                           f"{max_tokens} in the completion)", param=max_field,
+                           f"for {num_prompt + max_tokens} ({num_prompt} in {subject}, "
+                           f"{max_tokens} in the completion): lower {max_field} to at most "
+                           f"{limit - num_prompt}", param=max_field,
                            code="context_length_exceeded")
         return max_tokens
 
@@ -417,8 +421,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         scoring = body.echo and body.max_tokens == 0
         params = [body.sampling_params(
             check_length(len(p["prompt_token_ids"]), 1 if scoring else body.max_tokens,
-                         "prompt", "max_tokens"),
-            body.logprobs, prompt_logprobs) for p in prompts]
+                         "prompt", "max_tokens", f" at index {i}" if len(prompts) > 1 else ""),
+            body.logprobs, prompt_logprobs) for i, p in enumerate(prompts)]
         streams, admission = start(body, prompts, params)
         if scoring:
             streams = [_prompt_only(s) for s in streams]
