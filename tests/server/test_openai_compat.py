@@ -266,3 +266,19 @@ def test_a_prompt_beyond_max_model_len_is_a_400_that_says_by_how_much(
     assert error["code"] == "context_length_exceeded"
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
     assert says in error["message"], error["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_words_are_never_generated(http: httpx.Client, path: str) -> None:
+    """vLLM's `bad_words`: of the two tokens allowed, the banned word's never comes."""
+    (llo,) = http.post("/tokenize", json={"prompt": "llo"}).json()["tokens"]
+    (run,) = http.post("/tokenize", json={"prompt": " run"}).json()["tokens"]
+    body = {"max_tokens": 4, "temperature": 1.0, "seed": 0, "ignore_eos": True,
+            "allowed_token_ids": [llo, run], "bad_words": ["llo"],
+            **({"prompt": "Hi"} if path == "/v1/completions" else {"messages": MESSAGES})}
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice.get("text", (choice.get("message") or {}).get("content")) == " run" * 4
+    r = http.post(path, json={**body, "bad_words": "llo"})  # a list, as vLLM's
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text

@@ -1,10 +1,10 @@
 """OpenAI-compatible request bodies (pydantic) and their conversion to `SamplingParams`.
 
 Field names follow OpenAI's API, plus vLLM's extra sampling fields (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `allowed_token_ids`, ...) and chat-template fields
-(`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`). Unknown fields
-are refused (vLLM ignores them), so a misspelt setting is an error naming it rather than
-silently ignored.
+`repetition_penalty`, `ignore_eos`, `allowed_token_ids`, `bad_words`, ...) and chat-template
+fields (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`). Unknown
+fields are refused (vLLM ignores them), so a misspelt setting is an error naming it rather
+than silently ignored.
 OpenAI's tool and format fields are taken at the values that ask for nothing (`tools: []`,
 `tool_choice: "none"`, `response_format: {"type": "text"}`; clients send them so) and refused
 at any other, as unsupported. Every error here is an `APIError`, which the app answers with
@@ -89,6 +89,8 @@ class _SamplingFields(_Body):
     # Checked by the engine (`SamplingParams`, then its vocabulary as the request is queued):
     # non-empty, at most MAX_TOKEN_LIST ids, each in the vocabulary; a 400 naming the field.
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words the completion must not contain (each as written and after a space).
+    bad_words: list[str] | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -115,6 +117,7 @@ class _SamplingFields(_Body):
             n=self.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
