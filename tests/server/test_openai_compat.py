@@ -5,17 +5,20 @@ and raw httpx against a real uvicorn server."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import engine_hooks
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvfit.server.async_llm import AsyncLLM
 
-from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerThread
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerThread, in_engine
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 
@@ -282,3 +285,35 @@ def test_bad_words_are_never_generated(http: httpx.Client, path: str) -> None:
     assert choice.get("text", (choice.get("message") or {}).get("content")) == " run" * 4
     r = http.post(path, json={**body, "bad_words": "llo"})  # a list, as vLLM's
     assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+
+
+def _failures(http: httpx.Client) -> dict[str, float]:
+    """kvfit:request_failure_total by reason (prometheus_client's parser)."""
+    return {s.labels["reason"]: s.value
+            for family in text_string_to_metric_families(http.get("/metrics").text)
+            for s in family.samples if s.name == "kvfit:request_failure_total"}
+
+
+def test_failure_metrics_tell_client_errors_from_server_errors(
+        server: ServerThread, http: httpx.Client, engine: AsyncLLM, tmp_path: Any) -> None:
+    """`reason="error"` is what dashboards alert on: a client that gives up on a running
+    request, or a wrong method, is no server error."""
+    before = _failures(http)
+    assert http.get("/v1/completions").status_code == 405
+    release = tmp_path / "release"
+    in_engine(engine, engine_hooks.stall, "slow", str(release))
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", timeout=0.5,
+                       json={"prompt": "slow", "max_tokens": 50, "ignore_eos": True})
+        deadline = time.monotonic() + 10
+        while _failures(http).get("client_disconnected", 0) == before.get(
+                "client_disconnected", 0):
+            assert time.monotonic() < deadline, f"not counted apart: {_failures(http)}"
+            time.sleep(0.02)
+    finally:
+        release.touch()
+        in_engine(engine, engine_hooks.clear)
+    after = _failures(http)
+    assert after.get("error", 0) == before.get("error", 0), after
+    assert after["invalid"] == before.get("invalid", 0) + 1  # the 405

@@ -27,7 +27,10 @@ from kvfit.server.async_llm import AsyncLLM
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 # Status code -> failure reason label.
-_FAILURE_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 503: "rejected"}
+# `error` is the server's fault (5xx); other client errors are `invalid`. A client that left
+# before its answer (499) is counted apart: nothing went wrong on this side.
+_FAILURE_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 503: "rejected",
+                    499: "client_disconnected"}
 
 
 class _EngineCollector(Collector):
@@ -91,7 +94,10 @@ class ServerMetrics:
 
     def failure(self, status_code: int) -> None:
         """Count a request answered with an error status."""
-        self.request_failure.labels(_FAILURE_REASONS.get(status_code, "error")).inc()
+        reason = _FAILURE_REASONS.get(status_code)
+        if reason is None:
+            reason = "invalid" if 400 <= status_code < 500 else "error"
+        self.request_failure.labels(reason).inc()
 
     async def track(self, outputs: AsyncIterator[RequestOutput],
                     num_prompt_tokens: int) -> AsyncIterator[RequestOutput]:
