@@ -317,3 +317,18 @@ def test_failure_metrics_tell_client_errors_from_server_errors(
     after = _failures(http)
     assert after.get("error", 0) == before.get("error", 0), after
     assert after["invalid"] == before.get("invalid", 0) + 1  # the 405
+
+
+def test_text_parts_are_joined_a_line_apart(client: openai.OpenAI, http: httpx.Client) -> None:
+    parts = [{"type": "text", "text": "Describe"}, {"type": "text", "text": "this code:"}]
+    messages = [{"role": "user", "content": parts}]
+    tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == (
+        "<|im_start|>user\nDescribe\nthis code:<|im_end|>\n<|im_start|>assistant\n")
+    as_string = [{"role": "user", "content": "Describe\nthis code:"}]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4,
+                                       temperature=0)
+    ref = client.chat.completions.create(model=MODEL_NAME, messages=as_string, max_tokens=4,
+                                         temperature=0)
+    assert r.choices[0].message.content == ref.choices[0].message.content
+    assert r.usage.prompt_tokens == ref.usage.prompt_tokens == len(tokens)

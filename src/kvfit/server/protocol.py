@@ -222,10 +222,12 @@ class ChatMessage(BaseModel):
         return content
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template reads it (text parts joined)."""
+        """The message as the chat template reads it: text parts joined a line apart, as
+        vLLM joins them (parts are separate pieces of text: "Describe", "this code:" must
+        not run together into one word)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            message["content"] = "".join(part.text for part in self.content)
+            message["content"] = "\n".join(part.text for part in self.content)
         message.setdefault("content", "")
         return message
 
