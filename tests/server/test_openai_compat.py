@@ -332,3 +332,17 @@ def test_text_parts_are_joined_a_line_apart(client: openai.OpenAI, http: httpx.C
                                          temperature=0)
     assert r.choices[0].message.content == ref.choices[0].message.content
     assert r.usage.prompt_tokens == ref.usage.prompt_tokens == len(tokens)
+
+
+def test_continuous_usage_is_on_every_chat_chunk(client: openai.OpenAI) -> None:
+    """vLLM's continuous_usage_stats: the role chunk too, so a client reading each chunk's
+    usage never meets a null."""
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=3, n=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.usage is not None for c in chunks)
+    prompt = chunks[-1].usage.prompt_tokens
+    assert chunks[0].usage.completion_tokens == 0 and chunks[0].usage.prompt_tokens == prompt
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6

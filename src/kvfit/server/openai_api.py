@@ -482,7 +482,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         if body.stream:
             try:
                 return _EventStream(_stream_chat(streams[0], body, ids, created, model_name,
-                                                 engine, num_logprobs, stream_error),
+                                                 engine, num_logprobs, stream_error,
+                                                 len(token_ids)),
                                     admission.release)
             except BaseException:
                 admission.release()
@@ -786,13 +787,15 @@ async def _stream_completion(streams: list[AsyncIterator[RequestOutput]],
 
 async def _stream_chat(stream: AsyncIterator[RequestOutput], body: ChatCompletionRequest,
                        ids: str, created: int, model: str, engine: AsyncLLM,
-                       num_logprobs: int | None, engine_error: Callable[[Exception], APIError]
-                       ) -> AsyncIterator[dict[str, Any]]:
+                       num_logprobs: int | None, engine_error: Callable[[Exception], APIError],
+                       num_prompt_tokens: int) -> AsyncIterator[dict[str, Any]]:
     base = {"id": ids, "object": "chat.completion.chunk", "created": created, "model": model}
     extra = {"usage": None} if body.include_usage else {}
+    # With continuous usage every chunk carries it, the role chunk too (nothing generated yet).
+    first = {"usage": usage(num_prompt_tokens, 0)} if body.continuous_usage else extra
     yield {**base, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}
-                               for j in range(body.n)], **extra}
+                               for j in range(body.n)], **first}
     sent = [(0, 0, False)] * body.n  # chars, tokens, finished
     out = None
     try:
