@@ -346,3 +346,10 @@ def test_continuous_usage_is_on_every_chat_chunk(client: openai.OpenAI) -> None:
     assert chunks[0].usage.completion_tokens == 0 and chunks[0].usage.prompt_tokens == prompt
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 6
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_an_empty_body_is_a_400_that_says_so(http: httpx.Client, path: str) -> None:
+    r = http.post(path, content=b"", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "the request body is empty: send a JSON object"

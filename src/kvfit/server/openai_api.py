@@ -536,6 +536,8 @@ def _validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
         if errors[0].get("type") == "extra_forbidden":
             message = (f"{param}: unknown field (this server refuses fields it does not know "
                        "rather than ignoring them)")
+        elif not loc and errors[0].get("type") == "missing":
+            message = "the request body is empty: send a JSON object"
         elif not loc and errors[0].get("type") in ("model_attributes_type", "dict_type"):
             # No JSON object: often a body sent without `Content-Type: application/json`.
             message = ("the request body must be a JSON object, sent with "
