@@ -353,3 +353,32 @@ def test_an_empty_body_is_a_400_that_says_so(http: httpx.Client, path: str) -> N
     r = http.post(path, content=b"", headers={"content-type": "application/json"})
     assert r.status_code == 400
     assert r.json()["error"]["message"] == "the request body is empty: send a JSON object"
+
+
+# As Qwen3's template: roles it does not know are left out.
+KNOWN_ROLES_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] in ('system', 'user', 'assistant') %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _rendered(http: httpx.Client, messages: list[dict]) -> str:
+    tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    return http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+
+
+def test_a_developer_message_is_the_system_message_for_a_template_without_it(
+        client: openai.OpenAI, http: httpx.Client, engine: AsyncLLM,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine.tokenizer, "chat_template", KNOWN_ROLES_TEMPLATE)
+    developer = [{"role": "developer", "content": "Answer in French."}, *MESSAGES]
+    system = [{"role": "system", "content": "Answer in French."}, *MESSAGES]
+    assert "Answer in French." in _rendered(http, developer)
+    assert _rendered(http, developer) == _rendered(http, system)
+    r = client.chat.completions.create(model=MODEL_NAME, messages=developer, max_tokens=2)
+    ref = client.chat.completions.create(model=MODEL_NAME, messages=system, max_tokens=2)
+    assert r.usage.prompt_tokens == ref.usage.prompt_tokens
+    # A template that knows the role gets it as sent.
+    monkeypatch.setattr(engine.tokenizer, "chat_template",
+                        KNOWN_ROLES_TEMPLATE.replace("'assistant')", "'assistant', 'developer')"))
+    assert "<|im_start|>developer\nAnswer in French." in _rendered(http, developer)

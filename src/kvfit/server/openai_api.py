@@ -222,9 +222,17 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             tokenize_pool, encode_now, texts, param, add_special_tokens)
 
     def render_chat_now(messages: list[ChatMessage], flags: dict[str, Any]) -> str:
+        dicts = [m.template_dict() for m in messages]
+        # OpenAI's `developer` role is its `system` role renamed. A template that never names
+        # it renders it as an unknown role or drops it (Qwen3's keeps only the roles it
+        # knows): there it is the system message it stands for.
+        template = getattr(tokenizer(), "chat_template", None)
+        if "developer" not in str(template or ""):
+            for message in dicts:
+                if message["role"] == "developer":
+                    message["role"] = "system"
         try:
-            return tokenizer().apply_chat_template([m.template_dict() for m in messages],
-                                                   tokenize=False, **flags)
+            return tokenizer().apply_chat_template(dicts, tokenize=False, **flags)
         except APIError:
             raise
         except Exception as e:  # a template error is the messages' fault (or no template)
