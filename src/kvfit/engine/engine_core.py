@@ -7,7 +7,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -494,8 +494,14 @@ class EngineCore:
         Waiting requests never ran and stay queued, so the engine can go on stepping."""
         seqs = list(self.scheduler.running)
         if self._in_flight is not None:
-            seqs += self._in_flight[0].seqs
+            batch, launched = self._in_flight
             self._in_flight = None
+            seqs += batch.seqs
+            # Let the dropped step end before its blocks and staging buffers are reused (an
+            # interrupt, not a device fault, is the common cause); a failed device raises
+            # here too, and then nothing of it will run anyway.
+            with suppress(Exception):
+                launched.result()
         request_ids = list(dict.fromkeys(seq.request_id for seq in seqs))
         for request_id in request_ids:
             self.scheduler.abort(request_id)
