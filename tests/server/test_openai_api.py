@@ -375,6 +375,10 @@ BAD_REQUESTS = [
      "tool_choice"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}},
      400, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "functions": [{"name": "f"}]}, 400,
+     "functions"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "modalities": ["text", "audio"]}, 400,
+     "modalities"),
     ("/detokenize", {"tokens": [100000]}, 400, "tokens"),
     ("/tokenize", {}, 400, "prompt"),
     ("/v1/nothing-here", {}, 404, None),
@@ -400,6 +404,13 @@ def test_tool_and_format_fields_that_ask_for_nothing_are_taken(client: openai.Op
     r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
                                        tools=[], tool_choice="none", parallel_tool_calls=False,
                                        response_format={"type": "text"})
+    assert r.usage.completion_tokens == 2
+    # OpenAI's bookkeeping fields change nothing here; a client written for OpenAI sends them.
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
+                                       store=False, metadata={"run": "1"}, user="u",
+                                       service_tier="auto", prompt_cache_key="k",
+                                       safety_identifier="s", modalities=["text"],
+                                       functions=[], function_call="none")
     assert r.usage.completion_tokens == 2
     error = http.post("/v1/completions", json={"prompt": "x", "temprature": 0}).json()["error"]
     assert "unknown field" in error["message"] and error["param"] == "temprature"

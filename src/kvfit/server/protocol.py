@@ -245,11 +245,32 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # OpenAI's deprecated tool fields, and the output modalities: taken at values that ask for
+    # nothing, as the tool fields above.
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    # OpenAI's bookkeeping and routing fields, which change no output here: taken and ignored
+    # (as vLLM does), so a client written for OpenAI works unchanged.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
 
     _renamed = {"logprobs": "top_logprobs"}
 
     def check(self) -> None:
-        """Refuse what this server does not do: tool calls, structured output."""
+        """Refuse what this server does not do: tool calls, structured output, audio."""
+        if self.functions:
+            raise APIError("functions are not supported by this server", param="functions")
+        if self.function_call not in (None, "none", "auto"):
+            raise APIError("function_call other than 'none' or 'auto' is not supported by this "
+                           "server (it has no functions)", param="function_call")
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            raise APIError("modalities other than ['text'] are not supported by this server",
+                           param="modalities")
         if self.tools:
             raise APIError("tools are not supported by this server", param="tools")
         if self.tool_choice not in (None, "none", "auto"):
