@@ -379,6 +379,8 @@ BAD_REQUESTS = [
      "functions"),
     ("/v1/chat/completions", {"messages": MESSAGES, "modalities": ["text", "audio"]}, 400,
      "modalities"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
     ("/detokenize", {"tokens": [100000]}, 400, "tokens"),
     ("/tokenize", {}, 400, "prompt"),
     ("/v1/nothing-here", {}, 404, None),
@@ -539,6 +541,9 @@ def test_models_tokenize_detokenize_version(http: httpx.Client, client: openai.O
                                             engine: AsyncLLM) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).model_dump() == models.data[0].model_dump()
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
     tokens = http.post("/tokenize", json={"prompt": "Hello world"}).json()

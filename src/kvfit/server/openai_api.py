@@ -177,12 +177,19 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": config.created, "owned_by": "kvfit",
+                "root": config.root, "max_model_len": engine.max_model_len}
+
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = [{"id": name, "object": "model", "created": config.created, "owned_by": "kvfit",
-                 "root": config.root, "max_model_len": engine.max_model_len}
-                for name in config.served_model_names]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(n) for n in config.served_model_names]}
+
+    @api.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        # `client.models.retrieve`; a path, as served names hold slashes ("Qwen/Qwen3-0.6B").
+        check_model(name)
+        return model_card(name)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in config.served_model_names:

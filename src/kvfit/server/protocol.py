@@ -127,6 +127,10 @@ class _SamplingFields(_Body):
         for name, default in defaults.items():
             value = getattr(self, name)
             fields[name] = default if value is None else value
+        if self.stream_options is not None and not self.stream:
+            # As OpenAI and vLLM answer: the options would silently do nothing.
+            raise APIError("stream_options is only allowed with stream=true",
+                           param="stream_options")
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             raise APIError("logit_bias values must be in [-100, 100]", param="logit_bias")
         try:
