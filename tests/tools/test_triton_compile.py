@@ -31,6 +31,7 @@ TOOLS = Path(__file__).resolve().parents[2] / "tools"
     (128, "fp8", 1, True),   # the e4m3 tile kernel
     (128, "bf16", 16, False),
     (48, "fp8", 16, False),
+    (16, "fp8", 1, False),   # pairs would dot over 8 pairs: the tile kernel runs instead
 ])  # fmt: skip
 def test_attention_kernels_compile_for_sm90(
     monkeypatch: pytest.MonkeyPatch, head_dim: int, cache_dtype: str, query_len: int,
@@ -68,6 +69,38 @@ def _compile_launches(monkeypatch: pytest.MonkeyPatch, call) -> list[str]:  # no
     for fn, named, options in launches:
         assert sass.compile_launch(fn, named, options, arch=90).asm["cubin"], fn.__name__
     return [fn.__name__ for fn, _, _ in launches]
+
+
+@pytest.mark.parametrize(("head_dim", "dtype", "cache", "query_len", "batch_invariant"), [
+    (128, torch.bfloat16, "same", 1, False),   # split decode and its reduction
+    (256, torch.bfloat16, "same", 16, False),  # the head_dim > 128 configs
+    (96, torch.float16, "same", 16, False),
+    (128, torch.bfloat16, "fp8", 16, False),   # e4m3 widened to the query's bfloat16
+    (80, torch.float16, "fp8", 1, False),      # pairs in a float16 model, padded
+    (128, torch.bfloat16, "same", 1, True),    # the deterministic mode's one kernel
+    (96, torch.bfloat16, "same", 16, True),
+])  # fmt: skip
+def test_attention_launches_the_sweep_misses_compile_for_sm90(
+    monkeypatch: pytest.MonkeyPatch, head_dim: int, dtype: torch.dtype, cache: str,
+    query_len: int, batch_invariant: bool,
+) -> None:
+    """What `paged_attention_triton` launches at a context long enough to split decode (the sweep's
+    256 tokens never split), in the deterministic mode, and over e4m3 without float16."""
+    from kvfit.ops import triton_attention
+
+    monkeypatch.syspath_prepend(str(TOOLS))
+    sass = importlib.import_module("triton_sass")
+    batch = sass.make_paged_batch([(2048 - query_len, query_len)] * 2, num_heads=16,
+                                  num_kv_heads=4, head_dim=head_dim, dtype=dtype)
+    k_cache, v_cache, extra = batch.k_cache, batch.v_cache, {}
+    if cache == "fp8":
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        extra = dict(k_scale=torch.ones(1), v_scale=torch.ones(1))
+    monkeypatch.setattr(triton_attention, "_has_e4m3x2_cvt", lambda device: True)
+    names = _compile_launches(monkeypatch, lambda: triton_attention.paged_attention_triton(
+        batch.query, k_cache, v_cache, batch.metadata, head_dim**-0.5,
+        torch.empty_like(batch.query), batch_invariant=batch_invariant, **extra))
+    assert ("_reduce_splits_kernel" in names) == (not batch_invariant)
 
 
 def _attention_input_args(head_dim: int, fp8: bool) -> dict:

@@ -444,12 +444,14 @@ def num_kv_splits(max_seq_len: int, max_splits: int = MAX_SPLITS,
 def _use_fp8_pairs(requested: bool | None, k_cache: torch.Tensor, computes_f16: bool) -> bool:
     """Whether decode runs `_decode_fp8_pairs_kernel`: an e4m3 cache computed in float16 whose
     head dim is contiguous and even, at even strides (its dim pairs are then whole uint16
-    words)."""
+    words), and above 16: each dot spans half the padded head dim, and tl.dot's compiler
+    (not the interpreter) refuses K < 16."""
     even = all(s % 2 == 0 for s in k_cache.stride()[:3]) and k_cache.shape[3] % 2 == 0
-    possible = computes_f16 and is_fp8(k_cache.dtype) and k_cache.stride(3) == 1 and even
+    possible = (computes_f16 and is_fp8(k_cache.dtype) and k_cache.stride(3) == 1 and even
+                and k_cache.shape[3] > 16)
     if requested and not possible:
-        raise ValueError("fp8_pairs needs an e4m3 cache with a contiguous, even head dim, "
-                         "computed in float16")
+        raise ValueError("fp8_pairs needs an e4m3 cache with a contiguous, even head dim above "
+                         "16, computed in float16")
     return possible and requested is not False
 
 
