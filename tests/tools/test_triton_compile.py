@@ -167,11 +167,20 @@ def test_sampling_and_filter_kernels_compile_for_sm90(
     assert names
 
 
-def test_batch_invariant_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("rows", "width", "dtype"), [
+    (3, 300, torch.bfloat16),      # the narrow tiles (decode)
+    (300, 9000, torch.bfloat16),   # a wide weight's big tiles past SMALL_M
+    (1029, 300, torch.float16),    # every weight's big tiles from LARGE_M (prefill)
+    (1029, 300, torch.float32),    # float32 keeps the narrow tiles, in IEEE float32
+])  # fmt: skip
+def test_batch_invariant_kernels_compile_for_sm90(
+    monkeypatch: pytest.MonkeyPatch, rows: int, width: int, dtype: torch.dtype,
+) -> None:
     from kvfit.batch_invariant import triton_logsumexp, triton_matmul
 
-    x = torch.randn(3, 1000, dtype=torch.bfloat16)
+    x = torch.randn(rows, 1000, dtype=dtype)
     names = _compile_launches(monkeypatch, lambda: (
         triton_logsumexp.logsumexp_triton(x.float()),
-        triton_matmul.matmul_triton(x, torch.randn(300, 1000, dtype=torch.bfloat16))))
+        triton_matmul.matmul_triton(x, torch.randn(width, 1000, dtype=dtype),
+                                    torch.randn(width, dtype=dtype))))
     assert len(names) >= 2
