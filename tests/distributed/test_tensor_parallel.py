@@ -177,6 +177,32 @@ def test_engine_steps_on_after_a_worker_error_it_can_survive(
         llm.shutdown()
 
 
+def test_a_grow_without_memory_on_one_rank_is_a_resize_error_and_the_engine_goes_on(
+    tiny_model: Callable[[str], Path]
+) -> None:
+    """A worker's out-of-memory driver error reaches the engine as itself (the resizer's
+    fallbacks catch it by type): a grow that rank 1 cannot back is a `KVCacheResizeError`
+    naming the size, both ranks keep the old one, and generation goes on."""
+    from kvfit.engine.kv_resize import KVCacheResizeError
+
+    llm = LLM(str(tiny_model("qwen3")), distributed_executor_backend="mp",
+              worker_init_fn="tp_hooks:no_memory_to_grow_on_rank_1", tensor_parallel_size=2,
+              **LIMITS)
+    try:
+        expected = generate(llm)
+        resizer = llm.engine.kv_resizer
+        full = resizer.num_blocks
+        llm.resize_kv_cache(resizer.floor)  # a shrink needs no memory
+        with pytest.raises(KVCacheResizeError, match="could not grow .*OUT_OF_MEMORY"):
+            llm.resize_kv_cache(full)
+        assert resizer.num_blocks == resizer.floor
+        assert [c for c, _, _ in llm.engine.executor.collective_rpc("kv_cache_blocks")] == [
+            resizer.floor] * 2
+        assert generate(llm) == expected
+    finally:
+        llm.shutdown()
+
+
 def test_ranks_with_different_budgets_commit_the_smaller_count(
     tiny_model: Callable[[str], Path]
 ) -> None:

@@ -97,3 +97,19 @@ def fail_fourth_step(worker: Any) -> None:
         return launch(batch)
 
     worker.launch = launch_or_fail
+
+
+def no_memory_to_grow_on_rank_1(worker: Any) -> None:
+    """Rank 1's driver finds no memory for any grow of the KV cache (shrinks still work)."""
+    if worker.rank != 1:
+        return
+    from kvfit.vmm import VmmOutOfMemoryError
+
+    resize = worker.resize_kv_cache
+
+    def resize_without_memory(num_blocks: int) -> int:
+        if num_blocks > worker.runner.kv_cache.committed_blocks:
+            raise VmmOutOfMemoryError("cuMemCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY")
+        return resize(num_blocks)
+
+    worker.resize_kv_cache = resize_without_memory

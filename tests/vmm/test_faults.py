@@ -176,3 +176,16 @@ def test_failed_unmap_in_a_shrink_keeps_the_prefix_and_the_next_commit_gives_bac
             t.commit(SEGMENT)  # a grow afterwards leaves no hole
             assert_consistent(t, driver)
             assert t.physical_bytes == SEGMENTS * SEGMENT
+
+
+@pytest.mark.parametrize("error", [VmmError("cuMemMap", 1, "CUDA_ERROR_INVALID_VALUE"),
+                                   VmmOutOfMemoryError("cuMemCreate", 2,
+                                                       "CUDA_ERROR_OUT_OF_MEMORY")])
+def test_driver_errors_cross_a_process_boundary_with_their_type(error: VmmError) -> None:
+    """A tensor-parallel worker's driver error reaches the engine pickled: it must come back
+    as itself, since the engine's out-of-memory fallbacks catch it by type."""
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error) and str(copy) == str(error)
+    assert (copy.call, copy.code, copy.name) == (error.call, error.code, error.name)

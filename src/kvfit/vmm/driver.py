@@ -19,6 +19,11 @@ class VmmError(RuntimeError):
         self.name = name
         super().__init__(f"{call} failed: {name or 'error'} ({code})")
 
+    def __reduce__(self) -> tuple:
+        # Pickled from a tensor-parallel worker to the engine, whose out-of-memory fallbacks
+        # catch it by type; the default rebuilds it from the message alone, which fails.
+        return type(self), (self.call, self.code, self.name)
+
 
 class VmmOutOfMemoryError(VmmError):
     """The driver has no physical memory left for `create`."""
