@@ -511,7 +511,8 @@ def paged_attention_triton(
     pair of values instead of bf16's several (`bench/attention.py --sweep --kv-cache-dtype
     fp8` times both). float16 holds every e4m3 value exactly and queries up to 65504.
     `fp8_pairs`: decode over such a float16-computed e4m3 cache runs `_decode_fp8_pairs_kernel`
-    (None: wherever the head dim is contiguous and even; False: `_decode_kernel`, for timing).
+    (None: wherever the head dim is contiguous, even and above 16; False: `_decode_kernel`,
+    for timing).
 
     `batch_invariant`: the prefill kernel alone runs every row (decodes too), each over key
     tiles of BLOCK_N from key 0 with the causal mask on every tile: no split-KV, so a row's
