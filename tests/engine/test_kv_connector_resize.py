@@ -25,6 +25,7 @@ from .test_oom_guard import (
     generate,
     inject,
     make_llm,  # noqa: F401 (a fixture)
+    make_prompts,
     reference,  # noqa: F401 (a fixture)
     runner,
 )
@@ -180,4 +181,35 @@ def test_a_recommit_that_fails_at_the_floor_leaves_the_cache_asleep_until_woken(
     assert cache.committed_blocks == -(-floor // step) * step >= floor
     assert cache.physical_bytes == cache.footprint_bytes(floor)
     assert_one_chunk_registered(llm)
+    assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
+
+
+def test_requests_queued_when_a_recommit_leaves_the_cache_released_fail_not_spin(
+        connected, reference) -> None:  # noqa: F811
+    """A resize that cannot back even the floor leaves the cache released under requests it
+    preempted. No step can run until `wake_up`, so a front end failing the step
+    (`fail_step`) must end those requests too: else they stay queued, and the engine loop
+    retries the same failing step forever."""
+    llm = connected()
+    core, cache = llm.engine, runner(llm).kv_cache
+    requests = [llm.make_request(p, PARAMS["greedy"], str(i))
+                for i, p in enumerate(make_prompts(LONG_LENGTHS[:3]))]
+    for seqs in requests:
+        core.add_request(seqs[0])
+    for _ in range(3):
+        core.step()
+    reservation = cache.tensor._reservation
+    create = reservation.create
+    fail_chunks_over(llm, 0)
+    with pytest.raises(KVCacheResizeError, match="released"):
+        llm.resize_kv_cache(cache.committed_blocks // 2)
+    assert core.is_sleeping and core.scheduler.waiting  # every sequence was preempted
+    with pytest.raises(RuntimeError, match="wake_up"):
+        core.step()
+    assert sorted(core.fail_step()) == ["0", "1", "2"]
+    assert not core.has_unfinished()
+    assert all(seqs[0].finish_reason == "abort" for seqs in requests)
+    reservation.create = create  # memory is back
+    llm.wake_up()
+    assert_nothing_leaked(llm)
     assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
