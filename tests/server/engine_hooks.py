@@ -113,3 +113,21 @@ def break_stats(llm: LLM) -> None:
         raise RuntimeError("worker rank 1 was killed (injected)")
 
     llm.engine.stats = broken
+
+
+def refuse_device_memory(llm: LLM, what: str, refuse: bool) -> None:
+    """While `refuse`, the driver behind `what` (`kv_cache` or `weights`) has no physical
+    memory: its allocations fail as a device out of memory does."""
+    from kvfit.vmm import VmmOutOfMemoryError
+
+    runner = llm.engine.executor.workers[0].runner
+    tensor = runner.kv_cache.tensor if what == "kv_cache" else runner.weight_arena.tensor
+    reservation = tensor._reservation
+    if not refuse:
+        reservation.__dict__.pop("create", None)  # the class's method again
+        return
+
+    def create(size: int) -> Any:
+        raise VmmOutOfMemoryError("cuMemCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY")
+
+    reservation.create = create

@@ -131,3 +131,22 @@ def test_the_routes_need_sleep_mode_and_the_development_flag(
     assert serve.sleep_endpoints(args)
     args.enable_sleep_mode = False
     assert not serve.sleep_endpoints(args)
+
+
+@pytest.mark.parametrize("what", ["weights", "kv_cache"])
+def test_a_wake_with_no_device_memory_is_503_and_stays_asleep(
+        http: httpx.Client, engine: AsyncLLM, what: str) -> None:
+    """A wake that finds no memory is the server's state, not a bad request: 503 (as a resize
+    that finds none), so a client retries once memory frees; nothing changed meanwhile."""
+    before = _text(http)
+    assert http.post("/sleep").status_code == 200
+    in_engine(engine, engine_hooks.refuse_device_memory, what, True)
+    try:
+        response = http.post("/wake_up")
+    finally:
+        in_engine(engine, engine_hooks.refuse_device_memory, what, False)
+    assert response.status_code == 503, response.text
+    assert "no device memory" in response.json()["error"]["message"]
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert http.post("/wake_up").json() == {"is_sleeping": False}
+    assert _text(http) == before

@@ -24,7 +24,13 @@ from kvfit.engine.kv_resize import KVCacheResize, KVCacheResizer
 from kvfit.engine.oom_guard import OOMGuard, is_device_oom
 from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.sequence import ScheduledBatch, Sequence
-from kvfit.engine.sleep import SleepReport, SleepState, check_sleep_args, resolve_tags
+from kvfit.engine.sleep import (
+    SleepReport,
+    SleepState,
+    WakeUpOutOfMemoryError,
+    check_sleep_args,
+    resolve_tags,
+)
 from kvfit.kv.report import KVCacheReport, format_bytes
 from kvfit.kv.sizing import min_over_workers
 from kvfit.vmm import VmmOutOfMemoryError
@@ -329,7 +335,7 @@ class EngineCore:
                 try:
                     self.executor.collective_rpc("wake_up_weights", reload_weights)
                 except VmmOutOfMemoryError as error:
-                    raise RuntimeError(
+                    raise WakeUpOutOfMemoryError(
                         f"wake_up(): no device memory for the weights ({error}); they stay "
                         f"asleep (the KV cache too): free device memory and call wake_up() "
                         f"again") from error

@@ -13,6 +13,12 @@ LEVELS = (1, 2)
 MODES = ("wait", "abort")
 
 
+class WakeUpOutOfMemoryError(RuntimeError):
+    """`wake_up` found no device memory for the weights; they stay asleep (the KV cache too)
+    until a later `wake_up` finds it. (The KV cache's own shortfall is a
+    `KVCacheResizeError`.)"""
+
+
 @dataclass(frozen=True)
 class SleepReport:
     """What one `sleep` did on a worker, in bytes by kind.

@@ -27,6 +27,7 @@ from kvfit.engine.kv_resize import KVCacheResizeError
 from kvfit.engine.outputs import CompletionOutput, RequestOutput
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Logprobs
+from kvfit.engine.sleep import WakeUpOutOfMemoryError
 from kvfit.server.async_llm import (
     AsyncLLM,
     EngineDeadError,
@@ -384,9 +385,12 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
         @api.post("/wake_up")
         async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
-            """Restore `tags` (`weights`, `kv_cache`; none: everything asleep)."""
+            """Restore `tags` (`weights`, `kv_cache`; none: everything asleep): 503 when the
+            device has no memory for them (they stay asleep: retry once it has)."""
             try:
                 await engine.wake_up(tags)
+            except (KVCacheResizeError, WakeUpOutOfMemoryError) as e:
+                raise APIError(str(e), status_code=503, type="service_unavailable") from None
             except (ValueError, RuntimeError) as e:
                 raise APIError(str(e), param="tags") from None
             return {"is_sleeping": engine.is_sleeping}
