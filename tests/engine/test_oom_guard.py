@@ -425,6 +425,20 @@ def test_other_errors_are_not_absorbed(make_llm: Callable[..., LLM]) -> None:
     assert llm.engine.oom_guard.num_events == 0
 
 
+def test_a_generate_that_raises_ends_its_requests(
+        make_llm: Callable[..., LLM], reference: Callable[..., list[Any]]) -> None:
+    """The caller of a `generate` that raised never gets its outputs: its requests must not
+    stay queued, to be run (or fail again) under the next call."""
+    llm = make_llm()
+    inject(llm, "compute_logits", error=RuntimeError("an unrelated failure"))
+    with pytest.raises(RuntimeError, match="an unrelated failure"):
+        generate(llm, PARAMS["greedy"], LONG_LENGTHS)
+    assert_nothing_leaked(llm)
+    steps = llm.engine.stats().num_steps
+    assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
+    assert llm.engine.stats().num_steps - steps == MAX_TOKENS  # one prefill, no long prompts
+
+
 @pytest.mark.parametrize(("error", "oom"), [
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB"), True),
     (RuntimeError("CUDA error: out of memory"), True),
