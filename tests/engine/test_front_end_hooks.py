@@ -101,3 +101,32 @@ def test_updated_seqs_hold_every_sequence_a_step_changed(llm: LLM) -> None:
         assert [len(seq.output_token_ids) for seq in seqs] == [3, 4, 5, 6]
     finally:
         llm.engine.scheduler.max_num_seqs = 8
+
+
+def test_a_failed_step_reports_what_it_applied_before_it_raised(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A sequence that reads its output history (a penalty) has the step in flight applied
+    # before the next launch: when that launch raises, a request the applied step finished
+    # must reach the front end, else its stream waits for a step an idle engine never takes.
+    from kvfit.server.engine_core_loop import EngineCoreLoop
+
+    sent: list = []
+    loop = EngineCoreLoop(llm, sent.append)
+
+    def turn() -> None:
+        loop._apply_commands()
+        loop._step()
+        loop._publish(scan=loop._stepped())
+
+    penalized = SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.2)
+    loop.submit(("add", "long", [5, 6, 7, 8], None, penalized))
+    turn()
+    turn()
+    loop.submit(("add", "one", [9, 10, 11], None, SamplingParams(max_tokens=1)))
+    turn()  # launches the prefill that gives "one" its only token
+    monkeypatch.setattr(llm.engine.executor, "launch", lambda batch: 1 / 0)
+    turn()  # applies it ("one" finishes), then the launch raises
+    ended = {delta[0]: delta[1][0][3] for out in sent for delta in out.outputs if delta[2]}
+    failed = [request_id for out in sent for request_id, _ in out.errors]
+    assert ended == {"one": "length"} and failed == ["long"]
+    assert not loop._tracked and not llm.engine.has_unfinished()

@@ -497,12 +497,16 @@ class EngineCore:
     def fail_step(self) -> list[str]:
         """After `step` raised: drop the step in flight and abort every request it or the
         scheduler's running set holds (their state is unknown); returns their request ids.
+        `updated_seqs` then holds what the failed step applied before it raised.
         Waiting requests never ran and stay queued, so the engine can go on stepping, unless
         it is asleep: then they are aborted too (a resize that could not back even one
         sequence released the cache under them, and no step runs until `wake_up`)."""
         seqs = list(self.scheduler.running)
         if self.is_sleeping:  # else every later step fails the same way, at once
             seqs += self.scheduler.waiting
+        # What the failed step applied before it raised (the step in flight, which may have
+        # finished requests) is ready: a front end reads `updated_seqs` for it.
+        self.updated_seqs, self._applied = self._applied, []
         if self._in_flight is not None:
             batch, launched = self._in_flight
             self._in_flight = None
