@@ -213,3 +213,33 @@ def test_requests_queued_when_a_recommit_leaves_the_cache_released_fail_not_spin
     llm.wake_up()
     assert_nothing_leaked(llm)
     assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
+
+
+def test_the_engine_loop_fails_requests_under_a_released_cache_as_unavailable(
+        connected) -> None:  # noqa: F811
+    """Requests a released cache stops are failed once, as a sleeping engine refuses new ones
+    (`EngineSleepingError`: HTTP 503, retry later), not as an engine fault (500)."""
+    from kvfit.server.engine_core_loop import EngineCoreLoop
+    from kvfit.server.engine_messages import EngineSleepingError
+
+    llm = connected()
+    sent: list = []
+    loop = EngineCoreLoop(llm, sent.append)
+
+    def turn() -> None:
+        loop._apply_commands()
+        loop._step()
+        loop._publish(scan=loop._stepped())
+
+    for i, prompt in enumerate(make_prompts(LONG_LENGTHS[:2])):
+        loop.submit(("add", str(i), prompt["prompt_token_ids"], None, PARAMS["greedy"]))
+    turn()
+    fail_chunks_over(llm, 0)
+    with pytest.raises(KVCacheResizeError, match="released"):
+        llm.resize_kv_cache(runner(llm).kv_cache.committed_blocks // 2)
+    turn()
+    errors = {request_id: error for out in sent for request_id, error in out.errors}
+    assert sorted(errors) == ["0", "1"]
+    assert all(isinstance(e, EngineSleepingError) and "wake_up" in str(e)
+               for e in errors.values())
+    assert not llm.engine.has_unfinished() and not loop._tracked

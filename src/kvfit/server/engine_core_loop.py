@@ -139,8 +139,13 @@ class EngineCoreLoop:
         try:
             self.core.step()
         except Exception as error:
-            logger.exception("engine step failed; aborting the requests it held")
-            failed = RequestFailedError(f"the engine failed on this request: {error}")
+            failed: Exception
+            if self.core.is_sleeping:  # a resize left the cache released: no engine fault
+                logger.error("engine step refused (%s); failing the requests it held", error)
+                failed = EngineSleepingError(f"the engine is asleep: {error}")
+            else:
+                logger.exception("engine step failed; aborting the requests it held")
+                failed = RequestFailedError(f"the engine failed on this request: {error}")
             for request_id in self.core.fail_step():
                 if self._tracked.pop(request_id, None) is not None:
                     self._errors.append((request_id, failed))
