@@ -243,3 +243,24 @@ def test_the_engine_loop_fails_requests_under_a_released_cache_as_unavailable(
     assert all(isinstance(e, EngineSleepingError) and "wake_up" in str(e)
                for e in errors.values())
     assert not llm.engine.has_unfinished() and not loop._tracked
+
+
+def test_a_cache_released_by_a_resize_says_so_not_that_sleep_released_it(
+        connected) -> None:  # noqa: F811
+    llm = connected(enable_sleep_mode=True)
+    reservation = runner(llm).kv_cache.tensor._reservation
+    create = reservation.create
+    fail_chunks_over(llm, 0)
+    with pytest.raises(KVCacheResizeError, match="released"):
+        llm.resize_kv_cache(runner(llm).kv_cache.committed_blocks // 2)
+    with pytest.raises(RuntimeError, match=r"found no device memory.*wake_up\(\)") as info:
+        generate(llm, PARAMS["greedy"])
+    assert "LLM.sleep()" not in str(info.value)  # nobody called it
+    reservation.create = create
+    llm.wake_up()
+    llm.sleep()
+    fail_chunks_over(llm, 0)
+    with pytest.raises(KVCacheResizeError, match="stays asleep"):
+        llm.wake_up()  # a wake short of memory: the user's sleep released it
+    with pytest.raises(RuntimeError, match=r"released by LLM.sleep\(\)"):
+        generate(llm, PARAMS["greedy"])

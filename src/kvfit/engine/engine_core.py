@@ -96,6 +96,9 @@ class EngineCore:
         self.executor = create_executor(config, num_workers)
         self._in_flight: tuple[ScheduledBatch, AsyncModelOutput] | None = None
         self._sleep_state = SleepState()
+        # The KV cache was released by a resize that could not back even one sequence (not
+        # by `sleep`): what `check_can_run` tells the user.
+        self._kv_released_by_resize = False
         # Sequences finished between steps (a sleep drained or aborted them, a resize applied
         # the step in flight) that no `step` has returned yet.
         self._finished_early: list[Sequence] = []
@@ -124,7 +127,7 @@ class EngineCore:
             kv_connector=self._create_kv_connector(),
         )
         self.kv_resizer = KVCacheResizer(config, self.executor, self.scheduler,
-                                         on_released=self._refresh_sleep_state)
+                                         on_released=self._on_kv_released)
         self.oom_guard = OOMGuard(config, self.kv_resizer, self.kv_cache_report.margin)
         self.kv_cache_governor = self._kv_cache_governor()
         self.demand_board = self._demand_board()
@@ -271,7 +274,16 @@ class EngineCore:
     def check_can_run(self) -> None:
         """Raise `RuntimeError` naming the call to make if a step could not run now (asleep,
         or weights woken without contents)."""
+        if self._kv_released_by_resize and self._sleep_state.kv_cache_asleep:
+            raise RuntimeError(
+                "the engine is asleep: a KV cache resize found no device memory for even one "
+                "max_model_len sequence and left the cache released; free device memory and "
+                "call LLM.wake_up() (or lower max_model_len)")
         self._sleep_state.check_can_run()
+
+    def _on_kv_released(self) -> None:
+        self._kv_released_by_resize = True
+        self._refresh_sleep_state()
 
     # -- sleep mode ---------------------------------------------------------------------------
 
@@ -330,6 +342,7 @@ class EngineCore:
         part asleep.
         """
         tags = resolve_tags(tags, self._sleep_state)
+        by_resize = self._kv_released_by_resize  # a failed wake leaves the cause as it was
         try:
             if "weights" in tags:  # first: the KV cache takes what memory they leave
                 try:
@@ -343,6 +356,7 @@ class EngineCore:
                 self.kv_resizer.wake()
         finally:
             self._refresh_sleep_state()
+            self._kv_released_by_resize = by_resize and self._sleep_state.kv_cache_asleep
         if self._sleep_state.missing_weights and not self._sleep_state.weights_asleep:
             logger.warning("weights woken without contents: %d not loaded; generating refuses "
                            "to run until LLM.load_weights() fills them",
@@ -370,6 +384,7 @@ class EngineCore:
 
     def _refresh_sleep_state(self) -> None:
         self._sleep_state = SleepState.merge(self.executor.collective_rpc("sleep_state"))
+        self._kv_released_by_resize &= self._sleep_state.kv_cache_asleep  # until it wakes
 
     def abort_request(self, request_id: str) -> None:
         """Drop a queued or running request (a no-op for unknown ids)."""

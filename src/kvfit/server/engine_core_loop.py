@@ -142,7 +142,7 @@ class EngineCoreLoop:
             failed: Exception
             if self.core.is_sleeping:  # a resize left the cache released: no engine fault
                 logger.error("engine step refused (%s); failing the requests it held", error)
-                failed = EngineSleepingError(f"the engine is asleep: {error}")
+                failed = EngineSleepingError(str(error))  # it says so, and what to call
             else:
                 logger.exception("engine step failed; aborting the requests it held")
                 failed = RequestFailedError(f"the engine failed on this request: {error}")
