@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,34 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }
+
+
+_SUFFIX_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def human_readable_int(text: str) -> int:
+    """An argparse type for token and byte counts, as vLLM reads them: an integer, or one with
+    a suffix, k/m/g/t for powers of 1000 (`32k` = 32000, `25.6k` = 25600) and K/M/G/T for
+    powers of 1024 (`32K` = 32768)."""
+    match = re.fullmatch(r"(-?\d+)|(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
+    value = None
+    if match and match[1] is not None:
+        value = int(match[1])
+    elif match:
+        number, suffix = match[2], match[3]
+        if suffix.islower():
+            # Exact decimal arithmetic: 25.6k is 25600, not 25599.999...
+            whole, _, frac = number.partition(".")
+            scaled = int(whole + frac) * 1000 ** _SUFFIX_POWERS[suffix]
+            value, rest = divmod(scaled, 10 ** len(frac))
+            value = None if rest else value
+        elif "." not in number:
+            value = int(number) * 1024 ** _SUFFIX_POWERS[suffix.lower()]
+    if value is None:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer, plain or with a suffix: k/m/g/t for 1000s (32k = 32000, "
+            f"25.6k = 25600), K/M/G/T for 1024s (32K = 32768, whole numbers only); got {text!r}")
+    return value
 
 
 @dataclass
@@ -240,14 +269,17 @@ class EngineArgs:
         p.add_argument("--device", default=d.device,
                        help="'auto' (cuda where there is one, else cpu), 'cpu', 'cuda' or "
                        "'cuda:N' (default: %(default)s)")
-        p.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                       help="context window in tokens (default: the model's, capped at "
+        p.add_argument("--max-model-len", type=human_readable_int, default=d.max_model_len,
+                       help="context window in tokens, e.g. 4096, 32k (32000) or 32K (32768) "
+                       "(default: the model's, capped at "
                        f"{_DEFAULT_MAX_MODEL_LEN_CAP['cuda']} on a GPU and "
                        f"{_DEFAULT_MAX_MODEL_LEN_CAP['cpu']} on the CPU)")
         p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                        help="most sequences in one batch (default: %(default)s)")
-        p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                       help="most tokens in one step, also the profiling step's size (default: "
+        p.add_argument("--max-num-batched-tokens", type=human_readable_int,
+                       default=d.max_num_batched_tokens,
+                       help="most tokens in one step (8k, 8K: as --max-model-len), also the "
+                       "profiling step's size (default: "
                        f"{_DEFAULT_MAX_NUM_BATCHED_TOKENS['cuda']} on a GPU, "
                        f"{_DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} on the CPU)")
         p.add_argument("--block-size", type=int, default=d.block_size,
@@ -282,9 +314,10 @@ class EngineArgs:
                        help="share of device memory the engine may use, in (0, 1] (default: "
                        f"{_UTILIZATION_EXTENSIBLE} with the extensible cache, "
                        f"{_UTILIZATION_ESTIMATE} otherwise)")
-        p.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes,
-                       help="a fixed KV cache size in bytes (turns the extensible default "
-                       "off; default: none, sized from memory)")
+        p.add_argument("--kv-cache-memory-bytes", type=human_readable_int,
+                       default=d.kv_cache_memory_bytes,
+                       help="a fixed KV cache size in bytes, e.g. 4G (4 GiB) (turns the "
+                       "extensible default off; default: none, sized from memory)")
         p.add_argument("--num-gpu-blocks-override", type=int,
                        default=d.num_gpu_blocks_override,
                        help="a fixed KV cache block count (turns the extensible default off; "
