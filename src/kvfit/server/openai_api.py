@@ -71,6 +71,8 @@ class ServeConfig:
     `GET /kv_cache` and `POST /kv_cache/resize?num_blocks=N` (behind the development flag too).
     `multiprocess_metrics`: `/metrics` sums the request figures of every API server process
     (`--api-server-count` > 1; prometheus_client's multiprocess mode, `PROMETHEUS_MULTIPROC_DIR`).
+    `chat_template`: a Jinja chat template used instead of the tokenizer's own (None: the
+    tokenizer's).
     """
 
     served_model_names: list[str]
@@ -81,6 +83,7 @@ class ServeConfig:
     enable_kv_cache_endpoints: bool = False
     max_request_body_bytes: int | None = 64 << 20
     multiprocess_metrics: bool = False
+    chat_template: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -234,13 +237,14 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         # OpenAI's `developer` role is its `system` role renamed. A template that never names
         # it renders it as an unknown role or drops it (Qwen3's keeps only the roles it
         # knows): there it is the system message it stands for.
-        template = getattr(tokenizer(), "chat_template", None)
+        template = config.chat_template or getattr(tokenizer(), "chat_template", None)
         if "developer" not in str(template or ""):
             for message in dicts:
                 if message["role"] == "developer":
                     message["role"] = "system"
         try:
-            return tokenizer().apply_chat_template(dicts, tokenize=False, **flags)
+            return tokenizer().apply_chat_template(dicts, tokenize=False,
+                                                   chat_template=config.chat_template, **flags)
         except APIError:
             raise
         except Exception as e:  # a template error is the messages' fault (or no template)

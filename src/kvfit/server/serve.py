@@ -13,6 +13,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -69,6 +70,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="new tokens a streamed request gathers before its next chunk is "
                         "sent (its first token and its end go at once); above 1, less server "
                         "work per token at many concurrent streams (default: %(default)s)")
+    server.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="a Jinja chat template, as a file or inline, used for chat "
+                        "requests instead of the tokenizer's own (default: the tokenizer's)")
     server.add_argument("--disable-log-stats", action="store_true",
                         help="do not print the engine's figures (queues, KV cache use, prefix "
                         "cache hits) every 10 s while it works")
@@ -104,6 +108,22 @@ def port_number(value: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {value!r}")
     return port
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`'s text: the file it names, else the value itself when it reads as a
+    Jinja template (braces or a line break), as vLLM takes it. Checked before the engine loads."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_dir():
+        raise ValueError(f"--chat-template {value!r} is a folder; pass the template file in it")
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not an inline Jinja "
+                     f"template either; pass a template file or the template text")
 
 
 def _event_loop_kinds() -> str:
@@ -176,6 +196,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model_tag:
         args.model = args.model_tag
     engine_args = EngineArgs.from_cli_args(args)
+    chat_template = load_chat_template(args.chat_template)  # a typo fails before the load
     try:
         # Before the engine loads (minutes for a large model): a port in use or a host that is
         # no address here fails at once, not after it.
@@ -192,7 +213,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise
     try:
         print(f"KV cache:\n{engine.kv_cache_report.format_table()}", flush=True)
-        config = _serve_config(args, engine_args)
+        config = _serve_config(args, engine_args, chat_template)
         app = build_app(engine, config)
         # uvicorn's "auto" takes uvloop and httptools where they are installed.
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
@@ -256,6 +277,7 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
     if args.model_tag:
         args.model = args.model_tag
     engine_args = EngineArgs.from_cli_args(args)
+    chat_template = load_chat_template(args.chat_template)  # a typo fails before the load
     try:
         # Before the engine loads: a port in use fails at once.
         sock, *other_sockets = bind_sockets(args.host, args.port, num_api_servers)
@@ -278,7 +300,7 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         print(f"KV cache:\n{engine.kv_cache_report.format_table()}", flush=True)
-        config = _serve_config(args, engine_args, multiprocess_metrics=True)
+        config = _serve_config(args, engine_args, chat_template, multiprocess_metrics=True)
         spec = ApiServerSpec(engine_args, config, engine.engine_pid, args.stream_interval,
                              args.uvicorn_log_level)
         conns = engine.engine_client.api_server_conns
@@ -311,6 +333,7 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
 
 
 def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
+                  chat_template: str | None = None,
                   multiprocess_metrics: bool = False) -> ServeConfig:
     """The app's `ServeConfig` from `kvfit serve`'s flags (one API process or several)."""
     from kvfit.server.openai_api import ServeConfig
@@ -324,6 +347,7 @@ def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
         enable_sleep_endpoints=sleep_endpoints(engine_args),
         enable_kv_cache_endpoints=dev_mode(),
         multiprocess_metrics=multiprocess_metrics,
+        chat_template=chat_template,
     )
 
 
