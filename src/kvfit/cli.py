@@ -13,7 +13,7 @@ import sys
 
 from kvfit import __version__
 from kvfit.commands import bench_offline, bench_serve, chat, generate
-from kvfit.commands.common import Subparsers
+from kvfit.commands.common import Subparsers, check_vllm_flags
 
 SERVER_EXTRA = "pip install 'kvfit[server]'"
 
@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: the process's arguments) and run the command; its exit status."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    if not getattr(args, "accepts_unknown_args", False):
+        unknown = check_vllm_flags(parser, unknown)
     if unknown and not getattr(args, "accepts_unknown_args", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if hasattr(args, "check_args"):

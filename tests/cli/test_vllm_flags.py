@@ -31,3 +31,42 @@ def test_bad_counts_are_usage_errors_naming_the_flag(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--max-model-len" in err and repr(text) in err
+
+
+@pytest.mark.parametrize(("argv", "flag", "reason"), [
+    (["serve", "m", "--quantization", "awq"], "--quantization", "unquantized"),
+    (["serve", "m", "-q", "awq"], "-q", "unquantized"),
+    (["serve", "m", "--quantization=fp8"], "--quantization", "unquantized"),
+    (["serve", "m", "-pp", "2"], "-pp", "--tensor-parallel-size"),
+    (["serve", "m", "--enable-lora"], "--enable-lora", "LoRA"),
+    (["serve", "m", "--generation-config", "auto"], "--generation-config", "eos_token_id"),
+    (["serve", "m", "--config", "serve.yaml"], "--config", "flags"),
+    (["serve", "m", "--enable-log-requests"], "--enable-log-requests", "request"),
+    (["generate", "--revision", "main"], "--revision", "local folder"),
+])
+def test_vllm_flags_kvfit_does_not_do_are_refused_by_name(
+    argv: list[str], flag: str, reason: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if flag in line)
+    assert "not supported" in line and reason in line
+
+
+@pytest.mark.parametrize(("flag", "why"), [
+    ("--trust-remote-code", "own code"), ("--disable-log-requests", "no request log"),
+    ("--enable-chunked-prefill", "chunks"),
+])
+def test_vllm_flags_that_ask_for_what_kvfit_does_run_with_a_note(
+    flag: str, why: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvfit.server import serve
+
+    ran = []
+    monkeypatch.setattr(serve, "run_serve", lambda args: ran.append(args.model_tag) or 0)
+    assert main(["serve", "m", flag, "--port", "0"]) == 0
+    assert ran == ["m"]
+    err = capsys.readouterr().err
+    assert flag in err and why in err
