@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model(model: str) -> Path:
-    """The folder holding `model`'s config.json: `model` itself, or a built-in's shipped folder."""
+    """The folder holding `model`'s config.json: `model` itself, a built-in's shipped folder,
+    or, for a repo id (`org/name`), its snapshot in the local Hugging Face cache."""
     folder = Path(model).expanduser()
     if folder.is_dir():
         if not (folder / "config.json").is_file():
@@ -45,9 +47,13 @@ def resolve_model(model: str) -> Path:
     if model in BUILTIN_MODELS:
         return BUILTIN_DIR / model
     if _looks_like_hub_id(model):
+        snapshot = _cached_snapshot(model)
+        if snapshot is not None:
+            return snapshot
         name = model.rsplit("/", 1)[1]
         raise FileNotFoundError(
-            f"model {model!r} is not a local folder: kvfit loads local Hugging Face folders "
+            f"model {model!r} is not a local folder, and not in the Hugging Face cache "
+            f"({_hub_cache_dir()}): kvfit loads local Hugging Face folders "
             f"(config.json, *.safetensors, tokenizer files) and downloads nothing. Fetch it "
             f"first, e.g. `huggingface-cli download {model} --local-dir ./{name}`, then pass "
             f"--model ./{name}"
@@ -56,6 +62,31 @@ def resolve_model(model: str) -> Path:
         f"model {model!r} is neither a local folder with config.json nor a built-in model "
         f"({', '.join(BUILTIN_MODELS)}); set `model` to one of them"
     )
+
+
+def _hub_cache_dir() -> Path:
+    """The Hugging Face cache, read from the environment now (as huggingface_hub places it):
+    $HF_HUB_CACHE, else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub."""
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if cache:
+        return Path(cache).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    """The folder of `repo_id`'s cached snapshot (its main revision) holding a config.json, as
+    a vLLM user has after serving it once; None when it is not cached. Never goes online."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        path = try_to_load_from_cache(repo_id, "config.json", cache_dir=_hub_cache_dir())
+    except ValueError:  # not a valid repo id after all
+        return None
+    return Path(path).parent if isinstance(path, str) else None
 
 
 def _looks_like_hub_id(model: str) -> bool:
