@@ -115,6 +115,17 @@ def test_missing_input_file_names_the_flag(tmp_path: Path) -> None:
         main(["generate", "-", "--input-file", str(tmp_path / "nope.txt")])
 
 
+
+def test_an_input_file_that_is_a_folder_or_not_text_says_so(tmp_path: Path) -> None:
+    # A folder was reported as 'no such file', and bytes that are not UTF-8 as a bare codec
+    # error that named neither the file nor the flag.
+    with pytest.raises(ValueError, match="--input-file .* is a folder"):
+        main(["generate", "--input-file", str(tmp_path)])
+    path = tmp_path / "prompts.bin"
+    path.write_bytes(b"ok\n\xff\xfe\n")
+    with pytest.raises(ValueError, match=r"--input-file .*prompts\.bin: not UTF-8 text"):
+        main(["generate", "--input-file", str(path)])
+
 def test_bad_flags_name_them(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="block_size"):
         main(["generate", "--block-size", "3", "--device", "cpu"])

@@ -101,10 +101,20 @@ def collect_prompts(args: argparse.Namespace) -> list[str | dict[str, Any]]:
         prompts += parse_prompt_lines(sys.stdin, "<stdin>")
     elif args.input_file:
         path = Path(args.input_file)
+        if path.is_dir():
+            raise ValueError(f"--input-file {args.input_file} is a folder; pass a file of "
+                             f"prompts (one per line, or JSONL)")
         if not path.is_file():
             raise ValueError(f"--input-file {args.input_file}: no such file")
-        with path.open(encoding="utf-8") as f:
-            prompts += parse_prompt_lines(f, str(path))
+        try:
+            with path.open(encoding="utf-8") as f:
+                prompts += parse_prompt_lines(f, str(path))
+        except UnicodeDecodeError:
+            raise ValueError(f"--input-file {args.input_file}: not UTF-8 text; save the "
+                             f"prompts as UTF-8") from None
+        except OSError as e:
+            raise ValueError(f"--input-file {args.input_file}: cannot read it "
+                             f"({e.strerror})") from None
         if not prompts:
             raise ValueError(f"--input-file {args.input_file}: holds no prompts")
     elif not prompts and _stdin_is_piped(sys.stdin):
