@@ -136,3 +136,25 @@ def test_run_serve_prints_the_sizing_report_and_serves() -> None:
     assert "KV cache blocks" in output and "64" in output  # the sizing report
     assert f"http://127.0.0.1:{server.port}/v1 (engine in its own process" in output
     engine.wait(timeout=10)  # gone with its server
+
+
+def test_vllm_api_key_alone_does_not_leave_the_server_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A vLLM user's VLLM_API_KEY is not read here: serving with no key at all, as kvfit did,
+    # opened a server its owner believed locked. It stops before the engine loads.
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    monkeypatch.delenv("KVFIT_API_KEY", raising=False)
+    monkeypatch.setattr(serve, "missing_server_modules", lambda: [])
+
+    def no_engine(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the engine loaded")
+
+    monkeypatch.setattr("kvfit.server.async_llm.AsyncLLM", no_engine)
+    with pytest.raises(ValueError, match="VLLM_API_KEY.*--api-key.*KVFIT_API_KEY"):
+        serve.run_serve(parser().parse_args(["serve", "m", "--port", "0"]))
+    # With a key of kvfit's, the server is locked and VLLM_API_KEY changes nothing.
+    args = parser().parse_args(["serve", "m", "--api-key", "k"])
+    assert serve.server_api_key(args) == "k"
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert serve.server_api_key(parser().parse_args(["serve", "m"])) is None

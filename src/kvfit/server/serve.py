@@ -48,7 +48,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "is the one reported")
     server.add_argument("--api-key", default=os.environ.get("KVFIT_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: $KVFIT_API_KEY)")
+                        "(default: $KVFIT_API_KEY; vLLM's $VLLM_API_KEY is not read)")
     server.add_argument("--max-concurrent-requests", type=int, default=1024,
                         help="generation requests in progress at once; more get HTTP 503 "
                         "(0: unbounded; default: %(default)s)")
@@ -163,6 +163,18 @@ def dev_mode() -> bool:
     return os.environ.get(DEV_MODE_ENV) == "1"
 
 
+def server_api_key(args: argparse.Namespace) -> str | None:
+    """The key clients must send: `--api-key`, else $KVFIT_API_KEY. vLLM's $VLLM_API_KEY
+    is not read, but set alone it means a server its owner expects locked: refused."""
+    if args.api_key:
+        return args.api_key
+    if os.environ.get("VLLM_API_KEY"):
+        raise ValueError("VLLM_API_KEY is set, but kvfit does not read it and would serve "
+                         "without a key: pass --api-key or set KVFIT_API_KEY (or unset "
+                         "VLLM_API_KEY to serve without one)")
+    return None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Start the engine, print its KV cache sizing, and serve until interrupted."""
     missing = missing_server_modules()
@@ -170,6 +182,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvfit serve needs the server extra ({', '.join(missing)} missing): "
               f"pip install 'kvfit[server]'", file=sys.stderr)
         return 1
+    server_api_key(args)  # before the engine loads
     if args.max_request_body_bytes < 0:
         print("--max-request-body-bytes must be >= 0 (0: unbounded)", file=sys.stderr)
         return 2
@@ -340,7 +353,7 @@ def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
 
     return ServeConfig(
         served_model_names=args.served_model_name or [engine_args.model],
-        api_key=args.api_key or None,
+        api_key=server_api_key(args),
         max_concurrent_requests=args.max_concurrent_requests or None,
         max_request_body_bytes=args.max_request_body_bytes or None,
         root=engine_args.model,
