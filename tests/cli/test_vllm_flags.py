@@ -70,3 +70,20 @@ def test_vllm_flags_that_ask_for_what_kvfit_does_run_with_a_note(
     assert ran == ["m"]
     err = capsys.readouterr().err
     assert flag in err and why in err
+
+
+def test_bench_serve_takes_vllm_bench_serve_flags() -> None:
+    # `vllm bench serve --host H --port P --random-input-len ... --metric-percentiles ...`
+    # stopped at 'the following arguments are required: --base-url'.
+    from kvfit.commands.bench_serve import resolve_base_url
+
+    args = build_parser().parse_args([
+        "bench", "serve", "--host", "10.0.0.2", "--port", "9000", "--random-input-len", "64",
+        "--random-output-len", "16", "--metric-percentiles", "50,90"])
+    assert (args.input_len, args.output_len, args.percentiles) == (64, 16, [50.0, 90.0])
+    assert resolve_base_url(args) == "http://10.0.0.2:9000"
+    # vLLM's defaults: a server on this machine's port 8000.
+    assert resolve_base_url(build_parser().parse_args(["bench", "serve"])) == \
+        "http://127.0.0.1:8000"
+    args = build_parser().parse_args(["bench", "serve", "--base-url", "http://h:1"])
+    assert resolve_base_url(args) == "http://h:1"

@@ -66,8 +66,13 @@ def add_parser(sub: Subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s = p.add_argument_group("server")
-    s.add_argument("--base-url", required=True, metavar="URL",
-                   help="the server's root, e.g. http://localhost:8000")
+    s.add_argument("--base-url", default=None, metavar="URL",
+                   help="the server's root, e.g. http://localhost:8000 (default: "
+                   "http://HOST:PORT of --host and --port)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="the server's host when --base-url is not given (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000,
+                   help="the server's port when --base-url is not given (default: %(default)s)")
     s.add_argument("--endpoint", default="/v1/completions",
                    help="the completions path (default: %(default)s)")
     s.add_argument("--model", default=None,
@@ -81,10 +86,10 @@ def add_parser(sub: Subparsers) -> None:
                         "(default: %(default)s)")
     w.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight (default: no limit)")
-    w.add_argument("--input-len", type=int, default=128,
+    w.add_argument("--input-len", "--random-input-len", type=int, default=128,
                    help="prompt length in tokens (words with --prompt-kind words; default: "
                         "%(default)s)")
-    w.add_argument("--output-len", type=int, default=128,
+    w.add_argument("--output-len", "--random-output-len", type=int, default=128,
                    help="max_tokens per request; ignore_eos is sent so outputs have this length "
                         "(default: %(default)s)")
     w.add_argument("--random-range-ratio", type=float, default=0.0, metavar="R",
@@ -108,7 +113,8 @@ def add_parser(sub: Subparsers) -> None:
     w.add_argument("--num-client-processes", type=int, default=None, metavar="N",
                    help="processes sending the load (default: min(4, CPUs, --num-prompts))")
     o = p.add_argument_group("output")
-    o.add_argument("--percentiles", type=parse_percentiles, default=[50.0, 99.0], metavar="P,P",
+    o.add_argument("--percentiles", "--metric-percentiles", type=parse_percentiles,
+                   default=[50.0, 99.0], metavar="P,P",
                    help="percentiles of TTFT, TPOT, ITL and E2E to report (default: 50,99)")
     o.add_argument("--result-file", metavar="PATH",
                    help="write the metrics and per-request figures as JSON")
@@ -343,7 +349,15 @@ def failure_lines(errors: dict[str, int], most: int = 10) -> list[str]:
     return lines
 
 
+def resolve_base_url(args: argparse.Namespace) -> str:
+    """`--base-url`, else `http://HOST:PORT` from `--host` and `--port` (as vLLM's bench
+    builds it)."""
+    host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address
+    return args.base_url or f"http://{host}:{args.port}"
+
+
 def _check_args(args: argparse.Namespace) -> None:
+    args.base_url = resolve_base_url(args)
     url = urllib.parse.urlsplit(args.base_url)
     try:
         valid = url.scheme in ("http", "https") and bool(url.hostname) and (url.port or True)
