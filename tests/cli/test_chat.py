@@ -50,6 +50,18 @@ def test_local_model_over_piped_stdin(
     assert reply1 and out.index(reply1) < out.index("/reset") < out.rindex(reply2)
 
 
+
+def test_remote_url_without_v1_is_the_servers_root(
+    fake_server: Callable, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # `--url http://host:8000`, the root `bench serve --base-url` and `curl` users type, got
+    # a 404 from /models: the API lives under /v1.
+    server = fake_server()
+    status, out = _chat(["--url", server.url + "/"], "one\n", monkeypatch, capsys)
+    assert status == 0 and out.splitlines() == ["seen 1"]
+    assert server.bodies[0]["model"] == "fake-model"
+
 def test_remote_streams_keeps_history_and_resets(
     fake_server: Callable, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],

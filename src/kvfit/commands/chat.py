@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
@@ -43,7 +44,8 @@ def add_parser(sub: Subparsers) -> None:
     )
     r = p.add_argument_group("remote server")
     r.add_argument("--url", metavar="URL",
-                   help="the server's API base, e.g. http://localhost:8000/v1")
+                   help="the server's API base, e.g. http://localhost:8000/v1 (a URL with no "
+                   "path, http://localhost:8000, means its /v1)")
     add_remote_args(r)
     c = p.add_argument_group("conversation")
     c.add_argument("--system-prompt", default=None, help="a system message to start with")
@@ -79,6 +81,8 @@ def remote_reply(args: argparse.Namespace) -> tuple[Reply, Callable[[], None]]:
     except ImportError:
         raise SystemExit("kvfit chat --url needs httpx: pip install 'kvfit[server]'") from None
     base = args.url.rstrip("/")
+    if urllib.parse.urlsplit(base).path == "":
+        base += "/v1"  # the server's root: OpenAI-compatible APIs live under /v1
     client = httpx.Client(base_url=base, headers=auth_headers(args), timeout=args.request_timeout)
     try:
         model = args.model or _first_model(client, base)
