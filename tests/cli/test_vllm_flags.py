@@ -3,6 +3,8 @@ parse the same here, and the vLLM flags kvfit does not do are refused by name.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvfit.cli import build_parser, main
@@ -87,3 +89,35 @@ def test_bench_serve_takes_vllm_bench_serve_flags() -> None:
         "http://127.0.0.1:8000"
     args = build_parser().parse_args(["bench", "serve", "--base-url", "http://h:1"])
     assert resolve_base_url(args) == "http://h:1"
+
+
+@pytest.fixture
+def no_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvfit serve` parses and checks its flags, then returns 0 instead of serving."""
+    from kvfit.server import serve
+
+    monkeypatch.setattr(serve, "run_serve", lambda args: 0)
+
+
+def test_serve_refuses_a_model_swallowed_by_served_model_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_serving: None,
+) -> None:
+    # `--served-model-name` takes every word after it: the model folder became a second name
+    # and the built-in default model was served under both, without a word.
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--served-model-name", "mine", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--served-model-name" in err and str(tmp_path) in err and "MODEL" in err
+
+
+def test_serve_refuses_two_different_models(capsys: pytest.CaptureFixture[str],
+                                            no_serving: None) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "/models/a", "--model", "/models/b"])
+    assert exit_info.value.code == 2
+    assert "/models/a" in capsys.readouterr().err
+    # One model named both ways, or names that are not folders, are fine.
+    assert main(["serve", "/models/a", "--model", "/models/a"]) == 0
+    assert main(["serve", "/models/a", "--served-model-name", "x", "y"]) == 0

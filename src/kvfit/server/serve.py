@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import importlib.util
 import os
@@ -80,8 +81,25 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's own log level (access and server logs; default: "
                         "%(default)s)")
-    parser.set_defaults(func=run_serve, serve_parser=parser)
+    parser.set_defaults(func=run_serve, serve_parser=parser,
+                        check_args=functools.partial(check_serve_args, parser))
     return parser
+
+
+def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Which model to serve, unambiguous before anything loads: MODEL and --model naming two,
+    or a model folder taken in by --served-model-name (it takes every word after it, so
+    `--served-model-name NAME FOLDER` would serve the default model), is a usage error."""
+    default = parser.get_default("model")
+    if args.model_tag and args.model not in (default, args.model_tag):
+        parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} name two models; "
+                     f"give one")
+    if args.model_tag is None and args.model == default:
+        folders = [n for n in args.served_model_name or () if Path(n).expanduser().is_dir()]
+        if folders:
+            parser.error(f"--served-model-name took the folder {folders[0]!r} as a name (it "
+                         f"takes every word after it), and no MODEL is given: put MODEL "
+                         f"before --served-model-name")
 
 
 def at_least_one(what: str) -> Callable[[str], int]:
