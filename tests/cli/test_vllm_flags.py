@@ -121,3 +121,16 @@ def test_serve_refuses_two_different_models(capsys: pytest.CaptureFixture[str],
     # One model named both ways, or names that are not folders, are fine.
     assert main(["serve", "/models/a", "--model", "/models/a"]) == 0
     assert main(["serve", "/models/a", "--served-model-name", "x", "y"]) == 0
+
+
+@pytest.mark.parametrize("mode", ["serve", "throughput"])
+def test_bench_takes_vllms_random_dataset_name(mode: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # `vllm bench ... --dataset-name random`: the workload kvfit's benchmarks generate.
+    args = build_parser().parse_args(["bench", mode, "--dataset-name", "random",
+                                      "--random-input-len", "7", "--random-output-len", "3"])
+    assert (args.dataset_name, args.input_len, args.output_len) == ("random", 7, 3)
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", mode, "--dataset-name", "sharegpt"])
+    assert exit_info.value.code == 2
+    assert "--dataset-name" in capsys.readouterr().err

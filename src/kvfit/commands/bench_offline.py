@@ -13,6 +13,7 @@ from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.commands.common import (
     Subparsers,
+    add_dataset_name_arg,
     add_logging_args,
     build_llm,
     format_table,
@@ -29,13 +30,14 @@ def _add_common(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     from kvfit.engine.config import EngineArgs
 
     g = p.add_argument_group("benchmark")
-    g.add_argument("--input-len", type=int, default=32,
+    g.add_argument("--input-len", "--random-input-len", type=int, default=32,
                    help="prompt tokens per request (default: %(default)s)")
-    g.add_argument("--output-len", type=int, default=32,
+    g.add_argument("--output-len", "--random-output-len", type=int, default=32,
                    help="generated tokens per request, EOS ignored (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (default: %(default)s)")
     g.add_argument("--result-file", metavar="PATH", help="write the results as JSON")
+    add_dataset_name_arg(g)
     EngineArgs.add_cli_args(p)
     add_logging_args(p)
     return g

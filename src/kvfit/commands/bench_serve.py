@@ -37,6 +37,7 @@ from kvfit.benchmarks.record import write_record
 from kvfit.commands.common import (
     SSE_DONE,
     Subparsers,
+    add_dataset_name_arg,
     add_remote_args,
     auth_headers,
     child_env,
@@ -79,6 +80,7 @@ def add_parser(sub: Subparsers) -> None:
                    help="the served model's name (default: the first of /v1/models)")
     add_remote_args(s)
     w = p.add_argument_group("workload")
+    add_dataset_name_arg(w)
     w.add_argument("--num-prompts", type=int, default=100,
                    help="requests to send (default: %(default)s)")
     w.add_argument("--request-rate", type=float, default=math.inf,

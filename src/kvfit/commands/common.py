@@ -169,6 +169,12 @@ def check_vllm_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> lis
     return rest
 
 
+def add_dataset_name_arg(group: argparse._ArgumentGroup) -> None:
+    """`--dataset-name random`, as vLLM's benchmarks take it: the only workload here."""
+    group.add_argument("--dataset-name", choices=("random",), default="random",
+                       help="the prompts: random ones of --input-len, the only kind kvfit's "
+                       "benchmarks generate (default: %(default)s)")
+
 def add_logging_args(parser: argparse.ArgumentParser) -> None:
     """`--log-level`, in a group of its own."""
     g = parser.add_argument_group("logging")
