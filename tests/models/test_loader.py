@@ -284,3 +284,11 @@ def test_rope_parameters_reads_both_spellings() -> None:
     plain = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     assert rope_parameters(plain) == (1e6, None)
     assert rope_parameters(SimpleNamespace(rope_theta=1e4, rope_scaling=None)) == (1e4, None)
+
+
+def test_a_config_that_is_not_json_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    # A truncated download: transformers' OSError went up as a traceback past the CLI's
+    # one-line errors.
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", ')
+    with pytest.raises(ValueError, match=r"config\.json .*not valid JSON.*fetch it again"):
+        load_hf_config(str(tmp_path))

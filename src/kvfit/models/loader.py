@@ -118,6 +118,12 @@ def load_hf_config(model: str) -> PretrainedConfig:
     does not run is refused as that architecture, naming the supported ones."""
     folder = resolve_model(model)
     try:
+        json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        # Else transformers' OSError, a traceback past the CLI's one-line errors.
+        raise ValueError(f"{folder / 'config.json'} is not valid JSON ({e}); the download may "
+                         f"be cut short: fetch it again") from None
+    try:
         return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except ValueError as e:
         try:
