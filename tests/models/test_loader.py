@@ -292,3 +292,13 @@ def test_a_config_that_is_not_json_is_one_line_naming_the_file(tmp_path: Path) -
     (tmp_path / "config.json").write_text('{"model_type": "qwen3", ')
     with pytest.raises(ValueError, match=r"config\.json .*not valid JSON.*fetch it again"):
         load_hf_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("content", ['{"bad', "{}"])
+def test_a_broken_tokenizer_is_one_line_naming_the_folder(tmp_path: Path, content: str) -> None:
+    # Cut short, it was a JSON error naming no file; valid JSON of the wrong shape, a KeyError
+    # traceback from inside transformers.
+    shutil.copytree(BUILTIN_DIR / "kvfit-sotu", tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").write_text(content)
+    with pytest.raises(ValueError, match=r"cannot load the tokenizer in .*m\b.*fetch"):
+        load_tokenizer(str(tmp_path / "m"))

@@ -145,7 +145,13 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         return None
     # As for the config: never a folder's own code, and never a prompt on stdin asking.
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                             trust_remote_code=False)
+    except Exception as e:  # transformers and tokenizers raise many kinds for broken files
+        raise ValueError(f"cannot load the tokenizer in {folder} ({type(e).__name__}: {e}); "
+                         f"its files may be cut short or of another format: fetch them again, "
+                         f"or pass --tokenizer FOLDER") from e
 
 
 def load_eos_token_ids(model: str, hf_config: PretrainedConfig) -> list[int]:
