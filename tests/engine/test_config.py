@@ -171,3 +171,18 @@ def test_a_sliding_window_as_long_as_the_context_runs(tmp_path) -> None:
                           max_window_layers=0)
     args = EngineArgs(model=model, device="cpu", max_model_len=64)
     assert args.create_engine_config().model_config.max_model_len == 64
+
+
+def test_a_token_budget_no_step_can_fill_is_capped_at_what_one_can(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # `--max-num-batched-tokens 1000000000` profiled (and warmed up) a step of a billion
+    # tokens: minutes and tens of GiB on the CPU before any error, though a step holds at
+    # most max_num_seqs sequences of max_model_len tokens.
+    with caplog.at_level("INFO", logger="kvfit"):
+        c = config(max_num_batched_tokens=10**9, max_num_seqs=4, max_model_len=128)
+    assert c.scheduler_config.max_num_batched_tokens == 4 * 128
+    assert "max_num_batched_tokens" in caplog.text
+    # A budget a step can fill is kept.
+    assert config(max_num_batched_tokens=384, max_num_seqs=4,
+                  max_model_len=128).scheduler_config.max_num_batched_tokens == 384

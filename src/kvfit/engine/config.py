@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+logger = logging.getLogger(__name__)
 
 # Upper bounds on the defaults (never on explicit values): a 40k-token window is rarely wanted and
 # would make one max-length sequence dominate the cache check, more so on the CPU.
@@ -440,6 +443,13 @@ class EngineArgs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_batched}) must be >= block_size ({block_size})"
             )
+        elif max_batched > max(max_num_seqs * max_len, block_size):
+            # No step can hold more, and profiling and warmup run a step of this size.
+            fill = max(max_num_seqs * max_len, block_size)
+            logger.info("max_num_batched_tokens %d is more than a step can hold (max_num_seqs "
+                        "%d x max_model_len %d): using %d", max_batched, max_num_seqs, max_len,
+                        fill)
+            max_batched = fill
         return EngineConfig(
             model_config=model_config,
             cache_config=self._cache_config(device, block_size),
