@@ -95,6 +95,9 @@ def test_gpu_sampling_memory_beyond_the_logits_is_entries_and_one_block() -> Non
         sampler(logits, meta)
     # The processors' working copies, one log-sum-exp block (its float32 copy and the
     # temporaries of logsumexp and the rank count) and O(rows): no [N, V] temporary (the
-    # logits are 78 MiB here, a float32 copy would be 156).
-    bound = 40 * entries + 4 * sampler_module._LOGSUMEXP_BYTES + 64 * rows * 8
+    # logits are 78 MiB here, a float32 copy would be 156) but allowed_token_ids' undo, the
+    # one dense processor (`AllowedTokens`: its rows whole, in the logits' dtype).
+    allowed_rows = sum(seq.sampling_params.allowed_token_ids is not None for seq in seqs)
+    bound = (40 * entries + 4 * sampler_module._LOGSUMEXP_BYTES + 64 * rows * 8
+             + allowed_rows * vocab * logits.element_size())
     assert watch.peak_bytes <= bound, (watch.peak_bytes, bound)
