@@ -14,7 +14,7 @@ import pytest
 from kvfit import LLM
 from kvfit.engine.kv_resize import KVCacheResizeError
 from kvfit.engine.oom_guard import KVCacheOutOfMemoryError
-from kvfit.vmm import VmmOutOfMemoryError
+from kvfit.vmm import VmmError, VmmOutOfMemoryError
 
 from .test_oom_guard import (
     LONG_LENGTHS,
@@ -264,3 +264,52 @@ def test_a_cache_released_by_a_resize_says_so_not_that_sleep_released_it(
         llm.wake_up()  # a wake short of memory: the user's sleep released it
     with pytest.raises(RuntimeError, match=r"released by LLM.sleep\(\)"):
         generate(llm, PARAMS["greedy"])
+
+
+def fail_next_map(llm: LLM) -> list[int]:
+    """Make the cache's next mapping fail once with a driver error that is not out of memory
+    (a transient set-access failure); returns the sizes it refused."""
+    reservation = runner(llm).kv_cache.tensor._reservation
+    map_at, refused = reservation.map_at, []
+
+    def flaky(va: int, size: int, handle: Any) -> None:
+        if not refused:
+            refused.append(size)
+            raise VmmError("cuMemSetAccess", 1, "CUDA_ERROR_INVALID_VALUE")
+        map_at(va, size, handle)
+
+    reservation.map_at = flaky
+    return refused
+
+
+def test_a_transient_driver_error_on_a_resize_leaves_the_cache_as_it_was(
+        connected, reference) -> None:  # noqa: F811
+    """Only a want of memory may make a recommit take fewer blocks: another driver error
+    (here one failed set-access) backs the size the cache had, not half the one asked."""
+    llm = connected()
+    cache = runner(llm).kv_cache
+    before = cache.committed_blocks
+    target = guard_target(llm)
+    refused = fail_next_map(llm)
+    with pytest.raises(KVCacheResizeError, match=r"cuMemSetAccess failed with code 1 .*as it was"):
+        llm.resize_kv_cache(target)
+    assert refused and cache.committed_blocks == before and not llm.engine.is_sleeping
+    assert llm.engine.kv_resizer.num_shrinks == 0
+    assert_one_chunk_registered(llm)
+    assert_same(generate(llm, PARAMS["greedy"], LONG_LENGTHS), reference("greedy", LONG_LENGTHS))
+
+
+def test_a_transient_driver_error_on_wake_does_not_halve_the_cache(
+        connected, reference) -> None:  # noqa: F811
+    llm = connected(enable_sleep_mode=True)
+    cache = runner(llm).kv_cache
+    before = cache.committed_blocks
+    llm.sleep()
+    fail_next_map(llm)
+    with pytest.raises(KVCacheResizeError, match="cuMemSetAccess failed with code 1"):
+        llm.wake_up()
+    assert cache.is_released and llm.engine.is_sleeping
+    llm.wake_up()  # the error was transient: the whole cache comes back
+    assert cache.committed_blocks == before and not llm.engine.kv_resizer.events
+    assert_one_chunk_registered(llm)
+    assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))

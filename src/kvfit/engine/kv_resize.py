@@ -261,6 +261,7 @@ class KVCacheResizer:
         recommits it) and it raises `KVCacheResizeError`.
         """
         rpc, bm = self.executor.collective_rpc, self.scheduler.block_manager
+        num_blocks_was = bm.num_blocks
         victims = self.scheduler.preempt_tail_holders(0)
         num_evicted = len(bm.hash_to_block)
         bm.reset_prefix_cache()
@@ -270,11 +271,25 @@ class KVCacheResizer:
         for size in sizes:
             try:
                 rpc("recommit_kv_cache", size)
-            except VmmError as e:
+            except VmmOutOfMemoryError as e:
                 logger.warning("could not commit the KV cache as %d blocks (%s); trying "
                                "fewer", size, e)
                 error = e
                 continue
+            except VmmError as e:
+                # Not a want of memory (a failed map or set-access): fewer blocks would not
+                # help, and taking them would leave the cache small for good.
+                if not before:  # released already (a wake): it stays so, at its size
+                    self._set_blocks(num_blocks_was)
+                    self.on_released()
+                    raise KVCacheResizeError(
+                        f"could not commit the KV cache as {size} blocks: {e.call} failed "
+                        f"with code {e.code} (not out of memory); it stays released") from e
+                self._recommit_as_it_was(num_blocks_was, e)
+                raise KVCacheResizeError(
+                    f"could not commit the KV cache as {size} blocks: {e.call} failed with "
+                    f"code {e.code} (not out of memory); it holds {self.num_blocks} blocks, "
+                    f"as it was") from e
             self._set_blocks(size)
             return rpc("kv_cache_bytes")[0][0] - before, len(victims), num_evicted
         self._set_blocks(sizes[-1])  # what wake_up backs
@@ -283,6 +298,24 @@ class KVCacheResizer:
             f"could not commit the KV cache even as {sizes[-1]} blocks (one max_model_len "
             f"sequence) after releasing it: {error}; it is released (asleep) until "
             f"wake_up() backs it") from error
+
+    def _recommit_as_it_was(self, num_blocks: int, error: VmmError) -> None:
+        """After a recommit failed with a driver error other than out of memory, back the
+        `num_blocks` the cache held before it (its pages are gone: they come back zeroed).
+        Where that fails too, the cache is left released (`on_released`) and it raises
+        `KVCacheResizeError` naming the failed call and its code."""
+        logger.error("committing the KV cache failed (%s: code %d), not for want of memory: "
+                     "backing its %d blocks again", error.call, error.code, num_blocks)
+        try:
+            self.executor.collective_rpc("recommit_kv_cache", num_blocks)
+        except VmmError as again:
+            self._set_blocks(num_blocks)
+            self.on_released()
+            raise KVCacheResizeError(
+                f"could not commit the KV cache: {error.call} failed with code {error.code} "
+                f"(not out of memory), and backing its {num_blocks} blocks again failed too "
+                f"({again}); it is released until it can be backed") from again
+        self._set_blocks(num_blocks)
 
     def wake(self) -> KVCacheResize | None:
         """Back the released (asleep) cache again, zeroed (`wake_up`): at its size, or where
@@ -298,6 +331,9 @@ class KVCacheResizer:
             delta = self.recommit(before)[0]
         except KVCacheResizeError as error:
             self._set_blocks(before)  # the next wake_up tries the whole size again
+            if not isinstance(error.__cause__, VmmOutOfMemoryError):
+                raise KVCacheResizeError(f"wake_up(): {error}; call wake_up() again") from (
+                    error.__cause__)
             raise KVCacheResizeError(
                 f"wake_up(): no device memory for the KV cache, not even for one max_model_len "
                 f"({self.config.scheduler_config.max_model_len}) sequence "
