@@ -13,12 +13,12 @@ import pytest
 
 from kvfit import LLM
 from kvfit.engine.kv_resize import KVCacheResizeError
-from kvfit.engine.oom_guard import KVCacheOutOfMemoryError
 from kvfit.vmm import VmmError, VmmOutOfMemoryError
 
 from .test_oom_guard import (
     LONG_LENGTHS,
     PARAMS,
+    PROMPT_LENGTHS,
     REQUESTED,
     assert_nothing_leaked,
     assert_same,
@@ -160,108 +160,129 @@ def test_a_recommit_without_memory_falls_back_smaller_and_keeps_serving(
     assert_same(generate(llm, PARAMS["greedy"], LONG_LENGTHS), reference("greedy", LONG_LENGTHS))
 
 
-def test_a_recommit_that_fails_at_the_floor_leaves_the_cache_asleep_until_woken(
-        connected, reference) -> None:  # noqa: F811
-    llm = connected()
-    cache, floor = runner(llm).kv_cache, llm.engine.kv_resizer.floor
-    reservation = runner(llm).kv_cache.tensor._reservation
-    create = reservation.create
+def memory_back_after_retries(llm: LLM, num_failed: int) -> list[int]:
+    """Let the engine retry a released cache at every step, and give the memory back (undo
+    `fail_chunks_over`) once `num_failed` retries found none; returns the sizes refused."""
+    core, reservation = llm.engine, runner(llm).kv_cache.tensor._reservation
+    create, restore, attempts = reservation.create, core.kv_resizer.restore, []
     refused = fail_chunks_over(llm, 0)
-    inject(llm, "decode_forward")
-    with pytest.raises(KVCacheOutOfMemoryError, match="shrinking the KV cache did too"):
-        generate(llm, PARAMS["greedy"])
-    assert refused and cache.is_released and cache.tensor.num_physical_chunks == 0
-    assert llm.engine.is_sleeping  # never scheduled onto unmapped memory
-    with pytest.raises(RuntimeError, match="wake_up"):
-        generate(llm, PARAMS["greedy"])
-    reservation.create = create  # memory is back
-    llm.wake_up()
-    # The floor, rounded up to a size whose segments end on a granule (the same memory).
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        attempts.append(core.scheduler.num_steps)
+        if len(attempts) > num_failed:
+            reservation.create = create
+        return restore(*args, **kwargs)
+
+    core.kv_resizer.restore = counted
+    core.released_retry_s = 0.0
+    return refused
+
+
+def assert_backed_again(llm: LLM, num_failed: int) -> None:
+    """The engine backed the released cache itself at the floor (rounded up to a size whose
+    segments end on a granule), after `num_failed` failed retries, logged as a `restore`."""
+    core, cache = llm.engine, runner(llm).kv_cache
+    assert not core.kv_cache_released and not core.is_sleeping and not cache.is_released
     step = cache.spec.granule_block_step(cache.granularity)
-    assert cache.committed_blocks == -(-floor // step) * step >= floor
-    assert cache.physical_bytes == cache.footprint_bytes(floor)
+    assert cache.committed_blocks == -(-core.kv_resizer.floor // step) * step
+    event = core.kv_resizer.events[-1]
+    assert (event.cause, event.num_blocks_before) == ("restore", 0)
+    assert event.num_blocks_after == cache.committed_blocks
+    assert core.kv_resizer.num_failed_grows == num_failed
     assert_one_chunk_registered(llm)
-    assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
 
 
-def test_requests_queued_when_a_recommit_leaves_the_cache_released_fail_not_spin(
+def test_a_cache_the_guard_released_comes_back_and_its_requests_complete(
         connected, reference) -> None:  # noqa: F811
-    """A resize that cannot back even the floor leaves the cache released under requests it
-    preempted. No step can run until `wake_up`, so a front end failing the step
-    (`fail_step`) must end those requests too: else they stay queued, and the engine loop
-    retries the same failing step forever."""
+    """A guard's recommit that cannot back even one sequence releases the cache; the
+    requests it preempted wait (none fails) and complete, token for token, once the engine
+    backs the cache again by itself."""
+    llm = connected()
+    cache = runner(llm).kv_cache
+    refused = memory_back_after_retries(llm, num_failed=2)
+    inject(llm, "decode_forward")
+    assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
+    assert refused and not llm.engine.oom_guard.num_shrinks
+    assert_backed_again(llm, num_failed=2)
+    assert cache.physical_bytes == cache.footprint_bytes(llm.engine.kv_resizer.floor)
+    assert_nothing_leaked(llm)
+
+
+def test_requests_waiting_on_a_cache_a_resize_released_complete_once_it_is_back(
+        connected, reference) -> None:  # noqa: F811
+    """A resize that cannot back even the floor releases the cache under the requests it
+    preempted: steps run nothing (they never touch unmapped memory, never raise) until the
+    engine backs it again, and then the requests complete with the same greedy output. The
+    engine is not asleep: nobody called `sleep`, and requests added meanwhile wait too."""
     llm = connected()
     core, cache = llm.engine, runner(llm).kv_cache
     requests = [llm.make_request(p, PARAMS["greedy"], str(i))
-                for i, p in enumerate(make_prompts(LONG_LENGTHS[:3]))]
-    for seqs in requests:
+                for i, p in enumerate(make_prompts(PROMPT_LENGTHS))]
+    for seqs in requests[:3]:
         core.add_request(seqs[0])
     for _ in range(3):
         core.step()
-    reservation = cache.tensor._reservation
-    create = reservation.create
+    memory_back_after_retries(llm, num_failed=1)
+    with pytest.raises(KVCacheResizeError, match="released"):
+        llm.resize_kv_cache(cache.committed_blocks // 2)
+    assert core.kv_cache_released and core.stats().kv_cache_released
+    assert not core.is_sleeping and cache.is_released
+    for seqs in requests[3:]:
+        core.add_request(seqs[0])
+    with pytest.raises(RuntimeError, match="released"):
+        llm.resize_kv_cache(cache.committed_blocks)
+    steps = core.scheduler.num_steps
+    outputs = {}
+    while core.has_unfinished():
+        for seq in core.step():
+            outputs[seq.request_id] = seq
+    assert_backed_again(llm, num_failed=1)
+    assert core.scheduler.num_steps > steps and not core.stats().kv_cache_released
+    got = [outputs[str(i)].output_token_ids for i in range(len(requests))]
+    assert got == [list(o.outputs[0].token_ids) for o in reference("greedy")]
+    assert_nothing_leaked(llm)
+
+
+def test_without_the_governor_a_released_cache_is_retried_every_few_seconds(
+        connected, monkeypatch) -> None:  # noqa: F811
+    """No busy retrying: a step retries at most every `released_retry_s`, and while requests
+    wait it pauses for the next retry rather than spinning."""
+    from kvfit.engine import engine_core
+
+    llm = connected()
+    core, cache = llm.engine, runner(llm).kv_cache
     fail_chunks_over(llm, 0)
     with pytest.raises(KVCacheResizeError, match="released"):
         llm.resize_kv_cache(cache.committed_blocks // 2)
-    assert core.is_sleeping and core.scheduler.waiting  # every sequence was preempted
-    with pytest.raises(RuntimeError, match="wake_up"):
+    clock = [1000.0]
+    slept: list[float] = []
+    monkeypatch.setattr(engine_core.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(engine_core.time, "sleep", slept.append)
+    core._released_retry_at = clock[0] + core.released_retry_s
+    attempts: list[float] = []
+    restore = core.kv_resizer.restore
+    core.kv_resizer.restore = lambda *a: (attempts.append(clock[0]), restore(*a))[1]
+    core.add_request(llm.make_request(make_prompts((5,))[0], PARAMS["greedy"], "0")[0])
+    for _ in range(3):
         core.step()
-    assert sorted(core.fail_step()) == ["0", "1", "2"]
-    assert not core.has_unfinished()
-    assert all(seqs[0].finish_reason == "abort" for seqs in requests)
-    reservation.create = create  # memory is back
-    llm.wake_up()
-    assert_nothing_leaked(llm)
-    assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
+        clock[0] += 0.5
+    assert attempts == [] and slept == [engine_core.RELEASED_WAIT_S] * 3
+    clock[0] += core.released_retry_s
+    core.step()
+    core.step()
+    assert attempts == [1000.0 + 1.5 + core.released_retry_s]
+    assert core.kv_cache_released and core.has_unfinished()  # still no memory
 
 
-def test_the_engine_loop_fails_requests_under_a_released_cache_as_unavailable(
-        connected) -> None:  # noqa: F811
-    """Requests a released cache stops are failed once, as a sleeping engine refuses new ones
-    (`EngineSleepingError`: HTTP 503, retry later), not as an engine fault (500)."""
-    from kvfit.server.engine_core_loop import EngineCoreLoop
-    from kvfit.server.engine_messages import EngineSleepingError
-
-    llm = connected()
-    sent: list = []
-    loop = EngineCoreLoop(llm, sent.append)
-
-    def turn() -> None:
-        loop._apply_commands()
-        loop._step()
-        loop._publish(scan=loop._stepped())
-
-    for i, prompt in enumerate(make_prompts(LONG_LENGTHS[:2])):
-        loop.submit(("add", str(i), prompt["prompt_token_ids"], None, PARAMS["greedy"]))
-    turn()
-    fail_chunks_over(llm, 0)
-    with pytest.raises(KVCacheResizeError, match="released"):
-        llm.resize_kv_cache(runner(llm).kv_cache.committed_blocks // 2)
-    turn()
-    errors = {request_id: error for out in sent for request_id, error in out.errors}
-    assert sorted(errors) == ["0", "1"]
-    assert all(isinstance(e, EngineSleepingError) and "wake_up" in str(e)
-               for e in errors.values())
-    assert not llm.engine.has_unfinished() and not loop._tracked
-
-
-def test_a_cache_released_by_a_resize_says_so_not_that_sleep_released_it(
-        connected) -> None:  # noqa: F811
+def test_a_users_sleep_is_not_backed_again_by_the_engine(connected) -> None:  # noqa: F811
+    """Only a cache that a failure released comes back by itself: one a user's `sleep`
+    released stays released until `wake_up`, and says so."""
     llm = connected(enable_sleep_mode=True)
-    reservation = runner(llm).kv_cache.tensor._reservation
-    create = reservation.create
-    fail_chunks_over(llm, 0)
-    with pytest.raises(KVCacheResizeError, match="released"):
-        llm.resize_kv_cache(runner(llm).kv_cache.committed_blocks // 2)
-    with pytest.raises(RuntimeError, match=r"found no device memory.*wake_up\(\)") as info:
-        generate(llm, PARAMS["greedy"])
-    assert "LLM.sleep()" not in str(info.value)  # nobody called it
-    reservation.create = create
-    llm.wake_up()
     llm.sleep()
-    fail_chunks_over(llm, 0)
-    with pytest.raises(KVCacheResizeError, match="stays asleep"):
-        llm.wake_up()  # a wake short of memory: the user's sleep released it
+    llm.engine.released_retry_s = 0.0
+    assert not llm.engine.kv_cache_released and llm.engine.is_sleeping
+    llm.engine.step()
+    assert runner(llm).kv_cache.is_released and not llm.engine.kv_resizer.events
     with pytest.raises(RuntimeError, match=r"released by LLM.sleep\(\)"):
         generate(llm, PARAMS["greedy"])
 
@@ -311,5 +332,51 @@ def test_a_transient_driver_error_on_wake_does_not_halve_the_cache(
     assert cache.is_released and llm.engine.is_sleeping
     llm.wake_up()  # the error was transient: the whole cache comes back
     assert cache.committed_blocks == before and not llm.engine.kv_resizer.events
+    assert_one_chunk_registered(llm)
+    assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
+
+
+def test_the_governor_backs_a_released_cache_once_memory_allows_and_the_interval_passed(
+        connected, reference) -> None:  # noqa: F811
+    """With the elastic governor a released cache is no longer skipped as asleep: its poll
+    backs it again, but not before the minimum interval and not while free memory would fall
+    under the low watermark (it would be taken back at once: no oscillation)."""
+    import time
+
+    from kvfit.kv.monitor import HostMemoryMonitor
+
+    class Scripted(HostMemoryMonitor):
+        free = 5 << 20  # between the watermarks, and under 2 MiB (the floor) above the low one
+
+        def free_and_total(self) -> tuple[int, int]:
+            return self.free, self.budget_bytes
+
+    llm = connected(elastic_kv_cache=True, elastic_low_watermark="4MiB",
+                    elastic_high_watermark="10MiB", elastic_min_interval=0.2)
+    core, cache = llm.engine, runner(llm).kv_cache
+    device = Scripted(1 << 30, "cpu_kv_cache_space_bytes")
+    llm.engine.executor.workers[0].monitor = device
+    reservation = cache.tensor._reservation
+    create = reservation.create
+    fail_chunks_over(llm, 0)
+    with pytest.raises(KVCacheResizeError, match="released"):
+        llm.resize_kv_cache(cache.committed_blocks // 2)
+    released_at = time.monotonic()
+    reservation.create = create  # the driver has memory, but free memory says too little
+    attempts: list[float] = []
+    restore = core.kv_resizer.restore
+    core.kv_resizer.restore = lambda *a: (attempts.append(time.monotonic()), restore(*a))[1]
+    deadline = released_at + 0.6
+    while time.monotonic() < deadline:
+        core.step()
+    assert not attempts and core.kv_cache_released
+    device.free = 64 << 20
+    while core.kv_cache_released:
+        assert time.monotonic() < deadline + 30, "the governor never backed the cache"
+        core.step()
+    assert attempts[0] - released_at >= 0.2
+    event = core.kv_resizer.events[-1]
+    assert (event.cause, event.free_bytes) == ("restore", 64 << 20)
+    assert core.stats().kv_cache_grows == core.kv_resizer.num_grows >= 1
     assert_one_chunk_registered(llm)
     assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))

@@ -172,6 +172,17 @@ class KVCacheGovernor:
         self.low_since = None
         return target
 
+    def restore_due(self, now: float) -> bool:
+        """Whether a KV cache that a failure released (`released`) may be backed again at
+        `now`: `min_interval_s` after the release and after the last attempt that failed."""
+        interval = self.config.min_interval_s
+        return now - self.last_resize >= interval and now - self.last_grow_attempt >= interval
+
+    def released(self, now: float) -> None:
+        """A failed resize left the cache released at `now`: backing it again waits the
+        interval, as a grow after a shrink does."""
+        self.last_resize = now
+
     def resized(self, now: float, grew: bool = False) -> None:
         """The cache was resized at `now`; `grew`: by this governor's grow, which does not
         hold the next grow back."""

@@ -20,8 +20,8 @@ from kvfit.engine.block_manager import BlockManager
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.detokenizer import Detokenizer
 from kvfit.engine.executor import create_executor
-from kvfit.engine.kv_resize import KVCacheResize, KVCacheResizer
-from kvfit.engine.oom_guard import OOMGuard, is_device_oom
+from kvfit.engine.kv_resize import KVCacheResize, KVCacheResizeError, KVCacheResizer
+from kvfit.engine.oom_guard import KVCacheOutOfMemoryError, OOMGuard, is_device_oom
 from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.sequence import ScheduledBatch, Sequence
 from kvfit.engine.sleep import (
@@ -36,6 +36,14 @@ from kvfit.kv.sizing import min_over_workers
 from kvfit.vmm import VmmOutOfMemoryError
 
 logger = logging.getLogger(__name__)
+
+RELEASED_RETRY_S = 2.0
+"""Without the elastic governor, how often a step retries backing a KV cache that a failed
+resize released: often enough that requests waiting on it resume within seconds of the memory
+coming back, rarely enough that a device still short of it costs nothing."""
+RELEASED_WAIT_S = 0.5
+"""Most a step waits for the next retry while requests wait on a released cache (a front end's
+commands are served in between)."""
 
 MAX_PREFIX_CACHE_BLOCKS = 1 << 18
 """Most blocks a device cache holds beyond what its sequences can use (see `_capacity`)."""
@@ -76,6 +84,9 @@ class EngineStats:
     num_step_tokens: int = 0  # tokens those steps computed, prompt and output
     num_decode_steps: int = 0  # of the steps: one token per sequence (no prompt chunk)
     kv_connector_failed_saves: int | None = None  # blocks not saved; None: no connector
+    # A failed resize left the KV cache released: requests wait until the engine backs it
+    # again (a server's /health answers 503 meanwhile).
+    kv_cache_released: bool = False
 
 
 class EngineCore:
@@ -97,8 +108,11 @@ class EngineCore:
         self._in_flight: tuple[ScheduledBatch, AsyncModelOutput] | None = None
         self._sleep_state = SleepState()
         # The KV cache was released by a resize that could not back even one sequence (not
-        # by `sleep`): what `check_can_run` tells the user.
+        # by `sleep`): the engine backs it again by itself (`_restore_released`), and requests
+        # wait meanwhile.
         self._kv_released_by_resize = False
+        self.released_retry_s = RELEASED_RETRY_S  # without the governor (tests shorten it)
+        self._released_retry_at = 0.0  # monotonic time of the next retry without the governor
         # Sequences finished between steps (a sleep drained or aborted them, a resize applied
         # the step in flight) that no `step` has returned yet.
         self._finished_early: list[Sequence] = []
@@ -267,30 +281,62 @@ class EngineCore:
 
     def add_request(self, seq: Sequence) -> None:
         """Queue `seq`; raises `ValueError` if it can never be scheduled, `RuntimeError` while
-        asleep or while woken weights are not loaded (`check_can_run`)."""
+        asleep or while woken weights are not loaded (`check_can_run`). While a failed resize
+        left the KV cache released, `seq` waits until the engine backs it again."""
         self.check_can_run()
         self.scheduler.add(seq)
 
     def check_can_run(self) -> None:
         """Raise `RuntimeError` naming the call to make if a step could not run now (asleep,
-        or weights woken without contents)."""
-        if self._kv_released_by_resize and self._sleep_state.kv_cache_asleep:
-            raise RuntimeError(
-                "the engine is asleep: a KV cache resize found no device memory for even one "
-                "max_model_len sequence and left the cache released; free device memory and "
-                "call LLM.wake_up() (or lower max_model_len)")
+        or weights woken without contents). A KV cache that a failed resize released is no
+        reason: requests wait for the engine to back it again."""
+        if self._kv_released_by_resize:
+            return
         self._sleep_state.check_can_run()
+
+    @property
+    def kv_cache_released(self) -> bool:
+        """Whether a failed resize (not `sleep`) left the KV cache released: no step runs, and
+        requests wait, until the engine backs it again (`step` retries: through the governor
+        when it is on, else every `released_retry_s` seconds)."""
+        return self._kv_released_by_resize
 
     def _on_kv_released(self) -> None:
         self._kv_released_by_resize = True
+        self._released_retry_at = time.monotonic() + self.released_retry_s
+        if self.kv_cache_governor is not None:
+            self.kv_cache_governor.released(time.monotonic())
         self._refresh_sleep_state()
+
+    def _restore_released(self, now: float) -> None:
+        """Try to back the KV cache that a failed resize released: on the governor's poll
+        once its interval has passed and free memory allows, else at most every
+        `released_retry_s` seconds. A failure leaves it released for the next try."""
+        if self.kv_cache_governor is not None:
+            self.kv_resizer.govern_restore(self.kv_cache_governor, now)
+        elif now >= self._released_retry_at:
+            self._released_retry_at = now + self.released_retry_s
+            try:
+                self.kv_resizer.restore()
+            except KVCacheResizeError as error:
+                logger.warning("%s; retrying in %.1f s", error, self.released_retry_s)
+        self._refresh_sleep_state()
+
+    def _wait_for_restore(self, now: float) -> None:
+        """While requests wait on a released cache, pause until the next retry (at most
+        `RELEASED_WAIT_S`) instead of spinning through empty steps."""
+        governor = self.kv_cache_governor
+        retry_at = (governor.last_poll + governor.config.poll_interval_s if governor is not None
+                    else self._released_retry_at)
+        time.sleep(min(max(0.0, retry_at - now), RELEASED_WAIT_S))
 
     # -- sleep mode ---------------------------------------------------------------------------
 
     @property
     def is_sleeping(self) -> bool:
-        """Whether the weights or the KV cache are released (`sleep`, partly woken)."""
-        return self._sleep_state.is_sleeping
+        """Whether the weights or the KV cache are released (`sleep`, partly woken); not a KV
+        cache that a failed resize released (`kv_cache_released`)."""
+        return self._sleep_state.is_sleeping and not self._kv_released_by_resize
 
     def sleep(self, level: int = 1, mode: str = "wait") -> SleepReport:
         """Release the KV cache's pages and the weights' (level 1: to a host copy; level 2:
@@ -310,6 +356,7 @@ class EngineCore:
                                f"wake_up() first")
         self._drain(mode)
         self.scheduler.block_manager.reset_prefix_cache()
+        self._kv_released_by_resize = False  # the user's sleep holds it now: wake_up backs it
         try:
             reports = self.executor.collective_rpc("sleep", level)
         finally:
@@ -401,10 +448,18 @@ class EngineCore:
         wait for its token on the device: while such a sequence runs, the step in flight is
         applied before the next one is scheduled.
         """
-        if self.kv_cache_governor is not None and not self.is_sleeping:
-            self.kv_resizer.govern(self.kv_cache_governor, self._settle, time.monotonic(),
+        now = time.monotonic()
+        if self._kv_released_by_resize:
+            self._restore_released(now)
+        elif self.kv_cache_governor is not None and not self.is_sleeping:
+            self.kv_resizer.govern(self.kv_cache_governor, self._settle, now,
                                    self._kv_usage(), self.demand_board)
         finished, self._finished_early = self._finished_early, []
+        if self._kv_released_by_resize:  # still: nothing runs on unmapped memory; requests wait
+            self.updated_seqs, self._applied = self._applied, []
+            if self.scheduler.has_unfinished():
+                self._wait_for_restore(now)
+            return finished
         if self.scheduler.has_unfinished():
             self.check_can_run()  # never schedule onto released memory or unloaded weights
         if self._in_flight is not None and self._pending_tokens_needed():
@@ -446,7 +501,16 @@ class EngineCore:
             # tensors, so the guard's empty_cache can return them.
             if self._in_flight is not None:
                 finished += self._apply_in_flight()  # never shrink under a running step
-            self.oom_guard.recover(message, attempt)
+            try:
+                self.oom_guard.recover(message, attempt)
+            except KVCacheOutOfMemoryError:
+                if not self._kv_released_by_resize:
+                    raise
+                # The guard's recommit could not back even one sequence: every sequence is
+                # waiting again, until the engine backs the cache (`_restore_released`).
+                logger.error("the out-of-memory guard left the KV cache released; requests "
+                             "wait until the device has the memory for it again")
+                return None, None
             self.kv_cache_report = replace(self.kv_cache_report,
                                            oom_guard_shrinks=self.oom_guard.num_shrinks)
             attempt += 1
@@ -460,13 +524,18 @@ class EngineCore:
         preempts the sequences holding tail blocks (recomputed later). Raises `ValueError`
         naming the setting below one max_model_len sequence or above the capacity or memory
         budget, `KVCacheResizeError` for a grow that found no memory (the cache stays),
-        `RuntimeError` for a cache that cannot resize (fixed size, or asleep). With the
-        governor on, its next grow waits its interval from here."""
+        `RuntimeError` for a cache that cannot resize (fixed size, asleep, or released by a
+        failed resize, which the engine backs again by itself). With the governor on, its next
+        grow waits its interval from here."""
         cc = self.config.cache_config
         if not cc.enable_extensible_kv_cache:
             raise RuntimeError(f"resize_kv_cache() needs the extensible KV cache, and this one "
                                f"is sized by {cc.sizing_method}; leave num_gpu_blocks_override "
                                f"and kv_cache_memory_bytes unset on a device with VMM")
+        if self._kv_released_by_resize:
+            raise RuntimeError("resize_kv_cache() while a failed resize left the KV cache "
+                               "released: the engine backs it again once the device has the "
+                               "memory (the governor, or a retry every few seconds)")
         if self.is_sleeping:
             raise RuntimeError("resize_kv_cache() while asleep: call wake_up() first")
         self._settle()
@@ -573,6 +642,7 @@ class EngineCore:
             num_step_tokens=self.scheduler.num_step_tokens,
             num_decode_steps=self.scheduler.num_decode_steps,
             kv_connector_failed_saves=failed_saves,
+            kv_cache_released=self._kv_released_by_resize,
         )
 
     def has_unfinished(self) -> bool:

@@ -43,7 +43,8 @@ class KVCacheResizeError(RuntimeError):
 @dataclass(frozen=True)
 class KVCacheResize:
     """One resize of the KV cache, by `cause` (`api`: `LLM.resize_kv_cache`; `governor`;
-    `idle`: the governor's idle shrink).
+    `idle`: the governor's idle shrink; `wake`; `restore`: a cache a failed resize released,
+    backed again).
 
     `delta_bytes`: physical bytes gained (negative: given back) on rank 0; `free_bytes`: the
     device free memory that prompted a governor's resize; `time`: `time.monotonic()` at its
@@ -79,7 +80,7 @@ class KVCacheResizer:
     num_failed_grows: int = 0
     num_idle_shrinks: int = 0  # of `num_shrinks`: an idle cache giving back what it did not use
     # Called when a recommit could not back even the floor and left the cache released (the
-    # engine then reads it as asleep: `wake_up` retries).
+    # engine then backs it again by itself: `restore`).
     on_released: Callable[[], None] = lambda: None
     _warned_at_floor: bool = field(default=False, repr=False)  # once until the next grow
 
@@ -296,8 +297,8 @@ class KVCacheResizer:
         self.on_released()
         raise KVCacheResizeError(
             f"could not commit the KV cache even as {sizes[-1]} blocks (one max_model_len "
-            f"sequence) after releasing it: {error}; it is released (asleep) until "
-            f"wake_up() backs it") from error
+            f"sequence) after releasing it: {error}; it is released until the device has the "
+            f"memory again (the engine retries)") from error
 
     def _recommit_as_it_was(self, num_blocks: int, error: VmmError) -> None:
         """After a recommit failed with a driver error other than out of memory, back the
@@ -496,6 +497,56 @@ class KVCacheResizer:
         finally:  # an attempt that grew nothing: the next waits the interval from its end
             if event is None:
                 governor.grow_attempted(time.monotonic())
+
+    # -- a cache a failure released ------------------------------------------------------------
+
+    def restore(self, cause: str = "restore", free_bytes: int | None = None) -> KVCacheResize:
+        """Back a cache that a failed resize left released (`on_released`), zeroed, at the size
+        it was left at (fewer blocks where the memory is short, as a wake), logged and counted
+        as a grow (cause `restore`; `num_blocks_before` 0: nothing was backed). Raises
+        `KVCacheResizeError`, counted as a failed grow, where not even one `max_model_len`
+        sequence fits or a driver call failed: the cache stays released, at its size."""
+        target, start = self.num_blocks, time.perf_counter()
+        try:
+            delta = self.recommit(target)[0]
+        except KVCacheResizeError:
+            self._set_blocks(target)  # the next attempt tries the whole size again
+            self.num_failed_grows += 1
+            raise
+        event = KVCacheResize(cause, 0, self.num_blocks, delta, 0, 0,
+                              time.perf_counter() - start, time.monotonic(), free_bytes)
+        self.events.append(event)
+        self.num_grows += 1
+        self._warned_at_floor = False
+        logger.warning(
+            "KV cache backed again (%s) after a failed resize released it: %d blocks (+%s) in "
+            "%.1f ms%s", cause, self.num_blocks, format_bytes(delta), 1e3 * event.seconds,
+            "" if free_bytes is None else f"; device free memory {format_bytes(free_bytes)}")
+        return event
+
+    def govern_restore(self, governor: KVCacheGovernor, now: float) -> KVCacheResize | None:
+        """The governor's poll while a failure left the cache released: back it again
+        (`restore`) once `governor.restore_due` (the minimum interval since the release and
+        since the last attempt that failed) and the device's free memory holds it with the
+        low watermark to spare, so the next poll does not take it back. Never raises: a
+        failed attempt is retried after the interval."""
+        if not governor.due(now) or not governor.restore_due(now):
+            return None
+        memory = self.executor.collective_rpc("device_memory")
+        free, total = min(f for f, _ in memory), min(t for _, t in memory)
+        low, _ = governor.config.watermarks(total)
+        # The cache holds no pages: what fits in the free memory above the low watermark.
+        if min(self.executor.collective_rpc("kv_cache_blocks_at", free - low)) < self.num_blocks:
+            return None
+        try:
+            event = self.restore("restore", free)
+        except KVCacheResizeError as error:
+            logger.warning("%s; the governor retries in %.1f s", error,
+                           governor.config.min_interval_s)
+            governor.grow_attempted(time.monotonic())
+            return None
+        governor.resized(event.time, grew=True)
+        return event
 
     # -- reporting ---------------------------------------------------------------------------
 
