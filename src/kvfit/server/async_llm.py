@@ -298,6 +298,13 @@ class AsyncLLM:
         return self._dead is None and self._client.is_alive()
 
     @property
+    def kv_cache_released(self) -> bool:
+        """Whether a failed resize left the engine's KV cache released (as of its latest
+        message): requests wait until the engine backs it again, and `/health` answers 503 so
+        a load balancer sends them elsewhere meanwhile."""
+        return self._stats.kv_cache_released
+
+    @property
     def is_sleeping(self) -> bool:
         """Whether `sleep` released the weights or the KV cache (as of the engine's latest
         message; read from any thread)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import pickle
 import queue
 import threading
@@ -126,14 +127,22 @@ class EngineCoreLoop:
         """Serve commands and step until a `("stop",)` command."""
         while self._apply_commands():
             if not self.core.has_unfinished():
-                # Idle, the elastic cache's governor still watches memory on its poll.
-                if not self._wake.wait(self._idle_poll_s):
+                # Idle, the elastic cache's governor still watches memory on its poll, and a
+                # KV cache a failed resize released is retried (so /health recovers with no
+                # traffic: a load balancer sends none while it answers 503).
+                if not self._wake.wait(self._idle_wait_s()):
                     self.core.step()
                     self._publish(scan=[])
                 self._wake.clear()
                 continue
             self._step()
             self._publish(scan=self._stepped())
+
+    def _idle_wait_s(self) -> float | None:
+        """How long an idle loop waits for a command before stepping anyway (None: forever)."""
+        if not self.core.kv_cache_released:
+            return self._idle_poll_s
+        return min(self._idle_poll_s or math.inf, self.core.released_retry_s)
 
     def _step(self) -> None:
         try:

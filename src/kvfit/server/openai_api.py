@@ -169,7 +169,10 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_alive else 503)
+        # 503 too while a failed resize left the KV cache released: no request runs until
+        # the engine backs it again, so a load balancer must route elsewhere meanwhile.
+        healthy = engine.is_alive and not engine.kv_cache_released
+        return Response(status_code=200 if healthy else 503)
 
     api = APIRouter(dependencies=[Depends(check_api_key)])
 
