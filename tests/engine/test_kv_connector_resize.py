@@ -192,6 +192,15 @@ def assert_backed_again(llm: LLM, num_failed: int) -> None:
     assert_one_chunk_registered(llm)
 
 
+def released_gauge(llm: LLM) -> float:
+    """`kvfit:kv_cache_released` as `/metrics` would show it now."""
+    from kvfit.engine.metrics import engine_metrics
+
+    [metric] = [m for m in engine_metrics(llm.engine.stats(), llm.engine.kv_cache_report)
+                if m.name.endswith("kv_cache_released")]
+    return metric.value
+
+
 def test_a_cache_the_guard_released_comes_back_and_its_requests_complete(
         connected, reference) -> None:  # noqa: F811
     """A guard's recommit that cannot back even one sequence releases the cache; the
@@ -226,6 +235,7 @@ def test_requests_waiting_on_a_cache_a_resize_released_complete_once_it_is_back(
     with pytest.raises(KVCacheResizeError, match="released"):
         llm.resize_kv_cache(cache.committed_blocks // 2)
     assert core.kv_cache_released and core.stats().kv_cache_released
+    assert released_gauge(llm) == 1
     assert not core.is_sleeping and cache.is_released
     for seqs in requests[3:]:
         core.add_request(seqs[0])
@@ -238,6 +248,7 @@ def test_requests_waiting_on_a_cache_a_resize_released_complete_once_it_is_back(
             outputs[seq.request_id] = seq
     assert_backed_again(llm, num_failed=1)
     assert core.scheduler.num_steps > steps and not core.stats().kv_cache_released
+    assert released_gauge(llm) == 0
     got = [outputs[str(i)].output_token_ids for i in range(len(requests))]
     assert got == [list(o.outputs[0].token_ids) for o in reference("greedy")]
     assert_nothing_leaked(llm)

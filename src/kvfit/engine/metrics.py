@@ -51,6 +51,8 @@ def engine_metrics(s: EngineStats, report: KVCacheReport) -> list[Metric]:
               s.committed_kv_bytes),
         gauge("kv_cache_reserved_bytes", "Bytes of address space reserved for the KV cache "
               "(its capacity).", s.reserved_kv_bytes),
+        gauge("kv_cache_released", "1 while a failed resize left the KV cache released (no "
+              "request runs until the engine backs it again), else 0.", int(s.kv_cache_released)),
         gauge("kv_cache_sizing_info", "How the KV cache was sized at startup (value 1).", 1,
               method=report.method),
         gauge("kv_cache_sizing_transient_bytes", "Transient peak measured at startup.",
@@ -66,13 +68,15 @@ def engine_metrics(s: EngineStats, report: KVCacheReport) -> list[Metric]:
                 s.oom_guard_events),
         counter("oom_guard_shrinks", "Times the guard shrank the KV cache.", s.oom_guard_shrinks),
         *(counter("kv_cache_resizes", "Runtime resizes of the KV cache (resize_kv_cache, the "
-                  "elastic governor), by direction.", value, direction=direction)
+                  "elastic governor, backing a released cache again), by direction.", value,
+                  direction=direction)
           for direction, value in (("shrink", s.kv_cache_shrinks), ("grow", s.kv_cache_grows))),
         counter("kv_cache_idle_shrinks", "Shrinks of an idle KV cache giving back what it did "
                 "not use (elastic_idle_s); counted in kv_cache_resizes too.",
                 s.kv_cache_idle_shrinks),
         counter("kv_cache_failed_grows", "Grows of the KV cache that found no memory (the cache "
-                "stayed as it was).", s.kv_cache_failed_grows),
+                "stayed as it was), and failed attempts to back a released one.",
+                s.kv_cache_failed_grows),
         counter("num_preemptions", "Sequences preempted for want of blocks.", s.num_preemptions),
         counter("prefix_cache_queries", "Tokens looked up in the prefix cache.",
                 s.prefix_cache_queried_tokens),
