@@ -16,13 +16,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import psutil
 import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
-import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 
 from kvfit.engine.config import EngineArgs  # noqa: E402
@@ -165,3 +166,15 @@ def start_server(engine: AsyncLLM) -> Iterator[Callable[..., ServerThread]]:
 @pytest.fixture(scope="module")
 def server(start_server: Callable[..., ServerThread]) -> ServerThread:
     return start_server()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    """The official client on the module's server (no retries: a test sees every error)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        yield http

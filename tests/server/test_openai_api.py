@@ -35,17 +35,6 @@ def llm(model_path: Path) -> Iterator[LLM]:
     llm.shutdown()
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as http:
-        yield http
-
-
 def greedy(max_tokens: int = 8, **kwargs: object) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
 

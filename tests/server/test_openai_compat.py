@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,17 +20,6 @@ from kvfit.server.async_llm import AsyncLLM
 from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerThread, in_engine
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as http:
-        yield http
 
 
 @pytest.mark.parametrize(("path", "body"), [
