@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfit.kv_quant import dequantize_fp8, is_fp8, quantize_fp8
-from kvfit.ops.sampling import MIN_TEMPERATURE
+from kvfit.ops.sampling import temperature_divisor
 
 if TYPE_CHECKING:
     from kvfit.ops.attention import AttentionMetadata
@@ -189,8 +189,7 @@ def sort_filter_reference(
     Rows with temperature <= 0 (greedy) are divided by 1 and not filtered. [N, V] float32.
     """
     sample = temperature > 0
-    tempered = logits.float() / torch.where(sample, temperature.clamp_min(MIN_TEMPERATURE),
-                                            1.0)[:, None]
+    tempered = logits.float() / temperature_divisor(temperature)[:, None]
     vocab_size = logits.shape[-1]
     sorted_logits, order = tempered.sort(dim=-1)  # ascending: the most likely token is last
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)

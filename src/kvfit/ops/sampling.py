@@ -12,6 +12,14 @@ MIN_TEMPERATURE = 2.0**-64
 """Sampled rows divide by at least this temperature. Below ~4e-39, 1 / T overflows float32
 (and a logit / T well before), which made scores inf (the first positive logit won, not the
 largest) and top-p's masses NaN; at any T this small softmax(x / T) is the argmax's anyway."""
+
+
+def temperature_divisor(temperature: torch.Tensor) -> torch.Tensor:
+    """What each row's logits are divided by: its temperature, at least `MIN_TEMPERATURE`; 1
+    for a greedy row (temperature <= 0), which is not scaled."""
+    return torch.where(temperature > 0, temperature.clamp_min(MIN_TEMPERATURE), 1.0)
+
+
 # Bytes of [rows, V] temporaries the torch threshold search holds at once (at most 21 per logit:
 # int32 keys, float64 masses, int64 bucket ids and a mask): 2 rows of a 152k vocabulary, under
 # 1/8 of 256 such rows of bf16 logits.
@@ -56,8 +64,7 @@ def gumbel_sample_torch(
     `torch.Generator` seeded by `seeds[row]`."""
     check_sample_inputs(logits, temperature, seeds, thresholds)
     sample = temperature > 0
-    t = torch.where(sample, temperature.clamp_min(MIN_TEMPERATURE), 1.0)
-    scores = logits.float() / t[:, None]
+    scores = logits.float() / temperature_divisor(temperature)[:, None]
     if thresholds is not None:
         floor = torch.where(sample, thresholds, float("-inf"))[:, None]
         scores.masked_fill_(logits.float() < floor, float("-inf"))
@@ -210,8 +217,7 @@ def _block_thresholds(
     # key at or below S's smallest (one below t_min_p rounded to the logits' dtype).
     floor = sortable_keys(t_min_p.to(logits.dtype)[:, None])[:, 0].long() - 1
     lo_p = torch.maximum(lo_k, floor)
-    scale = math.log2(math.e) / torch.where(temperature > 0,
-                                            temperature.clamp_min(MIN_TEMPERATURE), 1.0)
+    scale = math.log2(math.e) / temperature_divisor(temperature)
     mass = (x - top[:, None]).mul_(scale[:, None]).exp2_().masked_fill_(x < t_s[:, None], 0.0)
     del x  # the search needs only keys and masses, summed in float64 (see `_search`)
     mass = mass.double()
