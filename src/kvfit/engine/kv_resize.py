@@ -408,8 +408,7 @@ class KVCacheResizer:
         is retried after the governor's interval."""
         if not governor.due(now):
             return None
-        memory = self.executor.collective_rpc("device_memory")
-        free, total = min(f for f, _ in memory), min(t for _, t in memory)
+        free, total = self._device_memory()
         peers_keep = None if usage is None else self._share_demand(board, usage, now)
         want = governor.decide(free, total, now, usage)
         if want > 0:
@@ -420,6 +419,11 @@ class KVCacheResizer:
         if target is not None and target < self.num_blocks:
             return self._idle_shrink(governor, settle, target, free)
         return None
+
+    def _device_memory(self) -> tuple[int, int]:
+        """Device free and total bytes, the least over the workers (the tightest one decides)."""
+        memory = self.executor.collective_rpc("device_memory")
+        return min(f for f, _ in memory), min(t for _, t in memory)
 
     def _share_demand(self, board: DemandBoard | None, usage: KVUsage,
                       now: float) -> int | None:
@@ -532,8 +536,7 @@ class KVCacheResizer:
         failed attempt is retried after the interval."""
         if not governor.due(now) or not governor.restore_due(now):
             return None
-        memory = self.executor.collective_rpc("device_memory")
-        free, total = min(f for f, _ in memory), min(t for _, t in memory)
+        free, total = self._device_memory()
         low, _ = governor.config.watermarks(total)
         # The cache holds no pages: what fits in the free memory above the low watermark.
         if min(self.executor.collective_rpc("kv_cache_blocks_at", free - low)) < self.num_blocks:
