@@ -260,14 +260,16 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         and on a thread the event loop keeps its turns at the GIL (streams go on)."""
         flags = body.template_flags()
         # chat_template_kwargs are the template's variables; the call's own arguments
-        # (tokenize, return_tensors, ...) are not for a client to set.
-        call_args = {"messages", *(
-            name for name, p in inspect.signature(tokenizer().apply_chat_template).parameters
-            .items() if p.kind is not inspect.Parameter.VAR_KEYWORD)}
-        if clash := sorted(call_args & set(body.chat_template_kwargs or ())):
-            raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}: an argument "
-                           "of the template call, not a variable of the template",
-                           param=f"chat_template_kwargs.{clash[0]}")
+        # (tokenize, return_tensors, ...) are not for a client to set. The signature is read
+        # only for a request that sends some, not for every chat request.
+        if body.chat_template_kwargs:
+            call_args = {"messages", *(
+                name for name, p in inspect.signature(tokenizer().apply_chat_template)
+                .parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD)}
+            if clash := sorted(call_args & set(body.chat_template_kwargs)):
+                raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}: an "
+                               "argument of the template call, not a variable of the template",
+                               param=f"chat_template_kwargs.{clash[0]}")
         if sum(map(_chat_message_size, body.messages)) <= _INLINE_TOKENIZE_CHARS:
             return render_chat_now(body.messages, flags)
         return await asyncio.get_running_loop().run_in_executor(
