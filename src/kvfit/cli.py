@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: the process's arguments) and run the command; its exit status."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if not getattr(args, "accepts_unknown_args", False):
-        unknown = check_vllm_flags(parser, unknown)
-    if unknown and not getattr(args, "accepts_unknown_args", False):
+    # serve without its extra takes any flag: its message is the install hint.
+    if not getattr(args, "accepts_unknown_args", False) and (
+            unknown := check_vllm_flags(parser, unknown)):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if hasattr(args, "check_args"):
         args.check_args(args)  # flags that are wrong together: a usage error, nothing loaded
