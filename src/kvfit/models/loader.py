@@ -169,12 +169,12 @@ def load_eos_token_ids(model: str, hf_config: PretrainedConfig) -> list[int]:
     # An id the model cannot sample never ends anything; kept, the sampler's min_tokens ban
     # (row * vocab_size + id) would index past the logits or ban another row's token.
     vocab_size = hf_config.vocab_size
-    outside = list(dict.fromkeys(i for i in flat if not 0 <= i < vocab_size))
-    if outside:
+    unique = list(dict.fromkeys(flat))
+    if outside := [i for i in unique if not 0 <= i < vocab_size]:
         logger.warning("eos_token_id %s (config.json / generation_config.json) outside the "
                        "vocabulary (vocab_size=%d) ignored: the model cannot generate it",
                        outside, vocab_size)
-    return list(dict.fromkeys(i for i in flat if 0 <= i < vocab_size))
+    return [i for i in unique if 0 <= i < vocab_size]
 
 
 @contextmanager
