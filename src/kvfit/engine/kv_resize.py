@@ -504,7 +504,7 @@ class KVCacheResizer:
 
     # -- a cache a failure released ------------------------------------------------------------
 
-    def restore(self, cause: str = "restore", free_bytes: int | None = None) -> KVCacheResize:
+    def restore(self, free_bytes: int | None = None) -> KVCacheResize:
         """Back a cache that a failed resize left released (`on_released`), zeroed, at the size
         it was left at (fewer blocks where the memory is short, as a wake), logged and counted
         as a grow (cause `restore`; `num_blocks_before` 0: nothing was backed). Raises
@@ -517,14 +517,14 @@ class KVCacheResizer:
             self._set_blocks(target)  # the next attempt tries the whole size again
             self.num_failed_grows += 1
             raise
-        event = KVCacheResize(cause, 0, self.num_blocks, delta, 0, 0,
+        event = KVCacheResize("restore", 0, self.num_blocks, delta, 0, 0,
                               time.perf_counter() - start, time.monotonic(), free_bytes)
         self.events.append(event)
         self.num_grows += 1
         self._warned_at_floor = False
         logger.warning(
-            "KV cache backed again (%s) after a failed resize released it: %d blocks (+%s) in "
-            "%.1f ms%s", cause, self.num_blocks, format_bytes(delta), 1e3 * event.seconds,
+            "KV cache backed again (restore) after a failed resize released it: %d blocks (+%s) "
+            "in %.1f ms%s", self.num_blocks, format_bytes(delta), 1e3 * event.seconds,
             "" if free_bytes is None else f"; device free memory {format_bytes(free_bytes)}")
         return event
 
@@ -542,7 +542,7 @@ class KVCacheResizer:
         if min(self.executor.collective_rpc("kv_cache_blocks_at", free - low)) < self.num_blocks:
             return None
         try:
-            event = self.restore("restore", free)
+            event = self.restore(free)
         except KVCacheResizeError as error:
             logger.warning("%s; the governor retries in %.1f s", error,
                            governor.config.min_interval_s)
