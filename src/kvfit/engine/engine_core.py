@@ -583,8 +583,8 @@ class EngineCore:
         scheduler's running set holds (their state is unknown); returns their request ids.
         `updated_seqs` then holds what the failed step applied before it raised.
         Waiting requests never ran and stay queued, so the engine can go on stepping, unless
-        it is asleep: then they are aborted too (a resize that could not back even one
-        sequence released the cache under them, and no step runs until `wake_up`)."""
+        it is asleep (`sleep`; not a cache a failed resize released, which the engine backs
+        again by itself): then they are aborted too, as no step runs until `wake_up`."""
         seqs = list(self.scheduler.running)
         if self.is_sleeping:  # else every later step fails the same way, at once
             seqs += self.scheduler.waiting

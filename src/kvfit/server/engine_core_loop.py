@@ -149,7 +149,7 @@ class EngineCoreLoop:
             self.core.step()
         except Exception as error:
             failed: Exception
-            if self.core.is_sleeping:  # a resize left the cache released: no engine fault
+            if self.core.is_sleeping:  # refused for a user's sleep: no engine fault
                 logger.error("engine step refused (%s); failing the requests it held", error)
                 failed = EngineSleepingError(str(error))  # it says so, and what to call
             else:
