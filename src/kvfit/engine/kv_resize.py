@@ -258,8 +258,8 @@ class KVCacheResizer:
         Device memory: none beyond the new chunks (the old ones are released first). Where the
         commit finds no memory it retries smaller (`fallback` first, if given, then halving
         down to the floor), so the cache stays usable; where even the floor fails, the cache
-        is left released (`on_released`: the engine reads it as asleep, and `wake_up`
-        recommits it) and it raises `KVCacheResizeError`.
+        is left released (`on_released`: the engine backs it again by itself, `restore`) and
+        it raises `KVCacheResizeError`.
         """
         rpc, bm = self.executor.collective_rpc, self.scheduler.block_manager
         num_blocks_was = bm.num_blocks
