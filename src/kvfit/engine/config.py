@@ -443,9 +443,8 @@ class EngineArgs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_batched}) must be >= block_size ({block_size})"
             )
-        elif max_batched > max(max_num_seqs * max_len, block_size):
+        elif max_batched > (fill := max(max_num_seqs * max_len, block_size)):
             # No step can hold more, and profiling and warmup run a step of this size.
-            fill = max(max_num_seqs * max_len, block_size)
             logger.info("max_num_batched_tokens %d is more than a step can hold (max_num_seqs "
                         "%d x max_model_len %d): using %d", max_batched, max_num_seqs, max_len,
                         fill)
