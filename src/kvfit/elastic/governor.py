@@ -139,8 +139,7 @@ class KVCacheGovernor:
         middle = (low + high) // 2
         if free < low:
             return middle - free
-        interval = self.config.min_interval_s
-        if now - self.last_resize < interval or now - self.last_grow_attempt < interval:
+        if not self.grow_due(now):
             return 0
         if usage is not None and self.config.idle_s > 0 and not usage.needs_more:
             return 0  # a cache with headroom leaves free memory to a busy co-tenant
@@ -172,9 +171,10 @@ class KVCacheGovernor:
         self.low_since = None
         return target
 
-    def restore_due(self, now: float) -> bool:
-        """Whether a KV cache that a failure released (`released`) may be backed again at
-        `now`: `min_interval_s` after the release and after the last attempt that failed."""
+    def grow_due(self, now: float) -> bool:
+        """Whether the cache may grow at `now` (or, released by a failure, be backed again):
+        `min_interval_s` after the last resize that holds grows back (a shrink, the API's, a
+        release) and after the last grow attempt that grew nothing."""
         interval = self.config.min_interval_s
         return now - self.last_resize >= interval and now - self.last_grow_attempt >= interval
 

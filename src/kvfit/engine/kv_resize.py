@@ -530,11 +530,11 @@ class KVCacheResizer:
 
     def govern_restore(self, governor: KVCacheGovernor, now: float) -> KVCacheResize | None:
         """The governor's poll while a failure left the cache released: back it again
-        (`restore`) once `governor.restore_due` (the minimum interval since the release and
+        (`restore`) once `governor.grow_due` (the minimum interval since the release and
         since the last attempt that failed) and the device's free memory holds it with the
         low watermark to spare, so the next poll does not take it back. Never raises: a
         failed attempt is retried after the interval."""
-        if not governor.due(now) or not governor.restore_due(now):
+        if not governor.due(now) or not governor.grow_due(now):
             return None
         free, total = self._device_memory()
         low, _ = governor.config.watermarks(total)
