@@ -178,14 +178,9 @@ class KVCacheGovernor:
         interval = self.config.min_interval_s
         return now - self.last_resize >= interval and now - self.last_grow_attempt >= interval
 
-    def released(self, now: float) -> None:
-        """A failed resize left the cache released at `now`: backing it again waits the
-        interval, as a grow after a shrink does."""
-        self.last_resize = now
-
     def resized(self, now: float, grew: bool = False) -> None:
-        """The cache was resized at `now`; `grew`: by this governor's grow, which does not
-        hold the next grow back."""
+        """The cache was resized (or released by a failed resize) at `now`; `grew`: by this
+        governor's grow, which does not hold the next grow back."""
         if not grew:
             self.last_resize = now
 

@@ -302,10 +302,12 @@ class EngineCore:
         return self._kv_released_by_resize
 
     def _on_kv_released(self) -> None:
+        now = time.monotonic()
         self._kv_released_by_resize = True
-        self._released_retry_at = time.monotonic() + self.released_retry_s
+        self._released_retry_at = now + self.released_retry_s
         if self.kv_cache_governor is not None:
-            self.kv_cache_governor.released(time.monotonic())
+            # Backing it again waits the interval, as a grow after a shrink does.
+            self.kv_cache_governor.resized(now)
         self._refresh_sleep_state()
 
     def _restore_released(self, now: float) -> None:
