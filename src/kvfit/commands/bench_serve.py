@@ -354,8 +354,10 @@ def failure_lines(errors: dict[str, int], most: int = 10) -> list[str]:
 def resolve_base_url(args: argparse.Namespace) -> str:
     """`--base-url`, else `http://HOST:PORT` from `--host` and `--port` (as vLLM's bench
     builds it)."""
+    if args.base_url:  # callers that build their own Namespace (bench/serving.py) set only it
+        return args.base_url
     host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address
-    return args.base_url or f"http://{host}:{args.port}"
+    return f"http://{host}:{args.port}"
 
 
 def _check_args(args: argparse.Namespace) -> None:
