@@ -4,6 +4,7 @@ random-weight Hugging Face models for the models and engine tests."""
 from __future__ import annotations
 
 import shutil
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -125,3 +126,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
         return built[arch]
 
     return get
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A shell starts a background job (`pytest ... &`, nohup, some CI runners) with SIGINT
+    # ignored, and an ignored signal stays ignored in every child: the tests that Ctrl-C a
+    # `kvfit` process would find it deaf. Python's own handler is reset in an exec'd child.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
