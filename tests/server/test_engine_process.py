@@ -126,8 +126,16 @@ def test_no_engine_process_outlives_a_killed_server() -> None:
 def test_an_engine_that_cannot_start_raises_its_error(model_path: Path) -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
         AsyncLLM(EngineArgs(**{**engine_kwargs(model_path), "max_num_seqs": 0}))
-    assert not [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())
-                and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in psutil.Process().children() if _live_spawned(p)]
+
+
+def _live_spawned(proc: psutil.Process) -> bool:
+    """A multiprocessing child still running (a zombie's or a gone process's cmdline cannot be
+    read, and neither holds anything)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
 
 
 def test_the_in_thread_engine_serves_the_same(model_path: Path) -> None:
