@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -55,6 +56,17 @@ def capture_launches(args: argparse.Namespace) -> list[tuple[JITFunction, dict[s
         pairs = False if args.no_fp8_pairs else None
         extra = dict(k_scale=torch.ones(1), v_scale=torch.ones(1), fp8_compute_dtype=torch.float16,
                      fp8_pairs=pairs)
+    decode_config = dict(BLOCK_N=args.block_n, num_warps=args.num_warps,
+                         num_stages=args.num_stages)  # fmt: skip
+    with mock.patch.object(triton_attention, "_has_e4m3x2_cvt", lambda device: True):
+        return captured_launches(lambda: triton_attention.paged_attention_triton(
+            batch.query, k_cache, v_cache, batch.metadata, args.head_dim**-0.5,
+            torch.empty_like(batch.query), decode_config=decode_config, **extra))
+
+
+def captured_launches(call: Callable[[], object]) -> list[tuple[JITFunction, dict[str, Any], dict]]:
+    """(kernel, its arguments by name, launch options) of each Triton launch `call()` makes;
+    nothing runs (outputs stay as allocated)."""
     launches = []
 
     def capture(self: JITFunction, *call_args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
@@ -62,13 +74,8 @@ def capture_launches(args: argparse.Namespace) -> list[tuple[JITFunction, dict[s
         options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
         launches.append((self, named | kwargs, options))
 
-    decode_config = dict(BLOCK_N=args.block_n, num_warps=args.num_warps,
-                         num_stages=args.num_stages)  # fmt: skip
-    with mock.patch.object(JITFunction, "run", capture), \
-            mock.patch.object(triton_attention, "_has_e4m3x2_cvt", lambda device: True):
-        triton_attention.paged_attention_triton(
-            batch.query, k_cache, v_cache, batch.metadata, args.head_dim**-0.5,
-            torch.empty_like(batch.query), decode_config=decode_config, **extra)
+    with mock.patch.object(JITFunction, "run", capture):
+        call()
     return launches
 
 

@@ -54,18 +54,7 @@ def _compile_launches(monkeypatch: pytest.MonkeyPatch, call) -> list[str]:  # no
     """Names of the kernels `call()` launches, each compiled for sm_90 (launches captured)."""
     monkeypatch.syspath_prepend(str(TOOLS))
     sass = importlib.import_module("triton_sass")
-    from triton.runtime.jit import JITFunction
-
-    launches = []
-
-    def capture(self, *call_args, grid, warmup, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        named = dict(zip(self.arg_names, call_args, strict=False))
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-        launches.append((self, named | kwargs, options))
-
-    with monkeypatch.context() as m:
-        m.setattr(JITFunction, "run", capture)
-        call()
+    launches = sass.captured_launches(call)
     for fn, named, options in launches:
         assert sass.compile_launch(fn, named, options, arch=90).asm["cubin"], fn.__name__
     return [fn.__name__ for fn, _, _ in launches]
