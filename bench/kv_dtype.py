@@ -15,7 +15,10 @@ Engine, per `--kv-cache-dtypes` (default `auto fp8`), one engine at a time (`--m
 weights, measured sizing, the same settings but the cache dtype):
 - capacity: KV blocks under measured sizing, bytes per block, the bytes committed;
 - throughput: bench/throughput.py's offline workload (same seeds for every dtype), after one
-  untimed run of its shape (its workload and decode loop are imported from there);
+  untimed run of its shape (its workload and decode loop are imported from there), against the
+  limit of the steps it ran with the KV bytes at the cache's dtype (`of_limit`; `limit_ratio`
+  is fp8's limit over bf16's: the most the dtype alone can give this workload); `--profile`
+  adds a torch.profiler split of one more run per dtype (kernels by family and step kind);
 - decode: the engine's decode step at each `--decode-batches` over `--decode-context` tokens,
   against the roofline (weights + KV bytes read, at the cache's dtype) / copy bandwidth measured
   in the same run.
@@ -61,13 +64,21 @@ import torch
 
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
-from kvfit.benchmarks.limits import copy_bandwidth, in_run_limits
+from kvfit.benchmarks.limits import DeviceLimits, limit_keys, measure_device_limits
+from kvfit.benchmarks.profiling import profile_text
 from kvfit.benchmarks.record import write_record
 from kvfit.engine.sequence import ScheduledBatch, Sequence
 from kvfit.kv_quant import dequantize_fp8, quantize_fp8
 from kvfit.models import llama
 from kvfit.models.loader import is_builtin, resolve_model
-from throughput import _sync, engine_decode_step, offline_workload  # the same workload and loop
+from throughput import (  # the same workload, loop, step shapes and limit
+    StepRecorder,
+    _sync,
+    engine_decode_step,
+    limit_of,
+    offline_workload,
+    profile_offline,
+)
 
 GiB = 1 << 30
 TARGETS = {"blocks_ratio": 1.9, "throughput_ratio": 1.4, "next_token_agreement": 0.99,
@@ -96,6 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--skip-engine", action="store_true", help="accuracy only")
+    p.add_argument("--profile", metavar="PREFIX",
+                   help="profile the offline workload once more per cache dtype "
+                        "(torch.profiler: kernels by family and step kind) into "
+                        "PREFIX.<dtype>.txt, and its split into the record")
     p.add_argument("--accuracy-model", help="model of the accuracy runs (default: --model)")
     p.add_argument("--accuracy-prompts", type=int, default=32)
     p.add_argument("--accuracy-len", type=int, default=512)
@@ -117,9 +132,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def engine_run(args: argparse.Namespace, kv_cache_dtype: str, bandwidth: float) -> dict[str, Any]:
-    """One engine with the cache in `kv_cache_dtype`: its sizing, offline throughput and decode
-    steps."""
+def engine_run(args: argparse.Namespace, kv_cache_dtype: str,
+               limits: DeviceLimits) -> dict[str, Any]:
+    """One engine with the cache in `kv_cache_dtype`: its sizing, offline throughput (against
+    the limit of its steps, its KV bytes at the cache's dtype) and decode steps."""
     calculate = args.calculate_kv_scales and kv_cache_dtype != "auto"
     llm = LLM(args.model, device=args.device, load_format="dummy",
               max_model_len=max(2 * args.max_len + 1, args.decode_context + 256),
@@ -135,8 +151,13 @@ def engine_run(args: argparse.Namespace, kv_cache_dtype: str, bandwidth: float) 
             "max_blocks": report.max_blocks, "transient": report.transient,
             "margin": report.margin, "report": report.format_table(),
         }
-        row["throughput"] = offline_throughput(llm, args)
-        row["decode"] = decode_steps(llm, args, worker.weights, spec, bandwidth)
+        row["throughput"] = offline_throughput(llm, args, limits)
+        row["decode"] = decode_steps(llm, args, worker.weights, spec, limits.copy_bytes_per_s)
+        if args.profile:
+            vocab = llm.config.model_config.hf_config.vocab_size
+            profile = profile_offline(llm, args, vocab, args.seed + 2)
+            Path(f"{args.profile}.{kv_cache_dtype}.txt").write_text(profile_text(profile))
+            row["profile"] = profile.as_dict()
         row["kv_scales"] = worker.runner.kv_scales()[:4]  # the first layers' (host copy)
     finally:
         llm.shutdown()
@@ -145,19 +166,25 @@ def engine_run(args: argparse.Namespace, kv_cache_dtype: str, bandwidth: float) 
     return row
 
 
-def offline_throughput(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
-    """Output tokens per second of the offline workload, after an untimed run of its shape."""
+def offline_throughput(llm: LLM, args: argparse.Namespace,
+                       limits: DeviceLimits) -> dict[str, Any]:
+    """Output tokens per second of the offline workload, after an untimed run of its shape,
+    and the limit of the steps it ran (`of_limit` = limit time / measured time)."""
     vocab = llm.config.model_config.hf_config.vocab_size
     llm.generate(*offline_workload(args, vocab, args.seed + 1), use_tqdm=False)
     prompts, params = offline_workload(args, vocab, args.seed)
     _sync(llm.config.device)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    _sync(llm.config.device)
-    elapsed = time.perf_counter() - start
+    with StepRecorder(llm) as recorder:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        _sync(llm.config.device)
+        elapsed = time.perf_counter() - start
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    limit = limit_of(llm, recorder.steps, limits)
     return {"elapsed_s": elapsed, "output_tokens": output_tokens,
             "output_tokens_per_s": output_tokens / elapsed,
+            "limit_output_tokens_per_s": output_tokens / limit.seconds,
+            "of_limit": limit.seconds / elapsed, "limit": limit.as_dict(),
             "num_preemptions": llm.engine.scheduler.num_preemptions}
 
 
@@ -370,9 +397,12 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
 def ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
     """The last run's figures over the first's (fp8 over the model's dtype by default)."""
     first, last = runs[0], runs[-1]
+    t0, t1 = first["throughput"], last["throughput"]
     out = {"blocks_ratio": last["num_blocks"] / first["num_blocks"],
-           "throughput_ratio": (last["throughput"]["output_tokens_per_s"]
-                                / first["throughput"]["output_tokens_per_s"])}
+           "throughput_ratio": t1["output_tokens_per_s"] / t0["output_tokens_per_s"]}
+    if "limit_output_tokens_per_s" in t0 and "limit_output_tokens_per_s" in t1:
+        # The most the cache dtype alone can give this workload: the ratio of the two limits.
+        out["limit_ratio"] = t1["limit_output_tokens_per_s"] / t0["limit_output_tokens_per_s"]
     for a in first["decode"]:
         for b in last["decode"]:
             if a["batch"] == b["batch"]:
@@ -386,10 +416,13 @@ def print_tables(result: dict[str, Any]) -> None:
         print(f"device: {result['device']}, copy bandwidth {result['copy_bandwidth_gbps']:.0f} "
               f"GB/s, model {runs[0].get('model', '')}")
         print(f"{'cache':<14} {'blocks':>9} {'B/block':>10} {'KV GiB':>7} {'out tok/s':>10} "
+              f"{'limit':>10} {'of limit':>8} "
               + " ".join(f"{'dec' + str(d['batch']) + ' ms':>10}" for d in runs[0]["decode"]))
         for r in runs:
+            t = r["throughput"]
             print(f"{r['dtype']:<14} {r['num_blocks']:>9,} {r['block_bytes']:>10,} "
-                  f"{r['kv_bytes'] / GiB:>7.2f} {r['throughput']['output_tokens_per_s']:>10,.0f} "
+                  f"{r['kv_bytes'] / GiB:>7.2f} {t['output_tokens_per_s']:>10,.0f} "
+                  f"{t['limit_output_tokens_per_s']:>10,.0f} {t['of_limit']:>8.1%} "
                   + " ".join(f"{d['step_ms']:>10.3f}" for d in r["decode"]))
         print("ratios (last / first):", ", ".join(f"{k} {v:.3f}"
                                                   for k, v in result["ratios"].items()))
@@ -413,16 +446,17 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny models gain nothing from threads that spin
+    # Measured first, before any engine holds memory; in the model's default dtype (the CPU's
+    # figures are held against its own limits, as bench/throughput.py's are).
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    limits = measure_device_limits(device, dtype)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        # Both limits on a GPU; the CPU's copy alone, the roofline of its decode steps.
-        **(in_run_limits(device)
-           or {"copy_bandwidth_gbps": copy_bandwidth(device, 1 << 28) / 1e9}),
+        **limit_keys(limits, dtype),
         "kv_cache_dtypes": args.kv_cache_dtypes, "targets": TARGETS,
     }
     if not args.skip_engine:
-        bandwidth = result["copy_bandwidth_gbps"] * 1e9
-        result["engine"] = [{"model": args.model, **engine_run(args, d, bandwidth)}
+        result["engine"] = [{"model": args.model, **engine_run(args, d, limits)}
                             for d in args.kv_cache_dtypes]
         result["ratios"] = ratios(result["engine"])
     if args.accuracy_prompts > 0:

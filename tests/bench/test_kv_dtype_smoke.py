@@ -30,7 +30,8 @@ def test_kv_dtype_bench_smoke(bench, tmp_path: Path,  # noqa: ANN001
                        "--min-len", "8", "--max-len", "32", "--max-num-seqs", "4",
                        "--decode-batches", "2", "--decode-context", "32", "--iters", "3",
                        "--accuracy-model", str(tiny_model("qwen3")), "--accuracy-prompts", "2",
-                       "--accuracy-len", "24", "--out", str(out)]) == 0
+                       "--accuracy-len", "24", "--profile", str(tmp_path / "prof"),
+                       "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     result = record["results"]
     assert record["bench"] == "kv-dtype"
@@ -40,6 +41,16 @@ def test_kv_dtype_bench_smoke(bench, tmp_path: Path,  # noqa: ANN001
     assert record["figures"]["fp8.kv_blocks"]["value"] == fp8["num_blocks"]
     assert result["ratios"]["blocks_ratio"] == fp8["num_blocks"] / auto["num_blocks"]
     assert [d["batch"] for d in fp8["decode"]] == [2]
+    # The offline run's limit counts its KV bytes at the cache's dtype: the same workload's
+    # KV traffic is a quarter of float32's in e4m3, and its weights the same.
+    limits = auto["throughput"]["limit"], fp8["throughput"]["limit"]
+    assert limits[1]["kv_read_gib"] == pytest.approx(limits[0]["kv_read_gib"] / 4)
+    assert limits[1]["weight_gib"] == limits[0]["weight_gib"]
+    assert result["ratios"]["limit_ratio"] > 1
+    assert record["figures"]["fp8.of_limit"]["value"] == fp8["throughput"]["of_limit"] > 0
+    for run in (auto, fp8):  # --profile: one more run each, its split in the record and a file
+        assert run["profile"]["steps"]
+        assert (tmp_path / f"prof.{run['kv_cache_dtype']}.txt").read_text()
     variants = result["accuracy"]["variants"]
     assert variants["auto"]["next_token_agreement"] == 1.0 and variants["auto"]["mean_kl"] == 0
     assert variants["auto"]["hf_top1"] == 1.0  # kvfit = transformers in float32

@@ -282,6 +282,8 @@ def kv_dtype(p: dict[str, Any]) -> Figures:
         f[f"{name}.kv_blocks"] = figure(r["num_blocks"], "blocks", "higher")
         f[f"{name}.output_tokens_per_s"] = figure(r["throughput"]["output_tokens_per_s"],
                                                   "tokens/s", "higher")
+        if "of_limit" in r["throughput"]:  # records before 2026-12-05b have no limit
+            f[f"{name}.of_limit"] = figure(r["throughput"]["of_limit"], "fraction", "higher")
         for d in r["decode"]:
             f[f"{name}.decode.batch{d['batch']}.step_ms"] = figure(d["step_ms"], "ms", "lower")
     for key, value in (p.get("ratios") or {}).items():
