@@ -130,6 +130,27 @@ def test_fp8_pairs_decode_splits_and_pads_like_the_tile_kernel(paged_batch):
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-3, atol=1e-3)
 
 
+def test_fp8_decode_splits_in_parts_of_equal_bytes(paged_batch):
+    """By default an e4m3 cache's decode parts span twice a 16-bit cache's tokens (the same
+    bytes); a row longer than two fp8 parts, reduced from its parts, matches the same kernel
+    run unsplit (the two differ only in summation order)."""
+    assert triton_attention.split_tokens_for(torch.float8_e4m3fn) == 2 * (
+        triton_attention.split_tokens_for(torch.bfloat16))
+    tokens = triton_attention.split_tokens_for(torch.float8_e4m3fn)
+    batch = paged_batch([(2 * tokens + 40, 1), (7, 1)], num_heads=4, num_kv_heads=2,
+                        head_dim=32)
+    k8 = _e4m3_values(batch.k_cache.shape, 1.0).to(torch.float8_e4m3fn)
+    v8 = _e4m3_values(batch.v_cache.shape, 1.0).to(torch.float8_e4m3fn)
+    query = batch.query * 0.05
+    outs = []
+    for max_splits in (triton_attention.MAX_SPLITS, 1):
+        outs.append(torch.full_like(query, float("nan")))
+        triton_attention.paged_attention_triton(
+            query, k8, v8, batch.metadata, 0.3, outs[-1], max_splits=max_splits,
+            k_scale=torch.ones(1), v_scale=torch.ones(1), fp8_compute_dtype=torch.float16)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
+
+
 def test_fp8_pairs_needs_a_float16_computed_fp8_cache(paged_batch):
     batch = paged_batch([(3, 1)], num_heads=4, num_kv_heads=2, head_dim=16)
     with pytest.raises(ValueError, match="fp8_pairs needs an e4m3 cache"):
