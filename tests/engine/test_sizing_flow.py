@@ -210,6 +210,19 @@ def test_margin_knobs_set_the_margin_kept(make_llm: Callable[..., LLM]) -> None:
 # --- startup order -------------------------------------------------------------------------
 
 
+def test_startup_stages_are_reported_in_order_within_the_total(
+    make_llm: Callable[..., LLM],
+) -> None:
+    for sizing in (None, False):  # measured, then the estimate
+        stages = make_llm(enable_extensible_kv_cache=sizing).startup_stages
+        # The CPU is eager: no graphs are captured, so that stage is absent.
+        assert list(stages) == ["start_workers", "load_weights", "profile", "allocate_kv_cache",
+                                "warm_up", "size_kv_cache", "total"]
+        assert all(s > 0 for s in stages.values())
+        total = stages.pop("total")
+        assert sum(stages.values()) <= total
+
+
 def test_startup_order_commits_only_what_warmup_addresses(
     make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
 ) -> None:

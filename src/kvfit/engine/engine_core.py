@@ -50,13 +50,15 @@ MAX_PREFIX_CACHE_BLOCKS = 1 << 18
 
 
 @contextmanager
-def _stage(what: str) -> Iterator[None]:
-    """Log a startup stage as it starts and ends: the progress a front end (the CLI, the
-    server) shows while a large model starts."""
+def _stage(stages: dict[str, float], name: str, what: str) -> Iterator[None]:
+    """Log a startup stage as it starts and ends (the progress a front end, the CLI or the
+    server, shows while a large model starts), and add its seconds to `stages[name]`."""
     logger.info("%s ...", what)
     start = time.perf_counter()
     yield
-    logger.info("%s: done in %.2f s", what, time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    stages[name] = stages.get(name, 0.0) + elapsed
+    logger.info("%s: done in %.2f s", what, elapsed)
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,12 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, tokenizer: object | None = None,
                  num_workers: int = 1) -> None:
+        start = time.perf_counter()
         self.config = config
-        self.executor = create_executor(config, num_workers)
+        # Seconds per startup stage, in the order they ran, then "total" (see `startup_stages`).
+        self.startup_stages: dict[str, float] = {}
+        with _stage(self.startup_stages, "start_workers", "starting workers"):
+            self.executor = create_executor(config, num_workers)
         self._in_flight: tuple[ScheduledBatch, AsyncModelOutput] | None = None
         self._sleep_state = SleepState()
         # The KV cache was released by a resize that could not back even one sequence (not
@@ -146,6 +152,7 @@ class EngineCore:
         self.kv_cache_governor = self._kv_cache_governor()
         self.demand_board = self._demand_board()
         self._preemptions_seen = 0  # the scheduler's count at the governor's last poll
+        self.startup_stages["total"] = time.perf_counter() - start
 
     def _kv_cache_governor(self) -> KVCacheGovernor | None:
         """The co-tenancy governor (`elastic_kv_cache`), its watermarks checked on this device;
@@ -191,23 +198,26 @@ class EngineCore:
                                cc.memory_utilization)
         method = cc.sizing_method
         extensible = method == "measured"
-        with _stage("loading weights"):
+        stages = self.startup_stages
+        with _stage(stages, "load_weights", "loading weights"):
             rpc("load_model")
-        with _stage("profiling"):
+        with _stage(stages, "profile", "profiling"):
             estimate = min_over_workers(rpc("profile", method == "estimate"))
         capacity = self._capacity(method, estimate)
         if method == "override":  # a fixed size: too small is known before any warmup
             self._check_max_model_len_fits(capacity)
-        committable = min_over_workers(rpc("initialize_kv_cache", capacity, extensible))
+        with _stage(stages, "allocate_kv_cache", "allocating the KV cache"):
+            committable = min_over_workers(rpc("initialize_kv_cache", capacity, extensible))
         # Every rank's commit granule (0 without the extensible cache); the largest, so a size
         # aligned to it is aligned on every rank (connectors align segments to it).
         self.kv_commit_granule = max(rpc("kv_cache_commit_granule"))
-        with _stage("warming up"):
+        with _stage(stages, "warm_up", "warming up"):
             rpc("warm_up", committable)
         # Eager (always so on the CPU) captures nothing: no stage to show.
-        with nullcontext() if self.config.enforce_eager else _stage("capturing CUDA graphs"):
+        with (nullcontext() if self.config.enforce_eager
+              else _stage(stages, "capture_graphs", "capturing CUDA graphs")):
             rpc("capture_cuda_graphs")
-        with _stage(f"sizing the KV cache ({method})"):
+        with _stage(stages, "size_kv_cache", f"sizing the KV cache ({method})"):
             num_blocks = (min_over_workers(rpc("measure_kv_cache_blocks")) if extensible
                           else capacity)
             self._check_max_model_len_fits(num_blocks)

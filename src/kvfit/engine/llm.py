@@ -81,6 +81,15 @@ class LLM:
         """How the KV cache was sized (method, blocks, the memory figures behind them)."""
         return self.engine.kv_cache_report
 
+    @property
+    def startup_stages(self) -> dict[str, float]:
+        """Seconds each startup stage of the engine took, in the order they ran, then "total"
+        (from the engine's start to ready, the tokenizer excluded). Stages: start_workers,
+        load_weights, profile, allocate_kv_cache, warm_up, capture_graphs (absent when eager),
+        size_kv_cache. A stage run twice adds its times into one entry; stages do not nest, so
+        they sum to at most the total (the rest is the work between them)."""
+        return dict(self.engine.startup_stages)
+
     def shutdown(self) -> None:
         """Free the model and the KV cache now rather than at garbage collection (to start
         another engine in the same process)."""
