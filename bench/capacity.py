@@ -10,6 +10,9 @@ Per model (dummy weights), side by side in one process:
   each, alternating, after one untimed engine that compiles the kernels; startup is the fastest
   construction to ready. Each engine is shut down before the next, and the device memory free
   afterwards is checked against before it.
+- startup stages: each round's `LLM.startup_stages` (seconds per stage and the engine's total)
+  in its row, and per path the median of each stage over the rounds (`stages_measured`,
+  `stages_estimate`), printed as a table.
 Targets: >= 7% more KV blocks than the estimate; startup <= 0.8x.
 The adversarial workload (every sampling feature at a full batch, long prompts, out-of-memory
 errors and guard events) is bench/adversarial.py, which imports this module's helpers.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 from typing import Any
 
@@ -70,7 +74,15 @@ def sizing_row(llm: LLM, startup_s: float) -> dict[str, Any]:
             "kv_bytes": report.committed_bytes, "transient": report.transient,
             "margin": report.margin, "budget": report.budget, "startup_s": startup_s,
             "total": report.total, "weights": report.weights, "non_torch": report.non_torch,
-            "graphs_and_buffers": report.graphs_and_buffers}
+            "graphs_and_buffers": report.graphs_and_buffers, "stages": llm.startup_stages}
+
+
+def median_stages(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each stage's median seconds over `runs`, in the order the stages ran (a stage some
+    rounds lack, graph capture where one fell back to eager, over the rounds that have it)."""
+    names = list(dict.fromkeys(name for r in runs for name in r["stages"]))
+    return {name: statistics.median(r["stages"][name] for r in runs if name in r["stages"])
+            for name in names}
 
 
 def shut_down(llm: LLM, free_before: int) -> dict[str, Any]:
@@ -111,6 +123,8 @@ def bench_model(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "startup_measured_s": best["measured"], "startup_estimate_s": best["estimate"],
         "startup_ratio": best["measured"] / best["estimate"],
         "memory_returned": all(r["returned"] for runs in rows.values() for r in runs),
+        "stages_measured": median_stages(rows["measured"]),
+        "stages_estimate": median_stages(rows["estimate"]),
     }
 
 
@@ -138,9 +152,15 @@ def print_tables(results: list[dict[str, Any]]) -> None:
                 ["model", "measured s", "estimate s", "ratio", "memory returned"],
                 [[r["model"], f"{r['startup_measured_s']:.2f}", f"{r['startup_estimate_s']:.2f}",
                   f"{r['startup_ratio']:.2f}", str(r["memory_returned"])] for r in results])
+    names = list(dict.fromkeys(name for r in results for path in ("measured", "estimate")
+                               for name in r[f"stages_{path}"]))
+    print_table("Startup stages, s (median over the rounds)", ["model", "sizing", *names],
+                [[r["model"], path, *(f"{r[f'stages_{path}'][n]:.3f}"
+                                      if n in r[f"stages_{path}"] else "-" for n in names)]
+                 for r in results for path in ("measured", "estimate")])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON output path")
@@ -152,7 +172,7 @@ def main() -> None:
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="build one untimed engine per model first (kernel compilation)")
     parser.add_argument("--enforce-eager", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     limits = in_run_limits(args.device)  # before the engines: they size from free memory
     results = [bench_model(args, model) for model in args.models]
     device = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"

@@ -22,7 +22,11 @@ def capacity(gain: float = 0.08, startup_s: float = 1.0) -> dict[str, Any]:
         "model": "tiny", "measured": row("measured", int(estimate * (1 + gain)), total),
         "estimate": row("estimate", estimate, int(total * 0.92)), "blocks_gain": gain,
         "startup_measured_s": startup_s, "startup_estimate_s": 1.5 * startup_s,
-        "startup_ratio": 1 / 1.5, "memory_returned": True}]}
+        "startup_ratio": 1 / 1.5, "memory_returned": True,
+        "stages_measured": {"load_weights": 0.2 * startup_s, "warm_up": 0.5 * startup_s,
+                            "size_kv_cache": 0.01 * startup_s, "total": 0.9 * startup_s},
+        "stages_estimate": {"load_weights": 0.2 * startup_s, "warm_up": 1.0 * startup_s,
+                            "total": 1.4 * startup_s}}]}
 
 
 def throughput(tokens_per_s: float = 1000.0) -> dict[str, Any]:

@@ -38,8 +38,11 @@ def test_a_slower_step_is_flagged_where_lower_is_better(tmp_path: Path) -> None:
     b = _write(tmp_path, "b.json", "capacity", payloads.capacity(startup_s=1.2))
     assert compare.main([a, b]) == 1
     changes = compare.compare(*(compare.load_record(p) for p in (a, b)), threshold=0.05)
+    # The startup stages slowed with it: compare names each one that grew.
+    stages = {f"tiny.{m}.stage.{s}_s" for m in ("measured", "estimate")
+              for s in ("load_weights", "warm_up", "total")}
     assert {c.name for c in changes if c.flagged} == {"tiny.startup_measured_s",
-                                                      "tiny.startup_estimate_s"}
+                                                      "tiny.startup_estimate_s", *stages}
 
 
 def test_an_improvement_is_not_flagged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

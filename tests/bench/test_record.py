@@ -49,6 +49,12 @@ def test_figures_are_drawn_from_the_payload() -> None:
     assert f["tiny.blocks_gain"] == {"value": 0.1, "unit": "fraction", "direction": "higher"}
     assert f["tiny.startup_measured_s"]["value"] == 2.0
     assert f["tiny.startup_measured_s"]["direction"] == "lower"
+    # Startup stages: those of at least 5% of the total, and the total; a stage of 1% has none.
+    assert f["tiny.measured.stage.warm_up_s"] == {"value": 1.0, "unit": "s", "direction": "lower"}
+    assert f["tiny.estimate.stage.total_s"]["value"] == 2.8
+    assert {k for k in f if ".stage." in k} == {
+        f"tiny.{m}.stage.{s}_s" for m in ("measured", "estimate")
+        for s in ("load_weights", "warm_up", "total")}
     record = record_of("throughput", payloads.throughput(), {})
     assert record["limits"] == {
         "copy_gb_per_s": {"value": 100.0, "unit": "GB/s", "direction": "higher"},

@@ -34,7 +34,18 @@ def capacity(p: dict[str, Any]) -> Figures:
         f[f"{m}.blocks_gain"] = figure(r["blocks_gain"], "fraction", "higher")
         f[f"{m}.startup_measured_s"] = figure(r["startup_measured_s"], "s", "lower")
         f[f"{m}.startup_estimate_s"] = figure(r["startup_estimate_s"], "s", "lower")
+        for method in ("measured", "estimate"):
+            stages = r.get(f"stages_{method}") or {}  # records before stages were kept: none
+            total = stages.get("total", 0.0)
+            for name, seconds in stages.items():
+                if name == "total" or seconds >= STAGE_SHARE * total:
+                    f[f"{m}.{method}.stage.{name}_s"] = figure(seconds, "s", "lower")
     return f
+
+
+STAGE_SHARE = 0.05
+"""A startup stage gets a figure when it takes at least this share of the engine's startup:
+a few milliseconds would move more than a compare threshold from noise alone."""
 
 
 def throughput(p: dict[str, Any]) -> Figures:
