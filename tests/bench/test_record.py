@@ -103,6 +103,16 @@ def test_jsonable_makes_strict_json() -> None:
     assert value["rates"] == [4.0, "inf"] and value["path"] == "/x"
 
 
+def test_a_callable_in_the_config_is_recorded_by_name() -> None:
+    # `kvfit bench` keeps its handler in args.func: its repr names a memory address, which
+    # differed between any two runs and made compare.py warn of different configs each time.
+    from kvfit.commands.bench_offline import run_throughput
+
+    config = record_of("elastic", payloads.elastic(), {"func": run_throughput, "f": len})["config"]
+    assert config == {"func": "kvfit.commands.bench_offline.run_throughput",
+                      "f": "builtins.len"}
+
+
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
 def test_published_result_files_adapt_to_valid_records(path: Path) -> None:
     record, published = load_record(path), json.loads(path.read_text())

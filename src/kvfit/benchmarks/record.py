@@ -123,7 +123,8 @@ def make_record(bench: str, figures: dict[str, dict[str, Any]], config: dict[str
 
 
 def jsonable(value: Any) -> Any:
-    """`value` as strict JSON can hold it: an infinite float or an object becomes its string."""
+    """`value` as strict JSON can hold it: an infinite float or an object becomes its string,
+    a function or class its qualified name."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
@@ -132,7 +133,11 @@ def jsonable(value: Any) -> Any:
         return [jsonable(v) for v in value]
     if value is None or isinstance(value, (str, int, float)):
         return value
-    return str(value)  # a Path, a callable argparse keeps, an enum
+    if callable(value) and hasattr(value, "__qualname__"):
+        # A handler argparse keeps (`kvfit bench`'s args.func): by name, as its repr holds a
+        # memory address that differs between runs and reads as a config that changed.
+        return f"{value.__module__}.{value.__qualname__}"
+    return str(value)  # a Path, an enum
 
 
 def write_record(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
