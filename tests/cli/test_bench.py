@@ -162,6 +162,18 @@ def test_bench_serve_request_rate_spreads_arrivals(fake_server: Callable,
     assert all(b["model"] == "m" for b in server.bodies)
 
 
+def test_bench_serve_record_keeps_no_api_key(fake_server: Callable, tmp_path: Path) -> None:
+    # Records are published (docs/results): the key the load authenticated with is not config.
+    server = fake_server()
+    path = tmp_path / "s.json"
+    argv = ["bench", "serve", "--base-url", server.url, "--model", "m", "--num-prompts", "2",
+            "--output-len", "2", "--input-len", "3", "--api-key", "sk-secret-123",
+            "--result-file", str(path)]
+    assert main(argv) == 0
+    assert "sk-secret-123" not in path.read_text()
+    assert json.loads(path.read_text())["config"]["api_key"] == "<set>"
+
+
 def test_bench_serve_unreachable_server_fails_every_request_without_crashing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -578,5 +578,7 @@ def run(args: argparse.Namespace) -> int:
         # JSON has no infinity: an unlimited rate is written as null.
         rate = result["request_rate"]
         payload = {**result, "request_rate": rate if math.isfinite(rate) else None, **limits}
-        write_record(args.result_file, record_of("bench-serve", payload, vars(args)))
+        # Records get published (docs/results): whether a key was given, never the key.
+        config = {**vars(args), "api_key": "<set>" if args.api_key else None}
+        write_record(args.result_file, record_of("bench-serve", payload, config))
     return 0 if result["completed"] else 1
