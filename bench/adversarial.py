@@ -63,7 +63,7 @@ import torch
 from capacity import free_memory, print_table, shut_down
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
-from kvfit.benchmarks.limits import in_run_limits
+from kvfit.benchmarks.limits import bench_device, in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.engine.sampling_params import MAX_TOKEN_LIST
 from kvfit.kv.monitor import CudaMemoryMonitor, HostMemoryMonitor, MemoryMonitor
@@ -527,7 +527,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON output path")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda", type=bench_device)
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b-shape", "qwen3-8b-shape"])
     parser.add_argument("--max-model-len", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--margins", nargs="+", choices=list(MARGINS), default=list(MARGINS))

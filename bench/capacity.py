@@ -31,7 +31,7 @@ import torch
 
 from kvfit import LLM
 from kvfit.benchmarks.figures import record_of
-from kvfit.benchmarks.limits import in_run_limits
+from kvfit.benchmarks.limits import bench_device, in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.kv.report import format_bytes
 
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON output path")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda", type=bench_device)
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b-shape", "qwen3-8b-shape"])
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=128)

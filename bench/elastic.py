@@ -36,7 +36,7 @@ import torch
 
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
-from kvfit.benchmarks.limits import in_run_limits
+from kvfit.benchmarks.limits import bench_device, in_run_limits
 from kvfit.benchmarks.record import write_record
 from kvfit.kv.report import format_bytes
 
@@ -45,7 +45,7 @@ GiB, MiB = 1 << 30, 1 << 20
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", type=bench_device)
     p.add_argument("--model", default="qwen3-0.6b-shape")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=256)

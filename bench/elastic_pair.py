@@ -56,13 +56,13 @@ import numpy as np
 
 from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
-from kvfit.benchmarks.limits import in_run_limits
+from kvfit.benchmarks.limits import bench_device, in_run_limits
 from kvfit.benchmarks.record import write_record
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", type=bench_device)
     p.add_argument("--models", nargs=2, default=["qwen3-0.6b-shape", "qwen3-8b-shape"])
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=256)

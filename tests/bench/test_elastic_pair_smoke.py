@@ -58,8 +58,10 @@ def test_elastic_pair_bench_smoke(bench, tmp_path: Path) -> None:  # noqa: ANN00
 
 
 def test_chat_turns_extend_their_history_and_start_over_past_max_model_len(bench) -> None:  # noqa: ANN001
-    args = bench.parse_args(["--workload", "chat", "--concurrency", "2", "--input-len", "40",
-                             "--turn-len", "8", "--output-len", "4", "--max-model-len", "64"])
+    # --device cpu: the default (cuda) is a usage error where torch sees no CUDA device.
+    args = bench.parse_args(["--device", "cpu", "--workload", "chat", "--concurrency", "2",
+                             "--input-len", "40", "--turn-len", "8", "--output-len", "4",
+                             "--max-model-len", "64"])
     chats = bench.Conversations(args, random.Random(0), vocab=1000)
     first = chats.next_turn("a")
     assert 10 <= len(first) <= 40  # a new conversation: 1/4 to 1x input_len

@@ -4,6 +4,9 @@ payload has, and every bench that writes a record measures them."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +89,21 @@ def test_in_run_limits_on_a_gpu_leave_this_process_as_it_was() -> None:
     assert keys["copy_bandwidth_gbps"] > 100 and keys["gemm_tflops"] > 1
     assert keys["gemm_dtype"] == "bfloat16"
     assert torch.cuda.is_initialized() == before  # measured in a process of its own
+
+
+# The benches whose --device defaults to CUDA (or that need it): run where torch sees no CUDA
+# device they must refuse with a usage error naming the fix, not die in in_run_limits' process.
+CUDA_ONLY_BY_DEFAULT = ("adversarial", "attention", "batch_invariant_gemm", "capacity", "elastic",
+                        "elastic_pair", "sampling")
+
+
+@pytest.mark.parametrize("name", CUDA_ONLY_BY_DEFAULT)
+def test_a_bench_asked_for_cuda_where_there_is_none_refuses_clearly(
+        name: str, tmp_path: Path) -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": str(BENCH_DIR.parent / "src")}
+    done = subprocess.run([sys.executable, str(BENCH_DIR / f"{name}.py"),
+                           "--out", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "CUDA" in done.stderr and not (tmp_path / "r.json").exists()

@@ -22,6 +22,7 @@ limit is the sum over its steps, which run one after another.
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing
 import statistics
 import time
@@ -248,6 +249,24 @@ def _measured_keys(device: str, dtype: Any) -> dict[str, Any]:
     import torch
 
     return limit_keys(measure_device_limits(torch.device(device), dtype), dtype)
+
+
+def bench_device(name: str) -> str:
+    """A bench's `--device` (argparse `type=`, applied to the default too): a CUDA device where
+    torch sees none is a usage error naming the CPU run, where it would fail later in
+    `in_run_limits`' process with a traceback."""
+    import torch
+
+    if name == "auto":
+        return name
+    try:
+        kind = torch.device(name).type
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a torch device ({e})") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{name!r}: torch sees no CUDA device here; pass "
+                                         "--device cpu for the CPU smoke run")
+    return name
 
 
 def in_run_limits(device: Any, dtype: Any = None) -> dict[str, Any]:
