@@ -64,6 +64,20 @@ def test_bench_offline_bad_flag_names_it(engine_flags: list[str]) -> None:
         main(["bench", "throughput", "--num-prompts", "0", *engine_flags])
 
 
+@pytest.mark.parametrize("mode", ["throughput", "latency"])
+def test_bench_offline_on_cuda_where_there_is_none_names_the_device(
+        mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The record's limits are measured first: that step, too, is a setting error (one line
+    # from `kvfit`), not a traceback from the process that measures them.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device='cuda' but CUDA is not available"):
+        main(["bench", mode, "--model", "kvfit-tiny", "--device", "cuda",
+              "--result-file", str(tmp_path / "r.json")])
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_summarize_derives_metrics_from_request_times() -> None:
     ok = [RequestResult(ok=True, prompt_tokens=3, output_tokens=3, ttft=0.1, itl=[0.02, 0.04],
                         e2e=0.2),

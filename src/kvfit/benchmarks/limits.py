@@ -272,7 +272,8 @@ def bench_device(name: str) -> str:
 def in_run_limits(device: Any, dtype: Any = None) -> dict[str, Any]:
     """The limits of a CUDA `device` ("auto": CUDA where there is one) measured now, as
     payload keys (`limit_keys`; the GEMM in `dtype`, default bf16); {} on any other device,
-    whose smoke runs need no limit and should stay fast.
+    whose smoke runs need no limit and should stay fast. A CUDA device where torch sees none
+    is a ValueError naming the device (the message `kvfit` shows on one line).
 
     Measured in a spawned process that has exited when this returns, so the caller gains no
     CUDA context, cuBLAS workspace or cached blocks from it (benches whose engines run in
@@ -285,6 +286,9 @@ def in_run_limits(device: Any, dtype: Any = None) -> dict[str, Any]:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if torch.device(device).type != "cuda":
         return {}
+    if not torch.cuda.is_available():  # else an AssertionError from the spawned process
+        raise ValueError(f"device={str(device)!r} but CUDA is not available here; "
+                         "use device='cpu'")
     spawn = multiprocessing.get_context("spawn")  # fork is unsafe once the caller used CUDA
     with ProcessPoolExecutor(1, mp_context=spawn) as pool:
         return pool.submit(_measured_keys, str(device), dtype or torch.bfloat16).result()
