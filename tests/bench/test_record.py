@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,19 @@ def test_published_result_files_adapt_to_valid_records(path: Path) -> None:
     assert record["bench"] in FIGURES and record["date"][:10] in path.name
     if not record["bench"].endswith("-sweep"):
         assert record["figures"]
+
+
+# What docs/results may hold besides records: bench/run_gpu.sh's pytest logs and torch.profiler
+# tables (`--profile PATH`), each dated like the records it stands beside.
+LOGS = re.compile(r"(gpu-tests-.+\.log|.*profile.*\.txt)")
+
+
+def test_every_published_result_is_a_record_or_a_log() -> None:
+    others = [p.name for p in RESULTS.iterdir() if p.suffix != ".json"]
+    for name in others:
+        assert LOGS.fullmatch(name), f"docs/results/{name}: neither a record (.json) nor a log"
+        assert re.search(r"-\d{4}-\d{2}-\d{2}", name), f"docs/results/{name}: no date"
+    assert all(p.is_file() for p in RESULTS.iterdir())
 
 
 def test_load_record_refuses_an_unknown_file(tmp_path: Path) -> None:
