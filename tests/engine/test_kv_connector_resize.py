@@ -391,3 +391,45 @@ def test_the_governor_backs_a_released_cache_once_memory_allows_and_the_interval
     assert core.stats().kv_cache_grows == core.kv_resizer.num_grows >= 1
     assert_one_chunk_registered(llm)
     assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
+
+
+def test_sleep_waiting_on_a_cache_a_failed_resize_released_says_so_instead_of_hanging(
+        connected, reference, monkeypatch) -> None:  # noqa: F811
+    """`sleep(mode="wait")` finishes the requests first; those waiting on a cache a failed
+    resize released cannot finish until the device has the memory again, which may be never
+    (the co-tenant that took it may be the one waiting for the sleep). The sleep refuses at
+    once, naming mode='abort', and changes nothing: the requests complete once the cache is
+    back, and a sleep then works."""
+    from kvfit.engine import engine_core
+
+    class WaitedForMemory(Exception):
+        pass
+
+    def no_waiting(seconds: float) -> None:
+        raise WaitedForMemory
+
+    llm = connected(enable_sleep_mode=True)
+    core = llm.engine
+    requests = [llm.make_request(p, PARAMS["greedy"], str(i))
+                for i, p in enumerate(make_prompts(PROMPT_LENGTHS))]
+    for seqs in requests:
+        core.add_request(seqs[0])
+    core.step()
+    memory_back_after_retries(llm, num_failed=1 << 30)
+    with pytest.raises(KVCacheResizeError, match="released"):
+        llm.resize_kv_cache(runner(llm).kv_cache.committed_blocks // 2)
+    monkeypatch.setattr(engine_core.time, "sleep", no_waiting)  # a wait would never end
+    with pytest.raises(RuntimeError, match=r"4 requests wait.*sleep\(mode='abort'\)"):
+        llm.sleep(mode="wait")
+    assert core.kv_cache_released and not core.is_sleeping
+    assert len(core.scheduler.waiting) == len(requests)
+    monkeypatch.undo()
+    reservation = runner(llm).kv_cache.tensor._reservation
+    del reservation.create  # the instance's refusal: the memory is back
+    outputs = {}
+    while core.has_unfinished():
+        outputs.update((seq.request_id, seq) for seq in core.step())
+    assert [outputs[str(i)].output_token_ids for i in range(len(requests))] == [
+        list(o.outputs[0].token_ids) for o in reference("greedy")]
+    llm.sleep(mode="wait")
+    assert core.is_sleeping and not core.kv_cache_released

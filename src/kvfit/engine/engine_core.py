@@ -357,6 +357,9 @@ class EngineCore:
         Requests still queued or running are first finished (`mode="wait"`: stepped to the end)
         or aborted (`"abort"`); either way the step in flight completes before any page goes,
         and the sequences are returned by the next `step`. The prefix cache is invalidated.
+        `"wait"` raises `RuntimeError`, changing nothing, while requests wait on a KV cache a
+        failed resize released (`kv_cache_released`): they finish only once the device has
+        the memory again.
         """
         check_sleep_args(level, mode)
         if not self.config.enable_sleep_mode:
@@ -379,16 +382,32 @@ class EngineCore:
 
     def _drain(self, mode: str) -> None:
         finished: list[Sequence] = []
-        if mode == "wait":
-            while self.scheduler.has_unfinished() or self._in_flight is not None:
-                finished += self.step()  # also takes what an earlier sleep left to return
-        else:
-            if self._in_flight is not None:
-                finished += self._apply_in_flight()  # waits for the device
-            queued = (self.scheduler.waiting, self.scheduler.running)
-            for request_id in dict.fromkeys(s.request_id for queue in queued for s in queue):
-                finished += self.scheduler.abort(request_id)
-        self._finished_early += finished
+        try:
+            if mode == "wait":
+                while self.scheduler.has_unfinished() or self._in_flight is not None:
+                    self._check_can_drain()
+                    finished += self.step()  # also takes what an earlier sleep left to return
+            else:
+                if self._in_flight is not None:
+                    finished += self._apply_in_flight()  # waits for the device
+                queued = (self.scheduler.waiting, self.scheduler.running)
+                for request_id in dict.fromkeys(s.request_id for queue in queued for s in queue):
+                    finished += self.scheduler.abort(request_id)
+        finally:
+            self._finished_early += finished
+
+    def _check_can_drain(self) -> None:
+        """Refuse to wait for requests that wait on a cache a failed resize released: they
+        finish only once the device has the memory again, maybe never (the co-tenant that took
+        it may be the one waiting for this sleep), and the wait would hold the engine's
+        thread meanwhile."""
+        if self._kv_released_by_resize and self.scheduler.has_unfinished():
+            num_requests = len({seq.request_id for seq in self.scheduler.waiting})
+            raise RuntimeError(
+                f"sleep(mode='wait'): a failed resize left the KV cache released and "
+                f"{num_requests} requests wait for it, which cannot finish until the engine "
+                f"backs it again (once the device has the memory); call sleep(mode='abort') "
+                f"to end them, or sleep again once they finished")
 
     def wake_up(self, tags: list[str] | None = None, reload_weights: bool = True) -> None:
         """Wake `tags` (`weights`, `kv_cache`; None: all that sleep) at the same addresses.
