@@ -108,3 +108,27 @@ def test_an_idle_server_comes_back_without_traffic(engine: AsyncLLM) -> None:
             _wait_for(http, 200)
     finally:
         server.stop()
+
+
+def test_a_resize_while_the_cache_is_released_is_unavailable_not_a_bad_num_blocks(
+        engine: AsyncLLM) -> None:
+    """The engine backs a released cache by itself; a resize meanwhile is refused for now
+    (503, as a grow that finds no memory), not blamed on a `num_blocks` that is valid."""
+    server = ServerThread(build_app(engine, ServeConfig(served_model_names=[MODEL_NAME],
+                                                        enable_kv_cache_endpoints=True)))
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            num_blocks = http.get("/kv_cache").json()["num_blocks"]
+            in_engine(engine, release_cache)
+            _wait_for(http, 503)
+            response = http.post("/kv_cache/resize", params={"num_blocks": num_blocks})
+            assert response.status_code == 503, response.text
+            error = response.json()["error"]
+            assert error["type"] == "service_unavailable" and error["param"] is None
+            assert "released" in error["message"]
+            in_engine(engine, give_memory_back)
+            _wait_for(http, 200)
+            assert http.post("/kv_cache/resize", params={"num_blocks": num_blocks}
+                             ).status_code == 200
+    finally:
+        server.stop()

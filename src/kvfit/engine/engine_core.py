@@ -554,19 +554,20 @@ class EngineCore:
         address, so graphs stay valid. A shrink evicts the tail's prefix-cache entries, then
         preempts the sequences holding tail blocks (recomputed later). Raises `ValueError`
         naming the setting below one max_model_len sequence or above the capacity or memory
-        budget, `KVCacheResizeError` for a grow that found no memory (the cache stays),
-        `RuntimeError` for a cache that cannot resize (fixed size, asleep, or released by a
-        failed resize, which the engine backs again by itself). With the governor on, its next
-        grow waits its interval from here."""
+        budget, `KVCacheResizeError` for a grow that found no memory (the cache stays) and
+        while a failed resize left the cache released (for now: the engine backs it again by
+        itself), `RuntimeError` for a cache that cannot resize (fixed size, asleep). With the
+        governor on, its next grow waits its interval from here."""
         cc = self.config.cache_config
         if not cc.enable_extensible_kv_cache:
             raise RuntimeError(f"resize_kv_cache() needs the extensible KV cache, and this one "
                                f"is sized by {cc.sizing_method}; leave num_gpu_blocks_override "
                                f"and kv_cache_memory_bytes unset on a device with VMM")
-        if self._kv_released_by_resize:
-            raise RuntimeError("resize_kv_cache() while a failed resize left the KV cache "
-                               "released: the engine backs it again once the device has the "
-                               "memory (the governor, or a retry every few seconds)")
+        if self._kv_released_by_resize:  # a state that passes: not the caller's mistake
+            raise KVCacheResizeError("resize_kv_cache() while a failed resize left the KV "
+                                     "cache released: the engine backs it again once the "
+                                     "device has the memory (the governor, or a retry every "
+                                     "few seconds); resize then")
         if self.is_sleeping:
             raise RuntimeError("resize_kv_cache() while asleep: call wake_up() first")
         self._settle()

@@ -150,7 +150,8 @@ class LLM:
         `generate` calls or from the thread that steps (`AsyncLLM.resize_kv_cache` runs it on
         the engine thread). Raises `ValueError` below one `max_model_len` sequence or above
         the capacity reserved at startup or the memory budget, `KVCacheResizeError` when a
-        grow finds no memory (the cache stays as it was). With `elastic_kv_cache` the
+        grow finds no memory (the cache stays as it was) or while a failed resize left the
+        cache released (until the engine backs it again by itself). With `elastic_kv_cache` the
         governor may change the size again later.
         """
         return self.engine.resize_kv_cache(num_blocks)
