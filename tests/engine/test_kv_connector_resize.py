@@ -433,3 +433,29 @@ def test_sleep_waiting_on_a_cache_a_failed_resize_released_says_so_instead_of_ha
         list(o.outputs[0].token_ids) for o in reference("greedy")]
     llm.sleep(mode="wait")
     assert core.is_sleeping and not core.kv_cache_released
+
+
+def test_a_released_cache_does_not_let_requests_past_weights_never_loaded(
+        connected, reference, qwen3) -> None:  # noqa: F811
+    """Only the released KV cache is no reason to refuse a request: weights woken without
+    contents still are. Accepted, such a request failed every step once the cache was back
+    (a server's loop raising at every turn) and was never ended, as it stayed queued."""
+    from safetensors.torch import load_file
+
+    llm = connected(enable_sleep_mode=True)
+    core = llm.engine
+    llm.sleep(level=2)
+    llm.wake_up(reload_weights=False)
+    memory_back_after_retries(llm, num_failed=0)
+    with pytest.raises(KVCacheResizeError, match="released"):
+        llm.resize_kv_cache(runner(llm).kv_cache.committed_blocks // 2)
+    assert core.kv_cache_released
+    seq = llm.make_request(make_prompts()[0], PARAMS["greedy"], "0")[0]
+    with pytest.raises(RuntimeError, match=r"woken without contents .* LLM.load_weights"):
+        core.add_request(seq)
+    assert not core.has_unfinished()
+    core._released_retry_at = 0.0
+    core.step()  # backs the cache: the memory is back
+    assert not core.kv_cache_released
+    llm.load_weights(load_file(qwen3 / "model.safetensors"))
+    assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))

@@ -300,9 +300,10 @@ class EngineCore:
         """Raise `RuntimeError` naming the call to make if a step could not run now (asleep,
         or weights woken without contents). A KV cache that a failed resize released is no
         reason: requests wait for the engine to back it again."""
-        if self._kv_released_by_resize:
-            return
-        self._sleep_state.check_can_run()
+        state = self._sleep_state
+        if self._kv_released_by_resize:  # only the cache: weights never loaded still refuse
+            state = replace(state, kv_cache_asleep=False)
+        state.check_can_run()
 
     @property
     def kv_cache_released(self) -> bool:
