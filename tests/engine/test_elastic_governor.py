@@ -241,3 +241,59 @@ def test_an_elastic_engine_commits_its_cache_in_small_chunks_from_startup(
         assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
     finally:
         llm.shutdown()
+
+
+def test_an_out_of_memory_guards_shrink_holds_the_next_grow_back_for_the_interval(
+    qwen3: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The guard's shrink is a shrink like the governor's: the governor grows back into that
+    memory no sooner than `min_interval_s` after it (the step that ran out of memory may need
+    it again at once), not at its next poll."""
+    import dataclasses
+    import math
+
+    from kvfit.engine import engine_core
+
+    from .test_oom_guard import inject
+
+    llm = LLM(str(qwen3), device="cpu", **ENGINE)
+    try:
+        core, cache = llm.engine, runner(llm).kv_cache
+        expected = tokens(llm.generate(make_prompts((5, 9)), PARAMS, use_tqdm=False))
+        budget = cache.committed_blocks
+        assert core.kv_resizer.limits()[2] == budget  # the governor cannot grow it now
+
+        class AboveHigh(HostMemoryMonitor):
+            def free_and_total(self) -> tuple[int, int]:
+                return 64 * MiB, self.budget_bytes
+
+        core.executor.workers[0].monitor = AboveHigh(128 * MiB, "cpu_kv_cache_space_bytes")
+        governor = core.kv_cache_governor
+        governor.config = dataclasses.replace(governor.config, poll_interval_s=0.0)
+        # The fake clock starts after every real time the governor noted.
+        governor.last_poll = governor.last_resize = governor.last_grow_attempt = -math.inf
+        clock = [1000.0]
+        monkeypatch.setattr(engine_core.time, "monotonic", lambda: clock[0])
+        requests = [llm.make_request(p, PARAMS, str(i))
+                    for i, p in enumerate(make_prompts((5, 9)))]
+        for seqs in requests:
+            core.add_request(seqs[0])
+        core.step()  # the prefill; a grow attempt at the budget: none before 1000.5
+        inject(llm, "decode_forward")
+        clock[0] = 1000.4
+        core.step()  # the first decode runs out of memory: the guard shrinks
+        [oom] = core.oom_guard.events
+        assert cache.committed_blocks == oom.num_blocks_after < budget
+        clock[0] = 1000.6  # the interval passed since the grow attempt, not since the shrink
+        core.step()
+        assert cache.committed_blocks == oom.num_blocks_after, "grew back 0.2 s after the guard"
+        clock[0] = 1000.9
+        outputs = {}
+        while core.has_unfinished():
+            outputs.update((seq.request_id, seq) for seq in core.step())
+        assert cache.committed_blocks == budget  # grown back once the interval passed
+        [grow] = core.kv_resizer.events
+        assert (grow.cause, grow.time) == ("governor", 1000.9)
+        assert [outputs[str(i)].output_token_ids for i in range(2)] == expected
+    finally:
+        llm.shutdown()

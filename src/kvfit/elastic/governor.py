@@ -102,12 +102,13 @@ class KVCacheGovernor:
     Free memory under the low watermark (another process is allocating) gives back, at once,
     what brings it to the middle of the two watermarks: a shrink is never delayed, since the
     other process may fail without it. Free memory above the high watermark takes what brings
-    it down to that middle, but only `min_interval_s` after the last shrink (or resize through
-    the API) and the last grow attempt that grew nothing (it failed, or the cache was at its
-    budget). A grow does not hold the next one back: memory another engine gives back in
-    steps is taken as it comes, and growing twice is no oscillation. Between the watermarks
-    nothing changes. Landing in the middle of the band, a resize cannot trigger the opposite
-    one by itself: hysteresis, with a grow after a shrink at most one per interval.
+    it down to that middle, but only `min_interval_s` after the last shrink (also the
+    out-of-memory guard's, or a resize through the API) and the last grow attempt that grew
+    nothing (it failed, or the cache was at its budget). A grow does not hold the next one
+    back: memory another engine gives back in steps is taken as it comes, and growing twice
+    is no oscillation. Between the watermarks nothing changes. Landing in the middle of the
+    band, a resize cannot trigger the opposite one by itself: hysteresis, with a grow after a
+    shrink at most one per interval.
 
     With `idle_s` and the cache's `KVUsage`, memory also flows between co-tenant engines,
     whose free memory alone never moves: a cache whose use stays low for `idle_s` shrinks to

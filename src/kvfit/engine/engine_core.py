@@ -534,7 +534,7 @@ class EngineCore:
             if self._in_flight is not None:
                 finished += self._apply_in_flight()  # never shrink under a running step
             try:
-                self.oom_guard.recover(message, attempt)
+                event = self.oom_guard.recover(message, attempt)
             except KVCacheOutOfMemoryError:
                 if not self._kv_released_by_resize:
                     raise
@@ -543,6 +543,11 @@ class EngineCore:
                 logger.error("the out-of-memory guard left the KV cache released; requests "
                              "wait until the device has the memory for it again")
                 return None, None
+            governor = self.kv_cache_governor
+            if governor is not None and event.num_blocks_after < event.num_blocks_before:
+                # A shrink like the governor's: the step may need that memory again at once,
+                # so the governor grows back into it only after its interval.
+                governor.resized(time.monotonic())
             self.kv_cache_report = replace(self.kv_cache_report,
                                            oom_guard_shrinks=self.oom_guard.num_shrinks)
             attempt += 1
