@@ -240,3 +240,39 @@ def test_shutdown_while_released_with_requests_waiting_gives_everything_back(
     llm.engine.add_request(llm.make_request(make_prompts()[0], PARAMS["greedy"], "waits")[0])
     llm.shutdown()
     assert not driver.handles and not driver.mappings and not driver.reserved
+
+
+@pytest.mark.parametrize(("one_chunk", "kind"), [
+    (False, "unmap"),  # the guard drops whole chunks: it only unmaps
+    *((True, kind) for kind in FailingDriver.KINDS),  # a recommit: every call
+])
+def test_a_driver_error_in_the_out_of_memory_guards_shrink_fails_no_request(
+        make_llm, connected, reference, one_chunk: bool, kind: str) -> None:  # noqa: F811
+    """A driver error other than out of memory in the guard's shrink leaves the cache
+    consistent (a one-chunk cache at its old size; else the new one, its dropped chunks still
+    to give back): the step is scheduled again (and where it still runs out of memory, the
+    guard shrinks again); no request fails."""
+    from .test_oom_guard import inject
+
+    llm = connected() if one_chunk else make_llm()
+    before = llm.engine.kv_resizer.num_blocks
+    driver = install_failing_driver(llm)
+    driver.calls = dict.fromkeys(FailingDriver.KINDS, 0)
+    driver.fail_kind, driver.fail_at = kind, 1
+    # A one-chunk cache is as it was: the retried step runs out of memory again and the
+    # guard's second shrink works.
+    inject(llm, "decode_forward", times=2 if one_chunk else 1)
+    assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
+    assert driver.calls[kind] >= 1
+    events = llm.engine.oom_guard.events
+    assert len(events) == (2 if one_chunk else 1)
+    if one_chunk:
+        assert events[0].num_blocks_after == before  # the failed recommit backed it again
+    assert events[-1].num_blocks_after < before
+    assert not llm.engine.kv_cache_released
+    assert_block_manager_agrees(llm)
+    llm.resize_kv_cache(llm.engine.kv_resizer.num_blocks)  # gives back what a failure left
+    assert_driver_matches_cache(llm, driver)
+    if one_chunk:
+        assert_one_chunk_registered(llm)
+    assert_nothing_leaked(llm)

@@ -19,7 +19,7 @@ import torch
 from kvfit.engine.executor import ExecutorFailedError
 from kvfit.engine.kv_resize import KVCacheResizeError
 from kvfit.kv.report import format_bytes
-from kvfit.vmm import VmmOutOfMemoryError
+from kvfit.vmm import VmmError, VmmOutOfMemoryError
 
 if TYPE_CHECKING:
     from kvfit.engine.config import EngineConfig
@@ -86,8 +86,10 @@ class OOMGuard:
     size), never below one `max_model_len` sequence: the tail's prefix-cache entries are
     evicted and the sequences holding tail blocks preempted (recomputed later), through the
     same `KVCacheResizer` as every other resize (a cache a KV connector registered as one
-    chunk per segment is recommitted whole at that size: `KVCacheResizer.recommit`). A cache
-    that cannot shrink only gets torch's idle memory emptied, once per step.
+    chunk per segment is recommitted whole at that size: `KVCacheResizer.recommit`). A shrink
+    that fails with a driver error other than out of memory leaves the cache consistent: the
+    step just runs again. A cache that cannot shrink only gets torch's idle memory emptied,
+    once per step.
     """
 
     config: EngineConfig
@@ -132,17 +134,36 @@ class OOMGuard:
             raise self._error(f"a step ran the device out of memory and the KV cache cannot "
                               f"shrink: it holds {before} blocks, no more than one "
                               f"max_model_len sequence needs", message)
+        preempted = self.resizer.scheduler.num_preemptions
         try:
             delta, num_preempted, _ = self.resizer.shrink(after, empty_cache=True)
-        except (VmmOutOfMemoryError, KVCacheResizeError) as error:
-            # A shrink copies the kept part of the physical chunk it cuts, so it needs memory;
-            # a one-chunk cache's recommit failed even at the floor.
-            raise self._error("a step ran the device out of memory and shrinking the KV cache "
-                              "did too", f"{message}; the shrink: {error}") from error
+        except (VmmError, KVCacheResizeError) as error:
+            if not self._retryable(error):
+                # A shrink copies the kept part of the physical chunk it cuts, so it needs
+                # memory; a one-chunk cache's recommit failed even at the floor.
+                raise self._error("a step ran the device out of memory and shrinking the KV "
+                                  "cache did too", f"{message}; the shrink: {error}") from error
+            # The cache is consistent (as it was, or shrunk with pages still to give back):
+            # the step runs again and, short of memory still, the next attempt shrinks more.
+            logger.warning("shrinking the KV cache for a step that ran the device out of "
+                           "memory failed, not for want of memory (%s); running the step "
+                           "again", error)
+            return self._record(requested, before, self.resizer.num_blocks, 0,
+                                self.resizer.scheduler.num_preemptions - preempted, message)
         after = self.resizer.num_blocks  # a one-chunk cache's recommit may fall back smaller
         freed = -delta
         self.freed_bytes += freed
         return self._record(requested, before, after, freed, num_preempted, message)
+
+    def _retryable(self, error: VmmError | KVCacheResizeError) -> bool:
+        """Whether a failed shrink left the cache usable for another try: a driver error
+        other than out of memory (directly, or under a one-chunk cache's recommit that backed
+        the old size again), the cache not released."""
+        cause = error if isinstance(error, VmmError) else error.__cause__
+        if not isinstance(cause, VmmError) or isinstance(cause, VmmOutOfMemoryError):
+            return False
+        states = self.resizer.executor.collective_rpc("sleep_state")
+        return not any(state.kv_cache_asleep for state in states)
 
     def _shrink_target(self, requested: int, attempt: int) -> int:
         """Blocks every worker can keep after freeing `requested` bytes and 2**attempt
