@@ -149,3 +149,35 @@ def test_the_routes_need_the_development_flag(
     assert not serve.dev_mode()
     monkeypatch.setenv(serve.DEV_MODE_ENV, "1")
     assert serve.dev_mode()
+
+
+def test_concurrent_resizes_under_load_change_no_text(
+        http: httpx.Client, full_size: dict[str, Any]) -> None:
+    """Resizes sent at once with completions (`n` of 2, prompts up to most of max_model_len)
+    are applied one by one between steps: each answers 200, every text is the one the
+    unresized cache gives, and the cache ends consistent with every block free."""
+    import concurrent.futures
+
+    bodies = [{**COMPLETION, "prompt": list(range(5, 5 + n)), "max_tokens": 30, "n": 2}
+              for n in (3, 50, 90, 7)]
+    expected = []
+    for body in bodies:
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        expected.append(response.json()["choices"])
+    low, high = full_size["min_blocks"], full_size["max_blocks"]
+    sizes = [low, high, 40, 17, high, low + 1, 100, low] * 2
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        completions = [pool.submit(http.post, "/v1/completions", json=body)
+                       for body in bodies * 2]
+        resizes = [pool.submit(http.post, "/kv_cache/resize", params={"num_blocks": n})
+                   for n in sizes]
+        resized = [future.result() for future in resizes]
+        answers = [future.result() for future in completions]
+    assert [r.status_code for r in resized] == [200] * len(sizes), [r.text for r in resized]
+    for i, answer in enumerate(answers):
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"] == expected[i % len(bodies)]
+    state = http.get("/kv_cache").json()  # (a short cache's governor may have grown it)
+    assert state["num_free_blocks"] == state["num_blocks"]
+    assert low <= state["num_blocks"] <= high and state["committed_bytes"] > 0
