@@ -297,3 +297,20 @@ def test_an_out_of_memory_guards_shrink_holds_the_next_grow_back_for_the_interva
         assert [outputs[str(i)].output_token_ids for i in range(2)] == expected
     finally:
         llm.shutdown()
+
+
+def test_a_resize_to_the_current_size_does_not_hold_the_next_grow_back(
+    elastic: tuple[LLM, CoTenantDevice, list[list[int]]],
+) -> None:
+    """A no-op `resize_kv_cache` (the size it has) changes nothing, so it must not delay the
+    governor's next grow by `min_interval_s` as a real resize does."""
+    llm, _, _ = elastic
+    governor, cache = llm.engine.kv_cache_governor, runner(llm).kv_cache
+    num_blocks = cache.committed_blocks
+    governor.last_grow_attempt = -float("inf")  # the fixture's polls tried one at the budget
+    event = llm.resize_kv_cache(num_blocks)
+    assert event.num_blocks_after == num_blocks == cache.committed_blocks
+    assert governor.grow_due(time.monotonic())
+    assert not llm.engine.kv_resizer.events
+    llm.resize_kv_cache(num_blocks // 2)  # a real one does
+    assert not governor.grow_due(time.monotonic())

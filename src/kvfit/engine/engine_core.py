@@ -563,7 +563,8 @@ class EngineCore:
         budget, `KVCacheResizeError` for a grow that found no memory (the cache stays) and
         while a failed resize left the cache released (for now: the engine backs it again by
         itself), `RuntimeError` for a cache that cannot resize (fixed size, asleep). With the
-        governor on, its next grow waits its interval from here."""
+        governor on, its next grow waits its interval from here, unless the size did not
+        change."""
         cc = self.config.cache_config
         if not cc.enable_extensible_kv_cache:
             raise RuntimeError(f"resize_kv_cache() needs the extensible KV cache, and this one "
@@ -578,7 +579,8 @@ class EngineCore:
             raise RuntimeError("resize_kv_cache() while asleep: call wake_up() first")
         self._settle()
         event = self.kv_resizer.resize(num_blocks, "api")
-        if self.kv_cache_governor is not None:
+        changed = event.num_blocks_after != event.num_blocks_before
+        if self.kv_cache_governor is not None and changed:  # a no-op holds nothing back
             self.kv_cache_governor.resized(time.monotonic())
         return event
 
