@@ -150,3 +150,20 @@ def test_a_wake_with_no_device_memory_is_503_and_stays_asleep(
     assert http.get("/is_sleeping").json() == {"is_sleeping": True}
     assert http.post("/wake_up").json() == {"is_sleeping": False}
     assert _text(http) == before
+
+
+def test_a_resize_while_asleep_is_503_naming_the_state_not_num_blocks(
+        start_server: Callable[..., ServerThread]) -> None:
+    """Asleep is the engine's state, not a bad `num_blocks`: 503 as generation gets while
+    asleep, saying to wake it first, with no parameter blamed; nothing changes."""
+    server = start_server(enable_sleep_endpoints=True, enable_kv_cache_endpoints=True)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        size = http.get("/kv_cache").json()["num_blocks"]
+        assert http.post("/sleep").status_code == 200
+        response = http.post("/kv_cache/resize", params={"num_blocks": 20})
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["type"] == "service_unavailable" and error["param"] is None
+        assert "asleep" in error["message"] and "/wake_up" in error["message"]
+        assert http.post("/wake_up").status_code == 200
+        assert http.get("/kv_cache").json()["num_blocks"] == size

@@ -326,8 +326,9 @@ class AsyncLLM:
         await self._call("wake_up", tags)
 
     async def resize_kv_cache(self, num_blocks: int) -> KVCacheResize:
-        """`LLM.resize_kv_cache` in the engine, between two steps."""
-        return await self._call("resize_kv_cache", num_blocks)
+        """`LLM.resize_kv_cache` in the engine, between two steps; `EngineSleepingError`
+        while it sleeps (a state to leave, not a bad `num_blocks`)."""
+        return await self._call(_resize_kv_cache, num_blocks)
 
     async def kv_cache_state(self) -> dict[str, Any]:
         """The KV cache's size, bounds and resize counts, read in the engine."""
@@ -474,6 +475,13 @@ def _settle_threadsafe(future: asyncio.Future[Any], result: Any,
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineSleepingError", "RequestFailedError",
            "RequestStream"]
+
+
+def _resize_kv_cache(llm: LLM, num_blocks: int) -> KVCacheResize:
+    if llm.engine.is_sleeping:  # checked in the engine: the front end's view may be stale
+        raise EngineSleepingError("resize_kv_cache() while the engine is asleep (its KV cache "
+                                  "or weights released): wake it up first (POST /wake_up)")
+    return llm.resize_kv_cache(num_blocks)
 
 
 def _kv_cache_state(llm: LLM) -> dict[str, Any]:

@@ -422,8 +422,9 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         async def resize_kv_cache(num_blocks: int) -> dict[str, Any]:
             """Grow or shrink the committed KV cache to `num_blocks` (`LLM.resize_kv_cache`):
             400 out of bounds or for a cache that cannot resize, 503 when a grow finds no
-            memory (the cache stays as it was) or while a failed resize left the cache
-            released (the engine backs it again by itself)."""
+            memory (the cache stays as it was), while a failed resize left the cache
+            released (the engine backs it again by itself) or while the engine is asleep
+            (wake it first), as generation is then."""
             try:
                 event = await engine.resize_kv_cache(num_blocks)
             except KVCacheResizeError as e:
