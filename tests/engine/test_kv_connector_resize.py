@@ -178,13 +178,12 @@ def memory_back_after_retries(llm: LLM, num_failed: int) -> list[int]:
     return refused
 
 
-def assert_backed_again(llm: LLM, num_failed: int) -> None:
-    """The engine backed the released cache itself at the floor (rounded up to a size whose
-    segments end on a granule), after `num_failed` failed retries, logged as a `restore`."""
+def assert_backed_again(llm: LLM, num_failed: int, num_blocks: int) -> None:
+    """The engine backed the released cache itself at `num_blocks` (the size the failed resize
+    asked for, memory allowing), after `num_failed` failed retries, logged as a `restore`."""
     core, cache = llm.engine, runner(llm).kv_cache
     assert not core.kv_cache_released and not core.is_sleeping and not cache.is_released
-    step = cache.spec.granule_block_step(cache.granularity)
-    assert cache.committed_blocks == -(-core.kv_resizer.floor // step) * step
+    assert cache.committed_blocks == num_blocks > core.kv_resizer.floor
     event = core.kv_resizer.events[-1]
     assert (event.cause, event.num_blocks_before) == ("restore", 0)
     assert event.num_blocks_after == cache.committed_blocks
@@ -208,12 +207,13 @@ def test_a_cache_the_guard_released_comes_back_and_its_requests_complete(
     backs the cache again by itself."""
     llm = connected()
     cache = runner(llm).kv_cache
+    target = guard_target(llm)
     refused = memory_back_after_retries(llm, num_failed=2)
     inject(llm, "decode_forward")
     assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
     assert refused and not llm.engine.oom_guard.num_shrinks
-    assert_backed_again(llm, num_failed=2)
-    assert cache.physical_bytes == cache.footprint_bytes(llm.engine.kv_resizer.floor)
+    assert_backed_again(llm, num_failed=2, num_blocks=target)  # the size the guard asked for
+    assert cache.physical_bytes == cache.footprint_bytes(target)
     assert_nothing_leaked(llm)
 
 
@@ -232,8 +232,9 @@ def test_requests_waiting_on_a_cache_a_resize_released_complete_once_it_is_back(
     for _ in range(3):
         core.step()
     memory_back_after_retries(llm, num_failed=1)
+    asked = cache.committed_blocks // 2
     with pytest.raises(KVCacheResizeError, match="released"):
-        llm.resize_kv_cache(cache.committed_blocks // 2)
+        llm.resize_kv_cache(asked)
     assert core.kv_cache_released and core.stats().kv_cache_released
     assert released_gauge(llm) == 1
     assert not core.is_sleeping and cache.is_released
@@ -246,11 +247,45 @@ def test_requests_waiting_on_a_cache_a_resize_released_complete_once_it_is_back(
     while core.has_unfinished():
         for seq in core.step():
             outputs[seq.request_id] = seq
-    assert_backed_again(llm, num_failed=1)
+    assert_backed_again(llm, num_failed=1, num_blocks=asked)
     assert core.scheduler.num_steps > steps and not core.stats().kv_cache_released
     assert released_gauge(llm) == 0
     got = [outputs[str(i)].output_token_ids for i in range(len(requests))]
     assert got == [list(o.outputs[0].token_ids) for o in reference("greedy")]
+    assert_nothing_leaked(llm)
+
+
+def test_a_released_cache_comes_back_at_the_size_asked_halving_down_where_memory_is_short(
+        connected, reference) -> None:  # noqa: F811
+    """Not at the floor: the engine backs a cache a failed resize released at the size that
+    resize asked for, and, where the device holds less, at the most blocks that fit, halving
+    down (as a wake does); then it serves, consistent."""
+    llm = connected()
+    core, cache = llm.engine, runner(llm).kv_cache
+    reservation, block_bytes = cache.tensor._reservation, cache.spec.block_stride_bytes
+    asked = cache.granule_aligned_blocks(cache.committed_blocks // 2)
+    half = cache.granule_aligned_blocks(asked // 2)
+    assert core.kv_resizer.floor < half < asked
+    fail_chunks_over(llm, 0)
+    with pytest.raises(KVCacheResizeError, match="released"):
+        llm.resize_kv_cache(asked)
+    assert core.kv_cache_released and core.kv_resizer.num_blocks == asked
+    del reservation.create
+    refused = fail_chunks_over(llm, half * block_bytes)  # a chunk per segment of half fits
+    core._released_retry_at = 0.0
+    core.step()
+    assert refused == [asked * block_bytes]
+    assert_backed_again(llm, num_failed=0, num_blocks=half)
+    assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
+    del reservation.create
+    core._released_retry_at = 0.0
+    fail_chunks_over(llm, 0)
+    with pytest.raises(KVCacheResizeError, match="released"):
+        llm.resize_kv_cache(asked)  # a grow: it would have held `half` had it failed alone
+    del reservation.create
+    core._released_retry_at = 0.0
+    core.step()
+    assert_backed_again(llm, num_failed=1, num_blocks=half)
     assert_nothing_leaked(llm)
 
 
@@ -370,13 +405,15 @@ def test_the_governor_backs_a_released_cache_once_memory_allows_and_the_interval
     reservation = cache.tensor._reservation
     create = reservation.create
     fail_chunks_over(llm, 0)
+    asked = cache.committed_blocks // 2
     with pytest.raises(KVCacheResizeError, match="released"):
-        llm.resize_kv_cache(cache.committed_blocks // 2)
+        llm.resize_kv_cache(asked)
     released_at = time.monotonic()
     reservation.create = create  # the driver has memory, but free memory says too little
     attempts: list[float] = []
     restore = core.kv_resizer.restore
-    core.kv_resizer.restore = lambda *a: (attempts.append(time.monotonic()), restore(*a))[1]
+    core.kv_resizer.restore = lambda *a, **kw: (attempts.append(time.monotonic()),
+                                           restore(*a, **kw))[1]
     deadline = released_at + 0.6
     while time.monotonic() < deadline:
         core.step()
@@ -387,7 +424,7 @@ def test_the_governor_backs_a_released_cache_once_memory_allows_and_the_interval
         core.step()
     assert attempts[0] - released_at >= 0.2
     event = core.kv_resizer.events[-1]
-    assert (event.cause, event.free_bytes) == ("restore", 64 << 20)
+    assert (event.cause, event.free_bytes, event.num_blocks_after) == ("restore", 64 << 20, asked)
     assert core.stats().kv_cache_grows == core.kv_resizer.num_grows >= 1
     assert_one_chunk_registered(llm)
     assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))

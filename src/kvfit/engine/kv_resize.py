@@ -258,8 +258,9 @@ class KVCacheResizer:
         Device memory: none beyond the new chunks (the old ones are released first). Where the
         commit finds no memory it retries smaller (`fallback` first, if given, then halving
         down to the floor), so the cache stays usable; where even the floor fails, the cache
-        is left released (`on_released`: the engine backs it again by itself, `restore`) and
-        it raises `KVCacheResizeError`.
+        is left released (`on_released`: the engine backs it again by itself, `restore`), at
+        the size it would have had (`num_blocks`, or a grow's old size), and it raises
+        `KVCacheResizeError`.
         """
         rpc, bm = self.executor.collective_rpc, self.scheduler.block_manager
         num_blocks_was = bm.num_blocks
@@ -293,7 +294,9 @@ class KVCacheResizer:
                     f"as it was") from e
             self._set_blocks(size)
             return rpc("kv_cache_bytes")[0][0] - before, len(victims), num_evicted
-        self._set_blocks(sizes[-1])  # what wake_up backs
+        # Released at the size this resize would have left (the one asked; a grow's, the old
+        # one), not the floor: `restore` backs that, halving down where memory is short.
+        self._set_blocks(min(num_blocks, num_blocks_was))
         self.on_released()
         raise KVCacheResizeError(
             f"could not commit the KV cache even as {sizes[-1]} blocks (one max_model_len "
@@ -504,15 +507,18 @@ class KVCacheResizer:
 
     # -- a cache a failure released ------------------------------------------------------------
 
-    def restore(self, free_bytes: int | None = None) -> KVCacheResize:
+    def restore(self, free_bytes: int | None = None,
+                max_blocks: int | None = None) -> KVCacheResize:
         """Back a cache that a failed resize left released (`on_released`), zeroed, at the size
-        it was left at (fewer blocks where the memory is short, as a wake), logged and counted
-        as a grow (cause `restore`; `num_blocks_before` 0: nothing was backed). Raises
-        `KVCacheResizeError`, counted as a failed grow, where not even one `max_model_len`
-        sequence fits or a driver call failed: the cache stays released, at its size."""
+        it was left at, or `max_blocks` if fewer (the free memory holds no more), halving down
+        to one `max_model_len` sequence where the memory is short, as a wake does (both
+        `recommit`); logged and counted as a grow (cause `restore`; `num_blocks_before` 0:
+        nothing was backed). Raises `KVCacheResizeError`, counted as a failed grow, where not
+        even one sequence fits or a driver call failed: the cache stays released, at its
+        size, which the next attempt tries again."""
         target, start = self.num_blocks, time.perf_counter()
         try:
-            delta = self.recommit(target)[0]
+            delta = self.recommit(target if max_blocks is None else min(target, max_blocks))[0]
         except KVCacheResizeError:
             self._set_blocks(target)  # the next attempt tries the whole size again
             self.num_failed_grows += 1
@@ -531,18 +537,20 @@ class KVCacheResizer:
     def govern_restore(self, governor: KVCacheGovernor, now: float) -> KVCacheResize | None:
         """The governor's poll while a failure left the cache released: back it again
         (`restore`) once `governor.grow_due` (the minimum interval since the release and
-        since the last attempt that failed) and the device's free memory holds it with the
-        low watermark to spare, so the next poll does not take it back. Never raises: a
-        failed attempt is retried after the interval."""
+        since the last attempt that failed) and the device's free memory holds one
+        `max_model_len` sequence with the low watermark to spare: at its size or the most
+        blocks that fit there, so the next poll does not take it back (the governor grows it
+        later). Never raises: a failed attempt is retried after the interval."""
         if not governor.due(now) or not governor.grow_due(now):
             return None
         free, total = self._device_memory()
         low, _ = governor.config.watermarks(total)
         # The cache holds no pages: what fits in the free memory above the low watermark.
-        if min(self.executor.collective_rpc("kv_cache_blocks_at", free - low)) < self.num_blocks:
+        fits = min(self.executor.collective_rpc("kv_cache_blocks_at", free - low))
+        if fits < self.floor:
             return None
         try:
-            event = self.restore(free)
+            event = self.restore(free, max_blocks=fits)
         except KVCacheResizeError as error:
             logger.warning("%s; the governor retries in %.1f s", error,
                            governor.config.min_interval_s)
