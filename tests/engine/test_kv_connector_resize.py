@@ -160,6 +160,49 @@ def test_a_recommit_without_memory_falls_back_smaller_and_keeps_serving(
     assert_same(generate(llm, PARAMS["greedy"], LONG_LENGTHS), reference("greedy", LONG_LENGTHS))
 
 
+def test_a_grow_that_finds_no_memory_leaves_the_cache_its_sequences_and_prefix_cache(
+        connected, reference) -> None:  # noqa: F811
+    """Issue #15: a grow that cannot get memory leaves the cache as it was. A one-chunk cache
+    must release its pages before committing the larger chunk, so it checks first that the
+    device holds what the grow adds: refused, nothing is released, no sequence preempted,
+    no prefix-cache entry evicted, and the requests finish as if nothing happened."""
+    llm = connected()
+    core, cache = llm.engine, runner(llm).kv_cache
+    bm, before = core.scheduler.block_manager, cache.committed_blocks
+    down = cache.granule_aligned_blocks(before // 2)
+    llm.resize_kv_cache(down)
+    assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
+    requests = [llm.make_request(p, PARAMS["greedy"], str(i))
+                for i, p in enumerate(make_prompts(PROMPT_LENGTHS))]
+    for seqs in requests:
+        core.add_request(seqs[0])
+    for _ in range(3):
+        core.step()
+    core._settle()
+    running = [(seq.request_id, list(seq.block_table)) for seq in core.scheduler.running]
+    cached, preemptions = dict(bm.hash_to_block), core.scheduler.num_preemptions
+    assert running and cached
+    refused = fail_chunks_over(llm, 0)
+    with pytest.raises(KVCacheResizeError, match=f"from {down} to {before} blocks.*it holds "
+                                                 f"{down} blocks"):
+        llm.resize_kv_cache(before)
+    assert refused == [cache.footprint_bytes(before) - cache.footprint_bytes(down)]
+    assert not core.kv_cache_released and not cache.is_released
+    assert cache.committed_blocks == bm.num_blocks == down
+    assert core.scheduler.num_preemptions == preemptions
+    assert [(seq.request_id, seq.block_table) for seq in core.scheduler.running] == running
+    assert bm.hash_to_block == cached
+    assert core.kv_resizer.num_failed_grows == 1 and not core.kv_resizer.num_grows
+    assert_one_chunk_registered(llm)
+    del cache.tensor._reservation.create
+    outputs: dict[str, Any] = {}
+    while core.has_unfinished():
+        outputs.update((seq.request_id, seq) for seq in core.step())
+    assert [outputs[str(i)].output_token_ids for i in range(len(requests))] == [
+        list(o.outputs[0].token_ids) for o in reference("greedy")]
+    assert_nothing_leaked(llm)
+
+
 def memory_back_after_retries(llm: LLM, num_failed: int) -> list[int]:
     """Let the engine retry a released cache at every step, and give the memory back (undo
     `fail_chunks_over`) once `num_failed` retries found none; returns the sizes refused."""
@@ -278,10 +321,19 @@ def test_a_released_cache_comes_back_at_the_size_asked_halving_down_where_memory
     assert_backed_again(llm, num_failed=0, num_blocks=half)
     assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
     del reservation.create
-    core._released_retry_at = 0.0
-    fail_chunks_over(llm, 0)
+    create = reservation.create
+
+    def taken_after_the_check(size: int) -> Any:  # another process takes the memory
+        if taken_after_the_check.checked:
+            raise VmmOutOfMemoryError("cuMemCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY")
+        taken_after_the_check.checked = True
+        return create(size)
+
+    taken_after_the_check.checked = False
+    reservation.create = taken_after_the_check
     with pytest.raises(KVCacheResizeError, match="released"):
         llm.resize_kv_cache(asked)  # a grow: it would have held `half` had it failed alone
+    assert core.kv_resizer.num_blocks == half
     del reservation.create
     core._released_retry_at = 0.0
     core.step()

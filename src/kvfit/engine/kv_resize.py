@@ -227,10 +227,14 @@ class KVCacheResizer:
         """Commit `num_blocks` on every worker, then hand the new blocks out; returns
         `(delta_bytes, num_preempted, num_evicted)` (both counts 0 but for a one-chunk cache).
         On a failure every worker gives back what it grew, and it raises. A one-chunk cache is
-        recommitted (`recommit`: every sequence preempted, the prefix cache evicted); where
-        `num_blocks` found no memory it raises `KVCacheResizeError` once the cache holds the
-        largest size that did (the old one, or less)."""
+        recommitted (`recommit`: every sequence preempted, the prefix cache evicted), which
+        releases its pages before it maps the new ones: so every worker first checks that
+        its device holds what the grow adds (`check_kv_cache_room`), and where one does not,
+        it raises with nothing touched (no sequence preempted, the prefix cache kept). Where
+        the memory went meanwhile (another process took it), it raises `KVCacheResizeError`
+        once the cache holds the largest size that fits (the old one, or less)."""
         if self.one_chunk():
+            self.executor.collective_rpc("check_kv_cache_room", num_blocks)
             before = self.num_blocks
             result = self.recommit(num_blocks, fallback=before)
             if self.num_blocks < num_blocks:

@@ -279,6 +279,13 @@ class Worker:
         resized by `recommit_kv_cache`, never by cutting or dropping chunks."""
         return self.kv_connector is not None and self.runner.kv_cache is not None
 
+    def check_kv_cache_room(self, num_blocks: int) -> None:
+        """Raise `VmmOutOfMemoryError`, touching nothing (no page released, the connector's
+        registration kept), unless the device holds what `recommit_kv_cache(num_blocks)`
+        would take beyond the pages the cache holds now: a one-chunk cache's grow asks
+        before it releases anything."""
+        self.runner.kv_cache.check_room(num_blocks)
+
     def recommit_kv_cache(self, num_blocks: int) -> None:
         """Release the extensible cache's pages (unless asleep already) and back `num_blocks`
         zeroed at the same addresses (graphs stay valid): how a one-chunk cache

@@ -176,6 +176,12 @@ class ExtensibleKVCache:
         """Drop every physical page (sleep); the reservation and every view's address stay."""
         self.tensor.release_physical()
 
+    def check_room(self, num_blocks: int) -> None:
+        """Raise `VmmOutOfMemoryError`, changing nothing, unless the device holds the memory
+        that recommitting `num_blocks` takes beyond what the cache holds now
+        (`ExtensibleTensor.check_room`)."""
+        self.tensor.check_room(num_blocks * self.spec.block_stride_bytes)
+
     def recommit(self, defragment: bool = False, num_blocks: int | None = None) -> None:
         """Back the same blocks again after `release_physical()` (`num_blocks`: that many
         instead, the new committed count), zeroed, in large chunks (one per segment with

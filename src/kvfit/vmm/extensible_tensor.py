@@ -220,6 +220,17 @@ class ExtensibleTensor:
             for chunk in reservation.chunks.values():
                 self._bytes(reservation.va + chunk.offset, chunk.size).zero_()
 
+    def check_room(self, bytes_per_segment: int) -> None:
+        """Raise `VmmOutOfMemoryError`, changing nothing, unless the device holds what backing
+        `bytes_per_segment` (rounded up to the granule) would take beyond the pages mapped
+        now, as `release_physical` then `recommit` does: allocates that much at once and
+        releases it. A check, not a hold: another process may take the memory before the
+        recommit."""
+        reservation = self._live()
+        need = self.num_segments * self._target(bytes_per_segment) - reservation.physical_bytes
+        if need > 0:
+            reservation.driver.release(reservation.create(need))
+
     def free(self) -> None:
         """Return the physical memory now. The address range is freed once no view is left."""
         if self._reservation is None:
