@@ -100,3 +100,24 @@ def test_a_resize_landing_in_the_middle_never_triggers_the_opposite_one() -> Non
 def test_polls_are_spaced_by_the_poll_interval() -> None:
     g = governor()
     assert g.due(0.0) and not g.due(0.05) and g.due(0.1) and not g.due(0.15)
+
+
+def test_failed_resizes_back_off_doubling_per_direction_up_to_a_cap() -> None:
+    """A shrink that failed is retried two poll intervals later, then twice as late each time
+    up to MAX_BACKOFF_S; a grow's from `min_interval_s`. A success in a direction ends its
+    backoff; a failed grow never delays a shrink."""
+    from kvfit.elastic.governor import MAX_BACKOFF_S
+
+    g = governor(min_interval_s=10.0)
+    waits = [g.failed(0.0) for _ in range(12)]
+    assert waits[:4] == [0.2, 0.4, 0.8, 1.6] and waits[-1] == MAX_BACKOFF_S == max(waits)
+    assert g.backoff_s == MAX_BACKOFF_S
+    assert not g.shrink_due(MAX_BACKOFF_S - 1) and g.shrink_due(MAX_BACKOFF_S)
+    g.resized(70.0)  # a shrink worked
+    assert g.shrink_due(70.0) and g.backoff_s == 0
+    assert [g.failed(100.0, grow=True) for _ in range(3)] == [10.0, 20.0, 40.0]
+    assert g.shrink_due(100.0)  # another process may need memory now
+    assert g.decide(20 * GiB, TOTAL, now=139.0) == 0  # the grow's backoff: 40 s
+    assert g.decide(20 * GiB, TOTAL, now=140.0) == -14 * GiB
+    g.resized(140.0, grew=True)
+    assert g.backoff_s == 0 and g.grow_due(140.0)

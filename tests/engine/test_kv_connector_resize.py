@@ -548,3 +548,67 @@ def test_a_released_cache_does_not_let_requests_past_weights_never_loaded(
     assert not core.kv_cache_released
     llm.load_weights(load_file(qwen3 / "model.safetensors"))
     assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
+
+
+def test_the_governor_backs_off_a_shrink_that_keeps_failing(
+        connected, reference, monkeypatch) -> None:  # noqa: F811
+    """A driver error that persists (not out of memory) on the governor's shrink of a
+    one-chunk cache: every attempt preempts every sequence, so retrying it at every poll
+    (50 ms) kept requests from ever finishing. The governor backs off, doubling the wait
+    with each consecutive failure, counted and exported; once a shrink works the backoff
+    ends."""
+    import math
+
+    from kvfit.engine import engine_core
+    from kvfit.engine.metrics import engine_metrics
+    from kvfit.kv.monitor import HostMemoryMonitor
+
+    class Short(HostMemoryMonitor):  # another process holds all the memory
+        def free_and_total(self) -> tuple[int, int]:
+            return 0, self.budget_bytes
+
+    llm = connected(elastic_kv_cache=True, elastic_low_watermark="4MiB",
+                    elastic_high_watermark="10MiB", elastic_min_interval=0.2)
+    core, governor = llm.engine, llm.engine.kv_cache_governor
+    before = core.kv_resizer.num_blocks
+    worker = core.executor.workers[0]
+    worker.monitor = Short(1 << 30, "cpu_kv_cache_space_bytes")
+    recommit, attempts, clock = worker.recommit_kv_cache, [], [1000.0]
+
+    def broken(num_blocks: int) -> None:  # only the size the cache has can be backed
+        if num_blocks != before:
+            attempts.append(clock[0])
+            raise VmmError("cuMemSetAccess", 1, "CUDA_ERROR_INVALID_VALUE")
+        recommit(num_blocks)
+
+    worker.recommit_kv_cache = broken
+    monkeypatch.setattr(engine_core.time, "monotonic", lambda: clock[0])
+    governor.last_poll = governor.last_resize = governor.last_grow_attempt = -math.inf
+    requests = [llm.make_request(p, PARAMS["greedy"], str(i))
+                for i, p in enumerate(make_prompts(PROMPT_LENGTHS))]
+    for seqs in requests:
+        core.add_request(seqs[0])
+    outputs: dict[str, Any] = {}
+    for _ in range(200):  # ten seconds of polls
+        outputs.update((seq.request_id, seq) for seq in core.step())
+        clock[0] += 0.05
+    gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
+    assert 4 <= len(attempts) <= 8, attempts
+    # Two poll intervals after the first failure, doubling (a poll lands just after each).
+    assert all(gap >= 0.1 * 2 ** i - 1e-6 for i, gap in enumerate(gaps)), gaps
+    assert [outputs[str(i)].output_token_ids for i in range(len(requests))] == [
+        list(o.outputs[0].token_ids) for o in reference("greedy")]
+    stats = core.stats()
+    assert stats.kv_cache_failed_shrinks == len(attempts) and not stats.kv_cache_shrinks
+    assert stats.kv_cache_resize_backoff_s == 0.1 * 2 ** len(gaps)
+    [gauge] = [m for m in engine_metrics(stats, core.kv_cache_report)
+               if m.name.endswith("kv_cache_resize_backoff_seconds")]
+    assert gauge.value == stats.kv_cache_resize_backoff_s
+    worker.recommit_kv_cache = recommit  # the driver works again
+    while not core.kv_resizer.num_shrinks:
+        assert clock[0] < 1100, "the governor never shrank once the driver worked"
+        core.step()
+        clock[0] += 0.05
+    assert core.kv_resizer.num_blocks < before
+    assert core.stats().kv_cache_resize_backoff_s == 0 and not governor.num_failed_shrinks
+    assert runner(llm).kv_cache.committed_blocks == core.scheduler.block_manager.num_blocks

@@ -24,6 +24,9 @@ DEFAULT_IDLE_S = 0.0  # off: the governor grows back to the budget whenever memo
 POLL_INTERVAL_S = 0.05
 """How often the engine reads free memory: often enough to shrink within a second of another
 process allocating, rarely enough to cost nothing (one `cudaMemGetInfo`)."""
+MAX_BACKOFF_S = 60.0
+"""The longest the governor waits to retry after resizes that keep failing (or
+`min_interval_s`, if longer)."""
 
 
 @dataclass(frozen=True)
@@ -100,15 +103,18 @@ class KVCacheGovernor:
     """When to resize the KV cache for other processes on the same device.
 
     Free memory under the low watermark (another process is allocating) gives back, at once,
-    what brings it to the middle of the two watermarks: a shrink is never delayed, since the
-    other process may fail without it. Free memory above the high watermark takes what brings
-    it down to that middle, but only `min_interval_s` after the last shrink (also the
-    out-of-memory guard's, or a resize through the API) and the last grow attempt that grew
-    nothing (it failed, or the cache was at its budget). A grow does not hold the next one
-    back: memory another engine gives back in steps is taken as it comes, and growing twice
-    is no oscillation. Between the watermarks nothing changes. Landing in the middle of the
-    band, a resize cannot trigger the opposite one by itself: hysteresis, with a grow after a
-    shrink at most one per interval.
+    what brings it to the middle of the two watermarks: a shrink is never delayed (but by a
+    failed one's backoff, below), since the other process may fail without it. Free memory above
+    the high watermark takes what brings it down to that middle, but only `min_interval_s` after
+    the last shrink (also the out-of-memory guard's, or a resize through the API) and the last
+    grow attempt that grew nothing (it failed, or the cache was at its budget). A grow does not
+    hold the next one back: memory another engine gives back in steps is taken as it comes, and
+    growing twice is no oscillation. A resize that fails (a driver error, a grow that found no
+    memory) is retried after a backoff that doubles with each consecutive failure in its
+    direction (`failed`): a driver that keeps failing is not retried at every poll, each retry
+    preempting what the resize preempts (a KV connector's cache: every sequence). Between the
+    watermarks nothing changes. Landing in the middle of the band, a resize cannot trigger the
+    opposite one by itself: hysteresis, with a grow after a shrink at most one per interval.
 
     With `idle_s` and the cache's `KVUsage`, memory also flows between co-tenant engines,
     whose free memory alone never moves: a cache whose use stays low for `idle_s` shrinks to
@@ -124,6 +130,13 @@ class KVCacheGovernor:
     last_resize: float = -math.inf  # the last resize that holds grows back: not a grow
     last_grow_attempt: float = -math.inf  # the last grow attempt that grew nothing
     low_since: float | None = None  # since when the cache's use has been low
+    # Consecutive failed resizes by direction, and when the next may be tried (`failed`).
+    num_failed_shrinks: int = 0
+    num_failed_grows: int = 0
+    shrink_retry_at: float = -math.inf
+    grow_retry_at: float = -math.inf
+    shrink_backoff_s: float = 0.0  # the wait the latest failure set; 0 once one succeeds
+    grow_backoff_s: float = 0.0
 
     def due(self, now: float) -> bool:
         """Whether a poll interval has passed since the last poll (and count this one)."""
@@ -177,13 +190,49 @@ class KVCacheGovernor:
         `min_interval_s` after the last resize that holds grows back (a shrink, the API's, a
         release) and after the last grow attempt that grew nothing."""
         interval = self.config.min_interval_s
-        return now - self.last_resize >= interval and now - self.last_grow_attempt >= interval
+        return (now - self.last_resize >= interval and now - self.last_grow_attempt >= interval
+                and now >= self.grow_retry_at)
+
+    def shrink_due(self, now: float) -> bool:
+        """Whether the cache may shrink at `now`: at once, unless a shrink failed and its
+        backoff has not passed (`failed`)."""
+        return now >= self.shrink_retry_at
 
     def resized(self, now: float, grew: bool = False) -> None:
         """The cache was resized (or released by a failed resize) at `now`; `grew`: by this
-        governor's grow, which does not hold the next grow back."""
-        if not grew:
+        governor's grow, which does not hold the next grow back. Ends the backoff of that
+        direction."""
+        if grew:
+            self.num_failed_grows, self.grow_retry_at, self.grow_backoff_s = 0, -math.inf, 0.0
+        else:
             self.last_resize = now
+            self.num_failed_shrinks, self.shrink_retry_at = 0, -math.inf
+            self.shrink_backoff_s = 0.0
+
+    def failed(self, now: float, grow: bool = False) -> float:
+        """A shrink (`grow`: a grow, or backing a released cache) failed at `now`; returns how
+        long the next one in that direction waits: two poll intervals after a shrink's first
+        failure, `min_interval_s` after a grow's, doubling with each consecutive failure up to
+        `MAX_BACKOFF_S` (or `min_interval_s`, if longer)."""
+        c = self.config
+        if grow:
+            self.num_failed_grows += 1
+            first, n = c.min_interval_s, self.num_failed_grows
+        else:
+            self.num_failed_shrinks += 1
+            first, n = 2 * c.poll_interval_s, self.num_failed_shrinks
+        wait = min(first * 2.0 ** min(n - 1, 64), max(MAX_BACKOFF_S, c.min_interval_s))
+        if grow:
+            self.grow_retry_at, self.grow_backoff_s = now + wait, wait
+        else:
+            self.shrink_retry_at, self.shrink_backoff_s = now + wait, wait
+        return wait
+
+    @property
+    def backoff_s(self) -> float:
+        """The backoff the latest failed resize set (the longer of the two directions'); 0
+        once a resize in each direction that failed has succeeded."""
+        return max(self.shrink_backoff_s, self.grow_backoff_s)
 
     def grow_attempted(self, now: float) -> None:
         """A grow was tried at `now` and grew nothing (failed, or nothing to do at the

@@ -81,6 +81,8 @@ class EngineStats:
     kv_cache_shrinks: int = 0
     kv_cache_grows: int = 0
     kv_cache_failed_grows: int = 0
+    kv_cache_failed_shrinks: int = 0
+    kv_cache_resize_backoff_s: float = 0.0  # the governor's wait after failed resizes
     kv_cache_idle_shrinks: int = 0  # of the shrinks: an idle cache giving back (`elastic_idle_s`)
     num_steps: int = 0  # steps launched since startup
     num_step_tokens: int = 0  # tokens those steps computed, prompt and output
@@ -677,6 +679,9 @@ class EngineCore:
             kv_cache_shrinks=self.kv_resizer.num_shrinks,
             kv_cache_grows=self.kv_resizer.num_grows,
             kv_cache_failed_grows=self.kv_resizer.num_failed_grows,
+            kv_cache_failed_shrinks=self.kv_resizer.num_failed_shrinks,
+            kv_cache_resize_backoff_s=(0.0 if self.kv_cache_governor is None
+                                       else self.kv_cache_governor.backoff_s),
             kv_cache_idle_shrinks=self.kv_resizer.num_idle_shrinks,
             num_steps=self.scheduler.num_steps,
             num_step_tokens=self.scheduler.num_step_tokens,

@@ -78,6 +78,7 @@ class KVCacheResizer:
     num_shrinks: int = 0
     num_grows: int = 0
     num_failed_grows: int = 0
+    num_failed_shrinks: int = 0  # resizes that raised going down (the governor backs off)
     num_idle_shrinks: int = 0  # of `num_shrinks`: an idle cache giving back what it did not use
     # Called when a recommit could not back even the floor and left the cache released (the
     # engine then backs it again by itself: `restore`).
@@ -120,10 +121,10 @@ class KVCacheResizer:
             else:  # gives back what a failed resize left, if anything
                 delta = self._commit(num_blocks)[0]
         except KVCacheResizeError:  # a recommit's: it says what the cache holds
-            self.num_failed_grows += num_blocks > before
+            self._count_failure(num_blocks, before)
             raise
         except VmmError as error:
-            self.num_failed_grows += num_blocks > before
+            self._count_failure(num_blocks, before)
             raise KVCacheResizeError(
                 f"could not {'grow' if num_blocks > before else 'shrink'} the KV cache from "
                 f"{before} to {num_blocks} blocks: {error}; it holds {self.num_blocks} "
@@ -140,6 +141,10 @@ class KVCacheResizer:
                 num_preempted, num_evicted,
                 "" if free_bytes is None else f"; device free memory {format_bytes(free_bytes)}")
         return event
+
+    def _count_failure(self, num_blocks: int, before: int) -> None:
+        self.num_failed_grows += num_blocks > before
+        self.num_failed_shrinks += num_blocks < before
 
     def _check_target(self, num_blocks: int) -> int:
         """`num_blocks` as an int (numpy and torch integers too), checked against the bounds."""
@@ -412,17 +417,22 @@ class KVCacheResizer:
         what this cache lacks there, and let an idle one give back only what its peers lack.
         `settle` applies the step in flight, called only right before a resize. Never raises
         for want of memory: a shrink falls back to unmapping whole chunks, a grow that fails
-        is retried after the governor's interval."""
+        is retried after the governor's interval; a resize that fails waits the governor's
+        backoff, which doubles with each consecutive failure (`KVCacheGovernor.failed`)."""
         if not governor.due(now):
             return None
         free, total = self._device_memory()
         peers_keep = None if usage is None else self._share_demand(board, usage, now)
         want = governor.decide(free, total, now, usage)
         if want > 0:
+            if not governor.shrink_due(now):  # backing off a shrink that failed
+                return None
             return self._govern_shrink(governor, settle, want, free)
         if want < 0:
             return self._govern_grow(governor, settle, -want, free)
-        target = None if usage is None else governor.idle_shrink(usage, now, peers_keep)
+        if usage is None or not governor.shrink_due(now):  # (not while a shrink backs off)
+            return None
+        target = governor.idle_shrink(usage, now, peers_keep)
         if target is not None and target < self.num_blocks:
             return self._idle_shrink(governor, settle, target, free)
         return None
@@ -457,8 +467,8 @@ class KVCacheResizer:
         try:
             event = self.resize(target, "idle", free)
         except KVCacheResizeError as error:
-            logger.error("the idle KV cache could not shrink to %d blocks (%s); it holds %d",
-                         target, error, self.num_blocks)
+            logger.error("the idle KV cache could not shrink to %d blocks (%s); it holds %d; "
+                         "%s", target, error, self.num_blocks, self._backoff(governor, False))
             return None
         self.num_idle_shrinks += 1
         governor.resized(event.time)
@@ -482,7 +492,8 @@ class KVCacheResizer:
             event = self.resize(target, "governor", free)
         except KVCacheResizeError as error:
             logger.error("the governor could not shrink the KV cache to %d blocks (%s); it "
-                         "holds %d", target, error, self.num_blocks)
+                         "holds %d; %s", target, error, self.num_blocks,
+                         self._backoff(governor, False))
             return None
         governor.resized(event.time)
         return event
@@ -500,14 +511,21 @@ class KVCacheResizer:
             try:
                 event = self.resize(target, "governor", free)
             except KVCacheResizeError as error:
-                logger.warning("%s; the governor retries in %.1f s", error,
-                               governor.config.min_interval_s)
+                logger.warning("%s; %s", error, self._backoff(governor, True))
                 return None
             governor.resized(event.time, grew=True)
             return event
         finally:  # an attempt that grew nothing: the next waits the interval from its end
             if event is None:
                 governor.grow_attempted(time.monotonic())
+
+    @staticmethod
+    def _backoff(governor: KVCacheGovernor, grow: bool) -> str:
+        """Note a failed resize on `governor` (its backoff grows); what to log about it."""
+        n = governor.num_failed_grows if grow else governor.num_failed_shrinks
+        wait = governor.failed(time.monotonic(), grow)
+        return (f"the governor retries in {wait:.1f} s ({n + 1} "
+                f"{'grows' if grow else 'shrinks'} failed in a row)")
 
     # -- a cache a failure released ------------------------------------------------------------
 
@@ -556,8 +574,7 @@ class KVCacheResizer:
         try:
             event = self.restore(free, max_blocks=fits)
         except KVCacheResizeError as error:
-            logger.warning("%s; the governor retries in %.1f s", error,
-                           governor.config.min_interval_s)
+            logger.warning("%s; %s", error, self._backoff(governor, True))
             governor.grow_attempted(time.monotonic())
             return None
         governor.resized(event.time, grew=True)
@@ -577,6 +594,7 @@ class KVCacheResizer:
             "capacity_blocks": capacity, "committed_bytes": committed, "reserved_bytes": reserved,
             "num_shrinks": self.num_shrinks, "num_grows": self.num_grows,
             "num_failed_grows": self.num_failed_grows,
+            "num_failed_shrinks": self.num_failed_shrinks,
             "num_idle_shrinks": self.num_idle_shrinks, "elastic": None,
             "latest_resizes": [asdict(e) for e in list(self.events)[-16:]],
         }

@@ -77,6 +77,11 @@ def engine_metrics(s: EngineStats, report: KVCacheReport) -> list[Metric]:
         counter("kv_cache_failed_grows", "Grows of the KV cache that found no memory (the cache "
                 "stayed as it was), and failed attempts to back a released one.",
                 s.kv_cache_failed_grows),
+        counter("kv_cache_failed_shrinks", "Shrinks of the KV cache that failed (a driver "
+                "error; the cache keeps what it still backs).", s.kv_cache_failed_shrinks),
+        gauge("kv_cache_resize_backoff_seconds", "How long the elastic governor waits before "
+              "retrying a resize that failed (doubling with each consecutive failure); 0 when "
+              "none failed.", s.kv_cache_resize_backoff_s),
         counter("num_preemptions", "Sequences preempted for want of blocks.", s.num_preemptions),
         counter("prefix_cache_queries", "Tokens looked up in the prefix cache.",
                 s.prefix_cache_queried_tokens),
