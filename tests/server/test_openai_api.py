@@ -500,6 +500,8 @@ def test_a_failing_step_fails_only_its_request(http: httpx.Client, engine: Async
 
 def test_metrics(http: httpx.Client, engine: AsyncLLM) -> None:
     http.post("/v1/completions", json={"prompt": PROMPTS[7], "max_tokens": 3})
+    assert http.post("/v1/completions",
+                     json={"prompt": PROMPTS[7], "max_tokens": -1}).status_code == 400
     m = metrics(http)
     report = engine.kv_cache_report
     assert m["kvfit:kv_cache_blocks_total"] == 256
@@ -515,7 +517,7 @@ def test_metrics(http: httpx.Client, engine: AsyncLLM) -> None:
     assert m["kvfit:inter_token_latency_seconds_count"] >= 2
     assert m["kvfit:e2e_request_latency_seconds_count"] >= 1
     assert m["kvfit:request_success_total{finished_reason=length}"] >= 1
-    assert m["kvfit:request_failure_total{reason=invalid}"] >= 1  # from the tests above
+    assert m["kvfit:request_failure_total{reason=invalid}"] >= 1
     assert m["kvfit:prefix_cache_queries_total"] > 0
     # The same prompt again: its full blocks are prefix-cache hits.
     hits = m["kvfit:prefix_cache_hits_total"]
