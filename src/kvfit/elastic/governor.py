@@ -135,8 +135,6 @@ class KVCacheGovernor:
     num_failed_grows: int = 0
     shrink_retry_at: float = -math.inf
     grow_retry_at: float = -math.inf
-    shrink_backoff_s: float = 0.0  # the wait the latest failure set; 0 once one succeeds
-    grow_backoff_s: float = 0.0
 
     def due(self, now: float) -> bool:
         """Whether a poll interval has passed since the last poll (and count this one)."""
@@ -203,36 +201,41 @@ class KVCacheGovernor:
         governor's grow, which does not hold the next grow back. Ends the backoff of that
         direction."""
         if grew:
-            self.num_failed_grows, self.grow_retry_at, self.grow_backoff_s = 0, -math.inf, 0.0
+            self.num_failed_grows, self.grow_retry_at = 0, -math.inf
         else:
             self.last_resize = now
             self.num_failed_shrinks, self.shrink_retry_at = 0, -math.inf
-            self.shrink_backoff_s = 0.0
 
     def failed(self, now: float, grow: bool = False) -> float:
         """A shrink (`grow`: a grow, or backing a released cache) failed at `now`; returns how
-        long the next one in that direction waits: two poll intervals after a shrink's first
-        failure, `min_interval_s` after a grow's, doubling with each consecutive failure up to
-        `MAX_BACKOFF_S` (or `min_interval_s`, if longer)."""
-        c = self.config
+        long the next one in that direction waits (`backoff_wait_s`)."""
         if grow:
             self.num_failed_grows += 1
-            first, n = c.min_interval_s, self.num_failed_grows
+            wait = self.backoff_wait_s(self.num_failed_grows, grow)
+            self.grow_retry_at = now + wait
         else:
             self.num_failed_shrinks += 1
-            first, n = 2 * c.poll_interval_s, self.num_failed_shrinks
-        wait = min(first * 2.0 ** min(n - 1, 64), max(MAX_BACKOFF_S, c.min_interval_s))
-        if grow:
-            self.grow_retry_at, self.grow_backoff_s = now + wait, wait
-        else:
-            self.shrink_retry_at, self.shrink_backoff_s = now + wait, wait
+            wait = self.backoff_wait_s(self.num_failed_shrinks, grow)
+            self.shrink_retry_at = now + wait
         return wait
+
+    def backoff_wait_s(self, num_failed: int, grow: bool) -> float:
+        """The wait after `num_failed` consecutive failed shrinks (`grow`: grows): two poll
+        intervals after a shrink's first failure, `min_interval_s` after a grow's, doubling
+        with each further one up to `MAX_BACKOFF_S` (or `min_interval_s`, if longer); 0 for
+        none."""
+        if num_failed == 0:
+            return 0.0
+        c = self.config
+        first = c.min_interval_s if grow else 2 * c.poll_interval_s
+        return min(first * 2.0 ** min(num_failed - 1, 64), max(MAX_BACKOFF_S, c.min_interval_s))
 
     @property
     def backoff_s(self) -> float:
         """The backoff the latest failed resize set (the longer of the two directions'); 0
         once a resize in each direction that failed has succeeded."""
-        return max(self.shrink_backoff_s, self.grow_backoff_s)
+        return max(self.backoff_wait_s(self.num_failed_shrinks, grow=False),
+                   self.backoff_wait_s(self.num_failed_grows, grow=True))
 
     def grow_attempted(self, now: float) -> None:
         """A grow was tried at `now` and grew nothing (failed, or nothing to do at the

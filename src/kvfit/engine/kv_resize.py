@@ -522,9 +522,9 @@ class KVCacheResizer:
     @staticmethod
     def _backoff(governor: KVCacheGovernor, grow: bool) -> str:
         """Note a failed resize on `governor` (its backoff grows); what to log about it."""
-        n = governor.num_failed_grows if grow else governor.num_failed_shrinks
         wait = governor.failed(time.monotonic(), grow)
-        return (f"the governor retries in {wait:.1f} s ({n + 1} "
+        n = governor.num_failed_grows if grow else governor.num_failed_shrinks
+        return (f"the governor retries in {wait:.1f} s ({n} "
                 f"{'grows' if grow else 'shrinks'} failed in a row)")
 
     # -- a cache a failure released ------------------------------------------------------------
