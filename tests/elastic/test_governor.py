@@ -113,6 +113,8 @@ def test_failed_resizes_back_off_doubling_per_direction_up_to_a_cap() -> None:
     assert waits[:4] == [0.2, 0.4, 0.8, 1.6] and waits[-1] == MAX_BACKOFF_S == max(waits)
     assert g.backoff_s == MAX_BACKOFF_S
     assert not g.shrink_due(MAX_BACKOFF_S - 1) and g.shrink_due(MAX_BACKOFF_S)
+    assert g.decide(1 * GiB, TOTAL, now=MAX_BACKOFF_S - 1) == 0  # under the low watermark
+    assert g.decide(1 * GiB, TOTAL, now=MAX_BACKOFF_S) == 5 * GiB
     g.resized(70.0)  # a shrink worked
     assert g.shrink_due(70.0) and g.backoff_s == 0
     assert [g.failed(100.0, grow=True) for _ in range(3)] == [10.0, 20.0, 40.0]

@@ -47,6 +47,13 @@ def test_idle_shrink_comes_after_idle_s_of_low_use_not_before() -> None:
     assert g.idle_shrink(idle, now=5.0) == 64
 
 
+def test_no_idle_shrink_while_a_failed_shrink_backs_off() -> None:
+    g, idle = governor(idle_s=5.0), KVUsage(1000, used_blocks=10, floor=64)
+    g.idle_shrink(idle, now=0.0)
+    wait = g.failed(5.0)
+    assert g.idle_shrink(idle, now=5.0) is None and g.idle_shrink(idle, now=5.0 + wait) == 64
+
+
 def test_a_busy_moment_restarts_the_idle_clock() -> None:
     g, idle = governor(idle_s=5.0), KVUsage(1000, used_blocks=10, floor=64)
     g.idle_shrink(idle, now=0.0)

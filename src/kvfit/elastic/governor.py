@@ -146,11 +146,11 @@ class KVCacheGovernor:
     def decide(self, free: int, total: int, now: float, usage: KVUsage | None = None) -> int:
         """Bytes of KV cache to give back (> 0) or take (< 0) with `free` of `total` device
         bytes free at `now`, the cache used as `usage` (None: free memory alone decides); 0
-        to leave it as it is."""
+        to leave it as it is (also while a failed resize in that direction backs off)."""
         low, high = self.config.watermarks(total)
         middle = (low + high) // 2
         if free < low:
-            return middle - free
+            return middle - free if self.shrink_due(now) else 0
         if not self.grow_due(now):
             return 0
         if usage is not None and self.config.idle_s > 0 and not usage.needs_more:
@@ -169,7 +169,10 @@ class KVCacheGovernor:
 
         `peers_keep`, where other kvfit engines share the device (`DemandBoard`): the blocks
         left once they have what they lack. The cache then gives back only that, keeping the
-        rest (and its prefix cache) until a peer asks: an idle cache nobody needs stays."""
+        rest (and its prefix cache) until a peer asks: an idle cache nobody needs stays.
+        None, its use not looked at, while a failed shrink backs off (`shrink_due`)."""
+        if not self.shrink_due(now):
+            return None
         if not (self.config.idle_s > 0 and usage.is_low):
             self.low_since = None
             return None

@@ -425,14 +425,10 @@ class KVCacheResizer:
         peers_keep = None if usage is None else self._share_demand(board, usage, now)
         want = governor.decide(free, total, now, usage)
         if want > 0:
-            if not governor.shrink_due(now):  # backing off a shrink that failed
-                return None
             return self._govern_shrink(governor, settle, want, free)
         if want < 0:
             return self._govern_grow(governor, settle, -want, free)
-        if usage is None or not governor.shrink_due(now):  # (not while a shrink backs off)
-            return None
-        target = governor.idle_shrink(usage, now, peers_keep)
+        target = None if usage is None else governor.idle_shrink(usage, now, peers_keep)
         if target is not None and target < self.num_blocks:
             return self._idle_shrink(governor, settle, target, free)
         return None
