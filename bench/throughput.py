@@ -101,10 +101,8 @@ def model_shape(llm: LLM) -> ModelShape:
     """The counted shape of `llm`'s model in its dtype, its KV cache in the cache's dtype (an
     fp8 cache moves half the bytes of a bf16 one, and its limit says so)."""
     mc = llm.config.model_config
-    stored = llm.kv_cache_report.dtype
-    kv_dtype = getattr(torch, stored) if stored else mc.dtype
     return ModelShape.from_hf_config(mc.hf_config, dtype_bytes=mc.dtype.itemsize,
-                                     kv_dtype_bytes=kv_dtype.itemsize)
+                                     kv_dtype_bytes=llm.config.kv_cache_spec().dtype.itemsize)
 
 
 def limit_of(llm: LLM, steps: list[StepShape], limits: DeviceLimits) -> RunLimit:
