@@ -17,6 +17,7 @@ from kvfit.engine.config import EngineArgs
 from kvfit.engine.engine_core import EngineCore
 from kvfit.engine.kv_resize import KVCacheResizeError
 from kvfit.engine.outputs import RequestOutput
+from kvfit.engine.sequence import Sequence
 from kvfit.kv.monitor import HostMemoryMonitor
 from kvfit.vmm import VmmError, VmmOutOfMemoryError
 from kvfit.vmm.driver import AllocationHandle, VmmDriver
@@ -73,6 +74,13 @@ def generate_stepping(llm: LLM, lengths: tuple[int, ...],
     """`generate` by hand: `between[k]()` runs after the k-th step (one is then in flight)."""
     requests = [llm.make_request(p, PARAMS, str(i))
                 for i, p in enumerate(make_prompts(lengths))]
+    run_stepping(llm, requests, between)
+    return [RequestOutput.from_seqs(seqs) for seqs in requests]
+
+
+def run_stepping(llm: LLM, requests: list[list[Sequence]],
+                 between: dict[int, Callable[[], object]]) -> None:
+    """Add `requests` and step until they finish, `between[k]()` run after the k-th step."""
     for seqs in requests:
         for seq in seqs:
             llm.engine.add_request(seq)
@@ -83,7 +91,6 @@ def generate_stepping(llm: LLM, lengths: tuple[int, ...],
         if num_steps in between:
             between.pop(num_steps)()
     assert not between, f"the run ended before the resizes after steps {sorted(between)}"
-    return [RequestOutput.from_seqs(seqs) for seqs in requests]
 
 
 def assert_sizes_agree(llm: LLM, num_blocks: int) -> None:

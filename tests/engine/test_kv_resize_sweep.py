@@ -22,7 +22,12 @@ from .test_kv_connector_resize import (
     connected,  # noqa: F401 (a fixture)
     fail_chunks_over,
 )
-from .test_kv_resize import FailingDriver, assert_driver_matches_cache, install_failing_driver
+from .test_kv_resize import (
+    FailingDriver,
+    assert_driver_matches_cache,
+    install_failing_driver,
+    run_stepping,
+)
 from .test_oom_guard import (
     PARAMS,
     assert_nothing_leaked,
@@ -182,16 +187,7 @@ def mixed_requests(llm: LLM) -> list[list[Any]]:
 def run_mixed(llm: LLM, between: dict[int, Callable[[], object]]) -> list[Any]:
     """The mixed requests, `between[k]()` run after the k-th step; what each sequence made."""
     requests = mixed_requests(llm)
-    for seqs in requests:
-        for seq in seqs:
-            llm.engine.add_request(seq)
-    num_steps = 0
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-        num_steps += 1
-        if num_steps in between:
-            between.pop(num_steps)()
-    assert not between, f"the run ended before the resizes after steps {sorted(between)}"
+    run_stepping(llm, requests, between)
     return [[(s.output_token_ids, [sorted(entry) for entry in s.logprobs],
               len(s.prompt_logprobs or [])) for s in seqs] for seqs in requests]
 
