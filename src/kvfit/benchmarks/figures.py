@@ -19,6 +19,10 @@ from kvfit.benchmarks.record import RECORD_SCHEMA_VERSION, figure, make_record
 
 Figures = dict[str, dict[str, Any]]
 GiB = 1 << 30
+STAGE_SHARE = 0.05
+"""A startup stage gets a figure in `capacity` when it takes at least this share of the
+engine's startup: a few milliseconds would move more than a compare threshold from noise
+alone."""
 
 
 def _rate(r: Any) -> str:
@@ -41,11 +45,6 @@ def capacity(p: dict[str, Any]) -> Figures:
                 if name == "total" or seconds >= STAGE_SHARE * total:
                     f[f"{m}.{method}.stage.{name}_s"] = figure(seconds, "s", "lower")
     return f
-
-
-STAGE_SHARE = 0.05
-"""A startup stage gets a figure when it takes at least this share of the engine's startup:
-a few milliseconds would move more than a compare threshold from noise alone."""
 
 
 def throughput(p: dict[str, Any]) -> Figures:
