@@ -51,6 +51,14 @@ def assert_one_chunk_registered(llm: LLM) -> None:
     assert cache.committed_blocks == bm.num_blocks == llm.config.cache_config.num_gpu_blocks
 
 
+def finish(llm: LLM, requests: list[list[Any]]) -> list[list[int]]:
+    """Step until every request is done; each request's first sequence's output tokens."""
+    outputs = {}
+    while llm.engine.has_unfinished():
+        outputs.update((seq.request_id, seq) for seq in llm.engine.step())
+    return [outputs[seqs[0].request_id].output_token_ids for seqs in requests]
+
+
 def guard_target(llm: LLM) -> int:
     """Where the guard's first shrink lands: past the request and one granule, at a size whose
     segments end on a granule."""
@@ -195,11 +203,7 @@ def test_a_grow_that_finds_no_memory_leaves_the_cache_its_sequences_and_prefix_c
     assert core.kv_resizer.num_failed_grows == 1 and not core.kv_resizer.num_grows
     assert_one_chunk_registered(llm)
     del cache.tensor._reservation.create
-    outputs: dict[str, Any] = {}
-    while core.has_unfinished():
-        outputs.update((seq.request_id, seq) for seq in core.step())
-    assert [outputs[str(i)].output_token_ids for i in range(len(requests))] == [
-        list(o.outputs[0].token_ids) for o in reference("greedy")]
+    assert finish(llm, requests) == [list(o.outputs[0].token_ids) for o in reference("greedy")]
     assert_nothing_leaked(llm)
 
 
@@ -515,11 +519,7 @@ def test_sleep_waiting_on_a_cache_a_failed_resize_released_says_so_instead_of_ha
     monkeypatch.undo()
     reservation = runner(llm).kv_cache.tensor._reservation
     del reservation.create  # the instance's refusal: the memory is back
-    outputs = {}
-    while core.has_unfinished():
-        outputs.update((seq.request_id, seq) for seq in core.step())
-    assert [outputs[str(i)].output_token_ids for i in range(len(requests))] == [
-        list(o.outputs[0].token_ids) for o in reference("greedy")]
+    assert finish(llm, requests) == [list(o.outputs[0].token_ids) for o in reference("greedy")]
     llm.sleep(mode="wait")
     assert core.is_sleeping and not core.kv_cache_released
 

@@ -21,6 +21,7 @@ from .test_kv_connector_resize import (
     assert_one_chunk_registered,
     connected,  # noqa: F401 (a fixture)
     fail_chunks_over,
+    finish,
 )
 from .test_kv_resize import (
     FailingDriver,
@@ -65,13 +66,6 @@ def assert_block_manager_agrees(llm: LLM) -> None:
     cache = runner(llm).kv_cache
     assert cache.committed_blocks == bm.num_blocks == llm.config.cache_config.num_gpu_blocks
     assert cache.physical_bytes >= cache.footprint_bytes(bm.num_blocks)
-
-
-def finish(llm: LLM, requests: list[list[Any]]) -> list[list[int]]:
-    outputs = {}
-    while llm.engine.has_unfinished():
-        outputs.update((seq.request_id, seq) for seq in llm.engine.step())
-    return [outputs[seqs[0].request_id].output_token_ids for seqs in requests]
 
 
 @pytest.mark.parametrize("one_chunk", [False, True])
