@@ -51,6 +51,16 @@ def assert_one_chunk_registered(llm: LLM) -> None:
     assert cache.committed_blocks == bm.num_blocks == llm.config.cache_config.num_gpu_blocks
 
 
+def add_requests(llm: LLM, lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[list[Any]]:
+    """Queue greedy requests (ids "0", "1", ...) of prompts of `lengths`, without stepping;
+    `finish` runs them to the end."""
+    requests = [llm.make_request(p, PARAMS["greedy"], str(i))
+                for i, p in enumerate(make_prompts(lengths))]
+    for seqs in requests:
+        llm.engine.add_request(seqs[0])
+    return requests
+
+
 def finish(llm: LLM, requests: list[list[Any]]) -> list[list[int]]:
     """Step until every request is done; each request's first sequence's output tokens."""
     outputs = {}
@@ -180,10 +190,7 @@ def test_a_grow_that_finds_no_memory_leaves_the_cache_its_sequences_and_prefix_c
     down = cache.granule_aligned_blocks(before // 2)
     llm.resize_kv_cache(down)
     assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
-    requests = [llm.make_request(p, PARAMS["greedy"], str(i))
-                for i, p in enumerate(make_prompts(PROMPT_LENGTHS))]
-    for seqs in requests:
-        core.add_request(seqs[0])
+    requests = add_requests(llm)
     for _ in range(3):
         core.step()
     core._settle()
@@ -503,10 +510,7 @@ def test_sleep_waiting_on_a_cache_a_failed_resize_released_says_so_instead_of_ha
 
     llm = connected(enable_sleep_mode=True)
     core = llm.engine
-    requests = [llm.make_request(p, PARAMS["greedy"], str(i))
-                for i, p in enumerate(make_prompts(PROMPT_LENGTHS))]
-    for seqs in requests:
-        core.add_request(seqs[0])
+    requests = add_requests(llm)
     core.step()
     memory_back_after_retries(llm, num_failed=1 << 30)
     with pytest.raises(KVCacheResizeError, match="released"):
@@ -584,10 +588,7 @@ def test_the_governor_backs_off_a_shrink_that_keeps_failing(
     worker.recommit_kv_cache = broken
     monkeypatch.setattr(engine_core.time, "monotonic", lambda: clock[0])
     governor.last_poll = governor.last_resize = governor.last_grow_attempt = -math.inf
-    requests = [llm.make_request(p, PARAMS["greedy"], str(i))
-                for i, p in enumerate(make_prompts(PROMPT_LENGTHS))]
-    for seqs in requests:
-        core.add_request(seqs[0])
+    requests = add_requests(llm)
     outputs: dict[str, Any] = {}
     for _ in range(200):  # ten seconds of polls
         outputs.update((seq.request_id, seq) for seq in core.step())

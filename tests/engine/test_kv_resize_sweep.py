@@ -18,6 +18,7 @@ from kvfit import LLM, SamplingParams
 from kvfit.engine.kv_resize import KVCacheResizeError
 
 from .test_kv_connector_resize import (
+    add_requests,
     assert_one_chunk_registered,
     connected,  # noqa: F401 (a fixture)
     fail_chunks_over,
@@ -82,10 +83,7 @@ def test_a_driver_failure_at_any_call_of_a_shrink_under_load_keeps_everything_in
         k += 1
         core.resize_kv_cache(floor)  # the same chunks each time
         core.resize_kv_cache(512)
-        requests = [llm.make_request(p, PARAMS["greedy"], str(i))
-                    for i, p in enumerate(make_prompts(LOAD_LENGTHS))]
-        for seqs in requests:
-            core.add_request(seqs[0])
+        requests = add_requests(llm, LOAD_LENGTHS)
         for _ in range(8):
             core.step()
         assert core.scheduler.running
