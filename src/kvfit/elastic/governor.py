@@ -70,7 +70,8 @@ class MemoryAmount:
 @dataclass(frozen=True)
 class ElasticConfig:
     """`--elastic-kv-cache`: watermarks of device free memory and the least time between a
-    resize and the next grow (a grow that failed is retried after it too); `idle_s`: how long
+    resize and the next grow (a grow that failed is retried after it, then after twice as
+    long with each consecutive failure: `KVCacheGovernor.failed`); `idle_s`: how long
     the cache's use must stay low before it gives the unused part back (0: never);
     `demand_dir`: where engines on one device publish what their caches lack."""
 

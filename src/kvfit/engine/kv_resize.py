@@ -416,9 +416,9 @@ class KVCacheResizer:
         shrink or grow as it decides, given the cache's `usage`; with a demand `board`, say
         what this cache lacks there, and let an idle one give back only what its peers lack.
         `settle` applies the step in flight, called only right before a resize. Never raises
-        for want of memory: a shrink falls back to unmapping whole chunks, a grow that fails
-        is retried after the governor's interval; a resize that fails waits the governor's
-        backoff, which doubles with each consecutive failure (`KVCacheGovernor.failed`)."""
+        for want of memory: a shrink falls back to unmapping whole chunks. A resize that
+        fails is retried after the governor's backoff (`KVCacheGovernor.failed`: a grow's
+        first is its interval), which doubles with each consecutive failure."""
         if not governor.due(now):
             return None
         free, total = self._device_memory()
@@ -554,11 +554,12 @@ class KVCacheResizer:
 
     def govern_restore(self, governor: KVCacheGovernor, now: float) -> KVCacheResize | None:
         """The governor's poll while a failure left the cache released: back it again
-        (`restore`) once `governor.grow_due` (the minimum interval since the release and
-        since the last attempt that failed) and the device's free memory holds one
+        (`restore`) once `governor.grow_due` (the minimum interval since the release, and
+        the backoff of the attempts that failed) and the device's free memory holds one
         `max_model_len` sequence with the low watermark to spare: at its size or the most
         blocks that fit there, so the next poll does not take it back (the governor grows it
-        later). Never raises: a failed attempt is retried after the interval."""
+        later). Never raises: a failed attempt is retried after the governor's backoff, which
+        doubles with each consecutive failure."""
         if not governor.due(now) or not governor.grow_due(now):
             return None
         free, total = self._device_memory()
