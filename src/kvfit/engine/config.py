@@ -375,10 +375,11 @@ class EngineArgs:
                        help=f"device free memory above which the KV cache grows back: {amount} "
                        "(default: %(default)s)")
         p.add_argument("--elastic-min-interval", type=float, default=d.elastic_min_interval,
-                       help="seconds from a shrink (or a resize through the API) to the next "
-                       "grow, and between attempts at a grow that found no memory or was at the "
-                       "budget; a grow may follow a grow, and shrinks never wait "
-                       "(default: %(default)s)")
+                       help="seconds from a shrink (also the out-of-memory guard's, or a "
+                       "resize through the API) to the next grow, and between attempts at a "
+                       "grow that was at the budget or found no memory (doubling with each "
+                       "consecutive failure); a grow may follow a grow, and a shrink waits "
+                       "only after one failed (default: %(default)s)")
         p.add_argument("--elastic-idle-s", type=float, default=d.elastic_idle_s,
                        help="seconds the KV cache's use must stay low before it shrinks to "
                        "what it uses plus headroom, leaving the memory to a busy co-tenant "
