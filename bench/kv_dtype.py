@@ -399,10 +399,9 @@ def ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
     first, last = runs[0], runs[-1]
     t0, t1 = first["throughput"], last["throughput"]
     out = {"blocks_ratio": last["num_blocks"] / first["num_blocks"],
-           "throughput_ratio": t1["output_tokens_per_s"] / t0["output_tokens_per_s"]}
-    if "limit_output_tokens_per_s" in t0 and "limit_output_tokens_per_s" in t1:
-        # The most the cache dtype alone can give this workload: the ratio of the two limits.
-        out["limit_ratio"] = t1["limit_output_tokens_per_s"] / t0["limit_output_tokens_per_s"]
+           "throughput_ratio": t1["output_tokens_per_s"] / t0["output_tokens_per_s"],
+           # The most the cache dtype alone can give this workload: the ratio of the limits.
+           "limit_ratio": t1["limit_output_tokens_per_s"] / t0["limit_output_tokens_per_s"]}
     for a in first["decode"]:
         for b in last["decode"]:
             if a["batch"] == b["batch"]:
