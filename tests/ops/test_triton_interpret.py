@@ -130,6 +130,27 @@ def test_fp8_pairs_decode_splits_and_pads_like_the_tile_kernel(paged_batch):
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("block_size,block_n", [(32, 16), (8, 32), (16, 16)])
+def test_fp8_pairs_decode_finds_tokens_on_pages_of_any_size(paged_batch, block_size, block_n):
+    """The pairs kernel computes a token's page and slot once per tile for K and V: tiles
+    within one page (32 > 16), of several pages, of exactly one, in both cache layouts,
+    against the tile kernel at the same tiles (e4m3 values exact in both)."""
+    for layout in ("block_outermost", "head_major"):
+        batch = paged_batch([(200, 1), (37, 1)], num_heads=4, num_kv_heads=2, head_dim=32,
+                            block_size=block_size, layout=layout)  # fmt: skip
+        k8 = _e4m3_values(batch.k_cache.shape, 1.0).to(torch.float8_e4m3fn)
+        v8 = _e4m3_values(batch.v_cache.shape, 1.0).to(torch.float8_e4m3fn)
+        outs = {}
+        for pairs in (False, True):
+            outs[pairs] = torch.full_like(batch.query, float("nan"))
+            triton_attention.paged_attention_triton(
+                batch.query * 0.05, k8, v8, batch.metadata, 0.3, outs[pairs], max_splits=2,
+                split_tokens=64, k_scale=torch.ones(1), v_scale=torch.ones(1),
+                fp8_compute_dtype=torch.float16, fp8_pairs=pairs,
+                decode_config=dict(BLOCK_N=block_n, num_warps=4, num_stages=1))
+        torch.testing.assert_close(outs[True], outs[False], rtol=1e-3, atol=1e-3)
+
+
 def test_fp8_decode_splits_in_parts_of_equal_bytes(paged_batch):
     """By default an e4m3 cache's decode parts span twice a 16-bit cache's tokens (the same
     bytes); a row longer than two fp8 parts, reduced from its parts, matches the same kernel

@@ -302,18 +302,27 @@ def _e4m3x2_to_f16(x, ASM: tl.constexpr):
 
 
 @triton.jit
-def _load_pair_tile(
-    pairs, block_table_row, n, n_mask, kv_head, d2,
-    stride_cb, stride_cs, stride_ch,
-    BLOCK_SIZE: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
-):  # fmt: skip
-    """[BLOCK_N, PAIRS_P2] uint16 tile of tokens `n` of an e4m3 cache whose head dim is
-    contiguous: element i holds dims 2i (low byte) and 2i + 1; 0 from pair PAIRS on. Strides
-    in e4m3 elements."""
-    block = tl.load(block_table_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    row = (block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch) // 2
+def _pair_rows(block_table_row, n0, offs, n_mask, kv_head, stride_cb, stride_cs, stride_ch,
+               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Offsets of the rows of tokens `n0 + offs` of one KV head, K's and V's alike, in the
+    strides' unit. A tile starts at a multiple of BLOCK_N: with whole pages per tile, its
+    tokens sit at the same in-page slots every iteration, and that part is loop-invariant."""
+    if BLOCK_N % BLOCK_SIZE == 0:
+        page = n0 // BLOCK_SIZE + offs // BLOCK_SIZE
+        slot = offs % BLOCK_SIZE
+    else:
+        page = (n0 + offs) // BLOCK_SIZE
+        slot = (n0 + offs) % BLOCK_SIZE
+    block = tl.load(block_table_row + page, mask=n_mask, other=0).to(tl.int64)
+    return block * stride_cb + (slot * stride_cs + kv_head * stride_ch)
+
+
+@triton.jit
+def _load_pair_tile(pairs, rows, n_mask, d2, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr):
+    """[BLOCK_N, PAIRS_P2] uint16 tile at `rows` of an e4m3 cache whose head dim is
+    contiguous: element i holds dims 2i (low byte) and 2i + 1; 0 from pair PAIRS on."""
     mask = _dims_mask(n_mask, d2, PAIRS, PAIRS_P2)
-    return tl.load(pairs + row[:, None] + d2[None, :], mask=mask, other=0)
+    return tl.load(pairs + rows[:, None] + d2[None, :], mask=mask, other=0)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
@@ -343,8 +352,11 @@ def _decode_fp8_pairs_kernel(
     read transposed, so Triton 3.6 reads it back with scalar loads and widens it there: the
     sm_90 loop over 64 tokens compiles to 788 instructions (112 LDS, 225 IMAD) at 162
     registers, against bf16's 498 for twice the bytes. As 16-bit pairs the tile takes bf16's
-    path (ldmatrix), and one cvt widens each pair: 465 instructions, 128 registers
-    (`tools/triton_sass.py`). Same splits, so the same reduction order in every launch."""
+    path (ldmatrix), and one cvt widens each pair: 415 instructions, 128 registers
+    (`tools/triton_sass.py`). Same splits, so the same reduction order in every launch.
+
+    The cache strides (stride_cb, stride_cs, stride_ch) count uint16 pairs: the host halves
+    them (they are even, `_use_fp8_pairs`), so no row offset is divided in the loop."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -372,17 +384,15 @@ def _decode_fp8_pairs_kernel(
     l_i = tl.zeros([GROUP_P2], tl.float32)
     acc_even = tl.zeros([GROUP_P2, PAIRS_P2], tl.float32)
     acc_odd = tl.zeros([GROUP_P2, PAIRS_P2], tl.float32)
+    offs = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < end
+        n_mask = n0 + offs < end
+        rows = _pair_rows(block_table_row, n0, offs, n_mask, kv_head, stride_cb, stride_cs,
+                          stride_ch, BLOCK_SIZE, BLOCK_N)  # fmt: skip
         k_even, k_odd = _e4m3x2_to_f16(
-            _load_pair_tile(k_pairs, block_table_row, n, n_mask, kv_head, d2,
-                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
-                            PAIRS, PAIRS_P2), ASM)  # fmt: skip
+            _load_pair_tile(k_pairs, rows, n_mask, d2, PAIRS, PAIRS_P2), ASM)
         v_even, v_odd = _e4m3x2_to_f16(
-            _load_pair_tile(v_pairs, block_table_row, n, n_mask, kv_head, d2,
-                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
-                            PAIRS, PAIRS_P2), ASM)  # fmt: skip
+            _load_pair_tile(v_pairs, rows, n_mask, d2, PAIRS, PAIRS_P2), ASM)
         s = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even))) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_weights(s, m_i, l_i)
@@ -596,7 +606,7 @@ def paged_attention_triton(
                  **(decode_config or _decode_config(head_dim)))  # fmt: skip
     if _use_fp8_pairs(fp8_pairs, k_cache, fp8_f16 or (fp8 and query.dtype == torch.float16)):
         _decode_fp8_pairs_kernel[grid](
-            *args, *query.stride(), *out.stride(), *k_cache.stride()[:3],
+            *args, *query.stride(), *out.stride(), *(s // 2 for s in k_cache.stride()[:3]),
             metadata.block_table.stride(0), ASM=_has_e4m3x2_cvt(query.device), **shape,
         )  # fmt: skip
     else:
