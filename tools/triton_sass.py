@@ -58,6 +58,8 @@ def capture_launches(args: argparse.Namespace) -> list[tuple[JITFunction, dict[s
                      fp8_pairs=pairs)
     decode_config = dict(BLOCK_N=args.block_n, num_warps=args.num_warps,
                          num_stages=args.num_stages)  # fmt: skip
+    if getattr(args, "maxnreg", None):
+        decode_config["maxnreg"] = args.maxnreg
     with mock.patch.object(triton_attention, "_has_e4m3x2_cvt", lambda device: True):
         return captured_launches(lambda: triton_attention.paged_attention_triton(
             batch.query, k_cache, v_cache, batch.metadata, args.head_dim**-0.5,
@@ -71,7 +73,7 @@ def captured_launches(call: Callable[[], object]) -> list[tuple[JITFunction, dic
 
     def capture(self: JITFunction, *call_args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         named = dict(zip(self.arg_names, call_args, strict=False))
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
         launches.append((self, named | kwargs, options))
 
     with mock.patch.object(JITFunction, "run", capture):
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-n", type=int, default=64)
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=3)
+    p.add_argument("--maxnreg", type=int, default=None,
+                   help="decode's register cap (ptx .maxnreg), as a decode_config key")
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
     p.add_argument("--top", type=int, default=12, help="opcodes shown per loop")
     args = p.parse_args(argv)

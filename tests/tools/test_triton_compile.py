@@ -50,6 +50,20 @@ def test_attention_kernels_compile_for_sm90(
         assert kernel.asm["cubin"], fn.__name__
 
 
+def test_decode_config_register_cap_reaches_the_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`maxnreg` in a decode config (a `bench/attention.py --sweep` row: the fp8 pairs kernel at
+    BLOCK_N 128, 4 warps) is a compile option of the launch, not a kernel argument: the PTX
+    carries the cap."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    sass = importlib.import_module("triton_sass")
+    args = argparse.Namespace(
+        cache_dtype="fp8", no_fp8_pairs=False, num_heads=16, num_kv_heads=8, head_dim=128,
+        batch=2, context=256, query_len=1, block_n=128, num_warps=4, num_stages=3, maxnreg=128)
+    (fn, named, options), *_ = sass.capture_launches(args)
+    assert fn.__name__ == "_decode_fp8_pairs_kernel"
+    assert ".maxnreg 128" in sass.compile_launch(fn, named, options, arch=90).asm["ptx"]
+
+
 def _compile_launches(monkeypatch: pytest.MonkeyPatch, call) -> list[str]:  # noqa: ANN001
     """Names of the kernels `call()` launches, each compiled for sm_90 (launches captured)."""
     monkeypatch.syspath_prepend(str(TOOLS))
