@@ -324,7 +324,8 @@ def _pair_rows(block_table_row, n0, offs, n_mask, kv_head, stride_cb, stride_cs,
     else:
         page = (n0 + offs) // BLOCK_SIZE
         slot = (n0 + offs) % BLOCK_SIZE
-    block = tl.load(block_table_row + page, mask=n_mask, other=0).to(tl.int64)
+    # A block id is >= 0: widened as unsigned, its product with the stride needs no sign fix-up.
+    block = tl.load(block_table_row + page, mask=n_mask, other=0).to(tl.uint32).to(tl.int64)
     return block * stride_cb + (slot * stride_cs + kv_head * stride_ch)
 
 
@@ -391,7 +392,7 @@ def _decode_fp8_pairs_kernel(
     read transposed, so Triton 3.6 reads it back with scalar loads and widens it there: the
     sm_90 loop over 64 tokens compiles to 788 instructions (112 LDS, 225 IMAD) at 162
     registers, against bf16's 498 for twice the bytes. As 16-bit pairs the tile takes bf16's
-    path (ldmatrix), and one cvt widens each pair: 356 instructions, 128 registers
+    path (ldmatrix), and one cvt widens each pair: 344 instructions, 128 registers
     (`tools/triton_sass.py`). Same splits, so the same reduction order in every launch.
 
     The cache strides (stride_cb, stride_cs, stride_ch) count uint16 pairs: the host halves
