@@ -64,9 +64,10 @@ DECODE_SWEEP = [
     for bn, w, st in [(64, 4, 3), (64, 4, 2), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 4),
                       (128, 8, 2)]
 ] + [
-    # The fp8 pairs kernel at 128 tokens and 4 warps fits 128 registers without spilling when
-    # capped (168 uncapped), so 4 programs per SM as at BLOCK_N 64, with fewer instructions
-    # per KV byte (sm_90: `tools/triton_sass.py --cache-dtype fp8 --block-n 128 --maxnreg 128`).
+    # The fp8 pairs kernel at 128 tokens and 4 warps fits 128 registers when capped (168
+    # uncapped; 8 bytes spilled, outside its loops), so 4 programs per SM as at BLOCK_N 64, with
+    # fewer instructions per KV byte (sm_90: `tools/triton_sass.py --cache-dtype fp8
+    # --block-n 128 --maxnreg 128`).
     dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=128),
 ]  # fmt: skip
 
