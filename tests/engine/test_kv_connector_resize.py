@@ -13,6 +13,7 @@ import pytest
 
 from kvfit import LLM
 from kvfit.engine.kv_resize import KVCacheResizeError
+from kvfit.engine.oom_guard import KVCacheOutOfMemoryError
 from kvfit.vmm import VmmError, VmmOutOfMemoryError
 
 from .test_oom_guard import (
@@ -613,3 +614,68 @@ def test_the_governor_backs_off_a_shrink_that_keeps_failing(
     assert core.kv_resizer.num_blocks < before
     assert core.stats().kv_cache_resize_backoff_s == 0 and not governor.num_failed_shrinks
     assert runner(llm).kv_cache.committed_blocks == core.scheduler.block_manager.num_blocks
+
+
+def granule_floor(llm: LLM) -> int:
+    """The fewest blocks, at least one max_model_len sequence's, at which every segment ends
+    on a granule: the least a one-chunk cache can hold with no backed byte left unusable."""
+    cache, floor = runner(llm).kv_cache, llm.engine.kv_resizer.floor
+    return next(n for n in range(floor, cache.capacity_blocks + 1)
+                if cache.granule_aligned_blocks(n) == n)
+
+
+def assert_blocks_use_the_whole_chunk(llm: LLM) -> None:
+    """Every byte the cache backs is in a block the block manager hands out."""
+    cache = runner(llm).kv_cache
+    assert cache.blocks_that_fit(cache.physical_bytes) == (
+        llm.engine.scheduler.block_manager.num_blocks)
+
+
+def test_the_governor_shrinks_a_one_chunk_cache_to_a_floor_its_blocks_fill(
+        connected, reference, monkeypatch) -> None:  # noqa: F811
+    """Another process takes all the memory: the governor shrinks the cache as far as it may,
+    to one max_model_len sequence. A one-chunk cache's chunk is whole granules, so that floor
+    is rounded up to them: shrunk to the bare floor (32 blocks of a 128-block granule), the
+    connector registered the whole granule while the block manager handed out a quarter."""
+    import math
+
+    from kvfit.engine import engine_core
+    from kvfit.kv.monitor import HostMemoryMonitor
+
+    class Short(HostMemoryMonitor):  # another process holds all the memory
+        def free_and_total(self) -> tuple[int, int]:
+            return 0, self.budget_bytes
+
+    llm = connected(elastic_kv_cache=True, elastic_low_watermark="4MiB",
+                    elastic_high_watermark="10MiB", elastic_min_interval=0.2)
+    core, governor = llm.engine, llm.engine.kv_cache_governor
+    floor = granule_floor(llm)
+    assert core.kv_resizer.floor < floor < core.kv_resizer.num_blocks
+    core.executor.workers[0].monitor = Short(1 << 30, "cpu_kv_cache_space_bytes")
+    clock = [1000.0]
+    monkeypatch.setattr(engine_core.time, "monotonic", lambda: clock[0])
+    governor.last_poll = governor.last_resize = governor.last_grow_attempt = -math.inf
+    for _ in range(4):  # the first poll shrinks to the floor; the next ones keep it there
+        core.step()
+        clock[0] += 1.0
+    assert [(e.cause, e.num_blocks_after) for e in core.kv_resizer.events] == [
+        ("governor", floor)]
+    assert_one_chunk_registered(llm)
+    assert_blocks_use_the_whole_chunk(llm)
+    assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
+
+
+def test_the_oom_guard_shrinks_a_one_chunk_cache_to_a_floor_its_blocks_fill(
+        connected) -> None:  # noqa: F811
+    """A step that keeps running out of memory: the guard shrinks the cache down to one
+    max_model_len sequence, rounded up to whole granules for a one-chunk cache, then raises
+    naming the settings; the cache left is registered whole and usable."""
+    llm = connected()
+    floor = granule_floor(llm)
+    inject(llm, "decode_forward", times=float("inf"))
+    with pytest.raises(KVCacheOutOfMemoryError, match="cannot shrink"):
+        generate(llm, PARAMS["greedy"])
+    assert llm.engine.oom_guard.events[-1].num_blocks_after == floor
+    assert runner(llm).kv_cache.committed_blocks == floor
+    assert_one_chunk_registered(llm)
+    assert_blocks_use_the_whole_chunk(llm)

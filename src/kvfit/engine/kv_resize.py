@@ -94,6 +94,20 @@ class KVCacheResizer:
         """Blocks one `max_model_len` sequence needs: the least the cache may hold."""
         return self.scheduler.block_manager.blocks_for(self.config.scheduler_config.max_model_len)
 
+    def shrink_floor(self) -> int:
+        """The least a shrink (the governor's, the out-of-memory guard's) may leave: `floor`,
+        for a one-chunk cache rounded up to whole granules per segment (`_granule_floor`)."""
+        if not self.one_chunk():
+            return self.floor
+        return self._granule_floor(max(self.executor.collective_rpc("kv_cache_commit_granule")))
+
+    def _granule_floor(self, granule: int) -> int:
+        """`floor` rounded up to a size whose segments end on a commit `granule`: a one-chunk
+        cache backs whole granules, so at the bare floor the connector would register memory
+        that no block the block manager hands out uses."""
+        step = self.config.kv_cache_spec().granule_block_step(granule)
+        return -(-self.floor // step) * step
+
     def limits(self) -> tuple[int, int, int]:
         """`(floor, capacity, budget)` blocks, the last two the minimum over workers."""
         _, capacity, budget = zip(*self.executor.collective_rpc("kv_cache_blocks"), strict=True)
@@ -367,9 +381,7 @@ class KVCacheResizer:
         """`num_blocks`, then `fallback`, then halvings with segments ending on a granule,
         down to the floor rounded up to such a size (which takes the floor's memory)."""
         granule = max(self.executor.collective_rpc("kv_cache_commit_granule"))
-        spec = self.config.kv_cache_spec()
-        step = spec.granule_block_step(granule)
-        floor = -(-self.floor // step) * step
+        spec, floor = self.config.kv_cache_spec(), self._granule_floor(granule)
         sizes = [num_blocks] + ([fallback] if fallback is not None else [])
         while sizes[-1] > floor:
             sizes.append(max(spec.granule_aligned_blocks(sizes[-1] // 2, granule), floor))
@@ -474,7 +486,7 @@ class KVCacheResizer:
                        nbytes: int, free: int) -> KVCacheResize | None:
         # (A shrink that finds no memory to cut a chunk goes through whole chunks: `shrink`.)
         target = max(min(self.executor.collective_rpc("kv_cache_blocks_at", -nbytes)),
-                     self.floor)
+                     self.shrink_floor())
         if target >= self.num_blocks:  # at one max_model_len sequence: nothing to give
             if not self._warned_at_floor:
                 logger.warning("device free memory (%s) is under the low watermark and the KV "

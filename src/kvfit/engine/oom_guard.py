@@ -167,10 +167,10 @@ class OOMGuard:
 
     def _shrink_target(self, requested: int, attempt: int) -> int:
         """Blocks every worker can keep after freeing `requested` bytes and 2**attempt
-        granules; never fewer than one max_model_len sequence needs."""
+        granules; never fewer than one max_model_len sequence needs (`shrink_floor`)."""
         fits = min(self.resizer.executor.collective_rpc("kv_cache_shrink_target", requested,
                                                         1 << attempt))
-        return max(fits, self.resizer.floor)
+        return max(fits, self.resizer.shrink_floor())
 
     def _record(self, requested: int, before: int, after: int, freed: int, num_preempted: int,
                 message: str) -> OOMGuardEvent:
