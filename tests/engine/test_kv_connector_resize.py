@@ -616,12 +616,17 @@ def test_the_governor_backs_off_a_shrink_that_keeps_failing(
     assert runner(llm).kv_cache.committed_blocks == core.scheduler.block_manager.num_blocks
 
 
-def granule_floor(llm: LLM) -> int:
-    """The fewest blocks, at least one max_model_len sequence's, at which every segment ends
-    on a granule: the least a one-chunk cache can hold with no backed byte left unusable."""
-    cache, floor = runner(llm).kv_cache, llm.engine.kv_resizer.floor
-    return next(n for n in range(floor, cache.capacity_blocks + 1)
+def granule_ceil(llm: LLM, num_blocks: int) -> int:
+    """The fewest blocks, at least `num_blocks`, at which every segment ends on a granule: the
+    least a one-chunk cache asked for `num_blocks` can hold with no backed byte unusable."""
+    cache = runner(llm).kv_cache
+    return next(n for n in range(num_blocks, cache.capacity_blocks + 1)
                 if cache.granule_aligned_blocks(n) == n)
+
+
+def granule_floor(llm: LLM) -> int:
+    """`granule_ceil` of one max_model_len sequence: the least a one-chunk cache may hold."""
+    return granule_ceil(llm, llm.engine.kv_resizer.floor)
 
 
 def assert_blocks_use_the_whole_chunk(llm: LLM) -> None:
@@ -679,3 +684,90 @@ def test_the_oom_guard_shrinks_a_one_chunk_cache_to_a_floor_its_blocks_fill(
     assert runner(llm).kv_cache.committed_blocks == floor
     assert_one_chunk_registered(llm)
     assert_blocks_use_the_whole_chunk(llm)
+
+
+def poll_until(llm: LLM, done: Callable[[], bool], deadline_s: float = 30.0) -> None:
+    """Step an engine with nothing to do (the governor polls on each step) until `done()`."""
+    import time
+
+    deadline = time.monotonic() + deadline_s
+    while not done():
+        assert time.monotonic() < deadline, "the governor did not shrink the idle cache in time"
+        llm.engine.step()
+        time.sleep(0.01)
+
+
+def plenty_of_memory(llm: LLM) -> None:
+    """Device free memory far above the high watermark: an idle cache shrinks by its use (or
+    its peers' want) alone, never by memory pressure."""
+    from kvfit.kv.monitor import HostMemoryMonitor
+
+    class Plenty(HostMemoryMonitor):
+        def free_and_total(self) -> tuple[int, int]:
+            return self.budget_bytes, self.budget_bytes
+
+    llm.engine.executor.workers[0].monitor = Plenty(1 << 30, "cpu_kv_cache_space_bytes")
+
+
+ELASTIC_IDLE = dict(elastic_kv_cache=True, elastic_idle_s=0.2, elastic_min_interval=0.1,
+                    elastic_low_watermark="4MiB", elastic_high_watermark="10MiB")
+
+
+@pytest.mark.parametrize("need_blocks", [0, 75])
+def test_an_idle_one_chunk_cache_shrinks_to_whole_granules_above_its_idle_target(
+        connected, monkeypatch, need_blocks) -> None:  # noqa: F811
+    """The idle shrink keeps the demand plus headroom (at least the floor): 32 blocks with
+    nothing in use, 150 for a batch about to hold 75. A one-chunk cache at such a count backs
+    whole granules (128 blocks) its block manager never hands out, so the governor rounds the
+    target up to them: 128 and 256 blocks, every backed byte in a block."""
+    from dataclasses import replace
+
+    llm = connected(**ELASTIC_IDLE)
+    core = llm.engine
+    plenty_of_memory(llm)
+    usage = core._kv_usage  # a batch about to hold `need_blocks` (none running)
+    monkeypatch.setattr(core, "_kv_usage", lambda: replace(usage(), need_blocks=need_blocks))
+    target = core._kv_usage().idle_target
+    assert target != granule_ceil(llm, target) < core.kv_resizer.num_blocks
+    poll_until(llm, lambda: core.stats().kv_cache_idle_shrinks == 1)
+    [event] = core.kv_resizer.events
+    assert (event.cause, event.num_blocks_after) == ("idle", granule_ceil(llm, target))
+    assert_one_chunk_registered(llm)
+    assert_blocks_use_the_whole_chunk(llm)
+
+
+def test_an_idle_one_chunk_cache_gives_a_peer_whole_granules_and_keeps_what_it_asked(
+        connected, tmp_path) -> None:  # noqa: F811
+    """Through the demand board an idle cache gives back what its peer lacks (200 blocks'
+    bytes of 512), keeping the rest: 312 blocks, which a one-chunk cache cannot use whole. It
+    keeps that rounded up to whole granules (384 blocks), so every backed byte is in a block."""
+    from kvfit.elastic import DemandBoard
+
+    llm = connected(**ELASTIC_IDLE, elastic_demand_dir=str(tmp_path / "board"))
+    core = llm.engine
+    plenty_of_memory(llm)
+    start, board = core.kv_resizer.num_blocks, core.demand_board
+    keep = start - 200
+    assert keep != granule_ceil(llm, keep) < start
+    peer = DemandBoard(tmp_path / "board", board.folder.name)  # a second engine on the device
+    peer.publish(200 * llm.config.kv_cache_spec().block_bytes)
+    poll_until(llm, lambda: core.stats().kv_cache_idle_shrinks == 1)
+    [event] = core.kv_resizer.events
+    assert (event.cause, event.num_blocks_after) == ("idle", granule_ceil(llm, keep))
+    assert_one_chunk_registered(llm)
+    assert_blocks_use_the_whole_chunk(llm)
+
+
+def test_an_idle_shrink_of_a_one_chunk_cache_under_a_granule_never_grows_it(
+        connected) -> None:  # noqa: F811
+    """A user resized the cache under a granule (`resize_kv_cache` commits exactly what it is
+    asked): the idle target rounded up to whole granules would be above the cache, a grow
+    counted as a shrink; the governor's size stops at what the cache holds, so it keeps it."""
+    llm = connected(**ELASTIC_IDLE)
+    resizer = llm.engine.kv_resizer
+    size = resizer.floor + 8
+    assert size < granule_floor(llm)
+    llm.resize_kv_cache(size)
+    assert resizer.num_blocks == size
+    assert resizer.shrink_size(resizer.floor) == size
+    assert resizer.shrink_size(size - 1) == size

@@ -96,17 +96,30 @@ class KVCacheResizer:
 
     def shrink_floor(self) -> int:
         """The least a shrink (the governor's, the out-of-memory guard's) may leave: `floor`,
-        for a one-chunk cache rounded up to whole granules per segment (`_granule_floor`)."""
+        for a one-chunk cache rounded up to whole granules per segment (`_granule_ceil`)."""
         if not self.one_chunk():
             return self.floor
-        return self._granule_floor(max(self.executor.collective_rpc("kv_cache_commit_granule")))
+        return self._granule_ceil(self.floor, self._granule())
 
-    def _granule_floor(self, granule: int) -> int:
-        """`floor` rounded up to a size whose segments end on a commit `granule`: a one-chunk
-        cache backs whole granules, so at the bare floor the connector would register memory
-        that no block the block manager hands out uses."""
+    def shrink_size(self, num_blocks: int) -> int:
+        """The size a governor's shrink to `num_blocks` (its idle target, or what is left once
+        its peers have what they lack) commits: for a one-chunk cache rounded up to whole
+        granules per segment, so it never holds less than the policy asked, and never more
+        than it holds now; for any other cache `num_blocks`."""
+        if not self.one_chunk():
+            return num_blocks
+        return min(self._granule_ceil(num_blocks, self._granule()), self.num_blocks)
+
+    def _granule(self) -> int:
+        """The commit granule, the largest over the workers (a size ending on it on every one)."""
+        return max(self.executor.collective_rpc("kv_cache_commit_granule"))
+
+    def _granule_ceil(self, num_blocks: int, granule: int) -> int:
+        """`num_blocks` rounded up to a size whose segments end on a commit `granule`: a
+        one-chunk cache backs whole granules, so at a size short of one the connector would
+        register memory that no block the block manager hands out uses."""
         step = self.config.kv_cache_spec().granule_block_step(granule)
-        return -(-self.floor // step) * step
+        return -(-num_blocks // step) * step
 
     def limits(self) -> tuple[int, int, int]:
         """`(floor, capacity, budget)` blocks, the last two the minimum over workers."""
@@ -380,8 +393,8 @@ class KVCacheResizer:
     def _recommit_sizes(self, num_blocks: int, fallback: int | None) -> list[int]:
         """`num_blocks`, then `fallback`, then halvings with segments ending on a granule,
         down to the floor rounded up to such a size (which takes the floor's memory)."""
-        granule = max(self.executor.collective_rpc("kv_cache_commit_granule"))
-        spec, floor = self.config.kv_cache_spec(), self._granule_floor(granule)
+        granule = self._granule()
+        spec, floor = self.config.kv_cache_spec(), self._granule_ceil(self.floor, granule)
         sizes = [num_blocks] + ([fallback] if fallback is not None else [])
         while sizes[-1] > floor:
             sizes.append(max(spec.granule_aligned_blocks(sizes[-1] // 2, granule), floor))
@@ -441,7 +454,7 @@ class KVCacheResizer:
         if want < 0:
             return self._govern_grow(governor, settle, -want, free)
         target = None if usage is None else governor.idle_shrink(usage, now, peers_keep)
-        if target is not None and target < self.num_blocks:
+        if target is not None and (target := self.shrink_size(target)) < self.num_blocks:
             return self._idle_shrink(governor, settle, target, free)
         return None
 
