@@ -566,18 +566,13 @@ def test_the_governor_backs_off_a_shrink_that_keeps_failing(
 
     from kvfit.engine import engine_core
     from kvfit.engine.metrics import engine_metrics
-    from kvfit.kv.monitor import HostMemoryMonitor
-
-    class Short(HostMemoryMonitor):  # another process holds all the memory
-        def free_and_total(self) -> tuple[int, int]:
-            return 0, self.budget_bytes
 
     llm = connected(elastic_kv_cache=True, elastic_low_watermark="4MiB",
                     elastic_high_watermark="10MiB", elastic_min_interval=0.2)
     core, governor = llm.engine, llm.engine.kv_cache_governor
     before = core.kv_resizer.num_blocks
     worker = core.executor.workers[0]
-    worker.monitor = Short(1 << 30, "cpu_kv_cache_space_bytes")
+    set_free_memory(llm, 0.0)  # another process holds all the memory
     recommit, attempts, clock = worker.recommit_kv_cache, [], [1000.0]
 
     def broken(num_blocks: int) -> None:  # only the size the cache has can be backed
@@ -645,18 +640,13 @@ def test_the_governor_shrinks_a_one_chunk_cache_to_a_floor_its_blocks_fill(
     import math
 
     from kvfit.engine import engine_core
-    from kvfit.kv.monitor import HostMemoryMonitor
-
-    class Short(HostMemoryMonitor):  # another process holds all the memory
-        def free_and_total(self) -> tuple[int, int]:
-            return 0, self.budget_bytes
 
     llm = connected(elastic_kv_cache=True, elastic_low_watermark="4MiB",
                     elastic_high_watermark="10MiB", elastic_min_interval=0.2)
     core, governor = llm.engine, llm.engine.kv_cache_governor
     floor = granule_floor(llm)
     assert core.kv_resizer.floor < floor < core.kv_resizer.num_blocks
-    core.executor.workers[0].monitor = Short(1 << 30, "cpu_kv_cache_space_bytes")
+    set_free_memory(llm, 0.0)  # another process holds all the memory
     clock = [1000.0]
     monkeypatch.setattr(engine_core.time, "monotonic", lambda: clock[0])
     governor.last_poll = governor.last_resize = governor.last_grow_attempt = -math.inf
@@ -697,16 +687,28 @@ def poll_until(llm: LLM, done: Callable[[], bool], deadline_s: float = 30.0) -> 
         time.sleep(0.01)
 
 
-def plenty_of_memory(llm: LLM) -> None:
-    """Device free memory far above the high watermark: an idle cache shrinks by its use (or
-    its peers' want) alone, never by memory pressure."""
+def set_free_memory(llm: LLM, share: float) -> None:
+    """The device's free memory as the governor reads it: `share` of a 1 GiB budget. 0: another
+    process holds all of it; 1: far above the high watermark, so an idle cache shrinks by its
+    use (or its peers' want) alone, never by memory pressure."""
     from kvfit.kv.monitor import HostMemoryMonitor
 
-    class Plenty(HostMemoryMonitor):
+    class Free(HostMemoryMonitor):
         def free_and_total(self) -> tuple[int, int]:
-            return self.budget_bytes, self.budget_bytes
+            return int(share * self.budget_bytes), self.budget_bytes
 
-    llm.engine.executor.workers[0].monitor = Plenty(1 << 30, "cpu_kv_cache_space_bytes")
+    llm.engine.executor.workers[0].monitor = Free(1 << 30, "cpu_kv_cache_space_bytes")
+
+
+def assert_idle_shrunk_to(llm: LLM, num_blocks: int) -> None:
+    """The governor's first idle shrink leaves `num_blocks`, registered whole, every backed
+    byte in a block."""
+    core = llm.engine
+    poll_until(llm, lambda: core.stats().kv_cache_idle_shrinks == 1)
+    [event] = core.kv_resizer.events
+    assert (event.cause, event.num_blocks_after) == ("idle", num_blocks)
+    assert_one_chunk_registered(llm)
+    assert_blocks_use_the_whole_chunk(llm)
 
 
 ELASTIC_IDLE = dict(elastic_kv_cache=True, elastic_idle_s=0.2, elastic_min_interval=0.1,
@@ -724,16 +726,12 @@ def test_an_idle_one_chunk_cache_shrinks_to_whole_granules_above_its_idle_target
 
     llm = connected(**ELASTIC_IDLE)
     core = llm.engine
-    plenty_of_memory(llm)
+    set_free_memory(llm, 1.0)
     usage = core._kv_usage  # a batch about to hold `need_blocks` (none running)
     monkeypatch.setattr(core, "_kv_usage", lambda: replace(usage(), need_blocks=need_blocks))
     target = core._kv_usage().idle_target
     assert target != granule_ceil(llm, target) < core.kv_resizer.num_blocks
-    poll_until(llm, lambda: core.stats().kv_cache_idle_shrinks == 1)
-    [event] = core.kv_resizer.events
-    assert (event.cause, event.num_blocks_after) == ("idle", granule_ceil(llm, target))
-    assert_one_chunk_registered(llm)
-    assert_blocks_use_the_whole_chunk(llm)
+    assert_idle_shrunk_to(llm, granule_ceil(llm, target))
 
 
 def test_an_idle_one_chunk_cache_gives_a_peer_whole_granules_and_keeps_what_it_asked(
@@ -745,17 +743,13 @@ def test_an_idle_one_chunk_cache_gives_a_peer_whole_granules_and_keeps_what_it_a
 
     llm = connected(**ELASTIC_IDLE, elastic_demand_dir=str(tmp_path / "board"))
     core = llm.engine
-    plenty_of_memory(llm)
+    set_free_memory(llm, 1.0)
     start, board = core.kv_resizer.num_blocks, core.demand_board
     keep = start - 200
     assert keep != granule_ceil(llm, keep) < start
     peer = DemandBoard(tmp_path / "board", board.folder.name)  # a second engine on the device
     peer.publish(200 * llm.config.kv_cache_spec().block_bytes)
-    poll_until(llm, lambda: core.stats().kv_cache_idle_shrinks == 1)
-    [event] = core.kv_resizer.events
-    assert (event.cause, event.num_blocks_after) == ("idle", granule_ceil(llm, keep))
-    assert_one_chunk_registered(llm)
-    assert_blocks_use_the_whole_chunk(llm)
+    assert_idle_shrunk_to(llm, granule_ceil(llm, keep))
 
 
 def test_an_idle_shrink_of_a_one_chunk_cache_under_a_granule_never_grows_it(
