@@ -255,8 +255,13 @@ def main(argv: list[str] | None = None) -> int:
 def check_targets(result: dict) -> dict:
     c = result["components"]
     level2 = [r["asleep_above_baseline"] for r in result["sleep"] if r["level"] == 2]
+    # The target's figure is the recommit seconds after the release, as a sleeping engine is
+    # woken; back to back the driver may still be returning the pages it just took back, which
+    # no wake meets (both are in `components` and printed).
     measured = {
-        "kv_release_recommit_s_per_100GiB": c["kv_release_recommit_s_per_100GiB"],
+        "kv_release_recommit_s_per_100GiB": c.get(
+            "kv_release_recommit_after_pause_s_per_100GiB",
+            c["kv_release_recommit_s_per_100GiB"]),
         "weights_GBps": min(c["offload_GBps"], c["restore_GBps"]),
         "asleep_level2_GiB": max(level2) / GiB,
     }
@@ -295,7 +300,8 @@ def print_table(r: dict) -> None:
           f"{b['save_s']:.3f} s), external hit {b['external_hit_s']:.3f} s "
           f"({b['loaded_blocks']}/{b['expected_blocks']} blocks, {b['load_GBps']:.1f} GB/s); "
           f"hit/recompute {t['hit_over_recompute']:.2f}")
-    print("\ntargets:")
+    print(f"\ntargets (KV release + recommit: the recommit {c['pause_s']:g} s after the release; "
+          f"back to back {c['kv_release_recommit_s_per_100GiB']:.3f} s per 100 GiB):")
     for name, v in r["targets"].items():
         print(f"  {name:36} {v['measured']:10.3f}  target {v['target']:<6} "
               f"{'met' if v['met'] else 'NOT met'}")

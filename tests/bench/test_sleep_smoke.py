@@ -29,3 +29,8 @@ def test_sleep_bench_smoke(tmp_path: Path) -> None:
     assert c["kv_bytes"] > 0 and c["kv_chunks"] == 1 and c["weights_bytes"] > 0
     assert set(result["targets"]) == {"kv_release_recommit_s_per_100GiB", "weights_GBps",
                                       "asleep_level2_GiB"}
+    # The target reads the recommit after the pause (a wake seconds after the sleep), and the
+    # record keeps it as a figure compare.py follows.
+    paused = c["kv_release_recommit_after_pause_s_per_100GiB"]
+    assert result["targets"]["kv_release_recommit_s_per_100GiB"]["measured"] == paused
+    assert record["figures"]["kv_release_recommit_after_pause_s_per_100GiB"]["value"] == paused

@@ -141,6 +141,9 @@ def sleep(p: dict[str, Any]) -> Figures:
     f = {"kv_release_recommit_s_per_100GiB": figure(c["kv_release_recommit_s_per_100GiB"],
                                                     "s", "lower"),
          "offload_GBps": figure(c["offload_GBps"], "GB/s", "higher"),
+         **({"kv_release_recommit_after_pause_s_per_100GiB": figure(
+             c["kv_release_recommit_after_pause_s_per_100GiB"], "s", "lower")}
+            if "kv_release_recommit_after_pause_s_per_100GiB" in c else {}),
          "restore_GBps": figure(c["restore_GBps"], "GB/s", "higher"),
          "external_hit_s": figure(p["ttft"]["best"]["external_hit_s"], "s", "lower")}
     for level in sorted({r["level"] for r in p["sleep"]}):
