@@ -11,8 +11,13 @@ SASS: a backward branch closes each loop).
     PYTHONPATH=src:/tmp/tritonpkg python3 tools/triton_sass.py --cache-dtype fp8
     PYTHONPATH=src:/tmp/tritonpkg python3 tools/triton_sass.py --cache-dtype fp8 --no-fp8-pairs
 
+With `--linear N K` it reports the small-batch linear kernels (`ops/triton_skinny.py`) for an
+`[N, K]` weight at `--batch` rows instead:
+
+    PYTHONPATH=src:/tmp/tritonpkg python3 tools/triton_sass.py --linear 4096 1024 --batch 1
+
 Counts say where instructions go, not how long they take: the H200 times them
-(`bench/attention.py --sweep --kv-cache-dtype fp8`).
+(`bench/attention.py --sweep --kv-cache-dtype fp8`, `bench/skinny_linear.py`).
 """
 
 from __future__ import annotations
@@ -64,6 +69,17 @@ def capture_launches(args: argparse.Namespace) -> list[tuple[JITFunction, dict[s
         return captured_launches(lambda: triton_attention.paged_attention_triton(
             batch.query, k_cache, v_cache, batch.metadata, args.head_dim**-0.5,
             torch.empty_like(batch.query), decode_config=decode_config, **extra))
+
+
+def capture_linear_launches(args: argparse.Namespace
+                            ) -> list[tuple[JITFunction, dict[str, Any], dict]]:
+    """The small-batch linear kernels' launches for a `[N, K]` weight at `--batch` rows."""
+    from kvfit.ops import triton_skinny
+
+    n, k = args.linear
+    x = torch.randn(args.batch, k, dtype=torch.bfloat16)
+    weight = torch.randn(n, k, dtype=torch.bfloat16)
+    return captured_launches(lambda: triton_skinny.skinny_linear_triton(x, weight))
 
 
 def captured_launches(call: Callable[[], object]) -> list[tuple[JITFunction, dict[str, Any], dict]]:
@@ -152,10 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-stages", type=int, default=3)
     p.add_argument("--maxnreg", type=int, default=None,
                    help="decode's register cap (ptx .maxnreg), as a decode_config key")
+    p.add_argument("--linear", type=int, nargs=2, metavar=("N", "K"), default=None,
+                   help="report the small-batch linear kernels for an [N, K] weight at --batch "
+                   "rows instead of attention")
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
     p.add_argument("--top", type=int, default=12, help="opcodes shown per loop")
     args = p.parse_args(argv)
-    for fn, named, options in capture_launches(args):
+    launches = capture_linear_launches(args) if args.linear else capture_launches(args)
+    for fn, named, options in launches:
         print(report(compile_launch(fn, named, options, args.arch), args.arch, args.top))
     return 0
 

@@ -187,3 +187,22 @@ def test_batch_invariant_kernels_compile_for_sm90(
         triton_matmul.matmul_triton(x, torch.randn(width, 1000, dtype=dtype),
                                     torch.randn(width, dtype=dtype))))
     assert len(names) >= 2
+
+
+@pytest.mark.parametrize(("n", "k"), [
+    (1024, 3072),     # BLOCK_N 16 over a long K: the loop stays a loop
+    (6144, 1024),     # BLOCK_N 32
+    (24576, 4096),    # BLOCK_N 64
+    (151_936, 1024),  # an LM head
+    (37, 100),        # N and K off the tiles: the masked loop
+])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_skinny_linear_kernels_compile_for_sm90(
+    monkeypatch: pytest.MonkeyPatch, n: int, k: int, dtype: torch.dtype,
+) -> None:
+    from kvfit.ops import triton_skinny
+
+    x, w = torch.randn(3, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    names = _compile_launches(monkeypatch, lambda: (
+        triton_skinny.skinny_linear_triton(x, w, torch.randn(n, dtype=dtype))))
+    assert names == ["_skinny_kernel"]

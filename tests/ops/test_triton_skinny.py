@@ -1,0 +1,106 @@
+"""The small-batch linear kernels (`ops/triton_skinny.py`) against torch.
+
+Interpreter tests (tiny odd shapes, fp16; the interpreter's bf16 is unreliable):
+    TRITON_INTERPRET=1 python3 -m pytest tests/ops/test_triton_skinny.py -q
+GPU tests (the 0.6B and 8B layer shapes, bf16/fp16):
+    PYTHONPATH=src python3 -m pytest -m gpu tests/ops/test_triton_skinny.py -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton_skinny = pytest.importorskip("kvfit.ops.triton_skinny")
+
+interpret = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to interpret"
+)
+
+ROWS = [1, 3, 16]
+
+
+def _weights(n: int, k: int, dtype: torch.dtype, device: str = "cpu", bias: bool = True):
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype=dtype, device=device)
+    b = torch.randn(n, generator=g).to(dtype=dtype, device=device) if bias else None
+    return w, b
+
+
+def _linear_fp32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The product accumulated in fp32 and rounded once, as the kernel (and cuBLAS) do."""
+    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
+def _close(got: torch.Tensor, expect: torch.Tensor) -> None:
+    """Equal to one rounding of the output dtype: only the fp32 summation order differs."""
+    assert got.shape == expect.shape and got.dtype == expect.dtype
+    eps = torch.finfo(got.dtype).eps
+    torch.testing.assert_close(got.float(), expect.float(), rtol=2 * eps, atol=2 * eps)
+
+
+# --- interpreter -------------------------------------------------------------------------------
+
+
+@interpret
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k"), [(37, 100), (300, 1000), (16, 256)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_skinny_linear_matches_torch(rows: int, n: int, k: int, bias: bool) -> None:
+    """N and K off the tiles (37 of 16-row tiles, K 100 and 1000 of 128/256) and on them."""
+    w, b = _weights(n, k, torch.float16, bias=bias)
+    x = torch.randn(rows, k, dtype=torch.float16)
+    _close(triton_skinny.skinny_linear_triton(x, w, b), _linear_fp32(x, w, b))
+
+
+@interpret
+def test_skinny_linear_takes_a_config_and_a_strided_input() -> None:
+    """The bench's configs are launch overrides, and a row-strided x (a slice) is read right."""
+    w, b = _weights(70, 96, torch.float16)
+    x = torch.randn(5, 200, dtype=torch.float16)[:, 8:104]
+    got = triton_skinny.skinny_linear_triton(
+        x, w, b, config=dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2))
+    _close(got, _linear_fp32(x, w, b))
+
+
+def test_skinny_linear_refuses_what_it_does_not_compute() -> None:
+    w, _ = _weights(16, 32, torch.float16)
+    with pytest.raises(ValueError, match="M <= 16"):
+        triton_skinny.skinny_linear_triton(torch.randn(17, 32, dtype=torch.float16), w)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        triton_skinny.skinny_linear_triton(torch.randn(2, 32), w.float())
+    with pytest.raises(ValueError, match=r"\[N, 32\]"):
+        triton_skinny.skinny_linear_triton(torch.randn(2, 32, dtype=torch.float16), w[:, :16])
+    assert triton_skinny.skinny_linear_triton(torch.empty(0, 32, dtype=torch.float16),
+                                              w).shape == (0, 16)
+
+
+def test_skinny_config_gives_every_sm_a_program_and_keeps_block_k_a_divisor() -> None:
+    """At the model shapes: BLOCK_N as wide as leaves one program per SM, and BLOCK_K divides
+    every K, so the loop runs without a mask."""
+    for n in (1024, 4096, 6144, 24576, 151936):
+        for k in (1024, 2048, 3072, 4096, 12288):
+            cfg = triton_skinny.skinny_config(n, k, num_sms=132)
+            assert k % cfg["BLOCK_K"] == 0
+            assert -(-n // cfg["BLOCK_N"]) >= 132 or cfg["BLOCK_N"] == 16
+    assert triton_skinny.skinny_config(24576, 4096)["BLOCK_N"] == 64
+    assert triton_skinny.skinny_config(1024, 3072)["BLOCK_N"] == 16
+
+
+# --- GPU ---------------------------------------------------------------------------------------
+
+SHAPES_0_6B = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # qkv, o, gate_up, down
+SHAPES_8B = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize(("n", "k"), [*SHAPES_0_6B, *SHAPES_8B, (151936, 1024)])
+def test_gpu_skinny_linear_matches_torch(dtype: torch.dtype, rows: int, n: int, k: int) -> None:
+    w, b = _weights(n, k, dtype, "cuda")
+    x = torch.randn(rows, k, dtype=dtype, device="cuda")
+    _close(triton_skinny.skinny_linear_triton(x, w, b), _linear_fp32(x, w, b))
