@@ -73,13 +73,19 @@ def capture_launches(args: argparse.Namespace) -> list[tuple[JITFunction, dict[s
 
 def capture_linear_launches(args: argparse.Namespace
                             ) -> list[tuple[JITFunction, dict[str, Any], dict]]:
-    """The small-batch linear kernels' launches for a `[N, K]` weight at `--batch` rows."""
-    from kvfit.ops import triton_skinny
+    """The small-batch linear kernels' launches for a `[N, K]` weight at `--batch` rows: plain,
+    after RMSNorm, after the residual add and RMSNorm, after SiLU-and-mul (PROLOGUE 0-3)."""
+    from kvfit.ops import triton_skinny as ts
 
     n, k = args.linear
     x = torch.randn(args.batch, k, dtype=torch.bfloat16)
-    weight = torch.randn(n, k, dtype=torch.bfloat16)
-    return captured_launches(lambda: triton_skinny.skinny_linear_triton(x, weight))
+    gate_up = torch.randn(args.batch, 2 * k, dtype=torch.bfloat16)
+    norm, weight = torch.ones(k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
+    return captured_launches(lambda: (
+        ts.skinny_linear_triton(x, weight),
+        ts.rms_norm_linear_triton(x, None, norm, 1e-6, weight),
+        ts.rms_norm_linear_triton(x, x.clone(), norm, 1e-6, weight),
+        ts.silu_and_mul_linear_triton(gate_up, weight)))
 
 
 def captured_launches(call: Callable[[], object]) -> list[tuple[JITFunction, dict[str, Any], dict]]:
@@ -176,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     launches = capture_linear_launches(args) if args.linear else capture_launches(args)
     for fn, named, options in launches:
+        if args.linear:
+            print(f"PROLOGUE {named['PROLOGUE']}, BLOCK_N {named['BLOCK_N']}, BLOCK_K "
+                  f"{named['BLOCK_K']}, {options}")
         print(report(compile_launch(fn, named, options, args.arch), args.arch, args.top))
     return 0
 

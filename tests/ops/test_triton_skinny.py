@@ -14,13 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvfit.ops.layers import add_rms_norm_torch, rms_norm_torch, silu_and_mul_torch
+
 triton_skinny = pytest.importorskip("kvfit.ops.triton_skinny")
 
 interpret = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to interpret"
 )
 
-ROWS = [1, 3, 16]
+ROWS = [1, 3, 16]  # the M = 1 path (FMAs), and the tensor-core path partly and fully used
 
 
 def _weights(n: int, k: int, dtype: torch.dtype, device: str = "cpu", bias: bool = True):
@@ -66,6 +68,38 @@ def test_skinny_linear_takes_a_config_and_a_strided_input() -> None:
     _close(got, _linear_fp32(x, w, b))
 
 
+@interpret
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k"), [(37, 100), (48, 256)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_linear_matches_the_unfused_chain(rows: int, n: int, k: int,
+                                                  with_residual: bool) -> None:
+    """The norm's output, rounded as `add_rms_norm` rounds it, feeds the product: the result
+    is the chain's to one rounding; the residual sum is the chain's bit for bit."""
+    w, b = _weights(n, k, torch.float16)
+    x = torch.randn(rows, k, dtype=torch.float16)
+    residual = torch.randn(rows, k, dtype=torch.float16) * 3 if with_residual else None
+    norm = torch.randn(k, dtype=torch.float16)
+    got, summed = triton_skinny.rms_norm_linear_triton(x, residual, norm, 1e-6, w, b)
+    if with_residual:
+        normed, expect_sum = add_rms_norm_torch(x, residual, norm, 1e-6)
+        assert torch.equal(summed, expect_sum)
+    else:
+        normed = rms_norm_torch(x, norm, 1e-6)
+        assert summed is x
+    _close(got, _linear_fp32(normed, w, b))
+
+
+@interpret
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k"), [(37, 100), (48, 256)])
+def test_silu_and_mul_linear_matches_the_unfused_chain(rows: int, n: int, k: int) -> None:
+    w, b = _weights(n, k, torch.float16)
+    gate_up = torch.randn(rows, 2 * k, dtype=torch.float16) * 2
+    got = triton_skinny.silu_and_mul_linear_triton(gate_up, w, b)
+    _close(got, _linear_fp32(silu_and_mul_torch(gate_up), w, b))
+
+
 def test_skinny_linear_refuses_what_it_does_not_compute() -> None:
     w, _ = _weights(16, 32, torch.float16)
     with pytest.raises(ValueError, match="M <= 16"):
@@ -76,6 +110,13 @@ def test_skinny_linear_refuses_what_it_does_not_compute() -> None:
         triton_skinny.skinny_linear_triton(torch.randn(2, 32, dtype=torch.float16), w[:, :16])
     assert triton_skinny.skinny_linear_triton(torch.empty(0, 32, dtype=torch.float16),
                                               w).shape == (0, 16)
+    x = torch.randn(2, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="norm weight"):
+        triton_skinny.rms_norm_linear_triton(x, None, torch.ones(32), 1e-6, w)
+    with pytest.raises(ValueError, match="residual"):
+        triton_skinny.rms_norm_linear_triton(x, x[:1], torch.ones(32, dtype=x.dtype), 1e-6, w)
+    with pytest.raises(ValueError, match="even last dim"):
+        triton_skinny.silu_and_mul_linear_triton(torch.randn(2, 33, dtype=torch.float16), w)
 
 
 def test_skinny_config_gives_every_sm_a_program_and_keeps_block_k_a_divisor() -> None:
@@ -104,3 +145,31 @@ def test_gpu_skinny_linear_matches_torch(dtype: torch.dtype, rows: int, n: int, 
     w, b = _weights(n, k, dtype, "cuda")
     x = torch.randn(rows, k, dtype=dtype, device="cuda")
     _close(triton_skinny.skinny_linear_triton(x, w, b), _linear_fp32(x, w, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize(("n", "k"), [(4096, 1024), (6144, 1024), (24576, 4096)])
+def test_gpu_rms_norm_linear_matches_the_unfused_chain(dtype: torch.dtype, rows: int, n: int,
+                                                      k: int) -> None:
+    w, b = _weights(n, k, dtype, "cuda", bias=False)
+    x = torch.randn(rows, k, dtype=dtype, device="cuda")
+    residual = torch.randn(rows, k, dtype=dtype, device="cuda") * 3
+    norm = torch.randn(k, dtype=dtype, device="cuda")
+    got, summed = triton_skinny.rms_norm_linear_triton(x, residual, norm, 1e-6, w, b)
+    normed, expect_sum = add_rms_norm_torch(x, residual, norm, 1e-6)
+    assert torch.equal(summed, expect_sum)
+    _close(got, _linear_fp32(normed, w, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize(("n", "k"), [(1024, 3072), (4096, 12288)])
+def test_gpu_silu_and_mul_linear_matches_the_unfused_chain(dtype: torch.dtype, rows: int,
+                                                          n: int, k: int) -> None:
+    w, b = _weights(n, k, dtype, "cuda", bias=False)
+    gate_up = torch.randn(rows, 2 * k, dtype=dtype, device="cuda") * 2
+    got = triton_skinny.silu_and_mul_linear_triton(gate_up, w, b)
+    _close(got, _linear_fp32(silu_and_mul_torch(gate_up), w, b))

@@ -190,7 +190,7 @@ def test_batch_invariant_kernels_compile_for_sm90(
 
 
 @pytest.mark.parametrize(("n", "k"), [
-    (1024, 3072),     # BLOCK_N 16 over a long K: the loop stays a loop
+    (1024, 3072),     # BLOCK_N 16 over a long K: the loops stay loops
     (6144, 1024),     # BLOCK_N 32
     (24576, 4096),    # BLOCK_N 64
     (151_936, 1024),  # an LM head
@@ -203,6 +203,10 @@ def test_skinny_linear_kernels_compile_for_sm90(
     from kvfit.ops import triton_skinny
 
     x, w = torch.randn(3, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    norm, bias = torch.ones(k, dtype=dtype), torch.randn(n, dtype=dtype)
     names = _compile_launches(monkeypatch, lambda: (
-        triton_skinny.skinny_linear_triton(x, w, torch.randn(n, dtype=dtype))))
-    assert names == ["_skinny_kernel"]
+        triton_skinny.skinny_linear_triton(x, w, bias),
+        triton_skinny.rms_norm_linear_triton(x, None, norm, 1e-6, w),
+        triton_skinny.rms_norm_linear_triton(x, x.clone(), norm, 1e-6, w, bias),
+        triton_skinny.silu_and_mul_linear_triton(torch.randn(3, 2 * k, dtype=dtype), w)))
+    assert names == ["_skinny_kernel"] * 4  # plain and the three prologues

@@ -1,5 +1,8 @@
 """Linear layers for few rows: `y = x W^T (+ b)` for x [M, K] with M <= `MAX_ROWS`, W [N, K]
-row-major (as `nn.Linear` stores it), bf16 or fp16, accumulated in fp32.
+row-major (as `nn.Linear` stores it), bf16 or fp16, accumulated in fp32; optionally after the
+op before it (a prologue computed on the x tile each program reads): RMSNorm with or without
+the residual add (`rms_norm_linear_triton`), or SiLU-and-mul (`silu_and_mul_linear_triton`),
+each rounded as the unfused kernels round, so that the chain's node is gone.
 
 At decode batch sizes the product is a stream of W: every weight byte is read once and used M
 times. The kernel is shaped for that stream rather than for reuse:
@@ -10,7 +13,11 @@ times. The kernel is shaped for that stream rather than for reuse:
   kernel exists to remove. The memory bound is the output alone; no workspace.
 - The MMA is `tl.dot` on a 16-row tile of x (its smallest M), rows past M masked off: loading
   them costs no bytes, and one compiled variant serves every M up to 16 (`M` is not
-  specialised, so no batch size compiles anything new).
+  specialised, so no batch size compiles anything new). A prologue costs ALU work per row of
+  the tile, so at M = 1 a kernel with one takes FMAs instead (a runtime branch, `_product`).
+- A prologue is recomputed by every program (from L2: the x rows are a few KB): the RMSNorm's
+  rms by a pre-pass over the row, the SiLU per tile. That is ~10 (norm) and ~30 (SiLU)
+  instructions per x element per program, cheap for one row and not for 16 (see `_product`).
 - Bytes in flight: an H200 streams ~4.8 TB/s against ~0.6-0.8 us of DRAM latency, so each of
   its 132 SMs needs ~25-30 KB of loads outstanding. `skinny_config` sizes one weight stage at
   8-16 KB and keeps num_stages - 1 = 3 of them in flight per program (24-48 KB), with BLOCK_N
@@ -67,38 +74,143 @@ def skinny_config(n: int, k: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int]
                 num_stages=4)
 
 
+NONE, RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL = 0, 1, 2, 3
+"""The kernel's `PROLOGUE`: what it computes from x before the product."""
+
+
+@triton.jit
+def _residual_sum(x_rows, r_rows, k, mask, ADD_RESIDUAL: tl.constexpr):
+    """x (+ residual) at columns `k`, the sum rounded to x's dtype as `x + residual` is."""
+    v = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        r = tl.load(r_rows + k[None, :], mask=mask, other=0.0)
+        v = (v.to(tl.float32) + r.to(tl.float32)).to(v.dtype)
+    return v
+
+
+@triton.jit
+def _operand(x_rows, r_rows, norm_weight, inv_rms, k, mask, k_mask,
+             K: tl.constexpr, PROLOGUE: tl.constexpr):  # fmt: skip
+    """The x tile `[ROWS, BLOCK_K]` the product reads, after the prologue, in x's dtype."""
+    if PROLOGUE == 3:  # SILU_AND_MUL over x = [gate, up], rounded as `_silu_and_mul_kernel`
+        gate = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+        up = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        g32 = gate.to(tl.float32)
+        silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype).to(tl.float32)
+        a = (silu * up).to(gate.dtype)
+    elif PROLOGUE == 0:
+        a = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+    else:  # (ADD_)RMS_NORM, rounded as `_rms_norm_kernel`: normalise in fp32, round, scale
+        v = _residual_sum(x_rows, r_rows, k, mask, PROLOGUE == 2)
+        normed = (v.to(tl.float32) * inv_rms[:, None]).to(v.dtype).to(tl.float32)
+        g = tl.load(norm_weight + k, mask=k_mask, other=0.0).to(tl.float32)
+        a = (normed * g[None, :]).to(v.dtype)
+    return a
+
+
+@triton.jit
+def _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid,
+             K: tl.constexpr, PROLOGUE: tl.constexpr, ROWS: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             NORM_STAGES: tl.constexpr, GEMV_STAGES: tl.constexpr):  # fmt: skip
+    """acc `[BLOCK_M, BLOCK_N]` fp32 of this program's columns, after the prologue on ROWS rows
+    of x (M <= ROWS). ROWS == BLOCK_M: the tensor-core product; ROWS == 1: FMAs on a
+    `[BLOCK_N, BLOCK_K]` weight tile, reduced over K once after the loop (row 0 of acc).
+
+    Why a second path at M = 1: the prologue's tile feeds the MMA, and a tile of fewer rows
+    than the MMA's 16, repeated to 16, is computed in the MMA operand's layout, where each
+    element sits in 8 lanes of both warps; the 16-row SiLU tile alone is ~2,000 instructions
+    per 8 KB weight stage (tools/triton_sass.py --linear). Without an MMA the row is computed
+    once per lane that multiplies it."""
+    rm = tl.arange(0, ROWS)
+    rk = tl.arange(0, BLOCK_K)
+    x_stride = 2 * K if PROLOGUE == 3 else K  # SILU_AND_MUL reads [gate, up] rows
+    x_rows = x + rm.to(tl.int64)[:, None] * x_stride
+    r_rows = residual + rm.to(tl.int64)[:, None] * K
+    row_mask = rm[:, None] < M
+    inv_rms = tl.zeros([ROWS], dtype=tl.float32)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        # Every program takes the rows' rms from x (+ residual) itself: a few KB from L2, where
+        # sharing it would take a second node. Program 0 alone writes the residual sum.
+        sum_sq = tl.zeros([ROWS], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NORM_STAGES):
+            k = k0 + rk
+            mask = row_mask if K % BLOCK_K == 0 else row_mask & (k[None, :] < K)
+            v = _residual_sum(x_rows, r_rows, k, mask, PROLOGUE == 2)
+            if PROLOGUE == 2:
+                tl.store(sum_out + rm.to(tl.int64)[:, None] * K + k[None, :], v,
+                         mask=mask & (pid == 0))
+            v32 = v.to(tl.float32)
+            sum_sq += tl.sum(v32 * v32, axis=1)
+        inv_rms = tl.rsqrt(sum_sq / K + eps)
+    # Rows of W past N read row N - 1 instead (their outputs are not stored): the weight loads,
+    # the bytes that matter, need no mask.
+    if ROWS == 1:
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_tile = w + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K  # [BLOCK_N, 1] rows
+        part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        # Without a dot the pipeliner stages these loads only when asked (as the main loop's).
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=GEMV_STAGES):
+            k = k0 + rk
+            if K % BLOCK_K == 0:
+                a = _operand(x_rows, r_rows, norm_weight, inv_rms, k, row_mask, k < K, K,
+                             PROLOGUE)
+                wt = tl.load(w_tile + k[None, :])
+            else:
+                k_mask = k < K
+                a = _operand(x_rows, r_rows, norm_weight, inv_rms, k,
+                             row_mask & k_mask[None, :], k_mask, K, PROLOGUE)
+                wt = tl.load(w_tile + k[None, :], mask=k_mask[None, :], other=0.0)
+            part += wt.to(tl.float32) * a.to(tl.float32)
+        acc = tl.broadcast_to(tl.sum(part, axis=1)[None, :], (BLOCK_M, BLOCK_N))
+    else:
+        w_rows = w + tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1
+                                ).to(tl.int64)[None, :] * K  # [1, BLOCK_N] rows
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            if K % BLOCK_K == 0:
+                a = _operand(x_rows, r_rows, norm_weight, inv_rms, k, row_mask, k < K, K,
+                             PROLOGUE)
+                wt = tl.load(w_rows + k[:, None])
+            else:
+                k_mask = k < K
+                a = _operand(x_rows, r_rows, norm_weight, inv_rms, k,
+                             row_mask & k_mask[None, :], k_mask, K, PROLOGUE)
+                wt = tl.load(w_rows + k[:, None], mask=k_mask[:, None], other=0.0)
+            acc = tl.dot(a, wt, acc)
+    return acc
+
+
 # M changes with the batch: not specialised, so a new batch size never compiles a variant.
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
-    x, w, bias, out, M, N,
+    x, residual, norm_weight, w, bias, out, sum_out, M, N, eps,
     K: tl.constexpr,
+    PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NORM_STAGES: tl.constexpr,
+    GEMV_STAGES: tl.constexpr,
 ):  # fmt: skip
-    rm = tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    # Rows of W past N read row N - 1 instead (their outputs are not stored): the weight loads,
-    # the bytes that matter, need no mask.
-    w_rows = w + tl.minimum(rn, N - 1).to(tl.int64)[None, :] * K
-    x_rows = x + rm.to(tl.int64)[:, None] * K
-    row_mask = rm[:, None] < M
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        if K % BLOCK_K == 0:
-            a = tl.load(x_rows + k[None, :], mask=row_mask, other=0.0)
-            wt = tl.load(w_rows + k[:, None])
-        else:
-            a = tl.load(x_rows + k[None, :], mask=row_mask & (k[None, :] < K), other=0.0)
-            wt = tl.load(w_rows + k[:, None], mask=k[:, None] < K, other=0.0)
-        acc = tl.dot(a, wt, acc)
+    pid = tl.program_id(0)
+    if PROLOGUE == 0:  # nothing computed per row: the 16-row tile costs what 1 row does
+        acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, K, PROLOGUE,
+                       BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, NORM_STAGES, GEMV_STAGES)
+    elif M == 1:  # a branch on M, not a variant: one compiled kernel serves every M
+        acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, K, PROLOGUE,
+                       1, BLOCK_M, BLOCK_N, BLOCK_K, NORM_STAGES, GEMV_STAGES)
+    else:
+        acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, K, PROLOGUE,
+                       BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, NORM_STAGES, GEMV_STAGES)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    rm = tl.arange(0, BLOCK_M)
     out_ptrs = out + rm.to(tl.int64)[:, None] * N + rn[None, :]
-    tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=row_mask & (rn[None, :] < N))
+    tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> None:
@@ -114,23 +226,70 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: 
         raise ValueError(f"bias {tuple(bias.shape)} must be [{weight.shape[0]}]")
 
 
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, prologue: int,
+    config: dict[str, int] | None, residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None, eps: float = 0.0, sum_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    _check(x, weight, bias, k)
+    n = weight.shape[0]
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    launch = dict(config or skinny_config(n, k, _num_sms(x.device)))
+    block_n = launch.pop("BLOCK_N")
+    launch.setdefault("NORM_STAGES", 2)
+    launch.setdefault("GEMV_STAGES", launch.get("num_stages", 3))
+    x = x.contiguous()
+    # Absent operands' pointers are x's: the kernel's PROLOGUE never reads them.
+    _skinny_kernel[(triton.cdiv(n, block_n),)](
+        x, x if residual is None else residual, x if norm_weight is None else norm_weight,
+        weight.contiguous(), bias, out, sum_out, x.shape[0], n, eps, K=k, PROLOGUE=prologue,
+        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, **launch,
+    )  # fmt: skip
+    return out
+
+
 def skinny_linear_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [M, K], M <= `MAX_ROWS`, in one kernel. `config`
     overrides `skinny_config` (the bench's sweep). Memory: the output [M, N] only."""
+    return _launch(x, weight, bias, x.shape[-1], NONE, config)
+
+
+def rms_norm_linear_triton(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(F.linear(rms_norm(x + residual), weight, bias), x + residual)` in one kernel, rounded
+    as `add_rms_norm` then `F.linear` are; without `residual`, `(F.linear(rms_norm(x), ...),
+    x)`. Memory: the output [M, N] and, with a residual, the sum [M, K]."""
     k = x.shape[-1]
-    _check(x, weight, bias, k)
-    n = weight.shape[0]
-    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    if x.shape[0] == 0:
-        return out
-    cfg = config or skinny_config(n, k, _num_sms(x.device))
-    launch = dict(cfg)
-    block_n = launch.pop("BLOCK_N")
-    _skinny_kernel[(triton.cdiv(n, block_n),)](
-        x.contiguous(), weight.contiguous(), bias, out, x.shape[0], n, K=k,
-        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, **launch,
-    )  # fmt: skip
-    return out
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"the norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} must "
+                         f"be [{k}] in x's dtype {x.dtype}")
+    summed = x
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x "
+                             f"{tuple(x.shape)} {x.dtype}")
+        residual = residual.contiguous()
+        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = _launch(x, weight, bias, k, RMS_NORM if residual is None else ADD_RMS_NORM, config,
+                  residual, norm_weight.contiguous(), eps, summed if residual is not None
+                  else None)
+    return out, summed
+
+
+def silu_and_mul_linear_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """`F.linear(silu_and_mul(x), weight, bias)` for `x = [gate, up]` [M, 2K] in one kernel,
+    rounded as `silu_and_mul` then `F.linear` are. Memory: the output [M, N] only."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last dim, got {x.shape[-1]}")
+    return _launch(x, weight, bias, x.shape[-1] // 2, SILU_AND_MUL, config)
