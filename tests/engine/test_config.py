@@ -129,6 +129,15 @@ def test_cli_round_trip() -> None:
     assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
 
 
+def test_small_batch_kernels_flag_reaches_the_engine_config() -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    for flags, expected in (([], False), (["--small-batch-kernels"], True),
+                            (["--no-small-batch-kernels"], False)):
+        args = EngineArgs.from_cli_args(parser.parse_args(flags))
+        assert args.small_batch_kernels is expected
+        assert config(small_batch_kernels=expected).small_batch_kernels is expected
+
+
 def test_explicit_extensible_cache_where_vmm_is_unusable_is_an_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

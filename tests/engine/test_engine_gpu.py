@@ -100,6 +100,41 @@ def test_a_warm_engine_compiles_no_kernel_for_new_batch_shapes(make_llm) -> None
     assert compiled == []
 
 
+def test_small_batch_kernels_give_the_default_greedy_tokens(make_llm) -> None:
+    """`small_batch_kernels` changes only the summation order of the products at up to 16
+    tokens (one rounding of bf16): on the trained tiny model greedy decoding is unchanged, from
+    graphs at every batch size and from eager steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in make_llm(cuda_graph_sizes=[1, 2, 4, 8, 16])
+                .generate(prompts(), params, use_tqdm=False)]
+    for kwargs in (dict(cuda_graph_sizes=[1, 2, 4, 8, 16]), dict(enforce_eager=True)):
+        llm = make_llm(small_batch_kernels=True, **kwargs)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+        llm.shutdown()
+        assert got == expected, kwargs
+
+
+def test_a_warm_engine_with_small_batch_kernels_compiles_nothing_for_new_batch_sizes(
+        make_llm) -> None:
+    """The skinny kernels specialise on no row count (M is a runtime argument, the M = 1 path a
+    branch inside the one variant): decode graphs of new sizes and eager steps of any small
+    token count reuse what warmup compiled."""
+    llm = make_llm(small_batch_kernels=True, cuda_graph_sizes=[1, 2, 4, 8, 16])
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm.generate(prompts(), params, use_tqdm=False)
+    g = torch.Generator().manual_seed(2)
+    lengths = (2, 3, 5, 9, 13, 16, 31)
+    other = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()}
+             for n in lengths]
+    other_params = [SamplingParams(temperature=1.0, max_tokens=2 + 3 * i, ignore_eos=True)
+                    for i in range(len(lengths))]
+    with triton_compiles() as compiled:
+        for prompt, p in zip(other, other_params, strict=True):  # one by one: steps of 1..16
+            llm.generate([prompt], p, use_tqdm=False)
+        llm.generate(other, other_params, use_tqdm=False)
+    assert compiled == []
+
+
 def test_the_report_splits_graph_pools_from_the_weights_on_either_sizing_path(make_llm) -> None:
     """`graphs_and_buffers` is torch's live memory besides the weights and the KV cache: it
     grows with captured graphs, and the estimate path, whose KV cache torch allocates, reports

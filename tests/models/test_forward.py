@@ -189,3 +189,47 @@ def test_dummy_real_shapes_give_finite_bf16_logits(name: str) -> None:
     logits = runner.step(prompts)
     logits |= runner.step({0: [7], 1: [8]})
     assert all(torch.isfinite(t).all() for t in logits.values())
+
+
+def test_small_batch_path_runs_its_fused_layers_and_matches(pair, monkeypatch) -> None:
+    """The small-batch wiring, on the CPU where its ops are the torch compositions (so the
+    logits must match bit for bit): under the switch a one-token decode runs every norm inside
+    the projection after it and the SiLU inside down_proj, a 9-token prefill the plain skinny
+    product, and the batch-invariant mode none of them."""
+    from kvfit.batch_invariant import batch_invariant_mode
+    from kvfit.models import parallel_layers
+    from kvfit.ops import small_batch
+
+    ours, _, config = pair
+    calls: dict[str, int] = {}
+
+    def counted(name: str, fn: Callable) -> Callable:
+        def spy(*args, **kwargs):  # noqa: ANN202
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return spy
+
+    for name in ("skinny_linear", "rms_norm_linear", "silu_and_mul_linear"):
+        monkeypatch.setattr(parallel_layers, name, counted(name, getattr(parallel_layers, name)))
+    # The CPU tensors stand in for CUDA ones: the row bounds decide.
+    monkeypatch.setattr(parallel_layers, "takes_skinny_path", lambda x: (
+        small_batch.is_small_batch_enabled() and 0 < x.shape[0] <= small_batch.MAX_ROWS))
+    monkeypatch.setattr(parallel_layers, "fuses_prologue", lambda x: (
+        small_batch.is_small_batch_enabled() and 0 < x.shape[0] <= small_batch.FUSED_MAX_ROWS))
+    prompt = random_tokens(9, 7)
+    steps = [{0: prompt}, {0: [5]}, {0: [6]}]
+    default = PagedRunner(ours, config)
+    expected = [default.step(s)[0] for s in steps]
+    skinny = PagedRunner(ours, config)
+    layers = config.num_hidden_layers
+    with small_batch.small_batch_kernels():
+        assert torch.equal(skinny.step(steps[0])[0], expected[0])
+        assert calls == {"skinny_linear": 4 * layers + 1}  # qkv, o, gate_up, down; LM head
+        calls.clear()
+        assert torch.equal(skinny.step(steps[1])[0], expected[1])
+        assert calls == {"rms_norm_linear": 2 * layers, "silu_and_mul_linear": layers,
+                         "skinny_linear": layers + 1}  # o_proj, the LM head
+        calls.clear()
+        with batch_invariant_mode():
+            skinny.step(steps[2])
+        assert calls == {}

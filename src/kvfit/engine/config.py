@@ -192,6 +192,9 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     elastic: ElasticConfig | None = None  # the co-tenancy governor (`elastic_kv_cache`)
     deterministic: bool = False  # batch-invariant kernels (`kvfit.batch_invariant`)
+    # One-node Triton linear layers (norms and SiLU folded in) for steps of at most 16 tokens
+    # on CUDA (`kvfit.ops.small_batch`); off in the deterministic mode, whose GEMMs win.
+    small_batch_kernels: bool = False
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """What one KV cache block holds on one rank, in `kv_cache_layout`: its share of the
@@ -254,6 +257,7 @@ class EngineArgs:
     batch_invariant: bool = False  # vLLM's name for `deterministic`
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    small_batch_kernels: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -404,6 +408,12 @@ class EngineArgs:
                        default=d.calculate_kv_scales,
                        help="with --kv-cache-dtype fp8: set each layer's k/v scales once, from "
                        "the first step's K/V (amax / 200 for K, / 100 for V), instead of 1.0")
+        p.add_argument("--small-batch-kernels", action=argparse.BooleanOptionalAction,
+                       default=d.small_batch_kernels,
+                       help="on CUDA, run steps of at most 16 tokens (small decode batches) "
+                       "through one-node Triton linear layers with the norms and SiLU folded "
+                       "in, instead of cuBLAS and separate kernels; ignored with "
+                       "--deterministic (default: off)")
         return parser
 
     @classmethod
@@ -468,6 +478,7 @@ class EngineArgs:
             parallel_config=self._parallel_config(hf_config, device),
             elastic=self._elastic_config(),
             deterministic=self.deterministic or self.batch_invariant,
+            small_batch_kernels=self.small_batch_kernels,
         )
 
     def _kv_connector_config(self) -> KVConnectorConfig | None:

@@ -30,6 +30,7 @@ from kvfit.kv.cache import ExtensibleKVCache
 from kvfit.models.loader import load_model
 from kvfit.models.weight_arena import WeightArena
 from kvfit.ops.attention import AttentionMetadata
+from kvfit.ops.small_batch import small_batch_kernels
 
 T = TypeVar("T")
 
@@ -41,10 +42,13 @@ _BLOCK_TABLE = operator.attrgetter("block_table")
 def _in_kernel_mode(method: Callable[..., T]) -> Callable[..., T]:
     """A `ModelRunner` method run with the batch-invariant mode on when the engine is
     `deterministic`: every op of the steps it launches or the graphs it captures then runs
-    its batch-invariant kernel (`kvfit.batch_invariant`)."""
+    its batch-invariant kernel (`kvfit.batch_invariant`). Likewise the small-batch kernels
+    (`kvfit.ops.small_batch`) when `small_batch_kernels` is set, outside that mode."""
     @functools.wraps(method)
     def wrapped(self: ModelRunner, *args: object, **kwargs: object) -> T:
-        with batch_invariant_mode(self.config.deterministic):
+        config = self.config
+        with (batch_invariant_mode(config.deterministic),
+              small_batch_kernels(config.small_batch_kernels and not config.deterministic)):
             return method(self, *args, **kwargs)
 
     return wrapped

@@ -16,6 +16,7 @@ from kvfit.models.parallel_layers import (
     VocabParallelEmbedding,
     even_shard,
     kv_head_shard,
+    small_batch_fused,
 )
 from kvfit.ops.attention import AttentionMetadata
 from kvfit.ops.attention_input import attention_input, stored_key
@@ -136,8 +137,14 @@ class LlamaAttention(nn.Module):
         """hidden [T, H] -> q [T, heads, head_dim]: the QKV projection, q/k norms, rope and the
         K/V store at `slot_mapping`. Reads no host bound of the step, so it is graph safe at
         any batch composition of T tokens (piecewise graphs capture it)."""
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
-        num_tokens = hidden.shape[0]  # not -1 in the views: T may be 0
+        return self.project_qkv(positions, self.qkv_proj(hidden), slot_mapping)
+
+    def project_qkv(
+        self, positions: torch.Tensor, qkv: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> torch.Tensor:
+        """`project` from the QKV projection's output [T, q + k + v]."""
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        num_tokens = qkv.shape[0]  # not -1 in the views: T may be 0
         if self.calculate_kv_scales:
             self._calculate_kv_scales(positions, k.view(num_tokens, self.num_kv_heads, -1), v)
         # q/k norms (Qwen3), rope and the K/V store in one launch: on CUDA, one kernel node
@@ -183,7 +190,17 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if small_batch_fused(gate_up):
+            return self.down_proj.forward_silu_and_mul(gate_up)
+        return self.down_proj(silu_and_mul(gate_up))
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(self(norm(x + residual)), x + residual)` with the norm in gate_up's kernel and the
+        SiLU in down's (`small_batch_fused` inputs only)."""
+        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm.weight, norm.eps)
+        return self.down_proj.forward_silu_and_mul(gate_up), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -210,7 +227,12 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
         slot_mapping: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q of this layer, the residual stream): the input norm and `LlamaAttention.project`."""
+        """(q of this layer, the residual stream): the input norm and `LlamaAttention.project`;
+        for a few rows under the small-batch kernels, the norm inside the QKV projection."""
+        if small_batch_fused(hidden):
+            norm, attn = self.input_layernorm, self.self_attn
+            qkv, residual = attn.qkv_proj.forward_normed(hidden, residual, norm.weight, norm.eps)
+            return attn.project_qkv(positions, qkv, slot_mapping), residual
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -222,6 +244,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream) from the attention output [T, heads, head_dim]."""
         hidden = self.self_attn.o_proj(attn_out.flatten(1))
+        if small_batch_fused(hidden):
+            return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

@@ -18,6 +18,29 @@ from torch import nn
 from kvfit.batch_invariant import is_batch_invariant
 from kvfit.batch_invariant.functional import linear
 from kvfit.distributed import all_gather, all_reduce, tp_rank, tp_size
+from kvfit.ops.small_batch import (
+    fuses_prologue,
+    rms_norm_linear,
+    silu_and_mul_linear,
+    skinny_linear,
+    takes_skinny_path,
+)
+
+
+def small_batch_fused(x: torch.Tensor) -> bool:
+    """Whether the norm or SiLU before a linear layer of input `x` rides in its kernel now
+    (`kvfit.ops.small_batch`); never in the batch-invariant mode, whose GEMMs keep one K
+    order for every M."""
+    return fuses_prologue(x) and not is_batch_invariant()
+
+
+def _local_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's product: the small-batch kernel for a few rows while it is on, else
+    `linear` (cuBLAS, or the batch-invariant GEMM in that mode)."""
+    if takes_skinny_path(x) and not is_batch_invariant():
+        return skinny_linear(x, weight, bias)
+    return linear(x, weight, bias)
 
 
 @dataclass(frozen=True)
@@ -75,7 +98,13 @@ class MergedColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(sum(self.output_sizes))) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return _local_linear(x, self.weight, self.bias)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(self(rms_norm(x + residual)), x + residual)` (without a residual, `x` second) in
+        one kernel (`kvfit.ops.small_batch.rms_norm_linear`): the small-batch path only."""
+        return rms_norm_linear(x, residual, norm_weight, eps, self.weight, self.bias)
 
     def shard(self, param: torch.Tensor, name: str) -> torch.Tensor:
         """The rows of `param` (this module's weight or bias) that checkpoint `name` fills."""
@@ -102,8 +131,17 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
-            return linear(x, self.weight, self.bias)
-        y = _sum_over_ranks(linear(x, self.weight))
+            return _local_linear(x, self.weight, self.bias)
+        y = _sum_over_ranks(_local_linear(x, self.weight))
+        return y if self.bias is None else y.add_(self.bias)
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`self(silu_and_mul(x))` with the SiLU in the local product's kernel
+        (`kvfit.ops.small_batch.silu_and_mul_linear`): the small-batch path only. Each rank's
+        `x` holds its gate and up columns, so the SiLU of its slice is its share."""
+        if tp_size() == 1:
+            return silu_and_mul_linear(x, self.weight, self.bias)
+        y = _sum_over_ranks(silu_and_mul_linear(x, self.weight))
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -163,5 +201,5 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.zeros(rows, hidden_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather(linear(hidden, self.weight), dim=-1)
+        logits = all_gather(_local_linear(hidden, self.weight), dim=-1)
         return logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size]

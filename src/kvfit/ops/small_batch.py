@@ -1,14 +1,28 @@
-"""Linear layers for few rows (the small-batch kernels): `y = x W^T (+ b)` in one kernel on
-CUDA (`triton_skinny`), `F.linear` elsewhere.
+"""The small-batch kernels switch (`small_batch_kernels=True` / `--small-batch-kernels`) and
+the linear layers it routes: `y = x W^T (+ b)` for a few rows, alone or with the op before it
+(residual add + RMSNorm, SiLU-and-mul) folded into the same kernel (`triton_skinny`).
 
 At decode batch 1 a step is paced by its kernel nodes, not its bytes: cuBLAS takes 5-8 us for a
-2-8 MB weight that an H200 streams in ~2 us, sometimes as two nodes (split-K and its reduction).
+2-8 MB weight that an H200 streams in ~2 us, sometimes as two nodes (split-K and its reduction),
+and each norm and SiLU between the GEMMs is a node of its own. The skinny path is one node per
+linear layer and none for those two ops.
+
+A context variable, like the batch-invariant mode: the model runner sets it around each step it
+launches and each CUDA graph it captures, so two engines in one process each run their own
+kernels and a graph replays those chosen at its capture. Decode graphs are captured per batch
+size, so each graph holds one path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
+
+from kvfit.ops.layers import add_rms_norm_torch, rms_norm_torch, silu_and_mul_torch
 
 MAX_ROWS = 16
 """The most rows (tokens) a forward may have to take the skinny kernels. Up to 16 rows cost the
@@ -19,6 +33,46 @@ which reuse each weight tile across rows, are the better tool."""
 
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
+FUSED_MAX_ROWS = 1
+"""The most rows at which the model folds the norms and the SiLU into the linear layer after
+them (`rms_norm_linear`, `silu_and_mul_linear`); from 2 rows up to `MAX_ROWS` it runs them as
+their own kernels and the plain skinny product. Every program of a fused kernel recomputes
+its prologue, ~10 (norm) to ~30 (SiLU) instructions per x element: nothing for one row, and
+at 16 rows the SiLU alone costs the down projection ~2,000 instructions per 8 KB weight stage
+(`triton_skinny`). `bench/skinny_linear.py` times fused against unfused at 1-16 rows; raise
+this where it says the fused pairs win."""
+
+_ENABLED: ContextVar[bool] = ContextVar("kvfit_small_batch_kernels", default=False)
+
+
+def is_small_batch_enabled() -> bool:
+    """Whether `small_batch_kernels` is on for the ops called now."""
+    return _ENABLED.get()
+
+
+@contextmanager
+def small_batch_kernels(enabled: bool = True) -> Iterator[None]:
+    """Run the block with the small-batch kernels on (or off); the previous state comes back
+    on exit."""
+    token = _ENABLED.set(enabled)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def takes_skinny_path(x: torch.Tensor) -> bool:
+    """Whether a linear layer of input `x` [T, K] runs the skinny kernels now: the switch is
+    on, `x` is a CUDA bf16/fp16 tensor and 1 <= T <= `MAX_ROWS`."""
+    return (_ENABLED.get() and x.is_cuda and x.dtype in SKINNY_DTYPES
+            and 0 < x.shape[0] <= MAX_ROWS)
+
+
+def fuses_prologue(x: torch.Tensor) -> bool:
+    """Whether the norm or SiLU before a linear layer of input `x` rides in its kernel now:
+    `takes_skinny_path(x)` and at most `FUSED_MAX_ROWS` rows."""
+    return takes_skinny_path(x) and x.shape[0] <= FUSED_MAX_ROWS
+
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -28,3 +82,39 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
 
         return skinny_linear_triton(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def rms_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(F.linear(rms_norm(x + residual), weight, bias), x + residual)` (without a residual,
+    `x` itself is the second) in one kernel on CUDA; the norm's output never reaches memory."""
+    if x.is_cuda:
+        from kvfit.ops.triton_skinny import rms_norm_linear_triton  # CUDA-only dependency
+
+        return rms_norm_linear_triton(x, residual, norm_weight, eps, weight, bias)
+    return rms_norm_linear_torch(x, residual, norm_weight, eps, weight, bias)
+
+
+def rms_norm_linear_torch(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused chain of `rms_norm_linear`: the CPU path and the fused kernel's oracle."""
+    if residual is None:
+        normed, summed = rms_norm_torch(x, norm_weight, eps), x
+    else:
+        normed, summed = add_rms_norm_torch(x, residual, norm_weight, eps)
+    return F.linear(normed, weight, bias), summed
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(silu_and_mul(x), weight, bias)` for `x = [gate, up]` in one kernel on CUDA;
+    the SiLU product never reaches memory."""
+    if x.is_cuda:
+        from kvfit.ops.triton_skinny import silu_and_mul_linear_triton  # CUDA-only dependency
+
+        return silu_and_mul_linear_triton(x, weight, bias)
+    return F.linear(silu_and_mul_torch(x), weight, bias)
