@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the `gpu` test suite, then the benchmarks named as arguments, each
 # a bench name optionally followed by its flags in one quoted argument (vmm attention throughput
-# capacity sampling adversarial; none = tests only). Output goes to $OUT (or ./gpu-out): run.log
+# capacity sampling adversarial skinny_linear; none = tests only). Output goes to $OUT (or ./gpu-out): run.log
 # with every log, gpu_tests$TAG.log and <bench>$TAG.json; few files, since the device returns at
 # most 8. BENCH_TIMEOUT (default 240 s) bounds each bench.
 #   bash bench/run_gpu.sh vmm attention "capacity --startup-rounds 3"

@@ -128,6 +128,15 @@ def batch_invariant_gemm() -> dict[str, Any]:
             "checks": checks, "picks": []}
 
 
+def skinny_linear() -> dict[str, Any]:
+    us = {"cublas": 6.0, "skinny": 3.0, "unfused": 9.0, "fused": 3.5}
+    rows = [{"model": "qwen3-0.6b", "layer": "qkv_proj", "n": 4096, "k": 1024, "m": m,
+             "prologue": "add_rms_norm", "weight_copies": 64, "us": us,
+             "weight_gb_per_s": {k: 8.4e6 / (v * 1e3) for k, v in us.items()},
+             "skinny_over_cublas": 0.5, "fused_over_unfused": 3.5 / 9.0} for m in (1, 16)]
+    return {"device": "cpu", "dtype": "bf16", "layers": rows}
+
+
 def attention_batch_invariant() -> dict[str, Any]:
     return {"device": "cpu", "copy_gb_per_s": 100.0, "cases": [
         {"case": "decode", "batch": 256, "length": 1024, "default_ms": 0.1, "mode_ms": 0.3,
@@ -139,7 +148,7 @@ def attention_batch_invariant() -> dict[str, Any]:
 ALL = {"capacity": capacity, "throughput": throughput, "serving": serving, "sleep": sleep,
        "sampling": sampling, "adversarial": adversarial, "elastic": elastic,
        "elastic-pair": elastic_pair, "async-engine": async_engine, "kv-dtype": kv_dtype,
-       "batch-invariant-gemm": batch_invariant_gemm,
+       "batch-invariant-gemm": batch_invariant_gemm, "skinny-linear": skinny_linear,
        "attention-batch-invariant": attention_batch_invariant}
 
 

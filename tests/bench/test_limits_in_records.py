@@ -28,8 +28,8 @@ BOTH = {"copy_gb_per_s": figure(4000.0, "GB/s", "higher"),
 # What writes a record; each on a GPU measures both limits before its engines start.
 RECORD_WRITERS = {*(BENCH_DIR / f"{name}.py" for name in (
     "adversarial", "async_engine", "attention", "batch_invariant_gemm", "capacity",
-    "determinism", "elastic", "elastic_pair", "kv_dtype", "sampling", "serving", "sleep",
-    "throughput", "vmm")),
+    "determinism", "elastic", "elastic_pair", "kv_dtype", "sampling", "serving",
+    "skinny_linear", "sleep", "throughput", "vmm")),
     *(BENCH_DIR.parent / "src" / "kvfit" / "commands" / f"{name}.py"
       for name in ("bench_offline", "bench_serve"))}
 
@@ -94,7 +94,7 @@ def test_in_run_limits_on_a_gpu_leave_this_process_as_it_was() -> None:
 # The benches whose --device defaults to CUDA (or that need it): run where torch sees no CUDA
 # device they must refuse with a usage error naming the fix, not die in in_run_limits' process.
 CUDA_ONLY_BY_DEFAULT = ("adversarial", "attention", "batch_invariant_gemm", "capacity", "elastic",
-                        "elastic_pair", "sampling")
+                        "elastic_pair", "sampling", "skinny_linear")
 
 
 @pytest.mark.parametrize("name", CUDA_ONLY_BY_DEFAULT)

@@ -220,6 +220,19 @@ def batch_invariant_gemm(p: dict[str, Any]) -> Figures:
     return f
 
 
+def skinny_linear(p: dict[str, Any]) -> Figures:
+    """The small-batch kernels against cuBLAS and the fused pairs against their chains, per
+    layer and M; the sweep's configs are exploration, not claims."""
+    f: Figures = {}
+    for r in p["layers"]:
+        name = f"{r['model']}.{r['layer']}.m{r['m']}"
+        f[f"{name}.skinny_over_cublas"] = figure(r["skinny_over_cublas"], "ratio", "lower")
+        f[f"{name}.skinny_gb_per_s"] = figure(r["weight_gb_per_s"]["skinny"], "GB/s", "higher")
+        if "fused_over_unfused" in r:
+            f[f"{name}.fused_over_unfused"] = figure(r["fused_over_unfused"], "ratio", "lower")
+    return f
+
+
 def vmm(p: dict[str, Any]) -> Figures:
     return {"growth_us_per_chunk": figure(p["growth_us_per_chunk"], "us", "lower"),
             "release_plus_recommit_s": figure(p["release_plus_recommit_s"], "s", "lower"),
@@ -351,7 +364,7 @@ FIGURES: dict[str, Callable[[Any], Figures]] = {
     "capacity": capacity, "throughput": throughput, "serving": serving, "sleep": sleep,
     "elastic": elastic, "elastic-pair": elastic_pair, "sampling": sampling,
     "attention": attention, "attention-batch-invariant": attention_batch_invariant, "vmm": vmm,
-    "batch-invariant-gemm": batch_invariant_gemm,
+    "batch-invariant-gemm": batch_invariant_gemm, "skinny-linear": skinny_linear,
     "adversarial": adversarial, "sampling-sweep": no_figures, "attention-sweep": no_figures,
     "bench-throughput": bench_throughput, "bench-latency": bench_latency,
     "bench-serve": bench_serve, "async-engine": async_engine, "kv-dtype": kv_dtype,
@@ -376,8 +389,8 @@ def _bench_of(data: Any, name: str) -> str:
                        ("kv_cache_dtypes", "kv-dtype"),
                        ("sweeps", "adversarial"), ("serve", "serving"), ("components", "sleep"),
                        ("samples", "elastic"), ("modes", "elastic-pair"), ("prefill", "attention"),
-                       ("growth_gib", "vmm"), ("throughput", "throughput"),
-                       ("copy_bandwidth_gbps", "throughput")):
+                       ("growth_gib", "vmm"), ("layers", "skinny-linear"),
+                       ("throughput", "throughput"), ("copy_bandwidth_gbps", "throughput")):
         if key in data:
             return bench
     if "rows" in data and "offline" in data:

@@ -1,0 +1,175 @@
+"""The small-batch linear kernels (`kvfit.ops.triton_skinny`) against cuBLAS at decode sizes.
+
+    PYTHONPATH=src python3 bench/skinny_linear.py --out $OUT/skinny-linear.json
+
+CUDA only (Triton and a GPU); about a minute on an H200 (an estimate: 10 shapes x 5 M x 2-4
+ops, each a CUDA-graph replay of ~0.1 s, and ~10 compiles of a few seconds).
+
+Shapes: the linear layers of `--models` (default the built-in 0.6B: hidden 1024, q 2048, kv
+1024 each, intermediate 3072; and 8B: hidden 4096, q 4096, kv 1024 each, intermediate 12288)
+and their LM head (vocab 151936), bf16, at M in `--m` (1 2 4 8 16). Per shape and M, each op
+is timed as a CUDA graph node (`triton.testing.do_bench_cudagraph`), as a decode graph runs
+it, over as many copies of the weight as fill `--rotate-mib` (default 512 MiB, several L2s)
+so that every call reads its weight from DRAM as a decode step does:
+
+- `cublas`: `F.linear`; `skinny`: `skinny_linear_triton`;
+- where the model folds an op in (qkv and gate_up after the residual add + RMSNorm, down after
+  SiLU-and-mul): `unfused` (the op's own kernel, then `F.linear`) and `fused`
+  (`rms_norm_linear_triton` / `silu_and_mul_linear_triton`).
+
+Reported: microseconds, the weight's GB/s and that over the in-run copy bandwidth
+(`copy_gb_per_s`), skinny/cublas and fused/unfused. With `--sweep`, the skinny kernel at each
+of a few tile configs too (exploration for `skinny_config`). Writes a record
+(`kvfit.benchmarks.record`) to --out and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.limits import in_run_limits
+from kvfit.benchmarks.record import write_record
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Shape:
+    model: str
+    layer: str
+    n: int
+    k: int
+    prologue: str  # "none", "add_rms_norm" or "silu_and_mul"
+
+
+def shapes(model: str) -> list[Shape]:
+    """The linear layers of one decoder layer of `model` (a built-in name or a folder) and its
+    LM head at tensor parallel 1, as `kvfit.models.llama` builds them, with the op the
+    small-batch path folds into each."""
+    from kvfit.models.llama import head_dim
+    from kvfit.models.loader import load_hf_config
+
+    c = load_hf_config(model)
+    heads, dim = c.num_attention_heads, head_dim(c)
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    return [Shape(model, "qkv_proj", (heads + 2 * kv_heads) * dim, c.hidden_size, "add_rms_norm"),
+            Shape(model, "o_proj", c.hidden_size, heads * dim, "none"),
+            Shape(model, "gate_up_proj", 2 * c.intermediate_size, c.hidden_size, "add_rms_norm"),
+            Shape(model, "down_proj", c.hidden_size, c.intermediate_size, "silu_and_mul"),
+            Shape(model, "lm_head", c.vocab_size, c.hidden_size, "none")]
+
+
+SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
+         for bn, bk, w, s in ((16, 256, 2, 4), (16, 512, 4, 3), (32, 256, 4, 4),
+                              (32, 128, 4, 6), (64, 128, 4, 4), (64, 256, 8, 3))]
+
+
+def _time_us(calls: list[Callable[[], object]]) -> float:
+    """Microseconds per call, replaying all of `calls` (one per weight copy) as one graph."""
+    import triton.testing
+
+    def run() -> None:
+        for call in calls:
+            call()
+
+    return triton.testing.do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3 / len(calls)
+
+
+def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool) -> dict:
+    from kvfit.ops import triton_skinny as ts
+    from kvfit.ops.layers import add_rms_norm, silu_and_mul
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    weight_bytes = shape.n * shape.k * 2
+    copies = max(1, min(64, -(-rotate_bytes // weight_bytes)))
+    ws = [torch.randn(shape.n, shape.k, device=dev, dtype=dtype) / shape.k**0.5
+          for _ in range(copies)]
+    x = torch.randn(m, shape.k, device=dev, dtype=dtype)
+    res = torch.randn(m, shape.k, device=dev, dtype=dtype)
+    norm = torch.ones(shape.k, device=dev, dtype=dtype)
+    gate_up = torch.randn(m, 2 * shape.k, device=dev, dtype=dtype)
+    us = {"cublas": _time_us([lambda w=w: F.linear(x, w) for w in ws]),
+          "skinny": _time_us([lambda w=w: ts.skinny_linear_triton(x, w) for w in ws])}
+    if shape.prologue == "add_rms_norm":
+        us["unfused"] = _time_us([lambda w=w: F.linear(add_rms_norm(x, res, norm, 1e-6)[0], w)
+                                  for w in ws])
+        us["fused"] = _time_us([lambda w=w: ts.rms_norm_linear_triton(x, res, norm, 1e-6, w)
+                                for w in ws])
+    elif shape.prologue == "silu_and_mul":
+        us["unfused"] = _time_us([lambda w=w: F.linear(silu_and_mul(gate_up), w) for w in ws])
+        us["fused"] = _time_us([lambda w=w: ts.silu_and_mul_linear_triton(gate_up, w)
+                                for w in ws])
+    if sweep:
+        for cfg in SWEEP:
+            name = "n{BLOCK_N}k{BLOCK_K}w{num_warps}s{num_stages}".format(**cfg)
+            us[f"skinny.{name}"] = _time_us([lambda w=w, c=cfg: ts.skinny_linear_triton(
+                x, w, config=c) for w in ws])
+    row = {"model": shape.model, "layer": shape.layer, "n": shape.n, "k": shape.k, "m": m,
+           "prologue": shape.prologue, "weight_copies": copies, "us": us,
+           "weight_gb_per_s": {k: weight_bytes / (v * 1e3) for k, v in us.items()},
+           "skinny_over_cublas": us["skinny"] / us["cublas"]}
+    if "fused" in us:
+        row["fused_over_unfused"] = us["fused"] / us["unfused"]
+    return row
+
+
+def table_text(result: dict) -> str:
+    copy = result.get("copy_gb_per_s")
+    lines = [f"{'model':16} {'layer':13} {'M':>3} {'cublas us':>9} {'skinny us':>9} "
+             f"{'GB/s':>7} {'of copy':>7} {'unfused':>8} {'fused':>8}"]
+    for r in result["layers"]:
+        gbps = r["weight_gb_per_s"]["skinny"]
+        share = f"{gbps / copy:7.2f}" if copy else f"{'-':>7}"
+        us = r["us"]
+        lines.append(f"{r['model']:16} {r['layer']:13} {r['m']:3d} {us['cublas']:9.2f} "
+                     f"{us['skinny']:9.2f} {gbps:7.0f} {share} "
+                     f"{us.get('unfused', float('nan')):8.2f} {us.get('fused', float('nan')):8.2f}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="where to write the record (JSON)")
+    p.add_argument("--models", nargs="+", default=["qwen3-0.6b-shape", "qwen3-8b-shape"],
+                   help="built-in model names or folders whose layer shapes to time")
+    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="rows (<= 16)")
+    p.add_argument("--rotate-mib", type=int, default=512,
+                   help="weight copies cycled per timing, so each call reads DRAM, not L2")
+    p.add_argument("--sweep", action="store_true", help="time the skinny kernel's SWEEP configs")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device: it times the Triton kernels against cuBLAS")
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        parser.error(f"needs Triton (pip install 'kvfit[cuda]'): {e}")
+    if max(args.m) > 16 or min(args.m) < 1:
+        parser.error("--m values must be in 1..16 (the skinny kernels' MAX_ROWS)")
+    limits = in_run_limits("cuda")
+    rows = []
+    for shape in [s for model in args.models for s in shapes(model)]:
+        for m in args.m:
+            rows.append(measure(shape, m, args.rotate_mib * MiB, args.sweep))
+        print(f"{shape.model} {shape.layer}: done", flush=True)
+        torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name(), "dtype": "bf16", "layers": rows, **limits}
+    write_record(args.out, record_of("skinny-linear", result, vars(args)))
+    print(table_text(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

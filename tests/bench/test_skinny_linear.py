@@ -1,0 +1,48 @@
+"""bench/skinny_linear.py without a GPU: its arguments, the shapes it reads from the model
+configs, and the table and record it builds from timings (fake ones here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import validate
+
+from .payloads import skinny_linear as payload
+from .scripts import load_bench
+
+
+@pytest.fixture(scope="module")
+def bench():  # noqa: ANN201 (the bench module)
+    return load_bench("skinny_linear")
+
+
+def test_arguments(bench) -> None:  # noqa: ANN001
+    args = bench.build_parser().parse_args(["--out", "x.json"])
+    assert args.m == [1, 2, 4, 8, 16] and not args.sweep
+    assert args.models == ["qwen3-0.6b-shape", "qwen3-8b-shape"]
+
+
+def test_shapes_are_the_models_linear_layers_with_their_folded_ops(bench) -> None:  # noqa: ANN001
+    small = {s.layer: (s.n, s.k, s.prologue) for s in bench.shapes("qwen3-0.6b-shape")}
+    assert small == {"qkv_proj": (4096, 1024, "add_rms_norm"), "o_proj": (1024, 2048, "none"),
+                     "gate_up_proj": (6144, 1024, "add_rms_norm"),
+                     "down_proj": (1024, 3072, "silu_and_mul"), "lm_head": (151936, 1024, "none")}
+    large = {s.layer: (s.n, s.k) for s in bench.shapes("qwen3-8b-shape")}
+    assert large["qkv_proj"] == (6144, 4096) and large["down_proj"] == (4096, 12288)
+
+
+def test_the_sweep_configs_keep_the_kernels_constraints(bench) -> None:  # noqa: ANN001
+    """BLOCK_N at least 16 (tl.dot's smallest tile), BLOCK_K dividing every model K."""
+    for cfg in bench.SWEEP:
+        assert cfg["BLOCK_N"] >= 16
+        assert all(k % cfg["BLOCK_K"] == 0 for k in (1024, 2048, 3072, 4096, 12288))
+
+
+def test_table_and_record_from_timings(bench) -> None:  # noqa: ANN001
+    result = payload() | {"copy_gb_per_s": 4000.0}
+    text = bench.table_text(result)
+    assert "qkv_proj" in text and text.count("\n") == len(result["layers"])
+    record = record_of("skinny-linear", result, {"m": [1, 16]})
+    assert validate(record) == []
+    assert record["figures"]["qwen3-0.6b.qkv_proj.m1.fused_over_unfused"]["value"] == 3.5 / 9
