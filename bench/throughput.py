@@ -14,6 +14,8 @@ engine step while a batch of sequences of about `--decode-context` tokens all de
 tokens are read; CUDA graphs unless --enforce-eager); and, for reference, the median synchronous
 model-runner step (host work and device work one after the other). TTFT: one prompt of
 `--ttft-len` random tokens, one output token, in one prefill step (median of `--ttft-repeat`).
+`--small-batch-kernels both` runs each decode row with the engine's `small_batch_kernels` off
+and then on (one engine each), side by side; offline and TTFT runs use the first setting.
 
 Limits (`kvfit.benchmarks.limits`): the copy bandwidth and bf16 GEMM throughput are measured
 first, in the same run; every step each measurement launched is recorded as scheduled, and its
@@ -133,7 +135,8 @@ def bench_throughput(args: argparse.Namespace, limits: DeviceLimits, backend: st
     llm = LLM(args.model, device=args.device, load_format="dummy",
               max_model_len=2 * args.max_len + 1, enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size,
-              distributed_executor_backend=backend, cudagraph_mode=cudagraph_mode)
+              distributed_executor_backend=backend, cudagraph_mode=cudagraph_mode,
+              small_batch_kernels=small_batch_settings(args)[0])
     vocab = llm.config.model_config.hf_config.vocab_size
     seeds = [args.seed + i for i in range(args.repeat)]
     if args.warmup:
@@ -243,12 +246,22 @@ def runner_step(llm: LLM, batch: ScheduledBatch, iters: int) -> float:
     return median_seconds(lambda: runner.execute(batch), llm.config.device, iters)
 
 
-def bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits) -> list[dict]:
+SMALL_BATCH_SETTINGS = {"off": [False], "on": [True], "both": [False, True]}
+
+
+def small_batch_settings(args: argparse.Namespace) -> list[bool]:
+    """The engine's `small_batch_kernels` per decode run (`--small-batch-kernels`)."""
+    return SMALL_BATCH_SETTINGS[args.small_batch_kernels]
+
+
+def bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
+                 small_batch: bool = False) -> list[dict]:
     """Decode step time at each batch size against the limit of the same steps (weights and
-    KV reads over the copy bandwidth, unless the GEMMs' FLOPs take longer)."""
+    KV reads over the copy bandwidth, unless the GEMMs' FLOPs take longer), with the engine's
+    `small_batch_kernels` set to `small_batch`."""
     llm = LLM(model, device=args.device, load_format="dummy", max_num_seqs=max(args.decode_batches),
               max_model_len=args.decode_context + 256, enforce_eager=args.enforce_eager,
-              cudagraph_mode=args.cudagraph_mode[0])
+              cudagraph_mode=args.cudagraph_mode[0], small_batch_kernels=small_batch)
     runner = llm.engine.executor.workers[0].runner
     spec = runner.kv_cache_spec
     shape = model_shape(llm)
@@ -270,6 +283,7 @@ def bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits) -> 
                                   limits).seconds
         rows.append({
             "model": model, "batch": batch_size, "context": context,
+            "small_batch_kernels": small_batch,
             "step_ms": step * 1e3, "roofline_ms": roofline * 1e3, "ratio": step / roofline,
             "of_limit": roofline / step,
             "sync_step_ms": sync_step * 1e3, "sync_ratio": sync_step / sync_roofline,
@@ -289,7 +303,8 @@ def bench_ttft(model: str, args: argparse.Namespace, limits: DeviceLimits) -> di
     llm = LLM(model, device=args.device, load_format="dummy", max_model_len=args.ttft_len + 1,
               max_num_batched_tokens=args.ttft_len, max_num_seqs=1,
               enable_prefix_caching=False, enforce_eager=args.enforce_eager,
-              cudagraph_mode=args.cudagraph_mode[0])
+              cudagraph_mode=args.cudagraph_mode[0],
+              small_batch_kernels=small_batch_settings(args)[0])
     vocab = llm.config.model_config.hf_config.vocab_size
     rng = random.Random(args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -346,6 +361,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="one offline run per mode, side by side, with the ratio to the "
                              "first (the default: prefill and mixed steps eager, then from "
                              "piecewise graphs); decode and TTFT runs use the first")
+    parser.add_argument("--small-batch-kernels", choices=sorted(SMALL_BATCH_SETTINGS),
+                        default="off",
+                        help="the engine's small_batch_kernels (CUDA only: a no-op on the "
+                             "CPU): off, on, or both: each decode row off then on, side by "
+                             "side; offline and TTFT runs use the first (default: %(default)s)")
     parser.add_argument("--profile", metavar="PATH",
                         help="after the timed run, profile the offline workload once more and "
                              "write the kernel table and device busy time to PATH")
@@ -373,8 +393,9 @@ def main(argv: list[str] | None = None) -> None:
         result["throughput"] = result["throughputs"][0]
     result["decode"] = []
     for model in args.decode_models:
-        result["decode"] += bench_decode(model, args, limits)
-        gc.collect()
+        for small_batch in small_batch_settings(args):
+            result["decode"] += bench_decode(model, args, limits, small_batch)
+            gc.collect()
     result["ttft"] = []
     for model in args.ttft_models:
         result["ttft"].append(bench_ttft(model, args, limits))
@@ -400,11 +421,13 @@ def print_tables(result: dict) -> None:
               f"({t['limit']['memory_bound_steps']}/{t['limit']['num_steps']} steps "
               f"memory-bound): {t['of_limit']:.1%} of the limit")
     print(f"{'model':<18} {'batch':>5} {'context':>7} {'step ms':>8} {'limit ms':>8} "
-          f"{'ratio':>5} {'of limit':>8} {'sync step ms':>12} {'sync ratio':>10} graphs")
+          f"{'ratio':>5} {'of limit':>8} {'sync step ms':>12} {'sync ratio':>10} graphs "
+          f"small-batch")
     for r in result["decode"]:
         print(f"{r['model']:<18} {r['batch']:>5} {r['context']:>7.0f} {r['step_ms']:>8.3f} "
               f"{r['roofline_ms']:>8.3f} {r['ratio']:>5.2f} {r['of_limit']:>8.1%} "
-              f"{r['sync_step_ms']:>12.3f} {r['sync_ratio']:>10.2f} {r['graphs']}")
+              f"{r['sync_step_ms']:>12.3f} {r['sync_ratio']:>10.2f} {r['graphs']!s:6} "
+              f"{r.get('small_batch_kernels', False)}")
     for r in result.get("ttft", []):
         print(f"TTFT {r['model']} {r['prompt_len']} tokens: {r['ttft_s'] * 1e3:.1f} ms, limit "
               f"{r['limit_s'] * 1e3:.1f} ms ({r['limit']['gemm_tflop']:.3g} TFLOP GEMM + "

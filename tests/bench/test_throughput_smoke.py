@@ -63,3 +63,19 @@ def test_throughput_bench_records_each_figure_against_its_limit(bench, tmp_path:
         name = f"offline.uni.{t['cudagraph_mode']}"
         assert figures[f"{name}.output_tokens_per_s"]["value"] == t["output_tokens_per_s"]
         assert figures[f"{name}.of_limit"]["value"] == t["of_limit"]
+
+
+def test_decode_rows_side_by_side_with_and_without_small_batch_kernels(bench,  # noqa: ANN001
+                                                                        tmp_path: Path) -> None:
+    """`--small-batch-kernels both`: each decode row once per setting, named apart in the
+    figures (on the CPU the switch changes nothing: the kernels are CUDA-only)."""
+    out = tmp_path / "t.json"
+    bench.main(["--device", "cpu", "--skip-throughput", "--decode-models", "kvfit-tiny",
+                "--decode-batches", "1", "2", "--decode-context", "32", "--iters", "2",
+                "--ttft-models", "--small-batch-kernels", "both", "--out", str(out)])
+    record = json.loads(out.read_text())
+    rows = [(d["batch"], d["small_batch_kernels"]) for d in record["results"]["decode"]]
+    assert rows == [(1, False), (2, False), (1, True), (2, True)]
+    figures = record["figures"]
+    assert "decode.kvfit-tiny.batch1.step_ms" in figures
+    assert "decode.kvfit-tiny.batch1.small_batch.step_ms" in figures

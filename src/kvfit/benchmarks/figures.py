@@ -62,7 +62,9 @@ def throughput(p: dict[str, Any]) -> Figures:
         if "of_limit" in r:
             f[f"{name}.of_limit"] = figure(r["of_limit"], "fraction", "higher")
     for d in p.get("decode", []):
-        name = f"decode.{d['model']}.batch{d['batch']}"
+        # Rows with the small-batch kernels (`--small-batch-kernels`) beside the default ones.
+        small = ".small_batch" if d.get("small_batch_kernels") else ""
+        name = f"decode.{d['model']}.batch{d['batch']}{small}"
         f[f"{name}.step_ms"] = figure(d["step_ms"], "ms", "lower")
         f[f"{name}.over_roofline"] = figure(d["ratio"], "ratio", "lower")
     for r in p.get("ttft", []):
