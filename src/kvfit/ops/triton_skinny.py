@@ -20,8 +20,8 @@ times. The kernel is shaped for that stream rather than for reuse:
   instructions per x element per program, cheap for one row and not for 16 (see `_product`).
 - Bytes in flight: an H200 streams ~4.8 TB/s against ~0.6-0.8 us of DRAM latency, so each of
   its 132 SMs needs ~25-30 KB of loads outstanding. `skinny_config` sizes one weight stage at
-  8-16 KB and keeps num_stages - 1 = 3 of them in flight per program (24-48 KB), with BLOCK_N
-  as wide as still gives every SM a program (`skinny_config` has the numbers per shape).
+  8-16 KB, of which the pipeline buffers num_stages - 1 = 3 (2-3 in flight per program:
+  16-48 KB), with BLOCK_N as wide as still gives every SM a program (numbers per shape there).
 
 The launch shape follows the tensor shapes only (graph safe). K is a constexpr (a layer's K
 never changes, and a static trip count lets the loop drop its mask when BLOCK_K divides K).
@@ -59,10 +59,11 @@ def skinny_config(n: int, k: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int]
     LM head (151936) 64 and 2374.
 
     BLOCK_K makes one stage's weight tile 8 KB (BLOCK_N 16: 16 x 256 x 2 B) or 16 KB (32 x 256,
-    64 x 128); with num_stages = 4, three stages are in flight per program: 24-48 KB, the
-    ~25-30 KB an SM needs outstanding to stream at copy bandwidth. Shared memory per program
-    is num_stages x (BLOCK_N + 16) x BLOCK_K x 2 B, at most 96 KB: two programs fit an SM.
-    Every K here (1024, 2048, 3072, 4096, 12288) is a multiple of BLOCK_K.
+    64 x 128); num_stages = 4 buffers three stages, so 2-3 are in flight per program: 16-48 KB
+    against the ~25-30 KB an SM needs outstanding to stream at copy bandwidth. Shared memory
+    per program (ptxas, `tools/triton_sass.py --linear N K`): 48-72 KB for the plain product,
+    up to 83 KB with a prologue's buffers; two programs fit an SM's 228 KB. Every K here (1024,
+    2048, 3072, 4096, 12288) is a multiple of BLOCK_K.
 
     num_warps: 4, but 2 for BLOCK_N 16, whose 16 x 16 output tile holds two 16 x 8 MMA tiles:
     more warps would each load the whole weight stage from shared memory for a duplicate.
