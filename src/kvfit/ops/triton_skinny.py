@@ -62,8 +62,8 @@ def skinny_config(n: int, k: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int]
     64 x 128); num_stages = 4 buffers three stages, so 2-3 are in flight per program: 16-48 KB
     against the ~25-30 KB an SM needs outstanding to stream at copy bandwidth. Shared memory
     per program (ptxas, `tools/triton_sass.py --linear N K`): 48-72 KB for the plain product,
-    up to 83 KB with a prologue's buffers; two programs fit an SM's 228 KB. Every K here (1024,
-    2048, 3072, 4096, 12288) is a multiple of BLOCK_K.
+    up to 108 KB with a prologue's buffers (the 0.6B gate_up's add + norm); two programs fit an
+    SM's 228 KB. Every K here (1024, 2048, 3072, 4096, 12288) is a multiple of BLOCK_K.
 
     num_warps: 4, but 2 for BLOCK_N 16, whose 16 x 16 output tile holds two 16 x 8 MMA tiles:
     more warps would each load the whole weight stage from shared memory for a duplicate.
