@@ -237,6 +237,37 @@ def test_attention_kernels_pad_head_dims_that_are_not_a_power_of_two(
     assert (padded[0] == 7).all() and (padded[-1] == 7).all()
 
 
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(8, 4, 4), (4, 4, 1)])
+@pytest.mark.parametrize("kernels", ["split", "batch_invariant", "f16", "fp8", "fp8_f16"])
+def test_attention_kernels_pad_head_dims_below_16(paged_batch, head_dim, num_heads,
+                                                  num_kv_heads, kernels):  # fmt: skip
+    """Tiny test models (hidden 32 over 4 heads: head_dim 8; or 4) run: tl.dot needs 16 dims,
+    so the tiles span 16 and mask the rest. fp8 over float16 runs the tile kernel (the pairs
+    kernel would dot over 2 or 4 pairs). A 16-bit query in float16: the interpreter has no
+    bfloat16 (tests/tools/test_triton_compile.py compiles the bfloat16 kernels)."""
+    dtype = torch.float16 if kernels == "f16" else torch.float32
+    batch = paged_batch([(0, 5), (20, 1), (40, 1), (0, 1), (7, 3)], num_heads=num_heads,
+                        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)  # fmt: skip
+    k_cache, v_cache, scales = batch.k_cache, batch.v_cache, {}
+    if kernels.startswith("fp8"):
+        scales = dict(k_scale=torch.tensor([0.02]), v_scale=torch.tensor([0.05]),
+                      fp8_compute_dtype=torch.float16 if kernels == "fp8_f16" else None)
+        k_cache = k_cache.div(scales["k_scale"]).to(torch.float8_e4m3fn)
+        v_cache = v_cache.div(scales["v_scale"]).to(torch.float8_e4m3fn)
+    assert triton_attention.padded_head_dim(head_dim) == 16
+    padded = torch.full((batch.query.shape[0] + 2, num_heads, head_dim), 7.0, dtype=dtype)
+    triton_attention.paged_attention_triton(
+        batch.query, k_cache, v_cache, batch.metadata, 0.3, padded[1:-1], max_splits=3,
+        split_tokens=16, batch_invariant=kernels == "batch_invariant", **scales,
+    )
+    expect = paged_attention_reference(batch.query, k_cache, v_cache, batch.metadata, 0.3,
+                                       k_scale=scales.get("k_scale"),
+                                       v_scale=scales.get("v_scale"))  # fmt: skip
+    tol = {"f16": 2e-3, "fp8_f16": 3e-3}.get(kernels, 1e-4)
+    torch.testing.assert_close(padded[1:-1], expect, rtol=tol, atol=tol)
+    assert (padded[0] == 7).all() and (padded[-1] == 7).all()
+
+
 def test_attention_kernels_address_query_rows_past_2_pow_31_elements(paged_batch):
     """Prefill, decode and the split reduction take a row's offset in int64: in int32,
     token x row stride wraps past 2**31 elements (a 262k-token step at 64 heads x 128).

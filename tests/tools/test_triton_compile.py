@@ -32,6 +32,10 @@ TOOLS = Path(__file__).resolve().parents[2] / "tools"
     (128, "bf16", 16, False),
     (48, "fp8", 16, False),
     (16, "fp8", 1, False),   # pairs would dot over 8 pairs: the tile kernel runs instead
+    (8, "bf16", 1, False),   # tiny test models: tl.dot needs K >= 16, so dims pad to 16
+    (8, "bf16", 16, False),
+    (4, "fp8", 1, False),
+    (4, "fp8", 16, False),
 ])  # fmt: skip
 def test_attention_kernels_compile_for_sm90(
     monkeypatch: pytest.MonkeyPatch, head_dim: int, cache_dtype: str, query_len: int,
@@ -82,6 +86,10 @@ def _compile_launches(monkeypatch: pytest.MonkeyPatch, call) -> list[str]:  # no
     (80, torch.float16, "fp8", 1, False),      # pairs in a float16 model, padded
     (128, torch.bfloat16, "same", 1, True),    # the deterministic mode's one kernel
     (96, torch.bfloat16, "same", 16, True),
+    (8, torch.bfloat16, "same", 1, False),     # dims below tl.dot's 16, padded to 16
+    (4, torch.float16, "fp8", 1, False),
+    (8, torch.bfloat16, "fp8", 16, False),
+    (4, torch.bfloat16, "same", 16, True),
 ])  # fmt: skip
 def test_attention_launches_the_sweep_misses_compile_for_sm90(
     monkeypatch: pytest.MonkeyPatch, head_dim: int, dtype: torch.dtype, cache: str,
@@ -123,7 +131,7 @@ def _attention_input_args(head_dim: int, fp8: bool) -> dict:
         k_scale=torch.ones(1), v_scale=torch.ones(1))
 
 
-@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("head_dim", [4, 8, 64, 80, 128])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_attention_input_and_kv_write_compile_for_sm90(
     monkeypatch: pytest.MonkeyPatch, head_dim: int, fp8: bool,

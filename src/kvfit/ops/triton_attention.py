@@ -55,7 +55,8 @@ def _load_kv_tile(
 @triton.jit
 def _dims_mask(row_mask, d, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr):
     """`[rows, HEAD_DIM_P2]` mask of a tile's real rows and dims. A head dim that is not a power
-    of two is padded to one (tl.arange's lengths are); a power of two compiles unmasked."""
+    of two, or is below 16, is padded (`padded_head_dim`); one that needs no padding compiles
+    unmasked."""
     # One return: Triton's compiler (not the interpreter) also visits the statements after a
     # static `if` that returns, and refuses two returns of different shapes.
     if HEAD_DIM == HEAD_DIM_P2:
@@ -511,6 +512,13 @@ def num_kv_splits(max_seq_len: int, max_splits: int = MAX_SPLITS,
     return max(1, min(max_splits, -(-max_seq_len // split_tokens)))
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """Dims a tile spans: a power of two (tl.arange's lengths are) and at least 16 (tl.dot's
+    compiler, not the interpreter, refuses K < 16: a tiny model's head_dim 8 or 4 otherwise
+    fails at its first GPU step). The dims past `head_dim` are masked."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def _use_fp8_pairs(requested: bool | None, k_cache: torch.Tensor, computes_f16: bool) -> bool:
     """Whether decode runs `_decode_fp8_pairs_kernel`: an e4m3 cache computed in float16 whose
     head dim is contiguous and even, at even strides (its dim pairs are then whole uint16
@@ -608,8 +616,7 @@ def paged_attention_triton(
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    # Tiles span a power of two of dims (tl.arange's lengths are); the rest of them is masked.
-    dims = dict(HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim))
+    dims = dict(HEAD_DIM=head_dim, HEAD_DIM_P2=padded_head_dim(head_dim))
     scale_log2 = scale * math.log2(math.e)
     common = (
         *query.stride(), *out.stride(), *k_cache.stride(), metadata.block_table.stride(0),
