@@ -175,6 +175,26 @@ def test_model_features_kvfit_does_not_run_are_refused_naming_the_field(
         EngineArgs(model=model, device="cpu", max_model_len=128).create_engine_config()
 
 
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"head_dim": 9, "hidden_size": 32}, "config.json head_dim 9 is odd"),
+    ({"hidden_size": 18}, "head_dim 9 \\(hidden_size 18 / num_attention_heads 2\\) is odd"),
+])
+def test_an_odd_head_dim_is_refused_naming_the_field(fields: dict, match: str) -> None:
+    """Neox rope rotates a head's two halves: an odd head_dim has none, and the rotary
+    kernels failed (or the CPU path raised a shape error) at the first step. transformers 5
+    refuses such a config itself; 4.x, which kvfit supports, loads it: a bare
+    PretrainedConfig stands for it here."""
+    from transformers import PretrainedConfig
+
+    from kvfit.models.llama import check_config
+
+    config = PretrainedConfig(hidden_act="silu", num_attention_heads=2, **fields)
+    with pytest.raises(ValueError, match=match):
+        check_config(config, 128)
+    config.head_dim = 4  # even and tiny: runs (the attention kernels pad it to 16)
+    check_config(config, 128)
+
+
 def test_a_sliding_window_as_long_as_the_context_runs(tmp_path) -> None:
     model = _saved_config(tmp_path, use_sliding_window=True, sliding_window=64,
                           max_window_layers=0)

@@ -54,6 +54,13 @@ def check_config(config: PretrainedConfig, max_model_len: int) -> None:
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"config.json rope_scaling rope_type {rope_type!r} is not supported; "
                          f"kvfit supports {', '.join(ROPE_TYPES)}")
+    dim = head_dim(config)
+    if dim % 2:
+        source = "" if getattr(config, "head_dim", None) else (
+            f" (hidden_size {config.hidden_size} / num_attention_heads "
+            f"{config.num_attention_heads})")
+        raise ValueError(f"config.json head_dim {dim}{source} is odd; rope rotates the two "
+                         f"halves of a head, so head_dim must be even")
     params = getattr(config, "rope_parameters", None) or {}
     partial = (params.get("partial_rotary_factor")
                or getattr(config, "partial_rotary_factor", None) or 1.0)
