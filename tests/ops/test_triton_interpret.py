@@ -110,6 +110,31 @@ def test_attention_kernels_read_fp8_pages_with_their_scales(paged_batch, layout,
         assert not torch.allclose(out, expect, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("kernels", ["tile", "pairs", "batch_invariant"])
+def test_fp8_float16_compute_keeps_queries_past_float16s_range_finite(paged_batch, kernels):
+    """A bfloat16 query above 65,504 (float16's largest) became inf in the float16 cast and the
+    row's output NaN. Each row is scaled by a power of two into float16's range before the
+    cast (exact) and the scores by its inverse: rows of 1e5 in one dim (the softmax picks the
+    keys of the largest k there), of e4m3 values x 1024 (up to 458,752) and ordinary rows, in
+    prefill and decode, match attention in float32."""
+    batch = paged_batch(MIXED, num_heads=8, num_kv_heads=2, head_dim=32)
+    k8 = _e4m3_values(batch.k_cache.shape, 1.0).to(torch.float8_e4m3fn)
+    v8 = _e4m3_values(batch.v_cache.shape, 1.0).to(torch.float8_e4m3fn)
+    scales = dict(k_scale=torch.tensor([0.02]), v_scale=torch.tensor([0.05]))
+    query = batch.query * 0.05
+    query[::3] = 0.0
+    query[::3, :, 5] = 1e5
+    query[1::3] = _e4m3_values(query[1::3].shape, 1024.0)
+    out = torch.full_like(query, float("nan"))
+    triton_attention.paged_attention_triton(
+        query, k8, v8, batch.metadata, 0.3, out, max_splits=3, split_tokens=16,
+        fp8_compute_dtype=torch.float16, fp8_pairs=False if kernels == "tile" else None,
+        batch_invariant=kernels == "batch_invariant", **scales)
+    assert out.isfinite().all()
+    expect = paged_attention_reference(query, k8, v8, batch.metadata, 0.3, **scales)
+    torch.testing.assert_close(out, expect, rtol=3e-3, atol=3e-3)
+
+
 def test_fp8_pairs_decode_splits_and_pads_like_the_tile_kernel(paged_batch):
     """The pairs kernel against the tile kernel on decode rows alone: a long row split in
     parts, a row of one token, a zero-length padded row, 4 query heads to a KV head; e4m3

@@ -67,6 +67,26 @@ def _dims_mask(row_mask, d, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr):
 
 
 @triton.jit
+def _f16_row_scale(q):
+    """[rows] powers of two 2**e (e >= 0) that bring each row of `q` within float16's range
+    (|q| / 2**e <= 2**15): 1 for any row float16 holds, so those rows compute as before. A
+    bfloat16 query past 65,504 would otherwise cast to inf, and its output to NaN. Dividing by a
+    power of two is exact; the scores take the factor back (`_f16_query`)."""
+    amax = tl.max(tl.abs(q.to(tl.float32)), 1)  # 0 for padding rows: log2 -inf, scale 1
+    return tl.exp2(tl.maximum(tl.ceil(tl.log2(amax)) - 15.0, 0.0))
+
+
+@triton.jit
+def _f16_query(q, scale_log2):
+    """`q` cast to float16 row by row within its range (`_f16_row_scale`), and the scores'
+    factor with each row's scale folded in, [rows, 1]: a per-row multiply costs what the
+    scalar one did."""
+    row_scale = _f16_row_scale(q)
+    q = (q.to(tl.float32) * (1.0 / row_scale)[:, None]).to(tl.float16)
+    return q, scale_log2 * row_scale[:, None]
+
+
+@triton.jit
 def _softmax_weights(s, m_i, l_i):
     """One online-softmax step over log2-scaled scores `s` (masked entries are -inf): the
     weights `p`, the factor `alpha` the accumulators scale by, and the new max and sum."""
@@ -78,13 +98,14 @@ def _softmax_weights(s, m_i, l_i):
 
 @triton.jit
 def _softmax_weights_scaled(s, scale, m_i, l_cols):
-    """`_softmax_weights` of `s * scale` (scale > 0) with the max taken before scaling: the
-    same max (rounding is monotonic), one multiply per row instead of per score, and
+    """`_softmax_weights` of `s * scale[:, None]` (each row's scale > 0) with the max taken
+    before scaling: the same max (rounding is monotonic), one multiply per row instead of per
+    score, and
     s * scale - max compiles to one FFMA. The sum is kept per column, `l_cols` [rows, cols]
     scaled like the accumulators and summed across columns once after the loop: a cross-warp
     reduction fewer per tile."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-    p = tl.exp2(s * scale - m_new[:, None])
+    p = tl.exp2(s * scale[:, None] - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     return p, alpha, m_new, l_cols * alpha[:, None] + p
 
@@ -142,12 +163,12 @@ def _prefill_kernel(
     tile_mask = _dims_mask(row_mask, d, HEAD_DIM, HEAD_DIM_P2)
     q_ptrs = query + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
     q = tl.load(q_ptrs + d[None, :] * stride_qd, mask=tile_mask, other=0.0)
-    if FP8_F16:  # the tiles follow the query's dtype: e4m3 -> f16 is one cvt per pair
-        q = q.to(tl.float16)
     pos = prefix + tok  # absolute position of each row: causal mask is lower-right aligned
     block_table_row = block_table + seq * stride_bt
     if FP8:
         scale_log2 = scale_log2 * tl.load(k_scale)
+    if FP8_F16:  # the tiles follow the query's dtype: e4m3 -> f16 is one cvt per pair
+        q, scale_log2 = _f16_query(q, scale_log2)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -229,11 +250,11 @@ def _decode_kernel(
     d = tl.arange(0, HEAD_DIM_P2)
     q_ptrs = query + q_row * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=_dims_mask(g_mask, d, HEAD_DIM, HEAD_DIM_P2), other=0.0)
-    if FP8_F16:
-        q = q.to(tl.float16)
     block_table_row = block_table + seq * stride_bt
     if FP8:
         scale_log2 = scale_log2 * tl.load(k_scale)
+    if FP8_F16:
+        q, scale_log2 = _f16_query(q, scale_log2)
 
     m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P2], tl.float32)
@@ -416,10 +437,14 @@ def _decode_fp8_pairs_kernel(
     d2 = tl.arange(0, PAIRS_P2)
     q_mask = _dims_mask(g_mask, d2, PAIRS, PAIRS_P2)
     q_ptrs = query + q_row * stride_qt + head[:, None] * stride_qh + 2 * d2[None, :] * stride_qd
-    q_even = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float16)
-    q_odd = tl.load(q_ptrs + stride_qd, mask=q_mask, other=0.0).to(tl.float16)
+    q_even = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    q_odd = tl.load(q_ptrs + stride_qd, mask=q_mask, other=0.0)
+    # Each row within float16's range, as `_f16_query` (one scale for both halves of a row).
+    row_scale = tl.maximum(_f16_row_scale(q_even), _f16_row_scale(q_odd))
+    q_even = (q_even.to(tl.float32) * (1.0 / row_scale)[:, None]).to(tl.float16)
+    q_odd = (q_odd.to(tl.float32) * (1.0 / row_scale)[:, None]).to(tl.float16)
     block_table_row = block_table + seq * stride_bt
-    scale_log2 = scale_log2 * tl.load(k_scale)
+    scale_log2 = scale_log2 * tl.load(k_scale) * row_scale  # [GROUP_P2]
     k_pairs = k_cache.to(tl.pointer_type(tl.uint16), bitcast=True)
     v_pairs = v_cache.to(tl.pointer_type(tl.uint16), bitcast=True)
 
@@ -588,7 +613,8 @@ def paged_attention_triton(
     `fp8_compute_dtype` is the 16-bit dtype its tiles widen to for the dots (default the
     query's); float16 casts the query once per program and widens e4m3 in one conversion per
     pair of values instead of bf16's several (`bench/attention.py --sweep --kv-cache-dtype
-    fp8` times both). float16 holds every e4m3 value exactly and queries up to 65504.
+    fp8` times both). float16 holds every e4m3 value exactly; a query row past its range
+    (65,504) is cast scaled by a power of two, which the row's scores take back.
     `fp8_pairs`: decode over such a float16-computed e4m3 cache runs `_decode_fp8_pairs_kernel`
     (None: wherever the head dim is contiguous, even and above 16; False: `_decode_kernel`,
     for timing).
