@@ -86,6 +86,18 @@ def test_bad_values_name_the_flag(kwargs: dict, flag: str) -> None:
         config(**kwargs)
 
 
+def test_block_size_has_an_upper_bound_naming_the_flag() -> None:
+    # `--block-size 1048576` was accepted: warmup profiled a step of a million tokens (the
+    # default token budget is at least one block) for minutes before serving anything.
+    with pytest.raises(ValueError, match=r"block_size \(--block-size\) must be at most 1024, "
+                                         r"got 1048576"):
+        config(block_size=1 << 20)
+    with pytest.raises(ValueError, match="--block-size"):
+        config(block_size=2048)
+    c = config(block_size=1024, max_model_len=2048)  # the largest block is kept
+    assert c.cache_config.block_size == 1024
+
+
 def test_device_errors() -> None:
     with pytest.raises(ValueError, match="device"):
         EngineArgs(device="tpu").create_engine_config()

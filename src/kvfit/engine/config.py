@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 # would make one max-length sequence dominate the cache check, more so on the CPU.
 _DEFAULT_MAX_MODEL_LEN_CAP = {"cuda": 32768, "cpu": 4096}
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
+MAX_BLOCK_SIZE = 1024
+"""The largest `--block-size`, four times vLLM's largest (256). A sequence's last block is
+mostly empty, and warmup profiles a step of at least one block: a million-token block took
+minutes before the engine served anything."""
 # Utilization left unset: the whole device under measured sizing, the usual 0.92 otherwise.
 _UTILIZATION_EXTENSIBLE = 1.0
 _UTILIZATION_ESTIMATE = 0.92
@@ -290,7 +294,8 @@ class EngineArgs:
                        f"{_DEFAULT_MAX_NUM_BATCHED_TOKENS['cuda']} on a GPU, "
                        f"{_DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} on the CPU)")
         p.add_argument("--block-size", type=int, default=d.block_size,
-                       help="tokens per KV cache block, a power of two (default: %(default)s)")
+                       help=f"tokens per KV cache block, a power of two up to {MAX_BLOCK_SIZE} "
+                       "(default: %(default)s)")
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d.enable_prefix_caching,
                        help="reuse the KV blocks of shared prompt prefixes (default: on)")
@@ -446,6 +451,10 @@ class EngineArgs:
         block_size = _at_least("block_size", self.block_size, 1)
         if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
+        if block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size (--block-size) must be at most {MAX_BLOCK_SIZE}, got "
+                             f"{block_size}: each sequence holds whole blocks, so a larger one "
+                             f"only wastes memory, and warmup runs a step of at least a block")
         max_num_seqs = _at_least("max_num_seqs", self.max_num_seqs, 1)
         max_batched = self.max_num_batched_tokens or _DEFAULT_MAX_NUM_BATCHED_TOKENS[device.type]
         if self.max_num_batched_tokens is None:
