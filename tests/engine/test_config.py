@@ -86,6 +86,21 @@ def test_bad_values_name_the_flag(kwargs: dict, flag: str) -> None:
         config(**kwargs)
 
 
+@pytest.mark.parametrize(("max_num_seqs", "max_model_len", "block_size", "expect"), [
+    (1, 64, 16, 64),      # the CPU default 2048 was kept: warmup profiled 32x any real step
+    (3, 100, 16, 300),
+    (1, 8, 16, 16),       # never below one block
+    (1, 2048, 16, 2048),  # a step that can fill the default keeps it
+    (64, 4096, 16, 2048),
+])
+def test_the_default_token_budget_is_capped_at_what_a_step_can_fill(
+    max_num_seqs: int, max_model_len: int, block_size: int, expect: int,
+) -> None:
+    """As a user-given budget is: a step holds at most max_num_seqs x max_model_len tokens."""
+    c = config(max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size)
+    assert c.scheduler_config.max_num_batched_tokens == expect
+
+
 def test_block_size_has_an_upper_bound_naming_the_flag() -> None:
     # `--block-size 1048576` was accepted: warmup profiled a step of a million tokens (the
     # default token budget is at least one block) for minutes before serving anything.

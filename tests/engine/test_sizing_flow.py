@@ -460,6 +460,29 @@ def test_measured_block_count_keeps_the_configured_margin(
     assert w.measure_kv_cache_blocks() == (usable - (2 << 30) - margin) // MiB
 
 
+def test_a_default_token_budget_no_step_fills_costs_no_blocks() -> None:
+    """With max_num_seqs 1 and max_model_len 64 no step holds more than 64 tokens, yet the
+    default budget (2048 on the CPU) stayed: warmup profiled a 2048-token step and measured
+    sizing kept its transient (and a margin on it) free, fewer blocks than the 64-token step
+    leaves. Warmup steps here take 1 MiB per token."""
+
+    def blocks(**budget: object) -> int:
+        monitor = FakeMonitor(total=16 << 30)
+        w = fake_worker(monitor, {"max_num_seqs": 1, "max_model_len": 64, **budget})
+
+        def dummy_run(num_tokens: int, *args: object) -> None:
+            monitor.reserved = monitor.allocated + num_tokens * MiB
+
+        w.runner.dummy_run, w.runner.warmup_params = dummy_run, None
+        w.runner.kv_cache = MiBBlockCache()
+        w.step_peaks = []
+        w.warm_up(num_committable_blocks=4)
+        monitor.free, monitor.reserved = 12 << 30, monitor.allocated
+        return w.measure_kv_cache_blocks()
+
+    assert blocks() == blocks(max_num_batched_tokens=64)
+
+
 def test_estimate_subtracts_what_its_throwaway_capture_took() -> None:
     monitor = FakeMonitor(total=10 << 30)
     graph_bytes = 512 * MiB

@@ -292,7 +292,8 @@ class EngineArgs:
                        help="most tokens in one step (8k, 8K: as --max-model-len), also the "
                        "profiling step's size (default: "
                        f"{_DEFAULT_MAX_NUM_BATCHED_TOKENS['cuda']} on a GPU, "
-                       f"{_DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} on the CPU)")
+                       f"{_DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} on the CPU, at most "
+                       "--max-num-seqs x --max-model-len)")
         p.add_argument("--block-size", type=int, default=d.block_size,
                        help=f"tokens per KV cache block, a power of two up to {MAX_BLOCK_SIZE} "
                        "(default: %(default)s)")
@@ -457,14 +458,16 @@ class EngineArgs:
                              f"only wastes memory, and warmup runs a step of at least a block")
         max_num_seqs = _at_least("max_num_seqs", self.max_num_seqs, 1)
         max_batched = self.max_num_batched_tokens or _DEFAULT_MAX_NUM_BATCHED_TOKENS[device.type]
+        # No step can hold more, and profiling and warmup run a step of this size: measured
+        # sizing would keep its transient free for nothing.
+        fill = max(max_num_seqs * max_len, block_size)
         if self.max_num_batched_tokens is None:
-            max_batched = max(max_batched, block_size)
+            max_batched = min(max(max_batched, block_size), fill)
         elif max_batched < block_size:
             raise ValueError(
                 f"max_num_batched_tokens ({max_batched}) must be >= block_size ({block_size})"
             )
-        elif max_batched > (fill := max(max_num_seqs * max_len, block_size)):
-            # No step can hold more, and profiling and warmup run a step of this size.
+        elif max_batched > fill:
             logger.info("max_num_batched_tokens %d is more than a step can hold (max_num_seqs "
                         "%d x max_model_len %d): using %d", max_batched, max_num_seqs, max_len,
                         fill)
