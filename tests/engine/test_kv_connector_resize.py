@@ -5,14 +5,15 @@ that finds no memory falls back smaller and the engine keeps serving. CPU, host 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvfit import LLM
-from kvfit.engine.kv_resize import KVCacheResizeError
+from kvfit.engine.kv_resize import KVCacheReleasedError, KVCacheResizeError
 from kvfit.engine.oom_guard import KVCacheOutOfMemoryError
 from kvfit.vmm import VmmError, VmmOutOfMemoryError
 
@@ -307,6 +308,43 @@ def test_requests_waiting_on_a_cache_a_resize_released_complete_once_it_is_back(
     assert released_gauge(llm) == 0
     got = [outputs[str(i)].output_token_ids for i in range(len(requests))]
     assert got == [list(o.outputs[0].token_ids) for o in reference("greedy")]
+    assert_nothing_leaked(llm)
+
+
+@pytest.fixture
+def hang_guard() -> Iterator[None]:
+    """Raise TimeoutError in the test after 60 s: a wait that never ends fails the test
+    instead of hanging the suite (no timing is asserted)."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError("still waiting after 60 s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_requests_on_a_cache_that_stays_released_fail_with_its_cause_not_hang(
+        connected, reference, hang_guard) -> None:  # noqa: F811
+    """A cache a failed resize released comes back only once the device has the memory, which
+    may be never: requests waited forever (`LLM.generate` never returned). Past the engine's
+    `released_timeout_s` of being released, the requests waiting on it fail with
+    KVCacheReleasedError saying why and what to do, nothing is left queued or held, and once
+    the memory is back the engine serves as before."""
+    llm = connected()
+    core = llm.engine
+    core.released_retry_s, core.released_timeout_s = 0.0, 0.2
+    fail_chunks_over(llm, 0)  # no memory, ever
+    with pytest.raises(KVCacheResizeError, match="released"):
+        llm.resize_kv_cache(runner(llm).kv_cache.committed_blocks // 2)
+    with pytest.raises(KVCacheReleasedError, match="released .*failed resize.*/health"):
+        generate(llm, PARAMS["greedy"])
+    assert core.kv_cache_released and not core.has_unfinished()
+    del runner(llm).kv_cache.tensor._reservation.create  # the memory is back
+    assert_same(generate(llm, PARAMS["greedy"]), reference("greedy"))
+    assert not core.kv_cache_released
     assert_nothing_leaked(llm)
 
 

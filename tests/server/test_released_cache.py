@@ -97,6 +97,35 @@ def test_health_is_503_while_a_failure_released_the_cache_and_requests_wait(
         server.stop()
 
 
+def shorten_released_timeout(llm: LLM) -> None:
+    llm.engine.released_timeout_s = 0.3
+
+
+def test_requests_on_a_cache_that_stays_released_get_503_not_a_hang(engine: AsyncLLM) -> None:
+    """Memory that never comes back: a request waited forever (until the client gave up).
+    Past the engine's released_timeout_s it is 503 with the cause and what to do, a request
+    sent later is refused the same way at once, and the server serves again once the engine
+    backs the cache."""
+    server = ServerThread(build_app(engine, ServeConfig(served_model_names=[MODEL_NAME])))
+    try:
+        with httpx.Client(base_url=server.url, timeout=DEADLINE_S) as http:
+            in_engine(engine, shorten_released_timeout)
+            in_engine(engine, release_cache)
+            _wait_for(http, 503)
+            for _ in range(2):  # each refused: none waits past the limit
+                response = http.post("/v1/completions", json=COMPLETION)
+                assert response.status_code == 503, response.text
+                error = response.json()["error"]
+                assert error["type"] == "service_unavailable"
+                assert "released" in error["message"] and "/health" in error["message"]
+            assert engine.num_requests == 0
+            in_engine(engine, give_memory_back)
+            _wait_for(http, 200)
+            assert http.post("/v1/completions", json=COMPLETION).status_code == 200
+    finally:
+        server.stop()
+
+
 def test_an_idle_server_comes_back_without_traffic(engine: AsyncLLM) -> None:
     """A load balancer sends nothing while /health is 503: the engine retries when idle."""
     server = ServerThread(build_app(engine, ServeConfig(served_model_names=[MODEL_NAME])))

@@ -20,7 +20,12 @@ from kvfit.engine.block_manager import BlockManager
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.detokenizer import Detokenizer
 from kvfit.engine.executor import create_executor
-from kvfit.engine.kv_resize import KVCacheResize, KVCacheResizeError, KVCacheResizer
+from kvfit.engine.kv_resize import (
+    KVCacheReleasedError,
+    KVCacheResize,
+    KVCacheResizeError,
+    KVCacheResizer,
+)
 from kvfit.engine.oom_guard import KVCacheOutOfMemoryError, OOMGuard, is_device_oom
 from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.sequence import ScheduledBatch, Sequence
@@ -41,6 +46,11 @@ RELEASED_RETRY_S = 2.0
 """Without the elastic governor, how often a step retries backing a KV cache that a failed
 resize released: often enough that requests waiting on it resume within seconds of the memory
 coming back, rarely enough that a device still short of it costs nothing."""
+RELEASED_TIMEOUT_S = 60.0
+"""Most seconds requests wait on a KV cache a failed resize released: past it they fail
+(`KVCacheReleasedError`; a server's 503) rather than wait for memory that may never come back,
+and requests added later fail at once until the engine backs the cache again. A co-tenant's
+passing spike is over well within it."""
 RELEASED_WAIT_S = 0.5
 """Most a step waits for the next retry while requests wait on a released cache (a front end's
 commands are served in between)."""
@@ -121,6 +131,8 @@ class EngineCore:
         self._kv_released_by_resize = False
         self.released_retry_s = RELEASED_RETRY_S  # without the governor (tests shorten it)
         self._released_retry_at = 0.0  # monotonic time of the next retry without the governor
+        self.released_timeout_s = RELEASED_TIMEOUT_S  # (tests shorten it)
+        self._released_at = 0.0  # monotonic time the cache was released
         # Sequences finished between steps (a sleep drained or aborted them, a resize applied
         # the step in flight) that no `step` has returned yet.
         self._finished_early: list[Sequence] = []
@@ -294,7 +306,8 @@ class EngineCore:
     def add_request(self, seq: Sequence) -> None:
         """Queue `seq`; raises `ValueError` if it can never be scheduled, `RuntimeError` while
         asleep or while woken weights are not loaded (`check_can_run`). While a failed resize
-        left the KV cache released, `seq` waits until the engine backs it again."""
+        left the KV cache released, `seq` waits until the engine backs it again, or fails once
+        the cache has been released for `released_timeout_s` (`step`)."""
         self.check_can_run()
         self.scheduler.add(seq)
 
@@ -311,11 +324,14 @@ class EngineCore:
     def kv_cache_released(self) -> bool:
         """Whether a failed resize (not `sleep`) left the KV cache released: no step runs, and
         requests wait, until the engine backs it again (`step` retries: through the governor
-        when it is on, else every `released_retry_s` seconds)."""
+        when it is on, else every `released_retry_s` seconds); past `released_timeout_s` of
+        it, `step` raises `KVCacheReleasedError` while requests wait."""
         return self._kv_released_by_resize
 
     def _on_kv_released(self) -> None:
         now = time.monotonic()
+        if not self._kv_released_by_resize:
+            self._released_at = now
         self._kv_released_by_resize = True
         self._released_retry_at = now + self.released_retry_s
         if self.kv_cache_governor is not None:
@@ -336,6 +352,19 @@ class EngineCore:
             except KVCacheResizeError as error:
                 logger.warning("%s; retrying in %.1f s", error, self.released_retry_s)
         self._refresh_sleep_state()
+
+    def _released_too_long(self, now: float) -> KVCacheReleasedError:
+        """What the requests waiting on a cache released past `released_timeout_s` fail with
+        (`step` raises it; `fail_step` then aborts them all)."""
+        num_requests = len({seq.request_id for queue in (self.scheduler.waiting,
+                                                         self.scheduler.running)
+                            for seq in queue})
+        return KVCacheReleasedError(
+            f"the KV cache has been released for {now - self._released_at:.0f} s, since a "
+            f"failed resize found no device memory for even one max_model_len sequence: the "
+            f"{num_requests} requests waiting on it fail rather than wait longer "
+            f"(released_timeout_s {self.released_timeout_s:g}). The engine goes on retrying; "
+            f"send them again once it has backed the cache (/health answers 200)")
 
     def _wait_for_restore(self, now: float) -> None:
         """While requests wait on a released cache, pause until the next retry (at most
@@ -492,6 +521,9 @@ class EngineCore:
         if self._kv_released_by_resize:  # still: nothing runs on unmapped memory; requests wait
             self.updated_seqs, self._applied = self._applied, []
             if self.scheduler.has_unfinished():
+                if now - self._released_at > self.released_timeout_s:
+                    self._finished_early = finished  # returned by the next step
+                    raise self._released_too_long(now)
                 self._wait_for_restore(now)
             return finished
         if self.scheduler.has_unfinished():
@@ -625,10 +657,11 @@ class EngineCore:
         scheduler's running set holds (their state is unknown); returns their request ids.
         `updated_seqs` then holds what the failed step applied before it raised.
         Waiting requests never ran and stay queued, so the engine can go on stepping, unless
-        it is asleep (`sleep`; not a cache a failed resize released, which the engine backs
-        again by itself): then they are aborted too, as no step runs until `wake_up`."""
+        it is asleep (`sleep`) or a failed resize released the cache (which fails a step only
+        once requests waited on it past `released_timeout_s`): then they are aborted too, as no
+        step runs until `wake_up` or the engine backs the cache again."""
         seqs = list(self.scheduler.running)
-        if self.is_sleeping:  # else every later step fails the same way, at once
+        if self._sleep_state.is_sleeping:  # else every later step fails the same way, at once
             seqs += self.scheduler.waiting
         # What the failed step applied before it raised (the step in flight, which may have
         # finished requests) is ready: a front end reads `updated_seqs` for it.

@@ -36,6 +36,12 @@ MAX_EVENTS = 4096
 """Resizes kept in `KVCacheResizer.events` (the latest; the counters count them all)."""
 
 
+class KVCacheReleasedError(RuntimeError):
+    """Requests that waited on a KV cache a failed resize released, which stayed released past
+    the engine's limit (`EngineCore.released_timeout_s`): they fail (a server answers 503)
+    rather than wait for memory that may never come back. The engine goes on retrying."""
+
+
 class KVCacheResizeError(RuntimeError):
     """A resize could not be made (a grow that found no memory); the KV cache is as it was."""
 

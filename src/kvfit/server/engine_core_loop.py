@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from kvfit.engine.kv_resize import KVCacheReleasedError
 from kvfit.engine.llm import LLM
 from kvfit.engine.sequence import PENDING_TOKEN, Sequence
 from kvfit.kv.report import KVCacheReport
@@ -152,6 +153,9 @@ class EngineCoreLoop:
             if self.core.is_sleeping:  # refused for a user's sleep: no engine fault
                 logger.error("engine step refused (%s); failing the requests it held", error)
                 failed = EngineSleepingError(str(error))  # it says so, and what to call
+            elif isinstance(error, KVCacheReleasedError):  # no fault either: memory is short
+                logger.error("%s", error)
+                failed = error
             else:
                 logger.exception("engine step failed; aborting the requests it held")
                 failed = RequestFailedError(f"the engine failed on this request: {error}")

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvfit
-from kvfit.engine.kv_resize import KVCacheResizeError
+from kvfit.engine.kv_resize import KVCacheReleasedError, KVCacheResizeError
 from kvfit.engine.outputs import CompletionOutput, RequestOutput
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Logprobs
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # Engine errors a request can meet: 503 for an engine that cannot serve now, 400 for a refused
 # request, 500 for a step that failed on it (`engine_error`).
-_UNAVAILABLE = (EngineDeadError, EngineSleepingError)
+_UNAVAILABLE = (EngineDeadError, EngineSleepingError, KVCacheReleasedError)
 _ENGINE_ERRORS = (ValueError, RequestFailedError, *_UNAVAILABLE)
 # Characters of a request's texts tokenized on the event loop (a few ms); more go to a thread.
 _INLINE_TOKENIZE_CHARS = 1 << 14
