@@ -89,6 +89,23 @@ def test_budget_below_use_is_an_error_naming_the_setting() -> None:
         available_kv_bytes(profile(total=10 * GiB), 1.0, setting="cpu_memory_budget")
 
 
+def test_a_host_budget_below_use_names_the_utilization_and_the_budget() -> None:
+    """On the CPU the budget is gpu_memory_utilization x cpu_kv_cache_space_bytes. With the
+    utilization at 0.01 the error read 'cpu_kv_cache_space_bytes=0.01 of ... bytes; raise
+    cpu_kv_cache_space_bytes': the utilization's value under the other setting's name, and
+    not the setting that made the budget small."""
+    setting = "cpu_kv_cache_space_bytes"
+    match = (r"gpu_memory_utilization 0\.01 x cpu_kv_cache_space_bytes 10737418240 = "
+             r"107374182 bytes\) .*raise gpu_memory_utilization or cpu_kv_cache_space_bytes")
+    with pytest.raises(ValueError, match=match):
+        available_kv_bytes(profile(total=10 * GiB), 0.01, setting=setting)
+    with pytest.raises(ValueError, match=match):
+        estimate_num_blocks(10 * GiB, 0.01, 6 * GiB, 0, 0, 0, 2 * MiB, setting=setting)
+    with pytest.raises(ValueError, match=r"\(cpu_kv_cache_space_bytes 10737418240 bytes\) .*"
+                                         r"raise cpu_kv_cache_space_bytes$"):
+        available_kv_bytes(profile(total=10 * GiB), 1.0, setting=setting)
+
+
 @pytest.mark.parametrize("utilization", [0.0, 1.5, -0.1])
 def test_utilization_out_of_range_is_an_error(utilization: float) -> None:
     with pytest.raises(ValueError, match="gpu_memory_utilization"):

@@ -123,6 +123,22 @@ def memory_budget(total: int, utilization: float, setting: str = "gpu_memory_uti
     return int(total * utilization)
 
 
+def _budget_below_use(setting: str, utilization: float, total: int, budget: int,
+                      used: int) -> ValueError:
+    """The error for a budget below what the model already uses, naming what to raise.
+    `setting` is the utilization's own name on a device; on the host it is the byte budget
+    (`cpu_kv_cache_space_bytes`), which gpu_memory_utilization scales."""
+    if setting == "gpu_memory_utilization":
+        made_of, raise_ = f"{setting}={utilization} of {total} bytes = {budget}", setting
+    elif utilization < 1:
+        made_of = f"gpu_memory_utilization {utilization} x {setting} {total} = {budget} bytes"
+        raise_ = f"gpu_memory_utilization or {setting}"
+    else:
+        made_of, raise_ = f"{setting} {total} bytes", setting
+    return ValueError(f"the memory budget ({made_of}) is below the {used} bytes the model "
+                      f"already uses; raise {raise_}")
+
+
 def available_kv_bytes(
     profile: MemoryProfile,
     utilization: float,
@@ -137,10 +153,7 @@ def available_kv_bytes(
     """
     budget = memory_budget(profile.total, utilization, setting)
     if budget < profile.non_kv_use:
-        raise ValueError(
-            f"the memory budget ({setting}={utilization} of {profile.total} bytes = {budget}) "
-            f"is below the {profile.non_kv_use} bytes the model already uses; raise {setting}"
-        )
+        raise _budget_below_use(setting, utilization, profile.total, budget, profile.non_kv_use)
     margin = kv_margin(profile.transient, margin_floor, margin_fraction)
     usable = min(budget - profile.non_kv_use, profile.free + profile.committed_kv)
     return max(0, usable - profile.transient - margin)
@@ -162,10 +175,7 @@ def estimate_num_blocks(
     budget = memory_budget(total, utilization, setting)
     used = weights + non_torch
     if budget < used:
-        raise ValueError(
-            f"the memory budget ({setting}={utilization} of {total} bytes = {budget}) "
-            f"is below the {used} bytes the model already uses; raise {setting}"
-        )
+        raise _budget_below_use(setting, utilization, total, budget, used)
     return max(0, budget - used - activation_peak - graph_capture) // block_bytes
 
 
