@@ -183,7 +183,8 @@ def test_rejects_bad_input(match, corrupt):
 @interpret
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("qk_norm", [True, False])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (6, 3, 12)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         [(4, 2, 16), (6, 3, 12), (4, 4, 4), (3, 1, 2)])
 def test_kernel_matches_composition(num_heads, num_kv_heads, head_dim, qk_norm, dtype):
     torch.manual_seed(2)
     case = _case(9, num_heads, num_kv_heads, head_dim, qk_norm, layout="block_outermost",

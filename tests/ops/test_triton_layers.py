@@ -51,7 +51,7 @@ INTERP_DTYPES = [torch.float32, torch.float16]
 
 @interpret
 @pytest.mark.parametrize("dtype", INTERP_DTYPES)
-@pytest.mark.parametrize("shape", [(5, 48), (3, 4, 16), (0, 48), (2, 3, 2, 8)])
+@pytest.mark.parametrize("shape", [(5, 48), (3, 4, 16), (0, 48), (2, 3, 2, 8), (3, 33), (4, 4, 4)])
 def test_rms_norm_kernel_matches_torch(dtype, shape):
     x = torch.randn(shape, dtype=dtype) * 3
     weight = torch.randn(shape[-1], dtype=dtype)
