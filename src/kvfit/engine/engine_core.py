@@ -360,9 +360,9 @@ class EngineCore:
                                                          self.scheduler.running)
                             for seq in queue})
         return KVCacheReleasedError(
-            f"the KV cache has been released for {now - self._released_at:.0f} s, since a "
-            f"failed resize found no device memory for even one max_model_len sequence: the "
-            f"{num_requests} requests waiting on it fail rather than wait longer "
+            f"the KV cache has been released for {now - self._released_at:.1f} s, since a "
+            f"failed resize found no device memory for even one max_model_len sequence: "
+            f"{num_requests} waiting request(s) fail rather than wait longer "
             f"(released_timeout_s {self.released_timeout_s:g}). The engine goes on retrying; "
             f"send them again once it has backed the cache (/health answers 200)")
 
