@@ -95,6 +95,28 @@ def test_fp8_dots_in_float16_are_as_close_as_in_the_querys_bfloat16(paged_batch,
     assert errors[torch.float16] < 1e-2 and errors[torch.float16] <= errors[None] * 1.5
 
 
+@pytest.mark.parametrize("head_dim", [128, 8])
+def test_bfloat16_queries_past_float16s_range_stay_finite_over_fp8_pages(paged_batch, head_dim):
+    """The engine's path for a bfloat16 model with an fp8 cache computes in float16: query rows
+    up to 2**17 (float16 ends at 65,504) are cast scaled by a power of two, so every output is
+    finite and near the float32 reference; a tiny head dim (8, padded to 16) too."""
+    batch = paged_batch(MIXED, num_heads=16, num_kv_heads=4, head_dim=head_dim,
+                        dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    query = batch.query.clone()
+    query[::3] *= 2.0**15  # powers of two: the scaled rows are exact in float16
+    k_scale, v_scale = _scales(0.02, 0.03)
+    k8, v8 = quantize_fp8(batch.k_cache, k_scale), quantize_fp8(batch.v_cache, v_scale)
+    scale = head_dim**-0.5
+    out = torch.full_like(query, float("nan"))
+    paged_attention(query, k8, v8, batch.metadata, scale, out=out, k_scale=k_scale,
+                    v_scale=v_scale)
+    assert out.isfinite().all()
+    reference = paged_attention_reference(
+        query.float(), dequantize_fp8(k8, k_scale, torch.float32),
+        dequantize_fp8(v8, v_scale, torch.float32), batch.metadata, scale)
+    assert _rel_error(out, reference) < 5e-2
+
+
 @pytest.mark.parametrize("head_dim,num_heads", [(128, 16), (128, 32), (64, 4), (80, 8)])
 def test_fp8_pairs_decode_matches_the_tile_kernel(paged_batch, head_dim, num_heads):
     """The decode kernel that reads e4m3 pages as uint16 pairs (its one-cvt widening, sm_89+)
