@@ -29,6 +29,7 @@ def probes(worker: Any) -> None:
     worker.probe_extensible = lambda: worker.runner.kv_cache is not None
     worker.probe_warmed_with = lambda: worker.warmed_with
     worker.probe_pid = os.getpid
+    worker.probe_kv_scales = lambda: worker.runner.kv_scales()
 
 
 def small_budget_on_rank_1(worker: Any) -> None:

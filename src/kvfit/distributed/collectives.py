@@ -14,10 +14,13 @@ from kvfit.distributed.parallel_state import cpu_group, device_group, tp_size
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the ranks, in place; returns `x`."""
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """`x` reduced over the ranks (`op`: "sum" or "max"), in place; returns `x`."""
     if tp_size() > 1:
-        dist.all_reduce(x, group=device_group())
+        dist.all_reduce(x, op=_REDUCE_OPS[op], group=device_group())
     return x
 
 

@@ -9,12 +9,16 @@ a layer is read with one scale, so changing it would mean rewriting the whole ca
 
 `calculate_kv_scales` (vLLM's semantics) sets each layer's scales once, from the first real
 step's K/V: scale = amax / constant, leaving headroom (448 / 200 for K, 448 / 100 for V) for
-later activations larger than the first prompt's; after that they are fixed.
+later activations larger than the first prompt's; after that they are fixed. Under tensor
+parallelism the amax is taken over every rank's heads, so each rank stores with the scale one
+rank would (and TP=2 quantizes as TP=1 does).
 """
 
 from __future__ import annotations
 
 import torch
+
+from kvfit.distributed import all_reduce
 
 K_SCALE_CONSTANT = 200.0
 """amax(K) of the first step is stored as this value (vLLM's K_SCALE_CONSTANT)."""
@@ -27,9 +31,12 @@ MIN_SCALE = 1e-6
 def calculate_kv_scales_(k_scale: torch.Tensor, v_scale: torch.Tensor, key: torch.Tensor,
                          value: torch.Tensor) -> None:
     """Set `k_scale` / `v_scale` ([1] float32) in place from the amax of `key` / `value` (the
-    values as they would be stored, unscaled). Device ops only: no host sync, graph safe. An
-    empty step leaves them as they are."""
+    values as they would be stored, unscaled; this rank's heads), the amax over every
+    tensor-parallel rank. Device ops and one all-reduce: no host sync, graph safe. An empty
+    step leaves them as they are (on every rank: all see the same step's tokens)."""
     if key.numel() == 0:
         return
-    k_scale.copy_((key.abs().amax().float() / K_SCALE_CONSTANT).clamp_min(MIN_SCALE))
-    v_scale.copy_((value.abs().amax().float() / V_SCALE_CONSTANT).clamp_min(MIN_SCALE))
+    amax = all_reduce(torch.stack([key.abs().amax().float(), value.abs().amax().float()]),
+                      op="max")
+    k_scale.copy_((amax[0] / K_SCALE_CONSTANT).clamp_min(MIN_SCALE).view(1))
+    v_scale.copy_((amax[1] / V_SCALE_CONSTANT).clamp_min(MIN_SCALE).view(1))
