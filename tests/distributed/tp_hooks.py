@@ -114,3 +114,29 @@ def no_memory_to_grow_on_rank_1(worker: Any) -> None:
         return resize(num_blocks)
 
     worker.resize_kv_cache = resize_without_memory
+
+
+CO_TENANT_DEVICE_BYTES = 128 << 20
+
+
+def co_tenant_on_rank_1(worker: Any) -> None:
+    """Rank 1's device holds `CO_TENANT_DEVICE_BYTES`: its KV cache, what a co-tenant holds
+    (`probe_set_co_tenant(nbytes)`; until the first call the device reports plenty free) and
+    the free rest."""
+    probes(worker)
+    worker.probe_set_co_tenant = lambda nbytes: None
+    if worker.rank != 1:
+        return
+    held: list[int | None] = [None]
+
+    def device_memory() -> tuple[int, int]:
+        if held[0] is None:
+            return 1 << 40, 1 << 40
+        cache = worker.runner.kv_cache
+        return CO_TENANT_DEVICE_BYTES - held[0] - cache.physical_bytes, CO_TENANT_DEVICE_BYTES
+
+    def set_co_tenant(nbytes: int) -> None:
+        held[0] = nbytes
+
+    worker.device_memory = device_memory
+    worker.probe_set_co_tenant = set_co_tenant
