@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -272,6 +273,37 @@ def test_worker_killed_mid_generation_fails_the_engine_within_seconds(
             generate(llm)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("engine_process", [True, False])
+def test_a_worker_dying_while_the_server_is_idle_fails_the_engine_at_once(
+    tiny_model: Callable[[str], Path], engine_process: bool
+) -> None:
+    # With no request coming, nothing asked the workers anything: /health answered 200 over a
+    # dead worker until the next request failed, and a load balancer kept sending them.
+    import asyncio
+
+    import tp_hooks
+
+    from kvfit.engine.config import EngineArgs
+    from kvfit.server.async_llm import AsyncLLM
+
+    engine = AsyncLLM(EngineArgs(model=str(tiny_model("qwen3")), tensor_parallel_size=2,
+                                 worker_init_fn="tp_hooks:probes", **LIMITS),
+                      engine_process=engine_process)
+    died: list[BaseException] = []
+    engine.add_dead_callback(died.append)
+    try:
+        pids = asyncio.run(engine.call_engine(tp_hooks.worker_pids))
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not died and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert died, "the idle engine did not notice its dead worker"
+        assert re.search(r"worker rank 1 .* killed by SIGKILL", str(died[0]))
+        assert not engine.is_alive
+    finally:
+        engine.shutdown()
 
 
 def test_workers_exit_when_the_engine_process_is_killed(

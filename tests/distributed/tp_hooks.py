@@ -140,3 +140,8 @@ def co_tenant_on_rank_1(worker: Any) -> None:
 
     worker.device_memory = device_memory
     worker.probe_set_co_tenant = set_co_tenant
+
+
+def worker_pids(llm: Any) -> list[int]:
+    """Every rank's pid (an `AsyncLLM.call_engine` function; needs the `probes` hook)."""
+    return llm.engine.executor.collective_rpc("probe_pid")

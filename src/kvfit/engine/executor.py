@@ -49,6 +49,11 @@ class Executor(ABC):
     def launch(self, batch: ScheduledBatch) -> StepOutput:
         """Queue one step on every worker without waiting for it; rank 0's output to wait on."""
 
+    def check_workers(self) -> None:  # noqa: B027 - a no-op unless workers have processes
+        """Raise `ExecutorFailedError` if a worker's process died, without a call to any
+        (an idle server looks for that between requests); a no-op where the workers live in
+        this process."""
+
     def shutdown(self) -> None:
         """Release every worker's model and KV cache (and its process); idempotent."""
         for worker in self.workers:

@@ -106,6 +106,13 @@ class MultiprocExecutor(Executor):
             return output
         return self._call("the step's output", ("result", step))[0]
 
+    def check_workers(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        for rank, proc in enumerate(self._procs):
+            if self._finalizer.alive and not proc.is_alive():
+                raise self._fail(self._death(rank, "a request"))
+
     def shutdown(self) -> None:
         alive = all(proc.is_alive() for proc in self._procs)
         if self._finalizer.alive and self._failure is None and alive:

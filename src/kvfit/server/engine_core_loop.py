@@ -14,6 +14,7 @@ import math
 import pickle
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,9 @@ from kvfit.server.engine_messages import (
 )
 
 logger = logging.getLogger(__name__)
+
+WORKER_CHECK_S = 1.0
+"""How often an idle loop looks for a dead worker process (a sentinel read each: no call)."""
 
 
 class _Tracked:
@@ -131,13 +135,28 @@ class EngineCoreLoop:
                 # Idle, the elastic cache's governor still watches memory on its poll, and a
                 # KV cache a failed resize released is retried (so /health recovers with no
                 # traffic: a load balancer sends none while it answers 503).
-                if not self._wake.wait(self._idle_wait_s()):
+                if not self._wait_idle():
                     self.core.step()
                     self._publish(scan=[])
                 self._wake.clear()
                 continue
             self._step()
             self._publish(scan=self._stepped())
+
+    def _wait_idle(self) -> bool:
+        """Wait for a command (True) or for `_idle_wait_s` to pass (False: time to step).
+        Meanwhile every `WORKER_CHECK_S` a dead worker process raises `ExecutorFailedError`:
+        the engine stops with its cause at once, and /health turns 503, rather than at the
+        next request."""
+        timeout = self._idle_wait_s()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._wake.wait(min(left, WORKER_CHECK_S)):
+                return True
+            self.core.executor.check_workers()
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
     def _idle_wait_s(self) -> float | None:
         """How long an idle loop waits for a command before stepping anyway (None: forever)."""
