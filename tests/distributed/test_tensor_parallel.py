@@ -275,6 +275,23 @@ def test_worker_killed_mid_generation_fails_the_engine_within_seconds(
         llm.shutdown()
 
 
+def test_one_rank_raising_while_the_other_waits_in_a_collective_fails_the_engine(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvfit.engine import mp_executor
+
+    monkeypatch.setattr(mp_executor, "ERROR_GRACE_S", 1.0)
+    llm = LLM(str(tiny_model("qwen3")), tensor_parallel_size=2,
+              worker_init_fn="tp_hooks:fail_third_step_on_rank_1", **LIMITS)
+    try:
+        with pytest.raises(ExecutorFailedError, match=r"(?s)worker rank 1 raised in launch, "
+                           r"and ranks \[0\] did not answer.*injected failure on rank 1"):
+            generate(llm)
+        assert not _children()  # rank 0, stuck in the collective, was stopped
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("engine_process", [True, False])
 def test_a_worker_dying_while_the_server_is_idle_fails_the_engine_at_once(
     tiny_model: Callable[[str], Path], engine_process: bool

@@ -145,3 +145,19 @@ def co_tenant_on_rank_1(worker: Any) -> None:
 def worker_pids(llm: Any) -> list[int]:
     """Every rank's pid (an `AsyncLLM.call_engine` function; needs the `probes` hook)."""
     return llm.engine.executor.collective_rpc("probe_pid")
+
+
+def fail_third_step_on_rank_1(worker: Any) -> None:
+    """Rank 1's third step raises before its forward; rank 0 waits for it in a collective."""
+    probes(worker)
+    if worker.rank != 1:
+        return
+    launch, steps = worker.launch, []
+
+    def launch_or_fail(batch: Any) -> Any:
+        steps.append(batch)
+        if len(steps) == 3:
+            raise ValueError("injected failure on rank 1 only")
+        return launch(batch)
+
+    worker.launch = launch_or_fail
