@@ -79,7 +79,9 @@ class MultiprocExecutor(Executor):
         try:
             self._gather("start")
         except BaseException:
-            self.shutdown()
+            # No shutdown call: a worker that failed to start has exited already (it would
+            # read as a second failure); the others exit as their pipes close.
+            self._finalizer()
             raise
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
