@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 import time
@@ -112,6 +113,34 @@ def test_kvfit_serve_exits_when_its_engine_process_dies() -> None:
         output = server.stop()
     assert server.proc.returncode == 1, output
     assert "exiting, the engine stopped" in output
+
+
+def test_kvfit_serve_with_two_ranks_answers_as_one_and_exits_when_a_worker_dies() -> None:
+    import openai
+
+    prompt = "Hello there, how"
+    one = LLM("kvfit-tiny", device="cpu", max_model_len=128, num_gpu_blocks_override=64)
+    try:
+        expected = one.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12,
+                                                       ignore_eos=True), use_tqdm=False)
+    finally:
+        one.shutdown()
+    server = ServeProcess("--tensor-parallel-size", "2")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        completion = client.completions.create(model="kvfit-tiny", prompt=prompt, max_tokens=12,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        assert completion.choices[0].text == expected[0].outputs[0].text
+        (engine,) = server.engine_processes()
+        workers = [p for p in engine.children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        workers[1].kill()  # while idle: /health must not answer 200 over it
+        server.proc.wait(timeout=60)
+    finally:
+        output = server.stop()
+    assert server.proc.returncode == 1, output
+    assert re.search(r"exiting, the engine stopped: .*worker rank \d .* killed by SIGKILL",
+                     output), output
 
 
 def test_no_engine_process_outlives_a_killed_server() -> None:
