@@ -401,3 +401,22 @@ def test_parallel_settings_are_checked(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         LLM(str(tiny_model("qwen3")), **LIMITS, **overrides)
+
+
+@pytest.mark.parametrize("shape, tp, match", [
+    (dict(intermediate_size=102), 4, r"does not divide the model's intermediate_size \(102\)"),
+    (dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96, intermediate_size=96), 3,
+     r"neither divides nor is a multiple of the model's num_key_value_heads \(2\)"),
+])
+def test_shapes_the_ranks_cannot_split_are_refused_before_loading(
+    tmp_path: Path, shape: dict, tp: int, match: str
+) -> None:
+    from kvfit.engine.config import EngineArgs
+
+    config = dict(vocab_size=509, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=512,
+                  architectures=["LlamaForCausalLM"])
+    LlamaConfig(**{**config, **shape}).save_pretrained(tmp_path)  # no weights: never loaded
+    args = EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=tp)
+    with pytest.raises(ValueError, match=match):
+        args.create_engine_config()
