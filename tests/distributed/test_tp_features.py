@@ -153,8 +153,13 @@ def test_abort_mid_generation_leaves_the_others_and_the_cache(tp1: LLM, tp2: LLM
 def test_sleep_and_wake_give_the_same_outputs(tp1: LLM, tp2: LLM, level: int) -> None:
     params = FEATURES["greedy_logprobs"]
     expected = results(tp1.generate(as_ids(PROMPTS), params, use_tqdm=False))
-    tp2.sleep(level)
+    report = tp2.sleep(level)
     assert tp2.engine.executor.collective_rpc("sleep_state")[1].weights_asleep
+    # The engine's report covers every rank: a level-1 sleep puts every rank's part of the
+    # weights on the host, the whole model at least (the ranks hold copies of the norms).
+    weights = sum(p.numel() * p.element_size()
+                  for p in tp1.engine.executor.workers[0].runner.model.parameters())
+    assert report.host_bytes >= weights if level == 1 else report.host_bytes == 0
     with pytest.raises(RuntimeError, match="call LLM.wake_up"):
         tp2.generate(as_ids(PROMPTS), params, use_tqdm=False)
     tp2.wake_up()

@@ -384,7 +384,7 @@ class EngineCore:
 
     def sleep(self, level: int = 1, mode: str = "wait") -> SleepReport:
         """Release the KV cache's pages and the weights' (level 1: to a host copy; level 2:
-        discarded), keeping every address and graph; rank 0's report.
+        discarded), keeping every address and graph; the workers' reports summed.
 
         Requests still queued or running are first finished (`mode="wait"`: stepped to the end)
         or aborted (`"abort"`); either way the step in flight completes before any page goes,
@@ -408,9 +408,10 @@ class EngineCore:
             reports = self.executor.collective_rpc("sleep", level)
         finally:
             self._refresh_sleep_state()
-        logger.info("asleep (level %d): released %s, kept %s", level, reports[0].released,
-                    reports[0].kept)
-        return reports[0]
+        report = SleepReport.merge(reports)
+        logger.info("asleep (level %d): released %s, kept %s", level, report.released,
+                    report.kept)
+        return report
 
     def _drain(self, mode: str) -> None:
         finished: list[Sequence] = []

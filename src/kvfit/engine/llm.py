@@ -105,7 +105,8 @@ class LLM:
 
         Requests still running are finished first (`mode="wait"`) or aborted (`"abort"`);
         no step touches released memory. Returns what was released and what stays resident,
-        by kind (`SleepReport`). Generating while asleep raises `RuntimeError`.
+        by kind (`SleepReport`, summed over the tensor-parallel ranks). Generating while
+        asleep raises `RuntimeError`.
         """
         return self.engine.sleep(level, mode)
 

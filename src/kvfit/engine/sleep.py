@@ -21,7 +21,8 @@ class WakeUpOutOfMemoryError(RuntimeError):
 
 @dataclass(frozen=True)
 class SleepReport:
-    """What one `sleep` did on a worker, in bytes by kind.
+    """What one `sleep` did on a worker, in bytes by kind (the engine's: summed over its
+    workers, `merge`).
 
     `released`: device memory handed back (`kv_cache`, `weights`, `torch_cache`: what torch's
     caching allocator held idle). `kept`: what stays resident on the device (`buffers` such as
@@ -43,6 +44,20 @@ class SleepReport:
     @property
     def kept_bytes(self) -> int:
         return sum(self.kept.values())
+
+    @staticmethod
+    def merge(reports: Iterable[SleepReport]) -> SleepReport:
+        """The engine's report over its workers: each kind summed (every device's memory, and
+        the host copies, which tensor-parallel ranks on one host all keep there)."""
+        reports = list(reports)
+        released: dict[str, int] = {}
+        kept: dict[str, int] = {}
+        for report in reports:
+            for total, part in ((released, report.released), (kept, report.kept)):
+                for kind, nbytes in part.items():
+                    total[kind] = total.get(kind, 0) + nbytes
+        return SleepReport(reports[0].level, released, kept,
+                           sum(r.host_bytes for r in reports))
 
 
 @dataclass(frozen=True)
