@@ -132,3 +132,49 @@ def test_many_chunks_behind_a_cached_prefix_are_no_larger_than_warmup(
     assert any(len(tokens) == 32 for _, tokens in peaks.real)  # one step ran every tail
     worst = max(peaks.real)
     assert worst[0] <= max(peaks.warmup), (worst, peaks.warmup)
+
+
+def test_warmup_launches_every_small_batch_kernel_a_decode_launches(
+    narrow_vocab: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under `small_batch_kernels` a one-token step runs kernels no larger step does: the norms
+    and the SiLU inside the linear layers after them (`FUSED_MAX_ROWS`), and the LM head's
+    skinny product for the few rows sampled. Warmup ran a 16-token prefill (the plain skinny
+    product, no logits) and steps sampling more than 16 rows, so a GPU compiled the fused
+    variants and the LM head's at the first real decode (seconds of latency, and module memory
+    sizing never saw). On the CPU the switch's ops are the torch compositions; these tensors
+    stand in for CUDA ones, and each (op, weight shape, prologue) is a compiled variant."""
+    from kvfit.models import parallel_layers
+    from kvfit.ops import small_batch
+
+    launched: set[tuple] = set()
+
+    def recorded(name: str, weight_at: int) -> None:
+        fn = getattr(parallel_layers, name)
+
+        def spy(*args, **kwargs):  # noqa: ANN202
+            with_residual = name == "rms_norm_linear" and args[1] is not None
+            launched.add((name, tuple(args[weight_at].shape), with_residual))
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(parallel_layers, name, spy)
+
+    recorded("skinny_linear", 1)
+    recorded("rms_norm_linear", 4)
+    recorded("silu_and_mul_linear", 1)
+    monkeypatch.setattr(parallel_layers, "takes_skinny_path", lambda x: (
+        small_batch.is_small_batch_enabled() and 0 < x.shape[0] <= small_batch.MAX_ROWS))
+    monkeypatch.setattr(parallel_layers, "fuses_prologue", lambda x: (
+        small_batch.is_small_batch_enabled() and 0 < x.shape[0] <= small_batch.FUSED_MAX_ROWS))
+    llm = LLM(str(narrow_vocab), device="cpu", small_batch_kernels=True, max_num_seqs=32,
+              max_model_len=256)
+    try:
+        warm = set(launched)
+        greedy = SamplingParams(temperature=0, max_tokens=4)
+        llm.generate([prompt(5)], greedy, use_tqdm=False)  # decodes of one token
+        llm.generate([prompt(5), prompt(7, 50)], greedy, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert {name for name, _, _ in launched} == {"skinny_linear", "rms_norm_linear",
+                                                 "silu_and_mul_linear"}
+    assert launched <= warm, sorted(launched - warm)
