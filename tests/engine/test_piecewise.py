@@ -155,3 +155,44 @@ def test_cudagraph_mode_picks_the_runners_which_share_one_pool(
     r.drop_cuda_graphs()
     assert r.graphs is None and r.piecewise is None
     r.shutdown()
+
+
+def test_piecewise_capture_runs_the_small_batch_kernels_under_the_switch(
+        qwen3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph replays the kernels chosen while it was captured: with `small_batch_kernels`
+    the 16-token bucket's pieces must be captured with the switch on (the skinny products),
+    and without it never, whatever the caller's state. Nothing else checked this: greedy
+    tokens are the same either way, so graphs captured outside the switch only lose speed."""
+    import kvfit.engine.model_runner as model_runner
+    from kvfit.engine.cuda_graph import CUDAGraphRunner
+    from kvfit.graphs import piecewise as piecewise_module
+    from kvfit.models import parallel_layers
+    from kvfit.ops import small_batch
+
+    monkeypatch.setattr(model_runner.torch.cuda, "graph_pool_handle", object)
+    monkeypatch.setattr(piecewise_module, "capture_graph", eager_replay)
+    monkeypatch.setattr(CUDAGraphRunner, "capture", lambda self: None)
+    # The CPU tensors stand in for CUDA ones: the row bound decides.
+    monkeypatch.setattr(parallel_layers, "takes_skinny_path", lambda x: (
+        small_batch.is_small_batch_enabled() and 0 < x.shape[0] <= small_batch.MAX_ROWS))
+    skinny_rows: list[int] = []
+    skinny_linear = parallel_layers.skinny_linear
+
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        skinny_rows.append(x.shape[0])
+        return skinny_linear(x, *args)
+
+    monkeypatch.setattr(parallel_layers, "skinny_linear", spy)
+    for enabled in (True, False):
+        config = EngineArgs(model=str(qwen3), device="cpu", block_size=BLOCK_SIZE,
+                            max_model_len=64, max_num_batched_tokens=64,
+                            cudagraph_mode="PIECEWISE",
+                            small_batch_kernels=enabled).create_engine_config()
+        config.enforce_eager = False  # as on a GPU
+        r = ModelRunner(config)
+        r.initialize_kv_cache(64, extensible=True)
+        skinny_rows.clear()
+        with small_batch.small_batch_kernels(not enabled):  # the caller's state is no guide
+            r.capture_cuda_graphs()
+        r.shutdown()
+        assert bool(skinny_rows) == enabled and set(skinny_rows) <= {16}, (enabled, skinny_rows)
