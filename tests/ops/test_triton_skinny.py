@@ -100,6 +100,34 @@ def test_silu_and_mul_linear_matches_the_unfused_chain(rows: int, n: int, k: int
     _close(got, _linear_fp32(silu_and_mul_torch(gate_up), w, b))
 
 
+@interpret
+@pytest.mark.parametrize("rows", [1, 3])  # the FMA path (the model's) and the MMA path
+@pytest.mark.parametrize("prologue", ["rms_norm", "add_rms_norm", "silu_and_mul"])
+def test_fused_prologues_round_where_the_unfused_kernels_round(prologue: str, rows: int
+                                                              ) -> None:
+    """An identity weight makes the product exact (one non-zero term per output), so the
+    output is the prologue's own result: rounded to fp16 before the norm's scale (and after
+    the SiLU, before the product with up), as `_rms_norm_kernel` and `_silu_and_mul_kernel`
+    round. The tolerance tests above cannot see a rounding dropped; here about one element in
+    ten would differ. One may differ where fp32 rsqrt/exp round otherwise than torch's."""
+    k = 256
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(rows, k, generator=g) * 3).half()
+    eye = torch.eye(k, dtype=torch.float16)
+    if prologue == "silu_and_mul":
+        gate_up = torch.cat([x, (torch.randn(rows, k, generator=g) * 3).half()], dim=-1)
+        got = triton_skinny.silu_and_mul_linear_triton(gate_up, eye)
+        expect = silu_and_mul_torch(gate_up)
+    else:
+        residual = (torch.randn(rows, k, generator=g) * 3).half() if prologue != "rms_norm" \
+            else None
+        norm = (torch.rand(k, generator=g) + 0.5).half()
+        got, _ = triton_skinny.rms_norm_linear_triton(x, residual, norm, 1e-6, eye)
+        expect = (rms_norm_torch(x, norm, 1e-6) if residual is None
+                  else add_rms_norm_torch(x, residual, norm, 1e-6)[0])
+    assert (got != expect).sum() <= 1, (got != expect).sum()
+
+
 def test_skinny_linear_refuses_what_it_does_not_compute() -> None:
     w, _ = _weights(16, 32, torch.float16)
     with pytest.raises(ValueError, match="M <= 16"):
