@@ -1,0 +1,447 @@
+"""Host time per engine step, without the model's compute: offline `LLM.generate`, and the
+two processes behind `kvfit serve` (the engine core loop and the API process's per-token work).
+
+    PYTHONPATH=src python3 bench/host_overhead.py --out host.json            # CPU, ~1 minute
+    PYTHONPATH=src python3 bench/host_overhead.py --profile --out host.json  # + cProfile tops
+
+The workload of `bench/serving.py` on the H200 in small: `--num-prompts` prompts of
+`--input-len` random token ids, `--output-len` tokens each, greedy, ignore_eos, `--max-num-seqs`
+256, prefix caching off, kvfit-tiny (its tokenizer detokenizes every token, as the serving
+bench's word tokenizer does). By default the model's forward is replaced by its embedding
+lookup (`--forward stub`): the steps, their batches, inputs, sampling, outputs and text are
+the engine's own, only the decoder layers are skipped, so what is left is the host's work.
+
+Each pass is timed twice: plain (wall time per step, no instrumentation), then with a timer
+around each phase (exclusive microseconds per step: a phase's time less that of the phases
+inside it; the timers' own cost is the timed pass's step less the plain one's):
+- offline: `schedule`, `prepare_inputs`, `forward` (the stub; on a GPU the forward's launch or
+  graph replay, its device time hidden behind the host's next step), `sampling_metadata`,
+  `logits_and_sample` (logits head and sampler; device work on a GPU, launches only), `launch`
+  (the rest of the model runner's launch: copies to the host, the pending-token map), `advance`,
+  `result` (the output to Python lists), `update` (token bookkeeping, stop checks),
+  `detokenize` (`Detokenizer.step`, one call per sequence per step), `engine` (the rest of
+  `EngineCore.step`); `host` = the plain step less `forward` and `logits_and_sample`.
+- served, engine process: `EngineCoreLoop.run` over the same engine with every request added
+  up front; the phases above plus `commands`, `publish` (the per-request deltas and the
+  message), `stats` (`EngineCore.stats`, once per step), `encode` (pickling the message, as the
+  engine process's channel does; the socket write is not included) and `loop`.
+- served, API process: the engine's messages, as pickled, replayed into an `AsyncLLM` (a
+  client that only records commands) whose request streams are read through the server's own
+  streamed `/v1/completions` path to SSE bytes: `decode` (unpickling), `on_outputs`
+  (dispatch to the streams), `streams` (the event loop running every reader: folding deltas,
+  text, the request metrics, the chunk dicts and their JSON). HTTP (uvicorn, h11, the
+  socket) is not included.
+
+What the CPU's numbers mean for a GPU machine: the host code is the same, its speed is not.
+`python_ref_us` times a fixed pure-Python workload on this host; the ratio of a GPU host's
+figure to this one scales these numbers to it, to first order. On a GPU a step takes
+max(host, device) when the two overlap (the engine launches step k + 1 before reading step
+k's tokens), so host time matters once it nears the device's step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import dataclasses
+import io
+import pickle
+import pstats
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvfit import LLM, SamplingParams
+from kvfit.benchmarks.record import figure, make_record, write_record
+from kvfit.engine.async_output import AsyncModelOutput
+from kvfit.engine.sampler import SamplingMetadata
+from kvfit.server.engine_core_loop import EngineCoreLoop
+
+DEVICE_PHASES = ("forward", "logits_and_sample")
+"""Phases that are the model's compute on the CPU (launches on a GPU): not host time."""
+
+
+class PhaseTimer:
+    """Exclusive wall time per phase of wrapped calls: a phase's time less the wrapped calls
+    inside it, so the phases of one pass add up to its wall time."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._inner: list[float] = []  # per open call: time spent in wrapped calls inside it
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def timed(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        seconds, calls, inner, clock = self.seconds, self.calls, self._inner, time.perf_counter
+        seconds.setdefault(phase, 0.0)
+        calls.setdefault(phase, 0)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            inner.append(0.0)
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = clock() - start
+                seconds[phase] += elapsed - inner.pop()
+                calls[phase] += 1
+                if inner:
+                    inner[-1] += elapsed
+
+        return wrapper
+
+    def wrap(self, owner: Any, name: str, phase: str) -> None:
+        """Time `owner.name` (an instance's method or a class's attribute) as `phase`."""
+        saved = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+        setattr(owner, name, self.timed(getattr(owner, name), phase))
+        self._undo.append((owner, name, saved))
+
+    def restore(self) -> None:
+        for owner, name, saved in reversed(self._undo):
+            if saved is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, saved)
+        self._undo.clear()
+
+    def per_step_us(self, num_steps: int) -> dict[str, float]:
+        return {phase: s / num_steps * 1e6 for phase, s in self.seconds.items()}
+
+
+_MISSING = object()
+
+
+def stub_forward(llm: LLM) -> None:
+    """Replace the model's decoder layers by nothing: the hidden states are the embeddings.
+    Inputs, logits, sampling and outputs stay the engine's own."""
+    model = llm.engine.executor.workers[0].runner.model
+    embed = model.model.embed_tokens
+    model.forward = lambda input_ids, positions, attn_metadata: embed(input_ids)
+
+
+def python_ref_us(repeat: int = 5) -> float:
+    """Median microseconds of a fixed pure-Python workload (list, dict and attribute work like
+    the engine's per-sequence loops): this host's Python speed, to scale by."""
+    def work() -> int:
+        d: dict[int, list[int]] = {}
+        total = 0
+        for i in range(20000):
+            lst = d.setdefault(i & 255, [])
+            lst.append(i)
+            total += len(lst) + lst[-1] % 7
+        return total
+
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def workload(args: argparse.Namespace, vocab_size: int) -> list[dict[str, list[int]]]:
+    rng = random.Random(args.seed)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(args.input_len)]}
+            for _ in range(args.num_prompts)]
+
+
+def wrap_engine(timer: PhaseTimer, llm: LLM) -> None:
+    """Timers around every phase of the engine's step (see the module docstring)."""
+    core = llm.engine
+    runner = core.executor.workers[0].runner
+    timer.wrap(core, "step", "engine")
+    timer.wrap(core.scheduler, "schedule", "schedule")
+    timer.wrap(core.scheduler, "advance", "advance")
+    timer.wrap(core.scheduler, "update", "update")
+    timer.wrap(core.scheduler.detokenizer, "step", "detokenize")
+    timer.wrap(runner, "launch", "launch")
+    timer.wrap(runner, "prepare_inputs", "prepare_inputs")
+    timer.wrap(runner.model, "forward", "forward")
+    timer.wrap(runner.model, "compute_logits", "logits_and_sample")
+    timer.wrap(runner, "sampler", "logits_and_sample")
+    timer.wrap(SamplingMetadata, "from_seqs", "sampling_metadata")
+    timer.wrap(AsyncModelOutput, "result", "result")
+
+
+def host_us(plain_step_us: float, phases: dict[str, float]) -> float:
+    return plain_step_us - sum(phases.get(p, 0.0) for p in DEVICE_PHASES)
+
+
+def profile_top(profiler: cProfile.Profile, num: int) -> list[str]:
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(num)
+    lines = out.getvalue().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
+    return [line.rstrip() for line in lines[start:] if line.strip()]
+
+
+def offline(args: argparse.Namespace, llm: LLM, prompts: list[Any],
+            params: SamplingParams) -> dict[str, Any]:
+    core = llm.engine
+
+    def run() -> tuple[float, int]:
+        steps = core.scheduler.num_steps
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * args.output_len
+        return elapsed, core.scheduler.num_steps - steps
+
+    run()  # warm: first-call costs (the detokenizer's caches, allocator) out of the figures
+    plain = [run() for _ in range(args.repeat)]
+    num_steps = plain[0][1]
+    step_us = statistics.median(e for e, _ in plain) / num_steps * 1e6
+    timer = PhaseTimer()
+    wrap_engine(timer, llm)
+    try:
+        timed_s, _ = run()
+    finally:
+        timer.restore()
+    phases = timer.per_step_us(num_steps)
+    result = {"num_steps": num_steps, "step_us": step_us,
+              "step_us_runs": [e / n * 1e6 for e, n in plain],
+              "timed_step_us": timed_s / num_steps * 1e6,
+              "phases_us": phases, "calls": timer.calls,
+              "host_step_us": host_us(step_us, phases)}
+    result["host_us_per_token"] = result["host_step_us"] * num_steps / (len(prompts)
+                                                                       * args.output_len)
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        run()
+        profiler.disable()
+        result["profile"] = profile_top(profiler, args.profile_top)
+    return result
+
+
+def engine_loop(args: argparse.Namespace, llm: LLM, prompts: list[Any],
+                params: SamplingParams, timer: PhaseTimer | None = None,
+                profiler: cProfile.Profile | None = None) -> tuple[float, int, list[bytes]]:
+    """One pass of the engine core loop over every prompt; (seconds, steps, the messages it
+    sent, pickled). With `timer`, its phases are timed."""
+    messages: list[bytes] = []
+    remaining = {f"r{i}" for i in range(len(prompts))}
+    loop: EngineCoreLoop
+
+    def send(outputs: Any) -> None:
+        messages.append(pickle.dumps(outputs, pickle.HIGHEST_PROTOCOL))
+        for delta in outputs.outputs:
+            if delta[2]:
+                remaining.discard(delta[0])
+        if not remaining:
+            loop.submit(("stop",))
+
+    encode = send if timer is None else timer.timed(send, "encode")
+    loop = EngineCoreLoop(llm, encode)
+    if timer is not None:
+        wrap_engine(timer, llm)
+        for name, phase in (("_apply_commands", "commands"), ("_publish", "publish"),
+                            ("run", "loop")):
+            timer.wrap(loop, name, phase)
+        timer.wrap(llm.engine, "stats", "stats")
+    # As `AsyncLLM.add_request` sends them: text is the API process's (no stop strings here).
+    engine_params = dataclasses.replace(params, detokenize=False)
+    for i, prompt in enumerate(prompts):
+        loop.submit(("add", f"r{i}", prompt["prompt_token_ids"], None, engine_params))
+    steps = llm.engine.scheduler.num_steps
+    start = time.perf_counter()
+    try:
+        if profiler is not None:
+            profiler.enable()
+        loop.run()
+    finally:
+        if profiler is not None:
+            profiler.disable()
+        if timer is not None:
+            timer.restore()
+    elapsed = time.perf_counter() - start
+    return elapsed, llm.engine.scheduler.num_steps - steps, messages
+
+
+class _RecordingClient:
+    """An engine client for `AsyncLLM` that only records what it is sent."""
+
+    pid = None
+
+    def __init__(self, ready: Any) -> None:
+        self.ready = ready
+        self.sent: list[Any] = []
+
+    def send(self, command: Any) -> None:
+        self.sent.append(command)
+
+    def is_alive(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
+async def api_replay(args: argparse.Namespace, llm: LLM, prompts: list[Any],
+                     params: SamplingParams, messages: list[bytes], ready: Any,
+                     timer: PhaseTimer | None) -> tuple[float, int]:
+    """Replay the engine's `messages` into an `AsyncLLM` whose streams are read to SSE bytes
+    as the server streams `/v1/completions`; (seconds, SSE events)."""
+    from kvfit.engine.config import EngineArgs
+    from kvfit.server.async_llm import AsyncLLM
+    from kvfit.server.metrics import ServerMetrics
+    from kvfit.server.openai_api import _EventStream, _stream_completion
+    from kvfit.server.protocol import CompletionRequest
+
+    engine = AsyncLLM(EngineArgs(model=args.model, device="cpu"),
+                      client=lambda *_: _RecordingClient(ready))
+    metrics = ServerMetrics(engine)
+    body = CompletionRequest(model=args.model, prompt=[0], max_tokens=args.output_len,
+                             temperature=0.0, ignore_eos=True, stream=True)
+    events = 0
+
+    async def read(i: int, prompt: dict[str, Any]) -> None:
+        nonlocal events
+        stream = engine.add_request(prompt, params, request_id=f"r{i}")
+        tracked = metrics.track(aiter(stream), len(prompt["prompt_token_ids"]))
+        response = _EventStream(_stream_completion([tracked], body, f"cmpl-{i}", 0, args.model,
+                                                   engine, None, lambda e: e), lambda: None)
+        async for _ in response._lines():
+            events += 1
+
+    readers = [asyncio.ensure_future(read(i, p)) for i, p in enumerate(prompts)]
+    await asyncio.sleep(0)  # every request added
+    decode, on_outputs = pickle.loads, engine._on_outputs
+    if timer is not None:
+        decode, on_outputs = timer.timed(decode, "decode"), timer.timed(on_outputs, "on_outputs")
+        settle = timer.timed(lambda: None, "streams")  # a phase entry; time taken below
+    start = time.perf_counter()
+    for data in messages:
+        on_outputs(decode(data))
+        turn = time.perf_counter()
+        for _ in range(4):  # deliver, then every woken reader runs up to its next wait
+            await asyncio.sleep(0)
+        if timer is not None:
+            settle()
+            timer.seconds["streams"] += time.perf_counter() - turn
+    elapsed = time.perf_counter() - start
+    await asyncio.gather(*readers)
+    return elapsed, events
+
+
+def served(args: argparse.Namespace, llm: LLM, prompts: list[Any],
+           params: SamplingParams) -> dict[str, Any]:
+    engine_loop(args, llm, prompts, params)  # warm
+    plain = [engine_loop(args, llm, prompts, params) for _ in range(args.repeat)]
+    num_steps = plain[0][1]
+    step_us = statistics.median(e for e, *_ in plain) / num_steps * 1e6
+    timer = PhaseTimer()
+    timed_s, _, messages = engine_loop(args, llm, prompts, params, timer)
+    phases = timer.per_step_us(num_steps)
+    tokens = len(prompts) * args.output_len
+    engine_result = {"num_steps": num_steps, "step_us": step_us,
+                     "step_us_runs": [e / n * 1e6 for e, n, _ in plain],
+                     "timed_step_us": timed_s / num_steps * 1e6, "phases_us": phases,
+                     "calls": timer.calls, "host_step_us": host_us(step_us, phases),
+                     "num_messages": len(messages),
+                     "message_bytes": sum(map(len, messages)) / len(messages)}
+    engine_result["host_us_per_token"] = engine_result["host_step_us"] * num_steps / tokens
+    ready = EngineCoreLoop(llm, lambda _: None).ready()
+
+    def replay(timer: PhaseTimer | None) -> tuple[float, int]:
+        return asyncio.run(api_replay(args, llm, prompts, params, messages, ready, timer))
+
+    replay(None)  # warm
+    plain_api = [replay(None) for _ in range(args.repeat)]
+    api_timer = PhaseTimer()
+    api_timed_s, events = replay(api_timer)
+    api_s = statistics.median(e for e, _ in plain_api)
+    api_result = {"num_messages": len(messages), "events": events,
+                  "step_us": api_s / len(messages) * 1e6,
+                  "us_per_token": api_s / tokens * 1e6,
+                  "timed_step_us": api_timed_s / len(messages) * 1e6,
+                  "phases_us": api_timer.per_step_us(len(messages))}
+    if args.profile:
+        profiler = cProfile.Profile()
+        engine_loop(args, llm, prompts, params, profiler=profiler)
+        engine_result["profile"] = profile_top(profiler, args.profile_top)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        replay(None)
+        profiler.disable()
+        api_result["profile"] = profile_top(profiler, args.profile_top)
+    return {"engine": engine_result, "api": api_result}
+
+
+def print_report(result: dict[str, Any]) -> None:
+    print(f"python_ref_us {result['python_ref_us']:.0f} (this host's Python speed)")
+    for name, r in (("offline", result["offline"]), ("served engine", result["served"]["engine"])):
+        print(f"{name}: {r['num_steps']} steps, {r['step_us']:.0f} us/step plain "
+              f"({r['timed_step_us']:.0f} timed), host {r['host_step_us']:.0f} us/step, "
+              f"{r['host_us_per_token']:.2f} us/token")
+        for phase, us in sorted(r["phases_us"].items(), key=lambda kv: -kv[1]):
+            print(f"  {phase:<20} {us:8.1f} us/step  ({r['calls'][phase]} calls)")
+    api = result["served"]["api"]
+    print(f"served API: {api['num_messages']} messages, {api['step_us']:.0f} us/step plain "
+          f"({api['timed_step_us']:.0f} timed), {api['us_per_token']:.2f} us/token")
+    for phase, us in sorted(api["phases_us"].items(), key=lambda kv: -kv[1]):
+        print(f"  {phase:<20} {us:8.1f} us/step")
+
+
+def figures(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    f = {"python_ref_us": figure(result["python_ref_us"], "us", "lower")}
+    for key, r in (("offline", result["offline"]), ("served.engine", result["served"]["engine"])):
+        f[f"{key}.host_step_us"] = figure(r["host_step_us"], "us", "lower")
+        f[f"{key}.host_us_per_token"] = figure(r["host_us_per_token"], "us", "lower")
+        for phase, us in r["phases_us"].items():
+            f[f"{key}.{phase}_us"] = figure(us, "us", "lower")
+    api = result["served"]["api"]
+    f["served.api.step_us"] = figure(api["step_us"], "us", "lower")
+    f["served.api.us_per_token"] = figure(api["us_per_token"], "us", "lower")
+    return f
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON record path")
+    p.add_argument("--model", default="kvfit-tiny")
+    p.add_argument("--forward", choices=["stub", "model"], default="stub",
+                   help="stub: the embeddings stand for the decoder (no model compute)")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--repeat", type=int, default=3, help="plain passes (the median is kept)")
+    p.add_argument("--profile", action="store_true", help="one more pass of each under cProfile")
+    p.add_argument("--profile-top", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    # The host's work is one thread's; idle intra-op threads spinning beside other processes
+    # on a shared machine would time the machine, not the code.
+    torch.set_num_threads(1)
+    llm = LLM(args.model, device="cpu", max_model_len=args.input_len + args.output_len,
+              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, seed=args.seed)
+    try:
+        if args.forward == "stub":
+            stub_forward(llm)
+        vocab_size = llm.config.model_config.hf_config.vocab_size
+        prompts = workload(args, vocab_size)
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        result = {"python_ref_us": python_ref_us(),
+                  "offline": offline(args, llm, prompts, params),
+                  "served": served(args, llm, prompts, params)}
+    finally:
+        llm.shutdown()
+    print_report(result)
+    write_record(args.out, make_record("host-overhead", figures(result), vars(args), result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""bench/host_overhead.py on the CPU: every phase is timed, and the API replay streams every
+token of every request as one SSE event, as the server would."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .scripts import load_bench
+
+
+def test_host_overhead_bench_times_each_phase_and_replays_every_token(tmp_path: Path) -> None:
+    bench = load_bench("host_overhead")
+    out = tmp_path / "host.json"
+    bench.main(["--num-prompts", "6", "--input-len", "8", "--output-len", "5",
+                "--max-num-seqs", "4", "--repeat", "1", "--out", str(out)])
+    record = json.loads(out.read_text())
+    result = record["results"]
+    offline, engine, api = result["offline"], result["served"]["engine"], result["served"]["api"]
+    tokens = 6 * 5
+    # Offline detokenizes every token; the served engine leaves text to the API process.
+    assert offline["calls"]["detokenize"] == tokens
+    assert engine["calls"]["detokenize"] == 0
+    assert engine["calls"]["encode"] == engine["num_messages"] == api["num_messages"]
+    assert engine["calls"]["engine"] >= engine["num_steps"] == offline["num_steps"] > 5
+    # One event per token (each message is read before the next arrives) and one [DONE].
+    assert api["events"] == 6 * (5 + 1)
+    assert set(offline["phases_us"]) >= {"schedule", "prepare_inputs", "forward", "update",
+                                         "sampling_metadata", "result", "engine"}
+    assert set(api["phases_us"]) == {"decode", "on_outputs", "streams"}
+    assert record["bench"] == "host-overhead"
+    assert record["figures"]["offline.host_step_us"]["value"] == offline["host_step_us"]
