@@ -310,7 +310,7 @@ async def api_replay(args: argparse.Namespace, llm: LLM, prompts: list[Any],
     async def read(i: int, prompt: dict[str, Any]) -> None:
         nonlocal events
         stream = engine.add_request(prompt, params, request_id=f"r{i}")
-        tracked = metrics.track(aiter(stream), len(prompt["prompt_token_ids"]))
+        tracked = metrics.track(stream, len(prompt["prompt_token_ids"]))
         response = _EventStream(_stream_completion([tracked], body, f"cmpl-{i}", 0, args.model,
                                                    engine, None, lambda e: e), lambda: None)
         async for _ in response._lines():

@@ -11,7 +11,7 @@ import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvfit.engine.config import EngineArgs, EngineConfig
 from kvfit.engine.detokenizer import Detokenizer
@@ -123,6 +123,15 @@ def _deliver_threadsafe(loop: asyncio.AbstractEventLoop,
         loop.call_soon_threadsafe(_deliver, batch)
 
 
+class StreamObserver(Protocol):
+    """What a `RequestStream` tells its `observer`: each output as it is yielded, then the
+    end (`failed`: the stream raised; else it finished, or its reader left early)."""
+
+    def output(self, output: RequestOutput) -> None: ...
+
+    def end(self, failed: bool) -> None: ...
+
+
 class RequestStream:
     """One request's outputs, as an async iterator of cumulative `RequestOutput`s (the last
     one has `finished=True`).
@@ -157,11 +166,16 @@ class RequestStream:
                          for _ in seqs]
         self._hold_back = max(map(len, params.stop), default=1) - 1
         self._closed = False
+        # Told of every output and of the end (the server's request metrics): a call here
+        # rather than a generator around the stream, which would cost two more switches a
+        # token.
+        self.observer: StreamObserver | None = None
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        observer, failed = self.observer, False
         try:
             while not self.output.finished:
                 items = await self._stream.take()
@@ -174,9 +188,16 @@ class RequestStream:
                         break
                     deltas.append(item)
                 self._apply(deltas)
+                if observer is not None:
+                    observer.output(self.output)
                 yield self.output
+        except Exception:
+            failed = True
+            raise
         finally:
             self._close()
+            if observer is not None:
+                observer.end(failed)
 
     def _close(self) -> None:
         if not self._closed:

@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 from kvfit.engine.metrics import engine_metrics
 from kvfit.engine.outputs import RequestOutput
 from kvfit.server.api_servers import PROMETHEUS_MULTIPROC_ENV
-from kvfit.server.async_llm import AsyncLLM
+from kvfit.server.async_llm import AsyncLLM, RequestStream
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -99,31 +99,45 @@ class ServerMetrics:
             reason = "invalid" if 400 <= status_code < 500 else "error"
         self.request_failure.labels(reason).inc()
 
-    async def track(self, outputs: AsyncIterator[RequestOutput],
-                    num_prompt_tokens: int) -> AsyncIterator[RequestOutput]:
-        """Pass a request's outputs through, timing its tokens; counts its tokens and outcome
-        when it ends (one left early counts as aborted)."""
-        start = last = time.perf_counter()
-        num_tokens, output, failed = 0, None, False
-        try:
-            async for output in outputs:
-                now, total = time.perf_counter(), sum(len(o.token_ids) for o in output.outputs)
-                if total > num_tokens:
-                    if num_tokens == 0:
-                        self.ttft.observe(now - start)
-                    else:
-                        self.itl.observe((now - last) / (total - num_tokens))
-                    last, num_tokens = now, total
-                yield output
-        except Exception:
-            failed = True  # counted by the error handler that answers it
-            raise
-        finally:
-            self.prompt_tokens.inc(num_prompt_tokens)
-            self.generation_tokens.inc(num_tokens)
-            if output is not None and output.finished:
-                self.e2e.observe(time.perf_counter() - start)
-                for completion in output.outputs:
-                    self.request_success.labels(completion.finish_reason).inc()
-            elif not failed:
-                self.request_success.labels("abort").inc()
+    def track(self, stream: RequestStream, num_prompt_tokens: int
+              ) -> AsyncIterator[RequestOutput]:
+        """`stream`'s outputs, its tokens timed as they pass; its tokens and outcome are
+        counted when it ends (one left early counts as aborted)."""
+        stream.observer = _RequestTiming(self, num_prompt_tokens)
+        return aiter(stream)
+
+
+class _RequestTiming:
+    """One request's figures, fed by its stream (`StreamObserver`)."""
+
+    __slots__ = ("metrics", "num_prompt_tokens", "start", "last", "num_tokens", "last_output")
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+        self.metrics, self.num_prompt_tokens = metrics, num_prompt_tokens
+        self.start = self.last = time.perf_counter()
+        self.num_tokens = 0
+        self.last_output: RequestOutput | None = None
+
+    def output(self, output: RequestOutput) -> None:
+        self.last_output = output
+        outputs = output.outputs
+        total = (len(outputs[0].token_ids) if len(outputs) == 1
+                 else sum(len(o.token_ids) for o in outputs))
+        if total > self.num_tokens:
+            now = time.perf_counter()
+            if self.num_tokens == 0:
+                self.metrics.ttft.observe(now - self.start)
+            else:
+                self.metrics.itl.observe((now - self.last) / (total - self.num_tokens))
+            self.last, self.num_tokens = now, total
+
+    def end(self, failed: bool) -> None:
+        m, output = self.metrics, self.last_output
+        m.prompt_tokens.inc(self.num_prompt_tokens)
+        m.generation_tokens.inc(self.num_tokens)
+        if output is not None and output.finished:
+            m.e2e.observe(time.perf_counter() - self.start)
+            for completion in output.outputs:
+                m.request_success.labels(completion.finish_reason).inc()
+        elif not failed:  # a failure is counted by the error handler that answers it
+            m.request_success.labels("abort").inc()

@@ -333,7 +333,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 stream = engine.add_request(prompt, sp, f"{request_id}-{i}")
                 admission.request_ids.append(stream.request_id)
-                streams.append(metrics.track(aiter(stream), len(prompt["prompt_token_ids"])))
+                streams.append(metrics.track(stream, len(prompt["prompt_token_ids"])))
         except BaseException as e:
             admission.release()
             if isinstance(e, ValueError):
@@ -738,11 +738,6 @@ class _EventStream(StreamingResponse):
 async def _merged(streams: list[AsyncIterator[RequestOutput]]
                   ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """`(prompt index, output)` of several streams as they arrive."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]):
-            async for out in streams[0]:
-                yield 0, out
-        return
     queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
@@ -780,36 +775,45 @@ async def _stream_completion(streams: list[AsyncIterator[RequestOutput]],
     outputs: dict[int, RequestOutput] = {}
     base = {"id": ids, "object": "text_completion", "created": created, "model": model}
     extra = {"usage": None} if body.include_usage else {}
+    # Read once: the loop runs for every token of every stream.
+    num_logprobs, n, continuous_usage = body.logprobs, body.n, body.continuous_usage
+    # One prompt (the common request) is read directly: a pass-through generator between
+    # the stream and this one would cost every token two more generator switches.
+    single = len(streams) == 1
+    source = streams[0] if single else _merged(streams)
     try:
-        async for i, out in _merged(streams):
-            outputs[i] = out
-            choices = []
-            for c in out.outputs:
-                key = (i, c.index)
-                chars, tokens = sent.get(key, (0, 0))
-                if key in done or (len(c.text) == chars and len(c.token_ids) == tokens
-                                   and c.finish_reason is None):
-                    continue
-                text = c.text[chars:]
-                first_echo = echo is not None and key not in sent
-                if first_echo:
-                    text = echo[i] + text
-                logprobs = None
-                if body.logprobs is not None:
-                    # As unstreamed: the echoed prompt's tokens lead, and offsets count its text.
-                    offset = 0 if first_echo else chars + (len(echo[i]) if echo else 0)
-                    logprobs = _completion_logprobs(engine, c, body.logprobs, out, first_echo,
-                                                    tokens, offset)
-                sent[key] = (len(c.text), len(c.token_ids))
-                if c.finish_reason is not None:
-                    done.add(key)
-                choices.append({"index": i * body.n + c.index, "text": text,
-                                "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason})
-            if choices:
-                if body.continuous_usage:
-                    extra = {"usage": _usage(list(outputs.values()))}
-                yield {**base, "choices": choices, **extra}
+        async with aclosing(source):
+            async for item in source:
+                i, out = (0, item) if single else item
+                outputs[i] = out
+                choices = []
+                for c in out.outputs:
+                    key = (i, c.index)
+                    chars, tokens = sent.get(key, (0, 0))
+                    if key in done or (len(c.text) == chars and len(c.token_ids) == tokens
+                                       and c.finish_reason is None):
+                        continue
+                    text = c.text[chars:]
+                    first_echo = echo is not None and key not in sent
+                    if first_echo:
+                        text = echo[i] + text
+                    logprobs = None
+                    if num_logprobs is not None:
+                        # As unstreamed: the echoed prompt's tokens lead, and offsets count its
+                        # text.
+                        offset = 0 if first_echo else chars + (len(echo[i]) if echo else 0)
+                        logprobs = _completion_logprobs(engine, c, num_logprobs, out,
+                                                        first_echo, tokens, offset)
+                    sent[key] = (len(c.text), len(c.token_ids))
+                    if c.finish_reason is not None:
+                        done.add(key)
+                    choices.append({"index": i * n + c.index, "text": text,
+                                    "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason})
+                if choices:
+                    if continuous_usage:
+                        extra = {"usage": _usage(list(outputs.values()))}
+                    yield {**base, "choices": choices, **extra}
     except _ENGINE_ERRORS as e:
         yield engine_error(e).body()
         return
