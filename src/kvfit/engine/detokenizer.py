@@ -49,8 +49,8 @@ class Detokenizer:
                 )
             tokenizer = backend
         self.tokenizer: Tokenizer | None = tokenizer
-        # seq_id -> (stream, number of output tokens fed to it)
-        self._streams: dict[int, tuple[DecodeStream, int]] = {}
+        # seq_id -> [stream, number of the sequence's tokens (prompt included) fed to it]
+        self._streams: dict[int, list[DecodeStream | int]] = {}
         self._token_texts: dict[int, str] = {}
         self._byte_level: bool | None = None  # whether the decoder is byte-level (lazily)
 
@@ -99,13 +99,22 @@ class Detokenizer:
         earlier text); on a match truncates `output_text` before it (after it with
         `include_stop_str_in_output`) and returns the stop string.
         """
-        if self.tokenizer is None:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
             return None
-        stream, num_fed = self._streams.get(seq.seq_id) or (self._new_stream(seq), 0)
-        new_text = ""
-        for token_id in seq.output_token_ids[num_fed:]:
-            new_text += stream.step(self.tokenizer, token_id) or ""
-        self._streams[seq.seq_id] = (stream, seq.num_output_tokens)
+        # Runs for every token of every sequence: one step a token, the state updated in
+        # place, no copy of the tokens before the new ones.
+        state = self._streams.get(seq.seq_id)
+        if state is None:
+            state = self._streams[seq.seq_id] = [self._new_stream(seq), seq.num_prompt_tokens]
+        stream, num_fed = state
+        tokens = seq.token_ids
+        end = state[1] = len(tokens)
+        if end - num_fed == 1:
+            new_text = stream.step(tokenizer, tokens[num_fed])
+        else:
+            new_text = "".join(filter(None, (stream.step(tokenizer, token_id)
+                                             for token_id in tokens[num_fed:end])))
         if not new_text:
             return None
         start = len(seq.output_text)
