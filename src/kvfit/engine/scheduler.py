@@ -95,18 +95,32 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch(seqs=[], num_new_tokens=[])
         num_preempted = self.num_preemptions
+        # This loop runs for every running sequence at every step: its checks are written
+        # out (`_chunk_size`, `append_slots`), and a sequence whose blocks already hold its
+        # chunk (a decode, most steps) takes none.
+        RUNNING = SequenceStatus.RUNNING  # noqa: N806
+        block_size, max_model_len = self.block_manager.block_size, self.max_model_len
+        threshold = self.long_prefill_token_threshold
+        seqs, num_new_tokens = batch.seqs, batch.num_new_tokens
         # Stable sort: decodes first, each group in admission order.
-        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
+        for seq in sorted(self.running, key=_is_prefill):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status is not RUNNING:  # preempted earlier in this loop
                 continue
-            if self._awaits_final_token(seq):
+            tokens = seq.token_ids
+            num_tokens = len(tokens)
+            if tokens[-1] == PENDING_TOKEN and (  # its pending token is its last (by length)
+                    num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
+                    or num_tokens >= max_model_len):
                 continue
-            num_new = self._chunk_size(seq, budget)
-            if self._reserve_slots(seq, num_new, batch):
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(num_new)
+            num_new = min(num_tokens - seq.num_computed_tokens, budget)
+            if threshold and num_new > 1:
+                num_new = min(num_new, threshold)
+            if (seq.num_computed_tokens + num_new <= len(seq.block_table) * block_size
+                    or self._reserve_slots(seq, num_new, batch)):
+                seqs.append(seq)
+                num_new_tokens.append(num_new)
                 budget -= num_new
         # After a preemption the cache is full: admitting new work would only thrash.
         if self.num_preemptions == num_preempted:
@@ -181,18 +195,20 @@ class Scheduler:
         """Apply an advanced step's output: sampled tokens in place of the pending ones,
         logprobs, stop checks. Returns the sequences that finished."""
         finished = []
-        for i, seq in enumerate(batch.seqs):
-            if seq.is_finished:  # aborted, or stopped by an earlier step's token
+        FINISHED = SequenceStatus.FINISHED  # noqa: N806
+        for i, (seq, token_id, logprobs, prompt_logprobs) in enumerate(zip(
+                batch.seqs, output.sampled_token_ids, output.logprobs, output.prompt_logprobs,
+                strict=True)):
+            if seq.status is FINISHED:  # aborted, or stopped by an earlier step's token
                 continue
-            if output.prompt_logprobs[i] is not None:
+            if prompt_logprobs is not None:
                 self._record_prompt_logprobs(seq, output, i)
-            token_id = output.sampled_token_ids[i]
             if token_id is None:
                 continue
             # A sequence preempted while this step ran is waiting: it keeps the token.
             seq.resolve_pending_token(token_id)
-            if output.logprobs[i] is not None:
-                seq.logprobs.append(self.detokenizer.annotate(output.logprobs[i]))
+            if logprobs is not None:
+                seq.logprobs.append(self.detokenizer.annotate(logprobs))
             if self._check_stop(seq, token_id):
                 self._finish(seq)
                 finished.append(seq)
@@ -241,14 +257,6 @@ class Scheduler:
                                f"arrived with only {done} recorded")
         seq.prompt_logprobs.extend(None if entry is None else self.detokenizer.annotate(entry)
                                    for entry in output.prompt_logprobs[i][done - first :])
-
-    def _awaits_final_token(self, seq: Sequence) -> bool:
-        """Whether `seq`'s pending token is its last (by length): it needs no further step."""
-        return seq.has_pending_token and self._at_length_limit(seq)
-
-    def _at_length_limit(self, seq: Sequence) -> bool:
-        return (seq.num_output_tokens >= seq.sampling_params.max_tokens
-                or len(seq) >= self.max_model_len)
 
     def _check_fits(self, seq: Sequence) -> None:
         num_prompt = seq.num_prompt_tokens
@@ -303,7 +311,9 @@ class Scheduler:
 
     def _check_stop(self, seq: Sequence, token_id: int) -> bool:
         params = seq.sampling_params
-        may_stop = seq.num_output_tokens >= params.min_tokens
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens
+        may_stop = num_output >= params.min_tokens
         if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             seq.finish_reason = "stop"
             return True
@@ -316,7 +326,7 @@ class Scheduler:
         if stop is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
             return True
-        if self._at_length_limit(seq):
+        if num_output >= params.max_tokens or num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
             return True
         return False
@@ -327,3 +337,8 @@ class Scheduler:
         self.block_manager.free(seq)
         self.detokenizer.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+
+def _is_prefill(seq: Sequence) -> bool:
+    """Whether `seq` computes more than one token next (`schedule` orders decodes first)."""
+    return len(seq.token_ids) - seq.num_computed_tokens > 1
