@@ -58,26 +58,38 @@ class SamplingMetadata:
         """
         device = torch.device(device)
         params = [seq.sampling_params for seq in seqs]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        # Built at every step for every sampled row: one pass over the rows gathers each
+        # setting, list.count (C) tells a setting that no row uses, and the logits processors
+        # are built only where some row asks for one.
+        temperature, top_k, top_p, min_p = map(list, zip(
+            *[(p.temperature, p.top_k, p.top_p, p.min_p) for p in params], strict=True)
+        ) if params else ([], [], [], [])
+        num_rows = len(params)
 
         def tensor(values: list, dtype: torch.dtype, off: float) -> torch.Tensor | None:
-            if all(v == off for v in values):
+            if values.count(off) == num_rows:
                 return None
             return to_device(torch.tensor(values, dtype=dtype), device)
 
-        processors = [
-            AllowedTokens.from_seqs(seqs, vocab_size, device),
-            Penalties.from_seqs(seqs, vocab_size, device),
-            LogitBias.from_seqs(seqs, vocab_size, device),
-            BannedTokens.from_seqs(seqs, vocab_size, device, eos_token_ids),
-        ]
+        if top_k.count(-1) != num_rows:  # -1 (off) is the common value; others clamp
+            top_k = [k if 0 < k < vocab_size else vocab_size for k in top_k]
+        else:
+            top_k = [vocab_size] * num_rows
+        processors = []
+        if any(p.allowed_token_ids is not None or p.logit_bias or p.bad_words_token_ids
+               or p.min_tokens or p.has_penalties for p in params):
+            processors = [
+                AllowedTokens.from_seqs(seqs, vocab_size, device),
+                Penalties.from_seqs(seqs, vocab_size, device),
+                LogitBias.from_seqs(seqs, vocab_size, device),
+                BannedTokens.from_seqs(seqs, vocab_size, device, eos_token_ids),
+            ]
         return cls(
-            temperature=to_device(torch.tensor([p.temperature for p in params],
-                                               dtype=torch.float32), device),
-            all_greedy=all(p.greedy for p in params),
+            temperature=to_device(torch.tensor(temperature, dtype=torch.float32), device),
+            all_greedy=temperature.count(0.0) == num_rows,
             top_k=tensor(top_k, torch.int32, vocab_size),
-            top_p=tensor([p.top_p for p in params], torch.float32, 1.0),
-            min_p=tensor([p.min_p for p in params], torch.float32, 0.0),
+            top_p=tensor(top_p, torch.float32, 1.0),
+            min_p=tensor(min_p, torch.float32, 0.0),
             token_seeds=[
                 (row, token_seed(p.seed, seq.num_output_tokens, seq.sibling_index))
                 for row, (seq, p) in enumerate(zip(seqs, params, strict=True))
