@@ -27,8 +27,10 @@ inside it; the timers' own cost is the timed pass's step less the plain one's):
   up front; the phases above plus `commands`, `publish` (the per-request deltas and the
   message), `stats` (`EngineCore.stats`, once per step), `encode` (pickling the message, as the
   engine process's channel does; the socket write is not included) and `loop`.
-- served, API process: the engine's messages, as pickled, replayed into an `AsyncLLM` (a
-  client that only records commands) whose request streams are read through the server's own
+- served, API process: every request admitted as the server admits it (`admit`: its JSON
+  body parsed and validated, its sampling params, `add_request`, the request metrics; us a
+  request), then the engine's messages, as pickled, replayed into that `AsyncLLM` (a
+  client that only records commands), whose request streams are read through the server's own
   streamed `/v1/completions` path to SSE bytes: `decode` (unpickling), `on_outputs`
   (dispatch to the streams), `streams` (the event loop running every reader: folding deltas,
   text, the request metrics, the chunk dicts and their JSON). HTTP (uvicorn, h11, the
@@ -289,11 +291,14 @@ class _RecordingClient:
         pass
 
 
-async def api_replay(args: argparse.Namespace, llm: LLM, prompts: list[Any],
-                     params: SamplingParams, messages: list[bytes], ready: Any,
-                     timer: PhaseTimer | None) -> tuple[float, int]:
-    """Replay the engine's `messages` into an `AsyncLLM` whose streams are read to SSE bytes
-    as the server streams `/v1/completions`; (seconds, SSE events)."""
+async def api_replay(args: argparse.Namespace, prompts: list[Any], messages: list[bytes],
+                     ready: Any, timer: PhaseTimer | None) -> tuple[float, int, float]:
+    """Admit every prompt as the server does (its JSON body parsed and validated, its sampling
+    params made, `add_request`, the request metrics), then replay the engine's `messages` into
+    the `AsyncLLM` whose streams are read to SSE bytes as the server streams
+    `/v1/completions`; (seconds of the replay, SSE events, seconds of the admissions)."""
+    import json
+
     from kvfit.engine.config import EngineArgs
     from kvfit.server.async_llm import AsyncLLM
     from kvfit.server.metrics import ServerMetrics
@@ -303,21 +308,29 @@ async def api_replay(args: argparse.Namespace, llm: LLM, prompts: list[Any],
     engine = AsyncLLM(EngineArgs(model=args.model, device="cpu"),
                       client=lambda *_: _RecordingClient(ready))
     metrics = ServerMetrics(engine)
-    body = CompletionRequest(model=args.model, prompt=[0], max_tokens=args.output_len,
-                             temperature=0.0, ignore_eos=True, stream=True)
+    bodies = [json.dumps({"model": args.model, "prompt": p["prompt_token_ids"],
+                          "max_tokens": args.output_len, "temperature": 0.0, "stream": True,
+                          "ignore_eos": True}).encode() for p in prompts]
+    start = CLOCK()
+    admitted = []
+    for i, data in enumerate(bodies):
+        body = CompletionRequest.model_validate(json.loads(data))
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        prompt = {"prompt_token_ids": body.prompt, "prompt": None}
+        stream = engine.add_request(prompt, params, request_id=f"r{i}")
+        admitted.append((body, metrics.track(stream, len(body.prompt))))
+    admit_s = CLOCK() - start
     events = 0
 
-    async def read(i: int, prompt: dict[str, Any]) -> None:
+    async def read(i: int, body: CompletionRequest, tracked: Any) -> None:
         nonlocal events
-        stream = engine.add_request(prompt, params, request_id=f"r{i}")
-        tracked = metrics.track(stream, len(prompt["prompt_token_ids"]))
         response = _EventStream(_stream_completion([tracked], body, f"cmpl-{i}", 0, args.model,
                                                    engine, None, lambda e: e), lambda: None)
         async for _ in response._lines():
             events += 1
 
-    readers = [asyncio.ensure_future(read(i, p)) for i, p in enumerate(prompts)]
-    await asyncio.sleep(0)  # every request added
+    readers = [asyncio.ensure_future(read(i, *a)) for i, a in enumerate(admitted)]
+    await asyncio.sleep(0)  # every reader waiting
     decode, on_outputs = pickle.loads, engine._on_outputs
     if timer is not None:
         decode, on_outputs = timer.timed(decode, "decode"), timer.timed(on_outputs, "on_outputs")
@@ -333,7 +346,7 @@ async def api_replay(args: argparse.Namespace, llm: LLM, prompts: list[Any],
             timer.seconds["streams"] += CLOCK() - turn
     elapsed = CLOCK() - start
     await asyncio.gather(*readers)
-    return elapsed, events
+    return elapsed, events, admit_s
 
 
 def served(args: argparse.Namespace, llm: LLM, prompts: list[Any],
@@ -355,17 +368,18 @@ def served(args: argparse.Namespace, llm: LLM, prompts: list[Any],
     engine_result["host_us_per_token"] = engine_result["host_step_us"] * num_steps / tokens
     ready = EngineCoreLoop(llm, lambda _: None).ready()
 
-    def replay(timer: PhaseTimer | None) -> tuple[float, int]:
-        return asyncio.run(api_replay(args, llm, prompts, params, messages, ready, timer))
+    def replay(timer: PhaseTimer | None) -> tuple[float, int, float]:
+        return asyncio.run(api_replay(args, prompts, messages, ready, timer))
 
     replay(None)  # warm
     plain_api = [replay(None) for _ in range(args.repeat)]
     api_timer = PhaseTimer()
-    api_timed_s, events = replay(api_timer)
-    api_s = min(e for e, _ in plain_api)
+    api_timed_s, events, _ = replay(api_timer)
+    api_s = min(e for e, *_ in plain_api)
     api_result = {"num_messages": len(messages), "events": events,
                   "step_us": api_s / len(messages) * 1e6,
                   "us_per_token": api_s / tokens * 1e6,
+                  "admit_us_per_request": min(a for *_, a in plain_api) / len(prompts) * 1e6,
                   "timed_step_us": api_timed_s / len(messages) * 1e6,
                   "phases_us": api_timer.per_step_us(len(messages))}
     if args.profile:
@@ -395,7 +409,8 @@ def print_report(result: dict[str, Any]) -> None:
         return
     api = result["served"]["api"]
     print(f"served API: {api['num_messages']} messages, {api['step_us']:.0f} us/step plain "
-          f"({api['timed_step_us']:.0f} timed), {api['us_per_token']:.2f} us/token")
+          f"({api['timed_step_us']:.0f} timed), {api['us_per_token']:.2f} us/token, "
+          f"{api['admit_us_per_request']:.0f} us to admit a request")
     for phase, us in sorted(api["phases_us"].items(), key=lambda kv: -kv[1]):
         print(f"  {phase:<20} {us:8.1f} us/step")
 
@@ -415,6 +430,7 @@ def figures(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     api = result["served"]["api"]
     f["served.api.step_us"] = figure(api["step_us"], "us", "lower")
     f["served.api.us_per_token"] = figure(api["us_per_token"], "us", "lower")
+    f["served.api.admit_us_per_request"] = figure(api["admit_us_per_request"], "us", "lower")
     return f
 
 

@@ -28,5 +28,6 @@ def test_host_overhead_bench_times_each_phase_and_replays_every_token(tmp_path: 
     assert set(offline["phases_us"]) >= {"schedule", "prepare_inputs", "forward", "update",
                                          "sampling_metadata", "result", "engine"}
     assert set(api["phases_us"]) == {"decode", "on_outputs", "streams"}
+    assert "served.api.admit_us_per_request" in record["figures"]
     assert record["bench"] == "host-overhead"
     assert record["figures"]["offline.host_step_us"]["value"] == offline["host_step_us"]
