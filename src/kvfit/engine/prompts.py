@@ -57,6 +57,11 @@ def parse_prompt(where: str, prompt: Prompt, tokenizer: Any | None) -> tuple[str
 def check_token_ids(where: str, token_ids: list, vocab_size: int) -> None:
     """Every id an int (numpy's too, made a Python int in place; not a bool) in
     `[0, vocab_size)`; the first that is not is named."""
+    # Every request's prompt passes here: plain ints in range (the common case) are told in C
+    # (a bool's type is not int); anything else is looked at id by id.
+    if token_ids and set(map(type, token_ids)) == {int} and (
+            min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return
     for position, t in enumerate(token_ids):
         if isinstance(t, np.integer):
             t = token_ids[position] = int(t)

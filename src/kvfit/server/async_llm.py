@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import copy
 import itertools
 import logging
 import uuid
@@ -400,7 +400,10 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running; use another")
         # The engine decodes text only where stop strings need it; the stream decodes the rest.
-        engine_params = dataclasses.replace(params, detokenize=False)
+        # A shallow copy, not `dataclasses.replace`, which validates every field again (15 us
+        # a request on the API process's one core); the engine never changes the lists.
+        engine_params = copy.copy(params)
+        engine_params.detokenize = False
         seqs = self._input_processor.make_request(prompt, engine_params, request_id)
         stream = RequestStream(self, request_id, seqs, params)
         self._streams[request_id] = stream._stream
