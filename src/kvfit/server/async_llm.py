@@ -209,6 +209,15 @@ class RequestStream:
 
     def _apply(self, deltas: list[RequestDelta | PlainDelta]) -> None:
         """Fold every delta taken into the output; text is decoded once per completion."""
+        if len(deltas) == 1 and len(deltas[0]) == 2:
+            # One step of a plain request, most wake-ups at every step: its tokens and text,
+            # nothing else (a plain delta never ends its request: its last is a RequestDelta).
+            tokens, out, mirror = deltas[0][1], self.output.outputs[0], self._mirrors[0]
+            out.token_ids.extend(tokens)
+            mirror.token_ids.extend(tokens)
+            self._engine._detokenizer.step(mirror, check_stop=False)
+            out.text = mirror.output_text
+            return
         decode: set[int] = set()
         for delta in deltas:
             if len(delta) == 2:  # a plain request's new tokens
