@@ -61,7 +61,8 @@ from typing import Any
 import torch
 
 from kvfit import LLM, SamplingParams
-from kvfit.benchmarks.record import figure, make_record, write_record
+from kvfit.benchmarks.figures import record_of
+from kvfit.benchmarks.record import write_record
 from kvfit.engine.async_output import AsyncModelOutput
 from kvfit.engine.sampler import SamplingMetadata
 from kvfit.server.engine_core_loop import EngineCoreLoop
@@ -415,25 +416,6 @@ def print_report(result: dict[str, Any]) -> None:
         print(f"  {phase:<20} {us:8.1f} us/step")
 
 
-def figures(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    f = {"python_ref_us": figure(result["python_ref_us"], "us", "lower")}
-    for key, r in (("offline", result.get("offline")),
-                   ("served.engine", result.get("served", {}).get("engine"))):
-        if r is None:
-            continue
-        f[f"{key}.host_step_us"] = figure(r["host_step_us"], "us", "lower")
-        f[f"{key}.host_us_per_token"] = figure(r["host_us_per_token"], "us", "lower")
-        for phase, us in r["phases_us"].items():
-            f[f"{key}.{phase}_us"] = figure(us, "us", "lower")
-    if "served" not in result:
-        return f
-    api = result["served"]["api"]
-    f["served.api.step_us"] = figure(api["step_us"], "us", "lower")
-    f["served.api.us_per_token"] = figure(api["us_per_token"], "us", "lower")
-    f["served.api.admit_us_per_request"] = figure(api["admit_us_per_request"], "us", "lower")
-    return f
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -477,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         llm.shutdown()
     print_report(result)
-    write_record(args.out, make_record("host-overhead", figures(result), vars(args), result))
+    write_record(args.out, record_of("host-overhead", result, vars(args)))
     return result
 
 

@@ -357,6 +357,26 @@ def device_limits(p: Any) -> Figures:
     return f
 
 
+def host_overhead(result: dict[str, Any]) -> Figures:
+    """`bench/host_overhead.py`: host microseconds a step by phase, a token, a request."""
+    f: Figures = {"python_ref_us": figure(result["python_ref_us"], "us", "lower")}
+    for key, r in (("offline", result.get("offline")),
+                   ("served.engine", result.get("served", {}).get("engine"))):
+        if r is None:
+            continue
+        f[f"{key}.host_step_us"] = figure(r["host_step_us"], "us", "lower")
+        f[f"{key}.host_us_per_token"] = figure(r["host_us_per_token"], "us", "lower")
+        for phase, us in r["phases_us"].items():
+            f[f"{key}.{phase}_us"] = figure(us, "us", "lower")
+    if "served" not in result:
+        return f
+    api = result["served"]["api"]
+    f["served.api.step_us"] = figure(api["step_us"], "us", "lower")
+    f["served.api.us_per_token"] = figure(api["us_per_token"], "us", "lower")
+    f["served.api.admit_us_per_request"] = figure(api["admit_us_per_request"], "us", "lower")
+    return f
+
+
 def no_figures(p: Any) -> Figures:
     """Tuning sweeps: tables of configurations, not claims."""
     return {}
@@ -370,7 +390,7 @@ FIGURES: dict[str, Callable[[Any], Figures]] = {
     "adversarial": adversarial, "sampling-sweep": no_figures, "attention-sweep": no_figures,
     "bench-throughput": bench_throughput, "bench-latency": bench_latency,
     "bench-serve": bench_serve, "async-engine": async_engine, "kv-dtype": kv_dtype,
-    "determinism": determinism,
+    "determinism": determinism, "host-overhead": host_overhead,
 }
 
 
