@@ -186,6 +186,15 @@ def bench_serve() -> dict[str, Any]:
 
 # The other benches' payloads, kept out of `ALL` (each of whose benches also adapts from a bare
 # result file): with `ALL`, every bench's record path but the sweeps'.
+def host_overhead() -> dict[str, Any]:
+    phases = {"schedule": 110.0, "prepare_inputs": 340.0}
+    engine = {"host_step_us": 1240.0, "host_us_per_token": 5.5, "phases_us": phases}
+    return {"python_ref_us": 2000.0, "offline": {**engine, "host_step_us": 1750.0},
+            "served": {"engine": engine, "api": {"step_us": 2190.0, "us_per_token": 9.8,
+                                                 "admit_us_per_request": 71.4}}}
+
+
 OTHERS = {"attention": attention, "vmm": vmm, "determinism": determinism,
+          "host-overhead": host_overhead,
           "bench-throughput": bench_throughput, "bench-latency": bench_latency,
           "bench-serve": bench_serve}
