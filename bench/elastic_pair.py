@@ -164,6 +164,7 @@ def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     core, end = llm.engine, t0 + args.phase_s * args.num_phases
     arrived: dict[str, float] = {}
+    due: dict[str, float] = {}  # the end of the phase a request arrived in
     ttfts: list[float] = []
     live: dict[str, Any] = {}
     tokens, samples, next_sample, n = 0, [], t0, 0
@@ -177,11 +178,11 @@ def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict
                 [seq] = llm.make_request({"prompt_token_ids": ids}, params, rid)
                 core.add_request(seq)
                 live[rid], arrived[rid] = seq, time.monotonic()
+                due[rid] = t0 + (phase + 1) * args.phase_s
         elif live:  # the phase ended: abort what is still running
-            phase_end = t0 + phase * args.phase_s
             for rid, seq in live.items():
                 if seq.num_output_tokens == 0:
-                    ttfts.append(phase_end - arrived[rid])
+                    ttfts.append(due[rid] - arrived[rid])
                 core.abort_request(rid)
                 if chats is not None:
                     chats.abandoned(rid)
@@ -192,7 +193,9 @@ def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict
         for rid, seq in list(live.items()):
             tokens += seq.num_output_tokens - before[rid]
             if before[rid] == 0 and seq.num_output_tokens > 0:
-                ttfts.append(stepped - arrived[rid])
+                # A step begun before the phase's end may finish after it: its request was
+                # still waiting when the phase ended, which counts as the phase's length.
+                ttfts.append(min(stepped, due[rid]) - arrived[rid])
             if seq.is_finished:
                 del live[rid]
                 if chats is not None:
@@ -203,6 +206,8 @@ def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict
             samples.append({"t": stepped - t0, "kv_blocks": core.scheduler.block_manager.num_blocks,
                             "kv_bytes": core.stats().committed_kv_bytes})
             next_sample = stepped + args.sample_ms / 1e3
+    # Still waiting when the last phase ended: that phase's length, as at every other end.
+    ttfts += [due[rid] - arrived[rid] for rid, seq in live.items() if seq.num_output_tokens == 0]
     stats = core.stats()
     return {"model": args.models[rank], "output_tokens": tokens, "ttft_s": ttfts,
             "prefix_cache_hit_rate": (stats.prefix_cache_hit_tokens
