@@ -35,6 +35,18 @@ inside it; the timers' own cost is the timed pass's step less the plain one's):
   (dispatch to the streams), `streams` (the event loop running every reader: folding deltas,
   text, the request metrics, the chunk dicts and their JSON). HTTP (uvicorn, h11, the
   socket) is not included.
+- http, API process over HTTP (`--parts http`): the real app (`build_app`) on uvicorn,
+  configured as `kvfit serve` configures it, on a local socket, the engine's messages
+  replayed into its `AsyncLLM` one step at a time (the next once every woken stream has
+  written its chunk), while a client process streams every prompt as a `/v1/completions`
+  request at once. The server thread's CPU time, split in `admit` (from the first
+  connection until the engine holds every request: accept, HTTP parsing, routing,
+  validation, admission, the response's start; us a request) and `stream` (from the first
+  message until every response is complete: the messages' decoding and dispatch, the
+  streams, the SSE chunks and their HTTP writes, each request's end; us a chunk, `stream`
+  less `decode` and `on_outputs` as `http_us_per_chunk`). With `--profile`, one more pass
+  under cProfile, its time grouped by layer (`layers_us_per_chunk`: the package a function
+  belongs to, the event loop's and sockets' builtins as `loop`).
 
 What the CPU's numbers mean for a GPU machine: the host code is the same, its speed is not.
 `python_ref_us` times a fixed pure-Python workload on this host; the ratio of a GPU host's
@@ -54,6 +66,9 @@ import pickle
 import pstats
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -395,6 +410,205 @@ def served(args: argparse.Namespace, llm: LLM, prompts: list[Any],
     return {"engine": engine_result, "api": api_result}
 
 
+HTTP_CLIENT = r"""
+import asyncio, json, sys
+
+async def one(host, port, body, out):
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                 b"\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+    data = bytearray()
+    while not data.endswith(b"0\r\n\r\n"):
+        chunk = await reader.read(1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    writer.close()
+    out.append(bytes(data))
+
+async def main():
+    host, port, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    bodies = [line.encode() for line in open(path).read().splitlines()]
+    out = []
+    await asyncio.wait_for(asyncio.gather(*(one(host, port, b, out) for b in bodies)), 300)
+    ok = sum(d.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in d for d in out)
+    print(json.dumps({"responses": len(out), "ok": ok,
+                      "events": sum(d.count(b"data: {") for d in out)}))
+
+asyncio.run(main())
+"""
+"""The client process of the http part: sends every body of a file (one a line) as a
+streamed `/v1/completions` request at once, reads each response to its end."""
+
+LAYERS = (("uvicorn", "uvicorn"), ("httptools", "http_parser"), ("h11", "http_parser"),
+          ("starlette", "starlette"), ("fastapi", "fastapi"), ("pydantic", "pydantic"),
+          ("anyio", "anyio"), ("kvfit/server/async_llm", "streams"),
+          ("kvfit/engine/detokenizer", "text"), ("tokenizers", "text"),
+          ("transformers", "text"), ("kvfit/server/openai_api", "openai_api"),
+          ("kvfit/server/metrics", "metrics"), ("prometheus_client", "metrics"),
+          ("kvfit/server", "kvfit_server"), ("asyncio", "loop"), ("uvloop", "loop"),
+          ("selectors", "loop"), ("socket", "loop"), ("logging", "logging"),
+          ("orjson", "json"), ("json", "json"), ("pickle", "decode"), ("uuid", "uuid"))
+
+
+def layer_of(filename: str, name: str) -> str:
+    """The layer a profiled function belongs to: its file's package, or for a builtin
+    (`~`) the module or type its name gives."""
+    where = name if filename == "~" else filename
+    for key, layer in LAYERS:
+        if key in where:
+            return layer
+    if filename == "~" and any(k in name for k in ("Transport", "socket", "select", "poll",
+                                                   "epoll", "Handle", "Future", "Task")):
+        return "loop"
+    return "other"
+
+
+def profile_layers(profiler: cProfile.Profile) -> dict[str, float]:
+    """Seconds of `profiler`'s own time (tottime) per layer."""
+    layers: dict[str, float] = {}
+    for (filename, _, name), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
+        layer = layer_of(filename, name)
+        layers[layer] = layers.get(layer, 0.0) + tottime
+    return layers
+
+
+async def http_pass(args: argparse.Namespace, prompts: list[Any], messages: list[bytes],
+                    ready: Any, profiler: cProfile.Profile | None = None) -> dict[str, Any]:
+    """One pass of the http part (see the module docstring): the server thread's seconds
+    admitting and streaming, and what the client got."""
+    import json
+    import socket
+
+    import uvicorn
+
+    from kvfit.engine.config import EngineArgs
+    from kvfit.server.api_servers import uvicorn_config
+    from kvfit.server.async_llm import AsyncLLM
+    from kvfit.server.openai_api import ServeConfig, build_app
+
+    engine = AsyncLLM(EngineArgs(model=args.model, device="cpu"),
+                      client=lambda *_: _RecordingClient(ready))
+    client = engine._client
+    admitted = asyncio.Event()
+    record = client.send
+
+    def send(command: Any) -> None:
+        record(command)
+        if sum(c[0] == "add" for c in client.sent) == len(prompts):
+            admitted.set()
+
+    client.send = send
+    app = build_app(engine, ServeConfig(served_model_names=[args.model]))
+    server = uvicorn.Server(uvicorn_config(app, args.uvicorn_log_level))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(len(prompts))
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        for p in prompts:
+            f.write(json.dumps({"model": args.model, "prompt": p["prompt_token_ids"],
+                                "max_tokens": args.output_len, "temperature": 0.0,
+                                "stream": True, "ignore_eos": True}) + "\n")
+    result: dict[str, Any] = {}
+
+    async def drive() -> None:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", HTTP_CLIENT, "127.0.0.1", str(sock.getsockname()[1]), f.name,
+            stdout=subprocess.PIPE)
+        start = CLOCK()  # after the client's spawn, the server's fork and exec
+        if profiler is not None:
+            profiler.enable()
+        await admitted.wait()
+        result["admit_s"] = CLOCK() - start
+        if profiler is not None:
+            profiler.disable()
+        # The engine's request ids, in the order the engine loop saw its r0, r1, ...
+        ids = {f"r{i}": c[1] for i, c in enumerate(c for c in client.sent if c[0] == "add")}
+        replayed = []
+        for data in messages:
+            m = pickle.loads(data)
+            m.tokens = [(ids[d[0]], *d[1:]) for d in m.tokens]
+            m.outputs = [(ids[d[0]], *d[1:]) for d in m.outputs]
+            replayed.append(pickle.dumps(m, pickle.HIGHEST_PROTOCOL))
+        streams = list(engine._streams.values())
+        decode_s = 0.0
+        if profiler is not None:
+            profiler.enable()
+        start = CLOCK()
+        for data in replayed:
+            turn = CLOCK()
+            engine._on_outputs(pickle.loads(data))
+            decode_s += CLOCK() - turn
+            await asyncio.sleep(0)
+            while any(s.items for s in streams):  # every woken stream has written its chunk
+                await asyncio.sleep(0)
+        while server.server_state.tasks:  # every response complete
+            await asyncio.sleep(0.0005)
+        result["stream_s"] = CLOCK() - start
+        if profiler is not None:
+            profiler.disable()
+        result["decode_s"] = decode_s
+        out, _ = await proc.communicate()
+        result["client"] = json.loads(out)
+        server.should_exit = True
+
+    try:
+        await asyncio.gather(server.serve(sockets=[sock]), drive())
+    finally:
+        sock.close()
+    return result
+
+
+def http(args: argparse.Namespace, llm: LLM, prompts: list[Any],
+         params: SamplingParams) -> dict[str, Any]:
+    """The http part: the API process serving streamed requests over a local socket."""
+    _, _, messages = engine_loop(args, llm, prompts, params)
+    ready = EngineCoreLoop(llm, lambda _: None).ready()
+    loop_factory = None
+    if args.loop == "uvloop" or (args.loop == "auto" and _have("uvloop")):
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+
+    def one(profiler: cProfile.Profile | None = None) -> dict[str, Any]:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            r = runner.run(http_pass(args, prompts, messages, ready, profiler))
+        expected = len(prompts)
+        if r["client"]["ok"] != expected:
+            raise RuntimeError(f"http pass: {r['client']} (expected {expected} streams)")
+        return r
+
+    one()  # warm
+    runs = [one() for _ in range(args.repeat)]
+    chunks = runs[0]["client"]["events"]
+    admit = min(r["admit_s"] for r in runs)
+    best = min(runs, key=lambda r: r["stream_s"])
+    result = {"loop": "uvloop" if loop_factory else "asyncio", "requests": len(prompts),
+              "chunks": chunks, "num_messages": len(messages),
+              "admit_us_per_request": admit / len(prompts) * 1e6,
+              "admit_us_per_request_runs": [r["admit_s"] / len(prompts) * 1e6 for r in runs],
+              "stream_us_per_chunk": best["stream_s"] / chunks * 1e6,
+              "stream_us_per_chunk_runs": [r["stream_s"] / chunks * 1e6 for r in runs],
+              "decode_us_per_chunk": best["decode_s"] / chunks * 1e6,
+              "http_us_per_chunk": (best["stream_s"] - best["decode_s"]) / chunks * 1e6}
+    result["api_us_per_token"] = (admit + best["stream_s"]) / (len(prompts) * args.output_len
+                                                              ) * 1e6
+    if args.profile:
+        profiler = cProfile.Profile(CLOCK)  # CPU time: wall time on a shared host is not
+        one(profiler)                        # the code's
+        result["layers_us_per_chunk"] = {
+            k: v / chunks * 1e6 for k, v in sorted(profile_layers(profiler).items(),
+                                                   key=lambda kv: -kv[1])}
+        result["profile"] = profile_top(profiler, args.profile_top)
+    return result
+
+
+def _have(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
 def print_report(result: dict[str, Any]) -> None:
     print(f"python_ref_us {result['python_ref_us']:.0f} (this host's Python speed)")
     engines = [(name, r) for name, r in (("offline", result.get("offline")),
@@ -406,6 +620,15 @@ def print_report(result: dict[str, Any]) -> None:
               f"{r['host_us_per_token']:.2f} us/token")
         for phase, us in sorted(r["phases_us"].items(), key=lambda kv: -kv[1]):
             print(f"  {phase:<20} {us:8.1f} us/step  ({r['calls'][phase]} calls)")
+    if "http" in result:
+        h = result["http"]
+        print(f"http ({h['loop']}): {h['requests']} requests, {h['chunks']} chunks: "
+              f"{h['admit_us_per_request']:.0f} us to admit a request, "
+              f"{h['stream_us_per_chunk']:.1f} us a chunk ({h['http_us_per_chunk']:.1f} "
+              f"less the messages' {h['decode_us_per_chunk']:.1f}), "
+              f"{h['api_us_per_token']:.1f} us a token in all")
+        for layer, us in h.get("layers_us_per_chunk", {}).items():
+            print(f"  {layer:<20} {us:8.2f} us/chunk (profiled)")
     if "served" not in result:
         return
     api = result["served"]["api"]
@@ -427,8 +650,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--parts", nargs="+", choices=["offline", "served"],
+    p.add_argument("--parts", nargs="+", choices=["offline", "served", "http"],
                    default=["offline", "served"])
+    p.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                   help="the http part's event loop (auto: uvloop where installed, as serve)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   help="the http part's uvicorn log level (serve's default: info)")
     p.add_argument("--repeat", type=int, default=3,
                    help="plain passes; the fastest is kept (the least disturbed on a shared host)")
     p.add_argument("--profile", action="store_true", help="one more pass of each under cProfile")
@@ -456,6 +683,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["offline"] = offline(args, llm, prompts, params)
         if "served" in args.parts:
             result["served"] = served(args, llm, prompts, params)
+        if "http" in args.parts:
+            result["http"] = http(args, llm, prompts, params)
     finally:
         llm.shutdown()
     print_report(result)

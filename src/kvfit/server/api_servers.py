@@ -159,8 +159,6 @@ def run_api_server(index: int, conn: Connection, sock: socket.socket, spec: ApiS
     process it is up, and serve on the shared socket until SIGTERM, the engine's exit or the
     first process's."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group
-    import uvicorn
-
     from kvfit.server.async_llm import AsyncLLM
     from kvfit.server.engine_client import AttachedEngine
     from kvfit.server.openai_api import build_app
@@ -172,7 +170,7 @@ def run_api_server(index: int, conn: Connection, sock: socket.socket, spec: ApiS
     died: list[BaseException] = []
     try:
         app = build_app(engine, spec.config)
-        server = _sigterm_server(uvicorn.Config(app, log_level=spec.uvicorn_log_level))
+        server = _sigterm_server(uvicorn_config(app, spec.uvicorn_log_level))
 
         def stop(error: BaseException | None = None) -> None:
             if error is not None:
@@ -198,6 +196,14 @@ def run_api_server(index: int, conn: Connection, sock: socket.socket, spec: ApiS
         print(f"kvfit serve: API server {index} exiting, the engine stopped: {died[0]}",
               file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def uvicorn_config(app: Any, log_level: str) -> Any:
+    """uvicorn's settings for an API server process (`kvfit serve` and each of
+    `--api-server-count`): its "auto" takes uvloop and httptools where they are installed."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level=log_level)
 
 
 def _sigterm_server(config: Any) -> Any:

@@ -220,7 +220,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvfit.engine.config import EngineArgs
-    from kvfit.server.api_servers import bind_sockets
+    from kvfit.server.api_servers import bind_sockets, uvicorn_config
     from kvfit.server.async_llm import AsyncLLM
     from kvfit.server.openai_api import build_app
 
@@ -246,8 +246,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"KV cache:\n{engine.kv_cache_report.format_table()}", flush=True)
         config = _serve_config(args, engine_args, chat_template)
         app = build_app(engine, config)
-        # uvicorn's "auto" takes uvloop and httptools where they are installed.
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
+        server = uvicorn.Server(uvicorn_config(app, args.uvicorn_log_level))
         died: list[BaseException] = []
 
         def engine_died(error: BaseException) -> None:
@@ -300,7 +299,12 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
     import uvicorn
 
     from kvfit.engine.config import EngineArgs
-    from kvfit.server.api_servers import ApiServerProcesses, ApiServerSpec, bind_sockets
+    from kvfit.server.api_servers import (
+        ApiServerProcesses,
+        ApiServerSpec,
+        bind_sockets,
+        uvicorn_config,
+    )
     from kvfit.server.async_llm import AsyncLLM
     from kvfit.server.engine_client import EngineProcess
     from kvfit.server.openai_api import build_app
@@ -339,7 +343,7 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
         others = ApiServerProcesses(conns, other_sockets, spec)
         others.wait_ready()
         app = build_app(engine, config)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
+        server = uvicorn.Server(uvicorn_config(app, args.uvicorn_log_level))
 
         def engine_died(error: BaseException) -> None:
             died.append(error)
