@@ -61,6 +61,7 @@ import argparse
 import asyncio
 import cProfile
 import dataclasses
+import gc
 import io
 import pickle
 import pstats
@@ -411,34 +412,35 @@ def served(args: argparse.Namespace, llm: LLM, prompts: list[Any],
 
 
 HTTP_CLIENT = r"""
-import asyncio, json, sys
+import json, selectors, socket, sys, time
 
-async def one(host, port, body, out):
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+host, port, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+bodies = [line.encode() for line in open(path).read().splitlines()]
+socks = [socket.create_connection((host, port)) for _ in bodies]
+for sock, body in zip(socks, bodies):
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
                  b"\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
-    data = bytearray()
-    while not data.endswith(b"0\r\n\r\n"):
-        chunk = await reader.read(1 << 16)
-        if not chunk:
-            break
-        data += chunk
-    writer.close()
-    out.append(bytes(data))
-
-async def main():
-    host, port, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    bodies = [line.encode() for line in open(path).read().splitlines()]
-    out = []
-    await asyncio.wait_for(asyncio.gather(*(one(host, port, b, out) for b in bodies)), 300)
-    ok = sum(d.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in d for d in out)
-    print(json.dumps({"responses": len(out), "ok": ok,
-                      "events": sum(d.count(b"data: {") for d in out)}))
-
-asyncio.run(main())
+data = {sock: bytearray() for sock in socks}
+sel = selectors.DefaultSelector()
+for sock in socks:
+    sel.register(sock, selectors.EVENT_READ)
+deadline = time.monotonic() + 300
+while sel.get_map() and time.monotonic() < deadline:
+    time.sleep(0.002)  # few wake-ups: the server's core is not the client's to share
+    for key, _ in sel.select(1):
+        chunk = key.fileobj.recv(1 << 20)
+        data[key.fileobj] += chunk
+        if not chunk or data[key.fileobj].endswith(b"0\r\n\r\n"):
+            sel.unregister(key.fileobj)
+            key.fileobj.close()
+out = list(data.values())
+ok = sum(d.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in d for d in out)
+events = sum(d.count(b"data: {") for d in out)
+print(json.dumps({"responses": len(out), "ok": ok, "events": events}))
 """
 """The client process of the http part: sends every body of a file (one a line) as a
-streamed `/v1/completions` request at once, reads each response to its end."""
+streamed `/v1/completions` request at once, reads each response to its end (every 2 ms,
+all that came: a client reading each chunk as it comes would take the server's core)."""
 
 LAYERS = (("uvicorn", "uvicorn"), ("httptools", "http_parser"), ("h11", "http_parser"),
           ("starlette", "starlette"), ("fastapi", "fastapi"), ("pydantic", "pydantic"),
@@ -474,9 +476,11 @@ def profile_layers(profiler: cProfile.Profile) -> dict[str, float]:
 
 
 async def http_pass(args: argparse.Namespace, prompts: list[Any], messages: list[bytes],
-                    ready: Any, profiler: cProfile.Profile | None = None) -> dict[str, Any]:
+                    ready: Any, profilers: tuple[cProfile.Profile, cProfile.Profile] | None = None
+                    ) -> dict[str, Any]:
     """One pass of the http part (see the module docstring): the server thread's seconds
-    admitting and streaming, and what the client got."""
+    admitting and streaming, and what the client got; with `profilers`, the admissions
+    profiled by the first, the streaming by the second."""
     import json
     import socket
 
@@ -491,16 +495,22 @@ async def http_pass(args: argparse.Namespace, prompts: list[Any], messages: list
                       client=lambda *_: _RecordingClient(ready))
     client = engine._client
     admitted = asyncio.Event()
-    record = client.send
+    record, adds = client.send, []
 
     def send(command: Any) -> None:
         record(command)
-        if sum(c[0] == "add" for c in client.sent) == len(prompts):
-            admitted.set()
+        if command[0] == "add":
+            adds.append(command[1])
+            if len(adds) == len(prompts):
+                admitted.set()
 
     client.send = send
     app = build_app(engine, ServeConfig(served_model_names=[args.model]))
     server = uvicorn.Server(uvicorn_config(app, args.uvicorn_log_level))
+    # As serve does before it serves: startup's objects (here the engine's too) kept off the
+    # collector's full passes.
+    gc.collect()
+    gc.freeze()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(len(prompts))
@@ -518,14 +528,14 @@ async def http_pass(args: argparse.Namespace, prompts: list[Any], messages: list
             sys.executable, "-c", HTTP_CLIENT, "127.0.0.1", str(sock.getsockname()[1]), f.name,
             stdout=subprocess.PIPE)
         start = CLOCK()  # after the client's spawn, the server's fork and exec
-        if profiler is not None:
-            profiler.enable()
+        if profilers is not None:
+            profilers[0].enable()
         await admitted.wait()
         result["admit_s"] = CLOCK() - start
-        if profiler is not None:
-            profiler.disable()
+        if profilers is not None:
+            profilers[0].disable()
         # The engine's request ids, in the order the engine loop saw its r0, r1, ...
-        ids = {f"r{i}": c[1] for i, c in enumerate(c for c in client.sent if c[0] == "add")}
+        ids = {f"r{i}": request_id for i, request_id in enumerate(adds)}
         replayed = []
         for data in messages:
             m = pickle.loads(data)
@@ -534,8 +544,8 @@ async def http_pass(args: argparse.Namespace, prompts: list[Any], messages: list
             replayed.append(pickle.dumps(m, pickle.HIGHEST_PROTOCOL))
         streams = list(engine._streams.values())
         decode_s = 0.0
-        if profiler is not None:
-            profiler.enable()
+        if profilers is not None:
+            profilers[1].enable()
         start = CLOCK()
         for data in replayed:
             turn = CLOCK()
@@ -547,8 +557,8 @@ async def http_pass(args: argparse.Namespace, prompts: list[Any], messages: list
         while server.server_state.tasks:  # every response complete
             await asyncio.sleep(0.0005)
         result["stream_s"] = CLOCK() - start
-        if profiler is not None:
-            profiler.disable()
+        if profilers is not None:
+            profilers[1].disable()
         result["decode_s"] = decode_s
         out, _ = await proc.communicate()
         result["client"] = json.loads(out)
@@ -571,9 +581,10 @@ def http(args: argparse.Namespace, llm: LLM, prompts: list[Any],
         import uvloop
         loop_factory = uvloop.new_event_loop
 
-    def one(profiler: cProfile.Profile | None = None) -> dict[str, Any]:
+    def one(profilers: tuple[cProfile.Profile, cProfile.Profile] | None = None
+            ) -> dict[str, Any]:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            r = runner.run(http_pass(args, prompts, messages, ready, profiler))
+            r = runner.run(http_pass(args, prompts, messages, ready, profilers))
         expected = len(prompts)
         if r["client"]["ok"] != expected:
             raise RuntimeError(f"http pass: {r['client']} (expected {expected} streams)")
@@ -595,12 +606,15 @@ def http(args: argparse.Namespace, llm: LLM, prompts: list[Any],
     result["api_us_per_token"] = (admit + best["stream_s"]) / (len(prompts) * args.output_len
                                                               ) * 1e6
     if args.profile:
-        profiler = cProfile.Profile(CLOCK)  # CPU time: wall time on a shared host is not
-        one(profiler)                        # the code's
-        result["layers_us_per_chunk"] = {
-            k: v / chunks * 1e6 for k, v in sorted(profile_layers(profiler).items(),
-                                                   key=lambda kv: -kv[1])}
-        result["profile"] = profile_top(profiler, args.profile_top)
+        # CPU time: wall time on a shared host is not the code's.
+        admit, stream = cProfile.Profile(CLOCK), cProfile.Profile(CLOCK)
+        one((admit, stream))
+        for name, profiler, num in (("admit", admit, len(prompts)), ("stream", stream, chunks)):
+            per = "request" if name == "admit" else "chunk"
+            result[f"{name}_layers_us_per_{per}"] = {
+                k: v / num * 1e6 for k, v in sorted(profile_layers(profiler).items(),
+                                                    key=lambda kv: -kv[1])}
+            result[f"{name}_profile"] = profile_top(profiler, args.profile_top)
     return result
 
 
@@ -627,8 +641,9 @@ def print_report(result: dict[str, Any]) -> None:
               f"{h['stream_us_per_chunk']:.1f} us a chunk ({h['http_us_per_chunk']:.1f} "
               f"less the messages' {h['decode_us_per_chunk']:.1f}), "
               f"{h['api_us_per_token']:.1f} us a token in all")
-        for layer, us in h.get("layers_us_per_chunk", {}).items():
-            print(f"  {layer:<20} {us:8.2f} us/chunk (profiled)")
+        for name, per in (("admit", "request"), ("stream", "chunk")):
+            for layer, us in h.get(f"{name}_layers_us_per_{per}", {}).items():
+                print(f"  {name} {layer:<20} {us:8.2f} us/{per} (profiled)")
     if "served" not in result:
         return
     api = result["served"]["api"]
