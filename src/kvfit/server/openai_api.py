@@ -125,7 +125,7 @@ class _Admission:
 
 def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     """A FastAPI app serving `engine` (which it does not own: shut it down after the app)."""
-    app = FastAPI(title="kvfit", version=kvfit.__version__)
+    app = _App(title="kvfit", version=kvfit.__version__)
     metrics = ServerMetrics(engine, multiprocess=config.multiprocess_metrics)
     slots = _Slots(config.max_concurrent_requests)
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
@@ -715,6 +715,22 @@ _SSE_START = {"type": "http.response.start", "status": 200,
 _SSE_DONE = {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
 
 
+_SERVER_SEND = "kvfit.server_send"
+
+
+class _App(FastAPI):
+    """The app, which puts the server's own `send` in each request's scope: a streamed
+    response's events go straight to it, not through a send wrapper per middleware (four:
+    Starlette's error and exception middlewares, `_InternalErrors`, the route's), each an
+    await an event at one event per token per stream. Those wrappers only note that the
+    response started, which its start, sent through them, tells them; a middleware that
+    changed response bodies would have to go without this."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        scope[_SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 class _EventStream(Response):
     """Server-sent events, then `[DONE]`: an ASGI response. `release` runs however the
     response ends, even one whose client left before it started; a client that leaves
@@ -731,19 +747,22 @@ class _EventStream(Response):
         self._events, self._release = events, release
         self.background = None
 
-    async def _stream(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    async def _stream(self, send: Callable[[dict[str, Any]], Awaitable[None]],
+                      send_body: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         await send(_SSE_START)
         # orjson: an event costs ~0.4 us to encode where json.dumps took ~3.9 us, at one
         # event per token per stream on the API process's one core.
         dumps = orjson.dumps
         async with aclosing(self._events):
             async for event in self._events:
-                await send({"type": "http.response.body",
-                            "body": b"data: " + dumps(event) + b"\n\n", "more_body": True})
-        await send(_SSE_DONE)
+                await send_body({"type": "http.response.body",
+                                 "body": b"data: " + dumps(event) + b"\n\n", "more_body": True})
+        await send_body(_SSE_DONE)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        streaming = asyncio.ensure_future(self._stream(send))
+        # The start goes through the middlewares (they note that the response started), the
+        # body straight to the server (see `_App`).
+        streaming = asyncio.ensure_future(self._stream(send, scope.get(_SERVER_SEND, send)))
 
         async def disconnected() -> None:
             while (await receive())["type"] != "http.disconnect":
