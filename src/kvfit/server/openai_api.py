@@ -462,9 +462,14 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         try:
             echo = [engine_prompt_text(p) for p in prompts] if body.echo else None
             if body.stream:
-                response = _EventStream(_stream_completion(
-                    streams, body, ids, created, model_name, engine, echo, stream_error),
-                    admission.release)
+                if len(streams) == 1 and body.n == 1 and body.logprobs is None and (
+                        echo is None and not body.continuous_usage):
+                    events = _stream_plain_completion(streams[0], body, ids, created,
+                                                      model_name, stream_error)
+                else:
+                    events = _stream_completion(streams, body, ids, created, model_name,
+                                                engine, echo, stream_error)
+                response = _EventStream(events, admission.release)
                 streaming = True
                 return response
             outputs = await run_all(request, streams)
@@ -732,7 +737,8 @@ class _App(FastAPI):
 
 
 class _EventStream(Response):
-    """Server-sent events, then `[DONE]`: an ASGI response. `release` runs however the
+    """Server-sent events (dicts, or their `data:` lines already encoded), then `[DONE]`:
+    an ASGI response. `release` runs however the
     response ends, even one whose client left before it started; a client that leaves
     (seen at once, by a listener for its disconnect, even while no event comes) cancels the
     iteration, which aborts its requests too.
@@ -742,8 +748,8 @@ class _EventStream(Response):
     is one `send` and the end, `[DONE]` with the last chunk, one more. A Response only so
     that FastAPI passes it through (it sets `background`)."""
 
-    def __init__(self, events: AsyncIterator[dict[str, Any]], release: Callable[[], None]
-                 ) -> None:
+    def __init__(self, events: AsyncIterator[dict[str, Any] | bytes],
+                 release: Callable[[], None]) -> None:
         self._events, self._release = events, release
         self.background = None
 
@@ -755,8 +761,8 @@ class _EventStream(Response):
         dumps = orjson.dumps
         async with aclosing(self._events):
             async for event in self._events:
-                await send_body({"type": "http.response.body",
-                                 "body": b"data: " + dumps(event) + b"\n\n", "more_body": True})
+                line = event if type(event) is bytes else b"data: " + dumps(event) + b"\n\n"
+                await send_body({"type": "http.response.body", "body": line, "more_body": True})
         await send_body(_SSE_DONE)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -868,6 +874,49 @@ async def _stream_completion(streams: list[AsyncIterator[RequestOutput]],
         return
     if body.include_usage:
         yield {**base, "choices": [], "usage": _usage(list(outputs.values()))}
+
+
+async def _stream_plain_completion(stream: AsyncIterator[RequestOutput],
+                                   body: CompletionRequest, ids: str, created: int, model: str,
+                                   engine_error: Callable[[Exception], APIError]
+                                   ) -> AsyncIterator[dict[str, Any] | bytes]:
+    """`_stream_completion` of the common request (one prompt, one completion, no logprobs,
+    no echo, no usage in every chunk), its events' lines the same bytes, built from parts
+    encoded once: the request's fields and those of a chunk that does not end it. A chunk is
+    then its text's JSON and two joins, not three dicts, a list and their encoding, at one
+    chunk per token per stream."""
+    base = {"id": ids, "object": "text_completion", "created": created, "model": model}
+    usage_field = b',"usage":null' if body.include_usage else b""
+    # orjson writes keys in insertion order, without spaces: the parts of the dict below.
+    head = b"data: " + orjson.dumps(base)[:-1] + b',"choices":[{"index":0,"text":'
+    going_on = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]' + usage_field + \
+        b"}\n\n"
+    dumps = orjson.dumps
+    chars = tokens = 0
+    done = False
+    out = None
+    try:
+        async with aclosing(stream):
+            async for out in stream:
+                c = out.outputs[0]
+                text, finish_reason = c.text, c.finish_reason
+                if done or (finish_reason is None and len(text) == chars
+                            and len(c.token_ids) == tokens):
+                    continue
+                if finish_reason is None:
+                    yield head + dumps(text[chars:]) + going_on
+                else:
+                    done = True
+                    end = dumps({"logprobs": None, "finish_reason": finish_reason,
+                                 "stop_reason": c.stop_reason})
+                    yield (head + dumps(text[chars:]) + b"," + end[1:-1] + b"}]" + usage_field
+                           + b"}\n\n")
+                chars, tokens = len(text), len(c.token_ids)
+    except _ENGINE_ERRORS as e:
+        yield engine_error(e).body()
+        return
+    if body.include_usage and out is not None:
+        yield {**base, "choices": [], "usage": _usage([out])}
 
 
 async def _stream_chat(stream: AsyncIterator[RequestOutput], body: ChatCompletionRequest,
