@@ -738,10 +738,10 @@ class _App(FastAPI):
 
 class _EventStream(Response):
     """Server-sent events (dicts, or their `data:` lines already encoded), then `[DONE]`:
-    an ASGI response. `release` runs however the
-    response ends, even one whose client left before it started; a client that leaves
-    (seen at once, by a listener for its disconnect, even while no event comes) cancels the
-    iteration, which aborts its requests too.
+    an ASGI response. `release` runs however the response ends, even one whose client left
+    before it started; a client that leaves (seen at once, by a listener for its
+    disconnect, even while no event comes) cancels the iteration, which aborts its requests
+    too.
 
     Not Starlette's StreamingResponse, which costs every event another generator switch
     and a dict, and the end two writes (`[DONE]`, then the empty last chunk): here an event
