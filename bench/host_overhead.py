@@ -319,7 +319,7 @@ async def api_replay(args: argparse.Namespace, prompts: list[Any], messages: lis
     from kvfit.engine.config import EngineArgs
     from kvfit.server.async_llm import AsyncLLM
     from kvfit.server.metrics import ServerMetrics
-    from kvfit.server.openai_api import _EventStream, _stream_completion
+    from kvfit.server.openai_api import _completion_events, _EventStream
     from kvfit.server.protocol import CompletionRequest
 
     engine = AsyncLLM(EngineArgs(model=args.model, device="cpu"),
@@ -340,11 +340,13 @@ async def api_replay(args: argparse.Namespace, prompts: list[Any], messages: lis
     events = 0
 
     async def read(i: int, body: CompletionRequest, tracked: Any) -> None:
-        nonlocal events
-        response = _EventStream(_stream_completion([tracked], body, f"cmpl-{i}", 0, args.model,
+        async def send(message: dict[str, Any]) -> None:
+            nonlocal events
+            events += message["type"] == "http.response.body"
+
+        response = _EventStream(_completion_events([tracked], body, f"cmpl-{i}", 0, args.model,
                                                    engine, None, lambda e: e), lambda: None)
-        async for _ in response._lines():
-            events += 1
+        await response._stream(send, send)  # the events to SSE bytes, as the server sends
 
     readers = [asyncio.ensure_future(read(i, *a)) for i, a in enumerate(admitted)]
     await asyncio.sleep(0)  # every reader waiting

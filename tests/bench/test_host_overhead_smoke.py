@@ -31,3 +31,16 @@ def test_host_overhead_bench_times_each_phase_and_replays_every_token(tmp_path: 
     assert "served.api.admit_us_per_request" in record["figures"]
     assert record["bench"] == "host-overhead"
     assert record["figures"]["offline.host_step_us"]["value"] == offline["host_step_us"]
+
+
+def test_host_overhead_http_part_streams_every_request_over_a_socket(tmp_path: Path) -> None:
+    bench = load_bench("host_overhead")
+    out = tmp_path / "host.json"
+    bench.main(["--parts", "http", "--num-prompts", "6", "--input-len", "8", "--output-len",
+                "5", "--max-num-seqs", "4", "--repeat", "1", "--uvicorn-log-level", "warning",
+                "--out", str(out)])
+    record = json.loads(out.read_text())
+    http = record["results"]["http"]
+    # Every request got a 200 and [DONE] (checked by the bench), one chunk per token.
+    assert http["requests"] == 6 and http["chunks"] == 6 * 5
+    assert record["figures"]["http.stream_us_per_chunk"]["value"] == http["stream_us_per_chunk"]

@@ -368,6 +368,10 @@ def host_overhead(result: dict[str, Any]) -> Figures:
         f[f"{key}.host_us_per_token"] = figure(r["host_us_per_token"], "us", "lower")
         for phase, us in r["phases_us"].items():
             f[f"{key}.{phase}_us"] = figure(us, "us", "lower")
+    if (h := result.get("http")) is not None:
+        f["http.admit_us_per_request"] = figure(h["admit_us_per_request"], "us", "lower")
+        f["http.stream_us_per_chunk"] = figure(h["stream_us_per_chunk"], "us", "lower")
+        f["http.api_us_per_token"] = figure(h["api_us_per_token"], "us", "lower")
     if "served" not in result:
         return f
     api = result["served"]["api"]

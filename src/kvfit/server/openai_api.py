@@ -462,14 +462,9 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         try:
             echo = [engine_prompt_text(p) for p in prompts] if body.echo else None
             if body.stream:
-                if len(streams) == 1 and body.n == 1 and body.logprobs is None and (
-                        echo is None and not body.continuous_usage):
-                    events = _stream_plain_completion(streams[0], body, ids, created,
-                                                      model_name, stream_error)
-                else:
-                    events = _stream_completion(streams, body, ids, created, model_name,
-                                                engine, echo, stream_error)
-                response = _EventStream(events, admission.release)
+                response = _EventStream(_completion_events(
+                    streams, body, ids, created, model_name, engine, echo, stream_error),
+                    admission.release)
                 streaming = True
                 return response
             outputs = await run_all(request, streams)
@@ -874,6 +869,18 @@ async def _stream_completion(streams: list[AsyncIterator[RequestOutput]],
         return
     if body.include_usage:
         yield {**base, "choices": [], "usage": _usage(list(outputs.values()))}
+
+
+def _completion_events(streams: list[AsyncIterator[RequestOutput]], body: CompletionRequest,
+                       ids: str, created: int, model: str, engine: AsyncLLM,
+                       echo: list[str] | None, engine_error: Callable[[Exception], APIError]
+                       ) -> AsyncIterator[dict[str, Any] | bytes]:
+    """A streamed completion's events: `_stream_plain_completion` for the common request,
+    else `_stream_completion`."""
+    if len(streams) == 1 and body.n == 1 and body.logprobs is None and echo is None and (
+            not body.continuous_usage):
+        return _stream_plain_completion(streams[0], body, ids, created, model, engine_error)
+    return _stream_completion(streams, body, ids, created, model, engine, echo, engine_error)
 
 
 async def _stream_plain_completion(stream: AsyncIterator[RequestOutput],
