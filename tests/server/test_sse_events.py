@@ -49,3 +49,30 @@ def test_plain_completion_lines_are_the_general_paths_bytes(end: tuple[str, Any]
     general = asyncio.run(_collect(_stream_completion([_outputs(end)], *args, None, None, None)))
     assert len(general) == (5 if include_usage else 4)
     assert _lines(plain) == _lines(general)
+
+
+def test_each_event_stream_starts_with_a_message_of_its_own() -> None:
+    """A middleware may add headers to a response's start message in place (Starlette's
+    `MutableHeaders(scope=message)` does): one response's additions must not reach the next."""
+    from kvfit.server.openai_api import _EventStream
+
+    async def events() -> AsyncIterator[Any]:
+        yield {"x": 1}
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(3600)  # the client stays
+        return {"type": "http.disconnect"}
+
+    starts: list[list[tuple[bytes, bytes]]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            starts.append(list(message["headers"]))
+            message["headers"].append((b"x-added", b"1"))  # as a middleware's wrapper may
+
+    async def respond_twice() -> None:
+        for _ in range(2):
+            await _EventStream(events(), lambda: None)({"type": "http"}, receive, send)
+
+    asyncio.run(respond_twice())
+    assert starts[0] == starts[1] == [(b"content-type", b"text/event-stream; charset=utf-8")]

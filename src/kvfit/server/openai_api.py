@@ -710,8 +710,7 @@ def _chat_logprobs(engine: AsyncLLM, c: CompletionOutput, start: int, num: int
     return content
 
 
-_SSE_START = {"type": "http.response.start", "status": 200,
-              "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]}
+_SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
 _SSE_DONE = {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
 
 
@@ -750,7 +749,9 @@ class _EventStream(Response):
 
     async def _stream(self, send: Callable[[dict[str, Any]], Awaitable[None]],
                       send_body: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-        await send(_SSE_START)
+        # A new start message each response: a middleware may add headers to it in place.
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [_SSE_CONTENT_TYPE]})
         # orjson: an event costs ~0.4 us to encode where json.dumps took ~3.9 us, at one
         # event per token per stream on the API process's one core.
         dumps = orjson.dumps
