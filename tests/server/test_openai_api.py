@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -279,18 +279,18 @@ def test_abort_frees_the_blocks(http: httpx.Client, engine: AsyncLLM) -> None:
     assert m["kvfit:generation_tokens_total"] < before["kvfit:generation_tokens_total"] + 100
 
 
-def test_a_client_that_leaves_a_plain_request_aborts_it(server: ServerThread, http: httpx.Client,
-                                                       engine: AsyncLLM, tmp_path: Path) -> None:
+def _assert_leaving_client_aborts(http: httpx.Client, engine: AsyncLLM, tmp_path: Path,
+                                  leave: Callable[[], None]) -> None:
+    """`leave()` sends a request for the stalled prompt "slow" and gives up on it: the server
+    notices, aborts it once in the engine and frees its blocks."""
     release = tmp_path / "release"
     # The request is still running when its client gives up.
     in_engine(engine, engine_hooks.stall, "slow", str(release))
+    key = "kvfit:request_success_total{finished_reason=abort}"
     try:
         before = metrics(http)
-        body = {"prompt": "slow", "max_tokens": 100, "ignore_eos": True}
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+        leave()
         deadline = time.monotonic() + 10
-        key = "kvfit:request_success_total{finished_reason=abort}"
         # Counted as the request's stream closes, after it sent the engine its abort.
         while metrics(http).get(key, 0) == before.get(key, 0):
             assert time.monotonic() < deadline, "the server did not notice the client leave"
@@ -309,34 +309,28 @@ def test_a_client_that_leaves_a_plain_request_aborts_it(server: ServerThread, ht
     assert m["kvfit:generation_tokens_total"] < before["kvfit:generation_tokens_total"] + 100
 
 
+def test_a_client_that_leaves_a_plain_request_aborts_it(server: ServerThread, http: httpx.Client,
+                                                       engine: AsyncLLM, tmp_path: Path) -> None:
+    def leave() -> None:
+        body = {"prompt": "slow", "max_tokens": 100, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+
+    _assert_leaving_client_aborts(http, engine, tmp_path, leave)
+
+
 def test_a_client_that_leaves_a_stream_before_its_first_event_aborts_it(
         server: ServerThread, http: httpx.Client, engine: AsyncLLM, tmp_path: Path) -> None:
     """No event comes to fail on a write: the response itself notices the client leave."""
-    release = tmp_path / "release"
-    in_engine(engine, engine_hooks.stall, "slow", str(release))
-    key = "kvfit:request_success_total{finished_reason=abort}"
-    try:
-        before = metrics(http)
+    def leave() -> None:
         body = {"prompt": "slow", "max_tokens": 100, "ignore_eos": True, "stream": True}
         with pytest.raises(httpx.ReadTimeout), httpx.stream(
                 "POST", f"{server.url}/v1/completions", json=body, timeout=0.5) as r:
             assert r.status_code == 200
             for _ in r.iter_bytes():
                 pass
-        deadline = time.monotonic() + 10
-        while metrics(http).get(key, 0) == before.get(key, 0):
-            assert time.monotonic() < deadline, "the server did not notice the client leave"
-            time.sleep(0.01)
-        release.touch()
-        assert in_engine(engine, engine_hooks.num_unfinished) == 0
-    finally:
-        release.touch()
-        in_engine(engine, engine_hooks.clear)
-    deadline = time.monotonic() + 10
-    while (m := metrics(http))["kvfit:kv_cache_blocks_in_use"]:
-        assert time.monotonic() < deadline, "the abandoned request kept its blocks"
-        time.sleep(0.05)
-    assert m[key] == before.get(key, 0) + 1
+
+    _assert_leaving_client_aborts(http, engine, tmp_path, leave)
 
 
 def test_async_llm_abort_by_id(engine: AsyncLLM) -> None:
