@@ -509,10 +509,6 @@ async def http_pass(args: argparse.Namespace, prompts: list[Any], messages: list
     client.send = send
     app = build_app(engine, ServeConfig(served_model_names=[args.model]))
     server = uvicorn.Server(uvicorn_config(app, args.uvicorn_log_level))
-    # As serve does before it serves: startup's objects (here the engine's too) kept off the
-    # collector's full passes.
-    gc.collect()
-    gc.freeze()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(len(prompts))
@@ -566,10 +562,16 @@ async def http_pass(args: argparse.Namespace, prompts: list[Any], messages: list
         result["client"] = json.loads(out)
         server.should_exit = True
 
+    # As serve does before it serves: startup's objects (here the engine's too) kept off the
+    # collector's full passes; unfrozen when the pass ends, or each pass's server and engine
+    # (cycles, which only the collector frees) would outlive it, in later passes and pytest.
+    gc.collect()
+    gc.freeze()
     try:
         await asyncio.gather(server.serve(sockets=[sock]), drive())
     finally:
         sock.close()
+        gc.unfreeze()
     return result
 
 

@@ -3,6 +3,7 @@ token of every request as one SSE event, as the server would."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def test_host_overhead_bench_times_each_phase_and_replays_every_token(tmp_path: 
 def test_host_overhead_http_part_streams_every_request_over_a_socket(tmp_path: Path) -> None:
     bench = load_bench("host_overhead")
     out = tmp_path / "host.json"
+    frozen = gc.get_freeze_count()
     bench.main(["--parts", "http", "--num-prompts", "6", "--input-len", "8", "--output-len",
                 "5", "--max-num-seqs", "4", "--repeat", "1", "--uvicorn-log-level", "warning",
                 "--out", str(out)])
@@ -44,3 +46,6 @@ def test_host_overhead_http_part_streams_every_request_over_a_socket(tmp_path: P
     # Every request got a 200 and [DONE] (checked by the bench), one chunk per token.
     assert http["requests"] == 6 and http["chunks"] == 6 * 5
     assert record["figures"]["http.stream_us_per_chunk"]["value"] == http["stream_us_per_chunk"]
+    # Each pass freezes the heap as serve does; left frozen, every pass's server and engine
+    # would outlive it (the collector never frees frozen cycles), in the bench and in pytest.
+    assert gc.get_freeze_count() <= frozen
