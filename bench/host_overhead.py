@@ -63,6 +63,7 @@ import cProfile
 import dataclasses
 import gc
 import io
+import os
 import pickle
 import pstats
 import random
@@ -572,6 +573,7 @@ async def http_pass(args: argparse.Namespace, prompts: list[Any], messages: list
     finally:
         sock.close()
         gc.unfreeze()
+        os.unlink(f.name)  # the client has read it (or is gone)
     return result
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import gc
 import json
+import tempfile
 from pathlib import Path
+
+import pytest
 
 from .scripts import load_bench
 
@@ -34,7 +37,11 @@ def test_host_overhead_bench_times_each_phase_and_replays_every_token(tmp_path: 
     assert record["figures"]["offline.host_step_us"]["value"] == offline["host_step_us"]
 
 
-def test_host_overhead_http_part_streams_every_request_over_a_socket(tmp_path: Path) -> None:
+def test_host_overhead_http_part_streams_every_request_over_a_socket(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     bench = load_bench("host_overhead")
     out = tmp_path / "host.json"
     frozen = gc.get_freeze_count()
@@ -49,3 +56,4 @@ def test_host_overhead_http_part_streams_every_request_over_a_socket(tmp_path: P
     # Each pass freezes the heap as serve does; left frozen, every pass's server and engine
     # would outlive it (the collector never frees frozen cycles), in the bench and in pytest.
     assert gc.get_freeze_count() <= frozen
+    assert not list(scratch.iterdir())  # the client's request file of each pass is removed
