@@ -1,8 +1,11 @@
-"""Shared test configuration: `gpu` tests skip cleanly on machines without CUDA; tiny
+"""Shared test configuration: `gpu` tests skip cleanly on machines without CUDA; `interpret`
+tests run under TRITON_INTERPRET=1 (in a child pytest when this one lacks it); tiny
 random-weight Hugging Face models for the models and engine tests."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import signal
 from collections.abc import Callable, Iterator
@@ -21,16 +24,46 @@ if TYPE_CHECKING:
 _ENGINE_TEST_FOLDERS = {"engine", "server", "cli", "bench", "distributed"}
 
 
+# Paths of the files holding the selected `interpret` tests, for tests/ops/test_interpreted.py.
+INTERPRETED_FILES = pytest.StashKey[list[str]]()
+
+
+@pytest.hookimpl(trylast=True)  # after `-k` / `-m` deselected what they do
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _ENGINE_TEST_FOLDERS & set(item.path.relative_to(config.rootpath).parts[1:2]):
             item.fixturenames.insert(0, "one_thread")
+    _skip_interpret_tests(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (marker `gpu`)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _skip_interpret_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`interpret` tests run a Triton kernel through Triton's interpreter, which a kernel
+    obeys only if TRITON_INTERPRET=1 was set before it was decorated (at import). In a process
+    without it they skip here, and tests/ops/test_interpreted.py runs them in a child pytest
+    with it (the sm_90 compile tests need it unset, so one process can't run both)."""
+    interpreted = [item for item in items if item.get_closest_marker("interpret")]
+    config.stash[INTERPRETED_FILES] = sorted(
+        {str(item.path.relative_to(config.rootpath)) for item in interpreted})
+    if importlib.util.find_spec("triton") is None:
+        reason = "needs triton (pip install -e '.[dev]')"
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        reason = "runs in tests/ops/test_interpreted.py's child pytest, with TRITON_INTERPRET=1"
+    else:
+        return
+    for item in interpreted:
+        item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def interpreted_files(pytestconfig: pytest.Config) -> list[str]:
+    """The files holding this session's selected `interpret` tests (rootdir-relative)."""
+    return pytestconfig.stash.get(INTERPRETED_FILES, [])
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,6 @@ Triton kernels it replaces.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -21,17 +19,14 @@ from kvfit.ops import attention_input
 from kvfit.ops.attention_input import attention_input_torch
 from kvfit.ops.layers import RotaryEmbedding
 
-try:  # Triton is optional (CI has none): the torch path's tests run without it.
+try:  # Triton is optional (the `cuda` and `dev` extras): the torch path's tests run without it.
     from kvfit.ops import triton_attention_input
     from kvfit.ops.triton_kv_write import write_kv_triton
     from kvfit.ops.triton_layers import rms_norm_triton, rotary_triton
 except ImportError:
     triton_attention_input = None
 
-interpret = pytest.mark.skipif(
-    triton_attention_input is None or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs triton, with TRITON_INTERPRET=1 to interpret",
-)
+interpret = pytest.mark.interpret  # run under TRITON_INTERPRET=1: see tests/conftest.py
 
 EPS = 1e-6
 NAN = float("nan")

@@ -5,8 +5,6 @@ That they are batch invariant is `kvfit.batch_invariant.registry`'s job."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,8 +13,7 @@ from kvfit.batch_invariant.logsumexp import logsumexp_torch
 from kvfit.ops.attention import paged_attention
 
 MIXED = [(0, 5), (13, 1), (0, 1), (17, 20), (70, 1), (3, 40), (31, 33)]
-interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                               reason="set TRITON_INTERPRET=1 to interpret")
+interpret = pytest.mark.interpret  # run under TRITON_INTERPRET=1: see tests/conftest.py
 
 
 @pytest.mark.parametrize("layout", ["block_outermost", "head_major"])

@@ -13,7 +13,6 @@ kept sets must match the oracle's exactly, not almost always.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from kvfit.ops.sampling import (
     sortable_keys,
 )
 
-try:  # Triton is optional (CI has none): the torch path's tests run without it.
+try:  # Triton is optional (the `cuda` and `dev` extras): the torch path's tests run without it.
     import triton
 
     from kvfit.ops import triton_filters, triton_sampling
@@ -40,10 +39,7 @@ INF = float("inf")
 QWEN3_VOCAB = 151936
 MARGIN = 1e-4  # distance of top_p / min_p from the row's boundaries
 
-_interpreted = pytest.mark.skipif(
-    triton is None or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs triton, with TRITON_INTERPRET=1 to interpret",
-)
+_interpreted = pytest.mark.interpret  # run under TRITON_INTERPRET=1: see tests/conftest.py
 
 
 def interpret(test):

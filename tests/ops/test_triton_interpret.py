@@ -7,7 +7,6 @@ Runs only with `TRITON_INTERPRET=1` set before Python starts and triton installe
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -15,9 +14,7 @@ import torch
 from kvfit.ops.reference import paged_attention_reference, write_kv_reference
 
 pytestmark = [
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to interpret"
-    ),
+    pytest.mark.interpret,
     # Empty KV splits take log2(0) = -inf on purpose; numpy warns about it.
     pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning"),
 ]

@@ -8,8 +8,6 @@ GPU tests (model shapes, bf16/fp16/fp32, and a CUDA graph replay):
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -26,9 +24,7 @@ from kvfit.ops.layers import (
 
 triton_layers = pytest.importorskip("kvfit.ops.triton_layers")
 
-interpret = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to interpret"
-)
+interpret = pytest.mark.interpret  # run under TRITON_INTERPRET=1: see tests/conftest.py
 
 
 

@@ -12,14 +12,13 @@ standard errors) and fail only on a biased sampler.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
 from kvfit.ops.sampling import gumbel_sample, gumbel_sample_torch
 
-try:  # Triton is optional (CI has none): the torch path's tests run without it.
+try:  # Triton is optional (the `cuda` and `dev` extras): the torch path's tests run without it.
     import triton
     import triton.language as tl
 
@@ -32,10 +31,7 @@ SMALL_LOGITS = [0.0, 1.0, 2.0, -1.0, -INF, 0.5, 3.0, -2.0]  # a masked token amo
 MAX_Z = 4.5
 QWEN3_VOCAB = 151936
 
-interpret = pytest.mark.skipif(
-    triton is None or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs triton, with TRITON_INTERPRET=1 to interpret",
-)
+interpret = pytest.mark.interpret  # run under TRITON_INTERPRET=1: see tests/conftest.py
 
 
 

@@ -8,8 +8,6 @@ GPU tests (the 0.6B and 8B layer shapes, bf16/fp16):
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,9 +16,7 @@ from kvfit.ops.layers import add_rms_norm_torch, rms_norm_torch, silu_and_mul_to
 
 triton_skinny = pytest.importorskip("kvfit.ops.triton_skinny")
 
-interpret = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to interpret"
-)
+interpret = pytest.mark.interpret  # run under TRITON_INTERPRET=1: see tests/conftest.py
 
 ROWS = [1, 3, 16]  # the M = 1 path (FMAs), and the tensor-core path partly and fully used
 

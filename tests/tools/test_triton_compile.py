@@ -5,14 +5,15 @@ compiler: a kernel the interpreter runs can still fail to compile (a helper with
 that returns twice did, for every attention kernel). `tools/triton_sass.py` captures the real
 launches of one step and compiles them as the JIT would; this runs it over the head dims and
 cache dtypes the kernels branch on. Needs Triton with its NVIDIA backend (ptxas ships in the
-wheel), e.g. `pip install --target /tmp/tritonpkg triton==3.6.0` and that folder on PYTHONPATH;
-skipped without it, as in CI.
+wheel; the `dev` extra installs it, or `pip install --target /tmp/tritonpkg triton==3.6.0` and
+that folder on PYTHONPATH); skipped without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
+# Under TRITON_INTERPRET=1 every kernel in this process is interpreted, so none compiles.
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="compiles need TRITON_INTERPRET unset")
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
