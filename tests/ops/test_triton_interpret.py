@@ -230,6 +230,28 @@ def test_write_kv_kernel_quantises_with_the_scale_and_saturates(paged_batch):
 # --- head dims that are not a power of two ------------------------------------------------------
 
 
+def _attend_between_sentinels(batch, batch_invariant: bool, fp8: dict | None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the kernels' output for `batch`, written into a buffer with a row of 7s before and
+    after it, the reference's); `fp8`: the cache stored as e4m3 at scales 0.02 and 0.05, these
+    kernel arguments with them."""
+    k_cache, v_cache, scales = batch.k_cache, batch.v_cache, {}
+    if fp8 is not None:
+        scales = dict(k_scale=torch.tensor([0.02]), v_scale=torch.tensor([0.05]), **fp8)
+        k_cache = k_cache.div(scales["k_scale"]).to(torch.float8_e4m3fn)
+        v_cache = v_cache.div(scales["v_scale"]).to(torch.float8_e4m3fn)
+    query = batch.query
+    padded = torch.full((query.shape[0] + 2, *query.shape[1:]), 7.0, dtype=query.dtype)
+    triton_attention.paged_attention_triton(
+        query, k_cache, v_cache, batch.metadata, 0.3, padded[1:-1], max_splits=3,
+        split_tokens=16, batch_invariant=batch_invariant, **scales,
+    )
+    expect = paged_attention_reference(query, k_cache, v_cache, batch.metadata, 0.3,
+                                       k_scale=scales.get("k_scale"),
+                                       v_scale=scales.get("v_scale"))  # fmt: skip
+    return padded, expect
+
+
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(48, 12, 4), (80, 14, 2), (96, 3, 1)])
 @pytest.mark.parametrize("kernels", ["split", "batch_invariant", "fp8_tile", "fp8_pairs"])
 def test_attention_kernels_pad_head_dims_that_are_not_a_power_of_two(
@@ -240,21 +262,10 @@ def test_attention_kernels_pad_head_dims_that_are_not_a_power_of_two(
     output is written past each head's dims (the rows around `out` keep their sentinel)."""
     batch = paged_batch([(0, 5), (20, 1), (40, 1), (0, 1), (7, 3)], num_heads=num_heads,
                         num_kv_heads=num_kv_heads, head_dim=head_dim)  # fmt: skip
-    k_cache, v_cache, scales = batch.k_cache, batch.v_cache, {}
-    if kernels.startswith("fp8"):
-        scales = dict(k_scale=torch.tensor([0.02]), v_scale=torch.tensor([0.05]),
-                      fp8_compute_dtype=torch.float16, fp8_pairs=kernels == "fp8_pairs")
-        k_cache = k_cache.div(scales["k_scale"]).to(torch.float8_e4m3fn)
-        v_cache = v_cache.div(scales["v_scale"]).to(torch.float8_e4m3fn)
-    padded = torch.full((batch.query.shape[0] + 2, num_heads, head_dim), 7.0)
-    triton_attention.paged_attention_triton(
-        batch.query, k_cache, v_cache, batch.metadata, 0.3, padded[1:-1], max_splits=3,
-        split_tokens=16, batch_invariant=kernels == "batch_invariant", **scales,
-    )
-    expect = paged_attention_reference(batch.query, k_cache, v_cache, batch.metadata, 0.3,
-                                       k_scale=scales.get("k_scale"),
-                                       v_scale=scales.get("v_scale"))  # fmt: skip
-    tol = 3e-3 if scales else 1e-4
+    fp8 = (dict(fp8_compute_dtype=torch.float16, fp8_pairs=kernels == "fp8_pairs")
+           if kernels.startswith("fp8") else None)
+    padded, expect = _attend_between_sentinels(batch, kernels == "batch_invariant", fp8)
+    tol = 3e-3 if fp8 else 1e-4
     torch.testing.assert_close(padded[1:-1], expect, rtol=tol, atol=tol)
     assert (padded[0] == 7).all() and (padded[-1] == 7).all()
 
@@ -270,21 +281,10 @@ def test_attention_kernels_pad_head_dims_below_16(paged_batch, head_dim, num_hea
     dtype = torch.float16 if kernels == "f16" else torch.float32
     batch = paged_batch([(0, 5), (20, 1), (40, 1), (0, 1), (7, 3)], num_heads=num_heads,
                         num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)  # fmt: skip
-    k_cache, v_cache, scales = batch.k_cache, batch.v_cache, {}
-    if kernels.startswith("fp8"):
-        scales = dict(k_scale=torch.tensor([0.02]), v_scale=torch.tensor([0.05]),
-                      fp8_compute_dtype=torch.float16 if kernels == "fp8_f16" else None)
-        k_cache = k_cache.div(scales["k_scale"]).to(torch.float8_e4m3fn)
-        v_cache = v_cache.div(scales["v_scale"]).to(torch.float8_e4m3fn)
+    fp8 = (dict(fp8_compute_dtype=torch.float16 if kernels == "fp8_f16" else None)
+           if kernels.startswith("fp8") else None)
     assert triton_attention.padded_head_dim(head_dim) == 16
-    padded = torch.full((batch.query.shape[0] + 2, num_heads, head_dim), 7.0, dtype=dtype)
-    triton_attention.paged_attention_triton(
-        batch.query, k_cache, v_cache, batch.metadata, 0.3, padded[1:-1], max_splits=3,
-        split_tokens=16, batch_invariant=kernels == "batch_invariant", **scales,
-    )
-    expect = paged_attention_reference(batch.query, k_cache, v_cache, batch.metadata, 0.3,
-                                       k_scale=scales.get("k_scale"),
-                                       v_scale=scales.get("v_scale"))  # fmt: skip
+    padded, expect = _attend_between_sentinels(batch, kernels == "batch_invariant", fp8)
     tol = {"f16": 2e-3, "fp8_f16": 3e-3}.get(kernels, 1e-4)
     torch.testing.assert_close(padded[1:-1], expect, rtol=tol, atol=tol)
     assert (padded[0] == 7).all() and (padded[-1] == 7).all()
