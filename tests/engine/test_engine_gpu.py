@@ -121,14 +121,14 @@ def test_a_warm_engine_with_small_batch_kernels_compiles_nothing_for_new_batch_s
     token count reuse what warmup compiled."""
     llm = make_llm(small_batch_kernels=True, cuda_graph_sizes=[1, 2, 4, 8, 16])
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    llm.generate(prompts(), params, use_tqdm=False)
     g = torch.Generator().manual_seed(2)
     lengths = (2, 3, 5, 9, 13, 16, 31)
     other = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()}
              for n in lengths]
     other_params = [SamplingParams(temperature=1.0, max_tokens=2 + 3 * i, ignore_eos=True)
                     for i in range(len(lengths))]
-    with triton_compiles() as compiled:
+    with triton_compiles() as compiled:  # the first request too: warmup compiled everything
+        llm.generate(prompts(), params, use_tqdm=False)
         for prompt, p in zip(other, other_params, strict=True):  # one by one: steps of 1..16
             llm.generate([prompt], p, use_tqdm=False)
         llm.generate(other, other_params, use_tqdm=False)
