@@ -65,6 +65,9 @@ def capture_launches(args: argparse.Namespace) -> list[tuple[JITFunction, dict[s
                          num_stages=args.num_stages)  # fmt: skip
     if getattr(args, "maxnreg", None):
         decode_config["maxnreg"] = args.maxnreg
+    if args.prefill_config:
+        extra["prefill_config"] = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+                                           args.prefill_config, strict=True))
     with mock.patch.object(triton_attention, "_has_e4m3x2_cvt", lambda device: True):
         return captured_launches(lambda: triton_attention.paged_attention_triton(
             batch.query, k_cache, v_cache, batch.metadata, args.head_dim**-0.5,
@@ -174,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-stages", type=int, default=3)
     p.add_argument("--maxnreg", type=int, default=None,
                    help="decode's register cap (ptx .maxnreg), as a decode_config key")
+    p.add_argument("--prefill-config", type=int, nargs=4, default=None,
+                   metavar=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"),
+                   help="the prefill kernel's tiles (default _prefill_config's)")
     p.add_argument("--linear", type=int, nargs=2, metavar=("N", "K"), default=None,
                    help="report the small-batch linear kernels for an [N, K] weight at --batch "
                    "rows instead of attention")

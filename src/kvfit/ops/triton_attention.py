@@ -117,6 +117,17 @@ def _softmax_update(s, v, m_i, l_i, acc):
     return m_i, l_i, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
+@triton.jit
+def _softmax_update_scaled(s, scale, v, m_i, l_i, acc):
+    """`_softmax_update` of `s * scale[:, None]` (each row's scale > 0), the max taken before
+    scaling: the scaling then rides in the exponent's FFMA instead of a multiply per score
+    (a third of a prefill tile's FMULs)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+    p = tl.exp2(s * scale[:, None] - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
 # Arguments that change from step to step (block-table width, split counts) are not specialised:
 # Triton would otherwise compile a new variant whenever one became 1 or a multiple of 16.
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -169,6 +180,8 @@ def _prefill_kernel(
         scale_log2 = scale_log2 * tl.load(k_scale)
     if FP8_F16:  # the tiles follow the query's dtype: e4m3 -> f16 is one cvt per pair
         q, scale_log2 = _f16_query(q, scale_log2)
+    # One factor per row, whether scale_log2 is a scalar or _f16_query's [rows, 1].
+    row_scale = tl.max(tl.zeros([BLOCK_M, 1], tl.float32) + scale_log2, 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -191,8 +204,8 @@ def _prefill_kernel(
                           HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
         if FP8:  # widen after the load; the scales are folded in outside the loop
             k, v = k.to(q.dtype), v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
+        s = tl.dot(q, tl.trans(k))
+        m_i, l_i, acc = _softmax_update_scaled(s, row_scale, v, m_i, l_i, acc)
     end = prefix + last_tok + 1
     for n0 in range(unmasked_end, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -205,9 +218,8 @@ def _prefill_kernel(
                           HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
         if FP8:  # widen after the load; the scales are folded in outside the loop
             k, v = k.to(q.dtype), v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
-        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
+        s = tl.where(n[None, :] <= pos[:, None], tl.dot(q, tl.trans(k)), float("-inf"))
+        m_i, l_i, acc = _softmax_update_scaled(s, row_scale, v, m_i, l_i, acc)
 
     o = acc / l_i[:, None]
     if FP8:
