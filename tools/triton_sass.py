@@ -65,7 +65,7 @@ def capture_launches(args: argparse.Namespace) -> list[tuple[JITFunction, dict[s
                          num_stages=args.num_stages)  # fmt: skip
     if getattr(args, "maxnreg", None):
         decode_config["maxnreg"] = args.maxnreg
-    if args.prefill_config:
+    if getattr(args, "prefill_config", None):
         extra["prefill_config"] = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
                                            args.prefill_config, strict=True))
     with mock.patch.object(triton_attention, "_has_e4m3x2_cvt", lambda device: True):
