@@ -55,6 +55,23 @@ def test_decode_only_batch_with_split_reduction(paged_batch):
     torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("block_size,block_n", [(32, 16), (8, 32), (16, 16), (128, 32)])
+@pytest.mark.parametrize("layout", ["block_outermost", "head_major"])
+def test_decode_finds_tokens_on_pages_of_any_size(paged_batch, layout, block_size, block_n):
+    """The decode kernel computes a token's page and slot once per tile for K and V: tiles
+    within one page, of several pages, of exactly one, whole tiles and each split's partial
+    last tile, against the reference."""
+    batch = paged_batch([(200, 1), (37, 1), (block_n - 1, 1), (0, 1)], num_heads=4,
+                        num_kv_heads=2, head_dim=32, block_size=block_size, layout=layout)
+    out = torch.full_like(batch.query, float("nan"))
+    triton_attention.paged_attention_triton(
+        batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.3, out, max_splits=3,
+        split_tokens=64, decode_config=dict(BLOCK_N=block_n, num_warps=4, num_stages=1))
+    expect = paged_attention_reference(batch.query, batch.k_cache, batch.v_cache,
+                                       batch.metadata, 0.3)
+    torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("layout", ["block_outermost", "head_major"])
 def test_write_kv_kernel_matches_reference(paged_batch, layout):
     batch = paged_batch([(0, 40)], num_kv_heads=2, head_dim=16, layout=layout)
