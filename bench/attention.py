@@ -69,9 +69,6 @@ DECODE_SWEEP = [
     # fewer instructions per KV byte (sm_90: `tools/triton_sass.py --cache-dtype fp8
     # --block-n 128 --maxnreg 128`).
     dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=128),
-    # The bf16 decode kernel takes 152 registers uncapped (3 programs per SM where 128 gave
-    # 4); capped, 44 bytes spill, outside its unmasked loop (327 instructions against 316).
-    dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=128),
 ]  # fmt: skip
 
 

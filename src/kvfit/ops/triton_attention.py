@@ -53,23 +53,6 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _kv_rows(block_table_row, n0, offs, n_mask, kv_head, stride_cb, stride_cs, stride_ch,
-             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Offsets of the rows of tokens `n0 + offs` of one KV head, K's and V's alike, in the
-    strides' unit. A tile starts at a multiple of BLOCK_N: with whole pages per tile, its
-    tokens sit at the same in-page slots every iteration, and that part is loop-invariant."""
-    if BLOCK_N % BLOCK_SIZE == 0:
-        page = n0 // BLOCK_SIZE + offs // BLOCK_SIZE
-        slot = offs % BLOCK_SIZE
-    else:
-        page = (n0 + offs) // BLOCK_SIZE
-        slot = (n0 + offs) % BLOCK_SIZE
-    # A block id is >= 0: widened as unsigned, its product with the stride needs no sign fix-up.
-    block = tl.load(block_table_row + page, mask=n_mask, other=0).to(tl.uint32).to(tl.int64)
-    return block * stride_cb + (slot * stride_cs + kv_head * stride_ch)
-
-
-@triton.jit
 def _dims_mask(row_mask, d, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr):
     """`[rows, HEAD_DIM_P2]` mask of a tile's real rows and dims. A head dim that is not a power
     of two, or is below 16, is padded (`padded_head_dim`); one that needs no padding compiles
@@ -104,13 +87,23 @@ def _f16_query(q, scale_log2):
 
 
 @triton.jit
-def _softmax_weights(s, scale, m_i, l_cols):
-    """One online-softmax step over the scores `s * scale[:, None]` (each row's scale > 0,
-    log2 units; masked entries -inf): the weights `p`, the factor `alpha` the accumulators scale
-    by, the new max and the sum. The max is taken before scaling (the same max: rounding is
-    monotonic), so the scaling rides in the exponent's FFMA instead of a multiply per score.
-    The sum is kept per column, `l_cols` [rows, cols] scaled like the accumulators and summed
-    across columns once after the loop: a cross-warp reduction fewer per tile."""
+def _softmax_weights(s, m_i, l_i):
+    """One online-softmax step over log2-scaled scores `s` (masked entries are -inf): the
+    weights `p`, the factor `alpha` the accumulators scale by, and the new max and sum."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _softmax_weights_scaled(s, scale, m_i, l_cols):
+    """`_softmax_weights` of `s * scale[:, None]` (each row's scale > 0) with the max taken
+    before scaling: the same max (rounding is monotonic), one multiply per row instead of per
+    score, and
+    s * scale - max compiles to one FFMA. The sum is kept per column, `l_cols` [rows, cols]
+    scaled like the accumulators and summed across columns once after the loop: a cross-warp
+    reduction fewer per tile."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
     p = tl.exp2(s * scale[:, None] - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -118,9 +111,17 @@ def _softmax_weights(s, scale, m_i, l_cols):
 
 
 @triton.jit
-def _softmax_update(s, scale, v, m_i, l_i, acc):
-    """`_softmax_weights` with the sum kept per row (a prefill tile's [rows, cols] of sums
-    would cost a register per score) and `acc` scaled and the weighted `v` added."""
+def _softmax_update(s, v, m_i, l_i, acc):
+    """`_softmax_weights`, with `acc` scaled and the weighted `v` added."""
+    p, alpha, m_i, l_i = _softmax_weights(s, m_i, l_i)
+    return m_i, l_i, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def _softmax_update_scaled(s, scale, v, m_i, l_i, acc):
+    """`_softmax_update` of `s * scale[:, None]` (each row's scale > 0), the max taken before
+    scaling: the scaling then rides in the exponent's FFMA instead of a multiply per score
+    (a third of a prefill tile's FMULs)."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
     p = tl.exp2(s * scale[:, None] - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -204,7 +205,7 @@ def _prefill_kernel(
         if FP8:  # widen after the load; the scales are folded in outside the loop
             k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k))
-        m_i, l_i, acc = _softmax_update(s, row_scale, v, m_i, l_i, acc)
+        m_i, l_i, acc = _softmax_update_scaled(s, row_scale, v, m_i, l_i, acc)
     end = prefix + last_tok + 1
     for n0 in range(unmasked_end, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -218,39 +219,13 @@ def _prefill_kernel(
         if FP8:  # widen after the load; the scales are folded in outside the loop
             k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.where(n[None, :] <= pos[:, None], tl.dot(q, tl.trans(k)), float("-inf"))
-        m_i, l_i, acc = _softmax_update(s, row_scale, v, m_i, l_i, acc)
+        m_i, l_i, acc = _softmax_update_scaled(s, row_scale, v, m_i, l_i, acc)
 
     o = acc / l_i[:, None]
     if FP8:
         o = o * tl.load(v_scale)
     o_ptrs = out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
     tl.store(o_ptrs + d[None, :] * stride_od, o.to(out.dtype.element_ty), mask=tile_mask)
-
-
-@triton.jit
-def _decode_step(
-    state, q, k_cache, v_cache, block_table_row, n0, end, kv_head, d, scale,
-    stride_cb, stride_cs, stride_ch, stride_cd,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P2: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr,
-):  # fmt: skip
-    """One tile of `_decode_kernel`: tokens n0 .. n0 + BLOCK_N into the online softmax `state`
-    (m_i, l_cols, acc), the scores scaled by `scale` [rows] inside the exponent. Unless
-    MASKED every token is below `end`, and the mask compiles away."""
-    m_i, l_cols, acc = state
-    offs = tl.arange(0, BLOCK_N)
-    n_mask = n0 + offs < end if MASKED else offs < BLOCK_N  # unmasked: all true, folded
-    rows = _kv_rows(block_table_row, n0, offs, n_mask, kv_head, stride_cb, stride_cs,
-                    stride_ch, BLOCK_SIZE, BLOCK_N)  # fmt: skip
-    ptrs = rows[:, None] + d[None, :] * stride_cd
-    mask = _dims_mask(n_mask, d, HEAD_DIM, HEAD_DIM_P2)
-    k = tl.load(k_cache + ptrs, mask=mask, other=0.0)
-    v = tl.load(v_cache + ptrs, mask=mask, other=0.0)
-    if FP8:  # widen after the load; the scales are folded in outside the loop
-        k, v = k.to(q.dtype), v.to(q.dtype)
-    s = tl.where(n_mask[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
-    p, alpha, m_i, l_cols = _softmax_weights(s, scale, m_i, l_cols)
-    return m_i, l_cols, tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
@@ -293,24 +268,23 @@ def _decode_kernel(
     if FP8_F16:
         q, scale_log2 = _f16_query(q, scale_log2)
 
-    # One factor per row, whether scale_log2 is a scalar or _f16_query's [rows, 1].
-    row_scale = tl.max(tl.zeros([GROUP_P2, 1], tl.float32) + scale_log2, 1)
-
-    state = (tl.full([GROUP_P2], float("-inf"), tl.float32),
-             tl.zeros([GROUP_P2, BLOCK_N], tl.float32),
-             tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32))  # m_i, l_cols, acc
-    # Whole tiles unmasked, then the split's partial last tile masked, as the pairs kernel.
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(start, full_end, BLOCK_N):
-        state = _decode_step(state, q, k_cache, v_cache, block_table_row, n0, end, kv_head, d,
-                             row_scale, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
-                             BLOCK_N, HEAD_DIM, HEAD_DIM_P2, FP8, False)  # fmt: skip
-    for n0 in range(full_end, end, BLOCK_N):
-        state = _decode_step(state, q, k_cache, v_cache, block_table_row, n0, end, kv_head, d,
-                             row_scale, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
-                             BLOCK_N, HEAD_DIM, HEAD_DIM_P2, FP8, True)  # fmt: skip
-    m_i, l_cols, acc = state
-    l_i = tl.sum(l_cols, 1)
+    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        k = _load_kv_tile(k_cache, block_table_row, n, n_mask, kv_head, d,
+                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                          HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
+        v = _load_kv_tile(v_cache, block_table_row, n, n_mask, kv_head, d,
+                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                          HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
+        if FP8:  # widen after the load; the scales are folded in outside the loop
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
 
     # An empty split (or a zero-length padded sequence) has l_i == 0: emit zeros, not NaN.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -375,6 +349,23 @@ def _e4m3x2_to_f16(x, ASM: tl.constexpr):
 
 
 @triton.jit
+def _pair_rows(block_table_row, n0, offs, n_mask, kv_head, stride_cb, stride_cs, stride_ch,
+               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Offsets of the rows of tokens `n0 + offs` of one KV head, K's and V's alike, in the
+    strides' unit. A tile starts at a multiple of BLOCK_N: with whole pages per tile, its
+    tokens sit at the same in-page slots every iteration, and that part is loop-invariant."""
+    if BLOCK_N % BLOCK_SIZE == 0:
+        page = n0 // BLOCK_SIZE + offs // BLOCK_SIZE
+        slot = offs % BLOCK_SIZE
+    else:
+        page = (n0 + offs) // BLOCK_SIZE
+        slot = (n0 + offs) % BLOCK_SIZE
+    # A block id is >= 0: widened as unsigned, its product with the stride needs no sign fix-up.
+    block = tl.load(block_table_row + page, mask=n_mask, other=0).to(tl.uint32).to(tl.int64)
+    return block * stride_cb + (slot * stride_cs + kv_head * stride_ch)
+
+
+@triton.jit
 def _load_pair_tile(pairs, rows, n_mask, d2, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr):
     """[BLOCK_N, PAIRS_P2] uint16 tile at `rows` of an e4m3 cache whose head dim is
     contiguous: element i holds dims 2i (low byte) and 2i + 1; 0 from pair PAIRS on."""
@@ -395,15 +386,15 @@ def _fp8_pairs_step(
     m_i, l_cols, acc_even, acc_odd = state
     offs = tl.arange(0, BLOCK_N)
     n_mask = n0 + offs < end if MASKED else offs < BLOCK_N  # unmasked: all true, folded
-    rows = _kv_rows(block_table_row, n0, offs, n_mask, kv_head, stride_cb, stride_cs,
-                    stride_ch, BLOCK_SIZE, BLOCK_N)  # fmt: skip
+    rows = _pair_rows(block_table_row, n0, offs, n_mask, kv_head, stride_cb, stride_cs,
+                      stride_ch, BLOCK_SIZE, BLOCK_N)  # fmt: skip
     k_even, k_odd = _e4m3x2_to_f16(_load_pair_tile(k_pairs, rows, n_mask, d2, PAIRS, PAIRS_P2),
                                    ASM)  # fmt: skip
     v_even, v_odd = _e4m3x2_to_f16(_load_pair_tile(v_pairs, rows, n_mask, d2, PAIRS, PAIRS_P2),
                                    ASM)  # fmt: skip
     s = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even)))
     s = tl.where(n_mask[None, :], s, float("-inf"))
-    p, alpha, m_i, l_cols = _softmax_weights(s, scale_log2, m_i, l_cols)
+    p, alpha, m_i, l_cols = _softmax_weights_scaled(s, scale_log2, m_i, l_cols)
     p = p.to(tl.float16)
     acc_even = tl.dot(p, v_even, acc_even * alpha[:, None])
     acc_odd = tl.dot(p, v_odd, acc_odd * alpha[:, None])
