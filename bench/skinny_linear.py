@@ -18,7 +18,7 @@ so that every call reads its weight from DRAM as a decode step does:
   (`rms_norm_linear_triton` / `silu_and_mul_linear_triton`).
 
 Reported: microseconds, the weight's GB/s and that over the in-run copy bandwidth
-(`copy_gb_per_s`), skinny/cublas and fused/unfused. With `--sweep`, the skinny kernel at each
+(`copy_bandwidth_gbps`), skinny/cublas and fused/unfused. With `--sweep`, the skinny kernel at each
 of a few tile configs too (exploration for `skinny_config`). Writes a record
 (`kvfit.benchmarks.record`) to --out and prints the table.
 """
@@ -121,7 +121,7 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool) -> dict:
 
 
 def table_text(result: dict) -> str:
-    copy = result.get("copy_gb_per_s")
+    copy = result.get("copy_bandwidth_gbps")
     lines = [f"{'model':16} {'layer':13} {'M':>3} {'cublas us':>9} {'skinny us':>9} "
              f"{'GB/s':>7} {'of copy':>7} {'unfused':>8} {'fused':>8}"]
     for r in result["layers"]:

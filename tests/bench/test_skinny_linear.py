@@ -40,9 +40,11 @@ def test_the_sweep_configs_keep_the_kernels_constraints(bench) -> None:  # noqa:
 
 
 def test_table_and_record_from_timings(bench) -> None:  # noqa: ANN001
-    result = payload() | {"copy_gb_per_s": 4000.0}
+    # The bench adds `in_run_limits`'s keys to its result: the share of copy bandwidth reads them.
+    result = payload() | {"copy_bandwidth_gbps": 4000.0, "gemm_tflops": 700.0}
     text = bench.table_text(result)
     assert "qkv_proj" in text and text.count("\n") == len(result["layers"])
+    assert all(line.split()[6] == "0.70" for line in text.splitlines()[1:])  # 2,800 / 4,000
     record = record_of("skinny-linear", result, {"m": [1, 16]})
     assert validate(record) == []
     assert record["figures"]["qwen3-0.6b.qkv_proj.m1.fused_over_unfused"]["value"] == 3.5 / 9
