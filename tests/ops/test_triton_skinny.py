@@ -68,15 +68,21 @@ def test_skinny_linear_takes_a_config_and_a_strided_input() -> None:
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize(("n", "k"), [(37, 100), (48, 256)])
 @pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("norm_block_k", [None, 64])
 def test_rms_norm_linear_matches_the_unfused_chain(rows: int, n: int, k: int,
-                                                  with_residual: bool) -> None:
+                                                  with_residual: bool,
+                                                  norm_block_k: int | None) -> None:
     """The norm's output, rounded as `add_rms_norm` rounds it, feeds the product: the result
-    is the chain's to one rounding; the residual sum is the chain's bit for bit."""
+    is the chain's to one rounding; the residual sum is the chain's bit for bit. The rms pass
+    in one wide block (the default here) or in several, the last one partial."""
     w, b = _weights(n, k, torch.float16)
     x = torch.randn(rows, k, dtype=torch.float16)
     residual = torch.randn(rows, k, dtype=torch.float16) * 3 if with_residual else None
     norm = torch.randn(k, dtype=torch.float16)
-    got, summed = triton_skinny.rms_norm_linear_triton(x, residual, norm, 1e-6, w, b)
+    config = (None if norm_block_k is None
+              else dict(triton_skinny.skinny_config(n, k), NORM_BLOCK_K=norm_block_k))
+    got, summed = triton_skinny.rms_norm_linear_triton(x, residual, norm, 1e-6, w, b,
+                                                       config=config)
     if with_residual:
         normed, expect_sum = add_rms_norm_torch(x, residual, norm, 1e-6)
         assert torch.equal(summed, expect_sum)
