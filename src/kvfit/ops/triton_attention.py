@@ -97,16 +97,21 @@ def _softmax_weights(s, m_i, l_i):
 
 
 @triton.jit
-def _softmax_weights_scaled(s, scale, m_i, l_cols):
-    """`_softmax_weights` of `s * scale[:, None]` (each row's scale > 0) with the max taken
-    before scaling: the same max (rounding is monotonic), one multiply per row instead of per
-    score, and
-    s * scale - max compiles to one FFMA. The sum is kept per column, `l_cols` [rows, cols]
-    scaled like the accumulators and summed across columns once after the loop: a cross-warp
-    reduction fewer per tile."""
+def _scaled_weights(s, scale, m_i):
+    """The weights, the accumulators' factor `alpha` and the new max of one online-softmax
+    step over `s * scale[:, None]` (each row's scale > 0), the max taken before scaling: the
+    same max (rounding is monotonic), one multiply per row instead of per score, and
+    s * scale - max compiles to one FFMA."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-    p = tl.exp2(s * scale[:, None] - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    return tl.exp2(s * scale[:, None] - m_new[:, None]), tl.exp2(m_i - m_new), m_new
+
+
+@triton.jit
+def _softmax_weights_scaled(s, scale, m_i, l_cols):
+    """`_scaled_weights`, with the sum kept per column, `l_cols` [rows, cols] scaled like the
+    accumulators and summed across columns once after the loop: a cross-warp reduction fewer
+    per tile."""
+    p, alpha, m_new = _scaled_weights(s, scale, m_i)
     return p, alpha, m_new, l_cols * alpha[:, None] + p
 
 
@@ -119,12 +124,10 @@ def _softmax_update(s, v, m_i, l_i, acc):
 
 @triton.jit
 def _softmax_update_scaled(s, scale, v, m_i, l_i, acc):
-    """`_softmax_update` of `s * scale[:, None]` (each row's scale > 0), the max taken before
-    scaling: the scaling then rides in the exponent's FFMA instead of a multiply per score
-    (a third of a prefill tile's FMULs)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-    p = tl.exp2(s * scale[:, None] - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    """`_scaled_weights` with the sum kept per row (a prefill tile's sums per column would
+    take a register per score), `acc` scaled and the weighted `v` added in the dot: the
+    scaling rides in the exponent's FFMA (a third of a prefill tile's FMULs)."""
+    p, alpha, m_new = _scaled_weights(s, scale, m_i)
     return m_new, l_i * alpha + tl.sum(p, 1), tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
 
 
