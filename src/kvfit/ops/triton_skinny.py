@@ -162,12 +162,9 @@ def _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid,
         # iteration: one row takes it in NORM_BLOCK_K columns at a time (one or two passes),
         # where BLOCK_K columns took 32 dependent rounds to L2 at K 4096 (the 8B's gate_up,
         # H100: 102 us fused against 74 us unfused).
-        if ROWS == 1:
-            sum_sq = _sum_of_squares(x_rows, r_rows, sum_out, rm, row_mask, pid, K,
-                                     NORM_BLOCK_K, NORM_STAGES, PROLOGUE == 2)
-        else:
-            sum_sq = _sum_of_squares(x_rows, r_rows, sum_out, rm, row_mask, pid, K, BLOCK_K,
-                                     NORM_STAGES, PROLOGUE == 2)
+        RMS_BLOCK: tl.constexpr = NORM_BLOCK_K if ROWS == 1 else BLOCK_K
+        sum_sq = _sum_of_squares(x_rows, r_rows, sum_out, rm, row_mask, pid, K, RMS_BLOCK,
+                                 NORM_STAGES, PROLOGUE == 2)
         inv_rms = tl.rsqrt(sum_sq / K + eps)
     # Rows of W past N read row N - 1 instead (their outputs are not stored): the weight loads,
     # the bytes that matter, need no mask.
