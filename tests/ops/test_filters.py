@@ -29,11 +29,9 @@ from kvfit.ops.sampling import (
 )
 
 try:  # Triton is optional (the `cuda` and `dev` extras): the torch path's tests run without it.
-    import triton
-
     from kvfit.ops import triton_filters, triton_sampling
 except ImportError:
-    triton = triton_filters = triton_sampling = None
+    triton_filters = triton_sampling = None
 
 INF = float("inf")
 QWEN3_VOCAB = 151936
