@@ -62,6 +62,7 @@ import asyncio
 import cProfile
 import dataclasses
 import gc
+import importlib.util
 import io
 import os
 import pickle
@@ -583,7 +584,8 @@ def http(args: argparse.Namespace, llm: LLM, prompts: list[Any],
     _, _, messages = engine_loop(args, llm, prompts, params)
     ready = EngineCoreLoop(llm, lambda _: None).ready()
     loop_factory = None
-    if args.loop == "uvloop" or (args.loop == "auto" and _have("uvloop")):
+    if args.loop == "uvloop" or (args.loop == "auto"
+                                 and importlib.util.find_spec("uvloop") is not None):
         import uvloop
         loop_factory = uvloop.new_event_loop
 
@@ -622,11 +624,6 @@ def http(args: argparse.Namespace, llm: LLM, prompts: list[Any],
                                                     key=lambda kv: -kv[1])}
             result[f"{name}_profile"] = profile_top(profiler, args.profile_top)
     return result
-
-
-def _have(module: str) -> bool:
-    import importlib.util
-    return importlib.util.find_spec(module) is not None
 
 
 def print_report(result: dict[str, Any]) -> None:
