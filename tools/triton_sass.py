@@ -141,19 +141,28 @@ def loop_mixes(sass: str) -> list[collections.Counter]:
     return loops
 
 
-def report(kernel: Any, arch: int, top: int) -> str:
+def ptxas_usage(kernel: Any, arch: int) -> tuple[int | None, int | None]:
+    """(registers, bytes of spill stores) ptxas reports for the kernel; None where it says
+    nothing."""
     with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx = Path(tmp) / "k.ptx"
         ptx.write_text(kernel.asm["ptx"])
-        cubin.write_bytes(kernel.asm["cubin"])
         ptxas = subprocess.run([BIN / "ptxas", f"-arch=sm_{arch}a", "-v", ptx, "-o", "/dev/null"],
                                capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True,
-                              text=True, check=True).stdout
     regs = re.search(r"Used (\d+) registers", ptxas)
     spills = re.search(r"(\d+) bytes spill stores", ptxas)
-    lines = [f"{kernel.name}: {regs.group(1) if regs else '?'} registers, "
-             f"{spills.group(1) if spills else '?'} bytes spilled, "
+    return (int(regs.group(1)) if regs else None, int(spills.group(1)) if spills else None)
+
+
+def report(kernel: Any, arch: int, top: int) -> str:
+    regs, spills = ptxas_usage(kernel, arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True,
+                              text=True, check=True).stdout
+    lines = [f"{kernel.name}: {'?' if regs is None else regs} registers, "
+             f"{'?' if spills is None else spills} bytes spilled, "
              f"{kernel.metadata.shared} bytes shared"]
     for mix in loop_mixes(sass):
         ops = ", ".join(f"{op} {n}" for op, n in mix.most_common(top))

@@ -76,8 +76,8 @@ def skinny_config(n: int, k: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int]
 
 
 NORM_BLOCK_K = 2048
-"""Columns of one row per iteration of a one-row norm prologue's rms pass (K 4096: two
-iterations, 16-32 values a thread)."""
+"""Columns of one row per iteration of a one-row norm prologue's rms pass, at most half the
+row (K 4096: two iterations, 16-32 values a thread; K 1024: two of 512)."""
 
 NONE, RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL = 0, 1, 2, 3
 """The kernel's `PROLOGUE`: what it computes from x before the product."""
@@ -159,9 +159,9 @@ def _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid,
         # Every program takes the rows' rms from x (+ residual) itself: a few KB from L2, where
         # sharing it would take a second node. Program 0 alone writes the residual sum. This
         # pass precedes the weight stream, so its loads' latency is paid in full, once per
-        # iteration: one row takes it in NORM_BLOCK_K columns at a time (one or two passes),
-        # where BLOCK_K columns took 32 dependent rounds to L2 at K 4096 (the 8B's gate_up,
-        # H100: 102 us fused against 74 us unfused).
+        # iteration: one row takes it in NORM_BLOCK_K columns at a time (two passes up to K
+        # 4096), where BLOCK_K columns took 32 dependent rounds to L2 at K 4096 (the 8B's
+        # gate_up, H100: 102 us fused against 74 us unfused).
         RMS_BLOCK: tl.constexpr = NORM_BLOCK_K if ROWS == 1 else BLOCK_K
         sum_sq = _sum_of_squares(x_rows, r_rows, sum_out, rm, row_mask, pid, K, RMS_BLOCK,
                                  NORM_STAGES, PROLOGUE == 2)
@@ -265,7 +265,10 @@ def _launch(
         return out
     launch = dict(config or skinny_config(n, k, _num_sms(x.device)))
     block_n = launch.pop("BLOCK_N")
-    launch.setdefault("NORM_BLOCK_K", min(NORM_BLOCK_K, triton.next_power_of_2(k)))
+    # At least two iterations: a one-block pass over the whole row let the compiler keep the
+    # row live into the product's loop, where it spilled (K 1024: 255 registers and 292 bytes
+    # spilled, 3.4x slower at one row on the H200; tools/triton_sass.py --linear 6144 1024).
+    launch.setdefault("NORM_BLOCK_K", max(16, min(NORM_BLOCK_K, triton.next_power_of_2(k) // 2)))
     launch.setdefault("NORM_STAGES", 2)
     launch.setdefault("GEMV_STAGES", launch.get("num_stages", 3))
     x = x.contiguous()
