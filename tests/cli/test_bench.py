@@ -111,7 +111,7 @@ def test_bench_serve_times_chunks_and_counts_failures(
     path = tmp_path / "s.json"
     argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "10",
             "--max-concurrency", "5", "--input-len", "6", "--output-len", str(OUTPUT_LEN),
-            "--result-file", str(path)]
+            "--result-file", str(path), "--save-detailed"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     record = json.loads(path.read_text())
@@ -150,7 +150,8 @@ def test_bench_serve_counts_tokens_whose_text_is_held_back(
     server = fake_server(behaviors=("held",), ttft=TTFT, itl=ITL)
     path = tmp_path / "s.json"
     argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "2",
-            "--input-len", "3", "--output-len", str(OUTPUT_LEN), "--result-file", str(path)]
+            "--input-len", "3", "--output-len", str(OUTPUT_LEN), "--result-file", str(path),
+            "--save-detailed"]
     assert main(argv) == 0
     result = json.loads(path.read_text())["results"]
     assert (result["completed"], result["failed"]) == (2, 0), result["errors"]
@@ -170,6 +171,7 @@ def test_bench_serve_request_rate_spreads_arrivals(fake_server: Callable,
     record = json.loads(path.read_text())
     result = record["results"]
     assert result["completed"] == 4 and result["request_rate"] == 20
+    assert "requests" not in result  # per-request rows only with --save-detailed
     assert all(b["stream_options"] == {"include_usage": True} for b in server.bodies)
     assert all(isinstance(b["prompt"], str) and len(b["prompt"].split()) == 3
                for b in server.bodies)
@@ -216,7 +218,7 @@ def test_bench_serve_random_range_ratio_spreads_lengths(fake_server: Callable,
     argv = ["bench", "serve", "--base-url", server.url, "--model", "m", "--num-prompts", "40",
             "--input-len", "20", "--output-len", "10", "--random-range-ratio", "0.5",
             "--max-concurrency", "4",  # the fake server's listen backlog is small
-            "--num-client-processes", "1", "--result-file", str(path)]
+            "--num-client-processes", "1", "--result-file", str(path), "--save-detailed"]
     assert main(argv) == 0
     result = json.loads(path.read_text())["results"]
     assert result["completed"] == 40 and result["random_range_ratio"] == 0.5
@@ -255,7 +257,7 @@ def test_bench_serve_merges_client_processes(fake_server: Callable, tmp_path: Pa
     path = tmp_path / "s.json"
     argv = ["bench", "serve", "--base-url", server.url, "--model", "m", "--num-prompts", "10",
             "--max-concurrency", "4", "--input-len", "5", "--output-len", "3",
-            "--num-client-processes", "3", "--result-file", str(path)]
+            "--num-client-processes", "3", "--result-file", str(path), "--save-detailed"]
     assert main(argv) == 0
     record = json.loads(path.read_text())
     result = record["results"]
@@ -307,7 +309,8 @@ def test_bench_serve_a_failing_client_process_fails_its_requests(
         p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
     path = tmp_path / "s.json"
     argv = ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--model", "m",
-            "--num-prompts", "4", "--num-client-processes", "2", "--result-file", str(path)]
+            "--num-prompts", "4", "--num-client-processes", "2", "--result-file", str(path),
+            "--save-detailed"]
     assert main(argv) == 1
     record = json.loads(path.read_text())
     result = record["results"]

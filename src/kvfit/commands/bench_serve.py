@@ -119,7 +119,10 @@ def add_parser(sub: Subparsers) -> None:
                    default=[50.0, 99.0], metavar="P,P",
                    help="percentiles of TTFT, TPOT, ITL and E2E to report (default: 50,99)")
     o.add_argument("--result-file", metavar="PATH",
-                   help="write the metrics and per-request figures as JSON")
+                   help="write the metrics as a JSON record (kvfit.benchmarks)")
+    o.add_argument("--save-detailed", action="store_true",
+                   help="with --result-file, also each request's figures (TTFT, inter-token "
+                        "latencies, tokens, error): ~3 KB a request")
     o.add_argument("--limits-device", default="none", metavar="DEVICE",
                    help="for --result-file's record, measure the copy bandwidth and GEMM "
                         "throughput of this machine's DEVICE (cuda, or auto: CUDA where there "
@@ -578,6 +581,8 @@ def run(args: argparse.Namespace) -> int:
         # JSON has no infinity: an unlimited rate is written as null.
         rate = result["request_rate"]
         payload = {**result, "request_rate": rate if math.isfinite(rate) else None, **limits}
+        if not args.save_detailed:
+            del payload["requests"]
         # Records get published (docs/results): whether a key was given, never the key.
         config = {**vars(args), "api_key": "<set>" if args.api_key else None}
         write_record(args.result_file, record_of("bench-serve", payload, config))
