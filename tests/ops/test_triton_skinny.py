@@ -159,6 +159,10 @@ def test_skinny_config_gives_every_sm_a_program_and_keeps_block_k_a_divisor() ->
             assert -(-n // cfg["BLOCK_N"]) >= 132 or cfg["BLOCK_N"] == 16
     assert triton_skinny.skinny_config(24576, 4096)["BLOCK_N"] == 64
     assert triton_skinny.skinny_config(1024, 3072)["BLOCK_N"] == 16
+    # A prologue's buffers fit two programs a SM at four stages: a grid beyond that takes three.
+    assert triton_skinny.skinny_config(24576, 4096, prologue=True)["num_stages"] == 3
+    assert triton_skinny.skinny_config(24576, 4096)["num_stages"] == 4
+    assert triton_skinny.skinny_config(6144, 4096, prologue=True)["num_stages"] == 4
 
 
 # --- GPU ---------------------------------------------------------------------------------------

@@ -246,3 +246,34 @@ def test_skinny_linear_kernels_do_not_spill(monkeypatch: pytest.MonkeyPatch, n: 
     for prologue, (fn, named, options) in enumerate(launches):
         regs, spills = sass.ptxas_usage(sass.compile_launch(fn, named, options, arch=90), 90)
         assert spills == 0, f"prologue {prologue}: {regs} registers, {spills} bytes spilled"
+
+
+SM90_SHARED_BYTES, SM90_REGISTERS = 233_472, 65_536  # per SM; the driver keeps 1 KB a block
+
+
+@pytest.mark.parametrize(("n", "k"), [
+    (4096, 1024), (6144, 1024),  # the 0.6B shape's qkv and gate_up
+    (6144, 4096), (24576, 4096),  # the 8B shape's
+    (28672, 4096),  # Llama 3 8B's gate_up: 448 programs of 64 columns
+])  # fmt: skip
+def test_skinny_norm_kernels_run_in_one_wave(monkeypatch: pytest.MonkeyPatch, n: int,
+                                             k: int) -> None:
+    """Every program of a fused-norm kernel resident at once on 132 SMs: the second, part-empty
+    wave of the 8B gate_up (384 programs, two a SM) cost 1.33x its unfused pair on the H200."""
+    from kvfit.ops import triton_skinny
+
+    monkeypatch.syspath_prepend(str(TOOLS))
+    sass = importlib.import_module("triton_sass")
+    x, w, norm = (torch.randn(*s).to(torch.bfloat16) for s in ((1, k), (n, k), (k,)))
+    launches = sass.captured_launches(lambda: (
+        triton_skinny.rms_norm_linear_triton(x, None, norm, 1e-6, w),
+        triton_skinny.rms_norm_linear_triton(x, x.clone(), norm, 1e-6, w)))
+    for fn, named, options in launches:
+        kernel = sass.compile_launch(fn, named, options, arch=90)
+        regs, _ = sass.ptxas_usage(kernel, 90)
+        threads = 32 * options["num_warps"]
+        per_sm = min(SM90_SHARED_BYTES // (kernel.metadata.shared + 1024),
+                     SM90_REGISTERS // (regs * threads))
+        grid = -(-n // named["BLOCK_N"])
+        assert grid <= per_sm * 132, (f"{grid} programs, {per_sm} a SM "
+                                      f"({kernel.metadata.shared} B shared, {regs} registers)")

@@ -49,7 +49,8 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def skinny_config(n: int, k: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int]:
+def skinny_config(n: int, k: int, num_sms: int = _DEFAULT_SMS,
+                  prologue: bool = False) -> dict[str, int]:
     """Tiles and launch options for a `[n, k]` weight (to be timed: `bench/skinny_linear.py`).
 
     BLOCK_N is the widest of 64/32/16 that still gives one program per SM (16 is the narrowest
@@ -67,12 +68,19 @@ def skinny_config(n: int, k: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int]
 
     num_warps: 4, but 2 for BLOCK_N 16, whose 16 x 16 output tile holds two 16 x 8 MMA tiles:
     more warps would each load the whole weight stage from shared memory for a duplicate.
+
+    With a `prologue`, whose buffers make two programs the most an SM holds at four stages,
+    a grid beyond two programs a SM would run in two waves, the second part-empty; there it
+    takes three stages (the 8B's gate_up: 384 programs, 78 -> 53 KB, four a SM: one wave).
+    The H200 measured the two-wave case 1.33x slower than its unfused pair (69 against 52 us),
+    where every one-wave fused kernel won.
     """
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= num_sms), 16)
     block_k = 256 if block_n <= 32 else 128
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    one_wave = not prologue or triton.cdiv(n, block_n) <= 2 * num_sms
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=2 if block_n == 16 else 4,
-                num_stages=4)
+                num_stages=4 if one_wave else 3)
 
 
 NORM_BLOCK_K = 2048
@@ -263,7 +271,7 @@ def _launch(
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
-    launch = dict(config or skinny_config(n, k, _num_sms(x.device)))
+    launch = dict(config or skinny_config(n, k, _num_sms(x.device), prologue != NONE))
     block_n = launch.pop("BLOCK_N")
     # At least two iterations: a one-block pass over the whole row let the compiler keep the
     # row live into the product's loop, where it spilled (K 1024: 255 registers and 292 bytes
