@@ -15,7 +15,11 @@ so that every call reads its weight from DRAM as a decode step does:
 - `cublas`: `F.linear`; `skinny`: `skinny_linear_triton`;
 - where the model folds an op in (qkv and gate_up after the residual add + RMSNorm, down after
   SiLU-and-mul): `unfused` (the op's own kernel, then `F.linear`) and `fused`
-  (`rms_norm_linear_triton` / `silu_and_mul_linear_triton`).
+  (`rms_norm_linear_triton` / `silu_and_mul_linear_triton`);
+- `skinny_pdl` and `fused_pdl`: the same kernels launched with programmatic dependent launch
+  (`pdl=True`: each node prefetches its weights and starts while the node before finishes),
+  on compute capability 9.0+. The graph chains the calls, so each has a predecessor to
+  overlap, as in a decode step.
 
 Reported: microseconds, the weight's GB/s and that over the in-run copy bandwidth
 (`copy_bandwidth_gbps`), skinny/cublas and fused/unfused. With `--sweep`, the skinny kernel at each
@@ -95,17 +99,23 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool) -> dict:
     res = torch.randn(m, shape.k, device=dev, dtype=dtype)
     norm = torch.ones(shape.k, device=dev, dtype=dtype)
     gate_up = torch.randn(m, 2 * shape.k, device=dev, dtype=dtype)
-    us = {"cublas": _time_us([lambda w=w: F.linear(x, w) for w in ws]),
-          "skinny": _time_us([lambda w=w: ts.skinny_linear_triton(x, w) for w in ws])}
+    pdls = [False, True] if torch.cuda.get_device_capability(dev)[0] >= 9 else [False]
+    us = {"cublas": _time_us([lambda w=w: F.linear(x, w) for w in ws])}
+    for pdl in pdls:
+        tag = "_pdl" if pdl else ""
+        us["skinny" + tag] = _time_us([lambda w=w, p=pdl: ts.skinny_linear_triton(x, w, pdl=p)
+                                       for w in ws])
+        if shape.prologue == "add_rms_norm":
+            us["fused" + tag] = _time_us([lambda w=w, p=pdl: ts.rms_norm_linear_triton(
+                x, res, norm, 1e-6, w, pdl=p) for w in ws])
+        elif shape.prologue == "silu_and_mul":
+            us["fused" + tag] = _time_us([lambda w=w, p=pdl: ts.silu_and_mul_linear_triton(
+                gate_up, w, pdl=p) for w in ws])
     if shape.prologue == "add_rms_norm":
         us["unfused"] = _time_us([lambda w=w: F.linear(add_rms_norm(x, res, norm, 1e-6)[0], w)
                                   for w in ws])
-        us["fused"] = _time_us([lambda w=w: ts.rms_norm_linear_triton(x, res, norm, 1e-6, w)
-                                for w in ws])
     elif shape.prologue == "silu_and_mul":
         us["unfused"] = _time_us([lambda w=w: F.linear(silu_and_mul(gate_up), w) for w in ws])
-        us["fused"] = _time_us([lambda w=w: ts.silu_and_mul_linear_triton(gate_up, w)
-                                for w in ws])
     if sweep:
         for cfg in SWEEP:
             name = "n{BLOCK_N}k{BLOCK_K}w{num_warps}s{num_stages}".format(**cfg)
@@ -121,16 +131,19 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool) -> dict:
 
 
 def table_text(result: dict) -> str:
+    nan = float("nan")
     copy = result.get("copy_bandwidth_gbps")
     lines = [f"{'model':16} {'layer':13} {'M':>3} {'cublas us':>9} {'skinny us':>9} "
-             f"{'GB/s':>7} {'of copy':>7} {'unfused':>8} {'fused':>8}"]
+             f"{'GB/s':>7} {'of copy':>7} {'unfused':>8} {'fused':>8} {'skinny pdl':>10} "
+             f"{'fused pdl':>9}"]
     for r in result["layers"]:
         gbps = r["weight_gb_per_s"]["skinny"]
         share = f"{gbps / copy:7.2f}" if copy else f"{'-':>7}"
         us = r["us"]
         lines.append(f"{r['model']:16} {r['layer']:13} {r['m']:3d} {us['cublas']:9.2f} "
                      f"{us['skinny']:9.2f} {gbps:7.0f} {share} "
-                     f"{us.get('unfused', float('nan')):8.2f} {us.get('fused', float('nan')):8.2f}")
+                     f"{us.get('unfused', nan):8.2f} {us.get('fused', nan):8.2f} "
+                     f"{us.get('skinny_pdl', nan):10.2f} {us.get('fused_pdl', nan):9.2f}")
     return "\n".join(lines)
 
 

@@ -98,7 +98,8 @@ def captured_launches(call: Callable[[], object]) -> list[tuple[JITFunction, dic
 
     def capture(self: JITFunction, *call_args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         named = dict(zip(self.arg_names, call_args, strict=False))
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "launch_pdl")
+                   if k in kwargs}
         launches.append((self, named | kwargs, options))
 
     with mock.patch.object(JITFunction, "run", capture):
@@ -110,7 +111,7 @@ def compile_launch(fn: JITFunction, named: dict[str, Any], options: dict, arch: 
     """Triton's compiled kernel for one captured launch, specialised as the JIT would."""
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(fn.params):
-        value = named[param.name]
+        value = named.get(param.name, param.default)  # a default the launch did not pass
         if param.is_constexpr:
             signature[param.name], constexprs[(i,)] = "constexpr", value
             continue

@@ -207,3 +207,41 @@ def test_gpu_silu_and_mul_linear_matches_the_unfused_chain(dtype: torch.dtype, r
     gate_up = torch.randn(rows, 2 * k, dtype=dtype, device="cuda") * 2
     got = triton_skinny.silu_and_mul_linear_triton(gate_up, w, b)
     _close(got, _linear_fp32(silu_and_mul_torch(gate_up), w, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gpu_pdl_chain_in_a_graph_gives_the_bits_without_pdl(rows: int) -> None:
+    """A layer's chain of skinny kernels, each reading its predecessor's output, launched with
+    programmatic dependent launch and replayed from a CUDA graph: the same bits as without, on
+    every replay (a read before `gdc_wait` would see the predecessor's output half written)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    dtype, hidden, inter = torch.bfloat16, 1024, 3072
+    qkv, _ = _weights(4096, hidden, dtype, "cuda", bias=False)
+    o, _ = _weights(hidden, 4096, dtype, "cuda", bias=False)
+    gate_up, _ = _weights(2 * inter, hidden, dtype, "cuda", bias=False)
+    down, _ = _weights(hidden, inter, dtype, "cuda", bias=False)
+    norm = torch.randn(hidden, dtype=dtype, device="cuda")
+    x = torch.randn(rows, hidden, dtype=dtype, device="cuda")
+
+    def layer(pdl: bool) -> torch.Tensor:
+        h, residual = x, x
+        for _ in range(4):
+            q, residual = triton_skinny.rms_norm_linear_triton(h, residual, norm, 1e-6, qkv,
+                                                               pdl=pdl)
+            h = triton_skinny.skinny_linear_triton(q, o, pdl=pdl)
+            g, residual = triton_skinny.rms_norm_linear_triton(h, residual, norm, 1e-6,
+                                                               gate_up, pdl=pdl)
+            h = triton_skinny.silu_and_mul_linear_triton(g, down, pdl=pdl)
+        return h
+
+    expect = layer(False)
+    layer(True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = layer(True)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, expect)

@@ -277,3 +277,34 @@ def test_skinny_norm_kernels_run_in_one_wave(monkeypatch: pytest.MonkeyPatch, n:
         grid = -(-n // named["BLOCK_N"])
         assert grid <= per_sm * 132, (f"{grid} programs, {per_sm} a SM "
                                       f"({kernel.metadata.shared} B shared, {regs} registers)")
+
+
+def test_skinny_pdl_launch_reads_and_writes_nothing_before_its_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Launched with programmatic dependent launch, a skinny kernel may run beside the kernel
+    before it: before `griddepcontrol.wait` its PTX may only prefetch (the weights), never load
+    x nor store; and it lets its successor start (`launch_dependents`)."""
+    import re
+
+    from kvfit.ops import triton_skinny
+
+    monkeypatch.setattr(triton_skinny, "_use_pdl", lambda pdl, device: True)
+    monkeypatch.syspath_prepend(str(TOOLS))
+    sass = importlib.import_module("triton_sass")
+    n, k = 4096, 1024
+    x, w, norm = (torch.randn(*s).to(torch.bfloat16) for s in ((1, k), (n, k), (k,)))
+    launches = sass.captured_launches(lambda: (
+        triton_skinny.skinny_linear_triton(x, w),
+        triton_skinny.rms_norm_linear_triton(x, x.clone(), norm, 1e-6, w),
+        triton_skinny.silu_and_mul_linear_triton(torch.randn(1, 2 * k).to(x.dtype), w)))
+    assert len(launches) == 3
+    for fn, named, options in launches:
+        kernel = sass.compile_launch(fn, named, options, arch=90)
+        ptx = kernel.asm["ptx"]
+        assert kernel.metadata.launch_pdl
+        before, _, after = ptx.partition("griddepcontrol.wait")
+        memory_ops = re.findall(r"\b(?:ld|st|cp\.async|atom|red)\.global|\bprefetch\.global",
+                                before)
+        assert memory_ops and set(memory_ops) == {"prefetch.global"}, named["PROLOGUE"]
+        assert "griddepcontrol.launch_dependents" in after

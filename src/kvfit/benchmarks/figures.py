@@ -232,6 +232,9 @@ def skinny_linear(p: dict[str, Any]) -> Figures:
         f[f"{name}.skinny_gb_per_s"] = figure(r["weight_gb_per_s"]["skinny"], "GB/s", "higher")
         if "fused_over_unfused" in r:
             f[f"{name}.fused_over_unfused"] = figure(r["fused_over_unfused"], "ratio", "lower")
+        for op in ("skinny", "fused"):  # programmatic dependent launch, sm_90+ runs only
+            if f"{op}_pdl" in r["us"]:
+                f[f"{name}.{op}_pdl_us"] = figure(r["us"][f"{op}_pdl"], "us", "lower")
     return f
 
 

@@ -23,6 +23,15 @@ times. The kernel is shaped for that stream rather than for reuse:
   8-16 KB, of which the pipeline buffers num_stages - 1 = 3 (2-3 in flight per program:
   16-48 KB), with BLOCK_N as wide as still gives every SM a program (numbers per shape there).
 
+- Programmatic dependent launch (`pdl=True`, sm_90+): the weights do not depend on the kernel
+  before, only x does. Launched with PDL, the kernel starts while its predecessor finishes,
+  asks L2 for the first `PREFETCH_BYTES` of its weight slice, and only then waits for the
+  predecessor (`gdc_wait`) before it reads x or writes anything; it lets its own successor
+  start as soon as every program has passed that wait. At one row each node's ~3 us beyond
+  its bytes (launch, the first DRAM round trips, the tail) is what paces a decode step, and
+  this overlaps part of it with the node before. Off by default until `bench/skinny_linear.py`
+  times it (`PDL_DEFAULT`).
+
 The launch shape follows the tensor shapes only (graph safe). K is a constexpr (a layer's K
 never changes, and a static trip count lets the loop drop its mask when BLOCK_K divides K).
 """
@@ -34,6 +43,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvfit.ops.small_batch import MAX_ROWS, SKINNY_DTYPES
 
@@ -83,12 +93,27 @@ def skinny_config(n: int, k: int, num_sms: int = _DEFAULT_SMS,
                 num_stages=4 if one_wave else 3)
 
 
+PDL_DEFAULT = False
+"""Whether the kernels launch with programmatic dependent launch where the device has it
+(`pdl=None`); off until timed on the GPU (`bench/skinny_linear.py`'s `pdl` columns)."""
+
+PREFETCH_BYTES = 32 * 1024
+"""Weight bytes each program asks L2 for before it waits on its predecessor: a few pipeline
+stages' worth, so that all programs' prefetches (8-12 MB at the two models' shapes) fit L2."""
+
 NORM_BLOCK_K = 2048
 """Columns of one row per iteration of a one-row norm prologue's rms pass, at most half the
 row (K 4096: two iterations, 16-32 values a thread; K 1024: two of 512)."""
 
 NONE, RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL = 0, 1, 2, 3
 """The kernel's `PROLOGUE`: what it computes from x before the product."""
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at `ptrs`; nothing waits on the answer."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -226,8 +251,19 @@ def _skinny_kernel(
     NORM_BLOCK_K: tl.constexpr,
     NORM_STAGES: tl.constexpr,
     GEMV_STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
+    PREFETCH_K: tl.constexpr = 64,
 ):  # fmt: skip
     pid = tl.program_id(0)
+    if PDL:
+        # The weights are no output of the kernel before: fetch the slice's first columns
+        # while it finishes. Everything after the wait may read its outputs and overwrite
+        # what it reads (x, residual, out and sum_out all come after).
+        rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
+        _prefetch_l2(w + rows[:, None] * K + lines[None, :])
+        gdc_wait()
+        gdc_launch_dependents()
     if PROLOGUE == 0:  # nothing computed per row: the 16-row tile costs what 1 row does
         acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, K, PROLOGUE,
                        BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK_K, NORM_STAGES,
@@ -248,6 +284,12 @@ def _skinny_kernel(
     tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+def _use_pdl(pdl: bool | None, device: torch.device) -> bool:
+    """`pdl`, or `PDL_DEFAULT` where None; only on a CUDA device of compute capability 9.0+."""
+    wanted = PDL_DEFAULT if pdl is None else pdl
+    return wanted and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> None:
     if x.dim() != 2 or x.shape[0] > MAX_ROWS:
         raise ValueError(f"the skinny kernels take x [M, K] with M <= {MAX_ROWS}, got "
@@ -265,6 +307,7 @@ def _launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, prologue: int,
     config: dict[str, int] | None, residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None, eps: float = 0.0, sum_out: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     _check(x, weight, bias, k)
     n = weight.shape[0]
@@ -279,6 +322,10 @@ def _launch(
     launch.setdefault("NORM_BLOCK_K", max(16, min(NORM_BLOCK_K, triton.next_power_of_2(k) // 2)))
     launch.setdefault("NORM_STAGES", 2)
     launch.setdefault("GEMV_STAGES", launch.get("num_stages", 3))
+    if _use_pdl(pdl, x.device):
+        # 64 elements a line: 128 bytes of bf16/fp16.
+        cols = max(64, min(PREFETCH_BYTES // (2 * block_n), triton.next_power_of_2(k)))
+        launch.update(PDL=True, PREFETCH_K=cols, launch_pdl=True)
     x = x.contiguous()
     # Absent operands' pointers are x's: the kernel's PROLOGUE never reads them.
     _skinny_kernel[(triton.cdiv(n, block_n),)](
@@ -291,21 +338,23 @@ def _launch(
 
 def skinny_linear_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: dict[str, int] | None = None,
+    config: dict[str, int] | None = None, pdl: bool | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [M, K], M <= `MAX_ROWS`, in one kernel. `config`
-    overrides `skinny_config` (the bench's sweep). Memory: the output [M, N] only."""
-    return _launch(x, weight, bias, x.shape[-1], NONE, config)
+    overrides `skinny_config` (the bench's sweep); `pdl` the launch's `PDL_DEFAULT`. Memory:
+    the output [M, N] only."""
+    return _launch(x, weight, bias, x.shape[-1], NONE, config, pdl=pdl)
 
 
 def rms_norm_linear_triton(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: dict[str, int] | None = None,
+    config: dict[str, int] | None = None, pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(F.linear(rms_norm(x + residual), weight, bias), x + residual)` in one kernel, rounded
     as `add_rms_norm` then `F.linear` are; without `residual`, `(F.linear(rms_norm(x), ...),
-    x)`. Memory: the output [M, N] and, with a residual, the sum [M, K]."""
+    x)`. `config` and `pdl` as `skinny_linear_triton`'s. Memory: the output [M, N] and, with
+    a residual, the sum [M, K]."""
     k = x.shape[-1]
     if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
         raise ValueError(f"the norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} must "
@@ -319,16 +368,17 @@ def rms_norm_linear_triton(
         summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out = _launch(x, weight, bias, k, RMS_NORM if residual is None else ADD_RMS_NORM, config,
                   residual, norm_weight.contiguous(), eps, summed if residual is not None
-                  else None)
+                  else None, pdl)
     return out, summed
 
 
 def silu_and_mul_linear_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: dict[str, int] | None = None,
+    config: dict[str, int] | None = None, pdl: bool | None = None,
 ) -> torch.Tensor:
     """`F.linear(silu_and_mul(x), weight, bias)` for `x = [gate, up]` [M, 2K] in one kernel,
-    rounded as `silu_and_mul` then `F.linear` are. Memory: the output [M, N] only."""
+    rounded as `silu_and_mul` then `F.linear` are; `config` and `pdl` as
+    `skinny_linear_triton`'s. Memory: the output [M, N] only."""
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dim, got {x.shape[-1]}")
-    return _launch(x, weight, bias, x.shape[-1] // 2, SILU_AND_MUL, config)
+    return _launch(x, weight, bias, x.shape[-1] // 2, SILU_AND_MUL, config, pdl=pdl)
