@@ -79,9 +79,10 @@ def skinny_config(n: int, k: int, num_sms: int = _DEFAULT_SMS,
     num_warps: 4, but 2 for BLOCK_N 16, whose 16 x 16 output tile holds two 16 x 8 MMA tiles:
     more warps would each load the whole weight stage from shared memory for a duplicate.
 
-    With a `prologue`, whose buffers make two programs the most an SM holds at four stages,
-    a grid beyond two programs a SM would run in two waves, the second part-empty; there it
-    takes three stages (the 8B's gate_up: 384 programs, 78 -> 53 KB, four a SM: one wave).
+    With a `prologue`, whose buffers (up to 108 KB at four stages) may leave room for only two
+    programs an SM, a grid beyond two programs a SM could run in two waves, the second
+    part-empty; there it takes three stages (the 8B's gate_up: 384 programs, 78 -> 53 KB, four
+    a SM: one wave).
     The H200 measured the two-wave case 1.33x slower than its unfused pair (69 against 52 us),
     where every one-wave fused kernel won.
     """
@@ -256,9 +257,9 @@ def _skinny_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     if PDL:
-        # The weights are no output of the kernel before: fetch the slice's first columns
-        # while it finishes. Everything after the wait may read its outputs and overwrite
-        # what it reads (x, residual, out and sum_out all come after).
+        # Only the weights may be touched before the wait, while the kernel before still
+        # runs: x and the residual may be its outputs, and out and sum_out may reuse the
+        # memory of its inputs (the caching allocator), so all four come after.
         rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
         lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
         _prefetch_l2(w + rows[:, None] * K + lines[None, :])
