@@ -33,13 +33,16 @@ class FakeOpenAIServer(ThreadingHTTPServer):
     - `error`: an `{"error": ...}` event after the first content chunk;
     - `held`: like `ok`, but every chunk's text is empty (tokens that are parts of one
       character, which a server holds back) while its continuous usage counts the tokens.
+
+    With `api_key` set, a request without `Authorization: Bearer <api_key>` gets HTTP 401.
     """
 
     daemon_threads = True
 
-    def __init__(self, behaviors: tuple[str, ...], ttft: float, itl: float) -> None:
+    def __init__(self, behaviors: tuple[str, ...], ttft: float, itl: float,
+                 api_key: str | None = None) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
-        self.behaviors, self.ttft, self.itl = behaviors, ttft, itl
+        self.behaviors, self.ttft, self.itl, self.api_key = behaviors, ttft, itl, api_key
         self.bodies: list[dict[str, Any]] = []
         self._counter = itertools.count()
         self._lock = threading.Lock()
@@ -73,7 +76,18 @@ class _Handler(BaseHTTPRequestHandler):
         data = f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
         self.wfile.write(f"{len(data):X}\r\n".encode() + data + b"\r\n")
 
+    def _refused(self) -> bool:
+        """Whether the request lacks the server's key (answered with a 401 here)."""
+        key = self.server.api_key
+        if key is None or self.headers.get("Authorization") == f"Bearer {key}":
+            return False
+        self._json(401, {"error": {"message": "a valid API key is needed",
+                                   "type": "authentication_error"}})
+        return True
+
     def do_GET(self) -> None:
+        if self._refused():
+            return
         if self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": "fake-model"}]})
         else:
@@ -81,6 +95,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self._refused():
+            return
         behavior = self.server.next_behavior(body)
         if behavior == "500":
             self._json(500, {"error": {"message": "boom"}})
@@ -125,13 +141,14 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake_server() -> Iterator[Callable[..., FakeOpenAIServer]]:
-    """Factory: `fake_server(behaviors=("ok",), ttft=0.0, itl=0.0)` starts a server on a free
-    port of 127.0.0.1 (its `.url`, its `.bodies` received); all are stopped at teardown."""
+    """Factory: `fake_server(behaviors=("ok",), ttft=0.0, itl=0.0, api_key=None)` starts a
+    server on a free port of 127.0.0.1 (its `.url`, its `.bodies` received); all are stopped
+    at teardown."""
     servers: list[FakeOpenAIServer] = []
 
     def start(behaviors: tuple[str, ...] = ("ok",), ttft: float = 0.0,
-              itl: float = 0.0) -> FakeOpenAIServer:
-        server = FakeOpenAIServer(behaviors, ttft, itl)
+              itl: float = 0.0, api_key: str | None = None) -> FakeOpenAIServer:
+        server = FakeOpenAIServer(behaviors, ttft, itl, api_key)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
         return server

@@ -338,3 +338,15 @@ def test_failure_lines_keep_the_commonest_reasons_and_count_the_rest() -> None:
     assert lines[0] == "failed x5: timeout" and len(lines) == 4
     assert lines[-1] == "failed x28: 28 other reasons (all of them in --result-file)"
     assert failure_lines({"a": 2}) == ["failed x2: a"]
+
+
+@pytest.mark.parametrize("key", [None, "sk-wrong"])
+def test_bench_serve_without_the_servers_key_names_api_key(
+    fake_server: Callable, monkeypatch: pytest.MonkeyPatch, key: str | None,
+) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    server = fake_server(api_key="sk-right")
+    argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "1"]
+    with pytest.raises(SystemExit, match=r"HTTP 401.*--api-key") as raised:
+        main(argv + ([] if key is None else ["--api-key", key]))
+    assert "pass --model" not in str(raised.value)

@@ -142,3 +142,17 @@ def test_remote_unreachable_names_the_url(capsys: pytest.CaptureFixture[str]) ->
         url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
     with pytest.raises(SystemExit, match=r"cannot list the served models at .*/v1/models.*--url"):
         main(["chat", "--url", url])
+
+
+@pytest.mark.parametrize("key", [None, "sk-wrong"])
+def test_remote_without_the_servers_key_names_api_key(
+    fake_server: Callable, monkeypatch: pytest.MonkeyPatch, key: str | None,
+) -> None:
+    """A server that wants a key answers the model listing with 401: the way out is
+    --api-key, not --url or --model (with --model the first turn is refused the same way)."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    server = fake_server(api_key="sk-right")
+    argv = ["chat", "--url", server.url] + ([] if key is None else ["--api-key", key])
+    with pytest.raises(SystemExit, match=r"HTTP 401.*--api-key") as raised:
+        main(argv)
+    assert "--model" not in str(raised.value)

@@ -42,6 +42,7 @@ from kvfit.commands.common import (
     auth_headers,
     child_env,
     format_table,
+    key_refused,
     parse_percentiles,
     parse_sse_line,
     percentiles,
@@ -525,8 +526,12 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         async with _session(args, 1) as session:
             try:
                 async with session.get(f"{base}/v1/models") as response:
+                    if refused := key_refused(f"{base}/v1/models", response.status, args):
+                        raise SystemExit(refused)  # --model would not help: every request 401s
                     response.raise_for_status()
                     model = (await response.json())["data"][0]["id"]
+            except SystemExit:
+                raise
             except Exception as e:
                 raise SystemExit(f"cannot read the served model from {base}/v1/models "
                                  f"({type(e).__name__}: {e}); pass --model") from None

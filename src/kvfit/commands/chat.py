@@ -17,6 +17,7 @@ from kvfit.commands.common import (
     add_sampling_args,
     auth_headers,
     build_llm,
+    key_refused,
     parse_sse_line,
     sampling_overrides,
     sampling_params_from_args,
@@ -85,7 +86,7 @@ def remote_reply(args: argparse.Namespace) -> tuple[Reply, Callable[[], None]]:
         base += "/v1"  # the server's root: OpenAI-compatible APIs live under /v1
     client = httpx.Client(base_url=base, headers=auth_headers(args), timeout=args.request_timeout)
     try:
-        model = args.model or _first_model(client, base)
+        model = args.model or _first_model(client, base, args)
     except SystemExit:
         client.close()
         raise
@@ -110,11 +111,15 @@ def remote_reply(args: argparse.Namespace) -> tuple[Reply, Callable[[], None]]:
     return reply, client.close
 
 
-def _first_model(client: Any, base: str) -> str:
+def _first_model(client: Any, base: str, args: argparse.Namespace) -> str:
     try:
         response = client.get("/models")
+        if refused := key_refused(f"{base}/models", response.status_code, args):
+            raise SystemExit(refused)  # not a --url or --model matter: a 401 is the key
         response.raise_for_status()
         models = response.json().get("data") or []
+    except SystemExit:
+        raise
     except Exception as e:  # unreachable, not an OpenAI server, ...: say which URL failed
         raise SystemExit(f"cannot list the served models at {base}/models ({type(e).__name__}: "
                          f"{e}); check --url, or pass --model") from None

@@ -286,6 +286,17 @@ def auth_headers(args: argparse.Namespace) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def key_refused(url: str, status: int, args: argparse.Namespace) -> str | None:
+    """What to say when `url` answered `status`: for 401 or 403 (the server wants a key, or
+    another one), which setting sends the key; None for other statuses."""
+    if status not in (401, 403):
+        return None
+    sent = args.api_key or os.environ.get("OPENAI_API_KEY")
+    what = ("refused the API key sent (--api-key, else $OPENAI_API_KEY)" if sent else
+            "wants an API key: pass --api-key (or set $OPENAI_API_KEY)")
+    return f"HTTP {status} from {url}: the server {what}"
+
+
 def parse_sse_line(line: str) -> dict[str, Any] | str | None:
     """One line of an OpenAI-style server-sent-event stream: the JSON payload of a `data:`
     line, `SSE_DONE` for `data: [DONE]`, None for anything else (blank separators, comments,
