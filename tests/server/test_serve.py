@@ -91,6 +91,44 @@ def test_a_port_it_cannot_listen_on_fails_before_the_engine_loads(host: str) -> 
     assert "loading kvfit-tiny" not in out.stdout  # no model loaded for nothing
 
 
+@pytest.mark.parametrize("count", [1, 2])
+def test_the_port_refuses_clients_until_the_engine_is_up(count: int) -> None:
+    """The port is bound before the engine loads (minutes for a large model) and listens only
+    once it is up: a client or health probe meanwhile is refused at once, as by a server that
+    is not up, not accepted into the backlog and left without an answer for the whole load."""
+    from kvfit.server.api_servers import bind_sockets
+
+    sockets = bind_sockets("127.0.0.1", 0, count, reuse_port=count > 1)
+    try:
+        port = sockets[0].getsockname()[1]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=30).close()
+        from kvfit.server.api_servers import listen
+
+        listen(sockets)
+        socket.create_connection(("127.0.0.1", port), timeout=30).close()
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_a_port_taken_while_the_engine_loaded_is_named(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Two bound sockets that do not listen may share a port: a server started on it while
+    this one loaded is caught when this one starts to listen, with the flags to change."""
+    from kvfit.server.api_servers import bind_sockets
+
+    (sock,) = bind_sockets("127.0.0.1", 0, 1, reuse_port=False)
+    port = sock.getsockname()[1]
+    with sock, socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        args = argparse.Namespace(host="127.0.0.1", port=port)
+        assert not serve._listen(args, [sock])
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
 def test_serve_without_the_extra_names_the_install_command(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(serve, "missing_server_modules", lambda: ["fastapi", "uvicorn"])

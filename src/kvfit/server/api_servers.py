@@ -5,9 +5,10 @@ chain, metrics); several share that work. The `kvfit serve` process is API serve
 the engine (`EngineProcess(num_api_servers=N)`, one pipe per API server) and then the N-1 others
 (`ApiServerProcesses`), each attached to the engine over its own pipe (`AttachedEngine`).
 
-They share the port through SO_REUSEPORT: the first process binds one listening socket per
-API process on the same port (all before the engine loads: a port in use fails at once, port 0
-works, and no other process slips into the group between two binds) and hands each its own.
+They share the port through SO_REUSEPORT: the first process binds one socket per API process
+on the same port (all before the engine loads: a port in use fails at once, port 0 works, and
+no other process slips into the group between two binds), listens on them once the engine is
+up, and hands each its own.
 The kernel then spreads new connections over the sockets by a hash of their addresses. One
 socket shared by every process would leave the choice to whichever event loop wakes first, and
 an asyncio or uvloop server accepts everything queued when it wakes: a burst of connections
@@ -47,10 +48,13 @@ folder, and `/metrics` (in whichever process answers it) adds them all up. It mu
 prometheus_client is imported."""
 
 
-def bind_sockets(host: str, port: int, count: int, backlog: int = 2048,
+def bind_sockets(host: str, port: int, count: int,
                  reuse_port: bool = True) -> list[socket.socket]:
-    """`count` listening TCP sockets on `host:port` (SO_REUSEPORT unless `reuse_port` is
-    False), one per API process; OSError if the port is taken or `host` is no address here."""
+    """`count` TCP sockets bound to `host:port` (SO_REUSEPORT unless `reuse_port` is False),
+    one per API process; OSError if the port is taken or `host` is no address here. They do
+    not listen yet (`listen`): while the engine loads (minutes for a large model) a client or
+    health probe is refused at once, as by a server not up, instead of being accepted into
+    the backlog and left without an answer until the load ends."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sockets: list[socket.socket] = []
     try:
@@ -62,12 +66,19 @@ def bind_sockets(host: str, port: int, count: int, backlog: int = 2048,
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((host, port))
             port = sock.getsockname()[1]  # port 0: the others take the port the first got
-            sock.listen(backlog)
     except BaseException:
         for sock in sockets:
             sock.close()
         raise
     return sockets
+
+
+def listen(sockets: list[socket.socket], backlog: int = 2048) -> None:
+    """Accept connections on `bind_sockets`' sockets, once the engine is up. OSError when
+    another process took the port meanwhile (two bound sockets that do not listen may share
+    a port; the first to listen keeps it)."""
+    for sock in sockets:
+        sock.listen(backlog)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import functools
 import gc
 import importlib.util
 import os
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -230,7 +231,7 @@ def run_serve(args: argparse.Namespace) -> int:
     chat_template = load_chat_template(args.chat_template)  # a typo fails before the load
     try:
         # Before the engine loads (minutes for a large model): a port in use or a host that is
-        # no address here fails at once, not after it.
+        # no address here fails at once, not after it. It listens once the engine is up.
         (sock,) = bind_sockets(args.host, args.port, 1, reuse_port=False)
     except OSError as e:
         print(f"kvfit serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
@@ -244,6 +245,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise
     try:
         print(f"KV cache:\n{engine.kv_cache_report.format_table()}", flush=True)
+        if not _listen(args, [sock]):
+            return 1
         config = _serve_config(args, engine_args, chat_template)
         app = build_app(engine, config)
         server = uvicorn.Server(uvicorn_config(app, args.uvicorn_log_level))
@@ -335,6 +338,8 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         print(f"KV cache:\n{engine.kv_cache_report.format_table()}", flush=True)
+        if not _listen(args, [sock, *other_sockets]):
+            return 1
         config = _serve_config(args, engine_args, chat_template, multiprocess_metrics=True)
         spec = ApiServerSpec(engine_args, config, engine.engine_pid, args.stream_interval,
                              args.uvicorn_log_level)
@@ -365,6 +370,20 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
         for s in (sock, *other_sockets):  # closed already where handed over
             s.close()
     return _exit_status(died)
+
+
+def _listen(args: argparse.Namespace, sockets: list[socket.socket]) -> bool:
+    """Listen on the port bound before the engine loaded; False (with the reason) when
+    another process took it meanwhile."""
+    from kvfit.server.api_servers import listen
+
+    try:
+        listen(sockets)
+    except OSError as e:
+        print(f"kvfit serve: cannot listen on {args.host}:{args.port}: {e} (another process "
+              f"took the port while the engine loaded)", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
