@@ -156,3 +156,11 @@ def test_remote_without_the_servers_key_names_api_key(
     with pytest.raises(SystemExit, match=r"HTTP 401.*--api-key") as raised:
         main(argv)
     assert "--model" not in str(raised.value)
+
+
+@pytest.mark.parametrize("url", ["localhost:8000", "127.0.0.1:notaport/v1", "ftp://h/"])
+def test_remote_url_that_is_no_http_url_names_the_flag(url: str) -> None:
+    """`--url localhost:8000` (no scheme) parses as scheme "localhost": refused naming --url,
+    as `kvfit bench serve` refuses such a --base-url, not as a server that cannot be listed."""
+    with pytest.raises(ValueError, match="--url must be an http"):
+        main(["chat", "--url", url])

@@ -27,7 +27,6 @@ import select
 import subprocess
 import sys
 import time
-import urllib.parse
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ from kvfit.commands.common import (
     add_dataset_name_arg,
     add_remote_args,
     auth_headers,
+    check_server_url,
     child_env,
     format_table,
     key_refused,
@@ -366,13 +366,7 @@ def resolve_base_url(args: argparse.Namespace) -> str:
 
 def _check_args(args: argparse.Namespace) -> None:
     args.base_url = resolve_base_url(args)
-    url = urllib.parse.urlsplit(args.base_url)
-    try:
-        valid = url.scheme in ("http", "https") and bool(url.hostname) and (url.port or True)
-    except ValueError:  # a port that is not a number
-        valid = False
-    if not valid:
-        raise ValueError(f"--base-url must be an http(s)://host[:port] URL, got {args.base_url!r}")
+    check_server_url("--base-url", args.base_url)
     for name in ("num_prompts", "input_len", "output_len", "random_vocab_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "

@@ -17,6 +17,7 @@ from kvfit.commands.common import (
     add_sampling_args,
     auth_headers,
     build_llm,
+    check_server_url,
     key_refused,
     parse_sse_line,
     sampling_overrides,
@@ -81,6 +82,7 @@ def remote_reply(args: argparse.Namespace) -> tuple[Reply, Callable[[], None]]:
         import httpx
     except ImportError:
         raise SystemExit("kvfit chat --url needs httpx: pip install 'kvfit[server]'") from None
+    check_server_url("--url", args.url)
     base = args.url.rstrip("/")
     if urllib.parse.urlsplit(base).path == "":
         base += "/v1"  # the server's root: OpenAI-compatible APIs live under /v1

@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -284,6 +285,20 @@ def auth_headers(args: argparse.Namespace) -> dict[str, str]:
     """The `Authorization` header for `--api-key` (else $OPENAI_API_KEY), or none."""
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def check_server_url(flag: str, url: str) -> None:
+    """ValueError naming `flag` unless `url` is an http(s)://host[:port] URL: `localhost:8000`
+    reads as a URL of scheme "localhost", which an HTTP client refuses in words that do not say
+    which flag to fix."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and (
+            parts.port or True)
+    except ValueError:  # a port that is not a number
+        valid = False
+    if not valid:
+        raise ValueError(f"{flag} must be an http(s)://host[:port] URL, got {url!r}")
 
 
 def key_refused(url: str, status: int, args: argparse.Namespace) -> str | None:
