@@ -183,6 +183,25 @@ def test_elastic_settings_are_checked_at_config_time(qwen3: Path, kwargs: dict,
         args.create_engine_config()
 
 
+@pytest.mark.parametrize(("low", "high", "shown"), [
+    ("0.5", "0.1", "(0.5 of device memory) must be below elastic_high_watermark (0.1 of"),
+    ("0.1", "0.1", "(0.1 of device memory) must be below elastic_high_watermark (0.1 of"),
+    ("8GiB", "4GiB", "(8.00 GiB) must be below elastic_high_watermark (4.00 GiB)"),
+])
+def test_watermarks_of_one_kind_in_the_wrong_order_name_no_device(
+        qwen3: Path, low: str, high: str, shown: str) -> None:
+    """Two fractions (or two byte counts) are compared as given, before any device is known:
+    the message shows them, not bytes of a made-up device."""
+    from kvfit.engine.config import EngineArgs
+
+    args = EngineArgs(model=str(qwen3), device="cpu", elastic_kv_cache=True,
+                      elastic_low_watermark=low, elastic_high_watermark=high)
+    with pytest.raises(ValueError) as raised:
+        args.create_engine_config()
+    message = str(raised.value)
+    assert shown in message and "device of" not in message, message
+
+
 def test_watermarks_the_device_contradicts_fail_before_loading_and_hold_nothing(
     qwen3: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

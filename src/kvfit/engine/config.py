@@ -542,8 +542,14 @@ class EngineArgs:
             demand_dir = None
         config = ElasticConfig(low, high, self.elastic_min_interval, idle_s=self.elastic_idle_s,
                                demand_dir=demand_dir)
-        if (low.fraction is None) == (high.fraction is None):
-            config.watermarks(1 << 40)  # same kind: low < high holds on any device
+        # Of one kind (two fractions, or two byte counts), low < high is known now, on any
+        # device; mixed, the device's size decides (`watermarks`, at startup).
+        fractions, byte_counts = (low.fraction, high.fraction), (low.nbytes, high.nbytes)
+        same_kind = next((pair for pair in (fractions, byte_counts) if None not in pair), None)
+        if same_kind is not None and not same_kind[0] < same_kind[1]:
+            raise ValueError(f"elastic_low_watermark ({low}) must be below "
+                             f"elastic_high_watermark ({high}): the band between them keeps "
+                             f"the cache from oscillating")
         return config
 
     def _check_sleep_mode(self, device: torch.device) -> bool:
