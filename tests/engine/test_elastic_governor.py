@@ -202,6 +202,32 @@ def test_watermarks_of_one_kind_in_the_wrong_order_name_no_device(
     assert shown in message and "device of" not in message, message
 
 
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--elastic-low-watermark", "0.02"), ("--elastic-high-watermark", "4GiB"),
+    ("--elastic-min-interval", "1"), ("--elastic-idle-s", "5"),
+    ("--elastic-demand-dir", "none"),
+])
+def test_an_elastic_setting_without_the_elastic_cache_is_said_to_be_ignored(
+        qwen3: Path, caplog: pytest.LogCaptureFixture, flag: str, value: str) -> None:
+    """Set without --elastic-kv-cache, a watermark is ignored: the cache never resizes while
+    its owner thinks it does. A warning names the flag and the one missing."""
+    import argparse
+
+    from kvfit.engine.config import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", str(qwen3), "--device", "cpu", flag, value])
+    with caplog.at_level(logging.WARNING, logger="kvfit.engine.config"):
+        assert EngineArgs.from_cli_args(args).create_engine_config().elastic is None
+    (warning,) = [r.getMessage() for r in caplog.records if "elastic" in r.getMessage()]
+    assert flag in warning and "ignored" in warning and "add --elastic-kv-cache" in warning
+    caplog.clear()
+    args.elastic_kv_cache = True
+    with caplog.at_level(logging.WARNING, logger="kvfit.engine.config"):
+        assert EngineArgs.from_cli_args(args).create_engine_config().elastic is not None
+    assert not [r for r in caplog.records if "ignored" in r.getMessage()]
+
+
 def test_watermarks_the_device_contradicts_fail_before_loading_and_hold_nothing(
     qwen3: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

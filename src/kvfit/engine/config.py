@@ -214,6 +214,11 @@ class EngineConfig:
         )
 
 
+# `EngineArgs` fields that only `elastic_kv_cache=True` uses.
+_ELASTIC_SETTINGS = ("elastic_low_watermark", "elastic_high_watermark", "elastic_min_interval",
+                     "elastic_idle_s", "elastic_demand_dir")
+
+
 @dataclass
 class EngineArgs:
     """Engine settings as the user gives them (CLI flags or `LLM(...)` keywords).
@@ -522,6 +527,16 @@ class EngineArgs:
 
     def _elastic_config(self) -> ElasticConfig | None:
         if not self.elastic_kv_cache:
+            # The governor's settings are ignored then: said, since a watermark set alone
+            # looks like an elastic cache, one that never resizes. A warning, not an error: a
+            # program may keep its settings and turn the cache on and off.
+            default = EngineArgs.__dataclass_fields__
+            if given := [name for name in _ELASTIC_SETTINGS
+                         if getattr(self, name) != default[name].default]:
+                flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+                logger.warning("%s set, but the elastic KV cache is off, so ignored: add "
+                               "--elastic-kv-cache (elastic_kv_cache=True) for a KV cache that "
+                               "follows free memory", flags)
             return None
         manual = [name for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override")
                   if getattr(self, name) is not None]
