@@ -90,6 +90,21 @@ def test_bad_sleep_and_wake_requests_are_400(http: httpx.Client) -> None:
     assert http.get("/is_sleeping").json() == {"is_sleeping": False}
 
 
+def test_sleep_twice_or_wake_awake_name_the_route_to_call(http: httpx.Client) -> None:
+    """The state is wrong, not a parameter: the error names the route that fixes it (the
+    engine's own names `LLM.sleep()`, which an HTTP client cannot call) and blames no
+    parameter (no `tags` were sent)."""
+    response = http.post("/wake_up")
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] is None and "POST /sleep" in error["message"], error
+    assert http.post("/sleep").status_code == 200
+    response = http.post("/sleep")
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] is None and "POST /wake_up" in error["message"], error
+
+
 def _running(http: httpx.Client) -> bool:
     return "kvfit:num_requests_running 1.0" in http.get("/metrics").text
 

@@ -384,6 +384,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         @api.post("/sleep")
         async def sleep(level: int = 1, mode: str = "wait") -> dict[str, Any]:
             """Release the KV cache and weights (`LLM.sleep`); what went and what stays."""
+            if engine.is_sleeping:  # the engine's own error names LLM calls, not routes
+                raise APIError("the engine is asleep already: POST /wake_up first")
             try:
                 report = await engine.sleep(level, mode)
             except (ValueError, RuntimeError) as e:
@@ -396,6 +398,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
             """Restore `tags` (`weights`, `kv_cache`; none: everything asleep): 503 when the
             device has no memory for them (they stay asleep: retry once it has)."""
+            if not engine.is_sleeping:  # not the tags' fault: nothing is asleep
+                raise APIError("the engine is not asleep: POST /sleep first")
             try:
                 await engine.wake_up(tags)
             except (KVCacheResizeError, WakeUpOutOfMemoryError) as e:
