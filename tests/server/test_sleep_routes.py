@@ -133,6 +133,40 @@ def test_sleep_waits_for_a_running_request_or_aborts_it(http: httpx.Client, engi
         in_engine(engine, engine_hooks.clear)
 
 
+def test_a_request_sent_while_a_sleep_drains_is_refused_at_once(
+        http: httpx.Client, engine: AsyncLLM) -> None:
+    """A sleep (mode wait) runs what was queued to its end, taking no other command meanwhile:
+    a request sent after it is refused at once with 503 naming the route, not held for the
+    whole drain and refused then (in the engine's words, which name LLM calls)."""
+    in_engine(engine, engine_hooks.slow, "slow", 0.02)  # 100 steps: seconds of drain
+    try:
+        long = {**COMPLETION, "prompt": "slow", "max_tokens": 100}
+        results: list[httpx.Response] = []
+        worker = threading.Thread(target=lambda: results.append(
+            http.post("/v1/completions", json=long)))
+        worker.start()
+        deadline = time.monotonic() + 30
+        while not _running(http):
+            assert worker.is_alive() and time.monotonic() < deadline, "it never ran, or ran out"
+        slept: list[httpx.Response] = []
+        sleeper = threading.Thread(target=lambda: slept.append(http.post("/sleep")))
+        sleeper.start()
+        while (late := http.post("/v1/completions", json={**COMPLETION, "max_tokens": 1})
+               ).status_code == 200:  # sent before the sleep was
+            assert time.monotonic() < deadline, "never refused"
+        refused_while_draining = worker.is_alive()
+        worker.join(timeout=60)
+        sleeper.join(timeout=60)
+        assert late.status_code == 503, late.text
+        assert late.json()["error"]["message"] == (
+            "the engine is asleep: wake it up first (POST /wake_up)")
+        assert refused_while_draining, "the request waited for the drain to end"
+        assert slept[0].status_code == 200 and results[0].status_code == 200
+        assert results[0].json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        in_engine(engine, engine_hooks.clear)
+
+
 def test_the_routes_need_sleep_mode_and_the_development_flag(
         monkeypatch: pytest.MonkeyPatch, start_server: Callable[..., ServerThread],
         model_path: Path) -> None:

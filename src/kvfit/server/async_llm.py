@@ -32,6 +32,7 @@ from kvfit.server.engine_client import (
     OnOutputs,
 )
 from kvfit.server.engine_messages import (
+    ASLEEP,
     EngineDeadError,
     EngineOutputs,
     EngineSleepingError,
@@ -290,6 +291,7 @@ class AsyncLLM:
         ready = self._client.ready
         self.config: EngineConfig = ready.config
         self._stats, self._is_sleeping = ready.stats, ready.is_sleeping
+        self._sleeps_underway = 0  # `sleep` calls sent and not answered yet
         self._kv_cache_report = ready.kv_cache_report
         self.tokenizer: Any | None = load_tokenizer(engine_args.model)
         self._input_processor = InputProcessor(self.config, self.tokenizer)
@@ -348,8 +350,14 @@ class AsyncLLM:
     async def sleep(self, level: int = 1, mode: str = "wait") -> SleepReport:
         """`LLM.sleep` in the engine, between two steps: requests queued before it are run to
         the end (`mode="wait"`) or aborted (`"abort"`) and their streams end; any sent later
-        get `EngineSleepingError` until `wake_up`."""
-        return await self._call("sleep", level, mode)
+        get `EngineSleepingError` until `wake_up`, from the moment it is sent: the engine
+        takes no command while it drains (mode="wait", as long as the longest request), and a
+        request queued behind the sleep would wait that long only to be refused."""
+        self._sleeps_underway += 1
+        try:
+            return await self._call("sleep", level, mode)
+        finally:
+            self._sleeps_underway -= 1
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """`LLM.wake_up(tags)` in the engine (weights reloaded after level 2)."""
@@ -403,8 +411,8 @@ class AsyncLLM:
         """Queue one request (call from a running event loop); iterate the returned stream
         for its outputs. Raises ValueError for a request the engine would refuse."""
         self._check_alive()
-        if self._is_sleeping:
-            raise EngineSleepingError("the engine is asleep: wake it up first (POST /wake_up)")
+        if self._is_sleeping or self._sleeps_underway:
+            raise EngineSleepingError(ASLEEP)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running; use another")

@@ -23,6 +23,7 @@ from kvfit.engine.llm import LLM
 from kvfit.engine.sequence import PENDING_TOKEN, Sequence
 from kvfit.kv.report import KVCacheReport
 from kvfit.server.engine_messages import (
+    ASLEEP,
     EngineOutputs,
     EngineReady,
     EngineSleepingError,
@@ -217,7 +218,9 @@ class EngineCoreLoop:
             # A RuntimeError: a sleep queued before this request ran first.
             self.core.abort_request(request_id)
             if isinstance(error, RuntimeError) and self.core.is_sleeping:
-                error = EngineSleepingError(f"the engine is asleep: {error}")
+                # Not the engine's words, which name LLM calls: the client is told the
+                # route, as one refused before its request reached the engine.
+                error = EngineSleepingError(ASLEEP)
             self._errors.append((request_id, portable(error)))
             return
         self._tracked[request_id] = _Tracked(request_id, seqs)

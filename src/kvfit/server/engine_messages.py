@@ -30,6 +30,10 @@ class EngineSleepingError(RuntimeError):
     """A request sent while the engine sleeps (`AsyncLLM.sleep`): wake it up first."""
 
 
+ASLEEP = "the engine is asleep: wake it up first (POST /wake_up)"
+"""What a request sent to a sleeping engine is told (an HTTP client: the route to call)."""
+
+
 class RequestFailedError(RuntimeError):
     """A step holding this request raised; the request was aborted, the engine goes on."""
 
