@@ -74,6 +74,21 @@ def test_vllm_flags_that_ask_for_what_kvfit_does_run_with_a_note(
     assert flag in err and why in err
 
 
+@pytest.mark.parametrize("argv", [["--generation-config", "vllm"], ["--generation-config=vllm"]])
+def test_generation_config_vllm_is_what_kvfit_does_and_runs_with_a_note(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--generation-config vllm` (vLLM's "ignore the model's sampling defaults") is kvfit's
+    only behaviour: taken with a note, where `auto` or a folder is refused."""
+    from kvfit.server import serve
+
+    ran = []
+    monkeypatch.setattr(serve, "run_serve", lambda args: ran.append(args.model_tag) or 0)
+    assert main(["serve", "m", *argv, "--port", "0"]) == 0
+    assert ran == ["m"]
+    assert "--generation-config vllm has no effect" in capsys.readouterr().err
+
+
 def test_bench_serve_takes_vllm_bench_serve_flags() -> None:
     # `vllm bench serve --host H --port P --random-input-len ... --metric-percentiles ...`
     # stopped at 'the following arguments are required: --base-url'.

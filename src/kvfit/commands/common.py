@@ -152,13 +152,30 @@ VLLM_NOOP_FLAGS = {
 }
 
 
+# vLLM flags whose one value asks for what kvfit does: that value is taken, with a note; any
+# other is refused as the flag in VLLM_UNSUPPORTED_FLAGS.
+VLLM_NOOP_VALUES = {
+    "--generation-config": ("vllm", "kvfit never takes sampling defaults from the model's "
+                            "generation_config.json"),
+}
+
+
 def check_vllm_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> list[str]:
     """`unknown` (what `parse_known_args` left) less the vLLM flags kvfit takes as no-ops
     (each noted on stderr); a vLLM flag kvfit does not do is a usage error (exit status 2)
     naming it and what to do instead."""
     rest = []
-    for arg in unknown:
-        name = arg.split("=", 1)[0]
+    args = iter(unknown)
+    for arg in args:
+        name, equals, value = arg.partition("=")
+        if name in VLLM_NOOP_VALUES:
+            if not equals:
+                value = next(args, "")
+            wanted, why = VLLM_NOOP_VALUES[name]
+            if value == wanted:
+                print(f"{parser.prog}: note: {name} {value} has no effect: {why}",
+                      file=sys.stderr)
+                continue
         if name in VLLM_UNSUPPORTED_FLAGS:
             parser.exit(2, f"{parser.prog}: error: {name} (a vLLM flag) is not supported: "
                         f"{VLLM_UNSUPPORTED_FLAGS[name]}\n")
