@@ -688,3 +688,24 @@ def test_text_is_decoded_off_the_engine_step(engine: AsyncLLM, llm: LLM) -> None
     assert "plain" not in in_engine(engine, engine_hooks.detokenized)  # the engine decoded none
     asyncio.run(text(greedy(10, stop=["never"]), "with-stop"))
     assert "with-stop" in in_engine(engine, engine_hooks.detokenized)  # stop strings need it
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("POST", "/v1/embeddings", 404), ("POST", "/v1/responses", 404),
+    ("GET", "/v1/nothing", 404), ("GET", "/tokenize", 405),
+])
+def test_a_route_not_served_says_which_are(http: httpx.Client, method: str, path: str,
+                                           status: int) -> None:
+    """An OpenAI client calling an API this server lacks (embeddings, responses) or a route
+    with the wrong method gets an OpenAI error naming the request and the routes there are,
+    not a bare 'Not Found'."""
+    response = http.request(method, path, json={"model": MODEL_NAME, "input": "x"})
+    assert response.status_code == status
+    message = response.json()["error"]["message"]
+    assert f"{method} {path} is not served here" in message
+    assert "POST /v1/completions" in message and "POST /tokenize" in message
+
+
+def test_the_official_client_gets_not_found_for_embeddings(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="/v1/embeddings is not served here"):
+        client.embeddings.create(model=MODEL_NAME, input="x")

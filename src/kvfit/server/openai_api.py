@@ -20,6 +20,7 @@ import orjson
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvfit
@@ -148,9 +149,17 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         return error(_validation_error(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error(APIError(str(e.detail), status_code=e.status_code, type=kind))
+        message = str(e.detail)
+        if e.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
+            # No route matched: say which there are (an OpenAI client calling
+            # /v1/embeddings or /v1/responses learns this server does not serve them).
+            routes = [f"{method} {route.path}" for route in (*app.routes, *api.routes)
+                      if isinstance(route, APIRoute) for method in sorted(route.methods)]
+            message = (f"{request.method} {request.url.path} is not served here; this server "
+                       f"serves {', '.join(routes)}")
+        return error(APIError(message, status_code=e.status_code, type=kind))
 
     def internal(e: Exception) -> JSONResponse:
         logger.exception("request failed", exc_info=e)
