@@ -350,3 +350,13 @@ def test_bench_serve_without_the_servers_key_names_api_key(
     with pytest.raises(SystemExit, match=r"HTTP 401.*--api-key") as raised:
         main(argv + ([] if key is None else ["--api-key", key]))
     assert "pass --model" not in str(raised.value)
+
+
+def test_bench_serve_unreachable_without_model_names_base_url() -> None:
+    """With no --model the first request lists the models: a server that is not there is
+    a --base-url matter (passing --model alone would fail every request instead)."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SystemExit, match=r"Cannot connect to host.*check --base-url"):
+        main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1"])

@@ -528,7 +528,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                 raise
             except Exception as e:
                 raise SystemExit(f"cannot read the served model from {base}/v1/models "
-                                 f"({type(e).__name__}: {e}); pass --model") from None
+                                 f"({type(e).__name__}: {e}); check --base-url (or --host and "
+                                 f"--port), or pass --model") from None
     work = make_workload(args)
     n = num_client_processes(args)
     if n == 1:
