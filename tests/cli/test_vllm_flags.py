@@ -127,6 +127,20 @@ def test_serve_refuses_a_model_swallowed_by_served_model_name(
     assert "--served-model-name" in err and str(tmp_path) in err and "MODEL" in err
 
 
+@pytest.mark.parametrize("argv", [["--served-model-name", ""],
+                                  ["m", "--served-model-name", "a", " "]])
+def test_serve_refuses_an_empty_served_model_name(
+    argv: list[str], capsys: pytest.CaptureFixture[str], no_serving: None,
+) -> None:
+    """An empty name (a variable that was not set, `--served-model-name "$NAME"`) is refused
+    as such: not taken for a folder, nor served as a model no client can name."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--served-model-name: names may not be empty" in err and "folder" not in err
+
+
 def test_serve_refuses_two_different_models(capsys: pytest.CaptureFixture[str],
                                             no_serving: None) -> None:
     with pytest.raises(SystemExit) as exit_info:

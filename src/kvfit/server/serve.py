@@ -92,6 +92,11 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     or a model folder taken in by --served-model-name (it takes every word after it, so
     `--served-model-name NAME FOLDER` would serve the default model), is a usage error."""
     default = parser.get_default("model")
+    if any(not name.strip() for name in args.served_model_name or ()):
+        # An empty name reads as a folder ('' is the working directory) below, and served, it
+        # is a model no client can name.
+        parser.error(f"--served-model-name: names may not be empty, got "
+                     f"{args.served_model_name!r}")
     if args.model_tag and args.model not in (default, args.model_tag):
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} name two models; "
                      f"give one")
