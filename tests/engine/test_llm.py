@@ -353,3 +353,20 @@ def test_abort_while_a_step_is_in_flight_frees_everything(qwen3_llm: LLM) -> Non
     assert seq.finish_reason == "abort"
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_shut_down_llm_refuses_every_call_naming_shutdown(qwen3: Path) -> None:
+    # After `shutdown` the workers hold no model: each call used to fail deep inside with an
+    # AttributeError on None ('launch', 'weight_arena', 'kv_cache').
+    llm = make_llm(qwen3, enable_sleep_mode=True)
+    llm.shutdown()
+    calls = {
+        "generate": lambda: llm.generate(token_prompts([[3, 4, 5]]), greedy(), use_tqdm=False),
+        "sleep": llm.sleep,
+        "resize_kv_cache": lambda: llm.resize_kv_cache(64),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=rf"{name}\(\) after shutdown\(\).*new LLM"):
+            call()
+    assert not llm.engine.has_unfinished()
+    llm.shutdown()  # a second one is harmless

@@ -124,6 +124,7 @@ class EngineCore:
         with _stage(self.startup_stages, "start_workers", "starting workers"):
             self.executor = create_executor(config, num_workers)
         self._in_flight: tuple[ScheduledBatch, AsyncModelOutput] | None = None
+        self._shut_down = False  # `shutdown` freed the workers' models: nothing runs again
         self._sleep_state = SleepState()
         # The KV cache was released by a resize that could not back even one sequence (not
         # by `sleep`): the engine backs it again by itself (`_restore_released`), and requests
@@ -312,13 +313,19 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def check_can_run(self) -> None:
-        """Raise `RuntimeError` naming the call to make if a step could not run now (asleep,
-        or weights woken without contents). A KV cache that a failed resize released is no
-        reason: requests wait for the engine to back it again."""
+        """Raise `RuntimeError` naming the call to make if a step could not run now (shut
+        down, asleep, or weights woken without contents). A KV cache that a failed resize
+        released is no reason: requests wait for the engine to back it again."""
+        self._check_not_shut_down("generate()")
         state = self._sleep_state
         if self._kv_released_by_resize:  # only the cache: weights never loaded still refuse
             state = replace(state, kv_cache_asleep=False)
         state.check_can_run()
+
+    def _check_not_shut_down(self, call: str) -> None:
+        if self._shut_down:
+            raise RuntimeError(f"{call} after shutdown(): the engine freed its model and KV "
+                               f"cache; create a new LLM")
 
     @property
     def kv_cache_released(self) -> bool:
@@ -394,6 +401,7 @@ class EngineCore:
         the memory again.
         """
         check_sleep_args(level, mode)
+        self._check_not_shut_down("sleep()")
         if not self.config.enable_sleep_mode:
             raise ValueError("sleep() needs the weights in a VMM arena: create the engine with "
                              "enable_sleep_mode=True")
@@ -600,6 +608,7 @@ class EngineCore:
         itself), `RuntimeError` for a cache that cannot resize (fixed size, asleep). With the
         governor on, its next grow waits its interval from here, unless the size did not
         change."""
+        self._check_not_shut_down("resize_kv_cache()")
         cc = self.config.cache_config
         if not cc.enable_extensible_kv_cache:
             raise RuntimeError(f"resize_kv_cache() needs the extensible KV cache, and this one "
@@ -734,6 +743,7 @@ class EngineCore:
         """Free every worker's model and KV cache; the engine cannot run afterwards. A step
         still in flight is dropped (the cache waits for the device before it unmaps)."""
         self._in_flight = None
+        self._shut_down = True
         if getattr(self, "demand_board", None) is not None:
             self.demand_board.close()
         self.executor.shutdown()
