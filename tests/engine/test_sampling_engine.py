@@ -134,7 +134,6 @@ def test_stop_strings_are_cut_or_kept_as_asked(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize(("params", "setting"), [
-    (SamplingParams(n=17), "max_num_seqs"),
     (SamplingParams(logit_bias={512: 1.0}), "logit_bias"),
     (SamplingParams(stop_token_ids=[-1]), "stop_token_ids"),
 ])
@@ -204,3 +203,28 @@ def test_logprobs_above_the_vocabulary_size_give_the_whole_vocabulary(qwen3: Pat
     assert all(sorted(e) == list(range(512)) for e in entries)
     assert all(sorted(x.rank for x in e.values()) == list(range(1, 513)) for e in entries)
     llm.shutdown()
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_n_above_max_num_seqs_queues_the_siblings(qwen3: Path, prefix_caching: bool) -> None:
+    """vLLM takes any n: completions past max_num_seqs wait for a free slot, and each is what
+    it would be with room for all (greedy: the same text; seeded: the same per-sibling draws)."""
+    kwargs = dict(device="cpu", num_gpu_blocks_override=64, max_num_batched_tokens=64,
+                  enable_prefix_caching=prefix_caching)
+    prompt = [{"prompt_token_ids": prompts(9)[0]}]
+    greedy, seeded = (SamplingParams(n=5, temperature=0, max_tokens=6),
+                      SamplingParams(n=5, temperature=1.0, seed=7, max_tokens=6))
+    narrow = LLM(str(qwen3), max_num_seqs=2, **kwargs)
+    try:
+        [g], [s] = (narrow.generate(prompt, p, use_tqdm=False) for p in (greedy, seeded))
+    finally:
+        narrow.shutdown()
+    wide = LLM(str(qwen3), max_num_seqs=8, **kwargs)
+    try:
+        [g_ref], [s_ref] = (wide.generate(prompt, p, use_tqdm=False) for p in (greedy, seeded))
+    finally:
+        wide.shutdown()
+    assert [c.index for c in g.outputs] == list(range(5)) and g.finished
+    assert {tuple(c.token_ids) for c in g.outputs} == {tuple(g_ref.outputs[0].token_ids)}
+    assert [c.token_ids for c in s.outputs] == [c.token_ids for c in s_ref.outputs]
+    assert len({tuple(c.token_ids) for c in s.outputs}) > 1  # the seeds do differ

@@ -63,7 +63,7 @@ class InputProcessor:
         parent of the rest. Errors name the request and the setting."""
         where = f"request {index}"
         text, token_ids = parse_prompt(where, prompt, self.tokenizer)
-        mc, sc = self.config.model_config, self.config.scheduler_config
+        mc = self.config.model_config
         vocab_size = mc.hf_config.vocab_size
         if not token_ids:
             raise ValueError(f"{where}: the prompt is empty")
@@ -79,9 +79,6 @@ class InputProcessor:
             if n is not None and n > mc.max_logprobs:
                 raise ValueError(f"{where}: SamplingParams.{name}={n} is above max_logprobs="
                                  f"{mc.max_logprobs}; lower it or raise max_logprobs")
-        if params.n > sc.max_num_seqs:
-            raise ValueError(f"{where}: SamplingParams.n={params.n} is above max_num_seqs="
-                             f"{sc.max_num_seqs}; lower n or raise max_num_seqs")
         try:
             params.check_token_ids(vocab_size)
         except ValueError as e:
