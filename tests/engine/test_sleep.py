@@ -245,10 +245,18 @@ def test_a_fixed_size_kv_cache_is_kept_and_reported(qwen3, reference) -> None:
     try:
         report = fixed.sleep(level=1)
         assert report.kept["kv_cache"] > 0 and "kv_cache" not in report.released
-        with pytest.raises(RuntimeError, match="kv_cache is not asleep"):
-            fixed.wake_up(tags=["kv_cache"])
         fixed.wake_up()
         assert not fixed.is_sleeping and outputs(fixed) == reference
+        # vLLM's pattern, the weights then the KV cache, whatever the cache's sizing: waking
+        # the kept cache does nothing, before the weights and after them.
+        fixed.sleep(level=1)
+        fixed.wake_up(tags=["kv_cache"])
+        assert fixed.is_sleeping
+        fixed.wake_up(tags=["weights"])
+        assert not fixed.is_sleeping
+        with pytest.raises(RuntimeError, match="not asleep"):
+            fixed.wake_up(tags=["kv_cache"])  # awake: nothing was kept by a sleep
+        assert outputs(fixed) == reference
     finally:
         fixed.shutdown()
 

@@ -130,6 +130,9 @@ class EngineCore:
         # by `sleep`): the engine backs it again by itself (`_restore_released`), and requests
         # wait meanwhile.
         self._kv_released_by_resize = False
+        # A fixed-size cache stays through a sleep: waking it by name is then a no-op, so
+        # vLLM-style code (weights first, then the KV cache) runs whatever the sizing.
+        self._kv_cache_kept = False
         self.released_retry_s = RELEASED_RETRY_S  # without the governor (tests shorten it)
         self._released_retry_at = 0.0  # monotonic time of the next retry without the governor
         self.released_timeout_s = RELEASED_TIMEOUT_S  # (tests shorten it)
@@ -417,6 +420,7 @@ class EngineCore:
         finally:
             self._refresh_sleep_state()
         report = SleepReport.merge(reports)
+        self._kv_cache_kept = "kv_cache" in report.kept and "kv_cache" not in report.released
         logger.info("asleep (level %d): released %s, kept %s", level, report.released,
                     report.kept)
         return report
@@ -458,8 +462,14 @@ class EngineCore:
         fills them; generating refuses to run until every weight is loaded). The KV cache comes
         back at its size, or smaller where the device no longer has the memory
         (`KVCacheResizer.wake`). Raises if a tag is not asleep; a failed recommit leaves that
-        part asleep.
+        part asleep. A KV cache the sleep kept (a fixed size) wakes as a no-op.
         """
+        if self._kv_cache_kept and tags is not None:
+            tags = [tags] if isinstance(tags, str) else list(tags)
+            if "kv_cache" in tags and self.is_sleeping:
+                logger.info("wake_up(tags=%s): the KV cache was kept through the sleep (a "
+                            "fixed size): nothing to wake there", tags)
+                tags = [t for t in tags if t != "kv_cache"]
         tags = resolve_tags(tags, self._sleep_state)
         by_resize = self._kv_released_by_resize  # a failed wake leaves the cause as it was
         try:
@@ -476,6 +486,7 @@ class EngineCore:
         finally:
             self._refresh_sleep_state()
             self._kv_released_by_resize = by_resize and self._sleep_state.kv_cache_asleep
+            self._kv_cache_kept = self._kv_cache_kept and self.is_sleeping
         if self._sleep_state.missing_weights and not self._sleep_state.weights_asleep:
             logger.warning("weights woken without contents: %d not loaded; generating refuses "
                            "to run until LLM.load_weights() fills them",
