@@ -109,6 +109,20 @@ def _running(http: httpx.Client) -> bool:
     return "kvfit:num_requests_running 1.0" in http.get("/metrics").text
 
 
+def _start_a_long_request(http: httpx.Client) -> tuple[threading.Thread, list[httpx.Response]]:
+    """A 100-token request on a thread (the engine slowed by `engine_hooks.slow`), once the
+    engine runs it: (the thread, where its response lands)."""
+    long = {**COMPLETION, "prompt": "slow", "max_tokens": 100}
+    results: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: results.append(
+        http.post("/v1/completions", json=long)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while not _running(http):  # a sleep must meet the request running
+        assert worker.is_alive() and time.monotonic() < deadline, "it never ran, or ran out"
+    return worker, results
+
+
 @pytest.mark.parametrize(("mode", "finish_reason"), [("wait", "length"), ("abort", "abort")])
 def test_sleep_waits_for_a_running_request_or_aborts_it(http: httpx.Client, engine: AsyncLLM,
                                                         mode: str, finish_reason: str) -> None:
@@ -116,14 +130,7 @@ def test_sleep_waits_for_a_running_request_or_aborts_it(http: httpx.Client, engi
     # meets it running, however busy the machine.
     in_engine(engine, engine_hooks.slow, "slow", 0.02)
     try:
-        long = {**COMPLETION, "prompt": "slow", "max_tokens": 100}
-        results: list[httpx.Response] = []
-        worker = threading.Thread(target=lambda: results.append(
-            http.post("/v1/completions", json=long)))
-        worker.start()
-        deadline = time.monotonic() + 30
-        while not _running(http):  # sleep must meet the request running
-            assert worker.is_alive() and time.monotonic() < deadline, "it never ran, or ran out"
+        worker, results = _start_a_long_request(http)
         assert http.post("/sleep", params={"mode": mode}).status_code == 200
         worker.join(timeout=60)
         assert results[0].status_code == 200, results[0].text
@@ -140,14 +147,8 @@ def test_a_request_sent_while_a_sleep_drains_is_refused_at_once(
     whole drain and refused then (in the engine's words, which name LLM calls)."""
     in_engine(engine, engine_hooks.slow, "slow", 0.02)  # 100 steps: seconds of drain
     try:
-        long = {**COMPLETION, "prompt": "slow", "max_tokens": 100}
-        results: list[httpx.Response] = []
-        worker = threading.Thread(target=lambda: results.append(
-            http.post("/v1/completions", json=long)))
-        worker.start()
+        worker, results = _start_a_long_request(http)
         deadline = time.monotonic() + 30
-        while not _running(http):
-            assert worker.is_alive() and time.monotonic() < deadline, "it never ran, or ran out"
         slept: list[httpx.Response] = []
         sleeper = threading.Thread(target=lambda: slept.append(http.post("/sleep")))
         sleeper.start()
