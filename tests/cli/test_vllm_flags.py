@@ -15,7 +15,7 @@ from kvfit.cli import build_parser, main
     ("1M", 1 << 20), ("2G", 2 << 30),
 ])
 @pytest.mark.parametrize("flag", ["--max-model-len", "--max-num-batched-tokens",
-                                  "--kv-cache-memory-bytes"])
+                                  "--kv-cache-memory-bytes", "--cpu-kv-cache-space-bytes"])
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_token_and_byte_counts_take_vllm_suffixes(command: str, flag: str, text: str,
                                                    value: int) -> None:

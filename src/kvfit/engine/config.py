@@ -351,10 +351,10 @@ class EngineArgs:
         p.add_argument("--kv-cache-margin-floor-bytes", type=int,
                        default=d.kv_cache_margin_floor_bytes,
                        help="least safety margin in bytes (default: %(default)s)")
-        p.add_argument("--cpu-kv-cache-space-bytes", type=int,
+        p.add_argument("--cpu-kv-cache-space-bytes", type=human_readable_int,
                        default=d.cpu_kv_cache_space_bytes,
-                       help="memory budget in bytes on the CPU device, weights included "
-                       "(default: "
+                       help="memory budget in bytes on the CPU device, weights included, e.g. "
+                       "8G (8 GiB) (default: "
                        "8 GiB, at most a third of the host; the KV cache takes no more than "
                        "max-num-seqs sequences of max-model-len)")
         p.add_argument("--enable-sleep-mode", action="store_true", default=d.enable_sleep_mode,
