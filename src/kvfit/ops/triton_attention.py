@@ -53,6 +53,29 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _load_kv_tiles(
+    k_cache, v_cache, q, block_table_row, n, n_mask, kv_head, d,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+    FP8: tl.constexpr,
+):  # fmt: skip
+    """The (K, V) tiles of tokens `n` (`_load_kv_tile`), an FP8 cache's widened to `q`'s
+    dtype after the load (the scales are folded in outside the loop).
+
+    Each tile reads the block table itself: one shared read compiled the prefill's unmasked
+    loop 11 sm_90 instructions longer (and its masked one 131 shorter), untimed."""
+    k = _load_kv_tile(k_cache, block_table_row, n, n_mask, kv_head, d,
+                      stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                      HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
+    v = _load_kv_tile(v_cache, block_table_row, n, n_mask, kv_head, d,
+                      stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                      HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
+    if FP8:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    return k, v
+
+
+@triton.jit
 def _dims_mask(row_mask, d, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr):
     """`[rows, HEAD_DIM_P2]` mask of a tile's real rows and dims. A head dim that is not a power
     of two, or is below 16, is padded (`padded_head_dim`); one that needs no padding compiles
@@ -199,28 +222,18 @@ def _prefill_kernel(
     for n0 in range(0, unmasked_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < unmasked_end
-        k = _load_kv_tile(k_cache, block_table_row, n, n_mask, kv_head, d,
-                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
-                          HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
-        v = _load_kv_tile(v_cache, block_table_row, n, n_mask, kv_head, d,
-                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
-                          HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
-        if FP8:  # widen after the load; the scales are folded in outside the loop
-            k, v = k.to(q.dtype), v.to(q.dtype)
+        k, v = _load_kv_tiles(k_cache, v_cache, q, block_table_row, n, n_mask, kv_head, d,
+                              stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                              HEAD_DIM, HEAD_DIM_P2, FP8)  # fmt: skip
         s = tl.dot(q, tl.trans(k))
         m_i, l_i, acc = _softmax_update_scaled(s, row_scale, v, m_i, l_i, acc)
     end = prefix + last_tok + 1
     for n0 in range(unmasked_end, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        k = _load_kv_tile(k_cache, block_table_row, n, n_mask, kv_head, d,
-                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
-                          HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
-        v = _load_kv_tile(v_cache, block_table_row, n, n_mask, kv_head, d,
-                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
-                          HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
-        if FP8:  # widen after the load; the scales are folded in outside the loop
-            k, v = k.to(q.dtype), v.to(q.dtype)
+        k, v = _load_kv_tiles(k_cache, v_cache, q, block_table_row, n, n_mask, kv_head, d,
+                              stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                              HEAD_DIM, HEAD_DIM_P2, FP8)  # fmt: skip
         s = tl.where(n[None, :] <= pos[:, None], tl.dot(q, tl.trans(k)), float("-inf"))
         m_i, l_i, acc = _softmax_update_scaled(s, row_scale, v, m_i, l_i, acc)
 
@@ -277,14 +290,9 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        k = _load_kv_tile(k_cache, block_table_row, n, n_mask, kv_head, d,
-                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
-                          HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
-        v = _load_kv_tile(v_cache, block_table_row, n, n_mask, kv_head, d,
-                          stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
-                          HEAD_DIM, HEAD_DIM_P2)  # fmt: skip
-        if FP8:  # widen after the load; the scales are folded in outside the loop
-            k, v = k.to(q.dtype), v.to(q.dtype)
+        k, v = _load_kv_tiles(k_cache, v_cache, q, block_table_row, n, n_mask, kv_head, d,
+                              stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                              HEAD_DIM, HEAD_DIM_P2, FP8)  # fmt: skip
         s = tl.dot(q, tl.trans(k)) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
