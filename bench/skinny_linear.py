@@ -16,6 +16,8 @@ so that every call reads its weight from DRAM as a decode step does:
 - where the model folds an op in (qkv and gate_up after the residual add + RMSNorm, down after
   SiLU-and-mul): `unfused` (the op's own kernel, then `F.linear`) and `fused`
   (`rms_norm_linear_triton` / `silu_and_mul_linear_triton`);
+- `skinny_mma`: the plain kernel with its 16-row tensor-core tile at every M (`ROW_GEMV` off),
+  where `skinny` takes FMAs at one row;
 - `skinny_pdl` and `fused_pdl`: the same kernels launched with programmatic dependent launch
   (`pdl=True`: each node prefetches its weights and starts while the node before finishes),
   on compute capability 9.0+. The graph chains the calls, so each has a predecessor to
@@ -111,6 +113,12 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool) -> dict:
         elif shape.prologue == "silu_and_mul":
             us["fused" + tag] = _time_us([lambda w=w, p=pdl: ts.silu_and_mul_linear_triton(
                 gate_up, w, pdl=p) for w in ws])
+    # The plain kernel at one row takes FMAs (`ROW_GEMV`); its 16-row MMA tile, as at 2-16
+    # rows, beside it.
+    mma = {**ts.skinny_config(shape.n, shape.k, torch.cuda.get_device_properties(dev)
+                              .multi_processor_count), "ROW_GEMV": False}
+    us["skinny_mma"] = _time_us([lambda w=w: ts.skinny_linear_triton(x, w, config=mma)
+                                 for w in ws])
     if shape.prologue == "add_rms_norm":
         us["unfused"] = _time_us([lambda w=w: F.linear(add_rms_norm(x, res, norm, 1e-6)[0], w)
                                   for w in ws])
@@ -135,7 +143,7 @@ def table_text(result: dict) -> str:
     copy = result.get("copy_bandwidth_gbps")
     lines = [f"{'model':16} {'layer':13} {'M':>3} {'cublas us':>9} {'skinny us':>9} "
              f"{'GB/s':>7} {'of copy':>7} {'unfused':>8} {'fused':>8} {'skinny pdl':>10} "
-             f"{'fused pdl':>9}"]
+             f"{'fused pdl':>9} {'skinny mma':>10}"]
     for r in result["layers"]:
         gbps = r["weight_gb_per_s"]["skinny"]
         share = f"{gbps / copy:7.2f}" if copy else f"{'-':>7}"
@@ -143,7 +151,8 @@ def table_text(result: dict) -> str:
         lines.append(f"{r['model']:16} {r['layer']:13} {r['m']:3d} {us['cublas']:9.2f} "
                      f"{us['skinny']:9.2f} {gbps:7.0f} {share} "
                      f"{us.get('unfused', nan):8.2f} {us.get('fused', nan):8.2f} "
-                     f"{us.get('skinny_pdl', nan):10.2f} {us.get('fused_pdl', nan):9.2f}")
+                     f"{us.get('skinny_pdl', nan):10.2f} {us.get('fused_pdl', nan):9.2f} "
+                     f"{us.get('skinny_mma', nan):10.2f}")
     return "\n".join(lines)
 
 

@@ -31,7 +31,8 @@ import gc
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ from kvfit.benchmarks.limits import (
     measure_device_limits,
     run_limit,
 )
-from kvfit.benchmarks.profiling import KernelProfile, profile_run, profile_text
+from kvfit.benchmarks.profiling import KernelProfile, per_step_text, profile_run, profile_text
 from kvfit.benchmarks.record import write_record
 from kvfit.engine.sequence import ScheduledBatch, Sequence
 from kvfit.ops.compiles import triton_compiles
@@ -203,18 +204,20 @@ def decode_batch(batch_size: int, context: int, block_size: int) -> ScheduledBat
 
 
 def engine_decode_step(
-    llm: LLM, batch_size: int, context: int, iters: int
-) -> tuple[float, float, list[StepShape]]:
-    """`(seconds per engine step, mean context, the steps launched)` over `iters` engine steps
-    while `batch_size` sequences of about `context` tokens all decode: the loop as it runs,
-    step k + 1 launched before step k's tokens are read, so host work hidden behind the device
-    is not counted."""
+    llm: LLM, batch_size: int, context: int, iters: int, profile: bool = False
+) -> tuple[float, float, list[StepShape], KernelProfile | None]:
+    """`(seconds per engine step, mean context, the steps launched, their profile)` over
+    `iters` engine steps while `batch_size` sequences of about `context` tokens all decode: the
+    loop as it runs, step k + 1 launched before step k's tokens are read, so host work hidden
+    behind the device is not counted. With `profile`, `iters` more steps, untimed, run under
+    torch.profiler (`profile_run`); else the profile is None."""
     engine, cfg = llm.engine, llm.config
     vocab = cfg.model_config.hf_config.vocab_size
     # The first sequences to finish prefill decode while the others prefill: enough tokens
     # that none stops before the timed steps end.
     prefill_steps = -(-batch_size * context // cfg.scheduler_config.max_num_batched_tokens)
-    params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + iters + 8,
+    params = SamplingParams(temperature=0.0,
+                            max_tokens=prefill_steps + iters * (2 if profile else 1) + 8,
                             ignore_eos=True)
     rng = random.Random(batch_size)
     seqs = [seq for i in range(batch_size) for seq in llm.make_request(
@@ -224,17 +227,22 @@ def engine_decode_step(
     while min(seq.num_output_tokens for seq in seqs) < 2:  # every sequence decoding
         engine.step()
     first = statistics.mean(len(seq) for seq in seqs)
-    _sync(cfg.device)
-    with StepRecorder(llm) as recorder:
-        start = time.perf_counter()
+
+    def steps() -> None:
         for _ in range(iters):
             engine.step()
         _sync(cfg.device)
+
+    _sync(cfg.device)
+    with StepRecorder(llm) as recorder:
+        start = time.perf_counter()
+        steps()
         elapsed = time.perf_counter() - start
     mean_context = (first + statistics.mean(len(seq) for seq in seqs)) / 2
+    profiled = profile_run(steps, llm, cfg.device) if profile else None
     while engine.has_unfinished():
         engine.step()
-    return elapsed / iters, mean_context, recorder.steps
+    return elapsed / iters, mean_context, recorder.steps, profiled
 
 
 def runner_step(llm: LLM, batch: ScheduledBatch, iters: int) -> float:
@@ -254,11 +262,44 @@ def small_batch_settings(args: argparse.Namespace) -> list[bool]:
     return SMALL_BATCH_SETTINGS[args.small_batch_kernels]
 
 
+def decode_settings(args: argparse.Namespace) -> list[tuple[bool, bool | None]]:
+    """(small_batch_kernels, skinny PDL) per decode engine: each `--small-batch-kernels`
+    setting, the ones with the kernels on once per `--skinny-pdl` setting (None: the kernels'
+    `PDL_DEFAULT`)."""
+    pdl = {"default": [None], **SMALL_BATCH_SETTINGS}[args.skinny_pdl]
+    return [(small, p) for small in small_batch_settings(args)
+            for p in (pdl if small else [None])]
+
+
+@contextmanager
+def skinny_pdl(pdl: bool | None) -> Iterator[None]:
+    """The skinny kernels launch with programmatic dependent launch per `pdl` (None: as they
+    would) within the block: an engine built in it captures its graphs so."""
+    if pdl is None or not torch.cuda.is_available():
+        yield
+        return
+    from kvfit.ops import triton_skinny  # CUDA-only dependency
+
+    saved, triton_skinny.PDL_DEFAULT = triton_skinny.PDL_DEFAULT, pdl
+    try:
+        yield
+    finally:
+        triton_skinny.PDL_DEFAULT = saved
+
+
 def bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
-                 small_batch: bool = False) -> list[dict]:
+                 small_batch: bool = False, pdl: bool | None = None) -> list[dict]:
     """Decode step time at each batch size against the limit of the same steps (weights and
     KV reads over the copy bandwidth, unless the GEMMs' FLOPs take longer), with the engine's
-    `small_batch_kernels` set to `small_batch`."""
+    `small_batch_kernels` set to `small_batch` and the skinny kernels' PDL to `pdl`
+    (`skinny_pdl`). With `--profile-decode`, each row's steps once more under the profiler,
+    appended to that file (`per_step_text`)."""
+    with skinny_pdl(pdl):
+        return _bench_decode(model, args, limits, small_batch, pdl)
+
+
+def _bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
+                  small_batch: bool, pdl: bool | None) -> list[dict]:
     llm = LLM(model, device=args.device, load_format="dummy", max_num_seqs=max(args.decode_batches),
               max_model_len=args.decode_context + 256, enforce_eager=args.enforce_eager,
               cudagraph_mode=args.cudagraph_mode[0], small_batch_kernels=small_batch)
@@ -273,8 +314,13 @@ def bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
             print(f"skip {model} batch {batch_size}: needs {needed} blocks, "
                   f"the cache holds {runner.num_blocks}")
             continue
-        step, context, steps = engine_decode_step(llm, batch_size, args.decode_context,
-                                                  args.iters)
+        step, context, steps, profile = engine_decode_step(
+            llm, batch_size, args.decode_context, args.iters, bool(args.profile_decode))
+        if profile is not None:
+            label = (f"{model} batch {batch_size}, small_batch_kernels {small_batch}, "
+                     f"skinny PDL {pdl}")
+            with open(args.profile_decode, "a") as f:
+                f.write(per_step_text(profile, label) + "\n\n")
         sync_step = runner_step(llm, batch, args.iters)  # after the engine's run has drained
         limit = limit_of(llm, steps, limits)
         roofline = limit.seconds / len(steps)
@@ -283,7 +329,7 @@ def bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
                                   limits).seconds
         rows.append({
             "model": model, "batch": batch_size, "context": context,
-            "small_batch_kernels": small_batch,
+            "small_batch_kernels": small_batch, "skinny_pdl": pdl,
             "step_ms": step * 1e3, "roofline_ms": roofline * 1e3, "ratio": step / roofline,
             "of_limit": roofline / step,
             "sync_step_ms": sync_step * 1e3, "sync_ratio": sync_step / sync_roofline,
@@ -366,6 +412,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="the engine's small_batch_kernels (CUDA only: a no-op on the "
                              "CPU): off, on, or both: each decode row off then on, side by "
                              "side; offline and TTFT runs use the first (default: %(default)s)")
+    parser.add_argument("--skinny-pdl", choices=["default", *sorted(SMALL_BATCH_SETTINGS)],
+                        default="default",
+                        help="with the small-batch kernels on, launch them with programmatic "
+                             "dependent launch (sm_90+): off, on, both (one engine each, side "
+                             "by side), or default: as ops/triton_skinny.PDL_DEFAULT says")
+    parser.add_argument("--profile-decode", metavar="PATH",
+                        help="profile each decode row's steps once more and append, per step, "
+                             "the device span, the kernels' time and each kernel to PATH")
     parser.add_argument("--profile", metavar="PATH",
                         help="after the timed run, profile the offline workload once more and "
                              "write the kernel table and device busy time to PATH")
@@ -393,8 +447,8 @@ def main(argv: list[str] | None = None) -> None:
         result["throughput"] = result["throughputs"][0]
     result["decode"] = []
     for model in args.decode_models:
-        for small_batch in small_batch_settings(args):
-            result["decode"] += bench_decode(model, args, limits, small_batch)
+        for small_batch, pdl in decode_settings(args):
+            result["decode"] += bench_decode(model, args, limits, small_batch, pdl)
             gc.collect()
     result["ttft"] = []
     for model in args.ttft_models:
@@ -422,12 +476,12 @@ def print_tables(result: dict) -> None:
               f"memory-bound): {t['of_limit']:.1%} of the limit")
     print(f"{'model':<18} {'batch':>5} {'context':>7} {'step ms':>8} {'limit ms':>8} "
           f"{'ratio':>5} {'of limit':>8} {'sync step ms':>12} {'sync ratio':>10} graphs "
-          f"small-batch")
+          f"small-batch pdl")
     for r in result["decode"]:
         print(f"{r['model']:<18} {r['batch']:>5} {r['context']:>7.0f} {r['step_ms']:>8.3f} "
               f"{r['roofline_ms']:>8.3f} {r['ratio']:>5.2f} {r['of_limit']:>8.1%} "
               f"{r['sync_step_ms']:>12.3f} {r['sync_ratio']:>10.2f} {r['graphs']!s:6} "
-              f"{r.get('small_batch_kernels', False)}")
+              f"{r.get('small_batch_kernels', False)!s:11} {r.get('skinny_pdl')}")
     for r in result.get("ttft", []):
         print(f"TTFT {r['model']} {r['prompt_len']} tokens: {r['ttft_s'] * 1e3:.1f} ms, limit "
               f"{r['limit_s'] * 1e3:.1f} ms ({r['limit']['gemm_tflop']:.3g} TFLOP GEMM + "

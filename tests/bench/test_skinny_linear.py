@@ -49,4 +49,5 @@ def test_table_and_record_from_timings(bench) -> None:  # noqa: ANN001
     assert validate(record) == []
     assert record["figures"]["qwen3-0.6b.qkv_proj.m1.fused_over_unfused"]["value"] == 3.5 / 9
     assert record["figures"]["qwen3-0.6b.qkv_proj.m1.skinny_pdl_us"]["value"] == 2.5
-    assert text.splitlines()[1].split()[-2:] == ["2.50", "3.00"]  # the pdl columns
+    assert text.splitlines()[1].split()[-3:] == ["2.50", "3.00", "4.00"]  # pdl, then mma
+    assert record["figures"]["qwen3-0.6b.qkv_proj.m1.skinny_mma_us"]["value"] == 4.0

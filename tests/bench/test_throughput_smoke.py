@@ -79,3 +79,24 @@ def test_decode_rows_side_by_side_with_and_without_small_batch_kernels(bench,  #
     figures = record["figures"]
     assert "decode.kvfit-tiny.batch1.step_ms" in figures
     assert "decode.kvfit-tiny.batch1.small_batch.step_ms" in figures
+
+
+def test_decode_rows_per_pdl_setting_and_their_profile(bench, tmp_path: Path) -> None:  # noqa: ANN001
+    """`--skinny-pdl both` runs the small-batch rows once per PDL setting (the rows without
+    the kernels once), named apart in the figures; `--profile-decode` appends each row's
+    decode steps, per step, to one file."""
+    out, prof = tmp_path / "t.json", tmp_path / "decode.txt"
+    bench.main(["--device", "cpu", "--skip-throughput", "--decode-models", "kvfit-tiny",
+                "--decode-batches", "2", "--decode-context", "32", "--iters", "3",
+                "--ttft-models", "--small-batch-kernels", "both", "--skinny-pdl", "both",
+                "--profile-decode", str(prof), "--out", str(out)])
+    record = json.loads(out.read_text())
+    rows = [(d["small_batch_kernels"], d["skinny_pdl"]) for d in record["results"]["decode"]]
+    assert rows == [(False, None), (True, False), (True, True)]
+    figures = record["figures"]
+    for name in ("batch2", "batch2.small_batch.no_pdl", "batch2.small_batch.pdl"):
+        assert f"decode.kvfit-tiny.{name}.step_ms" in figures
+    text = prof.read_text()
+    assert text.count("kvfit-tiny batch 2") == 3
+    # Three decode steps each, and the CPU's kernels by name (on the CPU: no device span).
+    assert text.count(": 3 decode steps, per step") == 3

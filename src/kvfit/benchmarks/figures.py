@@ -64,7 +64,9 @@ def throughput(p: dict[str, Any]) -> Figures:
     for d in p.get("decode", []):
         # Rows with the small-batch kernels (`--small-batch-kernels`) beside the default ones.
         small = ".small_batch" if d.get("small_batch_kernels") else ""
-        name = f"decode.{d['model']}.batch{d['batch']}{small}"
+        # ... and with their PDL set either way (`--skinny-pdl`), beside the default ones.
+        pdl = {True: ".pdl", False: ".no_pdl"}.get(d.get("skinny_pdl"), "")
+        name = f"decode.{d['model']}.batch{d['batch']}{small}{pdl}"
         f[f"{name}.step_ms"] = figure(d["step_ms"], "ms", "lower")
         f[f"{name}.over_roofline"] = figure(d["ratio"], "ratio", "lower")
     for r in p.get("ttft", []):
@@ -232,9 +234,11 @@ def skinny_linear(p: dict[str, Any]) -> Figures:
         f[f"{name}.skinny_gb_per_s"] = figure(r["weight_gb_per_s"]["skinny"], "GB/s", "higher")
         if "fused_over_unfused" in r:
             f[f"{name}.fused_over_unfused"] = figure(r["fused_over_unfused"], "ratio", "lower")
-        for op in ("skinny", "fused"):  # programmatic dependent launch, sm_90+ runs only
-            if f"{op}_pdl" in r["us"]:
-                f[f"{name}.{op}_pdl_us"] = figure(r["us"][f"{op}_pdl"], "us", "lower")
+        # Programmatic dependent launch (sm_90+ runs only), and the plain kernel's tensor-core
+        # tile at one row (runs since the FMA path took M = 1).
+        for col in ("skinny_pdl", "fused_pdl", "skinny_mma"):
+            if col in r["us"]:
+                f[f"{name}.{col}_us"] = figure(r["us"][col], "us", "lower")
     return f
 
 

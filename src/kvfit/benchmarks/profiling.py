@@ -318,6 +318,25 @@ def profile_text(profile: KernelProfile) -> str:
     return "\n".join(lines)
 
 
+def per_step_text(profile: KernelProfile, label: str, kind: str = "decode") -> str:
+    """A profile of steps of one `kind` alone (`bench/throughput.py --profile-decode`): per
+    step, the device span (first kernel's start to last kernel's end), the kernels' summed
+    time and the idle rest (launch gaps, graph-node latency), then every kernel by its time
+    per step, with its launches per step and its mean per launch."""
+    steps = profile.step_counts.get(kind, 0)
+    if not steps:
+        return f"{label}: no {kind} step in the profile"
+    span = profile.step_device_span_us.get(kind, 0.0) / steps
+    busy = profile.device_us / steps
+    lines = [f"{label}: {steps} {kind} steps, per step: device span {span:.1f} us, kernels "
+             f"{busy:.1f} us, idle {span - busy:.1f} us ({_pct(span - busy, span).strip()})",
+             f"{'us/step':>9} {'n/step':>6} {'us/launch':>9}  kernel"]
+    for name, stat in sorted(profile.kernels.items(), key=lambda kv: -kv[1].device_us):
+        lines.append(f"{stat.device_us / steps:>9.1f} {stat.count / steps:>6.1f} "
+                     f"{stat.device_us / stat.count:>9.2f}  {name[:110]}")
+    return "\n".join(lines)
+
+
 def comparison_text(profiles: dict[str, KernelProfile], top: int = 40) -> str:
     """Two profiles (first = the baseline) side by side: wall time and busy share, device time
     per family, per step kind and family (with the share of device time each profile gave to

@@ -13,8 +13,11 @@ times. The kernel is shaped for that stream rather than for reuse:
   kernel exists to remove. The memory bound is the output alone; no workspace.
 - The MMA is `tl.dot` on a 16-row tile of x (its smallest M), rows past M masked off: loading
   them costs no bytes, and one compiled variant serves every M up to 16 (`M` is not
-  specialised, so no batch size compiles anything new). A prologue costs ALU work per row of
-  the tile, so at M = 1 a kernel with one takes FMAs instead (a runtime branch, `_product`).
+  specialised, so no batch size compiles anything new). At M = 1 every kernel takes FMAs
+  instead (a runtime branch, `_product`): a prologue costs ALU work per row of the tile, and
+  even without one the tile was slower at one row (H100: 0.6B down_proj 8.8 us as a 16-row
+  MMA, 6.3 with FMAs and the SiLU prologue besides; `ROW_GEMV=False` keeps the tile, for the
+  bench's `skinny_mma` column).
 - A prologue is recomputed by every program (from L2: the x rows are a few KB): the RMSNorm's
   rms by a pre-pass over the row, the SiLU per tile. That is ~10 (norm) and ~30 (SiLU)
   instructions per x element per program, cheap for one row and not for 16 (see `_product`).
@@ -254,6 +257,7 @@ def _skinny_kernel(
     GEMV_STAGES: tl.constexpr,
     PDL: tl.constexpr = False,
     PREFETCH_K: tl.constexpr = 64,
+    ROW_GEMV: tl.constexpr = True,
 ):  # fmt: skip
     pid = tl.program_id(0)
     if PDL:
@@ -265,7 +269,7 @@ def _skinny_kernel(
         _prefetch_l2(w + rows[:, None] * K + lines[None, :])
         gdc_wait()
         gdc_launch_dependents()
-    if PROLOGUE == 0:  # nothing computed per row: the 16-row tile costs what 1 row does
+    if PROLOGUE == 0 and not ROW_GEMV:  # the 16-row tile at every M (the bench's baseline)
         acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, K, PROLOGUE,
                        BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK_K, NORM_STAGES,
                        GEMV_STAGES)
