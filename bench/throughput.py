@@ -263,38 +263,37 @@ def small_batch_settings(args: argparse.Namespace) -> list[bool]:
 
 
 def decode_settings(args: argparse.Namespace) -> list[tuple[bool, bool | None]]:
-    """(small_batch_kernels, skinny PDL) per decode engine: each `--small-batch-kernels`
-    setting, the ones with the kernels on once per `--skinny-pdl` setting (None: the kernels'
-    `PDL_DEFAULT`)."""
-    pdl = {"default": [None], **SMALL_BATCH_SETTINGS}[args.skinny_pdl]
+    """(small_batch_kernels, PDL) per decode engine: each `--small-batch-kernels` setting, the
+    ones with the kernels on once per `--pdl` setting (None: `ops.pdl.PDL_DEFAULT`)."""
+    pdl = {"default": [None], **SMALL_BATCH_SETTINGS}[args.pdl]
     return [(small, p) for small in small_batch_settings(args)
             for p in (pdl if small else [None])]
 
 
 @contextmanager
-def skinny_pdl(pdl: bool | None) -> Iterator[None]:
-    """The skinny kernels launch with programmatic dependent launch per `pdl` (None: as they
-    would) within the block: an engine built in it captures its graphs so."""
+def pdl_default(pdl: bool | None) -> Iterator[None]:
+    """The small-batch step's kernels launch with programmatic dependent launch per `pdl`
+    (None: as they would) within the block: an engine built in it captures its graphs so."""
     if pdl is None or not torch.cuda.is_available():
         yield
         return
-    from kvfit.ops import triton_skinny  # CUDA-only dependency
+    from kvfit.ops import pdl as ops_pdl  # imports Triton
 
-    saved, triton_skinny.PDL_DEFAULT = triton_skinny.PDL_DEFAULT, pdl
+    saved, ops_pdl.PDL_DEFAULT = ops_pdl.PDL_DEFAULT, pdl
     try:
         yield
     finally:
-        triton_skinny.PDL_DEFAULT = saved
+        ops_pdl.PDL_DEFAULT = saved
 
 
 def bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
                  small_batch: bool = False, pdl: bool | None = None) -> list[dict]:
     """Decode step time at each batch size against the limit of the same steps (weights and
     KV reads over the copy bandwidth, unless the GEMMs' FLOPs take longer), with the engine's
-    `small_batch_kernels` set to `small_batch` and the skinny kernels' PDL to `pdl`
-    (`skinny_pdl`). With `--profile-decode`, each row's steps once more under the profiler,
-    appended to that file (`per_step_text`)."""
-    with skinny_pdl(pdl):
+    `small_batch_kernels` set to `small_batch` and its kernels' PDL to `pdl` (`pdl_default`).
+    With `--profile-decode`, each row's steps once more under the profiler, appended to that
+    file (`per_step_text`)."""
+    with pdl_default(pdl):
         return _bench_decode(model, args, limits, small_batch, pdl)
 
 
@@ -318,7 +317,7 @@ def _bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
             llm, batch_size, args.decode_context, args.iters, bool(args.profile_decode))
         if profile is not None:
             label = (f"{model} batch {batch_size}, small_batch_kernels {small_batch}, "
-                     f"skinny PDL {pdl}")
+                     f"PDL {pdl}")
             with open(args.profile_decode, "a") as f:
                 f.write(per_step_text(profile, label) + "\n\n")
         sync_step = runner_step(llm, batch, args.iters)  # after the engine's run has drained
@@ -329,7 +328,7 @@ def _bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
                                   limits).seconds
         rows.append({
             "model": model, "batch": batch_size, "context": context,
-            "small_batch_kernels": small_batch, "skinny_pdl": pdl,
+            "small_batch_kernels": small_batch, "pdl": pdl,
             "step_ms": step * 1e3, "roofline_ms": roofline * 1e3, "ratio": step / roofline,
             "of_limit": roofline / step,
             "sync_step_ms": sync_step * 1e3, "sync_ratio": sync_step / sync_roofline,
@@ -412,11 +411,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="the engine's small_batch_kernels (CUDA only: a no-op on the "
                              "CPU): off, on, or both: each decode row off then on, side by "
                              "side; offline and TTFT runs use the first (default: %(default)s)")
-    parser.add_argument("--skinny-pdl", choices=["default", *sorted(SMALL_BATCH_SETTINGS)],
+    parser.add_argument("--pdl", choices=["default", *sorted(SMALL_BATCH_SETTINGS)],
                         default="default",
-                        help="with the small-batch kernels on, launch them with programmatic "
-                             "dependent launch (sm_90+): off, on, both (one engine each, side "
-                             "by side), or default: as ops/triton_skinny.PDL_DEFAULT says")
+                        help="with the small-batch kernels on, launch a small step's kernels "
+                             "with programmatic dependent launch (sm_90+): off, on, both (one "
+                             "engine each, side by side), or default: as "
+                             "ops/pdl.PDL_DEFAULT says")
     parser.add_argument("--profile-decode", metavar="PATH",
                         help="profile each decode row's steps once more and append, per step, "
                              "the device span, the kernels' time and each kernel to PATH")
@@ -481,7 +481,7 @@ def print_tables(result: dict) -> None:
         print(f"{r['model']:<18} {r['batch']:>5} {r['context']:>7.0f} {r['step_ms']:>8.3f} "
               f"{r['roofline_ms']:>8.3f} {r['ratio']:>5.2f} {r['of_limit']:>8.1%} "
               f"{r['sync_step_ms']:>12.3f} {r['sync_ratio']:>10.2f} {r['graphs']!s:6} "
-              f"{r.get('small_batch_kernels', False)!s:11} {r.get('skinny_pdl')}")
+              f"{r.get('small_batch_kernels', False)!s:11} {r.get('pdl')}")
     for r in result.get("ttft", []):
         print(f"TTFT {r['model']} {r['prompt_len']} tokens: {r['ttft_s'] * 1e3:.1f} ms, limit "
               f"{r['limit_s'] * 1e3:.1f} ms ({r['limit']['gemm_tflop']:.3g} TFLOP GEMM + "

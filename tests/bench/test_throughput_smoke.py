@@ -82,16 +82,16 @@ def test_decode_rows_side_by_side_with_and_without_small_batch_kernels(bench,  #
 
 
 def test_decode_rows_per_pdl_setting_and_their_profile(bench, tmp_path: Path) -> None:  # noqa: ANN001
-    """`--skinny-pdl both` runs the small-batch rows once per PDL setting (the rows without
+    """`--pdl both` runs the small-batch rows once per PDL setting (the rows without
     the kernels once), named apart in the figures; `--profile-decode` appends each row's
     decode steps, per step, to one file."""
     out, prof = tmp_path / "t.json", tmp_path / "decode.txt"
     bench.main(["--device", "cpu", "--skip-throughput", "--decode-models", "kvfit-tiny",
                 "--decode-batches", "2", "--decode-context", "32", "--iters", "3",
-                "--ttft-models", "--small-batch-kernels", "both", "--skinny-pdl", "both",
+                "--ttft-models", "--small-batch-kernels", "both", "--pdl", "both",
                 "--profile-decode", str(prof), "--out", str(out)])
     record = json.loads(out.read_text())
-    rows = [(d["small_batch_kernels"], d["skinny_pdl"]) for d in record["results"]["decode"]]
+    rows = [(d["small_batch_kernels"], d["pdl"]) for d in record["results"]["decode"]]
     assert rows == [(False, None), (True, False), (True, True)]
     figures = record["figures"]
     for name in ("batch2", "batch2.small_batch.no_pdl", "batch2.small_batch.pdl"):

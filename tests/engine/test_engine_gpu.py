@@ -114,6 +114,34 @@ def test_small_batch_kernels_give_the_default_greedy_tokens(make_llm) -> None:
         assert got == expected, kwargs
 
 
+def test_pdl_gives_the_bits_without_it(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programmatic dependent launch overlaps a small step's kernels and changes no arithmetic:
+    with it on, graphs at every batch size and eager steps give the tokens and logprobs
+    without it, under greedy and seeded sampling (a kernel reading its predecessor's output
+    before `griddepcontrol.wait` would show as a different token or logprob)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    from kvfit.ops import pdl
+
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             logprobs=1),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             logprobs=1)]
+
+    def run(**kwargs: object) -> list:
+        llm = make_llm(small_batch_kernels=True, **kwargs)
+        out = [(c.token_ids, c.cumulative_logprob) for p in params
+               for o in llm.generate(prompts(), p, use_tqdm=False) for c in o.outputs]
+        llm.shutdown()
+        return out
+
+    for kwargs in (dict(cuda_graph_sizes=[1, 2, 4, 8, 16]), dict(enforce_eager=True)):
+        monkeypatch.setattr(pdl, "PDL_DEFAULT", False)
+        expected = run(**kwargs)
+        monkeypatch.setattr(pdl, "PDL_DEFAULT", True)
+        assert run(**kwargs) == expected, kwargs
+
+
 def test_a_warm_engine_with_small_batch_kernels_compiles_nothing_for_new_batch_sizes(
         make_llm) -> None:
     """The skinny kernels specialise on no row count (M is a runtime argument, the M = 1 path a

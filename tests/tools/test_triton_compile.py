@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -285,11 +286,10 @@ def test_skinny_pdl_launch_reads_and_writes_nothing_before_its_wait(
     """Launched with programmatic dependent launch, a skinny kernel may run beside the kernel
     before it: before `griddepcontrol.wait` its PTX may only prefetch (the weights), never load
     x nor store; and it lets its successor start (`launch_dependents`)."""
-    import re
 
     from kvfit.ops import triton_skinny
 
-    monkeypatch.setattr(triton_skinny, "_use_pdl", lambda pdl, device: True)
+    monkeypatch.setattr(triton_skinny, "use_pdl", lambda pdl, device: True)
     monkeypatch.syspath_prepend(str(TOOLS))
     sass = importlib.import_module("triton_sass")
     n, k = 4096, 1024
@@ -308,3 +308,50 @@ def test_skinny_pdl_launch_reads_and_writes_nothing_before_its_wait(
                                 before)
         assert memory_ops and set(memory_ops) == {"prefetch.global"}, named["PROLOGUE"]
         assert "griddepcontrol.launch_dependents" in after
+
+
+@pytest.mark.parametrize("cache", ["same", "fp8"])
+def test_decode_step_pdl_kernels_wait_before_any_memory_access(
+    monkeypatch: pytest.MonkeyPatch, cache: str,
+) -> None:
+    """With PDL on, a small-batch step's attention input, decode attention and split reduction
+    launch with it, and each program's first memory access comes after `griddepcontrol.wait`
+    (its inputs are its predecessor's outputs), then lets its successor start. A large step's
+    kernels launch without it."""
+    from kvfit.ops import pdl, triton_attention, triton_attention_input
+    from kvfit.ops.small_batch import small_batch_kernels
+
+    monkeypatch.setattr(pdl, "use_pdl", lambda requested, device: True)
+    monkeypatch.setattr(triton_attention, "_has_e4m3x2_cvt", lambda device: True)
+    monkeypatch.syspath_prepend(str(TOOLS))
+    sass = importlib.import_module("triton_sass")
+
+    def step(num_seqs: int) -> None:
+        batch = sass.make_paged_batch([(2047, 1)] * num_seqs, num_heads=16, num_kv_heads=4,
+                                      head_dim=128, dtype=torch.bfloat16)
+        k_cache, v_cache, extra = batch.k_cache, batch.v_cache, {}
+        if cache == "fp8":
+            k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+            extra = dict(k_scale=torch.ones(1), v_scale=torch.ones(1),
+                         fp8_compute_dtype=torch.float16)
+        args = _attention_input_args(128, cache == "fp8")
+        triton_attention_input.attention_input_triton(**args)
+        triton_attention.paged_attention_triton(
+            batch.query, k_cache, v_cache, batch.metadata, 128**-0.5,
+            torch.empty_like(batch.query), **extra)
+
+    with small_batch_kernels():
+        launches = sass.captured_launches(lambda: step(2))
+        large = sass.captured_launches(lambda: step(17))
+    names = [fn.__name__ for fn, _, _ in launches]
+    assert names[0] == "_attention_input_kernel" and names[-1] == "_reduce_splits_kernel"
+    assert len(names) == 3
+    for fn, named, options in launches:
+        assert options.get("launch_pdl") and named["PDL"], fn.__name__
+        ptx = sass.compile_launch(fn, named, options, arch=90).asm["ptx"]
+        before, _, after = ptx.partition("griddepcontrol.wait")
+        assert after, fn.__name__
+        assert not re.findall(r"\b(?:ld|st|cp\.async|atom|red|prefetch)\.global", before)
+        assert "griddepcontrol.launch_dependents" in after, fn.__name__
+    # The attention input there still takes the test's 5 tokens: only the attention is large.
+    assert [options.get("launch_pdl", False) for _, _, options in large[1:]] == [False, False]

@@ -64,8 +64,8 @@ def throughput(p: dict[str, Any]) -> Figures:
     for d in p.get("decode", []):
         # Rows with the small-batch kernels (`--small-batch-kernels`) beside the default ones.
         small = ".small_batch" if d.get("small_batch_kernels") else ""
-        # ... and with their PDL set either way (`--skinny-pdl`), beside the default ones.
-        pdl = {True: ".pdl", False: ".no_pdl"}.get(d.get("skinny_pdl"), "")
+        # ... and with their PDL set either way (`--pdl`), beside the default ones.
+        pdl = {True: ".pdl", False: ".no_pdl"}.get(d.get("pdl"), "")
         name = f"decode.{d['model']}.batch{d['batch']}{small}{pdl}"
         f[f"{name}.step_ms"] = figure(d["step_ms"], "ms", "lower")
         f[f"{name}.over_roofline"] = figure(d["ratio"], "ratio", "lower")

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kvfit.kv_quant import is_fp8
+from kvfit.ops.pdl import pdl_launch, wait_then_release
 
 if TYPE_CHECKING:
     from kvfit.ops.attention import AttentionMetadata
@@ -263,7 +264,9 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     FP8: tl.constexpr,
     FP8_F16: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_then_release(PDL)  # first: the query is the kernel before's output
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -430,6 +433,7 @@ def _decode_fp8_pairs_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     ASM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """`_decode_kernel` over an e4m3 cache, computing in float16, that reads the cache as
     uint16 pairs of dims (2i, 2i + 1) and splits each dot by parity: q.k = q_even.k_even +
@@ -444,6 +448,7 @@ def _decode_fp8_pairs_kernel(
 
     The cache strides (stride_cb, stride_cs, stride_ch) count uint16 pairs: the host halves
     them (they are even, `_use_fp8_pairs`), so no row offset is divided in the loop."""
+    wait_then_release(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -517,7 +522,9 @@ def _reduce_splits_kernel(
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_then_release(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc + seq).to(tl.int64)  # row * stride may pass 2**31
@@ -697,6 +704,7 @@ def paged_attention_triton(
         dtype=torch.float32, device=query.device,
     )  # fmt: skip
     grid = (num_seqs, num_kv_heads, num_splits)
+    pdl = dict(PDL=True, launch_pdl=True) if pdl_launch(num_tokens, query.device) else {}
     args = (query, k_cache, v_cache, out, part_out, part_lse,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
             scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens)  # fmt: skip
@@ -707,14 +715,14 @@ def paged_attention_triton(
     if _use_fp8_pairs(fp8_pairs, k_cache, fp8_f16 or (fp8 and query.dtype == torch.float16)):
         _decode_fp8_pairs_kernel[grid](
             *args, *query.stride(), *out.stride(), *(s // 2 for s in k_cache.stride()[:3]),
-            metadata.block_table.stride(0), ASM=_has_e4m3x2_cvt(query.device), **shape,
+            metadata.block_table.stride(0), ASM=_has_e4m3x2_cvt(query.device), **shape, **pdl,
         )  # fmt: skip
     else:
-        _decode_kernel[grid](*args, *common, FP8=fp8, FP8_F16=fp8_f16, **shape)
+        _decode_kernel[grid](*args, *common, FP8=fp8, FP8_F16=fp8_f16, **shape, **pdl)
     if split:
         _reduce_splits_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, metadata.query_start_loc, metadata.seq_lens,
             num_splits, max_splits, split_tokens, *out.stride(),
-            NUM_HEADS=num_heads, **dims,
+            NUM_HEADS=num_heads, **dims, **pdl,
         )  # fmt: skip
     return out

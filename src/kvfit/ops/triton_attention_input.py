@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kvfit.kv_quant import is_fp8
+from kvfit.ops.pdl import pdl_launch, wait_then_release
 from kvfit.ops.triton_kv_write import to_cache
 from kvfit.ops.triton_layers import (
     _cos_sin,
@@ -55,7 +56,9 @@ def _attention_input_kernel(
     HALF_P2: tl.constexpr,
     QK_NORM: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_then_release(PDL)  # first: q, k and v are the kernel before's output
     token = tl.program_id(0).to(tl.int64)  # token * row stride may pass 2**31
     cos, sin = _cos_sin(cos_sin_cache, positions, token, HALF, HALF_P2)
 
@@ -128,5 +131,6 @@ def attention_input_triton(
         HEADS_P2=heads_p2, KV_HEADS_P2=triton.next_power_of_2(num_kv_heads),
         HALF=half, HALF_P2=triton.next_power_of_2(half), QK_NORM=qk_norm, FP8=fp8,
         num_warps=_num_warps(heads_p2 * triton.next_power_of_2(head_dim)),
+        **(dict(PDL=True, launch_pdl=True) if pdl_launch(num_tokens, q.device) else {}),
     )  # fmt: skip
     return q_out

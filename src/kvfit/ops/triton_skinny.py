@@ -32,8 +32,8 @@ times. The kernel is shaped for that stream rather than for reuse:
   predecessor (`gdc_wait`) before it reads x or writes anything; it lets its own successor
   start as soon as every program has passed that wait. At one row each node's ~3 us beyond
   its bytes (launch, the first DRAM round trips, the tail) is what paces a decode step, and
-  this overlaps part of it with the node before. Off by default until `bench/skinny_linear.py`
-  times it (`PDL_DEFAULT`).
+  this overlaps part of it with the node before. Off by default until timed (`ops/pdl.py`'s
+  `PDL_DEFAULT`, which the decode step's other kernels follow too).
 
 The launch shape follows the tensor shapes only (graph safe). K is a constexpr (a layer's K
 never changes, and a static trip count lets the loop drop its mask when BLOCK_K divides K).
@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kvfit.ops.pdl import use_pdl
 from kvfit.ops.small_batch import MAX_ROWS, SKINNY_DTYPES
 
 BLOCK_M = 16
@@ -96,10 +97,6 @@ def skinny_config(n: int, k: int, num_sms: int = _DEFAULT_SMS,
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=2 if block_n == 16 else 4,
                 num_stages=4 if one_wave else 3)
 
-
-PDL_DEFAULT = False
-"""Whether the kernels launch with programmatic dependent launch where the device has it
-(`pdl=None`); off until timed on the GPU (`bench/skinny_linear.py`'s `pdl` columns)."""
 
 PREFETCH_BYTES = 32 * 1024
 """Weight bytes each program asks L2 for before it waits on its predecessor: a few pipeline
@@ -289,12 +286,6 @@ def _skinny_kernel(
     tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def _use_pdl(pdl: bool | None, device: torch.device) -> bool:
-    """`pdl`, or `PDL_DEFAULT` where None; only on a CUDA device of compute capability 9.0+."""
-    wanted = PDL_DEFAULT if pdl is None else pdl
-    return wanted and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> None:
     if x.dim() != 2 or x.shape[0] > MAX_ROWS:
         raise ValueError(f"the skinny kernels take x [M, K] with M <= {MAX_ROWS}, got "
@@ -327,7 +318,7 @@ def _launch(
     launch.setdefault("NORM_BLOCK_K", max(16, min(NORM_BLOCK_K, triton.next_power_of_2(k) // 2)))
     launch.setdefault("NORM_STAGES", 2)
     launch.setdefault("GEMV_STAGES", launch.get("num_stages", 3))
-    if _use_pdl(pdl, x.device):
+    if use_pdl(pdl, x.device):
         # 64 elements a line: 128 bytes of bf16/fp16.
         cols = max(64, min(PREFETCH_BYTES // (2 * block_n), triton.next_power_of_2(k)))
         launch.update(PDL=True, PREFETCH_K=cols, launch_pdl=True)
@@ -346,8 +337,8 @@ def skinny_linear_triton(
     config: dict[str, int] | None = None, pdl: bool | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [M, K], M <= `MAX_ROWS`, in one kernel. `config`
-    overrides `skinny_config` (the bench's sweep); `pdl` the launch's `PDL_DEFAULT`. Memory:
-    the output [M, N] only."""
+    overrides `skinny_config` (the bench's sweep); `pdl` the launch's `ops.pdl.PDL_DEFAULT`.
+    Memory: the output [M, N] only."""
     return _launch(x, weight, bias, x.shape[-1], NONE, config, pdl=pdl)
 
 

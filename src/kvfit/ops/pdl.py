@@ -1,0 +1,53 @@
+"""Programmatic dependent launch (PDL, sm_90+) for the kernels of a small-batch decode step.
+
+At decode batch 1 a step is a chain of ~7 kernel nodes a layer, each paced less by its bytes
+than by its launch, its first DRAM round trips and its tail. Launched with PDL, a node may start
+while the node before it finishes: it waits (`griddepcontrol.wait`, which returns once its
+predecessor has completed and its writes are visible) before it touches any memory but what no
+kernel writes (weights, which the skinny kernels prefetch first), and then lets its own
+successor start (`griddepcontrol.launch_dependents`). Every program of a PDL kernel waits
+before it returns, so that "complete" passes down the chain: a kernel that waited on its
+predecessor also waited, through it, on every kernel before.
+
+Which kernels: the ones of a step of at most `small_batch.MAX_ROWS` tokens with the small-batch
+kernels on (`pdl_launch`): the skinny linear layers, the attention input and the decode
+attention with its split reduction; that is where it is timed. A successor launches only once
+every program of its predecessor has started and passed its wait, so its programs, waiting on
+their SMs, never hold one that a program of the predecessor still needs. Off by default until
+`bench/throughput.py --pdl both` times whole decode steps each way (`PDL_DEFAULT`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kvfit.ops.small_batch import MAX_ROWS, is_small_batch_enabled
+
+PDL_DEFAULT = False
+"""Whether the small-batch step's kernels launch with PDL (`pdl=None`) where the device has it;
+`bench/skinny_linear.py` times the skinny kernels each way, `bench/throughput.py --pdl` whole
+decode steps."""
+
+
+def use_pdl(pdl: bool | None, device: torch.device) -> bool:
+    """`pdl`, or `PDL_DEFAULT` where None; only on a CUDA device of compute capability 9.0+."""
+    wanted = PDL_DEFAULT if pdl is None else pdl
+    return wanted and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_launch(num_tokens: int, device: torch.device) -> bool:
+    """Whether a kernel of a step of `num_tokens` tokens launches with PDL: the small-batch
+    kernels are on, the step has at most `MAX_ROWS` tokens and `use_pdl` says so."""
+    return is_small_batch_enabled() and 0 < num_tokens <= MAX_ROWS and use_pdl(None, device)
+
+
+@triton.jit
+def wait_then_release(PDL: tl.constexpr):
+    """A PDL kernel's first statement: wait for the kernel before (its writes visible), then
+    let the kernel after start. Nothing where `PDL` is off."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
