@@ -191,9 +191,10 @@ def test_fp8_pairs_decode_finds_tokens_on_pages_of_any_size(paged_batch, block_s
 
 
 def test_fp8_decode_splits_in_parts_of_equal_bytes(paged_batch):
-    """By default an e4m3 cache's decode parts span twice a 16-bit cache's tokens (the same
-    bytes); a row longer than two fp8 parts, reduced from its parts, matches the same kernel
-    run unsplit (the two differ only in summation order)."""
+    """An e4m3 cache's base decode parts span twice a 16-bit cache's tokens (the same bytes;
+    a launch of few sequences shortens both alike); a row longer than two fp8 parts, reduced
+    from its parts, matches the same kernel run unsplit (the two differ only in summation
+    order)."""
     assert triton_attention.split_tokens_for(torch.float8_e4m3fn) == 2 * (
         triton_attention.split_tokens_for(torch.bfloat16))
     tokens = triton_attention.split_tokens_for(torch.float8_e4m3fn)
@@ -207,7 +208,8 @@ def test_fp8_decode_splits_in_parts_of_equal_bytes(paged_batch):
         outs.append(torch.full_like(query, float("nan")))
         triton_attention.paged_attention_triton(
             query, k8, v8, batch.metadata, 0.3, outs[-1], max_splits=max_splits,
-            k_scale=torch.ones(1), v_scale=torch.ones(1), fp8_compute_dtype=torch.float16)
+            split_tokens=tokens, k_scale=torch.ones(1), v_scale=torch.ones(1),
+            fp8_compute_dtype=torch.float16)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
 
 
@@ -355,3 +357,29 @@ def test_prefill_grid_keeps_axes_1_and_2_within_cuda_limits(paged_batch, monkeyp
     grid = launches[0]
     assert all(n <= 65_535 for n in grid[1:])
     assert math.prod(grid) == 2 * 70_000 * 16 // 16 * 2  # every (KV head, tile, sequence)
+
+
+def test_decode_split_tokens_shorten_for_a_launch_of_few_sequences():
+    """A launch of few sequences splits each one finer, so that its KV heads and splits give
+    every SM a program; from enough sequences on, the dtype's base. A batch padded to its
+    default CUDA graph size splits as it does eager."""
+    from kvfit.engine.config import _resolve_graph_sizes
+
+    split = triton_attention.decode_split_tokens
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    assert split(bf16, 1, 8, 132) == triton_attention.MIN_SPLIT_TOKENS
+    assert split(bf16, 256, 8, 132) == triton_attention.split_tokens_for(bf16)
+    assert split(fp8, 256, 8, 132) == triton_attention.split_tokens_for(fp8)
+    for dtype in (bf16, fp8):
+        for kv_heads in (1, 2, 4, 8, 32):
+            base = triton_attention.split_tokens_for(dtype)
+            tokens = [split(dtype, n, kv_heads, 132) for n in range(1, 513)]
+            assert tokens == sorted(tokens)  # more sequences, never shorter splits
+            assert all(triton_attention.MIN_SPLIT_TOKENS <= t <= base for t in tokens)
+            for n, t in enumerate(tokens, 1):
+                programs = (1 << (n - 1).bit_length()) * kv_heads * base // t
+                assert t == triton_attention.MIN_SPLIT_TOKENS or programs >= 132
+            sizes = _resolve_graph_sizes(None, 512)
+            for n in range(1, 513):
+                padded = min(s for s in sizes if s >= n)
+                assert split(dtype, padded, kv_heads, 132) == tokens[n - 1], (n, padded)

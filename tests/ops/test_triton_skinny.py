@@ -55,6 +55,19 @@ def test_skinny_linear_matches_torch(rows: int, n: int, k: int, bias: bool) -> N
 
 
 @interpret
+@pytest.mark.parametrize("row_gemv", [True, False])
+def test_one_row_takes_either_path(row_gemv: bool) -> None:
+    """At one row the plain kernel takes FMAs or the 16-row MMA tile (`ROW_GEMV`), off-tile N
+    and K included; both give the product."""
+    w, b = _weights(70, 200, torch.float16)
+    x = torch.randn(1, 200, dtype=torch.float16)
+    got = triton_skinny.skinny_linear_triton(
+        x, w, b, config=dict(BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2,
+                             ROW_GEMV=row_gemv))
+    _close(got, _linear_fp32(x, w, b))
+
+
+@interpret
 def test_skinny_linear_takes_a_config_and_a_strided_input() -> None:
     """The bench's configs are launch overrides, and a row-strided x (a slice) is read right."""
     w, b = _weights(70, 96, torch.float16)
@@ -158,6 +171,9 @@ def test_skinny_config_gives_every_sm_a_program_and_keeps_block_k_a_divisor() ->
             assert k % cfg["BLOCK_K"] == 0
             assert -(-n // cfg["BLOCK_N"]) >= 132 or cfg["BLOCK_N"] == 16
     assert triton_skinny.skinny_config(24576, 4096)["BLOCK_N"] == 64
+    # One row: FMAs up to 32-row tiles, the MMA for the 64-row ones (timed per shape).
+    assert [triton_skinny.skinny_config(n, 4096)["ROW_GEMV"] for n in (4096, 6144, 24576)
+            ] == [True, True, False]
     assert triton_skinny.skinny_config(1024, 3072)["BLOCK_N"] == 16
     # A prologue's buffers fit two programs a SM at four stages: a grid beyond that takes three.
     assert triton_skinny.skinny_config(24576, 4096, prologue=True)["num_stages"] == 3

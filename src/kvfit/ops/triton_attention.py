@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kvfit.kv_quant import is_fp8
 from kvfit.ops.pdl import pdl_launch, wait_then_release
+from kvfit.ops.sm_count import DEFAULT_SMS, num_sms
 
 if TYPE_CHECKING:
     from kvfit.ops.attention import AttentionMetadata
@@ -32,11 +33,17 @@ SPLIT_TOKENS = 512
 """Decode splits a sequence into parts of this many tokens (whole tiles), twice as many in an
 FP8 cache (`split_tokens_for`) ..."""
 MAX_SPLITS = 32
-"""... and at most this many parts; longer sequences get longer parts.
+"""... and at most this many parts; longer sequences get longer parts. A launch of few
+sequences splits shorter (`decode_split_tokens`).
 
-How a sequence is split depends on its own length alone, never on the batch or the launch's
-`max_seq_len`: eager decode, a CUDA graph captured at max_model_len and any batch composition
-then sum each sequence's attention in the same order, so their greedy outputs agree exactly."""
+How a sequence is split depends on its own length and the launch's sequence count rounded up
+to a power of two, never on the launch's `max_seq_len`: eager decode and a CUDA graph captured
+at max_model_len (its batch padded to a capture size, by default 1, 2, 4, 8, then multiples of
+16: the same power of two) sum each sequence's attention in the same order, and their
+greedy outputs agree exactly. Across batch sizes they need not (nor do the GEMMs'); the
+deterministic mode's kernel never splits."""
+MIN_SPLIT_TOKENS = 64
+"""The shortest split `decode_split_tokens` makes: one tile of the decode kernel's BLOCK_N."""
 
 
 @triton.jit
@@ -556,8 +563,28 @@ def split_tokens_for(kv_dtype: torch.dtype) -> int:
     the 16-bit sweep's choice; an e4m3 token is half the bytes, and its sweep favours 1,024
     (H200, `bench/attention.py --sweep --kv-cache-dtype fp8`, 2026-12-05: 64 x 4,096 decode
     0.178 ms at 1,024 tokens against 0.188 at 512, one 32k sequence 0.049 against 0.048-0.052).
-    Fixed per engine, so a sequence's split still follows its length alone."""
+    A launch of few sequences shortens it (`decode_split_tokens`)."""
     return SPLIT_TOKENS * 2 if is_fp8(kv_dtype) else SPLIT_TOKENS
+
+
+def decode_split_tokens(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int,
+                        sms: int = DEFAULT_SMS) -> int:
+    """Tokens per decode split for a launch of `num_seqs` sequences of `num_kv_heads` KV heads
+    on `sms` SMs: `split_tokens_for` the dtype, divided (by a power of two, down to
+    `MIN_SPLIT_TOKENS`) until each such span of a sequence gives every SM a program.
+
+    Why: one program reads one split of one KV head, its tiles one after the other, each
+    paced by a DRAM round trip. At batch 1 (8 KV heads, 1k tokens) 512-token splits made 24
+    programs for 132 SMs, and the kernel took 12.3 us for 4.2 MB (H100, `bench/throughput.py
+    --profile-decode`, 2026-12-05): 1/9 of copy bandwidth, a quarter of the 0.6B shape's
+    batch-1 step. At 64 sequences and more nothing changes. The count is rounded up to a
+    power of two so that a batch padded to its CUDA graph's size splits as it would eager
+    (`MAX_SPLITS`)."""
+    tokens = split_tokens_for(kv_dtype)
+    rows = triton.next_power_of_2(max(1, num_seqs)) * num_kv_heads
+    while tokens > MIN_SPLIT_TOKENS and rows * split_tokens_for(kv_dtype) // tokens < sms:
+        tokens //= 2
+    return tokens
 
 
 def num_kv_splits(max_seq_len: int, max_splits: int = MAX_SPLITS,
@@ -637,7 +664,7 @@ def paged_attention_triton(
     """Launch the prefill kernel (query length > 1) and the decode kernel (query length 1).
 
     Decode splits a sequence of n tokens into min(max_splits, ceil(n / split_tokens)) parts
-    (default `split_tokens_for` the cache's dtype).
+    (default `decode_split_tokens` for the cache's dtype and the launch's sequences).
     The split settings and tile configs override the defaults (tests and `bench/attention.py
     --sweep` use them). An FP8 cache is read with the [1] float32 scales (on the device).
     `fp8_compute_dtype` is the 16-bit dtype its tiles widen to for the dots (default the
@@ -691,7 +718,8 @@ def paged_attention_triton(
         )  # fmt: skip
     if batch_invariant:
         return out
-    split_tokens = split_tokens or split_tokens_for(k_cache.dtype)
+    split_tokens = split_tokens or decode_split_tokens(k_cache.dtype, num_seqs, num_kv_heads,
+                                                       num_sms(query.device))
     num_splits = num_kv_splits(metadata.max_seq_len, max_splits, split_tokens)
     split = num_splits > 1
     # Scratch shapes come from host ints, so allocating here is fine under graph capture.

@@ -13,11 +13,10 @@ times. The kernel is shaped for that stream rather than for reuse:
   kernel exists to remove. The memory bound is the output alone; no workspace.
 - The MMA is `tl.dot` on a 16-row tile of x (its smallest M), rows past M masked off: loading
   them costs no bytes, and one compiled variant serves every M up to 16 (`M` is not
-  specialised, so no batch size compiles anything new). At M = 1 every kernel takes FMAs
-  instead (a runtime branch, `_product`): a prologue costs ALU work per row of the tile, and
-  even without one the tile was slower at one row (H100: 0.6B down_proj 8.8 us as a 16-row
-  MMA, 6.3 with FMAs and the SiLU prologue besides; `ROW_GEMV=False` keeps the tile, for the
-  bench's `skinny_mma` column).
+  specialised, so no batch size compiles anything new). At M = 1 a kernel takes FMAs instead
+  (a runtime branch, `_product`) where it has a prologue, which costs ALU work per row of the
+  tile, and without one where its weight tile is at most 32 rows (`ROW_GEMV`, timed per
+  shape in `skinny_config`: the 0.6B down_proj 8.9 us as a 16-row MMA, 5.7 with FMAs).
 - A prologue is recomputed by every program (from L2: the x rows are a few KB): the RMSNorm's
   rms by a pre-pass over the row, the SiLU per tile. That is ~10 (norm) and ~30 (SiLU)
   instructions per x element per program, cheap for one row and not for 16 (see `_product`).
@@ -41,29 +40,18 @@ never changes, and a static trip count lets the loop drop its mask when BLOCK_K 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvfit.ops.pdl import use_pdl
+from kvfit.ops.sm_count import DEFAULT_SMS, num_sms
 from kvfit.ops.small_batch import MAX_ROWS, SKINNY_DTYPES
 
 BLOCK_M = 16
 """Rows of the MMA tile: `tl.dot`'s smallest M; x rows past M are masked (no bytes read)."""
-_DEFAULT_SMS = 132  # an H100/H200, for launches captured without a GPU (tools, interpreter)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _DEFAULT_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def skinny_config(n: int, k: int, num_sms: int = _DEFAULT_SMS,
+def skinny_config(n: int, k: int, num_sms: int = DEFAULT_SMS,
                   prologue: bool = False) -> dict[str, int]:
     """Tiles and launch options for a `[n, k]` weight (to be timed: `bench/skinny_linear.py`).
 
@@ -89,13 +77,19 @@ def skinny_config(n: int, k: int, num_sms: int = _DEFAULT_SMS,
     a SM: one wave).
     The H200 measured the two-wave case 1.33x slower than its unfused pair (69 against 52 us),
     where every one-wave fused kernel won.
+
+    ROW_GEMV: the plain kernel's one-row path (`_product`), FMAs where the tile is at most 32
+    rows of W. H100, 2026-12-05, FMAs against the 16-row MMA at one row: 0.6B qkv 4.9/5.5 us,
+    o_proj 4.5/5.5, gate_up 6.5/7.1, down 5.7/8.9, 8B qkv 19.3/20.1, o_proj 13.4/14.6, down
+    36.2/38.6; at BLOCK_N 64 the MMA's: 8B gate_up 68.7/73.1, LM heads 102.4/109.0 (0.6B) and
+    406.3/408.9 (8B).
     """
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= num_sms), 16)
     block_k = 256 if block_n <= 32 else 128
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     one_wave = not prologue or triton.cdiv(n, block_n) <= 2 * num_sms
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=2 if block_n == 16 else 4,
-                num_stages=4 if one_wave else 3)
+                num_stages=4 if one_wave else 3, ROW_GEMV=block_n <= 32)
 
 
 PREFETCH_BYTES = 32 * 1024
@@ -310,7 +304,7 @@ def _launch(
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
-    launch = dict(config or skinny_config(n, k, _num_sms(x.device), prologue != NONE))
+    launch = dict(config or skinny_config(n, k, num_sms(x.device), prologue != NONE))
     block_n = launch.pop("BLOCK_N")
     # At least two iterations: a one-block pass over the whole row let the compiler keep the
     # row live into the product's loop, where it spilled (K 1024: 255 registers and 292 bytes
