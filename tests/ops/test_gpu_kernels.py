@@ -138,21 +138,24 @@ def test_cuda_graph_replay_with_new_inputs(paged_batch, query_lens):
         assert _rel_error(out, _reference(batch, 0.1)) < 1e-2
 
 
-def test_decode_split_layout_depends_on_the_sequence_alone(paged_batch):
-    """A decode row's output is bit-identical whether it runs alone at its own max_seq_len or
-    in a larger batch launched at max_model_len (a CUDA graph's bound): eager and graph
-    replay then give the same greedy tokens."""
+def test_decode_split_layout_follows_the_sequence_and_the_padded_batch(paged_batch):
+    """A decode row's output is bit-identical at its launch's own max_seq_len and at
+    max_model_len (a CUDA graph's bound), and in a batch padded to its graph's size (rows of
+    one token past the real ones): eager and graph replay then give the same greedy tokens.
+    The split follows the row's length and the launch's row count rounded up to a power of
+    two (`decode_split_tokens`), which such padding keeps."""
     lens = [5000, 700, 1, 12000, 513]
-    batch = paged_batch([(n - 1, 1) for n in lens], num_heads=32, num_kv_heads=8, head_dim=128,
-                        dtype=torch.bfloat16, device="cuda")  # fmt: skip
-    md, scale = batch.metadata, 128**-0.5
-    wide = AttentionMetadata(md.slot_mapping, md.query_start_loc, md.seq_lens, md.block_table,
-                             max_query_len=1, max_seq_len=32768)  # fmt: skip
-    together = paged_attention(batch.query, batch.k_cache, batch.v_cache, wide, scale)
-    for i, n in enumerate(lens):
-        alone = AttentionMetadata(
-            md.slot_mapping[i : i + 1], torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
-            md.seq_lens[i : i + 1], md.block_table[i : i + 1], max_query_len=1, max_seq_len=n,
-        )
-        out = paged_attention(batch.query[i : i + 1], batch.k_cache, batch.v_cache, alone, scale)
-        assert torch.equal(out, together[i : i + 1]), f"sequence of {n} tokens"
+    padded = lens + [1] * 3  # a graph of 8 rows
+    batch = paged_batch([(n - 1, 1) for n in padded], num_heads=32, num_kv_heads=8,
+                        head_dim=128, dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    md, scale, real = batch.metadata, 128**-0.5, len(lens)
+
+    def run(rows: int, max_seq_len: int) -> torch.Tensor:
+        sliced = AttentionMetadata(md.slot_mapping[:rows], md.query_start_loc[: rows + 1],
+                                   md.seq_lens[:rows], md.block_table[:rows], max_query_len=1,
+                                   max_seq_len=max_seq_len)  # fmt: skip
+        return paged_attention(batch.query[:rows], batch.k_cache, batch.v_cache, sliced, scale)
+
+    eager = run(real, max(lens))
+    assert torch.equal(run(real, 32768), eager)
+    assert torch.equal(run(len(padded), 32768)[:real], eager)
