@@ -383,3 +383,28 @@ def test_decode_split_tokens_shorten_for_a_launch_of_few_sequences():
             for n in range(1, 513):
                 padded = min(s for s in sizes if s >= n)
                 assert split(dtype, padded, kv_heads, 132) == tokens[n - 1], (n, padded)
+
+
+def test_split_scratch_grows_with_the_launch_so_warmup_measures_its_largest():
+    """A launch of fewer sequences may split into more (sequence, split) parts than one of
+    more; the scratch is allocated for `short_launch_parts` where that is more than the
+    launch's own, so the allocation grows with the sequence count and max_seq_len, and the
+    warmup's launch of the most rows at max_model_len is the largest any launch makes."""
+    split, parts = triton_attention.decode_split_tokens, triton_attention.short_launch_parts
+    num_kv_splits = triton_attention.num_kv_splits
+    own = [n * num_kv_splits(1035, 32, split(torch.bfloat16, n, 8, 132)) for n in (4, 5)]
+    assert own == [68, 45]  # fewer sequences, more parts: the case the bound exists for
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for kv_heads in (1, 4, 8, 64, 200):
+            for max_seq_len in (1, 100, 1035, 4096, 131072):
+                most = last = 0
+                for n in range(1, 300):
+                    own = n * num_kv_splits(max_seq_len, 32, split(dtype, n, kv_heads, 132))
+                    alloc = max(parts(n, kv_heads, max_seq_len, 32, 132), own)
+                    most = max(most, own)
+                    assert alloc >= most and alloc >= last, (kv_heads, max_seq_len, n)
+                    last = alloc
+                longer = max(parts(299, kv_heads, 2 * max_seq_len, 32, 132),
+                             299 * num_kv_splits(2 * max_seq_len, 32,
+                                                 split(dtype, 299, kv_heads, 132)))
+                assert longer >= last

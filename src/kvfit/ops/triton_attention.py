@@ -587,6 +587,28 @@ def decode_split_tokens(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int,
     return tokens
 
 
+def short_launch_parts(num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                       max_splits: int = MAX_SPLITS, sms: int = DEFAULT_SMS) -> int:
+    """The most (sequence, split) parts a decode launch of at most `num_seqs` sequences at this
+    `max_seq_len` can make with splits shortened by `decode_split_tokens`; the split scratch
+    is allocated for this many parts where the launch's own are fewer.
+
+    Memory: the scratch takes 4 bytes x heads x (head_dim + 1) a part, for max(this bound,
+    num_seqs x splits). A launch of fewer sequences may split into more parts (4 sequences
+    of 8 KV heads split 1k tokens 17 ways, 5 sequences 9 ways: 68 parts against 45), so the
+    launch's own count alone does not grow with `num_seqs` and warmup's step of the most rows
+    would not meet the largest scratch. Only launches of at most `short` sequences split below
+    the base (their count, rounded up to a power of two, times their KV heads leaves an SM
+    without a program at the base), each sequence into at most `num_kv_splits(max_seq_len,
+    max_splits, MIN_SPLIT_TOKENS)` parts; launches of more split at the base, so their parts
+    grow with `num_seqs`. The allocation thus grows with `num_seqs` and `max_seq_len`, and
+    warmup's launch of the most rows at `max_model_len` measures every launch's."""
+    short = 0
+    while max(1, 2 * short) * num_kv_heads < sms:
+        short = max(1, 2 * short)
+    return min(num_seqs, short) * num_kv_splits(max_seq_len, max_splits, MIN_SPLIT_TOKENS)
+
+
 def num_kv_splits(max_seq_len: int, max_splits: int = MAX_SPLITS,
                   split_tokens: int = SPLIT_TOKENS) -> int:
     """Split programs to launch per sequence: enough for the longest sequence the launch may
@@ -718,19 +740,23 @@ def paged_attention_triton(
         )  # fmt: skip
     if batch_invariant:
         return out
-    split_tokens = split_tokens or decode_split_tokens(k_cache.dtype, num_seqs, num_kv_heads,
-                                                       num_sms(query.device))
+    parts = 0  # beyond this launch's own: none where split_tokens is given (tests, sweeps)
+    if split_tokens is None:
+        sms = num_sms(query.device)
+        split_tokens = decode_split_tokens(k_cache.dtype, num_seqs, num_kv_heads, sms)
+        parts = short_launch_parts(num_seqs, num_kv_heads, metadata.max_seq_len, max_splits,
+                                   sms)
     num_splits = num_kv_splits(metadata.max_seq_len, max_splits, split_tokens)
     split = num_splits > 1
-    # Scratch shapes come from host ints, so allocating here is fine under graph capture.
-    part_out = torch.empty(
-        (num_seqs, num_heads, num_splits, head_dim) if split else (0,),
-        dtype=torch.float32, device=query.device,
-    )  # fmt: skip
-    part_lse = torch.empty(
-        (num_seqs, num_heads, num_splits) if split else (0,),
-        dtype=torch.float32, device=query.device,
-    )  # fmt: skip
+    parts = max(parts, num_seqs * num_splits) if split else 0
+    # Scratch shapes come from host ints, so allocating here is fine under graph capture. The
+    # launch uses the first num_seqs * num_splits parts of each.
+    part_out = torch.empty(parts * num_heads * head_dim, dtype=torch.float32,
+                           device=query.device)[: num_seqs * num_heads * num_splits * head_dim
+                                                if split else 0]
+    part_lse = torch.empty(parts * num_heads, dtype=torch.float32,
+                           device=query.device)[: num_seqs * num_heads * num_splits
+                                                if split else 0]
     grid = (num_seqs, num_kv_heads, num_splits)
     pdl = dict(PDL=True, launch_pdl=True) if pdl_launch(num_tokens, query.device) else {}
     args = (query, k_cache, v_cache, out, part_out, part_lse,
