@@ -91,6 +91,7 @@ def _time_us(calls: list[Callable[[], object]]) -> float:
 def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool) -> dict:
     from kvfit.ops import triton_skinny as ts
     from kvfit.ops.layers import add_rms_norm, silu_and_mul
+    from kvfit.ops.sm_count import num_sms
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     weight_bytes = shape.n * shape.k * 2
@@ -115,8 +116,7 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool) -> dict:
                 gate_up, w, pdl=p) for w in ws])
     # The plain kernel at one row takes FMAs (`ROW_GEMV`); its 16-row MMA tile, as at 2-16
     # rows, beside it.
-    mma = {**ts.skinny_config(shape.n, shape.k, torch.cuda.get_device_properties(dev)
-                              .multi_processor_count), "ROW_GEMV": False}
+    mma = {**ts.skinny_config(shape.n, shape.k, num_sms(dev)), "ROW_GEMV": False}
     us["skinny_mma"] = _time_us([lambda w=w: ts.skinny_linear_triton(x, w, config=mma)
                                  for w in ws])
     if shape.prologue == "add_rms_norm":

@@ -580,9 +580,9 @@ def decode_split_tokens(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int,
     batch-1 step. At 64 sequences and more nothing changes. The count is rounded up to a
     power of two so that a batch padded to its CUDA graph's size splits as it would eager
     (`MAX_SPLITS`)."""
-    tokens = split_tokens_for(kv_dtype)
+    base = tokens = split_tokens_for(kv_dtype)
     rows = triton.next_power_of_2(max(1, num_seqs)) * num_kv_heads
-    while tokens > MIN_SPLIT_TOKENS and rows * split_tokens_for(kv_dtype) // tokens < sms:
+    while tokens > MIN_SPLIT_TOKENS and rows * (base // tokens) < sms:
         tokens //= 2
     return tokens
 

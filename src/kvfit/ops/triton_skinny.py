@@ -45,13 +45,15 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kvfit.ops import sm_count
 from kvfit.ops.pdl import use_pdl
-from kvfit.ops.sm_count import DEFAULT_SMS, num_sms
 from kvfit.ops.small_batch import MAX_ROWS, SKINNY_DTYPES
 
 BLOCK_M = 16
 """Rows of the MMA tile: `tl.dot`'s smallest M; x rows past M are masked (no bytes read)."""
-def skinny_config(n: int, k: int, num_sms: int = DEFAULT_SMS,
+
+
+def skinny_config(n: int, k: int, num_sms: int = sm_count.DEFAULT_SMS,
                   prologue: bool = False) -> dict[str, int]:
     """Tiles and launch options for a `[n, k]` weight (to be timed: `bench/skinny_linear.py`).
 
@@ -304,7 +306,7 @@ def _launch(
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
-    launch = dict(config or skinny_config(n, k, num_sms(x.device), prologue != NONE))
+    launch = dict(config or skinny_config(n, k, sm_count.num_sms(x.device), prologue != NONE))
     block_n = launch.pop("BLOCK_N")
     # At least two iterations: a one-block pass over the whole row let the compiler keep the
     # row live into the product's loop, where it spilled (K 1024: 255 registers and 292 bytes
