@@ -8,6 +8,8 @@
 #   TESTS=none BENCH_TIMEOUT=360 bash bench/run_gpu.sh \
 #     "adversarial --models qwen3-0.6b-shape --deadline-s 270"   # bench/adversarial.py: both models
 #   TESTS=tests/engine TAG=_wired bash bench/run_gpu.sh throughput   # a second pass, same $OUT
+#   SHARD=1/2 TAG=_1 bash bench/run_gpu.sh   # the first half of the gpu tests (whole suite
+#                                            # ~470 s on an H100: two calls leave room)
 set -uo pipefail
 out=${OUT:-gpu-out}
 tag=${TAG:-}
@@ -20,8 +22,16 @@ export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
   python3 -m kvfit.cli probe 2>&1
 } | tee -a "$log"
 if [ "${TESTS:-tests}" != none ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests} \
-    2>&1 | tee "$out/gpu_tests$tag.log" | tail -40
+  # shellcheck disable=SC2206  # the paths are words
+  tests=(${TESTS:-tests})
+  if [ -n "${SHARD:-}" ]; then  # i/n: the i-th of n contiguous parts of the gpu tests, in order
+    ids=$(python3 -m pytest -m gpu -q --collect-only -p no:cacheprovider "${tests[@]}" | grep '::')
+    mapfile -t tests < <(awk -v i="${SHARD%/*}" -v n="${SHARD#*/}" -v all="$(wc -l <<< "$ids")" \
+      'NR > int((i - 1) * all / n) && NR <= int(i * all / n)' <<< "$ids")
+    echo "== SHARD $SHARD: ${#tests[@]} of $(wc -l <<< "$ids") gpu tests" | tee -a "$log"
+  fi
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 \
+    "${tests[@]}" 2>&1 | tee "$out/gpu_tests$tag.log" | tail -40
 fi
 for spec in "$@"; do
   read -r name flags <<< "$spec"
