@@ -190,12 +190,14 @@ def sweep(shape: Shape, k_cache, v_cache) -> list[dict]:
             ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch,
                             decode_config=cfg)  # fmt: skip
             rows.append(dict(case=f"decode {batch}x{context}", config=cfg, ms=ms))
-    for tokens in [128, 256, 512, 1024, 2048]:
-        for batch, context in [(64, 4096), (1, 32768)]:
+    # Fixed split lengths, then the default (None: `decode_split_tokens`, which shortens the
+    # splits of a launch of few sequences), at those launches too.
+    for tokens in [64, 128, 256, 512, 1024, 2048, None]:
+        for batch, context in [(64, 4096), (1, 32768), (1, 1024), (4, 1024), (16, 1024)]:
             ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch,
                             split_tokens=tokens)  # fmt: skip
-            rows.append(dict(case=f"decode {batch}x{context}", config=dict(split_tokens=tokens),
-                             ms=ms))
+            rows.append(dict(case=f"decode {batch}x{context}",
+                             config=dict(split_tokens=tokens or "default"), ms=ms))
     if k_cache.dtype == torch.float8_e4m3fn:
         rows += fp8_compute_rows(shape, k_cache, v_cache)
     for r in rows:
