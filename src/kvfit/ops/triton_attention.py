@@ -529,8 +529,18 @@ def _reduce_splits_kernel(
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
+    """One (sequence, query head): its splits' parts weighted by their log-sum-exps.
+
+    All of a sequence's parts are read at once, as a [SPLITS_P2, HEAD_DIM_P2] tile: one round
+    trip to L2, where a loop over them took one per split (at 17-32 splits, what the finer
+    splits of a launch of few sequences make, the loop was longer than the decode itself).
+    The tile is `max_splits` wide rounded up to a power of two, a constant of the engine, not
+    the launch's split count: a tree reduction's order follows its width, so a row sums its
+    parts in one order whatever `max_seq_len` the launch had (eager and graphs agree).
+    Splits past the sequence's own are masked to a weight of 0."""
     wait_then_release(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -540,20 +550,16 @@ def _reduce_splits_kernel(
     seq_splits = _num_seq_splits(tl.load(seq_lens + seq), max_splits, split_tokens)
     d = tl.arange(0, HEAD_DIM_P2)
     d_mask = d < HEAD_DIM
+    s = tl.arange(0, SPLITS_P2)
+    s_mask = s < seq_splits
     base = (seq * NUM_HEADS + head) * num_splits
-    # Sequential loops over this sequence's own splits: the summation order is fixed by
-    # seq_len, whatever the grid's split count (a tree reduction's order follows its width).
-    m = float("-inf")
-    for s in range(0, seq_splits):
-        m = tl.maximum(m, tl.load(part_lse + base + s))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([HEAD_DIM_P2], tl.float32)
-    weight = 0.0
-    for s in range(0, seq_splits):
-        w = tl.exp2(tl.load(part_lse + base + s) - m)
-        acc += w * tl.load(part_out + (base + s) * HEAD_DIM + d, mask=d_mask, other=0.0)
-        weight += w
-    o = acc / tl.maximum(weight, 1e-30)
+    lse = tl.load(part_lse + base + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for masked and empty splits
+    parts = tl.load(part_out + (base + s)[:, None] * HEAD_DIM + d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.sum(w[:, None] * parts, axis=0)
+    o = acc / tl.maximum(tl.sum(w, axis=0), 1e-30)
     o_ptrs = out + q_row * stride_ot + head * stride_oh + d * stride_od
     tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=d_mask)
 
@@ -777,6 +783,6 @@ def paged_attention_triton(
         _reduce_splits_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, metadata.query_start_loc, metadata.seq_lens,
             num_splits, max_splits, split_tokens, *out.stride(),
-            NUM_HEADS=num_heads, **dims, **pdl,
+            NUM_HEADS=num_heads, **dims, SPLITS_P2=triton.next_power_of_2(max_splits), **pdl,
         )  # fmt: skip
     return out
