@@ -15,6 +15,7 @@ own kernel (`_decode_fp8_pairs_kernel`), which reads the pages as 16-bit pairs o
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -573,6 +574,7 @@ def split_tokens_for(kv_dtype: torch.dtype) -> int:
     return SPLIT_TOKENS * 2 if is_fp8(kv_dtype) else SPLIT_TOKENS
 
 
+@functools.cache  # on every attention call of an eager step: keep its host time off the step
 def decode_split_tokens(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int,
                         sms: int = DEFAULT_SMS) -> int:
     """Tokens per decode split for a launch of `num_seqs` sequences of `num_kv_heads` KV heads
@@ -609,10 +611,18 @@ def short_launch_parts(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     max_splits, MIN_SPLIT_TOKENS)` parts; launches of more split at the base, so their parts
     grow with `num_seqs`. The allocation thus grows with `num_seqs` and `max_seq_len`, and
     warmup's launch of the most rows at `max_model_len` measures every launch's."""
+    return (min(num_seqs, _most_short_launch_seqs(num_kv_heads, sms))
+            * num_kv_splits(max_seq_len, max_splits, MIN_SPLIT_TOKENS))
+
+
+@functools.cache
+def _most_short_launch_seqs(num_kv_heads: int, sms: int) -> int:
+    """The most sequences a launch may have and still split below the base: the largest power
+    of two that, times the KV heads, leaves an SM idle (0 when none does)."""
     short = 0
     while max(1, 2 * short) * num_kv_heads < sms:
         short = max(1, 2 * short)
-    return min(num_seqs, short) * num_kv_splits(max_seq_len, max_splits, MIN_SPLIT_TOKENS)
+    return short
 
 
 def num_kv_splits(max_seq_len: int, max_splits: int = MAX_SPLITS,
