@@ -13,8 +13,9 @@ Which kernels: the ones of a step of at most `small_batch.MAX_ROWS` tokens with 
 kernels on (`pdl_launch`): the skinny linear layers, the attention input and the decode
 attention with its split reduction; that is where it is timed. A successor launches only once
 every program of its predecessor has started and passed its wait, so its programs, waiting on
-their SMs, never hold one that a program of the predecessor still needs. Off by default until
-`bench/throughput.py --pdl both` times whole decode steps each way (`PDL_DEFAULT`).
+their SMs, never hold one that a program of the predecessor still needs. Off (`PDL_DEFAULT`):
+`bench/throughput.py --pdl both` timed whole decode steps 27% slower with it at one row on
+the 0.6B shape and 1-2% faster at 4-16 rows (H100, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kvfit.ops.small_batch import MAX_ROWS, is_small_batch_enabled
 PDL_DEFAULT = False
 """Whether the small-batch step's kernels launch with PDL (`pdl=None`) where the device has it;
 `bench/skinny_linear.py` times the skinny kernels each way, `bench/throughput.py --pdl` whole
-decode steps."""
+decode steps (the module docstring has the figures that keep it off)."""
 
 
 def use_pdl(pdl: bool | None, device: torch.device) -> bool:
@@ -38,10 +39,13 @@ def use_pdl(pdl: bool | None, device: torch.device) -> bool:
     return wanted and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def pdl_launch(num_tokens: int, device: torch.device) -> bool:
-    """Whether a kernel of a step of `num_tokens` tokens launches with PDL: the small-batch
-    kernels are on, the step has at most `MAX_ROWS` tokens and `use_pdl` says so."""
-    return is_small_batch_enabled() and 0 < num_tokens <= MAX_ROWS and use_pdl(None, device)
+def pdl_launch(num_tokens: int, device: torch.device) -> dict[str, bool]:
+    """The launch keywords of a kernel of a step of `num_tokens` tokens: `PDL` (for
+    `wait_then_release`) and Triton's `launch_pdl` where the small-batch kernels are on, the
+    step has at most `MAX_ROWS` tokens and `use_pdl` says so; none otherwise."""
+    if is_small_batch_enabled() and 0 < num_tokens <= MAX_ROWS and use_pdl(None, device):
+        return dict(PDL=True, launch_pdl=True)
+    return {}
 
 
 @triton.jit

@@ -774,7 +774,7 @@ def paged_attention_triton(
                            device=query.device)[: num_seqs * num_heads * num_splits
                                                 if split else 0]
     grid = (num_seqs, num_kv_heads, num_splits)
-    pdl = dict(PDL=True, launch_pdl=True) if pdl_launch(num_tokens, query.device) else {}
+    pdl = pdl_launch(num_tokens, query.device)
     args = (query, k_cache, v_cache, out, part_out, part_lse,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
             scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens)  # fmt: skip

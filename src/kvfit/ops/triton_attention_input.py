@@ -131,6 +131,6 @@ def attention_input_triton(
         HEADS_P2=heads_p2, KV_HEADS_P2=triton.next_power_of_2(num_kv_heads),
         HALF=half, HALF_P2=triton.next_power_of_2(half), QK_NORM=qk_norm, FP8=fp8,
         num_warps=_num_warps(heads_p2 * triton.next_power_of_2(head_dim)),
-        **(dict(PDL=True, launch_pdl=True) if pdl_launch(num_tokens, q.device) else {}),
+        **pdl_launch(num_tokens, q.device),
     )  # fmt: skip
     return q_out

@@ -31,8 +31,8 @@ times. The kernel is shaped for that stream rather than for reuse:
   predecessor (`gdc_wait`) before it reads x or writes anything; it lets its own successor
   start as soon as every program has passed that wait. At one row each node's ~3 us beyond
   its bytes (launch, the first DRAM round trips, the tail) is what paces a decode step, and
-  this overlaps part of it with the node before. Off by default until timed (`ops/pdl.py`'s
-  `PDL_DEFAULT`, which the decode step's other kernels follow too).
+  this overlaps part of it with the node before. Off (`ops/pdl.py`'s `PDL_DEFAULT`, which the
+  decode step's other kernels follow too): whole steps timed slower with it at one row.
 
 The launch shape follows the tensor shapes only (graph safe). K is a constexpr (a layer's K
 never changes, and a static trip count lets the loop drop its mask when BLOCK_K divides K).
