@@ -32,6 +32,8 @@ well under a minute on an H200 (an estimate: the copy-bandwidth measure, ~10 tim
 from __future__ import annotations
 
 import argparse
+import re
+import statistics
 from dataclasses import asdict, dataclass
 
 import torch
@@ -123,8 +125,10 @@ def metadata(query_lens: list[int], seq_lens: list[int], block_size: int, num_bl
     )
 
 
-def time_paged(shape: Shape, k_cache, v_cache, query_lens, seq_lens, **overrides) -> float:
-    """Median ms of one paged_attention_triton call; `overrides` go to the kernel launcher."""
+def time_paged(shape: Shape, k_cache, v_cache, query_lens, seq_lens, timer=None,
+               **overrides) -> float:
+    """Median ms of one paged_attention_triton call (or what `timer(fn)` gives, as
+    `kernel_us`); `overrides` go to the kernel launcher."""
     md = metadata(query_lens, seq_lens, shape.block_size, k_cache.shape[0])
     query = torch.randn(
         sum(query_lens), shape.num_heads, shape.head_dim, dtype=shape.dtype, device="cuda"
@@ -132,10 +136,34 @@ def time_paged(shape: Shape, k_cache, v_cache, query_lens, seq_lens, **overrides
     out = torch.empty_like(query)
     scale = shape.head_dim**-0.5
     overrides = {**_fp8_scales(k_cache), **overrides}
-    return do_bench(
-        lambda: paged_attention_triton(query, k_cache, v_cache, md, scale, out, **overrides),
-        return_mode="median",
-    )
+
+    def fn():
+        return paged_attention_triton(query, k_cache, v_cache, md, scale, out, **overrides)
+
+    return timer(fn) if timer else do_bench(fn, return_mode="median")
+
+
+def kernel_us(fn, reps: int = 30) -> float:
+    """Median device time in us of the kernels one `fn()` launches, from the profiler, with L2
+    flushed before each call. A launch of few sequences runs shorter than its host launch
+    takes, so do_bench's events around it time the host (the sweep's 1-16 x 1k rows varied
+    2.5x between neighbouring split lengths); an engine step replays it from a CUDA graph."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.fill_(1)  # a fill kernel: the marker between calls
+            fn()
+        torch.cuda.synchronize()
+    calls: list[float] = []
+    for e in sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start):
+        if re.search(r"fill|Memset", e.name, re.I):
+            calls.append(0.0)
+        elif calls:
+            calls[-1] += e.time_range.elapsed_us()
+    return statistics.median(calls)
 
 
 def bench_decode(shape: Shape, k_cache, v_cache, batch: int, context: int, copy_bw: float):
@@ -192,16 +220,22 @@ def sweep(shape: Shape, k_cache, v_cache) -> list[dict]:
             rows.append(dict(case=f"decode {batch}x{context}", config=cfg, ms=ms))
     # Fixed split lengths, then the default (None: `decode_split_tokens`, which shortens the
     # splits of a launch of few sequences), at those launches too.
+    # `kernel_us`: the decode and reduction kernels' device time alone, which is what a graphed
+    # step pays.
     for tokens in [64, 128, 256, 512, 1024, 2048, None]:
         for batch, context in [(64, 4096), (1, 32768), (1, 1024), (4, 1024), (16, 1024)]:
             ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch,
                             split_tokens=tokens)  # fmt: skip
+            us = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch,
+                            timer=kernel_us, split_tokens=tokens)  # fmt: skip
             rows.append(dict(case=f"decode {batch}x{context}",
-                             config=dict(split_tokens=tokens or "default"), ms=ms))
+                             config=dict(split_tokens=tokens or "default"), ms=ms,
+                             kernel_us=us))
     if k_cache.dtype == torch.float8_e4m3fn:
         rows += fp8_compute_rows(shape, k_cache, v_cache)
     for r in rows:
-        print(f"{r['case']:>20} {r['ms']:>8.3f} ms  {r['config']}", flush=True)
+        kernels = f"{r['kernel_us']:>7.1f} us kernels" if "kernel_us" in r else ""
+        print(f"{r['case']:>20} {r['ms']:>8.3f} ms {kernels} {r['config']}", flush=True)
     return rows
 
 
