@@ -198,7 +198,7 @@ def decode_steps(llm: LLM, args: argparse.Namespace, weight_bytes: int, spec: An
         if batch > args.max_num_seqs or blocks > llm.kv_cache_report.num_blocks:
             print(f"skip decode batch {batch}: more than max_num_seqs or the cache holds")
             continue
-        step, context, _, _ = engine_decode_step(llm, batch, args.decode_context, args.iters)
+        (step,), context, _, _ = engine_decode_step(llm, batch, args.decode_context, args.iters)
         roofline = (weight_bytes + batch * context * kv_bytes_per_token) / bandwidth
         rows.append({"batch": batch, "context": context, "step_ms": step * 1e3,
                      "roofline_ms": roofline * 1e3, "ratio": step / roofline,

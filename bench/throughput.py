@@ -10,8 +10,9 @@ Throughput: `--num-seqs` requests of random token ids, prompt and output lengths
 [`--min-len`, `--max-len`], ignore_eos, sampled at temperature 1 (dummy weights), after an untimed
 run of the same shape (kernel compilation); the median of `--repeat` timed runs. Decode: the mean
 engine step while a batch of sequences of about `--decode-context` tokens all decode, over
-`--iters` steps of the engine loop as it runs (overlapped: step k + 1 is launched before step k's
-tokens are read; CUDA graphs unless --enforce-eager); and, for reference, the median synchronous
+`--iters` steps of the engine loop as it runs (the median of `--decode-repeat` such runs;
+overlapped: step k + 1 is launched before step k's tokens are read; CUDA graphs unless
+--enforce-eager); and, for reference, the median synchronous
 model-runner step (host work and device work one after the other). TTFT: one prompt of
 `--ttft-len` random tokens, one output token, in one prefill step (median of `--ttft-repeat`).
 `--small-batch-kernels both` runs each decode row with the engine's `small_batch_kernels` off
@@ -204,20 +205,22 @@ def decode_batch(batch_size: int, context: int, block_size: int) -> ScheduledBat
 
 
 def engine_decode_step(
-    llm: LLM, batch_size: int, context: int, iters: int, profile: bool = False
-) -> tuple[float, float, list[StepShape], KernelProfile | None]:
-    """`(seconds per engine step, mean context, the steps launched, their profile)` over
-    `iters` engine steps while `batch_size` sequences of about `context` tokens all decode: the
-    loop as it runs, step k + 1 launched before step k's tokens are read, so host work hidden
-    behind the device is not counted. With `profile`, `iters` more steps, untimed, run under
-    torch.profiler (`profile_run`); else the profile is None."""
+    llm: LLM, batch_size: int, context: int, iters: int, profile: bool = False,
+    repeat: int = 1,
+) -> tuple[list[float], float, list[StepShape], KernelProfile | None]:
+    """`(seconds per engine step of each of `repeat` timed runs, mean context, the steps
+    launched, their profile)`, each run `iters` engine steps while `batch_size` sequences of
+    about `context` tokens all decode: the loop as it runs, step k + 1 launched before step
+    k's tokens are read, so host work hidden behind the device is not counted. With `profile`,
+    `iters` more steps, untimed, run under torch.profiler (`profile_run`); else the profile
+    is None."""
     engine, cfg = llm.engine, llm.config
     vocab = cfg.model_config.hf_config.vocab_size
     # The first sequences to finish prefill decode while the others prefill: enough tokens
     # that none stops before the timed steps end.
     prefill_steps = -(-batch_size * context // cfg.scheduler_config.max_num_batched_tokens)
     params = SamplingParams(temperature=0.0,
-                            max_tokens=prefill_steps + iters * (2 if profile else 1) + 8,
+                            max_tokens=prefill_steps + iters * (repeat + profile) + 8,
                             ignore_eos=True)
     rng = random.Random(batch_size)
     seqs = [seq for i in range(batch_size) for seq in llm.make_request(
@@ -234,15 +237,17 @@ def engine_decode_step(
         _sync(cfg.device)
 
     _sync(cfg.device)
+    times = []
     with StepRecorder(llm) as recorder:
-        start = time.perf_counter()
-        steps()
-        elapsed = time.perf_counter() - start
+        for _ in range(repeat):
+            start = time.perf_counter()
+            steps()
+            times.append((time.perf_counter() - start) / iters)
     mean_context = (first + statistics.mean(len(seq) for seq in seqs)) / 2
     profiled = profile_run(steps, llm, cfg.device) if profile else None
     while engine.has_unfinished():
         engine.step()
-    return elapsed / iters, mean_context, recorder.steps, profiled
+    return times, mean_context, recorder.steps, profiled
 
 
 def runner_step(llm: LLM, batch: ScheduledBatch, iters: int) -> float:
@@ -313,8 +318,10 @@ def _bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
             print(f"skip {model} batch {batch_size}: needs {needed} blocks, "
                   f"the cache holds {runner.num_blocks}")
             continue
-        step, context, steps, profile = engine_decode_step(
-            llm, batch_size, args.decode_context, args.iters, bool(args.profile_decode))
+        times, context, steps, profile = engine_decode_step(
+            llm, batch_size, args.decode_context, args.iters, bool(args.profile_decode),
+            args.decode_repeat)
+        step = statistics.median(times)
         if profile is not None:
             label = (f"{model} batch {batch_size}, small_batch_kernels {small_batch}, "
                      f"PDL {pdl}")
@@ -329,7 +336,8 @@ def _bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
         rows.append({
             "model": model, "batch": batch_size, "context": context,
             "small_batch_kernels": small_batch, "pdl": pdl,
-            "step_ms": step * 1e3, "roofline_ms": roofline * 1e3, "ratio": step / roofline,
+            "step_ms": step * 1e3, "step_ms_runs": [t * 1e3 for t in times],
+            "roofline_ms": roofline * 1e3, "ratio": step / roofline,
             "of_limit": roofline / step,
             "sync_step_ms": sync_step * 1e3, "sync_ratio": sync_step / sync_roofline,
             "weight_gib": limit.work.weight_bytes / len(steps) / GiB,
@@ -386,6 +394,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--decode-context", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--decode-repeat", type=int, default=3,
+                        help="timed runs of --iters steps per decode row; the median is "
+                             "reported, every run kept in the record (a slow host or one "
+                             "hiccup moves a 20-step run of a 1 ms step by 10%%)")
     parser.add_argument("--ttft-models", nargs="*", default=["qwen3-8b-shape"],
                         help="models whose time to first token is measured (none: skip)")
     parser.add_argument("--ttft-len", type=int, default=8192, help="TTFT prompt length")
@@ -476,12 +488,13 @@ def print_tables(result: dict) -> None:
               f"memory-bound): {t['of_limit']:.1%} of the limit")
     print(f"{'model':<18} {'batch':>5} {'context':>7} {'step ms':>8} {'limit ms':>8} "
           f"{'ratio':>5} {'of limit':>8} {'sync step ms':>12} {'sync ratio':>10} graphs "
-          f"small-batch pdl")
+          f"small-batch pdl   runs ms")
     for r in result["decode"]:
+        runs = " ".join(f"{t:.3f}" for t in r.get("step_ms_runs", []))
         print(f"{r['model']:<18} {r['batch']:>5} {r['context']:>7.0f} {r['step_ms']:>8.3f} "
               f"{r['roofline_ms']:>8.3f} {r['ratio']:>5.2f} {r['of_limit']:>8.1%} "
               f"{r['sync_step_ms']:>12.3f} {r['sync_ratio']:>10.2f} {r['graphs']!s:6} "
-              f"{r.get('small_batch_kernels', False)!s:11} {r.get('pdl')}")
+              f"{r.get('small_batch_kernels', False)!s:11} {r.get('pdl')!s:5} {runs}")
     for r in result.get("ttft", []):
         print(f"TTFT {r['model']} {r['prompt_len']} tokens: {r['ttft_s'] * 1e3:.1f} ms, limit "
               f"{r['limit_s'] * 1e3:.1f} ms ({r['limit']['gemm_tflop']:.3g} TFLOP GEMM + "
