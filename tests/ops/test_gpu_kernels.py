@@ -159,3 +159,44 @@ def test_decode_split_layout_follows_the_sequence_and_the_padded_batch(paged_bat
     eager = run(real, max(lens))
     assert torch.equal(run(real, 32768), eager)
     assert torch.equal(run(len(padded), 32768)[:real], eager)
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_folded_split_reduction_matches_its_kernel_and_replays_in_a_graph(paged_batch, cache):
+    """A launch of few sequences reduces its splits in the decode kernel, through counters
+    that other SMs' programs release and the last acquires: the same output as the reduction
+    kernel (bit for bit: the same code reads the parts in the same order), the counters back
+    at zero after every launch, and a graph replayed 50 times giving those bits each time."""
+    from kvfit.ops import triton_attention
+
+    lens = [1, 64, 65, 1035, 4097, 33]
+    batch = paged_batch([(n - 1, 1) for n in lens], num_heads=16, num_kv_heads=8, head_dim=128,
+                        dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    k, v, extra = batch.k_cache, batch.v_cache, {}
+    if cache == "fp8":
+        k, v = (k * 0.5).to(torch.float8_e4m3fn), (v * 0.5).to(torch.float8_e4m3fn)
+        extra = dict(k_scale=torch.full((1,), 2.0, device="cuda"),
+                     v_scale=torch.full((1,), 2.0, device="cuda"),
+                     fp8_compute_dtype=torch.float16)
+
+    def run(out: torch.Tensor, fold: bool | None) -> torch.Tensor:
+        return triton_attention.paged_attention_triton(
+            batch.query, k, v, batch.metadata, 128**-0.5, out, fold_splits=fold, **extra)
+
+    unfolded = run(torch.empty_like(batch.query), False)
+    folded = run(torch.empty_like(batch.query), None)
+    counters = triton_attention.split_counters(batch.query.device)
+    torch.cuda.synchronize()
+    assert not counters.any()
+    assert torch.equal(folded, unfolded)
+    if cache == "bf16":
+        assert _rel_error(folded, _reference(batch, 128**-0.5)) < 1e-2
+    out = torch.empty_like(batch.query)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(out, None)
+    for _ in range(50):
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, folded)
+    assert not counters.any()

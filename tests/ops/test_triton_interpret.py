@@ -408,3 +408,57 @@ def test_split_scratch_grows_with_the_launch_so_warmup_measures_its_largest():
                              299 * num_kv_splits(2 * max_seq_len, 32,
                                                  split(dtype, 299, kv_heads, 132)))
                 assert longer >= last
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_folded_split_reduction_gives_the_reduction_kernels_bits(paged_batch, fp8):
+    """The last split program of each (sequence, KV head) reduces in the decode kernel
+    (`fold_splits`): the same output as the reduction kernel, bit for bit, over decode rows
+    of many splits, one split and zero tokens (a padded row), a prefill row beside them, and
+    a second launch on the same counters, which every launch leaves at zero."""
+    batch = paged_batch([(300, 1), (0, 1), (17, 20), (64, 1), (129, 1)], num_heads=8,
+                        num_kv_heads=2, head_dim=32)  # fmt: skip
+    batch.metadata.seq_lens[1] = 0
+    k, v, extra = batch.k_cache, batch.v_cache, {}
+    if fp8:
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        extra = dict(k_scale=torch.ones(1), v_scale=torch.ones(1),
+                     fp8_compute_dtype=torch.float16)
+    counters = triton_attention.split_counters(batch.query.device)
+    outs = {}
+    for fold in (False, True, True):
+        out = torch.full_like(batch.query, float("nan"))
+        triton_attention.paged_attention_triton(
+            batch.query, k, v, batch.metadata, 0.3, out, max_splits=8, split_tokens=32,
+            fold_splits=fold, **extra)
+        assert not counters.any()
+        if fold in outs:
+            assert torch.equal(out, outs[fold])
+        outs[fold] = out
+    assert torch.equal(outs[True], outs[False])
+    assert not outs[True].isnan().any()
+
+
+def test_a_launch_of_few_sequences_folds_its_reduction(paged_batch, monkeypatch):
+    """By default a launch split below the base (`decode_split_tokens`: fewer rows than SMs)
+    runs no reduction kernel; one of more sequences does."""
+    launched = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    real = triton_attention._reduce_splits_kernel
+    monkeypatch.setattr(triton_attention, "_reduce_splits_kernel", Spy())
+    few = paged_batch([(700, 1), (90, 1)], num_heads=4, num_kv_heads=2, head_dim=16)
+    out = torch.empty_like(few.query)
+    triton_attention.paged_attention_triton(few.query, few.k_cache, few.v_cache, few.metadata,
+                                            0.3, out)  # fmt: skip
+    torch.testing.assert_close(out, paged_attention_reference(
+        few.query, few.k_cache, few.v_cache, few.metadata, 0.3), rtol=1e-4, atol=1e-4)
+    assert launched == []
+    many = paged_batch([(700, 1)] * 66, num_heads=4, num_kv_heads=2, head_dim=16)
+    triton_attention.paged_attention_triton(many.query, many.k_cache, many.v_cache,
+                                            many.metadata, 0.3, torch.empty_like(many.query))
+    assert launched == [(66, 4)]
