@@ -222,17 +222,14 @@ def sweep(shape: Shape, k_cache, v_cache) -> list[dict]:
     # splits of a launch of few sequences), at those launches too.
     # `kernel_us`: the decode and reduction kernels' device time alone, which is what a graphed
     # step pays.
-    # The default last, then again with the reduction in its own kernel (`fold_splits`).
-    for tokens, fold in [*((t, None) for t in [64, 128, 256, 512, 1024, 2048]), (None, None),
-                         (None, False)]:
+    for tokens in [64, 128, 256, 512, 1024, 2048, None]:
         for batch, context in [(64, 4096), (1, 32768), (1, 1024), (4, 1024), (16, 1024)]:
-            kw = dict(split_tokens=tokens, fold_splits=fold)
-            ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch, **kw)
+            ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch,
+                            split_tokens=tokens)  # fmt: skip
             us = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch,
-                            timer=kernel_us, **kw)  # fmt: skip
-            config = dict(split_tokens=tokens or "default",
-                          **({} if fold is None else dict(fold_splits=fold)))
-            rows.append(dict(case=f"decode {batch}x{context}", config=config, ms=ms,
+                            timer=kernel_us, split_tokens=tokens)  # fmt: skip
+            rows.append(dict(case=f"decode {batch}x{context}",
+                             config=dict(split_tokens=tokens or "default"), ms=ms,
                              kernel_us=us))
     if k_cache.dtype == torch.float8_e4m3fn:
         rows += fp8_compute_rows(shape, k_cache, v_cache)

@@ -101,9 +101,7 @@ def test_attention_launches_the_sweep_misses_compile_for_sm90(
     query_len: int, batch_invariant: bool,
 ) -> None:
     """What `paged_attention_triton` launches at a context long enough to split decode (the sweep's
-    256 tokens never split), in the deterministic mode, and over e4m3 without float16; the
-    split reduction folded into the decode kernel (a launch of few sequences, the default) and
-    in its own kernel."""
+    256 tokens never split), in the deterministic mode, and over e4m3 without float16."""
     from kvfit.ops import triton_attention
 
     monkeypatch.syspath_prepend(str(TOOLS))
@@ -115,13 +113,10 @@ def test_attention_launches_the_sweep_misses_compile_for_sm90(
         k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
         extra = dict(k_scale=torch.ones(1), v_scale=torch.ones(1))
     monkeypatch.setattr(triton_attention, "_has_e4m3x2_cvt", lambda device: True)
-    for fold in (None, False):
-        names = _compile_launches(monkeypatch, lambda fold=fold: (
-            triton_attention.paged_attention_triton(
-                batch.query, k_cache, v_cache, batch.metadata, head_dim**-0.5,
-                torch.empty_like(batch.query), batch_invariant=batch_invariant,
-                fold_splits=fold, **extra)))  # fmt: skip
-        assert ("_reduce_splits_kernel" in names) == (fold is False and not batch_invariant)
+    names = _compile_launches(monkeypatch, lambda: triton_attention.paged_attention_triton(
+        batch.query, k_cache, v_cache, batch.metadata, head_dim**-0.5,
+        torch.empty_like(batch.query), batch_invariant=batch_invariant, **extra))
+    assert ("_reduce_splits_kernel" in names) == (not batch_invariant)
 
 
 def _attention_input_args(head_dim: int, fp8: bool) -> dict:
@@ -331,7 +326,7 @@ def test_decode_step_pdl_kernels_wait_before_any_memory_access(
     monkeypatch.syspath_prepend(str(TOOLS))
     sass = importlib.import_module("triton_sass")
 
-    def step(num_seqs: int, fold: bool | None = None) -> None:
+    def step(num_seqs: int) -> None:
         batch = sass.make_paged_batch([(2047, 1)] * num_seqs, num_heads=16, num_kv_heads=4,
                                       head_dim=128, dtype=torch.bfloat16)
         k_cache, v_cache, extra = batch.k_cache, batch.v_cache, {}
@@ -343,17 +338,15 @@ def test_decode_step_pdl_kernels_wait_before_any_memory_access(
         triton_attention_input.attention_input_triton(**args)
         triton_attention.paged_attention_triton(
             batch.query, k_cache, v_cache, batch.metadata, 128**-0.5,
-            torch.empty_like(batch.query), fold_splits=fold, **extra)
+            torch.empty_like(batch.query), **extra)
 
     with small_batch_kernels():
-        folded = sass.captured_launches(lambda: step(2))
-        launches = sass.captured_launches(lambda: step(2, fold=False))
+        launches = sass.captured_launches(lambda: step(2))
         large = sass.captured_launches(lambda: step(17))
-    assert len(folded) == 2 and folded[1][0].__name__.startswith("_decode")
     names = [fn.__name__ for fn, _, _ in launches]
     assert names[0] == "_attention_input_kernel" and names[-1] == "_reduce_splits_kernel"
     assert len(names) == 3
-    for fn, named, options in [*launches, folded[-1]]:
+    for fn, named, options in launches:
         assert options.get("launch_pdl") and named["PDL"], fn.__name__
         ptx = sass.compile_launch(fn, named, options, arch=90).asm["ptx"]
         before, _, after = ptx.partition("griddepcontrol.wait")
@@ -361,5 +354,4 @@ def test_decode_step_pdl_kernels_wait_before_any_memory_access(
         assert not re.findall(r"\b(?:ld|st|cp\.async|atom|red|prefetch)\.global", before)
         assert "griddepcontrol.launch_dependents" in after, fn.__name__
     # The attention input there still takes the test's 5 tokens: only the attention is large.
-    assert len(large) == 2  # 17 sequences of 4 KV heads: still a short launch, folded
-    assert not large[1][2].get("launch_pdl", False)
+    assert [options.get("launch_pdl", False) for _, _, options in large[1:]] == [False, False]

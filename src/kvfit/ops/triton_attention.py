@@ -1,5 +1,4 @@
-"""Triton paged attention: a varlen prefill kernel and a split-KV decode kernel with a reduction
-(its own kernel, or folded into the decode kernel's last program for a launch of few sequences).
+"""Triton paged attention: a varlen prefill kernel and a split-KV decode kernel with a reduction.
 
 Both read K/V straight from the paged cache through the block table, with any cache strides.
 Query heads of one KV group are packed into the rows of a tile, so each K/V byte is loaded once
@@ -43,19 +42,9 @@ to a power of two, never on the launch's `max_seq_len`: eager decode and a CUDA 
 at max_model_len (its batch padded to a capture size, by default 1, 2, 4, 8, then multiples of
 16: the same power of two) sum each sequence's attention in the same order, and their
 greedy outputs agree exactly. Across batch sizes they need not (nor do the GEMMs'); the
-deterministic mode's kernel never splits. Whether the reduction is folded follows the same
-power of two, and a folded one reads the parts in the reduction kernel's order."""
+deterministic mode's kernel never splits."""
 MIN_SPLIT_TOKENS = 64
 """The shortest split `decode_split_tokens` makes: one tile of the decode kernel's BLOCK_N."""
-FOLD_SHORT_LAUNCHES = True
-"""Whether a launch that `decode_split_tokens` splits below the base (few sequences) reduces
-its splits inside the decode kernel (`_reduce_if_last`) rather than in a second kernel. At
-batch 1 the reduction kernel was 2.5 us a layer (0.6B shape, H100, `bench/throughput.py
---profile-decode`, 2026-12-05), a launch and two L2 round trips for a few KB."""
-MAX_FOLDED_ROWS = 4096
-"""(sequence, KV head) counters a device keeps for folded reductions (16 KB, allocated once):
-a short launch has fewer rows than SMs."""
-_split_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -266,7 +255,7 @@ def _prefill_kernel(
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
-    query, k_cache, v_cache, out, part_out, part_lse, split_counters,
+    query, k_cache, v_cache, out, part_out, part_lse,
     query_start_loc, seq_lens, block_table,
     scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens,
     stride_qt, stride_qh, stride_qd,
@@ -283,16 +272,14 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     FP8: tl.constexpr,
     FP8_F16: tl.constexpr,
-    FOLD: tl.constexpr = False,
-    SPLITS_P2: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_then_release(PDL)  # first: the query is the kernel before's output
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    q_row, start, end, active, seq_splits = _decode_range(
-        query_start_loc, seq_lens, seq, split, max_splits, split_tokens, BLOCK_N)
+    q_row, start, end, active = _decode_range(query_start_loc, seq_lens, seq, split, max_splits,
+                                              split_tokens, BLOCK_N)
     if not active:
         return
 
@@ -330,20 +317,14 @@ def _decode_kernel(
                       stride_ot, stride_oh, stride_od, HEAD_DIM, HEAD_DIM_P2, SPLIT)  # fmt: skip
     if SPLIT:
         tl.store(part_lse + part, m_i + tl.log2(l_i), mask=g_mask)
-        if FOLD:
-            _reduce_if_last(out, part_out, part_lse, split_counters, q_row, seq, kv_head,
-                            seq_splits, num_splits, stride_ot, stride_oh, stride_od,
-                            NUM_HEADS, QUERY_GROUP, HEAD_DIM, HEAD_DIM_P2,
-                            SPLITS_P2)  # fmt: skip
 
 
 @triton.jit
 def _decode_range(query_start_loc, seq_lens, seq, split, max_splits, split_tokens,
                   BLOCK_N: tl.constexpr):  # fmt: skip
-    """(query row, first token, end token, active, the sequence's split count) of one decode
-    program. Inactive: the row is not a decode row, or the split is past its sequence's own
-    split count (the reduction never reads those). The split layout is a function of seq_len
-    (read on the device) alone."""
+    """(query row, first token, end token, active) of one decode program. Inactive: the row is
+    not a decode row, or the split is past its sequence's own split count (the reduction never
+    reads those). The split layout is a function of seq_len (read on the device) alone."""
     q_row = tl.load(query_start_loc + seq).to(tl.int64)  # row * stride may pass 2**31
     seq_len = tl.load(seq_lens + seq)
     seq_splits = _num_seq_splits(seq_len, max_splits, split_tokens)
@@ -351,7 +332,7 @@ def _decode_range(query_start_loc, seq_lens, seq, split, max_splits, split_token
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), seq_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-    return q_row, start, end, active, seq_splits
+    return q_row, start, end, active
 
 
 @triton.jit
@@ -444,7 +425,7 @@ def _fp8_pairs_step(
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_fp8_pairs_kernel(
-    query, k_cache, v_cache, out, part_out, part_lse, split_counters,
+    query, k_cache, v_cache, out, part_out, part_lse,
     query_start_loc, seq_lens, block_table,
     scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens,
     stride_qt, stride_qh, stride_qd,
@@ -460,8 +441,6 @@ def _decode_fp8_pairs_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     ASM: tl.constexpr,
-    FOLD: tl.constexpr = False,
-    SPLITS_P2: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """`_decode_kernel` over an e4m3 cache, computing in float16, that reads the cache as
@@ -481,8 +460,8 @@ def _decode_fp8_pairs_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    q_row, start, end, active, seq_splits = _decode_range(
-        query_start_loc, seq_lens, seq, split, max_splits, split_tokens, BLOCK_N)
+    q_row, start, end, active = _decode_range(query_start_loc, seq_lens, seq, split, max_splits,
+                                              split_tokens, BLOCK_N)
     if not active:
         return
 
@@ -536,11 +515,6 @@ def _decode_fp8_pairs_kernel(
                       stride_ot, stride_oh, stride_od, HEAD_DIM, HEAD_DIM_P2, SPLIT)  # fmt: skip
     if SPLIT:
         tl.store(part_lse + part, m_i + tl.log2(l_i), mask=g_mask)
-        if FOLD:
-            _reduce_if_last(out, part_out, part_lse, split_counters, q_row, seq, kv_head,
-                            seq_splits, num_splits, stride_ot, stride_oh, stride_od,
-                            NUM_HEADS, QUERY_GROUP, HEAD_DIM, HEAD_DIM_P2,
-                            SPLITS_P2)  # fmt: skip
 
 
 @triton.jit
@@ -575,57 +549,20 @@ def _reduce_splits_kernel(
     if tl.load(query_start_loc + seq + 1) - q_row != 1:
         return
     seq_splits = _num_seq_splits(tl.load(seq_lens + seq), max_splits, split_tokens)
-    _reduce_head(out, part_out, part_lse, q_row, seq, head, seq_splits, num_splits,
-                 stride_ot, stride_oh, stride_od, NUM_HEADS, HEAD_DIM, HEAD_DIM_P2,
-                 SPLITS_P2)  # fmt: skip
-
-
-@triton.jit
-def _reduce_head(out, part_out, part_lse, q_row, seq, head, seq_splits, num_splits,
-                 stride_ot, stride_oh, stride_od,
-                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-                 SPLITS_P2: tl.constexpr):  # fmt: skip
-    """Row `q_row`'s output for query `head`: its `seq_splits` parts weighted by their
-    log-sum-exps, read as one [SPLITS_P2, HEAD_DIM_P2] tile. The same code in the reduction
-    kernel and in a decode program that folds it (`_reduce_if_last`), so both sum alike. The
-    loads bypass L1 (.cg): in a folded reduction the parts were written by other SMs."""
     d = tl.arange(0, HEAD_DIM_P2)
     d_mask = d < HEAD_DIM
     s = tl.arange(0, SPLITS_P2)
     s_mask = s < seq_splits
     base = (seq * NUM_HEADS + head) * num_splits
-    lse = tl.load(part_lse + base + s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(part_lse + base + s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, axis=0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for masked and empty splits
     parts = tl.load(part_out + (base + s)[:, None] * HEAD_DIM + d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     acc = tl.sum(w[:, None] * parts, axis=0)
     o = acc / tl.maximum(tl.sum(w, axis=0), 1e-30)
     o_ptrs = out + q_row * stride_ot + head * stride_oh + d * stride_od
     tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=d_mask)
-
-
-@triton.jit
-def _reduce_if_last(out, part_out, part_lse, split_counters, q_row, seq, kv_head, seq_splits,
-                    num_splits, stride_ot, stride_oh, stride_od,
-                    NUM_HEADS: tl.constexpr, QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    HEAD_DIM_P2: tl.constexpr, SPLITS_P2: tl.constexpr):  # fmt: skip
-    """The split reduction folded into the decode kernel: the last of a (sequence, KV head)'s
-    split programs to finish reduces its query group's heads, so a launch of few sequences
-    has one kernel node, not two. Each program counts itself in on `split_counters` (one
-    int32 a (sequence, KV head), zero between launches) after its part is stored: the barrier
-    orders every thread's stores before the one atomic, whose release publishes them; the
-    program that counts last acquires every other's and resets the counter for the next
-    launch (a kernel boundary orders the reset before it)."""
-    tl.debug_barrier()
-    counter = split_counters + seq * tl.num_programs(1) + kv_head
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == seq_splits - 1:
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        for g in range(QUERY_GROUP):
-            _reduce_head(out, part_out, part_lse, q_row, seq, kv_head * QUERY_GROUP + g,
-                         seq_splits, num_splits, stride_ot, stride_oh, stride_od, NUM_HEADS,
-                         HEAD_DIM, HEAD_DIM_P2, SPLITS_P2)  # fmt: skip
 
 
 def split_tokens_for(kv_dtype: torch.dtype) -> int:
@@ -686,22 +623,6 @@ def _most_short_launch_seqs(num_kv_heads: int, sms: int) -> int:
     while max(1, 2 * short) * num_kv_heads < sms:
         short = max(1, 2 * short)
     return short
-
-
-def split_counters(device: torch.device) -> torch.Tensor | None:
-    """The device's `MAX_FOLDED_ROWS` int32 counters for folded split reductions, zero
-    between launches (each launch's last programs reset theirs); allocated on first use, never
-    freed, since CUDA graphs keep their address. None while a graph is being captured and they
-    do not exist yet (their allocation would land in the graph's pool): that launch reduces in
-    a second kernel. Shared by every launch on the device, which kvfit's steps, serialized on
-    one stream, never run concurrently."""
-    counters = _split_counters.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _split_counters[device] = torch.zeros(MAX_FOLDED_ROWS, dtype=torch.int32,
-                                                         device=device)
-    return counters
 
 
 def num_kv_splits(max_seq_len: int, max_splits: int = MAX_SPLITS,
@@ -777,7 +698,6 @@ def paged_attention_triton(
     v_scale: torch.Tensor | None = None,
     fp8_compute_dtype: torch.dtype | None = None,
     fp8_pairs: bool | None = None,
-    fold_splits: bool | None = None,
 ) -> torch.Tensor:
     """Launch the prefill kernel (query length > 1) and the decode kernel (query length 1).
 
@@ -793,11 +713,6 @@ def paged_attention_triton(
     `fp8_pairs`: decode over such a float16-computed e4m3 cache runs `_decode_fp8_pairs_kernel`
     (None: wherever the head dim is contiguous, even and above 16; False: `_decode_kernel`,
     for timing).
-    `fold_splits`: reduce the splits in the decode kernel (`_reduce_if_last`) rather than in
-    `_reduce_splits_kernel` (None: `FOLD_SHORT_LAUNCHES` for a launch `decode_split_tokens`
-    splits below the base, where the split length is not given; tests and the bench force it
-    either way). Memory: a folded launch allocates nothing more (the device's counters are
-    allocated once, `split_counters`).
 
     `batch_invariant`: the prefill kernel alone runs every row (decodes too), each over key
     tiles of BLOCK_N from key 0 with the causal mask on every tile: no split-KV, so a row's
@@ -847,14 +762,8 @@ def paged_attention_triton(
         split_tokens = decode_split_tokens(k_cache.dtype, num_seqs, num_kv_heads, sms)
         parts = short_launch_parts(num_seqs, num_kv_heads, metadata.max_seq_len, max_splits,
                                    sms)
-        if fold_splits is None:
-            fold_splits = FOLD_SHORT_LAUNCHES and split_tokens < split_tokens_for(k_cache.dtype)
     num_splits = num_kv_splits(metadata.max_seq_len, max_splits, split_tokens)
     split = num_splits > 1
-    counters = split_counters(query.device) if split and fold_splits else None
-    if counters is not None and num_seqs * num_kv_heads > MAX_FOLDED_ROWS:
-        raise ValueError(f"fold_splits: {num_seqs} sequences x {num_kv_heads} KV heads pass "
-                         f"the {MAX_FOLDED_ROWS} counters (MAX_FOLDED_ROWS)")
     parts = max(parts, num_seqs * num_splits) if split else 0
     # Scratch shapes come from host ints, so allocating here is fine under graph capture. The
     # launch uses the first num_seqs * num_splits parts of each.
@@ -867,13 +776,11 @@ def paged_attention_triton(
     grid = (num_seqs, num_kv_heads, num_splits)
     pdl = pdl_launch(num_tokens, query.device)
     args = (query, k_cache, v_cache, out, part_out, part_lse,
-            metadata.seq_lens if counters is None else counters,  # unread unless folded
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
             scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens)  # fmt: skip
     shape = dict(NUM_HEADS=num_heads, QUERY_GROUP=group,
                  GROUP_P2=max(16, triton.next_power_of_2(group)), **dims,
-                 BLOCK_SIZE=block_size, SPLIT=split, FOLD=counters is not None,
-                 SPLITS_P2=triton.next_power_of_2(max_splits),
+                 BLOCK_SIZE=block_size, SPLIT=split,
                  **(decode_config or _decode_config(head_dim)))  # fmt: skip
     if _use_fp8_pairs(fp8_pairs, k_cache, fp8_f16 or (fp8 and query.dtype == torch.float16)):
         _decode_fp8_pairs_kernel[grid](
@@ -882,7 +789,7 @@ def paged_attention_triton(
         )  # fmt: skip
     else:
         _decode_kernel[grid](*args, *common, FP8=fp8, FP8_F16=fp8_f16, **shape, **pdl)
-    if split and counters is None:
+    if split:
         _reduce_splits_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, metadata.query_start_loc, metadata.seq_lens,
             num_splits, max_splits, split_tokens, *out.stride(),
