@@ -206,7 +206,11 @@ class ModelRunner:
          query_start_loc_t, seq_lens_t, block_table_t) = to_device_packed(
             self.device, input_ids, positions, slot_mapping, logits_indices, pending, pending_src,
             query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_table)
-        if len(pending):
+        if len(pending) == num_tokens and np.array_equal(pending_src, np.arange(num_tokens)):
+            # Every row pending, in the last step's order (a decode step of the same batch):
+            # its sampled ids are the inputs as they lie, without a gather and a scatter.
+            input_ids_t = self._last_sampled[0][:num_tokens]
+        elif len(pending):
             input_ids_t[pending_t] = self._last_sampled[0][pending_src_t]
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping_t,
@@ -251,7 +255,9 @@ class ModelRunner:
         output = AsyncModelOutput(len(batch), sampled, self._prompt_logprobs(batch, hidden))
         if sampled:
             seqs = [batch.seqs[i] for i in sampled]
-            logits = self.model.compute_logits(hidden[logits_indices])
+            # Every row sampled (a decode step): the rows are the hidden states as they lie.
+            rows = hidden if len(sampled) == batch.num_tokens else hidden[logits_indices]
+            logits = self.model.compute_logits(rows)
             meta = SamplingMetadata.from_seqs(seqs, logits.shape[-1], self.device,
                                               self.eos_token_ids)
             sampler_output = self.sampler(logits, meta)
