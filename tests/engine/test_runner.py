@@ -73,6 +73,26 @@ def test_prepare_inputs_reads_pending_tokens_from_the_last_sampled_ids(
         runner.prepare_inputs(ScheduledBatch([decoding], [1]))
 
 
+def test_a_decode_step_of_the_last_steps_batch_reads_its_sampled_ids_as_they_lie(
+    runner: ModelRunner,
+) -> None:
+    """Every row pending, in the order the last step sampled them (the last step's first rows
+    when others have finished): the inputs are those ids without a gather; in any other order
+    each row still reads its own sequence's id."""
+    a, b, c = seq(5, 4, [1, 2]), seq(7, 6, [3, 4]), seq(3, 2, [5])
+    for s in (a, b, c):
+        s.token_ids[-1] = PENDING_TOKEN
+    sampled = torch.tensor([41, 42, 43])
+    runner._last_sampled = (sampled, {a.seq_id: 0, b.seq_id: 1, c.seq_id: 2})
+    input_ids, *_ = runner.prepare_inputs(ScheduledBatch([a, b], [1, 1]))
+    assert input_ids.tolist() == [41, 42]
+    assert input_ids.data_ptr() == sampled.data_ptr()
+    input_ids, *_ = runner.prepare_inputs(ScheduledBatch([c, a], [1, 1]))
+    assert input_ids.tolist() == [43, 41]
+    input_ids, *_ = runner.prepare_inputs(ScheduledBatch([b, c], [1, 1]))
+    assert input_ids.tolist() == [42, 43]
+
+
 def test_execute_samples_only_sequences_whose_chunk_ends(runner: ModelRunner) -> None:
     runner.ensure_blocks(8)
     first = seq(7, 0, [0, 1], temperature=0.0)
