@@ -34,7 +34,7 @@ LogitsProcessor = AllowedTokens | Penalties | LogitBias | BannedTokens
 class SamplingMetadata:
     """Per-row sampling settings of one step as tensors, built once per step by `from_seqs`."""
 
-    temperature: torch.Tensor  # [N] float32, 0.0 on greedy rows
+    temperature: torch.Tensor | None  # [N] float32, 0.0 on greedy rows; None if all are
     all_greedy: bool
     top_k: torch.Tensor | None  # [N] int32, vocab size where off; None when no row filters
     top_p: torch.Tensor | None  # [N] float32, 1.0 where off
@@ -84,9 +84,13 @@ class SamplingMetadata:
                 LogitBias.from_seqs(seqs, vocab_size, device),
                 BannedTokens.from_seqs(seqs, vocab_size, device, eos_token_ids),
             ]
+        all_greedy = temperature.count(0.0) == num_rows
         return cls(
-            temperature=to_device(torch.tensor(temperature, dtype=torch.float32), device),
-            all_greedy=temperature.count(0.0) == num_rows,
+            # An all-greedy step takes the argmax: no copy to make (a pinned staging buffer
+            # and a host-to-device copy, at every decode step of a greedy batch).
+            temperature=None if all_greedy else to_device(
+                torch.tensor(temperature, dtype=torch.float32), device),
+            all_greedy=all_greedy,
             top_k=tensor(top_k, torch.int32, vocab_size),
             top_p=tensor(top_p, torch.float32, 1.0),
             min_p=tensor(min_p, torch.float32, 0.0),
