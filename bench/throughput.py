@@ -267,43 +267,51 @@ def small_batch_settings(args: argparse.Namespace) -> list[bool]:
     return SMALL_BATCH_SETTINGS[args.small_batch_kernels]
 
 
-def decode_settings(args: argparse.Namespace) -> list[tuple[bool, bool | None]]:
-    """(small_batch_kernels, PDL) per decode engine: each `--small-batch-kernels` setting, the
-    ones with the kernels on once per `--pdl` setting (None: `ops.pdl.PDL_DEFAULT`)."""
+def decode_settings(args: argparse.Namespace) -> list[tuple[bool, bool | None, str | None]]:
+    """(small_batch_kernels, PDL, its trigger) per decode engine: each `--small-batch-kernels`
+    setting, the ones with the kernels on once per `--pdl` setting (None:
+    `ops.pdl.PDL_DEFAULT`), those with PDL on once per `--pdl-trigger` (None: as
+    `ops.pdl.PDL_EARLY` says)."""
     pdl = {"default": [None], **SMALL_BATCH_SETTINGS}[args.pdl]
-    return [(small, p) for small in small_batch_settings(args)
-            for p in (pdl if small else [None])]
+    triggers = args.pdl_trigger or [None]
+    return [(small, p, t) for small in small_batch_settings(args)
+            for p in (pdl if small else [None]) for t in (triggers if p else [None])]
 
 
 @contextmanager
-def pdl_default(pdl: bool | None) -> Iterator[None]:
+def pdl_default(pdl: bool | None, trigger: str | None = None) -> Iterator[None]:
     """The small-batch step's kernels launch with programmatic dependent launch per `pdl`
-    (None: as they would) within the block: an engine built in it captures its graphs so."""
+    (None: as they would), releasing their successors as `trigger` says ("early", "late";
+    None: as they would), within the block: an engine built in it captures its graphs so."""
     if pdl is None or not torch.cuda.is_available():
         yield
         return
     from kvfit.ops import pdl as ops_pdl  # imports Triton
 
-    saved, ops_pdl.PDL_DEFAULT = ops_pdl.PDL_DEFAULT, pdl
+    saved = ops_pdl.PDL_DEFAULT, ops_pdl.PDL_EARLY
+    ops_pdl.PDL_DEFAULT = pdl
+    if trigger is not None:
+        ops_pdl.PDL_EARLY = trigger == "early"
     try:
         yield
     finally:
-        ops_pdl.PDL_DEFAULT = saved
+        ops_pdl.PDL_DEFAULT, ops_pdl.PDL_EARLY = saved
 
 
 def bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
-                 small_batch: bool = False, pdl: bool | None = None) -> list[dict]:
+                 small_batch: bool = False, pdl: bool | None = None,
+                 trigger: str | None = None) -> list[dict]:
     """Decode step time at each batch size against the limit of the same steps (weights and
     KV reads over the copy bandwidth, unless the GEMMs' FLOPs take longer), with the engine's
-    `small_batch_kernels` set to `small_batch` and its kernels' PDL to `pdl` (`pdl_default`).
-    With `--profile-decode`, each row's steps once more under the profiler, appended to that
-    file (`per_step_text`)."""
-    with pdl_default(pdl):
-        return _bench_decode(model, args, limits, small_batch, pdl)
+    `small_batch_kernels` set to `small_batch` and its kernels' PDL to `pdl` with `trigger`
+    (`pdl_default`). With `--profile-decode`, each row's steps once more under the profiler,
+    appended to that file (`per_step_text`)."""
+    with pdl_default(pdl, trigger):
+        return _bench_decode(model, args, limits, small_batch, pdl, trigger)
 
 
 def _bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
-                  small_batch: bool, pdl: bool | None) -> list[dict]:
+                  small_batch: bool, pdl: bool | None, trigger: str | None) -> list[dict]:
     llm = LLM(model, device=args.device, load_format="dummy", max_num_seqs=max(args.decode_batches),
               max_model_len=args.decode_context + 256, enforce_eager=args.enforce_eager,
               cudagraph_mode=args.cudagraph_mode[0], small_batch_kernels=small_batch)
@@ -324,7 +332,7 @@ def _bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
         step = statistics.median(times)
         if profile is not None:
             label = (f"{model} batch {batch_size}, small_batch_kernels {small_batch}, "
-                     f"PDL {pdl}")
+                     f"PDL {pdl}{f' ({trigger} trigger)' if trigger else ''}")
             with open(args.profile_decode, "a") as f:
                 f.write(per_step_text(profile, label) + "\n\n")
         sync_step = runner_step(llm, batch, args.iters)  # after the engine's run has drained
@@ -335,7 +343,7 @@ def _bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
                                   limits).seconds
         rows.append({
             "model": model, "batch": batch_size, "context": context,
-            "small_batch_kernels": small_batch, "pdl": pdl,
+            "small_batch_kernels": small_batch, "pdl": pdl, "pdl_trigger": trigger,
             "step_ms": step * 1e3, "step_ms_runs": [t * 1e3 for t in times],
             "roofline_ms": roofline * 1e3, "ratio": step / roofline,
             "of_limit": roofline / step,
@@ -377,6 +385,10 @@ def bench_ttft(model: str, args: argparse.Namespace, limits: DeviceLimits) -> di
     ttft = statistics.median(times)
     return {"model": model, "prompt_len": args.ttft_len, "ttft_s": ttft, "runs_s": times,
             "limit_s": limit.seconds, "of_limit": limit.seconds / ttft, "limit": limit.as_dict()}
+
+
+def _pdl_label(row: dict) -> str:
+    return f"{row.get('pdl')}" + (f"/{row['pdl_trigger']}" if row.get("pdl_trigger") else "")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -429,6 +441,10 @@ def main(argv: list[str] | None = None) -> None:
                              "with programmatic dependent launch (sm_90+): off, on, both (one "
                              "engine each, side by side), or default: as "
                              "ops/pdl.PDL_DEFAULT says")
+    parser.add_argument("--pdl-trigger", nargs="+", choices=["early", "late"],
+                        help="where a PDL kernel lets its successor start (ops/pdl.PDL_EARLY): "
+                             "right after its wait, or after its main loop; each engine with "
+                             "PDL on once per trigger given (default: as PDL_EARLY says)")
     parser.add_argument("--profile-decode", metavar="PATH",
                         help="profile each decode row's steps once more and append, per step, "
                              "the device span, the kernels' time and each kernel to PATH")
@@ -459,8 +475,8 @@ def main(argv: list[str] | None = None) -> None:
         result["throughput"] = result["throughputs"][0]
     result["decode"] = []
     for model in args.decode_models:
-        for small_batch, pdl in decode_settings(args):
-            result["decode"] += bench_decode(model, args, limits, small_batch, pdl)
+        for small_batch, pdl, trigger in decode_settings(args):
+            result["decode"] += bench_decode(model, args, limits, small_batch, pdl, trigger)
             gc.collect()
     result["ttft"] = []
     for model in args.ttft_models:
@@ -488,13 +504,13 @@ def print_tables(result: dict) -> None:
               f"memory-bound): {t['of_limit']:.1%} of the limit")
     print(f"{'model':<18} {'batch':>5} {'context':>7} {'step ms':>8} {'limit ms':>8} "
           f"{'ratio':>5} {'of limit':>8} {'sync step ms':>12} {'sync ratio':>10} graphs "
-          f"small-batch pdl   runs ms")
+          f"small-batch pdl        runs ms")
     for r in result["decode"]:
         runs = " ".join(f"{t:.3f}" for t in r.get("step_ms_runs", []))
         print(f"{r['model']:<18} {r['batch']:>5} {r['context']:>7.0f} {r['step_ms']:>8.3f} "
               f"{r['roofline_ms']:>8.3f} {r['ratio']:>5.2f} {r['of_limit']:>8.1%} "
               f"{r['sync_step_ms']:>12.3f} {r['sync_ratio']:>10.2f} {r['graphs']!s:6} "
-              f"{r.get('small_batch_kernels', False)!s:11} {r.get('pdl')!s:5} {runs}")
+              f"{r.get('small_batch_kernels', False)!s:11} {_pdl_label(r):10} {runs}")
     for r in result.get("ttft", []):
         print(f"TTFT {r['model']} {r['prompt_len']} tokens: {r['ttft_s'] * 1e3:.1f} ms, limit "
               f"{r['limit_s'] * 1e3:.1f} ms ({r['limit']['gemm_tflop']:.3g} TFLOP GEMM + "

@@ -100,3 +100,20 @@ def test_decode_rows_per_pdl_setting_and_their_profile(bench, tmp_path: Path) ->
     assert text.count("kvfit-tiny batch 2") == 3
     # Three decode steps each, and the CPU's kernels by name (on the CPU: no device span).
     assert text.count(": 3 decode steps, per step") == 3
+
+
+
+def test_decode_rows_per_pdl_trigger(bench, tmp_path: Path) -> None:  # noqa: ANN001
+    """`--pdl on --pdl-trigger early late` runs the rows with PDL once per trigger, named apart
+    in the record and its figures."""
+    out = tmp_path / "t.json"
+    bench.main(["--device", "cpu", "--skip-throughput", "--decode-models", "kvfit-tiny",
+                "--decode-batches", "1", "--decode-context", "32", "--iters", "2",
+                "--decode-repeat", "1", "--ttft-models", "--small-batch-kernels", "on",
+                "--pdl", "on", "--pdl-trigger", "early", "late", "--out", str(out)])
+    record = json.loads(out.read_text())
+    rows = [(d["pdl"], d["pdl_trigger"]) for d in record["results"]["decode"]]
+    assert rows == [(True, "early"), (True, "late")]
+    for trigger in ("early", "late"):
+        assert (f"decode.kvfit-tiny.batch1.small_batch.pdl.{trigger}_trigger.step_ms"
+                in record["figures"])

@@ -118,7 +118,8 @@ def test_pdl_gives_the_bits_without_it(make_llm, monkeypatch: pytest.MonkeyPatch
     """Programmatic dependent launch overlaps a small step's kernels and changes no arithmetic:
     with it on, graphs at every batch size and eager steps give the tokens and logprobs
     without it, under greedy and seeded sampling (a kernel reading its predecessor's output
-    before `griddepcontrol.wait` would show as a different token or logprob)."""
+    before `griddepcontrol.wait` would show as a different token or logprob), whether a
+    kernel releases its successor early or late (`PDL_EARLY`)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     from kvfit.ops import pdl
@@ -139,7 +140,9 @@ def test_pdl_gives_the_bits_without_it(make_llm, monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(pdl, "PDL_DEFAULT", False)
         expected = run(**kwargs)
         monkeypatch.setattr(pdl, "PDL_DEFAULT", True)
-        assert run(**kwargs) == expected, kwargs
+        for early in (True, False):  # the successor released at the wait, or late
+            monkeypatch.setattr(pdl, "PDL_EARLY", early)
+            assert run(**kwargs) == expected, (kwargs, early)
 
 
 def test_a_warm_engine_with_small_batch_kernels_compiles_nothing_for_new_batch_sizes(

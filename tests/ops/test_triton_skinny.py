@@ -226,13 +226,19 @@ def test_gpu_silu_and_mul_linear_matches_the_unfused_chain(dtype: torch.dtype, r
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_gpu_pdl_chain_in_a_graph_gives_the_bits_without_pdl(rows: int) -> None:
+def test_gpu_pdl_chain_in_a_graph_gives_the_bits_without_pdl(
+        rows: int, early: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A layer's chain of skinny kernels, each reading its predecessor's output, launched with
     programmatic dependent launch and replayed from a CUDA graph: the same bits as without, on
-    every replay (a read before `gdc_wait` would see the predecessor's output half written)."""
+    every replay (a read before `gdc_wait` would see the predecessor's output half written),
+    with the successor released early or late (`PDL_EARLY`)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    from kvfit.ops import pdl as ops_pdl
+
+    monkeypatch.setattr(ops_pdl, "PDL_EARLY", early)
     dtype, hidden, inter = torch.bfloat16, 1024, 3072
     qkv, _ = _weights(4096, hidden, dtype, "cuda", bias=False)
     o, _ = _weights(hidden, 4096, dtype, "cuda", bias=False)

@@ -280,16 +280,27 @@ def test_skinny_norm_kernels_run_in_one_wave(monkeypatch: pytest.MonkeyPatch, n:
                                       f"({kernel.metadata.shared} B shared, {regs} registers)")
 
 
+def _check_trigger(after_wait: str, early: bool, name: str) -> None:
+    """The PTX after a PDL kernel's wait lets its successor start: right away (early), or
+    after the kernel's loads and before its last stores (late, `ops/pdl.PDL_EARLY` off)."""
+    before, trigger, rest = after_wait.partition("griddepcontrol.launch_dependents")
+    assert trigger, name
+    loads = re.findall(r"\bld\.global|\bcp\.async\.\w+\.shared\.global", before)
+    assert (not loads) if early else (loads and re.search(r"\bst\.global", rest)), name
+
+
+@pytest.mark.parametrize("early", [True, False])
 def test_skinny_pdl_launch_reads_and_writes_nothing_before_its_wait(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, early: bool,
 ) -> None:
     """Launched with programmatic dependent launch, a skinny kernel may run beside the kernel
     before it: before `griddepcontrol.wait` its PTX may only prefetch (the weights), never load
-    x nor store; and it lets its successor start (`launch_dependents`)."""
+    x nor store; and it lets its successor start (`launch_dependents`), early or late."""
 
-    from kvfit.ops import triton_skinny
+    from kvfit.ops import pdl, triton_skinny
 
     monkeypatch.setattr(triton_skinny, "use_pdl", lambda pdl, device: True)
+    monkeypatch.setattr(pdl, "PDL_EARLY", early)
     monkeypatch.syspath_prepend(str(TOOLS))
     sass = importlib.import_module("triton_sass")
     n, k = 4096, 1024
@@ -307,21 +318,23 @@ def test_skinny_pdl_launch_reads_and_writes_nothing_before_its_wait(
         memory_ops = re.findall(r"\b(?:ld|st|cp\.async|atom|red)\.global|\bprefetch\.global",
                                 before)
         assert memory_ops and set(memory_ops) == {"prefetch.global"}, named["PROLOGUE"]
-        assert "griddepcontrol.launch_dependents" in after
+        _check_trigger(after, early, f"PROLOGUE {named['PROLOGUE']}")
 
 
+@pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("cache", ["same", "fp8"])
 def test_decode_step_pdl_kernels_wait_before_any_memory_access(
-    monkeypatch: pytest.MonkeyPatch, cache: str,
+    monkeypatch: pytest.MonkeyPatch, cache: str, early: bool,
 ) -> None:
     """With PDL on, a small-batch step's attention input, decode attention and split reduction
     launch with it, and each program's first memory access comes after `griddepcontrol.wait`
-    (its inputs are its predecessor's outputs), then lets its successor start. A large step's
-    kernels launch without it."""
+    (its inputs are its predecessor's outputs), then lets its successor start, early or late.
+    A large step's kernels launch without it."""
     from kvfit.ops import pdl, triton_attention, triton_attention_input
     from kvfit.ops.small_batch import small_batch_kernels
 
     monkeypatch.setattr(pdl, "use_pdl", lambda requested, device: True)
+    monkeypatch.setattr(pdl, "PDL_EARLY", early)
     monkeypatch.setattr(triton_attention, "_has_e4m3x2_cvt", lambda device: True)
     monkeypatch.syspath_prepend(str(TOOLS))
     sass = importlib.import_module("triton_sass")
@@ -352,6 +365,6 @@ def test_decode_step_pdl_kernels_wait_before_any_memory_access(
         before, _, after = ptx.partition("griddepcontrol.wait")
         assert after, fn.__name__
         assert not re.findall(r"\b(?:ld|st|cp\.async|atom|red|prefetch)\.global", before)
-        assert "griddepcontrol.launch_dependents" in after, fn.__name__
+        _check_trigger(after, early, fn.__name__)
     # The attention input there still takes the test's 5 tokens: only the attention is large.
     assert [options.get("launch_pdl", False) for _, _, options in large[1:]] == [False, False]

@@ -66,6 +66,8 @@ def throughput(p: dict[str, Any]) -> Figures:
         small = ".small_batch" if d.get("small_batch_kernels") else ""
         # ... and with their PDL set either way (`--pdl`), beside the default ones.
         pdl = {True: ".pdl", False: ".no_pdl"}.get(d.get("pdl"), "")
+        if d.get("pdl_trigger"):  # `--pdl-trigger`: where its kernels release their successors
+            pdl += f".{d['pdl_trigger']}_trigger"
         name = f"decode.{d['model']}.batch{d['batch']}{small}{pdl}"
         f[f"{name}.step_ms"] = figure(d["step_ms"], "ms", "lower")
         f[f"{name}.over_roofline"] = figure(d["ratio"], "ratio", "lower")

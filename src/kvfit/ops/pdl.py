@@ -31,6 +31,15 @@ PDL_DEFAULT = False
 """Whether the small-batch step's kernels launch with PDL (`pdl=None`) where the device has it;
 `bench/skinny_linear.py` times the skinny kernels each way, `bench/throughput.py --pdl` whole
 decode steps (the module docstring has the figures that keep it off)."""
+PDL_EARLY = True
+"""Where a PDL kernel lets its successor start: right after its own wait (early: the
+successor's programs become resident while this kernel runs), or once its main loop is done,
+before its last stores (late: the successor's launch and its weight prefetch overlap this
+kernel's tail only). The early trigger was what lost 27% at one row (timed 2026-12-05); a
+hypothesis for it: the successor's waiting programs hold shared memory (49-108 KB a program
+of the skinny kernels at one row) on the SMs they land on, so the rest of its grid lands
+unevenly. `bench/throughput.py --pdl-trigger early late` times both; the successor waits for
+this kernel's completion either way, so both give the same bits."""
 
 
 def use_pdl(pdl: bool | None, device: torch.device) -> bool:
@@ -40,18 +49,28 @@ def use_pdl(pdl: bool | None, device: torch.device) -> bool:
 
 
 def pdl_launch(num_tokens: int, device: torch.device) -> dict[str, bool]:
-    """The launch keywords of a kernel of a step of `num_tokens` tokens: `PDL` (for
-    `wait_then_release`) and Triton's `launch_pdl` where the small-batch kernels are on, the
-    step has at most `MAX_ROWS` tokens and `use_pdl` says so; none otherwise."""
+    """The launch keywords of a kernel of a step of `num_tokens` tokens: `PDL` and `PDL_EARLY`
+    (for `wait_then_release` and `release_late`) and Triton's `launch_pdl` where the
+    small-batch kernels are on, the step has at most `MAX_ROWS` tokens and `use_pdl` says so;
+    none otherwise."""
     if is_small_batch_enabled() and 0 < num_tokens <= MAX_ROWS and use_pdl(None, device):
-        return dict(PDL=True, launch_pdl=True)
+        return dict(PDL=True, PDL_EARLY=PDL_EARLY, launch_pdl=True)
     return {}
 
 
 @triton.jit
-def wait_then_release(PDL: tl.constexpr):
-    """A PDL kernel's first statement: wait for the kernel before (its writes visible), then
-    let the kernel after start. Nothing where `PDL` is off."""
+def wait_then_release(PDL: tl.constexpr, EARLY: tl.constexpr = True):
+    """A PDL kernel's first statement: wait for the kernel before (its writes visible), then,
+    if `EARLY`, let the kernel after start. Nothing where `PDL` is off."""
     if PDL:
         gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def release_late(PDL: tl.constexpr, EARLY: tl.constexpr):
+    """A PDL kernel with a late trigger (not `EARLY`) lets the kernel after start here: after
+    its main loop, before its last stores. Nothing otherwise."""
+    if PDL and not EARLY:
         gdc_launch_dependents()

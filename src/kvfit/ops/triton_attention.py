@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kvfit.kv_quant import is_fp8
-from kvfit.ops.pdl import pdl_launch, wait_then_release
+from kvfit.ops.pdl import pdl_launch, release_late, wait_then_release
 from kvfit.ops.sm_count import DEFAULT_SMS, num_sms
 
 if TYPE_CHECKING:
@@ -273,8 +273,9 @@ def _decode_kernel(
     FP8: tl.constexpr,
     FP8_F16: tl.constexpr,
     PDL: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = True,
 ):  # fmt: skip
-    wait_then_release(PDL)  # first: the query is the kernel before's output
+    wait_then_release(PDL, PDL_EARLY)  # first: the query is the kernel before's output
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -312,6 +313,7 @@ def _decode_kernel(
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if FP8:  # the split reduction is linear in o: scaling each part scales the sum
         o = o * tl.load(v_scale)
+    release_late(PDL, PDL_EARLY)
     part = (seq * NUM_HEADS + head) * num_splits + split
     _store_decode_out(o, d, out, part_out, q_row, head, g_mask, part,
                       stride_ot, stride_oh, stride_od, HEAD_DIM, HEAD_DIM_P2, SPLIT)  # fmt: skip
@@ -442,6 +444,7 @@ def _decode_fp8_pairs_kernel(
     SPLIT: tl.constexpr,
     ASM: tl.constexpr,
     PDL: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = True,
 ):  # fmt: skip
     """`_decode_kernel` over an e4m3 cache, computing in float16, that reads the cache as
     uint16 pairs of dims (2i, 2i + 1) and splits each dot by parity: q.k = q_even.k_even +
@@ -456,7 +459,7 @@ def _decode_fp8_pairs_kernel(
 
     The cache strides (stride_cb, stride_cs, stride_ch) count uint16 pairs: the host halves
     them (they are even, `_use_fp8_pairs`), so no row offset is divided in the loop."""
-    wait_then_release(PDL)
+    wait_then_release(PDL, PDL_EARLY)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -508,6 +511,7 @@ def _decode_fp8_pairs_kernel(
 
     # As `_decode_kernel`: zeros for an empty split; v_scale folded into the output.
     norm = tl.load(v_scale) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    release_late(PDL, PDL_EARLY)
     part = (seq * NUM_HEADS + head) * num_splits + split
     _store_decode_out(acc_even * norm, 2 * d2, out, part_out, q_row, head, g_mask, part,
                       stride_ot, stride_oh, stride_od, HEAD_DIM, HEAD_DIM_P2, SPLIT)  # fmt: skip
@@ -532,6 +536,7 @@ def _reduce_splits_kernel(
     HEAD_DIM_P2: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     PDL: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = True,
 ):  # fmt: skip
     """One (sequence, query head): its splits' parts weighted by their log-sum-exps.
 
@@ -542,7 +547,7 @@ def _reduce_splits_kernel(
     the launch's split count: a tree reduction's order follows its width, so a row sums its
     parts in one order whatever `max_seq_len` the launch had (eager and graphs agree).
     Splits past the sequence's own are masked to a weight of 0."""
-    wait_then_release(PDL)
+    wait_then_release(PDL, PDL_EARLY)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc + seq).to(tl.int64)  # row * stride may pass 2**31
@@ -561,6 +566,7 @@ def _reduce_splits_kernel(
                     mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     acc = tl.sum(w[:, None] * parts, axis=0)
     o = acc / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    release_late(PDL, PDL_EARLY)
     o_ptrs = out + q_row * stride_ot + head * stride_oh + d * stride_od
     tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=d_mask)
 

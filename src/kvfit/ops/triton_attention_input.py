@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kvfit.kv_quant import is_fp8
-from kvfit.ops.pdl import pdl_launch, wait_then_release
+from kvfit.ops.pdl import pdl_launch, release_late, wait_then_release
 from kvfit.ops.triton_kv_write import to_cache
 from kvfit.ops.triton_layers import (
     _cos_sin,
@@ -57,8 +57,9 @@ def _attention_input_kernel(
     QK_NORM: tl.constexpr,
     FP8: tl.constexpr,
     PDL: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = True,
 ):  # fmt: skip
-    wait_then_release(PDL)  # first: q, k and v are the kernel before's output
+    wait_then_release(PDL, PDL_EARLY)  # first: q, k and v are the kernel before's output
     token = tl.program_id(0).to(tl.int64)  # token * row stride may pass 2**31
     cos, sin = _cos_sin(cos_sin_cache, positions, token, HALF, HALF_P2)
 
@@ -67,6 +68,7 @@ def _attention_input_kernel(
     if QK_NORM:
         q1, q2 = _rms_norm_halves(q1, q2, q_norm_weight, eps, HALF, HALF_P2)
     q1, q2 = _rotate_halves(q1, q2, cos, sin)
+    release_late(PDL, PDL_EARLY)
     _store_halves(q_out, token, q1, q2, NUM_HEADS, HEADS_P2, HALF, HALF_P2)
 
     slot = tl.load(slot_mapping + token)

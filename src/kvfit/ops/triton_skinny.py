@@ -29,7 +29,8 @@ times. The kernel is shaped for that stream rather than for reuse:
   before, only x does. Launched with PDL, the kernel starts while its predecessor finishes,
   asks L2 for the first `PREFETCH_BYTES` of its weight slice, and only then waits for the
   predecessor (`gdc_wait`) before it reads x or writes anything; it lets its own successor
-  start as soon as every program has passed that wait. At one row each node's ~3 us beyond
+  start as soon as every program has passed that wait, or with `ops/pdl.py`'s `PDL_EARLY`
+  off, once every program has its product, before the stores. At one row each node's ~3 us beyond
   its bytes (launch, the first DRAM round trips, the tail) is what paces a decode step, and
   this overlaps part of it with the node before. Off (`ops/pdl.py`'s `PDL_DEFAULT`, which the
   decode step's other kernels follow too): whole steps timed slower with it at one row.
@@ -45,8 +46,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kvfit.ops import pdl as ops_pdl
 from kvfit.ops import sm_count
-from kvfit.ops.pdl import use_pdl
+from kvfit.ops.pdl import release_late, use_pdl
 from kvfit.ops.small_batch import MAX_ROWS, SKINNY_DTYPES
 
 BLOCK_M = 16
@@ -249,6 +251,7 @@ def _skinny_kernel(
     NORM_STAGES: tl.constexpr,
     GEMV_STAGES: tl.constexpr,
     PDL: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = True,
     PREFETCH_K: tl.constexpr = 64,
     ROW_GEMV: tl.constexpr = True,
 ):  # fmt: skip
@@ -261,7 +264,8 @@ def _skinny_kernel(
         lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
         _prefetch_l2(w + rows[:, None] * K + lines[None, :])
         gdc_wait()
-        gdc_launch_dependents()
+        if PDL_EARLY:
+            gdc_launch_dependents()
     if PROLOGUE == 0 and not ROW_GEMV:  # the 16-row tile at every M (the bench's baseline)
         acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, K, PROLOGUE,
                        BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK_K, NORM_STAGES,
@@ -274,6 +278,7 @@ def _skinny_kernel(
         acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, K, PROLOGUE,
                        BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK_K, NORM_STAGES,
                        GEMV_STAGES)
+    release_late(PDL, PDL_EARLY)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -317,7 +322,7 @@ def _launch(
     if use_pdl(pdl, x.device):
         # 64 elements a line: 128 bytes of bf16/fp16.
         cols = max(64, min(PREFETCH_BYTES // (2 * block_n), triton.next_power_of_2(k)))
-        launch.update(PDL=True, PREFETCH_K=cols, launch_pdl=True)
+        launch.update(PDL=True, PDL_EARLY=ops_pdl.PDL_EARLY, PREFETCH_K=cols, launch_pdl=True)
     x = x.contiguous()
     # Absent operands' pointers are x's: the kernel's PROLOGUE never reads them.
     _skinny_kernel[(triton.cdiv(n, block_n),)](
