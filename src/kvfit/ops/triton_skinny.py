@@ -30,10 +30,11 @@ times. The kernel is shaped for that stream rather than for reuse:
   asks L2 for the first `PREFETCH_BYTES` of its weight slice, and only then waits for the
   predecessor (`gdc_wait`) before it reads x or writes anything; it lets its own successor
   start as soon as every program has passed that wait, or with `ops/pdl.py`'s `PDL_EARLY`
-  off, once every program has its product, before the stores. At one row each node's ~3 us beyond
-  its bytes (launch, the first DRAM round trips, the tail) is what paces a decode step, and
-  this overlaps part of it with the node before. Off (`ops/pdl.py`'s `PDL_DEFAULT`, which the
-  decode step's other kernels follow too): whole steps timed slower with it at one row.
+  off, once every program has its product, before the stores. At one row each node's ~3 us
+  beyond its bytes (launch, the first DRAM round trips, the tail) is what paces a decode
+  step, and this overlaps part of it with the node before. Off (`ops/pdl.py`'s `PDL_DEFAULT`,
+  which the decode step's other kernels follow too): whole steps timed slower with it at one
+  row (the early trigger; the late one is untimed).
 
 The launch shape follows the tensor shapes only (graph safe). K is a constexpr (a layer's K
 never changes, and a static trip count lets the loop drop its mask when BLOCK_K divides K).
@@ -44,11 +45,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvfit.ops import pdl as ops_pdl
 from kvfit.ops import sm_count
-from kvfit.ops.pdl import release_late, use_pdl
+from kvfit.ops.pdl import release_late, use_pdl, wait_then_release
 from kvfit.ops.small_batch import MAX_ROWS, SKINNY_DTYPES
 
 BLOCK_M = 16
@@ -263,9 +263,7 @@ def _skinny_kernel(
         rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
         lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
         _prefetch_l2(w + rows[:, None] * K + lines[None, :])
-        gdc_wait()
-        if PDL_EARLY:
-            gdc_launch_dependents()
+        wait_then_release(PDL, PDL_EARLY)
     if PROLOGUE == 0 and not ROW_GEMV:  # the 16-row tile at every M (the bench's baseline)
         acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, K, PROLOGUE,
                        BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK_K, NORM_STAGES,
