@@ -5,7 +5,8 @@ than by its launch, its first DRAM round trips and its tail. Launched with PDL, 
 while the node before it finishes: it waits (`griddepcontrol.wait`, which returns once its
 predecessor has completed and its writes are visible) before it touches any memory but what no
 kernel writes (weights, which the skinny kernels prefetch first), and then lets its own
-successor start (`griddepcontrol.launch_dependents`). Every program of a PDL kernel waits
+successor start (`griddepcontrol.launch_dependents`: right after the wait, or after its main
+loop where `PDL_EARLY` is off). Every program of a PDL kernel waits
 before it returns, so that "complete" passes down the chain: a kernel that waited on its
 predecessor also waited, through it, on every kernel before.
 
@@ -54,8 +55,14 @@ def pdl_launch(num_tokens: int, device: torch.device) -> dict[str, bool]:
     small-batch kernels are on, the step has at most `MAX_ROWS` tokens and `use_pdl` says so;
     none otherwise."""
     if is_small_batch_enabled() and 0 < num_tokens <= MAX_ROWS and use_pdl(None, device):
-        return dict(PDL=True, PDL_EARLY=PDL_EARLY, launch_pdl=True)
+        return pdl_keywords()
     return {}
+
+
+def pdl_keywords() -> dict[str, bool]:
+    """A PDL launch's keywords: the kernel's `PDL` and `PDL_EARLY` constexprs and Triton's
+    `launch_pdl`."""
+    return dict(PDL=True, PDL_EARLY=PDL_EARLY, launch_pdl=True)
 
 
 @triton.jit

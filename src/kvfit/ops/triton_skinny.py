@@ -46,9 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfit.ops import pdl as ops_pdl
 from kvfit.ops import sm_count
-from kvfit.ops.pdl import release_late, use_pdl, wait_then_release
+from kvfit.ops.pdl import pdl_keywords, release_late, use_pdl, wait_then_release
 from kvfit.ops.small_batch import MAX_ROWS, SKINNY_DTYPES
 
 BLOCK_M = 16
@@ -320,7 +319,7 @@ def _launch(
     if use_pdl(pdl, x.device):
         # 64 elements a line: 128 bytes of bf16/fp16.
         cols = max(64, min(PREFETCH_BYTES // (2 * block_n), triton.next_power_of_2(k)))
-        launch.update(PDL=True, PDL_EARLY=ops_pdl.PDL_EARLY, PREFETCH_K=cols, launch_pdl=True)
+        launch.update(pdl_keywords(), PREFETCH_K=cols)
     x = x.contiguous()
     # Absent operands' pointers are x's: the kernel's PROLOGUE never reads them.
     _skinny_kernel[(triton.cdiv(n, block_n),)](
