@@ -223,7 +223,8 @@ def sweep(shape: Shape, k_cache, v_cache) -> list[dict]:
     # `kernel_us`: the decode and reduction kernels' device time alone, which is what a graphed
     # step pays.
     for tokens in [64, 128, 256, 512, 1024, 2048, None]:
-        for batch, context in [(64, 4096), (1, 32768), (1, 1024), (4, 1024), (16, 1024)]:
+        for batch, context in [(64, 4096), (1, 32768), (1, 1024), (4, 1024), (16, 1024),
+                               (64, 1024), (256, 1024)]:
             ms = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch,
                             split_tokens=tokens)  # fmt: skip
             us = time_paged(shape, k_cache, v_cache, [1] * batch, [context] * batch,

@@ -226,8 +226,9 @@ def test_startup_stages_are_reported_in_order_within_the_total(
         assert sum(stages.values()) <= total
 
 
+@pytest.mark.parametrize("small_batch_kernels", [False, True])
 def test_startup_order_commits_only_what_warmup_addresses(
-    make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+    make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch, small_batch_kernels: bool
 ) -> None:
     events: list[tuple] = []
 
@@ -250,10 +251,12 @@ def test_startup_order_commits_only_what_warmup_addresses(
         max(max(s.block_table) for s in b.seqs), committed(r)))
     spy(ModelRunner, "capture_cuda_graphs", lambda r: ("capture", committed(r)))
     spy(Worker, "extend_kv_cache", lambda w, n: ("extend", n))
-    llm = make_llm()
+    llm = make_llm(small_batch_kernels=small_batch_kernels)
 
+    # Under the small-batch kernels warmup also samples one decode token (their fused variants).
+    warmup_steps = 4 if small_batch_kernels else 3
     names = [e[0] for e in events]
-    assert names == ["step", "warm_up", "step", "step", "step", "capture", "extend"]
+    assert names == ["step", "warm_up", *["step"] * warmup_steps, "capture", "extend"]
     _, committable, committed_at_warmup, capacity = events[1]
     assert committed_at_warmup == 1  # capacity reserved, only the minimum committed
     assert capacity == llm.engine.executor.workers[0].runner.kv_cache.capacity_blocks
@@ -261,13 +264,15 @@ def test_startup_order_commits_only_what_warmup_addresses(
     for _, _, _, max_block_id, committed_now in steps:
         # Dummy ids stay within what the step committed, and within the engine's bound.
         assert max_block_id < committed_now <= committable
-    mixed, full_rows = steps[1], steps[2]
+    if small_batch_kernels:
+        assert steps[1][1:3] == (1, 1)  # one token, a decode
+    mixed, full_rows = steps[-2], steps[-1]
     assert mixed[1] == LIMITS["max_num_batched_tokens"] and mixed[2] > 0  # prefill + decodes
     # The most rows a step samples, beside the activations of the whole token budget.
     assert full_rows[1] == LIMITS["max_num_batched_tokens"]
     assert full_rows[2] == LIMITS["max_num_seqs"]
-    assert events[5][1] == steps[-1][4]  # captured with what warmup committed, nothing more
-    assert events[6][1] == llm.kv_cache_report.num_blocks
+    assert events[-2][1] == steps[-1][4]  # captured with what warmup committed, nothing more
+    assert events[-1][1] == llm.kv_cache_report.num_blocks
 
 
 @pytest.mark.parametrize("max_logprobs", [0, 20])
