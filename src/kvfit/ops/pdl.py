@@ -15,8 +15,10 @@ kernels on (`pdl_launch`): the skinny linear layers, the attention input and the
 attention with its split reduction; that is where it is timed. A successor launches only once
 every program of its predecessor has started and passed its wait, so its programs, waiting on
 their SMs, never hold one that a program of the predecessor still needs. Off (`PDL_DEFAULT`):
-`bench/throughput.py --pdl both` timed whole decode steps 27% slower with it at one row on
-the 0.6B shape and 1-2% faster at 4-16 rows (H100, 2026-12-05).
+`bench/throughput.py --pdl both --pdl-trigger early late` timed whole decode steps (H100,
+eee7332) 7.8% (early) and 6% (late) faster at one row on the 0.6B shape, 2.6% slower (early)
+and within 0.4% (late) on the 8B, and within 1-2% either way at 4-16 rows: too little where the
+batch-1 targets lie to be worth a second launch path by default.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ PDL_EARLY = True
 """Where a PDL kernel lets its successor start: right after its own wait (early: the
 successor's programs become resident while this kernel runs), or once its main loop is done,
 before its last stores (late: the successor's launch and its weight prefetch overlap this
-kernel's tail only). The early trigger was what lost 27% at one row (timed 2026-12-05); a
-hypothesis for it: the successor's waiting programs hold shared memory (49-108 KB a program
-of the skinny kernels at one row) on the SMs they land on, so the rest of its grid lands
-unevenly. `bench/throughput.py --pdl-trigger early late` times both; the successor waits for
+kernel's tail only). Early is the default where PDL is on: it is the faster at one row on the
+0.6B shape; on the 8B its successors' waiting programs hold shared memory (49-108 KB a program
+of the skinny kernels at one row) on SMs the larger grids need, and late is the faster there
+(`bench/throughput.py --pdl-trigger early late`, docs/benchmarks.md). The successor waits for
 this kernel's completion either way, so both give the same bits."""
 
 
