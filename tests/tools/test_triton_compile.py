@@ -225,6 +225,31 @@ def test_skinny_linear_kernels_compile_for_sm90(
     assert names == ["_skinny_kernel"] * 4  # plain and the three prologues
 
 
+@pytest.mark.parametrize("arch", [80, 89])
+@pytest.mark.parametrize(("n", "k"), [(24576, 4096), (37, 100)])
+def test_skinny_linear_kernels_compile_before_sm90(monkeypatch: pytest.MonkeyPatch, arch: int,
+                                                   n: int, k: int) -> None:
+    """The small-batch kernels are on by default on every CUDA device, so they must compile
+    for Ampere and Ada too (no PDL there: `use_pdl` needs 9.0), at one row (the FMA path and
+    the fused prologues) and at several (the MMA tile), off the tiles included."""
+    from kvfit.ops import triton_skinny
+
+    monkeypatch.syspath_prepend(str(TOOLS))
+    sass = importlib.import_module("triton_sass")
+    x1, x3 = torch.randn(1, k, dtype=torch.bfloat16), torch.randn(3, k, dtype=torch.bfloat16)
+    w, bias = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
+    norm, gate_up = torch.ones(k, dtype=torch.bfloat16), torch.randn(1, 2 * k,
+                                                                     dtype=torch.bfloat16)
+    launches = sass.captured_launches(lambda: (
+        triton_skinny.skinny_linear_triton(x1, w, bias),
+        triton_skinny.skinny_linear_triton(x3, w),
+        triton_skinny.rms_norm_linear_triton(x1, x1.clone(), norm, 1e-6, w),
+        triton_skinny.silu_and_mul_linear_triton(gate_up, w)))
+    assert len(launches) == 4
+    for fn, named, options in launches:
+        assert sass.compile_launch(fn, named, options, arch=arch).asm["cubin"]
+
+
 @pytest.mark.parametrize(("n", "k"), [
     (4096, 1024), (6144, 1024), (1024, 3072),  # the 0.6B shape: qkv, gate_up, down
     (6144, 4096), (24576, 4096), (4096, 12288),  # the 8B shape
