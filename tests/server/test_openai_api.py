@@ -236,6 +236,62 @@ def test_echo(client: openai.OpenAI, llm: LLM) -> None:
     assert lp.token_logprobs[0] is None and None not in lp.token_logprobs[1:]
 
 
+def test_prompt_logprobs_are_the_engines_in_vllms_shape(client: openai.OpenAI,
+                                                         llm: LLM) -> None:
+    """vLLM's `prompt_logprobs` field: per prompt position after the first, the prompt's own
+    token and the n most likely, keyed by token id, with the offline engine's values; on
+    completions in each choice, on chat beside the choices."""
+    (ref,) = llm.generate(PROMPTS[7], greedy(2, prompt_logprobs=2), use_tqdm=False)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[7], max_tokens=2,
+                                  temperature=0, extra_body={"prompt_logprobs": 2})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert r.choices[0].logprobs is None  # the sampled tokens' were not asked for
+    assert len(got) == len(ref.prompt_token_ids)
+    assert got[0] is None and ref.prompt_logprobs[0] is None
+    for token_id, entries, want in zip(ref.prompt_token_ids[1:], got[1:], ref.prompt_logprobs[1:],
+                                       strict=True):
+        assert str(token_id) in entries and 2 <= len(entries) <= 3
+        assert sorted(e["rank"] for t, e in entries.items() if t != str(token_id))[:2] == [1, 2]
+        for t, e in entries.items():
+            assert e["logprob"] == pytest.approx(want[int(t)].logprob, abs=1e-5)
+            assert e["rank"] == want[int(t)].rank and isinstance(e["decoded_token"], str)
+
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    own = chat.model_extra["prompt_logprobs"]
+    assert own[0] is None and len(own) == chat.usage.prompt_tokens
+    assert all(len(entries) == 1 for entries in own[1:])  # the prompt's own tokens alone
+
+
+def test_prompt_logprobs_beside_echo_keep_their_own_counts(client: openai.OpenAI) -> None:
+    """echo with logprobs=1 and prompt_logprobs=3: one engine computation, each field cut to
+    its own count."""
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[8], max_tokens=2,
+                                  temperature=0, echo=True, logprobs=1,
+                                  extra_body={"prompt_logprobs": 3})
+    choice = r.choices[0]
+    prompt = choice.model_extra["prompt_logprobs"]
+    assert all(3 <= len(entries) <= 4 for entries in prompt[1:])
+    assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs[1:])
+    assert len(choice.logprobs.tokens) == len(prompt) + 2
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (dict(prompt_logprobs=3, stream=True), "not available with stream=true"),
+    (dict(prompt_logprobs=10_000), "above the server's max_logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
+])  # fmt: skip
+def test_prompt_logprobs_the_server_cannot_give_are_refused(http: httpx.Client, extra: dict,
+                                                            message: str) -> None:
+    for path, body in (("/v1/completions", {"prompt": PROMPTS[0]}),
+                       ("/v1/chat/completions", {"messages": MESSAGES})):
+        r = http.post(path, json={"model": MODEL_NAME, "max_tokens": 2, **body, **extra})
+        assert r.status_code == 400, (path, r.text)
+        error = r.json()["error"]
+        assert message in error["message"] and error["param"] == "prompt_logprobs", error
+    assert http.get("/health").status_code == 200
+
+
 def test_streamed_echo_has_the_logprobs_of_the_unstreamed_one(client: openai.OpenAI) -> None:
     kwargs = dict(model=MODEL_NAME, prompt=PROMPTS[12], max_tokens=5, temperature=0, echo=True,
                   logprobs=1)

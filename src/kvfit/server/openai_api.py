@@ -453,12 +453,14 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         check_model(body.model)
         body.check()
         check_logprobs(body.logprobs, "logprobs")
+        check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         given = body.prompts()
         texts = [p for p in given if isinstance(p, str)]
         encoded = iter(await encode(texts, "prompt") if texts else ())
         prompts = [{"prompt_token_ids": next(encoded), "prompt": p} if isinstance(p, str)
                    else {"prompt_token_ids": p, "prompt": None} for p in given]
-        prompt_logprobs = body.logprobs if body.echo else None
+        # The engine computes the prompt's logprobs once, for the echo and the field both.
+        prompt_logprobs = _most(body.logprobs if body.echo else None, body.prompt_logprobs)
         # Prompt scoring (echo with max_tokens 0, as OpenAI's legacy API and vLLM take it, and
         # evaluation harnesses send): the engine generates one token, left out of the answer.
         scoring = body.echo and body.max_tokens == 0
@@ -491,9 +493,12 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                 logprobs = None
                 if body.logprobs is not None:
                     logprobs = _completion_logprobs(engine, c, body.logprobs, out, bool(echo))
-                choices.append({"index": i * body.n + c.index, "text": text,
-                                "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason})
+                choice = {"index": i * body.n + c.index, "text": text, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs(engine, out,
+                                                                 body.prompt_logprobs)
+                choices.append(choice)
         return {"id": ids, "object": "text_completion", "created": created, "model": model_name,
                 "choices": choices, "usage": _usage(outputs)}
 
@@ -509,6 +514,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         body.check()
         num_logprobs = body.num_logprobs()
         check_logprobs(num_logprobs, "top_logprobs")
+        check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         text = await render_chat(body)
         (token_ids,) = await encode([text], "messages", add_special_tokens=False)
         prompt = {"prompt_token_ids": token_ids, "prompt": text}
@@ -518,7 +524,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         max_tokens = check_length(len(prompt["prompt_token_ids"]), max_tokens, "messages",
                                   max_field)
         body._renamed = {"max_tokens": max_field, "logprobs": "top_logprobs"}
-        params = body.sampling_params(max_tokens, num_logprobs)
+        params = body.sampling_params(max_tokens, num_logprobs, body.prompt_logprobs)
         streams, admission = start(body, [prompt], [params])
         ids = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -541,8 +547,11 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                                  else {"content": _chat_logprobs(engine, c, 0, num_logprobs)}),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                    for c in out.outputs]
-        return {"id": ids, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": choices, "usage": _usage([out])}
+        answer = {"id": ids, "object": "chat.completion", "created": created,
+                  "model": model_name, "choices": choices, "usage": _usage([out])}
+        if body.prompt_logprobs is not None:  # vLLM's place for them: beside the choices
+            answer["prompt_logprobs"] = _prompt_logprobs(engine, out, body.prompt_logprobs)
+        return answer
 
     app.include_router(api)
     app.add_middleware(_InternalErrors, answer=internal)
@@ -672,6 +681,30 @@ def _top(entries: Logprobs, num: int) -> list[tuple[int, Any]]:
     """The `num` most likely entries, most likely first."""
     ranked = sorted(entries.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
     return ranked[:num]
+
+
+def _most(*nums: int | None) -> int | None:
+    """The largest of the logprob counts given, None where none is."""
+    given = [n for n in nums if n is not None]
+    return max(given) if given else None
+
+
+def _prompt_logprobs(engine: AsyncLLM, out: RequestOutput, num: int
+                     ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of an answer: None at the first prompt token (nothing comes
+    before it), then at each position its own token and the `num` most likely, keyed by token
+    id, each with its logprob, rank (1 = most likely) and text."""
+    result: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, entries in zip(out.prompt_token_ids, out.prompt_logprobs or (), strict=False):
+        if entries is None:
+            result.append(None)
+            continue
+        own = [(token_id, entries[token_id])] if token_id in entries else []
+        result.append({str(t): {"logprob": e.logprob, "rank": e.rank,
+                                "decoded_token": (e.decoded_token if e.decoded_token is not None
+                                                  else engine.decode_token(t))}
+                       for t, e in [*own, *_top(entries, num)]})
+    return result
 
 
 def _completion_logprobs(engine: AsyncLLM, c: CompletionOutput, num: int, out: RequestOutput,

@@ -91,6 +91,9 @@ class _SamplingFields(_Body):
     allowed_token_ids: list[int] | None = None
     # vLLM's: words the completion must not contain (each as written and after a space).
     bad_words: list[str] | None = None
+    # vLLM's: at every prompt position after the first, its own token's logprob and the
+    # `prompt_logprobs` most likely (`"prompt_logprobs"` in the answer); not with stream.
+    prompt_logprobs: int | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -131,6 +134,10 @@ class _SamplingFields(_Body):
             # As OpenAI and vLLM answer: the options would silently do nothing.
             raise APIError("stream_options is only allowed with stream=true",
                            param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            # As vLLM answers: the prompt's logprobs would all come in the first chunk.
+            raise APIError("prompt_logprobs is not available with stream=true",
+                           param="prompt_logprobs")
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             raise APIError("logit_bias values must be in [-100, 100]", param="logit_bias")
         try:
