@@ -292,6 +292,27 @@ def test_prompt_logprobs_the_server_cannot_give_are_refused(http: httpx.Client, 
     assert http.get("/health").status_code == 200
 
 
+def test_add_special_tokens_reaches_the_tokenizer(client: openai.OpenAI, engine: AsyncLLM,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's `add_special_tokens`: on by default for a completion's text prompt, off for a
+    rendered chat (its template writes its own), either way when the request says."""
+    seen: list[bool] = []
+    encode = engine.tokenizer.encode
+
+    def spy(text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
+        seen.append(add_special_tokens)
+        return encode(text, add_special_tokens=add_special_tokens, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", spy)
+    for extra in ({}, {"add_special_tokens": False}):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=1,
+                                  extra_body=extra)
+    for extra in ({}, {"add_special_tokens": True}):
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1,
+                                       extra_body=extra)
+    assert seen == [True, False, False, True]
+
+
 def test_streamed_echo_has_the_logprobs_of_the_unstreamed_one(client: openai.OpenAI) -> None:
     kwargs = dict(model=MODEL_NAME, prompt=PROMPTS[12], max_tokens=5, temperature=0, echo=True,
                   logprobs=1)

@@ -456,7 +456,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         given = body.prompts()
         texts = [p for p in given if isinstance(p, str)]
-        encoded = iter(await encode(texts, "prompt") if texts else ())
+        encoded = iter(await encode(texts, "prompt", body.add_special_tokens) if texts else ())
         prompts = [{"prompt_token_ids": next(encoded), "prompt": p} if isinstance(p, str)
                    else {"prompt_token_ids": p, "prompt": None} for p in given]
         # The engine computes the prompt's logprobs once, for the echo and the field both.
@@ -516,7 +516,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         check_logprobs(num_logprobs, "top_logprobs")
         check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         text = await render_chat(body)
-        (token_ids,) = await encode([text], "messages", add_special_tokens=False)
+        (token_ids,) = await encode([text], "messages", body.add_special_tokens)
         prompt = {"prompt_token_ids": token_ids, "prompt": text}
         if not prompt["prompt_token_ids"]:
             raise APIError("the messages render to an empty prompt", param="messages")

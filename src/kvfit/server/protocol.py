@@ -165,6 +165,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's: whether text prompts are tokenized with the tokenizer's special tokens (BOS).
+    add_special_tokens: bool = True
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request: a text or a token id list."""
@@ -269,6 +271,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
+
+    # vLLM's: whether the rendered chat is tokenized with the tokenizer's special tokens too
+    # (off: the chat template writes its own).
+    add_special_tokens: bool = False
 
     _renamed = {"logprobs": "top_logprobs"}
 
