@@ -313,6 +313,32 @@ def test_add_special_tokens_reaches_the_tokenizer(client: openai.OpenAI, engine:
     assert seen == [True, False, False, True]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client: openai.OpenAI,
+                                                               http: httpx.Client,
+                                                               llm: LLM) -> None:
+    """vLLM's `truncate_prompt_tokens=k`: the answer is the offline engine's on the prompt's
+    last k tokens, which an echo returns; -1 keeps the last max_model_len (so a longer prompt
+    still leaves no room for the completion); 0 or below -1 is a 400 naming the field."""
+    (full,) = llm.generate(PROMPTS[9], greedy(4), use_tqdm=False)
+    kept = full.prompt_token_ids[-3:]
+    (ref,) = llm.generate({"prompt_token_ids": kept}, greedy(4), use_tqdm=False)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[9], max_tokens=4,
+                                  temperature=0, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3
+    assert r.choices[0].text == llm.get_tokenizer().decode(kept) + ref.outputs[0].text
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    long_prompt = {"model": MODEL_NAME, "prompt": list(range(3, 3 + MAX_MODEL_LEN + 20)),
+                   "max_tokens": 1, "truncate_prompt_tokens": -1}
+    r = http.post("/v1/completions", json=long_prompt)
+    assert r.status_code == 400 and f"is {MAX_MODEL_LEN} tokens" in r.json()["error"]["message"]
+    for k in (0, -2):
+        r = http.post("/v1/completions", json={**long_prompt, "truncate_prompt_tokens": k})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_streamed_echo_has_the_logprobs_of_the_unstreamed_one(client: openai.OpenAI) -> None:
     kwargs = dict(model=MODEL_NAME, prompt=PROMPTS[12], max_tokens=5, temperature=0, echo=True,
                   logprobs=1)

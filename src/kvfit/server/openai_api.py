@@ -459,6 +459,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         encoded = iter(await encode(texts, "prompt", body.add_special_tokens) if texts else ())
         prompts = [{"prompt_token_ids": next(encoded), "prompt": p} if isinstance(p, str)
                    else {"prompt_token_ids": p, "prompt": None} for p in given]
+        prompts = [truncated(body, p) for p in prompts]
         # The engine computes the prompt's logprobs once, for the echo and the field both.
         prompt_logprobs = _most(body.logprobs if body.echo else None, body.prompt_logprobs)
         # Prompt scoring (echo with max_tokens 0, as OpenAI's legacy API and vLLM take it, and
@@ -502,6 +503,14 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         return {"id": ids, "object": "text_completion", "created": created, "model": model_name,
                 "choices": choices, "usage": _usage(outputs)}
 
+    def truncated(body: _SamplingFields, prompt: dict[str, Any]) -> dict[str, Any]:
+        """`prompt` with its ids cut as `truncate_prompt_tokens` asks; a text it no longer
+        matches is dropped (an echo then decodes the ids kept)."""
+        ids = body.truncate(prompt["prompt_token_ids"], engine.max_model_len)
+        if len(ids) == len(prompt["prompt_token_ids"]):
+            return prompt
+        return {"prompt_token_ids": ids, "prompt": None}
+
     def engine_prompt_text(prompt: dict[str, Any]) -> str:
         if prompt["prompt"] is not None:
             return prompt["prompt"]
@@ -517,7 +526,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         text = await render_chat(body)
         (token_ids,) = await encode([text], "messages", body.add_special_tokens)
-        prompt = {"prompt_token_ids": token_ids, "prompt": text}
+        prompt = truncated(body, {"prompt_token_ids": token_ids, "prompt": text})
+        token_ids = prompt["prompt_token_ids"]
         if not prompt["prompt_token_ids"]:
             raise APIError("the messages render to an empty prompt", param="messages")
         max_tokens, max_field = body.requested_max_tokens()

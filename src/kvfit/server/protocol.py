@@ -94,6 +94,8 @@ class _SamplingFields(_Body):
     # vLLM's: at every prompt position after the first, its own token's logprob and the
     # `prompt_logprobs` most likely (`"prompt_logprobs"` in the answer); not with stream.
     prompt_logprobs: int | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).
+    truncate_prompt_tokens: int | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -104,6 +106,17 @@ class _SamplingFields(_Body):
 
     # Request field -> SamplingParams field, where the names differ.
     _renamed: dict[str, str] = {}
+
+    def truncate(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """`token_ids` left-truncated as `truncate_prompt_tokens` asks (unchanged when unset)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return token_ids
+        if k == 0 or k < -1:
+            raise APIError(f"truncate_prompt_tokens must be >= 1, or -1 for the model's "
+                           f"max_model_len ({max_model_len}); got {k}",
+                           param="truncate_prompt_tokens")
+        return token_ids[-(max_model_len if k == -1 else k):]
 
     @property
     def include_usage(self) -> bool:
