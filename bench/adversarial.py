@@ -11,6 +11,10 @@ How to run (on the GPU machine, one model per call; JSON and run.log land in $OU
         "adversarial --models qwen3-8b-shape --num-prompts 288 --prompt-len 16 96 \
          --max-tokens 12 --long-factor 1.1 --deadline-s 280"
 
+Engine settings of a user's beyond the model: `--kv-cache-dtype fp8` (the e4m3 cache's
+kernels and scratch) and `--[no-]small-batch-kernels` (the one-node layers of steps of at most
+16 tokens), e.g. `"adversarial --models qwen3-0.6b-shape --kv-cache-dtype fp8 --deadline-s 270"`.
+
 About 4 and 5-5.5 minutes. Filling the cache is the floor of each "all+long" run (8B: ~0.9M prompt
 tokens at ~25k tok/s, four times). `--deadline-s` starts no run or engine once that many seconds
 have passed, so a slow machine loses its last runs (marked skipped), not the whole call; a long
@@ -365,7 +369,10 @@ def start_engine(args: argparse.Namespace, sweep: Sweep) -> LLM | None:
         model=sweep.model, device=args.device, load_format="dummy",
         max_model_len=sweep.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-        cpu_kv_cache_space_bytes=args.cpu_kv_cache_space_bytes, **MARGINS[sweep.margin])
+        cpu_kv_cache_space_bytes=args.cpu_kv_cache_space_bytes,
+        kv_cache_dtype=args.kv_cache_dtype, **MARGINS[sweep.margin])
+    if args.small_batch_kernels is not None:  # else the engine's default
+        kwargs["small_batch_kernels"] = args.small_batch_kernels
     info: dict[str, Any] = {"free_before": free_memory(torch.device(args.device))}
     sweep.starts.append(info)
     start = time.perf_counter()
@@ -551,6 +558,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cpu-kv-cache-space-bytes", type=int, default=None,
                         help="host budget on the CPU (small: a cache that preemption can fill)")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
+                        help="the engines' KV cache dtype: fp8 sizes and runs the e4m3 cache's "
+                             "kernels under the same sweep")
+    parser.add_argument("--small-batch-kernels", action=argparse.BooleanOptionalAction,
+                        default=None, help="the engines' small_batch_kernels (unset: the "
+                                           "engine's default)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not args.num_prompts:
