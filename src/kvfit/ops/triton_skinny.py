@@ -33,8 +33,8 @@ times. The kernel is shaped for that stream rather than for reuse:
   off, once every program has its product, before the stores. At one row each node's ~3 us
   beyond its bytes (launch, the first DRAM round trips, the tail) is what paces a decode
   step, and this overlaps part of it with the node before. Off (`ops/pdl.py`'s `PDL_DEFAULT`,
-  which the decode step's other kernels follow too): whole steps timed slower with it at one
-  row (the early trigger; the late one is untimed).
+  which the decode step's other kernels follow too; its docstring has the whole steps' times
+  with each trigger).
 
 The launch shape follows the tensor shapes only (graph safe). K is a constexpr (a layer's K
 never changes, and a static trip count lets the loop drop its mask when BLOCK_K divides K).
