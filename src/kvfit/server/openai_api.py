@@ -528,11 +528,10 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         (token_ids,) = await encode([text], "messages", body.add_special_tokens)
         prompt = truncated(body, {"prompt_token_ids": token_ids, "prompt": text})
         token_ids = prompt["prompt_token_ids"]
-        if not prompt["prompt_token_ids"]:
+        if not token_ids:
             raise APIError("the messages render to an empty prompt", param="messages")
         max_tokens, max_field = body.requested_max_tokens()
-        max_tokens = check_length(len(prompt["prompt_token_ids"]), max_tokens, "messages",
-                                  max_field)
+        max_tokens = check_length(len(token_ids), max_tokens, "messages", max_field)
         body._renamed = {"max_tokens": max_field, "logprobs": "top_logprobs"}
         params = body.sampling_params(max_tokens, num_logprobs, body.prompt_logprobs)
         streams, admission = start(body, [prompt], [params])
