@@ -431,10 +431,11 @@ def main(argv: list[str] | None = None) -> None:
                              "first (the default: prefill and mixed steps eager, then from "
                              "piecewise graphs); decode and TTFT runs use the first")
     parser.add_argument("--small-batch-kernels", choices=sorted(SMALL_BATCH_SETTINGS),
-                        default="off",
+                        default="on",
                         help="the engine's small_batch_kernels (CUDA only: a no-op on the "
                              "CPU): off, on, or both: each decode row off then on, side by "
-                             "side; offline and TTFT runs use the first (default: %(default)s)")
+                             "side; offline and TTFT runs use the first (default: "
+                             "%(default)s, as the engine's)")
     parser.add_argument("--pdl", choices=["default", *sorted(SMALL_BATCH_SETTINGS)],
                         default="default",
                         help="with the small-batch kernels on, launch a small step's kernels "

@@ -158,7 +158,7 @@ def test_cli_round_trip() -> None:
 
 def test_small_batch_kernels_flag_reaches_the_engine_config() -> None:
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
-    for flags, expected in (([], False), (["--small-batch-kernels"], True),
+    for flags, expected in (([], True), (["--small-batch-kernels"], True),
                             (["--no-small-batch-kernels"], False)):
         args = EngineArgs.from_cli_args(parser.parse_args(flags))
         assert args.small_batch_kernels is expected

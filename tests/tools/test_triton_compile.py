@@ -229,10 +229,9 @@ def test_skinny_linear_kernels_compile_for_sm90(
 @pytest.mark.parametrize(("n", "k"), [(24576, 4096), (37, 100)])
 def test_skinny_linear_kernels_compile_before_sm90(monkeypatch: pytest.MonkeyPatch, arch: int,
                                                    n: int, k: int) -> None:
-    """`--small-batch-kernels` is a switch for any CUDA device (and meant to become the
-    default), so the kernels must compile for Ampere and Ada too (no PDL there: `use_pdl`
-    needs 9.0), at one row (the FMA path and the fused prologues) and at several (the MMA
-    tile), off the tiles included."""
+    """The small-batch kernels are on by default on every CUDA device, so they must compile
+    for Ampere and Ada too (no PDL there: `use_pdl` needs 9.0), at one row (the FMA path and
+    the fused prologues) and at several (the MMA tile), off the tiles included."""
     from kvfit.ops import triton_skinny
 
     monkeypatch.syspath_prepend(str(TOOLS))

@@ -197,8 +197,9 @@ class EngineConfig:
     elastic: ElasticConfig | None = None  # the co-tenancy governor (`elastic_kv_cache`)
     deterministic: bool = False  # batch-invariant kernels (`kvfit.batch_invariant`)
     # One-node Triton linear layers (norms and SiLU folded in) for steps of at most 16 tokens
-    # on CUDA (`kvfit.ops.small_batch`); off in the deterministic mode, whose GEMMs win.
-    small_batch_kernels: bool = False
+    # on CUDA (`kvfit.ops.small_batch`); off in the deterministic mode, whose GEMMs win. On by
+    # default: 4-9% off the batch-1 decode step on both shapes (docs/benchmarks.md).
+    small_batch_kernels: bool = True
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """What one KV cache block holds on one rank, in `kv_cache_layout`: its share of the
@@ -266,7 +267,7 @@ class EngineArgs:
     batch_invariant: bool = False  # vLLM's name for `deterministic`
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
-    small_batch_kernels: bool = False
+    small_batch_kernels: bool = True
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -424,7 +425,8 @@ class EngineArgs:
                        help="on CUDA, run steps of at most 16 tokens (small decode batches) "
                        "through one-node Triton linear layers with the norms and SiLU folded "
                        "in, instead of cuBLAS and separate kernels; ignored with "
-                       "--deterministic (default: off)")
+                       "--deterministic; --no-small-batch-kernels for cuBLAS at every size "
+                       "(default: on)")
         return parser
 
     @classmethod
