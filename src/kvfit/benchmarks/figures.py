@@ -62,7 +62,9 @@ def throughput(p: dict[str, Any]) -> Figures:
         if "of_limit" in r:
             f[f"{name}.of_limit"] = figure(r["of_limit"], "fraction", "higher")
     for d in p.get("decode", []):
-        # Rows with the small-batch kernels (`--small-batch-kernels`) beside the default ones.
+        # Rows with the small-batch kernels carry their name whether or not they are the
+        # default (they are since ce335c0), so records either side of the flip compare
+        # like with like.
         small = ".small_batch" if d.get("small_batch_kernels") else ""
         # ... and with their PDL set either way (`--pdl`), beside the default ones.
         pdl = {True: ".pdl", False: ".no_pdl"}.get(d.get("pdl"), "")

@@ -1,6 +1,7 @@
-"""The small-batch kernels switch (`small_batch_kernels=True` / `--small-batch-kernels`) and
-the linear layers it routes: `y = x W^T (+ b)` for a few rows, alone or with the op before it
-(residual add + RMSNorm, SiLU-and-mul) folded into the same kernel (`triton_skinny`).
+"""The small-batch kernels switch (`small_batch_kernels`, on by default;
+`--no-small-batch-kernels` for cuBLAS at every size) and the linear layers it routes:
+`y = x W^T (+ b)` for a few rows, alone or with the op before it (residual add + RMSNorm,
+SiLU-and-mul) folded into the same kernel (`triton_skinny`).
 
 At decode batch 1 a step is paced by its kernel nodes, not its bytes: cuBLAS takes 5-8 us for a
 2-8 MB weight that an H200 streams in ~2 us, sometimes as two nodes (split-K and its reduction),
