@@ -12,8 +12,9 @@ How to run (on the GPU machine, one model per call; JSON and run.log land in $OU
          --max-tokens 12 --long-factor 1.1 --deadline-s 280"
 
 Engine settings of a user's beyond the model: `--kv-cache-dtype fp8` (the e4m3 cache's
-kernels and scratch) and `--[no-]small-batch-kernels` (the one-node layers of steps of at most
-16 tokens), e.g. `"adversarial --models qwen3-0.6b-shape --kv-cache-dtype fp8 --deadline-s 270"`.
+kernels and scratch), `--[no-]small-batch-kernels` (the one-node layers of steps of at most
+16 tokens) and `--[no-]fused-decode-input` (a decode step's attention input in its attention
+kernel), e.g. `"adversarial --models qwen3-0.6b-shape --kv-cache-dtype fp8 --deadline-s 270"`.
 
 About 4 and 5-5.5 minutes. Filling the cache is the floor of each "all+long" run (8B: ~0.9M prompt
 tokens at ~25k tok/s, four times). `--deadline-s` starts no run or engine once that many seconds
@@ -371,8 +372,9 @@ def start_engine(args: argparse.Namespace, sweep: Sweep) -> LLM | None:
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
         cpu_kv_cache_space_bytes=args.cpu_kv_cache_space_bytes,
         kv_cache_dtype=args.kv_cache_dtype, **MARGINS[sweep.margin])
-    if args.small_batch_kernels is not None:  # else the engine's default
-        kwargs["small_batch_kernels"] = args.small_batch_kernels
+    for name in ("small_batch_kernels", "fused_decode_input"):
+        if getattr(args, name) is not None:  # else the engine's default
+            kwargs[name] = getattr(args, name)
     info: dict[str, Any] = {"free_before": free_memory(torch.device(args.device))}
     sweep.starts.append(info)
     start = time.perf_counter()
@@ -563,6 +565,9 @@ def parse_args() -> argparse.Namespace:
                              "kernels under the same sweep")
     parser.add_argument("--small-batch-kernels", action=argparse.BooleanOptionalAction,
                         default=None, help="the engines' small_batch_kernels (unset: the "
+                                           "engine's default)")
+    parser.add_argument("--fused-decode-input", action=argparse.BooleanOptionalAction,
+                        default=None, help="the engines' fused_decode_input (unset: the "
                                            "engine's default)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -138,7 +138,8 @@ def bench_throughput(args: argparse.Namespace, limits: DeviceLimits, backend: st
               max_model_len=2 * args.max_len + 1, enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size,
               distributed_executor_backend=backend, cudagraph_mode=cudagraph_mode,
-              small_batch_kernels=small_batch_settings(args)[0])
+              small_batch_kernels=small_batch_settings(args)[0],
+              fused_decode_input=SMALL_BATCH_SETTINGS[args.fused_decode_input][0])
     vocab = llm.config.model_config.hf_config.vocab_size
     seeds = [args.seed + i for i in range(args.repeat)]
     if args.warmup:
@@ -267,14 +268,16 @@ def small_batch_settings(args: argparse.Namespace) -> list[bool]:
     return SMALL_BATCH_SETTINGS[args.small_batch_kernels]
 
 
-def decode_settings(args: argparse.Namespace) -> list[tuple[bool, bool | None, str | None]]:
-    """(small_batch_kernels, PDL, its trigger) per decode engine: each `--small-batch-kernels`
-    setting, the ones with the kernels on once per `--pdl` setting (None:
-    `ops.pdl.PDL_DEFAULT`), those with PDL on once per `--pdl-trigger` (None: as
-    `ops.pdl.PDL_EARLY` says)."""
+def decode_settings(args: argparse.Namespace
+                    ) -> list[tuple[bool, bool, bool | None, str | None]]:
+    """(fused_decode_input, small_batch_kernels, PDL, its trigger) per decode engine: each
+    `--fused-decode-input` setting by each `--small-batch-kernels` setting, the ones with the
+    kernels on once per `--pdl` setting (None: `ops.pdl.PDL_DEFAULT`), those with PDL on once
+    per `--pdl-trigger` (None: as `ops.pdl.PDL_EARLY` says)."""
     pdl = {"default": [None], **SMALL_BATCH_SETTINGS}[args.pdl]
     triggers = args.pdl_trigger or [None]
-    return [(small, p, t) for small in small_batch_settings(args)
+    return [(fused, small, p, t) for fused in SMALL_BATCH_SETTINGS[args.fused_decode_input]
+            for small in small_batch_settings(args)
             for p in (pdl if small else [None]) for t in (triggers if p else [None])]
 
 
@@ -300,21 +303,23 @@ def pdl_default(pdl: bool | None, trigger: str | None = None) -> Iterator[None]:
 
 def bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
                  small_batch: bool = False, pdl: bool | None = None,
-                 trigger: str | None = None) -> list[dict]:
+                 trigger: str | None = None, fused: bool = False) -> list[dict]:
     """Decode step time at each batch size against the limit of the same steps (weights and
     KV reads over the copy bandwidth, unless the GEMMs' FLOPs take longer), with the engine's
-    `small_batch_kernels` set to `small_batch` and its kernels' PDL to `pdl` with `trigger`
-    (`pdl_default`). With `--profile-decode`, each row's steps once more under the profiler,
-    appended to that file (`per_step_text`)."""
+    `small_batch_kernels` set to `small_batch`, its kernels' PDL to `pdl` with `trigger`
+    (`pdl_default`) and its `fused_decode_input` to `fused`. With `--profile-decode`, each
+    row's steps once more under the profiler, appended to that file (`per_step_text`)."""
     with pdl_default(pdl, trigger):
-        return _bench_decode(model, args, limits, small_batch, pdl, trigger)
+        return _bench_decode(model, args, limits, small_batch, pdl, trigger, fused)
 
 
 def _bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
-                  small_batch: bool, pdl: bool | None, trigger: str | None) -> list[dict]:
+                  small_batch: bool, pdl: bool | None, trigger: str | None,
+                  fused: bool) -> list[dict]:
     llm = LLM(model, device=args.device, load_format="dummy", max_num_seqs=max(args.decode_batches),
               max_model_len=args.decode_context + 256, enforce_eager=args.enforce_eager,
-              cudagraph_mode=args.cudagraph_mode[0], small_batch_kernels=small_batch)
+              cudagraph_mode=args.cudagraph_mode[0], small_batch_kernels=small_batch,
+              fused_decode_input=fused)
     runner = llm.engine.executor.workers[0].runner
     spec = runner.kv_cache_spec
     shape = model_shape(llm)
@@ -332,7 +337,8 @@ def _bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
         step = statistics.median(times)
         if profile is not None:
             label = (f"{model} batch {batch_size}, small_batch_kernels {small_batch}, "
-                     f"PDL {pdl}{f' ({trigger} trigger)' if trigger else ''}")
+                     f"PDL {pdl}{f' ({trigger} trigger)' if trigger else ''}, "
+                     f"fused_decode_input {fused}")
             with open(args.profile_decode, "a") as f:
                 f.write(per_step_text(profile, label) + "\n\n")
         sync_step = runner_step(llm, batch, args.iters)  # after the engine's run has drained
@@ -344,6 +350,7 @@ def _bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
         rows.append({
             "model": model, "batch": batch_size, "context": context,
             "small_batch_kernels": small_batch, "pdl": pdl, "pdl_trigger": trigger,
+            "fused_decode_input": fused,
             "step_ms": step * 1e3, "step_ms_runs": [t * 1e3 for t in times],
             "roofline_ms": roofline * 1e3, "ratio": step / roofline,
             "of_limit": roofline / step,
@@ -365,7 +372,8 @@ def bench_ttft(model: str, args: argparse.Namespace, limits: DeviceLimits) -> di
               max_num_batched_tokens=args.ttft_len, max_num_seqs=1,
               enable_prefix_caching=False, enforce_eager=args.enforce_eager,
               cudagraph_mode=args.cudagraph_mode[0],
-              small_batch_kernels=small_batch_settings(args)[0])
+              small_batch_kernels=small_batch_settings(args)[0],
+              fused_decode_input=SMALL_BATCH_SETTINGS[args.fused_decode_input][0])
     vocab = llm.config.model_config.hf_config.vocab_size
     rng = random.Random(args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -436,6 +444,12 @@ def main(argv: list[str] | None = None) -> None:
                              "CPU): off, on, or both: each decode row off then on, side by "
                              "side; offline and TTFT runs use the first (default: "
                              "%(default)s, as the engine's)")
+    parser.add_argument("--fused-decode-input", choices=sorted(SMALL_BATCH_SETTINGS),
+                        default="off",
+                        help="the engine's fused_decode_input (a decode step's attention input "
+                             "inside its attention kernel): off, on, or both: each decode row "
+                             "off then on, side by side; offline and TTFT runs use the first "
+                             "(default: %(default)s, as the engine's)")
     parser.add_argument("--pdl", choices=["default", *sorted(SMALL_BATCH_SETTINGS)],
                         default="default",
                         help="with the small-batch kernels on, launch a small step's kernels "
@@ -476,8 +490,9 @@ def main(argv: list[str] | None = None) -> None:
         result["throughput"] = result["throughputs"][0]
     result["decode"] = []
     for model in args.decode_models:
-        for small_batch, pdl, trigger in decode_settings(args):
-            result["decode"] += bench_decode(model, args, limits, small_batch, pdl, trigger)
+        for fused, small_batch, pdl, trigger in decode_settings(args):
+            result["decode"] += bench_decode(model, args, limits, small_batch, pdl, trigger,
+                                             fused)
             gc.collect()
     result["ttft"] = []
     for model in args.ttft_models:
@@ -505,13 +520,14 @@ def print_tables(result: dict) -> None:
               f"memory-bound): {t['of_limit']:.1%} of the limit")
     print(f"{'model':<18} {'batch':>5} {'context':>7} {'step ms':>8} {'limit ms':>8} "
           f"{'ratio':>5} {'of limit':>8} {'sync step ms':>12} {'sync ratio':>10} graphs "
-          f"small-batch pdl        runs ms")
+          f"small-batch pdl        fused runs ms")
     for r in result["decode"]:
         runs = " ".join(f"{t:.3f}" for t in r.get("step_ms_runs", []))
         print(f"{r['model']:<18} {r['batch']:>5} {r['context']:>7.0f} {r['step_ms']:>8.3f} "
               f"{r['roofline_ms']:>8.3f} {r['ratio']:>5.2f} {r['of_limit']:>8.1%} "
               f"{r['sync_step_ms']:>12.3f} {r['sync_ratio']:>10.2f} {r['graphs']!s:6} "
-              f"{r.get('small_batch_kernels', False)!s:11} {_pdl_label(r):10} {runs}")
+              f"{r.get('small_batch_kernels', False)!s:11} {_pdl_label(r):10} "
+              f"{r.get('fused_decode_input', False)!s:5} {runs}")
     for r in result.get("ttft", []):
         print(f"TTFT {r['model']} {r['prompt_len']} tokens: {r['ttft_s'] * 1e3:.1f} ms, limit "
               f"{r['limit_s'] * 1e3:.1f} ms ({r['limit']['gemm_tflop']:.3g} TFLOP GEMM + "

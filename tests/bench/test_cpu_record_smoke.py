@@ -51,8 +51,8 @@ def test_a_cpu_run_writes_a_record_that_compares_and_plots(name: str, tmp_path: 
 def test_adversarial_engines_take_the_kv_cache_dtype_and_small_batch_flags(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--kv-cache-dtype fp8` runs the sweep on e4m3 caches (every run done, nothing out of
-    memory); `--[no-]small-batch-kernels` reaches each engine, and leaves the engine's default
-    when not given."""
+    memory); `--[no-]small-batch-kernels` and `--[no-]fused-decode-input` reach each engine,
+    and leave the engine's default when not given."""
     monkeypatch.syspath_prepend(str(BENCH_DIR))  # its sibling imports (capacity)
     bench = load_bench("adversarial")
     made: list = []
@@ -64,7 +64,7 @@ def test_adversarial_engines_take_the_kv_cache_dtype_and_small_batch_flags(
 
     monkeypatch.setattr(bench, "LLM", Recorded)
     out = tmp_path / "adversarial.json"
-    for flag in ("--no-small-batch-kernels", None):
+    for flag in ("--no-small-batch-kernels", None, "--fused-decode-input"):
         monkeypatch.setattr(sys, "argv", ["adversarial.py", *ARGV["adversarial"],
                                           "--margins", "default", "--features", "temperature",
                                           "all", "--kv-cache-dtype", "fp8",
@@ -72,7 +72,8 @@ def test_adversarial_engines_take_the_kv_cache_dtype_and_small_batch_flags(
         bench.main()
         (summary,) = load_record(out)["results"]["summaries"]
         assert summary["all_completed"] and summary["ooms"] == summary["errors"] == 0
-    (off, config_off), (default, config_default) = made
+    (off, config_off), (default, config_default), (fused, config_fused) = made
     assert config_off.cache_config.cache_dtype == config_default.cache_config.cache_dtype == "fp8"
     assert off["small_batch_kernels"] is False and config_off.small_batch_kernels is False
-    assert "small_batch_kernels" not in default
+    assert "small_batch_kernels" not in default and "fused_decode_input" not in default
+    assert config_default.fused_decode_input is False and config_fused.fused_decode_input

@@ -117,3 +117,19 @@ def test_decode_rows_per_pdl_trigger(bench, tmp_path: Path) -> None:  # noqa: AN
     for trigger in ("early", "late"):
         assert (f"decode.kvfit-tiny.batch1.small_batch.pdl.{trigger}_trigger.step_ms"
                 in record["figures"])
+
+
+def test_decode_rows_side_by_side_with_and_without_the_fused_decode_input(
+        bench, tmp_path: Path) -> None:  # noqa: ANN001
+    """`--fused-decode-input both`: each decode row once per setting, named apart in the
+    figures, the fused rows last."""
+    out = tmp_path / "t.json"
+    bench.main(["--device", "cpu", "--skip-throughput", "--decode-models", "kvfit-tiny",
+                "--decode-batches", "2", "--decode-context", "32", "--iters", "2",
+                "--decode-repeat", "1", "--ttft-models", "--small-batch-kernels", "off",
+                "--fused-decode-input", "both", "--out", str(out)])
+    record = json.loads(out.read_text())
+    rows = [d["fused_decode_input"] for d in record["results"]["decode"]]
+    assert rows == [False, True]
+    for name in ("batch2", "batch2.fused_input"):
+        assert f"decode.kvfit-tiny.{name}.step_ms" in record["figures"]

@@ -165,6 +165,15 @@ def test_small_batch_kernels_flag_reaches_the_engine_config() -> None:
         assert config(small_batch_kernels=expected).small_batch_kernels is expected
 
 
+def test_fused_decode_input_flag_reaches_the_engine_config() -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    for flags, expected in (([], False), (["--fused-decode-input"], True),
+                            (["--no-fused-decode-input"], False)):
+        args = EngineArgs.from_cli_args(parser.parse_args(flags))
+        assert args.fused_decode_input is expected
+        assert args.create_engine_config().fused_decode_input is expected
+
+
 def test_explicit_extensible_cache_where_vmm_is_unusable_is_an_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -115,6 +115,25 @@ def test_small_batch_kernels_give_the_cublas_paths_greedy_tokens(make_llm) -> No
         assert got == expected, kwargs
 
 
+def test_fused_decode_input_gives_the_unfused_greedy_tokens(make_llm) -> None:
+    """`fused_decode_input` changes only the order in which a decode row sums its new token's
+    term: on the trained tiny model greedy decoding is unchanged, from graphs at every batch
+    size and from eager steps, with the small-batch kernels on and off."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for small in (True, False):
+        llm = make_llm(small_batch_kernels=small, fused_decode_input=False,
+                       cuda_graph_sizes=[1, 2, 4, 8, 16])
+        expected = [o.outputs[0].token_ids
+                    for o in llm.generate(prompts(), params, use_tqdm=False)]
+        llm.shutdown()
+        for kwargs in (dict(cuda_graph_sizes=[1, 2, 4, 8, 16]), dict(enforce_eager=True)):
+            llm = make_llm(small_batch_kernels=small, fused_decode_input=True, **kwargs)
+            got = [o.outputs[0].token_ids
+                   for o in llm.generate(prompts(), params, use_tqdm=False)]
+            llm.shutdown()
+            assert got == expected, (small, kwargs)
+
+
 def test_pdl_gives_the_bits_without_it(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
     """Programmatic dependent launch overlaps a small step's kernels and changes no arithmetic:
     with it on, graphs at every batch size and eager steps give the tokens and logprobs

@@ -370,3 +370,36 @@ def test_a_shut_down_llm_refuses_every_call_naming_shutdown(qwen3: Path) -> None
             call()
     assert not llm.engine.has_unfinished()
     llm.shutdown()  # a second one is harmless
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fused_decode_input_takes_the_decode_steps_to_the_same_outputs(
+    tiny_model: Callable[[str], Path], arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fused_decode_input` sends every decode step's attention, and no other step's, through
+    `decode_attention` (on the CPU the unfused pair behind one call, so the model's fused
+    branch runs here): the same tokens and logprobs as without it."""
+    from kvfit.models import llama
+
+    steps: list[int] = []
+    real = llama.decode_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        metadata = args[10]
+        assert metadata.max_query_len == 1
+        steps.append(args[1].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "decode_attention", spy)
+    params = [greedy(logprobs=2), SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
+                                                 ignore_eos=True, logprobs=2)]
+    outputs = {}
+    for fused in (False, True):
+        llm = make_llm(tiny_model(arch), fused_decode_input=fused)
+        outputs[fused] = [(c.token_ids, c.cumulative_logprob) for p in params
+                          for o in llm.generate(token_prompts(make_prompts()), p,
+                                                use_tqdm=False)
+                          for c in o.outputs]  # fmt: skip
+        assert bool(steps) is fused
+        llm.shutdown()
+    assert outputs[True] == outputs[False]

@@ -393,3 +393,46 @@ def test_decode_step_pdl_kernels_wait_before_any_memory_access(
         _check_trigger(after, early, fn.__name__)
     # The attention input there still takes the test's 5 tokens: only the attention is large.
     assert [options.get("launch_pdl", False) for _, _, options in large[1:]] == [False, False]
+
+
+@pytest.mark.parametrize("head_dim", [4, 8, 64, 80, 128, 256])
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("pdl_early", [None, True, False], ids=["no_pdl", "early", "late"])
+def test_fused_decode_input_compiles_for_sm90(
+    monkeypatch: pytest.MonkeyPatch, head_dim: int, qk_norm: bool, pdl_early: bool | None,
+) -> None:
+    """`decode_attention`'s kernel and the split reduction after it, at the head dims the tiles
+    pad (4, 8, 80) and the larger config (256); under PDL each program's first memory access
+    comes after `griddepcontrol.wait` (q, k and v are the QKV projection's output)."""
+    from kvfit.ops import pdl, triton_decode_input
+    from kvfit.ops.layers import RotaryEmbedding
+    from kvfit.ops.small_batch import small_batch_kernels
+
+    monkeypatch.setattr(pdl, "use_pdl", lambda requested, device: pdl_early is not None)
+    monkeypatch.setattr(pdl, "PDL_EARLY", bool(pdl_early))
+    monkeypatch.syspath_prepend(str(TOOLS))
+    sass = importlib.import_module("triton_sass")
+    heads, kv_heads = 16, 4
+    batch = sass.make_paged_batch([(2047, 1)] * 2, num_heads=heads, num_kv_heads=kv_heads,
+                                  head_dim=head_dim, dtype=torch.bfloat16)
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    norm = torch.ones(head_dim, dtype=torch.bfloat16) if qk_norm else None
+    with small_batch_kernels():
+        launches = sass.captured_launches(lambda: triton_decode_input.decode_attention_input_triton(
+            torch.full((2,), 2047), q.view(2, heads, -1), k.view(2, kv_heads, -1),
+            v.view(2, kv_heads, -1), norm, norm, 1e-6,
+            RotaryEmbedding(head_dim, 4096, base=10_000.0).cos_sin_cache, batch.k_cache,
+            batch.v_cache, batch.metadata.slot_mapping, batch.metadata, head_dim**-0.5,
+            torch.empty(2, heads, head_dim, dtype=torch.bfloat16)))
+    names = [fn.__name__ for fn, _, _ in launches]
+    assert names == ["_decode_input_kernel", "_reduce_splits_kernel"]
+    for fn, named, options in launches:
+        ptx = sass.compile_launch(fn, named, options, arch=90).asm["ptx"]
+        if pdl_early is None:
+            assert "griddepcontrol" not in ptx, fn.__name__
+            continue
+        before, _, after = ptx.partition("griddepcontrol.wait")
+        assert after and not re.findall(r"\b(?:ld|st|cp\.async|atom|red|prefetch)\.global",
+                                        before), fn.__name__
+        _check_trigger(after, pdl_early, fn.__name__)

@@ -70,7 +70,8 @@ def throughput(p: dict[str, Any]) -> Figures:
         pdl = {True: ".pdl", False: ".no_pdl"}.get(d.get("pdl"), "")
         if d.get("pdl_trigger"):  # `--pdl-trigger`: where its kernels release their successors
             pdl += f".{d['pdl_trigger']}_trigger"
-        name = f"decode.{d['model']}.batch{d['batch']}{small}{pdl}"
+        fused = ".fused_input" if d.get("fused_decode_input") else ""  # `--fused-decode-input`
+        name = f"decode.{d['model']}.batch{d['batch']}{small}{pdl}{fused}"
         f[f"{name}.step_ms"] = figure(d["step_ms"], "ms", "lower")
         f[f"{name}.over_roofline"] = figure(d["ratio"], "ratio", "lower")
     for r in p.get("ttft", []):

@@ -200,6 +200,10 @@ class EngineConfig:
     # on CUDA (`kvfit.ops.small_batch`); off in the deterministic mode, whose GEMMs win. On by
     # default: 4-9% off the batch-1 decode step on both shapes (docs/benchmarks.md).
     small_batch_kernels: bool = True
+    # Decode steps' attention input (q/k norm, rope, K/V store) inside the decode kernel
+    # (`kvfit.ops.attention_input.decode_attention`): a graph node fewer a layer; off until
+    # timed on a GPU. Off in the deterministic mode, whose attention is its own kernel.
+    fused_decode_input: bool = False
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """What one KV cache block holds on one rank, in `kv_cache_layout`: its share of the
@@ -268,6 +272,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     small_batch_kernels: bool = True
+    fused_decode_input: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -427,6 +432,12 @@ class EngineArgs:
                        "in, instead of cuBLAS and separate kernels; ignored with "
                        "--deterministic; --no-small-batch-kernels for cuBLAS at every size "
                        "(default: on)")
+        p.add_argument("--fused-decode-input", action=argparse.BooleanOptionalAction,
+                       default=d.fused_decode_input,
+                       help="on CUDA, run a decode step's q/k norm, rotary and K/V store inside "
+                       "its attention kernel (a launch fewer per layer) instead of a kernel of "
+                       "their own; 16-bit KV caches only (an fp8 cache keeps the separate "
+                       "kernel); ignored with --deterministic (default: off)")
         return parser
 
     @classmethod
@@ -498,6 +509,7 @@ class EngineArgs:
             elastic=self._elastic_config(),
             deterministic=self.deterministic or self.batch_invariant,
             small_batch_kernels=self.small_batch_kernels,
+            fused_decode_input=self.fused_decode_input,
         )
 
     def _kv_connector_config(self) -> KVConnectorConfig | None:

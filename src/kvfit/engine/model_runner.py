@@ -30,6 +30,7 @@ from kvfit.kv.cache import ExtensibleKVCache
 from kvfit.models.loader import load_model
 from kvfit.models.weight_arena import WeightArena
 from kvfit.ops.attention import AttentionMetadata
+from kvfit.ops.attention_input import fused_decode_input
 from kvfit.ops.small_batch import small_batch_kernels
 
 T = TypeVar("T")
@@ -43,12 +44,16 @@ def _in_kernel_mode(method: Callable[..., T]) -> Callable[..., T]:
     """A `ModelRunner` method run with the batch-invariant mode on when the engine is
     `deterministic`: every op of the steps it launches or the graphs it captures then runs
     its batch-invariant kernel (`kvfit.batch_invariant`). Likewise the small-batch kernels
-    (`kvfit.ops.small_batch`) when `small_batch_kernels` is set, outside that mode."""
+    (`kvfit.ops.small_batch`) when `small_batch_kernels` is set, and decode steps' fused
+    attention input (`kvfit.ops.attention_input`) when `fused_decode_input` is, outside that
+    mode."""
     @functools.wraps(method)
     def wrapped(self: ModelRunner, *args: object, **kwargs: object) -> T:
         config = self.config
+        free = not config.deterministic
         with (batch_invariant_mode(config.deterministic),
-              small_batch_kernels(config.small_batch_kernels and not config.deterministic)):
+              small_batch_kernels(config.small_batch_kernels and free),
+              fused_decode_input(config.fused_decode_input and free)):
             return method(self, *args, **kwargs)
 
     return wrapped

@@ -19,7 +19,12 @@ from kvfit.models.parallel_layers import (
     small_batch_fused,
 )
 from kvfit.ops.attention import AttentionMetadata
-from kvfit.ops.attention_input import attention_input, stored_key
+from kvfit.ops.attention_input import (
+    attention_input,
+    decode_attention,
+    fuses_decode_input,
+    stored_key,
+)
 from kvfit.ops.layers import ROPE_TYPES, RotaryEmbedding, add_rms_norm, rms_norm
 
 
@@ -146,22 +151,44 @@ class LlamaAttention(nn.Module):
         any batch composition of T tokens (piecewise graphs capture it)."""
         return self.project_qkv(positions, self.qkv_proj(hidden), slot_mapping)
 
+    def fuses_decode_input(self, attn_metadata: AttentionMetadata) -> bool:
+        """Whether this step's attention runs as `decode` (`fuses_decode_input`); never in the
+        step that calculates the K/V scales, which reads k before the store."""
+        return not self.calculate_kv_scales and fuses_decode_input(self.k_cache, attn_metadata)
+
+    def decode(self, positions: torch.Tensor, qkv: torch.Tensor,
+               attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """`project_qkv` and `attend` of a step of decode rows in one op (`decode_attention`):
+        on CUDA the attention input rides in the decode kernel, a graph node fewer a layer."""
+        q, k, v = self._heads(qkv)
+        return decode_attention(
+            positions, q, k, v,
+            self.q_norm.weight if self.q_norm is not None else None,
+            self.k_norm.weight if self.k_norm is not None else None,
+            self.q_norm.eps if self.q_norm is not None else 0.0,
+            self.rotary_emb.cos_sin_cache, self.k_cache, self.v_cache, attn_metadata, self.scale,
+        )
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v `[T, heads, head_dim]` views of the QKV projection's output [T, q + k + v]."""
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        num_tokens = qkv.shape[0]  # not -1 in the views: T may be 0
+        return (q.view(num_tokens, self.num_heads, self.head_dim),
+                k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                v.view(num_tokens, self.num_kv_heads, self.head_dim))
+
     def project_qkv(
         self, positions: torch.Tensor, qkv: torch.Tensor, slot_mapping: torch.Tensor
     ) -> torch.Tensor:
         """`project` from the QKV projection's output [T, q + k + v]."""
-        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
-        num_tokens = qkv.shape[0]  # not -1 in the views: T may be 0
+        q, k, v = self._heads(qkv)
         if self.calculate_kv_scales:
-            self._calculate_kv_scales(positions, k.view(num_tokens, self.num_kv_heads, -1), v)
+            self._calculate_kv_scales(positions, k, v)
         # q/k norms (Qwen3), rope and the K/V store in one launch: on CUDA, one kernel node
         # instead of four in every layer of the decode graphs, and 3 fewer Triton launches per
         # layer of an eager prefill step, whose host time is mostly such launches.
         q = attention_input(
-            positions,
-            q.view(num_tokens, self.num_heads, self.head_dim),
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            positions, q, k, v,
             self.q_norm.weight if self.q_norm is not None else None,
             self.k_norm.weight if self.k_norm is not None else None,
             self.q_norm.eps if self.q_norm is not None else 0.0,
@@ -227,24 +254,35 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the next norm adds the two,
         so each residual add rides in the norm kernel after it. `residual` is None in layer 0."""
+        attn = self.self_attn
+        if attn.fuses_decode_input(attn_metadata):
+            qkv, residual = self.qkv(hidden, residual)
+            return self.post_attention(attn.decode(positions, qkv, attn_metadata), residual)
         q, residual = self.pre_attention(positions, hidden, residual, attn_metadata.slot_mapping)
-        return self.post_attention(self.self_attn.attend(q, attn_metadata), residual)
+        return self.post_attention(attn.attend(q, attn_metadata), residual)
 
     def pre_attention(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
         slot_mapping: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q of this layer, the residual stream): the input norm and `LlamaAttention.project`;
-        for a few rows under the small-batch kernels, the norm inside the QKV projection."""
+        """(q of this layer, the residual stream): `qkv`, then `LlamaAttention.project_qkv`."""
+        qkv, residual = self.qkv(hidden, residual)
+        return self.self_attn.project_qkv(positions, qkv, slot_mapping), residual
+
+    def qkv(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the QKV projection of the input norm's output, the residual stream); for a few rows
+        under the small-batch kernels, the norm inside the QKV projection."""
+        qkv_proj = self.self_attn.qkv_proj
         if small_batch_fused(hidden):
-            norm, attn = self.input_layernorm, self.self_attn
-            qkv, residual = attn.qkv_proj.forward_normed(hidden, residual, norm.weight, norm.eps)
-            return attn.project_qkv(positions, qkv, slot_mapping), residual
+            norm = self.input_layernorm
+            return qkv_proj.forward_normed(hidden, residual, norm.weight, norm.eps)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        return self.self_attn.project(positions, hidden, slot_mapping), residual
+        return qkv_proj(hidden), residual
 
     def post_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor

@@ -7,11 +7,37 @@ replaces, which is also the kernel's oracle.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 
-from kvfit.ops.attention import _check_cache, check_kv_scales
+from kvfit.kv_quant import is_fp8
+from kvfit.ops.attention import AttentionMetadata, _check_cache, check_kv_scales, paged_attention
 from kvfit.ops.layers import rms_norm_torch, rotary_torch
 from kvfit.ops.reference import write_kv_reference
+
+_FUSED_DECODE: ContextVar[bool] = ContextVar("kvfit_fused_decode_input", default=False)
+
+
+@contextmanager
+def fused_decode_input(enabled: bool = True) -> Iterator[None]:
+    """Run the block with decode steps' attention input fused into their attention kernel
+    (`decode_attention`), or not; the previous state comes back on exit. A context variable,
+    like the small-batch kernels': the model runner sets it around each step and capture."""
+    token = _FUSED_DECODE.set(enabled)
+    try:
+        yield
+    finally:
+        _FUSED_DECODE.reset(token)
+
+
+def fuses_decode_input(k_cache: torch.Tensor, metadata: AttentionMetadata) -> bool:
+    """Whether a layer runs `decode_attention` now: the switch is on, every row of the step is a
+    decode (`max_query_len` 1) and the cache is not FP8. Off CUDA that op is the unfused pair,
+    so a CPU engine with the switch on runs the model's fused branch to the same results."""
+    return _FUSED_DECODE.get() and metadata.max_query_len == 1 and not is_fp8(k_cache.dtype)
 
 
 def attention_input(
@@ -51,6 +77,49 @@ def attention_input(
         positions, q, k, v, q_norm_weight, k_norm_weight, eps,
         cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     )  # fmt: skip
+
+
+def decode_attention(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, num_heads, head_dim], any strides
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim], any strides
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim], any strides
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,  # every row a decode: max_query_len 1
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """`attention_input` then `paged_attention`, for a step whose rows are all decodes: on CUDA
+    one launch for both (`triton_decode_input`) and the split reduction after it, a graph node
+    fewer in every layer. The K/V stored are `attention_input`'s; the output differs from the
+    pair's only in the order the new token's term is summed. 16-bit caches only (an FP8 cache
+    takes the pair). Extra memory: `out` and the decode's split scratch, as `paged_attention`'s
+    decode; no rotated copy of q."""
+    _check_inputs(positions, q, k, v, q_norm_weight, k_norm_weight, cos_sin_cache, k_cache,
+                  v_cache, metadata.slot_mapping)  # fmt: skip
+    if metadata.max_query_len != 1 or is_fp8(k_cache.dtype):
+        raise ValueError("decode_attention takes decode rows (max_query_len 1) over a 16-bit "
+                         f"cache; got max_query_len {metadata.max_query_len}, {k_cache.dtype}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads "
+                         f"({k.shape[1]})")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.is_cuda:
+        from kvfit.ops.triton_decode_input import decode_attention_input_triton  # CUDA only
+
+        return decode_attention_input_triton(
+            positions, q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache,
+            k_cache, v_cache, metadata.slot_mapping, metadata, scale, out,
+        )  # fmt: skip
+    q = attention_input_torch(positions, q, k, v, q_norm_weight, k_norm_weight, eps,
+                              cos_sin_cache, k_cache, v_cache, metadata.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, metadata, scale, out)
 
 
 def attention_input_torch(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -762,31 +763,14 @@ def paged_attention_triton(
         )  # fmt: skip
     if batch_invariant:
         return out
-    parts = 0  # beyond this launch's own: none where split_tokens is given (tests, sweeps)
-    if split_tokens is None:
-        sms = num_sms(query.device)
-        split_tokens = decode_split_tokens(k_cache.dtype, num_seqs, num_kv_heads, sms)
-        parts = short_launch_parts(num_seqs, num_kv_heads, metadata.max_seq_len, max_splits,
-                                   sms)
-    num_splits = num_kv_splits(metadata.max_seq_len, max_splits, split_tokens)
-    split = num_splits > 1
-    parts = max(parts, num_seqs * num_splits) if split else 0
-    # Scratch shapes come from host ints, so allocating here is fine under graph capture. The
-    # launch uses the first num_seqs * num_splits parts of each.
-    part_out = torch.empty(parts * num_heads * head_dim, dtype=torch.float32,
-                           device=query.device)[: num_seqs * num_heads * num_splits * head_dim
-                                                if split else 0]
-    part_lse = torch.empty(parts * num_heads, dtype=torch.float32,
-                           device=query.device)[: num_seqs * num_heads * num_splits
-                                                if split else 0]
-    grid = (num_seqs, num_kv_heads, num_splits)
+    plan = DecodeSplits.plan(query, k_cache, metadata, max_splits, split_tokens)
+    grid = (num_seqs, num_kv_heads, plan.num_splits)
     pdl = pdl_launch(num_tokens, query.device)
-    args = (query, k_cache, v_cache, out, part_out, part_lse,
+    args = (query, k_cache, v_cache, out, plan.part_out, plan.part_lse,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-            scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens)  # fmt: skip
-    shape = dict(NUM_HEADS=num_heads, QUERY_GROUP=group,
-                 GROUP_P2=max(16, triton.next_power_of_2(group)), **dims,
-                 BLOCK_SIZE=block_size, SPLIT=split,
+            scale_log2, k_scale, v_scale, plan.num_splits, max_splits,
+            plan.split_tokens)  # fmt: skip
+    shape = dict(decode_shape(num_heads, group, head_dim, block_size), SPLIT=plan.split,
                  **(decode_config or _decode_config(head_dim)))  # fmt: skip
     if _use_fp8_pairs(fp8_pairs, k_cache, fp8_f16 or (fp8 and query.dtype == torch.float16)):
         _decode_fp8_pairs_kernel[grid](
@@ -795,10 +779,62 @@ def paged_attention_triton(
         )  # fmt: skip
     else:
         _decode_kernel[grid](*args, *common, FP8=fp8, FP8_F16=fp8_f16, **shape, **pdl)
-    if split:
-        _reduce_splits_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, metadata.query_start_loc, metadata.seq_lens,
-            num_splits, max_splits, split_tokens, *out.stride(),
-            NUM_HEADS=num_heads, **dims, SPLITS_P2=triton.next_power_of_2(max_splits), **pdl,
-        )  # fmt: skip
+    plan.reduce(out, metadata, max_splits, pdl)
     return out
+
+
+def decode_shape(num_heads: int, group: int, head_dim: int, block_size: int) -> dict[str, int]:
+    """The constexprs every decode kernel takes from the model's and cache's shapes."""
+    return dict(NUM_HEADS=num_heads, QUERY_GROUP=group,
+                GROUP_P2=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                HEAD_DIM_P2=padded_head_dim(head_dim), BLOCK_SIZE=block_size)
+
+
+@dataclass(frozen=True)
+class DecodeSplits:
+    """One decode launch's split of each sequence and the scratch its parts go to."""
+
+    num_splits: int  # split programs per sequence (the grid's third axis)
+    split_tokens: int
+    part_out: torch.Tensor  # [num_seqs * num_heads * num_splits * head_dim] float32
+    part_lse: torch.Tensor  # [num_seqs * num_heads * num_splits] float32
+
+    @property
+    def split(self) -> bool:
+        return self.num_splits > 1
+
+    @classmethod
+    def plan(cls, query: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata,
+             max_splits: int, split_tokens: int | None) -> DecodeSplits:
+        """`split_tokens` (default `decode_split_tokens`) and the launch's split count; the
+        scratch, `short_launch_parts` long at the least, so warmup's largest launch measures
+        every launch's (graph safe: its shapes come from host ints)."""
+        num_seqs, (num_heads, head_dim) = metadata.seq_lens.shape[0], query.shape[1:]
+        parts = 0  # beyond this launch's own: none where split_tokens is given (tests, sweeps)
+        if split_tokens is None:
+            sms = num_sms(query.device)
+            split_tokens = decode_split_tokens(k_cache.dtype, num_seqs, k_cache.shape[2], sms)
+            parts = short_launch_parts(num_seqs, k_cache.shape[2], metadata.max_seq_len,
+                                       max_splits, sms)
+        num_splits = num_kv_splits(metadata.max_seq_len, max_splits, split_tokens)
+        used = num_seqs * num_splits if num_splits > 1 else 0
+        parts = max(parts, used) if used else 0
+        # The launch uses the first num_seqs * num_splits parts of each.
+        part_out = torch.empty(parts * num_heads * head_dim, dtype=torch.float32,
+                               device=query.device)[: used * num_heads * head_dim]
+        part_lse = torch.empty(parts * num_heads, dtype=torch.float32,
+                               device=query.device)[: used * num_heads]
+        return cls(num_splits, split_tokens, part_out, part_lse)
+
+    def reduce(self, out: torch.Tensor, metadata: AttentionMetadata, max_splits: int,
+               pdl: dict[str, bool]) -> None:
+        """Combine the parts into `out` (nothing to do for a launch of one split)."""
+        if not self.split:
+            return
+        num_seqs, (num_heads, head_dim) = metadata.seq_lens.shape[0], out.shape[1:]
+        _reduce_splits_kernel[(num_seqs, num_heads)](
+            out, self.part_out, self.part_lse, metadata.query_start_loc, metadata.seq_lens,
+            self.num_splits, max_splits, self.split_tokens, *out.stride(),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P2=padded_head_dim(head_dim),
+            SPLITS_P2=triton.next_power_of_2(max_splits), **pdl,
+        )  # fmt: skip
