@@ -5,10 +5,11 @@ the split decode kernel: two graph nodes, the first ~2.7 us at batch 1 on an H10
 of work (docs/results/decode-profile-trigger-h100-2026-12-05.txt). Here each decode program
 normalises and rotates its own query group from the QKV projection's output (a few hundred
 FLOPs, repeated per split), and the program whose split ends at the step's own token also
-normalises and rotates that token's key, stores its K/V at the slot, and adds the token to its
-softmax from registers, so no program reads a page this launch writes. The rounding points are
-`_attention_input_kernel`'s: the stored K/V are its bits, and the attention differs from the
-unfused pair only in the order it sums (and rounds) the new token's term.
+normalises and rotates that token's key, stores its K/V at the slot, and starts its softmax
+with the token from registers, so no program reads a page this launch writes. The rounding
+points are `_attention_input_kernel`'s: the stored K/V are its bits, and the attention differs
+from the unfused pair only in the order it sums (and rounds) the new token's term. 107
+registers at head dim 128 on sm_90 (the plain decode kernel: 128), no spills.
 
 Decode rows only (every row a query of one token) and 16-bit caches: an FP8 cache would be
 read back quantised by the other path, and its decode has a kernel of its own.
@@ -113,24 +114,13 @@ def _decode_input_kernel(
     cos, sin = _rope_row(cos_sin_cache, positions, q_row, d, HALF, HEAD_DIM)
     query = _normed_rotated(q + q_row * stride_qt, head[:, None] * stride_qh, g_mask[:, None], d,
                             stride_qd, cos, sin, q_norm_weight, eps, HALF, HEAD_DIM, QK_NORM)
-    block_table_row = block_table + seq * stride_bt
-    # The split holding the step's own token takes it from registers, the rest from the pages.
+    # The split holding the step's own token takes it from registers, first (its key and value
+    # are dead before the loop, which then holds what the plain decode kernel's does), and
+    # reads the rest from the pages.
     owns_new = (end == seq_len) & (start < end)  # not an empty split past the last tile
-    stop = tl.where(owns_new, end - 1, end)
-
     m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)
-    for n0 in range(start, stop, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < stop
-        kt, vt = _load_kv_tiles(k_cache, v_cache, query, block_table_row, n, n_mask, kv_head,
-                                dims, stride_cb, stride_cs, stride_ch,
-                                stride_cd, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P2, False)  # fmt: skip
-        s = tl.dot(query, tl.trans(kt)) * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_i, l_i, acc = _softmax_update(s, vt, m_i, l_i, acc)
-
     if owns_new:
         row = tl.zeros([1, 1], tl.int64) + kv_head * stride_kh  # the KV head's one row
         key = _normed_rotated(k + q_row * stride_kt, row, row >= 0, d, stride_kd, cos, sin,
@@ -143,15 +133,22 @@ def _decode_input_kernel(
                    + kv_head * stride_ch + d * stride_cd)
             tl.store(k_cache + dst, key.to(k_cache.dtype.element_ty), mask=d < HEAD_DIM)
             tl.store(v_cache + dst, value.to(v_cache.dtype.element_ty), mask=d < HEAD_DIM)
-        s_new = tl.sum(query.to(tl.float32) * key.to(tl.float32), axis=1) * scale_log2
-        m_new = tl.maximum(m_i, s_new)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s_new - m_new)
-        l_i = l_i * alpha + p
-        # p rounded to V's dtype, as the tile path's dot takes it
-        p_v = p.to(value.dtype).to(tl.float32)
-        acc = acc * alpha[:, None] + p_v[:, None] * value.to(tl.float32)
-        m_i = m_new
+        # The first term of an online softmax: its weight is exp2(0) = 1, exact in any dtype.
+        m_i = tl.sum(query.to(tl.float32) * key.to(tl.float32), axis=1) * scale_log2
+        l_i = tl.full([GROUP_P2], 1.0, tl.float32)
+        acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32) + value.to(tl.float32)
+    stop = tl.where(owns_new, end - 1, end)
+
+    block_table_row = block_table + seq * stride_bt
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < stop
+        kt, vt = _load_kv_tiles(k_cache, v_cache, query, block_table_row, n, n_mask, kv_head,
+                                dims, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                                HEAD_DIM, HEAD_DIM_P2, False)  # fmt: skip
+        s = tl.dot(query, tl.trans(kt)) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = _softmax_update(s, vt, m_i, l_i, acc)
 
     # An empty split (or a zero-length padded sequence) has l_i == 0: emit zeros, not NaN.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
