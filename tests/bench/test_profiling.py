@@ -34,6 +34,7 @@ def test_kernel_names_fall_in_their_families() -> None:
         "_matmul_kernel": "gemm.triton",
         "_prefill_kernel": "attention.prefill",
         "_decode_kernel": "attention.decode", "_reduce_splits_kernel": "attention.decode",
+        "_decode_input_kernel": "attention.decode",
         "_attention_input_kernel": "attention.input", "_write_kv_kernel": "attention.input",
         "_rms_norm_kernel": "norm",
         "_silu_and_mul_kernel": "activation",

@@ -117,8 +117,9 @@ def test_small_batch_kernels_give_the_cublas_paths_greedy_tokens(make_llm) -> No
 
 def test_fused_decode_input_gives_the_unfused_greedy_tokens(make_llm) -> None:
     """`fused_decode_input` changes only the order in which a decode row sums its new token's
-    term: on the trained tiny model greedy decoding is unchanged, from graphs at every batch
-    size and from eager steps, with the small-batch kernels on and off."""
+    term (its split reduction, in the same launch, keeps the reduction kernel's order): on the
+    trained tiny model greedy decoding is unchanged, from graphs at every batch size and from
+    eager steps, with the small-batch kernels on and off."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for small in (True, False):
         llm = make_llm(small_batch_kernels=small, fused_decode_input=False,
@@ -130,6 +131,9 @@ def test_fused_decode_input_gives_the_unfused_greedy_tokens(make_llm) -> None:
             llm = make_llm(small_batch_kernels=small, fused_decode_input=True, **kwargs)
             got = [o.outputs[0].token_ids
                    for o in llm.generate(prompts(), params, use_tqdm=False)]
+            # The in-kernel split reduction's counters are all back at 0 between launches.
+            tickets = llm.engine.executor.workers[0].runner.split_tickets
+            assert tickets is not None and not tickets.any()
             llm.shutdown()
             assert got == expected, (small, kwargs)
 

@@ -139,6 +139,34 @@ def test_kernel_matches_the_pair(num_heads, num_kv_heads, head_dim, layout, qk_n
 
 
 @interpret
+@pytest.mark.parametrize("max_splits", [3, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 3), (2, 2)])
+def test_split_reduction_in_the_launch_gives_the_reduction_kernels_bits(num_heads, num_kv_heads,
+                                                                         max_splits) -> None:
+    """With `split_tickets` the last split program of each (sequence, KV head) combines the
+    parts, in the reduction kernel's order: the same bits, and every counter back at 0."""
+    from kvfit.ops.triton_decode_input import decode_attention_input_triton
+
+    torch.manual_seed(6)
+    case = _decode_case(PREFIXES, num_heads, num_kv_heads, 16, True, block_size=8)
+    outs = []
+    tickets = torch.zeros(len(PREFIXES) * num_kv_heads + 5, dtype=torch.int32)
+    for split_tickets in (None, tickets):
+        run = dict(case, k_cache=case["k_cache"].clone(), v_cache=case["v_cache"].clone(),
+                   metadata=dataclasses.replace(case["metadata"], split_tickets=split_tickets))
+        out = torch.full_like(case["q"], float("nan")).contiguous()
+        decode_attention_input_triton(
+            run["positions"], run["q"], run["k"], run["v"], run["q_norm_weight"],
+            run["k_norm_weight"], EPS, run["cos_sin_cache"], run["k_cache"], run["v_cache"],
+            run["metadata"].slot_mapping, run["metadata"], SCALE, out, max_splits=max_splits,
+            split_tokens=16,
+        )  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert not tickets.any()
+
+
+@interpret
 def test_a_padded_row_stores_nothing_and_the_others_are_unchanged() -> None:
     """A CUDA graph's padding row (slot -1) leaves every page as it was."""
     from kvfit.ops.triton_decode_input import decode_attention_input_triton
@@ -166,13 +194,16 @@ SHAPES = {"qwen3-0.6b": (16, 8, True), "qwen3-8b": (32, 8, True), "llama": (32, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tickets", [False, True], ids=["reduction_kernel", "tickets"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_seqs,prefix", [(1, 1023), (4, 300), (64, 4000), (3, 0)])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_gpu_kernel_matches_the_unfused_kernels(shape, num_seqs, prefix, dtype) -> None:
+def test_gpu_kernel_matches_the_unfused_kernels(shape, num_seqs, prefix, dtype,
+                                                tickets) -> None:  # fmt: skip
     """Against `attention_input` then `paged_attention` on the GPU, at the engine's own split
-    choice: the K/V stored are those bits but for a norm's reduction order, and the output is
-    within a few bf16 roundings."""
+    choice, the split reduction as its own kernel or in the launch (`split_tickets`, all back
+    at 0 after): the K/V stored are those bits but for a norm's reduction order, and the
+    output is within a few bf16 roundings."""
     from kvfit.ops.attention import paged_attention
     from kvfit.ops.attention_input import attention_input
 
@@ -181,6 +212,9 @@ def test_gpu_kernel_matches_the_unfused_kernels(shape, num_seqs, prefix, dtype) 
     prefixes = [max(0, prefix - 7 * i) for i in range(num_seqs)]
     case = _decode_case(prefixes, num_heads, num_kv_heads, 128, qk_norm, dtype=dtype,
                         device="cuda")  # fmt: skip
+    split_tickets = (torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device="cuda")
+                     if tickets else None)
+    case["metadata"] = dataclasses.replace(case["metadata"], split_tickets=split_tickets)
     md = case["metadata"]
     k_cache, v_cache = case["k_cache"].clone(), case["v_cache"].clone()
     q = attention_input(case["positions"], case["q"], case["k"], case["v"],
@@ -194,18 +228,22 @@ def test_gpu_kernel_matches_the_unfused_kernels(shape, num_seqs, prefix, dtype) 
     assert (got - expect).abs().float().mean() < 2e-3
     torch.testing.assert_close(case["k_cache"], k_cache, rtol=1e-2, atol=1e-2)
     assert torch.equal(case["v_cache"], v_cache)
+    assert split_tickets is None or not split_tickets.any()
 
 
 @pytest.mark.gpu
 def test_gpu_kernel_replays_in_a_cuda_graph() -> None:
-    """Captured once and replayed on new activations: a stale capture-time value read anywhere
-    would show against the unfused kernels."""
+    """Captured once (the split reduction in the launch) and replayed on new activations: a
+    stale capture-time value read anywhere, or a counter left off 0, would show against the
+    unfused kernels."""
     from kvfit.ops.attention import paged_attention
     from kvfit.ops.attention_input import attention_input
 
     torch.manual_seed(4)
     case = _decode_case([100, 37, 900, 0], 16, 8, 128, True, dtype=torch.bfloat16,
                         device="cuda")  # fmt: skip
+    tickets = torch.zeros(4 * 8, dtype=torch.int32, device="cuda")
+    case["metadata"] = dataclasses.replace(case["metadata"], split_tickets=tickets)
     decode_attention(**case)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -223,3 +261,4 @@ def test_gpu_kernel_replays_in_a_cuda_graph() -> None:
         graph.replay()
         torch.testing.assert_close(out, expect, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(case["k_cache"], k_cache, rtol=1e-2, atol=1e-2)
+        assert not tickets.any()

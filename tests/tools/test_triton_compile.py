@@ -398,12 +398,16 @@ def test_decode_step_pdl_kernels_wait_before_any_memory_access(
 @pytest.mark.parametrize("head_dim", [4, 8, 64, 80, 128, 256])
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("pdl_early", [None, True, False], ids=["no_pdl", "early", "late"])
+@pytest.mark.parametrize("tickets", [False, True], ids=["reduction_kernel", "tickets"])
 def test_fused_decode_input_compiles_for_sm90(
     monkeypatch: pytest.MonkeyPatch, head_dim: int, qk_norm: bool, pdl_early: bool | None,
+    tickets: bool,
 ) -> None:
-    """`decode_attention`'s kernel and the split reduction after it, at the head dims the tiles
-    pad (4, 8, 80) and the larger config (256); under PDL each program's first memory access
-    comes after `griddepcontrol.wait` (q, k and v are the QKV projection's output)."""
+    """`decode_attention`'s kernel, and the split reduction after it unless the metadata's
+    `split_tickets` let the kernel reduce its own splits (an acq_rel ticket, then the parts
+    read past L1), at the head dims the tiles pad (4, 8, 80) and the larger config (256); under
+    PDL each program's first memory access comes after `griddepcontrol.wait` (q, k and v are
+    the QKV projection's output)."""
     from kvfit.ops import pdl, triton_decode_input
     from kvfit.ops.layers import RotaryEmbedding
     from kvfit.ops.small_batch import small_batch_kernels
@@ -415,6 +419,8 @@ def test_fused_decode_input_compiles_for_sm90(
     heads, kv_heads = 16, 4
     batch = sass.make_paged_batch([(2047, 1)] * 2, num_heads=heads, num_kv_heads=kv_heads,
                                   head_dim=head_dim, dtype=torch.bfloat16)
+    if tickets:
+        batch.metadata.split_tickets = torch.zeros(2 * kv_heads, dtype=torch.int32)
     qkv = torch.randn(2, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     norm = torch.ones(head_dim, dtype=torch.bfloat16) if qk_norm else None
@@ -426,9 +432,12 @@ def test_fused_decode_input_compiles_for_sm90(
             batch.v_cache, batch.metadata.slot_mapping, batch.metadata, head_dim**-0.5,
             torch.empty(2, heads, head_dim, dtype=torch.bfloat16)))
     names = [fn.__name__ for fn, _, _ in launches]
-    assert names == ["_decode_input_kernel", "_reduce_splits_kernel"]
+    assert names == ["_decode_input_kernel"] + ([] if tickets else ["_reduce_splits_kernel"])
     for fn, named, options in launches:
         ptx = sass.compile_launch(fn, named, options, arch=90).asm["ptx"]
+        if fn.__name__ == "_decode_input_kernel":
+            assert bool(re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)) is tickets
+            assert bool(re.search(r"ld\.global\.cg", ptx)) is tickets
         if pdl_early is None:
             assert "griddepcontrol" not in ptx, fn.__name__
             continue

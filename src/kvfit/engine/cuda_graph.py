@@ -33,8 +33,10 @@ class CUDAGraphRunner:
         max_model_len: int,
         device: torch.device,
         pool: object = None,
+        split_tickets: torch.Tensor | None = None,
     ) -> None:
         self.model = model
+        self.split_tickets = split_tickets  # `AttentionMetadata.split_tickets`
         self.capture_sizes = sorted(capture_sizes)
         self.max_model_len = max_model_len
         max_bs = self.capture_sizes[-1]
@@ -64,6 +66,7 @@ class CUDAGraphRunner:
             block_table=self.block_table[:bs],
             max_query_len=1,
             max_seq_len=self.max_model_len,
+            split_tickets=self.split_tickets,
         )
 
     @torch.inference_mode()

@@ -83,6 +83,7 @@ class ModelRunner:
         self.eos_token_ids = mc.eos_token_ids
         self.kv_cache: ExtensibleKVCache | None = None
         self.kv_cache_spec = config.kv_cache_spec()
+        self.split_tickets = self._split_tickets(config)
         self._num_allocated_blocks = 0
         self._allocated_cache: torch.Tensor | None = None  # without the extensible cache
         self.graphs: CUDAGraphRunner | None = None
@@ -93,6 +94,17 @@ class ModelRunner:
         # `calculate_kv_scales`: the first real step sets the FP8 cache's scales (warmup's
         # dummy steps calculate too, so their memory is measured, then restore 1.0).
         self.kv_scales_pending = config.cache_config.calculate_kv_scales
+
+    def _split_tickets(self, config: EngineConfig) -> torch.Tensor | None:
+        """`AttentionMetadata.split_tickets` for the fused decode on CUDA (else None): one
+        counter per (sequence, KV head) of the largest decode step, a graph's padded rows
+        included; 4 bytes each. Allocated once: graphs capture its address."""
+        if not (config.fused_decode_input and not config.deterministic
+                and self.device.type == "cuda"):
+            return None
+        rows = max(config.scheduler_config.max_num_seqs, *config.cuda_graph_sizes)
+        return torch.zeros(rows * self.kv_cache_spec.num_kv_heads, dtype=torch.int32,
+                           device=self.device)
 
     # -- KV cache -----------------------------------------------------------------------------
 
@@ -224,6 +236,7 @@ class ModelRunner:
             block_table=block_table_t,
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
+            split_tickets=self.split_tickets,
         )
         return input_ids_t, positions_t, metadata, logits_indices_t
 
@@ -419,7 +432,7 @@ class ModelRunner:
             if self.graphs is None:
                 self.graphs = CUDAGraphRunner(
                     self.model, self.config.cuda_graph_sizes, self.max_num_blocks_per_seq,
-                    self.max_model_len, self.device, pool,
+                    self.max_model_len, self.device, pool, self.split_tickets,
                 )
             self.graphs.capture()
 

@@ -30,6 +30,10 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     max_query_len: int  # host-side upper bounds: no device sync needed to launch
     max_seq_len: int
+    # [>= num_seqs * num_kv_heads] int32 zeros that stay zero between launches, or None: with
+    # them the fused decode (`kvfit.ops.attention_input.decode_attention`) reduces its splits in
+    # its own launch. The runner's, one for all layers (they run one after another).
+    split_tickets: torch.Tensor | None = None
 
 
 def write_kv(

@@ -95,10 +95,11 @@ def decode_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """`attention_input` then `paged_attention`, for a step whose rows are all decodes: on CUDA
-    one launch for both (`triton_decode_input`) and the split reduction after it, a graph node
-    fewer in every layer. The K/V stored are `attention_input`'s; the output differs from the
-    pair's only in the order the new token's term is summed. 16-bit caches only (an FP8 cache
-    takes the pair). Extra memory: `out` and the decode's split scratch, as `paged_attention`'s
+    one launch for both (`triton_decode_input`), the split reduction in it too where
+    `metadata.split_tickets` is given (else a kernel after it): one or two graph nodes fewer in
+    every layer. The K/V stored are `attention_input`'s; the output differs from the pair's
+    only in the order the new token's term is summed. 16-bit caches only (an FP8 cache takes
+    the pair). Extra memory: `out` and the decode's split scratch, as `paged_attention`'s
     decode; no rotated copy of q."""
     _check_inputs(positions, q, k, v, q_norm_weight, k_norm_weight, cos_sin_cache, k_cache,
                   v_cache, metadata.slot_mapping)  # fmt: skip

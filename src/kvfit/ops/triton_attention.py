@@ -555,21 +555,32 @@ def _reduce_splits_kernel(
     if tl.load(query_start_loc + seq + 1) - q_row != 1:
         return
     seq_splits = _num_seq_splits(tl.load(seq_lens + seq), max_splits, split_tokens)
+    o = _combine_parts(part_out, part_lse, (seq * NUM_HEADS + head) * num_splits, seq_splits,
+                       HEAD_DIM, HEAD_DIM_P2, SPLITS_P2, "")
+    release_late(PDL, PDL_EARLY)
     d = tl.arange(0, HEAD_DIM_P2)
-    d_mask = d < HEAD_DIM
+    o_ptrs = out + q_row * stride_ot + head * stride_oh + d * stride_od
+    tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _combine_parts(part_out, part_lse, base, seq_splits, HEAD_DIM: tl.constexpr,
+                   HEAD_DIM_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
+                   CACHE: tl.constexpr):  # fmt: skip
+    """One row's output [HEAD_DIM_P2] from its `seq_splits` parts at `base`: each weighted by
+    its log-sum-exp, as one [SPLITS_P2, HEAD_DIM_P2] tile. `CACHE`: the loads' cache modifier
+    ("" as the JIT picks; ".cg" past L1, for parts other SMs wrote during this launch)."""
+    d = tl.arange(0, HEAD_DIM_P2)
     s = tl.arange(0, SPLITS_P2)
     s_mask = s < seq_splits
-    base = (seq * NUM_HEADS + head) * num_splits
-    lse = tl.load(part_lse + base + s, mask=s_mask, other=float("-inf"))
+    lse = tl.load(part_lse + base + s, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
     m = tl.max(lse, axis=0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for masked and empty splits
     parts = tl.load(part_out + (base + s)[:, None] * HEAD_DIM + d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+                    mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0,
+                    cache_modifier=CACHE)  # fmt: skip
     acc = tl.sum(w[:, None] * parts, axis=0)
-    o = acc / tl.maximum(tl.sum(w, axis=0), 1e-30)
-    release_late(PDL, PDL_EARLY)
-    o_ptrs = out + q_row * stride_ot + head * stride_oh + d * stride_od
-    tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=d_mask)
+    return acc / tl.maximum(tl.sum(w, axis=0), 1e-30)
 
 
 def split_tokens_for(kv_dtype: torch.dtype) -> int:

@@ -28,9 +28,11 @@ from kvfit.ops.pdl import pdl_launch, release_late, wait_then_release
 from kvfit.ops.triton_attention import (
     MAX_SPLITS,
     DecodeSplits,
+    _combine_parts,
     _decode_config,
     _decode_range,
     _load_kv_tiles,
+    _num_seq_splits,
     _softmax_update,
     _store_decode_out,
     decode_shape,
@@ -74,7 +76,7 @@ def _normed_rotated(src, rows, row_mask, d, stride_d, cos, sin, norm_weight, eps
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_input_kernel(
     q, k, v, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, slot_mapping,
-    k_cache, v_cache, out, part_out, part_lse,
+    k_cache, v_cache, out, part_out, part_lse, tickets,
     query_start_loc, seq_lens, block_table,
     scale_log2, num_splits, max_splits, split_tokens,
     stride_qt, stride_qh, stride_qd,
@@ -93,6 +95,8 @@ def _decode_input_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     QK_NORM: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    TICKETS: tl.constexpr,
     PDL: tl.constexpr = False,
     PDL_EARLY: tl.constexpr = True,
 ):  # fmt: skip
@@ -158,6 +162,36 @@ def _decode_input_kernel(
                       stride_ot, stride_oh, stride_od, HEAD_DIM, HEAD_DIM_P2, SPLIT)  # fmt: skip
     if SPLIT:
         tl.store(part_lse + part, m_i + tl.log2(l_i), mask=g_mask)
+        if TICKETS:
+            _reduce_if_last(out, part_out, part_lse, tickets, seq, kv_head, q_row,
+                            _num_seq_splits(seq_len, max_splits, split_tokens), num_splits,
+                            stride_ot, stride_oh, stride_od, NUM_HEADS, QUERY_GROUP, HEAD_DIM,
+                            HEAD_DIM_P2, SPLITS_P2)  # fmt: skip
+
+
+@triton.jit
+def _reduce_if_last(out, part_out, part_lse, tickets, seq, kv_head, q_row, seq_splits,
+                    num_splits, stride_ot, stride_oh, stride_od, NUM_HEADS: tl.constexpr,
+                    QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HEAD_DIM_P2: tl.constexpr, SPLITS_P2: tl.constexpr):  # fmt: skip
+    """The split reduction of one (sequence, KV head)'s query heads, by whichever of its split
+    programs finishes last, instead of a kernel of its own (a graph node fewer a layer).
+
+    Each program takes a ticket after storing its part: the acq_rel atomic releases its stores
+    and acquires everyone's before it, and the one holding the last ticket reads every part
+    past L1 and writes the rows. Rows are combined as `_reduce_splits_kernel` combines them
+    (`_combine_parts`), so which program comes last changes no bit. It sets the counter back
+    to 0 for the next launch: the tickets stay zero between launches, graph replays included."""
+    counter = tickets + seq * tl.num_programs(1) + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == seq_splits - 1:
+        d = tl.arange(0, HEAD_DIM_P2)
+        for g in tl.static_range(QUERY_GROUP):
+            head = kv_head * QUERY_GROUP + g
+            o = _combine_parts(part_out, part_lse, (seq * NUM_HEADS + head) * num_splits,
+                               seq_splits, HEAD_DIM, HEAD_DIM_P2, SPLITS_P2, ".cg")
+            tl.store(out + q_row * stride_ot + head * stride_oh + d * stride_od,
+                     o.to(out.dtype.element_ty), mask=d < HEAD_DIM)
+        tl.store(counter, 0)
 
 
 def decode_attention_input_triton(
@@ -180,13 +214,17 @@ def decode_attention_input_triton(
 ) -> torch.Tensor:
     """The fused kernel behind `kvfit.ops.attention_input.decode_attention` (which validates
     the arguments and keeps the rest off this path): a decode step's attention input and its
-    split decode in one launch, then the split reduction. Scratch: `DecodeSplits.plan`'s, the
-    same as `paged_attention_triton`'s decode."""
+    split decode in one launch. The split reduction rides in it where `metadata.split_tickets`
+    holds a counter per (sequence, KV head) (`_reduce_if_last`), else follows as its own
+    kernel. Scratch: `DecodeSplits.plan`'s, the same as `paged_attention_triton`'s decode."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = metadata.seq_lens.shape[0], k.shape[1]
     if num_tokens == 0 or num_seqs == 0:
         return out
     plan = DecodeSplits.plan(q, k_cache, metadata, max_splits, split_tokens)
+    tickets = metadata.split_tickets
+    in_kernel = (plan.split and tickets is not None
+                 and tickets.numel() >= num_seqs * num_kv_heads)
     qk_norm = q_norm_weight is not None
     pdl = pdl_launch(num_tokens, q.device)
     _decode_input_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
@@ -194,13 +232,16 @@ def decode_attention_input_triton(
         q_norm_weight.contiguous() if qk_norm else q,  # never read without QK_NORM
         k_norm_weight.contiguous() if qk_norm else k,
         eps, slot_mapping, k_cache, v_cache, out, plan.part_out, plan.part_lse,
+        tickets if in_kernel else plan.part_lse,  # never read without TICKETS
         metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
         scale * math.log2(math.e), plan.num_splits, max_splits, plan.split_tokens,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *k_cache.stride(),
         metadata.block_table.stride(0),
         **decode_shape(num_heads, num_heads // num_kv_heads, head_dim, k_cache.shape[1]),
-        HALF=head_dim // 2, SPLIT=plan.split, QK_NORM=qk_norm, **_decode_config(head_dim),
-        **pdl,
+        HALF=head_dim // 2, SPLIT=plan.split, QK_NORM=qk_norm,
+        SPLITS_P2=triton.next_power_of_2(max_splits), TICKETS=in_kernel,
+        **_decode_config(head_dim), **pdl,
     )  # fmt: skip
-    plan.reduce(out, metadata, max_splits, pdl)
+    if not in_kernel:
+        plan.reduce(out, metadata, max_splits, pdl)
     return out
