@@ -159,7 +159,8 @@ class LlamaAttention(nn.Module):
     def decode(self, positions: torch.Tensor, qkv: torch.Tensor,
                attn_metadata: AttentionMetadata) -> torch.Tensor:
         """`project_qkv` and `attend` of a step of decode rows in one op (`decode_attention`):
-        on CUDA the attention input rides in the decode kernel, a graph node fewer a layer."""
+        on CUDA the attention input, and the split reduction where the metadata holds
+        `split_tickets`, ride in the decode kernel: up to two graph nodes fewer a layer."""
         q, k, v = self._heads(qkv)
         return decode_attention(
             positions, q, k, v,
