@@ -300,15 +300,9 @@ def _decode_kernel(
     m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        k, v = _load_kv_tiles(k_cache, v_cache, q, block_table_row, n, n_mask, kv_head, d,
-                              stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
-                              HEAD_DIM, HEAD_DIM_P2, FP8)  # fmt: skip
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
+    m_i, l_i, acc = _attend_pages(q, k_cache, v_cache, block_table_row, start, end, kv_head, d,
+                                  scale_log2, m_i, l_i, acc, stride_cb, stride_cs, stride_ch,
+                                  stride_cd, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_P2, FP8)
 
     # An empty split (or a zero-length padded sequence) has l_i == 0: emit zeros, not NaN.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -320,6 +314,25 @@ def _decode_kernel(
                       stride_ot, stride_oh, stride_od, HEAD_DIM, HEAD_DIM_P2, SPLIT)  # fmt: skip
     if SPLIT:
         tl.store(part_lse + part, m_i + tl.log2(l_i), mask=g_mask)
+
+
+@triton.jit
+def _attend_pages(q, k_cache, v_cache, block_table_row, start, end, kv_head, d, scale_log2,
+                  m_i, l_i, acc, stride_cb, stride_cs, stride_ch, stride_cd,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HEAD_DIM_P2: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
+    """The online softmax `(m_i, l_i, acc)` of the query rows `q` carried over tokens
+    [start, end) of one KV head's pages, BLOCK_N at a time."""
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        k, v = _load_kv_tiles(k_cache, v_cache, q, block_table_row, n, n_mask, kv_head, d,
+                              stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
+                              HEAD_DIM, HEAD_DIM_P2, FP8)  # fmt: skip
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc)
+    return m_i, l_i, acc
 
 
 @triton.jit

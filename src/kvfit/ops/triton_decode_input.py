@@ -28,12 +28,11 @@ from kvfit.ops.pdl import pdl_launch, release_late, wait_then_release
 from kvfit.ops.triton_attention import (
     MAX_SPLITS,
     DecodeSplits,
+    _attend_pages,
     _combine_parts,
     _decode_config,
     _decode_range,
-    _load_kv_tiles,
     _num_seq_splits,
-    _softmax_update,
     _store_decode_out,
     decode_shape,
 )
@@ -143,16 +142,10 @@ def _decode_input_kernel(
         acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32) + value.to(tl.float32)
     stop = tl.where(owns_new, end - 1, end)
 
-    block_table_row = block_table + seq * stride_bt
-    for n0 in range(start, stop, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < stop
-        kt, vt = _load_kv_tiles(k_cache, v_cache, query, block_table_row, n, n_mask, kv_head,
-                                dims, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
-                                HEAD_DIM, HEAD_DIM_P2, False)  # fmt: skip
-        s = tl.dot(query, tl.trans(kt)) * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_i, l_i, acc = _softmax_update(s, vt, m_i, l_i, acc)
+    m_i, l_i, acc = _attend_pages(query, k_cache, v_cache, block_table + seq * stride_bt, start,
+                                  stop, kv_head, dims, scale_log2, m_i, l_i, acc, stride_cb,
+                                  stride_cs, stride_ch, stride_cd, BLOCK_SIZE, BLOCK_N,
+                                  HEAD_DIM, HEAD_DIM_P2, False)  # fmt: skip
 
     # An empty split (or a zero-length padded sequence) has l_i == 0: emit zeros, not NaN.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
