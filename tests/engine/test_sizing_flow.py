@@ -226,9 +226,11 @@ def test_startup_stages_are_reported_in_order_within_the_total(
         assert sum(stages.values()) <= total
 
 
-@pytest.mark.parametrize("small_batch_kernels", [False, True])
+@pytest.mark.parametrize(("small_batch_kernels", "fused_decode_input"),
+                         [(False, False), (True, False), (False, True)])
 def test_startup_order_commits_only_what_warmup_addresses(
-    make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch, small_batch_kernels: bool
+    make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch, small_batch_kernels: bool,
+    fused_decode_input: bool,
 ) -> None:
     events: list[tuple] = []
 
@@ -251,10 +253,13 @@ def test_startup_order_commits_only_what_warmup_addresses(
         max(max(s.block_table) for s in b.seqs), committed(r)))
     spy(ModelRunner, "capture_cuda_graphs", lambda r: ("capture", committed(r)))
     spy(Worker, "extend_kv_cache", lambda w, n: ("extend", n))
-    llm = make_llm(small_batch_kernels=small_batch_kernels)
+    llm = make_llm(small_batch_kernels=small_batch_kernels,
+                   fused_decode_input=fused_decode_input)
 
-    # Under the small-batch kernels warmup also samples one decode token (their fused variants).
-    warmup_steps = 4 if small_batch_kernels else 3
+    # Under the small-batch kernels (their fused variants) or the fused decode input (a step of
+    # decodes alone) warmup also samples one decode token.
+    one_decode = small_batch_kernels or fused_decode_input
+    warmup_steps = 4 if one_decode else 3
     names = [e[0] for e in events]
     assert names == ["step", "warm_up", *["step"] * warmup_steps, "capture", "extend"]
     _, committable, committed_at_warmup, capacity = events[1]
@@ -264,7 +269,7 @@ def test_startup_order_commits_only_what_warmup_addresses(
     for _, _, _, max_block_id, committed_now in steps:
         # Dummy ids stay within what the step committed, and within the engine's bound.
         assert max_block_id < committed_now <= committable
-    if small_batch_kernels:
+    if one_decode:
         assert steps[1][1:3] == (1, 1)  # one token, a decode
     mixed, full_rows = steps[-2], steps[-1]
     assert mixed[1] == LIMITS["max_num_batched_tokens"] and mixed[2] > 0  # prefill + decodes

@@ -178,3 +178,22 @@ def test_warmup_launches_every_small_batch_kernel_a_decode_launches(
     assert {name for name, _, _ in launched} == {"skinny_linear", "rms_norm_linear",
                                                  "silu_and_mul_linear"}
     assert launched <= warm, sorted(launched - warm)
+
+
+def test_warmup_runs_the_fused_decode_input(narrow_vocab: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `fused_decode_input` only a step of decodes alone runs `decode_attention`, which
+    warmup's mixed steps are not: warmup runs one, so a GPU compiles the fused kernel at
+    startup rather than at a user's first decode (on the CPU the op is the unfused pair; the
+    call stands in for the launch)."""
+    from kvfit.models import llama
+
+    calls: list[int] = []
+    real = llama.decode_attention
+    monkeypatch.setattr(llama, "decode_attention",
+                        lambda *args, **kwargs: (calls.append(args[1].shape[0]),
+                                                 real(*args, **kwargs))[1])
+    llm = LLM(str(narrow_vocab), device="cpu", fused_decode_input=True, max_num_seqs=32,
+              small_batch_kernels=False, max_model_len=256)
+    llm.shutdown()
+    assert calls and set(calls) == {1}  # one decode row, in every layer

@@ -166,8 +166,11 @@ class Worker:
           beside a prefill of the rest of the budget: a real step samples that many rows while
           the activations of `max_num_batched_tokens` tokens are live.
         Both sample with every feature at its worst case (`ModelRunner.warmup_params`). Under
-        `small_batch_kernels`, a one-token decode too (the only step that runs their fused
-        variants).
+        `small_batch_kernels` or `fused_decode_input`, a one-token decode too (the only step
+        that runs the former's fused variants, and a step of decodes alone, the only kind the
+        latter's kernel takes: it allocates no more than the steps above, whose decode rows at
+        `max_model_len` size the same split scratch, but it compiles here, not at a user's
+        first step).
         """
         sc = self.config.scheduler_config
         runner, params = self.runner, self.runner.warmup_params
@@ -178,10 +181,12 @@ class Worker:
                               sc.max_num_batched_tokens - sampler.PROMPT_LOGPROBS_CHUNK)
         self._measured_step(runner.dummy_run, min(16, sc.max_num_batched_tokens),
                             num_committable_blocks)
-        if self.config.small_batch_kernels and not self.config.deterministic:
+        if ((self.config.small_batch_kernels or self.config.fused_decode_input)
+                and not self.config.deterministic):
             # One sampled decode token: the small-batch kernels' fused variants (the norms and
             # the SiLU inside the linear layers) run only at one token, and the LM head's only
-            # at the few rows a step samples, which no other warmup step has.
+            # at the few rows a step samples, which no other warmup step has; the fused decode
+            # input runs only in a step of decodes alone.
             self._measured_step(runner.dummy_run, 1, num_committable_blocks, 1)
         self._measured_step(runner.dummy_run, sc.max_num_batched_tokens, num_committable_blocks,
                             num_decodes, params)
