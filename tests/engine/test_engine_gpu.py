@@ -82,11 +82,13 @@ def test_cuda_graphs_match_eager_and_capture_once(make_llm) -> None:
     assert graphed.kv_cache_report.method == "measured"
 
 
-def test_a_warm_engine_compiles_no_kernel_for_new_batch_shapes(make_llm) -> None:
+@pytest.mark.parametrize("fused_decode_input", [False, True])
+def test_a_warm_engine_compiles_no_kernel_for_new_batch_shapes(make_llm,
+                                                              fused_decode_input: bool) -> None:
     """Triton compiles a variant of a kernel for each specialisation it meets (an int that is
     1 or a multiple of 16, a pointer 16-byte aligned or not). Nothing that moves from step to
     step may be specialised, or serving stalls ~1 s whenever a batch takes a new shape."""
-    llm = make_llm()
+    llm = make_llm(fused_decode_input=fused_decode_input)
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     llm.generate(prompts(), params, use_tqdm=False)
     g = torch.Generator().manual_seed(1)
