@@ -110,6 +110,18 @@ def test_tp2_greedy_matches_tp1_and_transformers(
         two.shutdown()
 
 
+def test_tp2_fused_decode_input_matches_transformers(mqa_llama: Path) -> None:
+    """`fused_decode_input` on each rank's share of the heads (the one KV head replicated,
+    q/k/v bias rows split): the model's fused branch gives transformers' greedy tokens."""
+    expected = [hf_greedy(mqa_llama, p) for p in PROMPTS]
+    two = LLM(str(mqa_llama), tensor_parallel_size=2, fused_decode_input=True, **LIMITS)
+    try:
+        assert two.config.fused_decode_input
+        assert generate(two) == expected
+    finally:
+        two.shutdown()
+
+
 def test_tp2_dummy_weights_match_tp1() -> None:
     # Built-in shapes get seeded random weights: every rank must draw the same model as one
     # rank does and keep its part, or TP=2 generates other tokens than TP=1.
