@@ -51,8 +51,10 @@ def _decode_case(prefixes: list[int], num_heads: int, num_kv_heads: int, head_di
     qkv = torch.randn(len(prefixes), sum(widths), dtype=dtype, device=device) * 3
     q, k, v = qkv.split(widths, dim=-1)  # strided views, as the model's QKV output gives
     rope = RotaryEmbedding(head_dim, max(prefixes) + 8, base=10_000.0).to(device)
-    norm = (lambda: 1 + 0.3 * torch.randn(head_dim, dtype=dtype, device=device)) if qk_norm \
-        else (lambda: None)  # fmt: skip
+
+    def norm() -> torch.Tensor | None:
+        return 1 + 0.3 * torch.randn(head_dim, dtype=dtype, device=device) if qk_norm else None
+
     return dict(positions=positions, q=q.view(-1, num_heads, head_dim),
                 k=k.view(-1, num_kv_heads, head_dim), v=v.view(-1, num_kv_heads, head_dim),
                 q_norm_weight=norm(), k_norm_weight=norm(), eps=EPS,
