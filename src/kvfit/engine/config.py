@@ -205,6 +205,16 @@ class EngineConfig:
     # timed on a GPU. Off in the deterministic mode, whose attention is its own kernel.
     fused_decode_input: bool = False
 
+    @property
+    def runs_small_batch_kernels(self) -> bool:
+        """`small_batch_kernels` as the engine runs it: never in the deterministic mode."""
+        return self.small_batch_kernels and not self.deterministic
+
+    @property
+    def runs_fused_decode_input(self) -> bool:
+        """`fused_decode_input` as the engine runs it: never in the deterministic mode."""
+        return self.fused_decode_input and not self.deterministic
+
     def kv_cache_spec(self) -> KVCacheSpec:
         """What one KV cache block holds on one rank, in `kv_cache_layout`: its share of the
         KV heads, one when there are more ranks than KV heads (each keeps a copy)."""

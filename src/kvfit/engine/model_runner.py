@@ -50,10 +50,9 @@ def _in_kernel_mode(method: Callable[..., T]) -> Callable[..., T]:
     @functools.wraps(method)
     def wrapped(self: ModelRunner, *args: object, **kwargs: object) -> T:
         config = self.config
-        free = not config.deterministic
         with (batch_invariant_mode(config.deterministic),
-              small_batch_kernels(config.small_batch_kernels and free),
-              fused_decode_input(config.fused_decode_input and free)):
+              small_batch_kernels(config.runs_small_batch_kernels),
+              fused_decode_input(config.runs_fused_decode_input)):
             return method(self, *args, **kwargs)
 
     return wrapped
@@ -99,8 +98,7 @@ class ModelRunner:
         """`AttentionMetadata.split_tickets` for the fused decode on CUDA (else None): one
         counter per (sequence, KV head) of the largest decode step, a graph's padded rows
         included; 4 bytes each. Allocated once: graphs capture its address."""
-        if not (config.fused_decode_input and not config.deterministic
-                and self.device.type == "cuda"):
+        if not config.runs_fused_decode_input or self.device.type != "cuda":
             return None
         rows = max(config.scheduler_config.max_num_seqs, *config.cuda_graph_sizes)
         return torch.zeros(rows * self.kv_cache_spec.num_kv_heads, dtype=torch.int32,

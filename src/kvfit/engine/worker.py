@@ -181,8 +181,7 @@ class Worker:
                               sc.max_num_batched_tokens - sampler.PROMPT_LOGPROBS_CHUNK)
         self._measured_step(runner.dummy_run, min(16, sc.max_num_batched_tokens),
                             num_committable_blocks)
-        if ((self.config.small_batch_kernels or self.config.fused_decode_input)
-                and not self.config.deterministic):
+        if self.config.runs_small_batch_kernels or self.config.runs_fused_decode_input:
             # One sampled decode token: the small-batch kernels' fused variants (the norms and
             # the SiLU inside the linear layers) run only at one token, and the LM head's only
             # at the few rows a step samples, which no other warmup step has; the fused decode
