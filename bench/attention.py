@@ -6,6 +6,8 @@
         --num-kv-heads 8 --out $OUT/attn-sweep-fp8.json  # tiles, splits, and the fp8 dots' dtype
     PYTHONPATH=src python3 bench/attention.py --batch-invariant --num-heads 16 --num-kv-heads 8 \\
         --batches 256 --contexts 1024 --out $OUT/attn-bi.json     # the deterministic mode
+    PYTHONPATH=src python3 bench/attention.py --decode-input --num-heads 16 --num-kv-heads 8 \\
+        --batches 1 4 16 64 256 --contexts 1024 --out $OUT/attn-di.json  # the fused input
 
 Decode is memory bound, so it is reported as KV bytes read per second against the bandwidth of a
 device-to-device copy (bytes read + written) measured in the same run. Prefill is reported as
@@ -27,11 +29,20 @@ today: 16, from this bench's 2026-12-04 run), and the two cases' candidate times
 would cost prefill and save decode. The command above (qwen3-0.6b-shape's heads) should take
 well under a minute on an H200 (an estimate: the copy-bandwidth measure, ~10 timed kernels of
 ~0.2 s, a few Triton compiles).
+
+`--decode-input`: one layer's decode attention with its input (Qwen3's q/k norms, rotary, the
+new token's K/V store) at each `--batches` x `--contexts` case, three ways, as the kernels'
+device time (`kernel_us`, L2 flushed): `attention_input` then `paged_attention` (three
+kernels: input, decode, split reduction), the fused `decode_attention` with the reduction as
+its own kernel, and with it in the launch (`split_tickets`, as the engine runs it). The
+difference is what the engine's `--fused-decode-input` saves a layer, before the graph's
+per-node cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import statistics
 from dataclasses import asdict, dataclass
@@ -207,6 +218,54 @@ def bench_prefill(shape: Shape, k_cache, v_cache, batch: int, length: int):
     )
 
 
+def decode_input_calls(shape: Shape, k_cache, v_cache, batch: int, context: int) -> dict:
+    """The three ways of one layer's decode attention with its input, on one decode row per
+    sequence at position `context - 1` (Qwen3's q/k norms, rotary, the new K/V's store)."""
+    from kvfit.ops.attention import paged_attention
+    from kvfit.ops.attention_input import attention_input, decode_attention
+    from kvfit.ops.layers import RotaryEmbedding
+
+    md = metadata([1] * batch, [context] * batch, shape.block_size, k_cache.shape[0])
+    blocks = md.block_table.long()[:, (context - 1) // shape.block_size]
+    md = dataclasses.replace(
+        md, slot_mapping=blocks * shape.block_size + (context - 1) % shape.block_size)
+    widths = [shape.num_heads * shape.head_dim, 2 * shape.num_kv_heads * shape.head_dim]
+    q, kv = torch.randn(batch, sum(widths), dtype=shape.dtype, device="cuda").split(widths, -1)
+    k, v = kv.view(batch, 2, shape.num_kv_heads, shape.head_dim).unbind(1)
+    ones = torch.ones(shape.head_dim, dtype=shape.dtype, device="cuda")
+    rope = RotaryEmbedding(shape.head_dim, context + 1, base=1e6).to("cuda")
+    args = dict(positions=torch.full((batch,), context - 1, dtype=torch.int64, device="cuda"),
+                q=q.view(batch, shape.num_heads, shape.head_dim), k=k, v=v,
+                q_norm_weight=ones, k_norm_weight=ones, eps=1e-6,
+                cos_sin_cache=rope.cos_sin_cache, k_cache=k_cache, v_cache=v_cache)
+    scale = shape.head_dim**-0.5
+    tickets = torch.zeros(batch * shape.num_kv_heads, dtype=torch.int32, device="cuda")
+    with_tickets = dataclasses.replace(md, split_tickets=tickets)
+
+    def unfused() -> torch.Tensor:
+        x = attention_input(**args, slot_mapping=md.slot_mapping)
+        return paged_attention(x, k_cache, v_cache, md, scale)
+
+    return {"unfused": unfused,
+            "fused": lambda: decode_attention(**args, metadata=md, scale=scale),
+            "fused_tickets": lambda: decode_attention(**args, metadata=with_tickets,
+                                                      scale=scale)}
+
+
+def decode_input_rows(shape: Shape, k_cache, v_cache, cases: list[tuple[int, int]]
+                      ) -> list[dict]:
+    """`--decode-input`: the unfused pair against `decode_attention` with and without
+    `split_tickets`, in kernel microseconds, at each (batch, context) of `cases`."""
+    rows = []
+    for batch, context in cases:
+        calls = decode_input_calls(shape, k_cache, v_cache, batch, context)
+        us = {name: kernel_us(fn) for name, fn in calls.items()}
+        rows.append(dict(batch=batch, context=context, kernel_us=us))
+        print(f"decode input {batch:>4} x {context:<6} " + "  ".join(
+            f"{name} {t:7.1f} us" for name, t in us.items()), flush=True)
+    return rows
+
+
 def sweep(shape: Shape, k_cache, v_cache) -> list[dict]:
     """Tile configs and split counts at the target shapes, to choose the kernels' defaults."""
     rows = []
@@ -349,6 +408,10 @@ def main() -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="decode (and one prefill case) in the default path vs the "
                              "deterministic mode's, not the table")
+    parser.add_argument("--decode-input", action="store_true",
+                        help="a layer's decode attention with its input, unfused and fused "
+                             "(with and without the split reduction in the launch), not the "
+                             "table")
     parser.add_argument("--bi-block-m", type=int, nargs="*", default=[128, 64, 32],
                         help="BLOCK_M values tried for the mode's decode rows")
     args = parser.parse_args()
@@ -365,7 +428,7 @@ def main() -> None:
         if b * c * token_bytes <= args.max_cache_gib * 2**30
     ]
     # The record's limits; `copy_bw` stays the rows' roofline, timed by do_bench as they are.
-    limits = {} if args.sweep else in_run_limits("cuda")
+    limits = {} if args.sweep or args.decode_input else in_run_limits("cuda")
     cache_tokens = max(max(b * c for b, c in cases), 65536)
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else shape.dtype
     k_cache, v_cache = paged_cache(shape, cache_tokens, cache_dtype)
@@ -373,6 +436,13 @@ def main() -> None:
     if args.sweep:
         write_record(args.out, record_of("attention-sweep", sweep(shape, k_cache, v_cache),
                                          vars(args)))
+        return
+    if args.decode_input:
+        write_record(args.out, record_of(
+            "attention-decode-input", dict(device=torch.cuda.get_device_name(),
+                                           shape={**asdict(shape), "dtype": args.dtype},
+                                           cases=decode_input_rows(shape, k_cache, v_cache, cases)),
+            vars(args)))
         return
     if args.batch_invariant:
         rows = [bench_batch_invariant(shape, k_cache, v_cache, "decode", b, c, args.bi_block_m,
