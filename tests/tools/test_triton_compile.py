@@ -438,6 +438,9 @@ def test_fused_decode_input_compiles_for_sm90(
         if fn.__name__ == "_decode_input_kernel":
             assert bool(re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)) is tickets
             assert bool(re.search(r"ld\.global\.cg", ptx)) is tickets
+            if tickets:  # every warp's part stored, then a CTA barrier, then the one ticket
+                parts, _, _ = ptx.partition("atom.global.gpu.acq_rel.add")
+                assert "bar.sync" in parts.rpartition("st.global")[2]
         if pdl_early is None:
             assert "griddepcontrol" not in ptx, fn.__name__
             continue

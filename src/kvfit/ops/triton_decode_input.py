@@ -174,8 +174,12 @@ def _reduce_if_last(out, part_out, part_lse, tickets, seq, kv_head, q_row, seq_s
     and acquires everyone's before it, and the one holding the last ticket reads every part
     past L1 and writes the rows. Rows are combined as `_reduce_splits_kernel` combines them
     (`_combine_parts`), so which program comes last changes no bit. It sets the counter back
-    to 0 for the next launch: the tickets stay zero between launches, graph replays included."""
+    to 0 for the next launch: the tickets stay zero between launches, graph replays included.
+    One thread takes the ticket, so a CTA barrier comes first: it orders the other warps'
+    stores of the part before that thread's release (without it only Triton's own barrier for
+    the atomic's shared-memory result happens to stand there)."""
     counter = tickets + seq * tl.num_programs(1) + kv_head
+    tl.debug_barrier()
     if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == seq_splits - 1:
         d = tl.arange(0, HEAD_DIM_P2)
         for g in tl.static_range(QUERY_GROUP):
