@@ -100,7 +100,7 @@ class ModelRunner:
         included; 4 bytes each. Allocated once: graphs capture its address."""
         if not config.runs_fused_decode_input or self.device.type != "cuda":
             return None
-        rows = max(config.scheduler_config.max_num_seqs, *config.cuda_graph_sizes)
+        rows = max([config.scheduler_config.max_num_seqs, *config.cuda_graph_sizes])
         return torch.zeros(rows * self.kv_cache_spec.num_kv_heads, dtype=torch.int32,
                            device=self.device)
 
