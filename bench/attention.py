@@ -438,11 +438,10 @@ def main() -> None:
                                          vars(args)))
         return
     if args.decode_input:
-        write_record(args.out, record_of(
-            "attention-decode-input", dict(device=torch.cuda.get_device_name(),
-                                           shape={**asdict(shape), "dtype": args.dtype},
-                                           cases=decode_input_rows(shape, k_cache, v_cache, cases)),
-            vars(args)))
+        rows = decode_input_rows(shape, k_cache, v_cache, cases)
+        result = dict(device=torch.cuda.get_device_name(),
+                      shape={**asdict(shape), "dtype": args.dtype}, decode_input=rows)
+        write_record(args.out, record_of("attention-decode-input", result, vars(args)))
         return
     if args.batch_invariant:
         rows = [bench_batch_invariant(shape, k_cache, v_cache, "decode", b, c, args.bi_block_m,

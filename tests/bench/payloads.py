@@ -146,11 +146,18 @@ def attention_batch_invariant() -> dict[str, Any]:
          "mode_over_default": 1.2}]}
 
 
+def attention_decode_input() -> dict[str, Any]:
+    return {"device": "cpu", "decode_input": [
+        {"batch": 1, "context": 1024,
+         "kernel_us": {"unfused": 12.0, "fused": 10.2, "fused_tickets": 10.0}}]}
+
+
 ALL = {"capacity": capacity, "throughput": throughput, "serving": serving, "sleep": sleep,
        "sampling": sampling, "adversarial": adversarial, "elastic": elastic,
        "elastic-pair": elastic_pair, "async-engine": async_engine, "kv-dtype": kv_dtype,
        "batch-invariant-gemm": batch_invariant_gemm, "skinny-linear": skinny_linear,
-       "attention-batch-invariant": attention_batch_invariant}
+       "attention-batch-invariant": attention_batch_invariant,
+       "attention-decode-input": attention_decode_input}
 
 
 def attention() -> dict[str, Any]:

@@ -215,6 +215,19 @@ def attention_batch_invariant(p: dict[str, Any]) -> Figures:
     return f
 
 
+def attention_decode_input(p: dict[str, Any]) -> Figures:
+    """Kernel microseconds of one layer's decode attention with its input, each way, and the
+    engine's fused way (the reduction in the launch) over the unfused kernels."""
+    f: Figures = {}
+    for r in p["decode_input"]:
+        name = f"batch{r['batch']}.len{r['context']}"
+        for way, us in r["kernel_us"].items():
+            f[f"{name}.{way}_us"] = figure(us, "us", "lower")
+        f[f"{name}.fused_over_unfused"] = figure(
+            r["kernel_us"]["fused_tickets"] / r["kernel_us"]["unfused"], "ratio", "lower")
+    return f
+
+
 def batch_invariant_gemm(p: dict[str, Any]) -> Figures:
     """The mode's GEMM as it is (the current config) against cuBLAS, and its invariance; the
     candidate configs are exploration, not claims."""
@@ -401,7 +414,8 @@ def no_figures(p: Any) -> Figures:
 FIGURES: dict[str, Callable[[Any], Figures]] = {
     "capacity": capacity, "throughput": throughput, "serving": serving, "sleep": sleep,
     "elastic": elastic, "elastic-pair": elastic_pair, "sampling": sampling,
-    "attention": attention, "attention-batch-invariant": attention_batch_invariant, "vmm": vmm,
+    "attention": attention, "attention-batch-invariant": attention_batch_invariant,
+    "attention-decode-input": attention_decode_input, "vmm": vmm,
     "batch-invariant-gemm": batch_invariant_gemm, "skinny-linear": skinny_linear,
     "adversarial": adversarial, "sampling-sweep": no_figures, "attention-sweep": no_figures,
     "bench-throughput": bench_throughput, "bench-latency": bench_latency,
@@ -424,6 +438,7 @@ def _bench_of(data: Any, name: str) -> str:
         raise ValueError(f"{name}: not a record, nor a result file of a known bench "
                          f"(a JSON {type(data).__name__}, not an object)")
     for key, bench in (("timings", "batch-invariant-gemm"), ("cases", "attention-batch-invariant"),
+                       ("decode_input", "attention-decode-input"),
                        ("kv_cache_dtypes", "kv-dtype"),
                        ("sweeps", "adversarial"), ("serve", "serving"), ("components", "sleep"),
                        ("samples", "elastic"), ("modes", "elastic-pair"), ("prefill", "attention"),
