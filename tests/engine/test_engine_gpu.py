@@ -117,27 +117,52 @@ def test_small_batch_kernels_give_the_cublas_paths_greedy_tokens(make_llm) -> No
         assert got == expected, kwargs
 
 
+def _assert_same_up_to_rounding(got: list, expected: list, context: object) -> None:
+    """Greedy completions (with logprobs) that agree but where rounding may decide: each pair
+    of completions has the same tokens, or the same up to the first difference, where the
+    reference's top two lie within `NEAR_TIE` nats and each run picked one of them; on the
+    common tokens the logprobs agree within `NEAR_TIE`."""
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+        a, b = a.outputs[0], b.outputs[0]
+        common = next((t for t, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True))
+                       if x != y),
+                      len(a.token_ids))
+        for t in range(common):
+            token = a.token_ids[t]
+            assert abs(a.logprobs[t][token].logprob - b.logprobs[t][token].logprob) < NEAR_TIE, (
+                context, i, t)
+        if common < len(a.token_ids):
+            top = {tok: lp.logprob for tok, lp in a.logprobs[common].items()}
+            pick, other = a.token_ids[common], b.token_ids[common]
+            assert other in top and top[pick] - top[other] < NEAR_TIE, (context, i, common, top)
+
+
+# Where two runs may round differently, greedy picks may differ only at a near-tie: the
+# logits of these models are of magnitude ~10, where one bf16 step is 0.06 nats.
+NEAR_TIE = 0.15
+
+
 def test_fused_decode_input_gives_the_unfused_greedy_tokens(make_llm) -> None:
     """`fused_decode_input` changes only the order in which a decode row sums its new token's
-    term (its split reduction, in the same launch, keeps the reduction kernel's order): on the
-    trained tiny model greedy decoding is unchanged, from graphs at every batch size and from
-    eager steps, with the small-batch kernels on and off."""
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    term (its split reduction, in the same launch, keeps the reduction kernel's order), so the
+    logits move by a rounding: greedy tokens are the unfused engine's, from graphs at every
+    batch size and from eager steps, with the small-batch kernels on and off, but where the
+    unfused engine's top two tie within a rounding (H100, 2026-12-06: prompt 3, token 3, two
+    tokens at -2.073 unfused, -2.069 / -2.101 fused)."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     for small in (True, False):
         llm = make_llm(small_batch_kernels=small, fused_decode_input=False,
                        cuda_graph_sizes=[1, 2, 4, 8, 16])
-        expected = [o.outputs[0].token_ids
-                    for o in llm.generate(prompts(), params, use_tqdm=False)]
+        expected = llm.generate(prompts(), params, use_tqdm=False)
         llm.shutdown()
         for kwargs in (dict(cuda_graph_sizes=[1, 2, 4, 8, 16]), dict(enforce_eager=True)):
             llm = make_llm(small_batch_kernels=small, fused_decode_input=True, **kwargs)
-            got = [o.outputs[0].token_ids
-                   for o in llm.generate(prompts(), params, use_tqdm=False)]
+            got = llm.generate(prompts(), params, use_tqdm=False)
             # The in-kernel split reduction's counters are all back at 0 between launches.
             tickets = llm.engine.executor.workers[0].runner.split_tickets
             assert tickets is not None and not tickets.any()
             llm.shutdown()
-            assert got == expected, (small, kwargs)
+            _assert_same_up_to_rounding(got, expected, (small, kwargs))
 
 
 def test_pdl_gives_the_bits_without_it(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
