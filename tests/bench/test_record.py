@@ -127,9 +127,10 @@ def test_published_result_files_adapt_to_valid_records(path: Path) -> None:
         assert record["figures"]
 
 
-# What docs/results may hold besides records: bench/run_gpu.sh's pytest logs and torch.profiler
+# What docs/results may hold besides records: bench/run_gpu.sh's pytest logs, excerpts of its
+# run.log (a bench's printed table where its record did not come back) and torch.profiler
 # tables (`--profile PATH`), each dated like the records it stands beside.
-LOGS = re.compile(r"(gpu-tests-.+\.log|.*profile.*\.txt)")
+LOGS = re.compile(r"(gpu-tests-.+\.log|.+-run-.+\.log|.*profile.*\.txt)")
 
 
 def test_every_published_result_is_a_record_or_a_log() -> None:
