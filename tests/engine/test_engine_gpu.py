@@ -117,6 +117,11 @@ def test_small_batch_kernels_give_the_cublas_paths_greedy_tokens(make_llm) -> No
         assert got == expected, kwargs
 
 
+# Where two runs may round differently, greedy picks may differ only at a near-tie: the
+# logits of these models are of magnitude ~10, where one bf16 step is 0.06 nats.
+NEAR_TIE = 0.15
+
+
 def _assert_same_up_to_rounding(got: list, expected: list, context: object) -> None:
     """Greedy completions (with logprobs) that agree but where rounding may decide: each pair
     of completions has the same tokens, or the same up to the first difference, where the
@@ -135,11 +140,6 @@ def _assert_same_up_to_rounding(got: list, expected: list, context: object) -> N
             top = {tok: lp.logprob for tok, lp in a.logprobs[common].items()}
             pick, other = a.token_ids[common], b.token_ids[common]
             assert other in top and top[pick] - top[other] < NEAR_TIE, (context, i, common, top)
-
-
-# Where two runs may round differently, greedy picks may differ only at a near-tie: the
-# logits of these models are of magnitude ~10, where one bf16 step is 0.06 nats.
-NEAR_TIE = 0.15
 
 
 def test_fused_decode_input_gives_the_unfused_greedy_tokens(make_llm) -> None:
