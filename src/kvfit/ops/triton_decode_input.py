@@ -36,6 +36,7 @@ from kvfit.ops.triton_attention import (
     _store_decode_out,
     decode_shape,
 )
+from kvfit.ops.triton_tickets import last_to_arrive
 
 if TYPE_CHECKING:
     from kvfit.ops.attention import AttentionMetadata
@@ -174,13 +175,9 @@ def _reduce_if_last(out, part_out, part_lse, tickets, seq, kv_head, q_row, seq_s
     and acquires everyone's before it, and the one holding the last ticket reads every part
     past L1 and writes the rows. Rows are combined as `_reduce_splits_kernel` combines them
     (`_combine_parts`), so which program comes last changes no bit. It sets the counter back
-    to 0 for the next launch: the tickets stay zero between launches, graph replays included.
-    One thread takes the ticket, so a CTA barrier comes first: it orders the other warps'
-    stores of the part before that thread's release (without it only Triton's own barrier for
-    the atomic's shared-memory result happens to stand there)."""
-    counter = tickets + seq * tl.num_programs(1) + kv_head
-    tl.debug_barrier()
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == seq_splits - 1:
+    to 0 for the next launch (`last_to_arrive`): the tickets stay zero between launches,
+    graph replays included."""
+    if last_to_arrive(tickets, seq * tl.num_programs(1) + kv_head, seq_splits):
         d = tl.arange(0, HEAD_DIM_P2)
         for g in tl.static_range(QUERY_GROUP):
             head = kv_head * QUERY_GROUP + g
@@ -188,7 +185,6 @@ def _reduce_if_last(out, part_out, part_lse, tickets, seq, kv_head, q_row, seq_s
                                seq_splits, HEAD_DIM, HEAD_DIM_P2, SPLITS_P2, ".cg")
             tl.store(out + q_row * stride_ot + head * stride_oh + d * stride_od,
                      o.to(out.dtype.element_ty), mask=d < HEAD_DIM)
-        tl.store(counter, 0)
 
 
 def decode_attention_input_triton(

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kvfit.ops.sampling import MIN_TEMPERATURE, check_filter_inputs
+from kvfit.ops.triton_tickets import last_to_arrive
 
 # Columns per program (one load), cut points per pass (4 bits of the key) and warps. Chosen by
 # `bench/sampling.py --sweep-filters` on the H200.
@@ -116,20 +117,6 @@ def _key_range_kernel(
 
 
 @triton.jit
-def _last_to_arrive(arrived, row, num_pieces):
-    """Whether this program is the last of its row's pieces to get here; it resets the count
-    for the next pass. A pass's per-row step runs in that program rather than in a launch of
-    its own (half the launches; they dominate at 256 rows): acq_rel makes every other piece's
-    writes of the pass visible to it (the barrier first orders this program's own threads'
-    writes before the one thread that does the atomic)."""
-    tl.debug_barrier()
-    last = tl.atomic_add(arrived + row, 1, sem="acq_rel") == num_pieces - 1
-    if last:
-        tl.store(arrived + row, 0)
-    return last
-
-
-@triton.jit
 def _radix_kernel(
     logits, select, piece_max, histogram, arrived, stride_n, stride_v, vocab_size, num_pieces,
     SHIFT: tl.constexpr, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr,
@@ -159,7 +146,7 @@ def _radix_kernel(
             in_set = valid & ((high >> 8) == prefix)
         h = tl.histogram(digit, 256, mask=in_set)
         tl.atomic_add(histogram + row * 256 + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
-    if _last_to_arrive(arrived, row, num_pieces):
+    if last_to_arrive(arrived, row, num_pieces):
         _take_digit(row, histogram, select, SHIFT, KEY_BITS)
 
 
@@ -260,7 +247,7 @@ def _mass_kernel(
     else:
         tl.store(out + tl.arange(0, CANDIDATES), tl.zeros((CANDIDATES,), tl.float64))
         tl.store(piece_mass + at, 0.0)
-    if _last_to_arrive(arrived, row, num_pieces):
+    if last_to_arrive(arrived, row, num_pieces):
         _narrow(row, top_p, piece_mass, partials, state, fstate, num_pieces, has_top_p,
                 CANDIDATES, PIECES)
 
