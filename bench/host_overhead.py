@@ -321,8 +321,8 @@ async def api_replay(args: argparse.Namespace, prompts: list[Any], messages: lis
     from kvfit.engine.config import EngineArgs
     from kvfit.server.async_llm import AsyncLLM
     from kvfit.server.metrics import ServerMetrics
-    from kvfit.server.openai_api import _completion_events, _EventStream
     from kvfit.server.protocol import CompletionRequest
+    from kvfit.server.streaming import EventStream, completion_events
 
     engine = AsyncLLM(EngineArgs(model=args.model, device="cpu"),
                       client=lambda *_: _RecordingClient(ready))
@@ -346,8 +346,8 @@ async def api_replay(args: argparse.Namespace, prompts: list[Any], messages: lis
             nonlocal events
             events += message["type"] == "http.response.body"
 
-        response = _EventStream(_completion_events([tracked], body, f"cmpl-{i}", 0, args.model,
-                                                   engine, None, lambda e: e), lambda: None)
+        response = EventStream(completion_events([tracked], body, f"cmpl-{i}", 0, args.model,
+                                                 engine, None, lambda e: e), lambda: None)
         await response._stream(send, send)  # the events to SSE bytes, as the server sends
 
     readers = [asyncio.ensure_future(read(i, *a)) for i, a in enumerate(admitted)]
@@ -451,6 +451,8 @@ LAYERS = (("uvicorn", "uvicorn"), ("httptools", "http_parser"), ("h11", "http_pa
           ("anyio", "anyio"), ("kvfit/server/async_llm", "streams"),
           ("kvfit/engine/detokenizer", "text"), ("tokenizers", "text"),
           ("transformers", "text"), ("kvfit/server/openai_api", "openai_api"),
+          ("kvfit/server/serving", "openai_api"), ("kvfit/server/streaming", "openai_api"),
+          ("kvfit/server/responses", "openai_api"), ("kvfit/server/errors", "openai_api"),
           ("kvfit/server/metrics", "metrics"), ("prometheus_client", "metrics"),
           ("kvfit/server", "kvfit_server"), ("asyncio", "loop"), ("uvloop", "loop"),
           ("selectors", "loop"), ("socket", "loop"), ("logging", "logging"),

@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from kvfit.engine.outputs import CompletionOutput, RequestOutput
-from kvfit.server.openai_api import _stream_completion, _stream_plain_completion
 from kvfit.server.protocol import CompletionRequest
+from kvfit.server.streaming import stream_completion, stream_plain_completion
 
 STEPS = [("", [], None, None), ('He said "hi"', [5, 6], None, None),
          ('He said "hi"', [5, 6], None, None),  # nothing new: no event
@@ -45,8 +45,8 @@ def test_plain_completion_lines_are_the_general_paths_bytes(end: tuple[str, Any]
     body = CompletionRequest(prompt=[1, 2, 3], stream=True,
                              stream_options={"include_usage": include_usage})
     args = (body, "cmpl-x", 123, "m/é")
-    plain = asyncio.run(_collect(_stream_plain_completion(_outputs(end), *args, None)))
-    general = asyncio.run(_collect(_stream_completion([_outputs(end)], *args, None, None, None)))
+    plain = asyncio.run(_collect(stream_plain_completion(_outputs(end), *args, None)))
+    general = asyncio.run(_collect(stream_completion([_outputs(end)], *args, None, None, None)))
     assert len(general) == (5 if include_usage else 4)
     assert _lines(plain) == _lines(general)
 
@@ -54,7 +54,7 @@ def test_plain_completion_lines_are_the_general_paths_bytes(end: tuple[str, Any]
 def test_each_event_stream_starts_with_a_message_of_its_own() -> None:
     """A middleware may add headers to a response's start message in place (Starlette's
     `MutableHeaders(scope=message)` does): one response's additions must not reach the next."""
-    from kvfit.server.openai_api import _EventStream
+    from kvfit.server.streaming import EventStream
 
     async def events() -> AsyncIterator[Any]:
         yield {"x": 1}
@@ -72,7 +72,7 @@ def test_each_event_stream_starts_with_a_message_of_its_own() -> None:
 
     async def respond_twice() -> None:
         for _ in range(2):
-            await _EventStream(events(), lambda: None)({"type": "http"}, receive, send)
+            await EventStream(events(), lambda: None)({"type": "http"}, receive, send)
 
     asyncio.run(respond_twice())
     assert starts[0] == starts[1] == [(b"content-type", b"text/event-stream; charset=utf-8")]

@@ -1,0 +1,96 @@
+"""The pieces of OpenAI's response bodies that streamed and whole answers share: usage and
+the three shapes of logprobs (completions', chat's, and vLLM's prompt_logprobs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvfit.engine.outputs import CompletionOutput, RequestOutput
+from kvfit.engine.sequence import Logprobs
+from kvfit.server.async_llm import AsyncLLM
+from kvfit.server.protocol import usage
+
+
+def usage_of(outputs: list[RequestOutput]) -> dict[str, int]:
+    """The usage of a request's outputs: every prompt's tokens and every completion's."""
+    return usage(sum(len(o.prompt_token_ids) for o in outputs),
+                 sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
+
+def top_entries(entries: Logprobs, num: int) -> list[tuple[int, Any]]:
+    """The `num` most likely entries, most likely first."""
+    ranked = sorted(entries.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
+    return ranked[:num]
+
+
+def most(*nums: int | None) -> int | None:
+    """The largest of the logprob counts given, None where none is."""
+    given = [n for n in nums if n is not None]
+    return max(given) if given else None
+
+
+def prompt_logprobs(engine: AsyncLLM, out: RequestOutput, num: int
+                     ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of an answer: None at the first prompt token (nothing comes
+    before it), then at each position its own token and the `num` most likely, keyed by token
+    id, each with its logprob, rank (1 = most likely) and text."""
+    result: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, entries in zip(out.prompt_token_ids, out.prompt_logprobs or (), strict=False):
+        if entries is None:
+            result.append(None)
+            continue
+        own = [(token_id, entries[token_id])] if token_id in entries else []
+        result.append({str(t): {"logprob": e.logprob, "rank": e.rank,
+                                "decoded_token": (e.decoded_token if e.decoded_token is not None
+                                                  else engine.decode_token(t))}
+                       for t, e in [*own, *top_entries(entries, num)]})
+    return result
+
+
+def completion_logprobs(engine: AsyncLLM, c: CompletionOutput, num: int, out: RequestOutput,
+                         echo: bool, start: int = 0, text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions logprobs of tokens `start:` of `c` (with the prompt's first when
+    `echo`): token texts, their logprobs, each one's top `num` and itself, and text offsets."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    pairs: list[tuple[int, Logprobs | None]] = []
+    if echo and out.prompt_logprobs is not None:
+        pairs += list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=False))
+    pairs += list(zip(c.token_ids[start:], c.logprobs[start:], strict=False))
+    offsets, offset = [], text_offset
+    for token_id, entries in pairs:
+        text = engine.decode_token(token_id) or ""
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entries is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        chosen = entries.get(token_id)
+        token_logprobs.append(None if chosen is None else chosen.logprob)
+        # As vLLM and OpenAI's completions: the sampled token first, then the `num` most
+        # likely (up to num + 1 entries; logprobs=0 gives the sampled token alone).
+        top = {} if chosen is None else {(chosen.decoded_token or ""): chosen.logprob}
+        top.update({(e.decoded_token or ""): e.logprob for _, e in top_entries(entries, num)})
+        top_logprobs.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def chat_logprobs(engine: AsyncLLM, c: CompletionOutput, start: int, num: int
+                   ) -> list[dict[str, Any]]:
+    """OpenAI's chat logprobs `content` entries of tokens `start:` of `c`. `bytes` are each
+    token's own (a token holding part of a character has the part's bytes, not those of its
+    text, U+FFFD), so a client can join them into the characters."""
+    def entry(token_id: int, e: Any) -> dict[str, Any]:
+        return {"token": e.decoded_token or "", "logprob": e.logprob,
+                "bytes": list(engine.token_bytes(token_id))}
+
+    content = []
+    for token_id, entries in zip(c.token_ids[start:], c.logprobs[start:], strict=False):
+        item = entry(token_id, entries[token_id])
+        item["top_logprobs"] = [entry(t, e) for t, e in top_entries(entries, num)]
+        content.append(item)
+    return content

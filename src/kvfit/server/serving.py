@@ -1,0 +1,566 @@
+"""The OpenAI-compatible routes' work over an `AsyncLLM`: `OpenAIServing`, one per app, whose
+methods `openai_api.build_app` serves."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import inspect
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing, suppress
+from dataclasses import dataclass, field
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Query, Request
+from fastapi.responses import Response
+
+import kvfit
+from kvfit.engine.kv_resize import KVCacheResizeError
+from kvfit.engine.outputs import CompletionOutput, RequestOutput
+from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.sleep import WakeUpOutOfMemoryError
+from kvfit.server.async_llm import AsyncLLM
+from kvfit.server.errors import ENGINE_ERRORS, UNAVAILABLE, engine_error
+from kvfit.server.metrics import ServerMetrics
+from kvfit.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _SamplingFields,
+)
+from kvfit.server.responses import (
+    chat_logprobs,
+    completion_logprobs,
+    most,
+    prompt_logprobs,
+    usage_of,
+)
+from kvfit.server.streaming import EventStream, completion_events, stream_chat
+
+T = TypeVar("T")
+# Characters of a request's texts tokenized on the event loop (a few ms); more go to a thread.
+_INLINE_TOKENIZE_CHARS = 1 << 14
+
+
+@dataclass
+class ServeConfig:
+    """Server settings (the engine's are `EngineArgs`).
+
+    `served_model_names`: the names clients may ask for (the first is reported); `api_key`:
+    when set, every route but `/health` needs `Authorization: Bearer <key>`;
+    `max_concurrent_requests`: generation requests in progress at once, beyond which new ones
+    get 503 (None: unbounded). `max_request_body_bytes`: larger request bodies get 413 before
+    they are read whole (None: unbounded). `enable_sleep_endpoints`: serve `/sleep`, `/wake_up` and
+    `/is_sleeping` (an engine with sleep mode, behind the development flag: they let any
+    client take the model away from every other). `enable_kv_cache_endpoints`: serve
+    `GET /kv_cache` and `POST /kv_cache/resize?num_blocks=N` (behind the development flag too).
+    `multiprocess_metrics`: `/metrics` sums the request figures of every API server process
+    (`--api-server-count` > 1; prometheus_client's multiprocess mode, `PROMETHEUS_MULTIPROC_DIR`).
+    `chat_template`: a Jinja chat template used instead of the tokenizer's own (None: the
+    tokenizer's).
+    """
+
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_concurrent_requests: int | None = 1024
+    root: str | None = None  # the model folder, shown by /v1/models
+    enable_sleep_endpoints: bool = False
+    enable_kv_cache_endpoints: bool = False
+    max_request_body_bytes: int | None = 64 << 20
+    multiprocess_metrics: bool = False
+    chat_template: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class _Slots:
+    """Counts generation requests in progress against the bound (one event loop: no lock)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit, self.in_use = limit, 0
+
+    def take(self) -> None:
+        if self.limit is not None and self.in_use >= self.limit:
+            raise APIError(f"the server has {self.limit} generation requests in progress, its "
+                           f"limit (--max-concurrent-requests); retry later",
+                           status_code=503, type="service_unavailable")
+        self.in_use += 1
+
+    def give(self) -> None:
+        self.in_use -= 1
+
+
+@dataclass
+class _Admission:
+    """A generation request's slot and engine requests, released once however the HTTP
+    request ends: the slot given back and every engine request aborted (a no-op for those
+    that finished), so nothing outlives its client."""
+
+    slots: _Slots
+    engine: AsyncLLM
+    request_ids: list[str] = field(default_factory=list)
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.slots.give()
+            for request_id in self.request_ids:
+                self.engine.abort(request_id)
+
+
+class OpenAIServing:
+    """The routes of one app over `engine` (which it does not own), and what they share: the
+    served names, the API key, the slots of `max_concurrent_requests`, the tokenizer's
+    thread and the request metrics."""
+
+    def __init__(self, engine: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> None:
+        self.engine, self.config, self.metrics = engine, config, metrics
+        self.slots = _Slots(config.max_concurrent_requests)
+        self.model_name = config.served_model_names[0]
+        # One thread: requests' large texts are tokenized one at a time, off the event loop.
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfit-tokenize")
+
+    # -- checks ------------------------------------------------------------------------------
+
+    async def check_api_key(self, request: Request) -> None:
+        """The dependency of every route but /health when the server has an API key."""
+        if self.config.api_key is None:
+            return
+        # The scheme is case-insensitive (RFC 9110); the key is compared in constant time, so
+        # response times do not tell a guesser how much of it is right.
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                key.strip().encode(), self.config.api_key.encode()):
+            raise APIError("a valid API key is needed: send 'Authorization: Bearer <key>'",
+                           status_code=401, type="authentication_error", code="invalid_api_key")
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.config.served_model_names:
+            # 404, as OpenAI and vLLM answer (the openai client raises NotFoundError).
+            raise APIError(f"the model {name!r} does not exist; this server serves "
+                           f"{', '.join(self.config.served_model_names)}", status_code=404,
+                           type="not_found_error", param="model", code="model_not_found")
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, where: str,
+                     max_field: str, which: str = "") -> int:
+        """The request's max_tokens (unset: the rest of the context) after checking that
+        prompt and completion fit in max_model_len. `which` tells one prompt of several."""
+        limit = self.engine.max_model_len
+        subject = f"the {where}{which}"
+        if num_prompt >= limit:
+            size = f"{'render to' if where == 'messages' else 'is'} {num_prompt} tokens"
+            raise APIError(f"this model's maximum context length is {limit} tokens and "
+                           f"{subject} {size}; shorten it to at most {limit - 1} tokens "
+                           f"(one is needed for the completion)",
+                           param=where, code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - num_prompt
+        if max_tokens >= 1 and num_prompt + max_tokens > limit:
+            raise APIError(f"this model's maximum context length is {limit} tokens; you asked "
+                           f"for {num_prompt + max_tokens} ({num_prompt} in {subject}, "
+                           f"{max_tokens} in the completion): lower {max_field} to at most "
+                           f"{limit - num_prompt}", param=max_field,
+                           code="context_length_exceeded")
+        return max_tokens
+
+    def check_logprobs(self, n: int | None, param: str) -> None:
+        if n is not None and n > self.engine.max_logprobs:
+            raise APIError(f"{param}={n} is above the server's max_logprobs="
+                           f"{self.engine.max_logprobs}", param=param)
+
+    # -- text --------------------------------------------------------------------------------
+
+    def tokenizer(self) -> Any:
+        if self.engine.tokenizer is None:
+            raise APIError("the model has no tokenizer: send token ids")
+        return self.engine.tokenizer
+
+    def encode_now(self, texts: list[str], param: str,
+                   add_special_tokens: bool) -> list[list[int]]:
+        """Each text's token ids. JSON's `\\ud800` escapes can carry lone UTF-16 surrogates,
+        which are no Unicode text: the tokenizer raises a TypeError on them, so they are a 400."""
+        for text in texts:
+            try:
+                text.encode()
+            except UnicodeEncodeError as e:
+                raise APIError(f"{param} holds a lone UTF-16 surrogate "
+                               f"({e.object[e.start:e.end]!r}): send valid Unicode text",
+                               param=param) from None
+        return [self.tokenizer().encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+    async def encode(self, texts: list[str], param: str,
+                     add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode_now`, on the tokenizer's thread when the texts are long: a prompt of
+        megabytes takes seconds to tokenize, during which the event loop would serve no one
+        (no stream's tokens, not /health). The tokenizer lets go of the GIL as it works."""
+        if sum(map(len, texts)) <= _INLINE_TOKENIZE_CHARS:
+            return self.encode_now(texts, param, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenize_pool, self.encode_now, texts, param, add_special_tokens)
+
+    def render_chat_now(self, messages: list[ChatMessage], flags: dict[str, Any]) -> str:
+        dicts = [m.template_dict() for m in messages]
+        # OpenAI's `developer` role is its `system` role renamed. A template that never names
+        # it renders it as an unknown role or drops it (Qwen3's keeps only the roles it
+        # knows): there it is the system message it stands for.
+        chat_template = self.config.chat_template
+        template = chat_template or getattr(self.tokenizer(), "chat_template", None)
+        if "developer" not in str(template or ""):
+            for message in dicts:
+                if message["role"] == "developer":
+                    message["role"] = "system"
+        try:
+            return self.tokenizer().apply_chat_template(dicts, tokenize=False,
+                                                        chat_template=chat_template, **flags)
+        except APIError:
+            raise
+        except Exception as e:  # a template error is the messages' fault (or no template)
+            raise APIError(f"the chat template could not render the messages: {e}",
+                           param="messages") from None
+
+    async def render_chat(self, body: ChatCompletionRequest | TokenizeRequest) -> str:
+        """The messages rendered with the chat template; on the tokenizer's thread when they
+        are long or many: the template is Python (jinja), seconds for a body of megabytes,
+        and on a thread the event loop keeps its turns at the GIL (streams go on)."""
+        flags = body.template_flags()
+        # chat_template_kwargs are the template's variables; the call's own arguments
+        # (tokenize, return_tensors, ...) are not for a client to set. The signature is read
+        # only for a request that sends some, not for every chat request.
+        if body.chat_template_kwargs:
+            call_args = {"messages", *(
+                name for name, p in inspect.signature(self.tokenizer().apply_chat_template)
+                .parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD)}
+            if clash := sorted(call_args & set(body.chat_template_kwargs)):
+                raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}: an "
+                               "argument of the template call, not a variable of the template",
+                               param=f"chat_template_kwargs.{clash[0]}")
+        if sum(map(_chat_message_size, body.messages)) <= _INLINE_TOKENIZE_CHARS:
+            return self.render_chat_now(body.messages, flags)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenize_pool, self.render_chat_now, body.messages, flags)
+
+    def truncated(self, body: _SamplingFields, prompt: dict[str, Any]) -> dict[str, Any]:
+        """`prompt` with its ids cut as `truncate_prompt_tokens` asks; a text it no longer
+        matches is dropped (an echo then decodes the ids kept)."""
+        ids = body.truncate(prompt["prompt_token_ids"], self.engine.max_model_len)
+        if len(ids) == len(prompt["prompt_token_ids"]):
+            return prompt
+        return {"prompt_token_ids": ids, "prompt": None}
+
+    def prompt_text(self, prompt: dict[str, Any]) -> str:
+        """The text of a prompt as the engine got it (an echo's): its own, or its ids'."""
+        if prompt["prompt"] is not None:
+            return prompt["prompt"]
+        return "" if self.engine.tokenizer is None else self.engine.tokenizer.decode(
+            prompt["prompt_token_ids"])
+
+    # -- generation --------------------------------------------------------------------------
+
+    def start(self, body: _SamplingFields, prompts: list[dict[str, Any]],
+              params: list[SamplingParams]
+              ) -> tuple[list[AsyncIterator[RequestOutput]], _Admission]:
+        """Take a slot and queue every prompt of a request: all or none."""
+        self.slots.take()
+        admission = _Admission(self.slots, self.engine)
+        streams: list[AsyncIterator[RequestOutput]] = []
+        request_id = uuid.uuid4().hex
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+                stream = self.engine.add_request(prompt, sp, f"{request_id}-{i}")
+                admission.request_ids.append(stream.request_id)
+                streams.append(self.metrics.track(stream, len(prompt["prompt_token_ids"])))
+        except BaseException as e:
+            admission.release()
+            if isinstance(e, ValueError):
+                raise body.value_error(e) from None
+            if isinstance(e, UNAVAILABLE):
+                raise engine_error(e) from None
+            raise
+        return streams, admission
+
+    def stream_error(self, e: Exception) -> APIError:
+        """An engine error met after a stream's headers went out: sent as an event."""
+        api_error = engine_error(e)
+        self.metrics.failure(api_error.status_code)
+        return api_error
+
+    # -- routes ------------------------------------------------------------------------------
+
+    async def health(self) -> Response:
+        # 503 too while a failed resize left the KV cache released: no request runs until
+        # the engine backs it again, so a load balancer must route elsewhere meanwhile.
+        healthy = self.engine.is_alive and not self.engine.kv_cache_released
+        return Response(status_code=200 if healthy else 503)
+
+    async def version(self) -> dict[str, str]:
+        return {"version": kvfit.__version__}
+
+    async def metrics_route(self) -> Response:
+        return Response(self.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.config.created,
+                "owned_by": "kvfit", "root": self.config.root,
+                "max_model_len": self.engine.max_model_len}
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list",
+                "data": [self.model_card(n) for n in self.config.served_model_names]}
+
+    async def model(self, name: str) -> dict[str, Any]:
+        # `client.models.retrieve`; a path, as served names hold slashes ("Qwen/Qwen3-0.6B").
+        self.check_model(name)
+        return self.model_card(name)
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("send one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            text = await self.render_chat(body)
+            (tokens,) = await self.encode([text], "messages", add_special_tokens=False)
+        else:
+            (tokens,) = await self.encode([body.prompt], "prompt", body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": self.engine.max_model_len,
+                "tokens": tokens}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        self.check_model(body.model)
+        vocab = len(self.tokenizer())
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(f"tokens must be ids in [0, {vocab})", param="tokens")
+        return {"prompt": self.tokenizer().decode(body.tokens)}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        engine = self.engine
+        self.check_model(body.model)
+        body.check()
+        self.check_logprobs(body.logprobs, "logprobs")
+        self.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
+        given = body.prompts()
+        texts = [p for p in given if isinstance(p, str)]
+        encoded = iter(await self.encode(texts, "prompt", body.add_special_tokens)
+                       if texts else ())
+        prompts = [{"prompt_token_ids": next(encoded), "prompt": p} if isinstance(p, str)
+                   else {"prompt_token_ids": p, "prompt": None} for p in given]
+        prompts = [self.truncated(body, p) for p in prompts]
+        # The engine computes the prompt's logprobs once, for the echo and the field both.
+        num_prompt_logprobs = most(body.logprobs if body.echo else None, body.prompt_logprobs)
+        # Prompt scoring (echo with max_tokens 0, as OpenAI's legacy API and vLLM take it, and
+        # evaluation harnesses send): the engine generates one token, left out of the answer.
+        scoring = body.echo and body.max_tokens == 0
+        params = [body.sampling_params(
+            self.check_length(len(p["prompt_token_ids"]), 1 if scoring else body.max_tokens,
+                              "prompt", "max_tokens",
+                              f" at index {i}" if len(prompts) > 1 else ""),
+            body.logprobs, num_prompt_logprobs) for i, p in enumerate(prompts)]
+        streams, admission = self.start(body, prompts, params)
+        if scoring:
+            streams = [_prompt_only(s) for s in streams]
+        ids = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streaming = False
+        try:
+            echo = [self.prompt_text(p) for p in prompts] if body.echo else None
+            if body.stream:
+                response = EventStream(completion_events(
+                    streams, body, ids, created, self.model_name, engine, echo,
+                    self.stream_error), admission.release)
+                streaming = True
+                return response
+            outputs = await _run_all(request, streams)
+        finally:
+            if not streaming:
+                admission.release()
+        choices = []
+        for i, out in enumerate(outputs):
+            for c in out.outputs:
+                text = c.text if echo is None else echo[i] + c.text
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = completion_logprobs(engine, c, body.logprobs, out, bool(echo))
+                choice = {"index": i * body.n + c.index, "text": text, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs(engine, out,
+                                                                body.prompt_logprobs)
+                choices.append(choice)
+        return {"id": ids, "object": "text_completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": usage_of(outputs)}
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
+        engine = self.engine
+        self.check_model(body.model)
+        body.check()
+        num_logprobs = body.num_logprobs()
+        self.check_logprobs(num_logprobs, "top_logprobs")
+        self.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
+        text = await self.render_chat(body)
+        (token_ids,) = await self.encode([text], "messages", body.add_special_tokens)
+        prompt = self.truncated(body, {"prompt_token_ids": token_ids, "prompt": text})
+        token_ids = prompt["prompt_token_ids"]
+        if not token_ids:
+            raise APIError("the messages render to an empty prompt", param="messages")
+        max_tokens, max_field = body.requested_max_tokens()
+        max_tokens = self.check_length(len(token_ids), max_tokens, "messages", max_field)
+        body._renamed = {"max_tokens": max_field, "logprobs": "top_logprobs"}
+        params = body.sampling_params(max_tokens, num_logprobs, body.prompt_logprobs)
+        streams, admission = self.start(body, [prompt], [params])
+        ids = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if body.stream:
+            try:
+                return EventStream(stream_chat(streams[0], body, ids, created, self.model_name,
+                                               engine, num_logprobs, self.stream_error,
+                                               len(token_ids)),
+                                   admission.release)
+            except BaseException:
+                admission.release()
+                raise
+        try:
+            (out,) = await _run_all(request, streams)
+        finally:
+            admission.release()
+        choices = [{"index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": (None if num_logprobs is None
+                                 else {"content": chat_logprobs(engine, c, 0, num_logprobs)}),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in out.outputs]
+        answer = {"id": ids, "object": "chat.completion", "created": created,
+                  "model": self.model_name, "choices": choices, "usage": usage_of([out])}
+        if body.prompt_logprobs is not None:  # vLLM's place for them: beside the choices
+            answer["prompt_logprobs"] = prompt_logprobs(engine, out, body.prompt_logprobs)
+        return answer
+
+    # -- development routes (`enable_sleep_endpoints`, `enable_kv_cache_endpoints`) ----------
+
+    async def sleep(self, level: int = 1, mode: str = "wait") -> dict[str, Any]:
+        """Release the KV cache and weights (`LLM.sleep`); what went and what stays."""
+        if self.engine.is_sleeping:  # the engine's own error names LLM calls, not routes
+            raise APIError("the engine is asleep already: POST /wake_up first")
+        try:
+            report = await self.engine.sleep(level, mode)
+        except (ValueError, RuntimeError) as e:
+            param = next((p for p in ("level", "mode") if f"{p}=" in str(e)), None)
+            raise APIError(str(e), param=param) from None
+        return {"level": report.level, "released": report.released, "kept": report.kept,
+                "host_bytes": report.host_bytes}
+
+    async def wake_up(self, tags: Annotated[list[str] | None, Query()] = None
+                      ) -> dict[str, Any]:
+        """Restore `tags` (`weights`, `kv_cache`; none: everything asleep): 503 when the
+        device has no memory for them (they stay asleep: retry once it has)."""
+        if not self.engine.is_sleeping:  # not the tags' fault: nothing is asleep
+            raise APIError("the engine is not asleep: POST /sleep first")
+        try:
+            await self.engine.wake_up(tags)
+        except (KVCacheResizeError, WakeUpOutOfMemoryError) as e:
+            raise APIError(str(e), status_code=503, type="service_unavailable") from None
+        except (ValueError, RuntimeError) as e:
+            raise APIError(str(e), param="tags") from None
+        return {"is_sleeping": self.engine.is_sleeping}
+
+    async def is_sleeping(self) -> dict[str, bool]:
+        return {"is_sleeping": self.engine.is_sleeping}
+
+    async def kv_cache(self) -> dict[str, Any]:
+        """The KV cache's size, bounds, resize counts and latest resizes."""
+        try:
+            return await self.engine.kv_cache_state()
+        except UNAVAILABLE as e:
+            raise engine_error(e) from None
+
+    async def resize_kv_cache(self, num_blocks: int) -> dict[str, Any]:
+        """Grow or shrink the committed KV cache to `num_blocks` (`LLM.resize_kv_cache`):
+        400 out of bounds or for a cache that cannot resize, 503 when a grow finds no
+        memory (the cache stays as it was), while a failed resize left the cache
+        released (the engine backs it again by itself) or while the engine is asleep
+        (wake it first), as generation is then."""
+        try:
+            event = await self.engine.resize_kv_cache(num_blocks)
+        except KVCacheResizeError as e:
+            raise APIError(str(e), status_code=503, type="service_unavailable") from None
+        except (ValueError, RuntimeError) as e:
+            if isinstance(e, UNAVAILABLE):
+                raise engine_error(e) from None
+            raise APIError(str(e), param="num_blocks") from None
+        return dataclasses.asdict(event)
+
+
+def _chat_message_size(message: ChatMessage) -> int:
+    """About how many characters `message` adds to a rendered chat: its text and a header."""
+    content = message.content
+    if isinstance(content, list):
+        return 64 + sum(len(part.text) for part in content)
+    return 64 + len(content or "")
+
+
+async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    output = None
+    async with aclosing(stream):
+        async for output in stream:  # noqa: B007 (the last one is the result)
+            pass
+    return output
+
+
+async def _all_final(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    # A task group: when one prompt's request fails, the others are aborted.
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_final(s)) for s in streams]
+    except ExceptionGroup as e:
+        raise e.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
+async def _run_all(request: Request, streams: list[AsyncIterator[RequestOutput]]
+                   ) -> list[RequestOutput]:
+    """Every stream's final output, unless the client leaves first or the engine fails."""
+    try:
+        return await _unless_disconnected(request, _all_final(streams))
+    except ENGINE_ERRORS as e:
+        raise engine_error(e) from None
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+        raise APIError("the client disconnected", 499, "client_disconnected")
+    return task.result()
+
+
+async def _prompt_only(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """A prompt-scoring request's one output, once it is finished: its prompt (and prompt
+    logprobs) with empty completions, the token generated to get them left out."""
+    async with aclosing(stream):
+        async for out in stream:  # noqa: B007 (the last one is the result)
+            pass
+    out.outputs = [CompletionOutput(
+        index=c.index, text="", token_ids=[],
+        cumulative_logprob=None if c.logprobs is None else 0.0,
+        logprobs=None if c.logprobs is None else [], finish_reason="length")
+        for c in out.outputs]
+    yield out
