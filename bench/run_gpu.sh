@@ -9,7 +9,10 @@
 #     "adversarial --models qwen3-0.6b-shape --deadline-s 270"   # bench/adversarial.py: both models
 #   TESTS=tests/engine TAG=_wired bash bench/run_gpu.sh throughput   # a second pass, same $OUT
 #   SHARD=1/2 TAG=_1 bash bench/run_gpu.sh   # the first half of the gpu tests (whole suite
-#                                            # ~470 s on an H100: two calls leave room)
+#                                            # ~470 s on an H100: two calls leave room; the
+#                                            # halves are by count, and the first holds the
+#                                            # engine tests: on the H200 on 2026-12-06 it ran
+#                                            # past 330 s where the second took 74 s)
 set -uo pipefail
 out=${OUT:-gpu-out}
 tag=${TAG:-}
