@@ -16,6 +16,10 @@ With `--linear N K` it reports the small-batch linear kernels (`ops/triton_skinn
 
     PYTHONPATH=src:/tmp/tritonpkg python3 tools/triton_sass.py --linear 4096 1024 --batch 1
 
+With `--decode-input`, the fused decode input's kernel (`ops/triton_decode_input.py`):
+
+    PYTHONPATH=src:/tmp/tritonpkg python3 tools/triton_sass.py --decode-input --num-heads 32
+
 Counts say where instructions go, not how long they take: the H200 times them
 (`bench/attention.py --sweep --kv-cache-dtype fp8`, `bench/skinny_linear.py`).
 """
@@ -72,6 +76,30 @@ def capture_launches(args: argparse.Namespace) -> list[tuple[JITFunction, dict[s
         return captured_launches(lambda: triton_attention.paged_attention_triton(
             batch.query, k_cache, v_cache, batch.metadata, args.head_dim**-0.5,
             torch.empty_like(batch.query), decode_config=decode_config, **extra))
+
+
+def capture_decode_input_launches(args: argparse.Namespace
+                                  ) -> list[tuple[JITFunction, dict[str, Any], dict]]:
+    """The fused decode input's launch (`--decode-input`) for `--batch` decode rows at
+    `--context` (q/k norm on unless `--no-qk-norm`), its split reduction through tickets as
+    the engine runs it (or the reduction kernel after it with `--no-tickets`)."""
+    from kvfit.ops import triton_decode_input
+    from kvfit.ops.layers import RotaryEmbedding
+
+    heads, kv_heads, head_dim, rows = args.num_heads, args.num_kv_heads, args.head_dim, args.batch
+    batch = make_paged_batch([(args.context - 1, 1)] * rows, num_heads=heads,
+                             num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.bfloat16)
+    if not args.no_tickets:
+        batch.metadata.split_tickets = torch.zeros(rows * kv_heads, dtype=torch.int32)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    norm = None if args.no_qk_norm else torch.ones(head_dim, dtype=torch.bfloat16)
+    rope = RotaryEmbedding(head_dim, args.context + 8, base=10_000.0)
+    return captured_launches(lambda: triton_decode_input.decode_attention_input_triton(
+        torch.full((rows,), args.context - 1), q.view(rows, heads, -1),
+        k.view(rows, kv_heads, -1), v.view(rows, kv_heads, -1), norm, norm, 1e-6,
+        rope.cos_sin_cache, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping,
+        batch.metadata, head_dim**-0.5, torch.empty(rows, heads, head_dim, dtype=torch.bfloat16)))
 
 
 def capture_linear_launches(args: argparse.Namespace
@@ -193,10 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--linear", type=int, nargs=2, metavar=("N", "K"), default=None,
                    help="report the small-batch linear kernels for an [N, K] weight at --batch "
                    "rows instead of attention")
+    p.add_argument("--decode-input", action="store_true",
+                   help="the fused decode input's kernel (`--fused-decode-input`) instead")
+    p.add_argument("--no-tickets", action="store_true",
+                   help="--decode-input: the split reduction as its own kernel")
+    p.add_argument("--no-qk-norm", action="store_true",
+                   help="--decode-input: a model without q/k RMSNorm (Llama's)")
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
     p.add_argument("--top", type=int, default=12, help="opcodes shown per loop")
     args = p.parse_args(argv)
-    launches = capture_linear_launches(args) if args.linear else capture_launches(args)
+    capture = (capture_linear_launches if args.linear
+               else capture_decode_input_launches if args.decode_input else capture_launches)
+    launches = capture(args)
     for fn, named, options in launches:
         if args.linear:
             print(f"PROLOGUE {named['PROLOGUE']}, BLOCK_N {named['BLOCK_N']}, BLOCK_K "

@@ -408,29 +408,17 @@ def test_fused_decode_input_compiles_for_sm90(
     read past L1), at the head dims the tiles pad (4, 8, 80) and the larger config (256); under
     PDL each program's first memory access comes after `griddepcontrol.wait` (q, k and v are
     the QKV projection's output)."""
-    from kvfit.ops import pdl, triton_decode_input
-    from kvfit.ops.layers import RotaryEmbedding
+    from kvfit.ops import pdl
     from kvfit.ops.small_batch import small_batch_kernels
 
     monkeypatch.setattr(pdl, "use_pdl", lambda requested, device: pdl_early is not None)
     monkeypatch.setattr(pdl, "PDL_EARLY", bool(pdl_early))
     monkeypatch.syspath_prepend(str(TOOLS))
     sass = importlib.import_module("triton_sass")
-    heads, kv_heads = 16, 4
-    batch = sass.make_paged_batch([(2047, 1)] * 2, num_heads=heads, num_kv_heads=kv_heads,
-                                  head_dim=head_dim, dtype=torch.bfloat16)
-    if tickets:
-        batch.metadata.split_tickets = torch.zeros(2 * kv_heads, dtype=torch.int32)
-    qkv = torch.randn(2, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    norm = torch.ones(head_dim, dtype=torch.bfloat16) if qk_norm else None
+    args = argparse.Namespace(num_heads=16, num_kv_heads=4, head_dim=head_dim, batch=2,
+                              context=2048, no_tickets=not tickets, no_qk_norm=not qk_norm)
     with small_batch_kernels():
-        launches = sass.captured_launches(lambda: triton_decode_input.decode_attention_input_triton(
-            torch.full((2,), 2047), q.view(2, heads, -1), k.view(2, kv_heads, -1),
-            v.view(2, kv_heads, -1), norm, norm, 1e-6,
-            RotaryEmbedding(head_dim, 4096, base=10_000.0).cos_sin_cache, batch.k_cache,
-            batch.v_cache, batch.metadata.slot_mapping, batch.metadata, head_dim**-0.5,
-            torch.empty(2, heads, head_dim, dtype=torch.bfloat16)))
+        launches = sass.capture_decode_input_launches(args)
     names = [fn.__name__ for fn, _, _ in launches]
     assert names == ["_decode_input_kernel"] + ([] if tickets else ["_reduce_splits_kernel"])
     for fn, named, options in launches:
