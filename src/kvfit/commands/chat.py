@@ -24,6 +24,7 @@ from kvfit.commands.common import (
     sampling_params_from_args,
     sse_error,
 )
+from kvfit.models.builtins import DEFAULT_MODEL
 
 Message = dict[str, str]
 Reply = Callable[[list[Message], IO[str]], str]
@@ -57,7 +58,7 @@ def add_parser(sub: Subparsers) -> None:
     p.set_defaults(model=None, func=run)
     for action in p._actions:
         if action.dest == "model":
-            action.help = (f"the model to load (default: {EngineArgs.model}), or with --url the "
+            action.help = (f"the model to load (default: {DEFAULT_MODEL}), or with --url the "
                            "served model's name (default: the first of {url}/models)")
     add_logging_args(p)
 
@@ -132,10 +133,8 @@ def _first_model(client: Any, base: str, args: argparse.Namespace) -> str:
 
 def local_reply(args: argparse.Namespace) -> tuple[Reply, Callable[[], None]]:
     """A `Reply` from a model loaded here with the engine flags (`LLM.chat`)."""
-    from kvfit.engine.config import EngineArgs
-
     if args.model is None:
-        args.model = EngineArgs.model
+        args.model = DEFAULT_MODEL
     params = sampling_params_from_args(args)
     llm = build_llm(args)
 

@@ -18,10 +18,9 @@ from kvfit.commands.common import (
     sampling_params_from_args,
     token_ids,
 )
+from kvfit.models.builtins import DEFAULT_MODEL
 
 DEFAULT_PROMPTS = ("Hello, my name is", "The capital of France is", "The future of AI is")
-# The built-in model with trained weights: its greedy output is English, not noise.
-DEFAULT_MODEL = "kvfit-sotu"
 
 
 def add_parser(sub: Subparsers) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+from kvfit.models.builtins import BUILTIN_DIR, BUILTIN_MODELS
 from kvfit.models.registry import get_model_class, model_class_for
 from kvfit.models.weights import init_dummy, load_safetensors
 
@@ -21,10 +22,6 @@ if TYPE_CHECKING:
 
     from transformers import PreTrainedTokenizerBase
 
-BUILTIN_DIR = Path(__file__).parent / "configs"
-# kvfit-sotu ships trained weights (tools/tiny_model); the others are shapes, filled with
-# seeded dummy weights.
-BUILTIN_MODELS = ("kvfit-tiny", "kvfit-sotu", "qwen3-0.6b-shape", "qwen3-8b-shape")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvfit.models.builtins import DEFAULT_MODEL
+
 if TYPE_CHECKING:
     from kvfit.engine.config import EngineArgs
     from kvfit.server.async_llm import AsyncLLM
@@ -37,7 +39,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "/health, /metrics, /version; with KVFIT_SERVER_DEV_MODE=1 also /kv_cache and "
         "/kv_cache/resize, and with --enable-sleep-mode /sleep, /wake_up, /is_sleeping.")
     parser.add_argument("model_tag", nargs="?", metavar="MODEL",
-                        help="model folder or built-in name (the same as --model)")
+                        help=f"model folder or built-in name (the same as --model; default: "
+                        f"{DEFAULT_MODEL})")
     EngineArgs.add_cli_args(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",
@@ -82,7 +85,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's own log level (access and server logs; default: "
                         "%(default)s)")
-    parser.set_defaults(func=run_serve, serve_parser=parser,
+    parser.set_defaults(func=run_serve, serve_parser=parser, model=DEFAULT_MODEL,
                         check_args=functools.partial(check_serve_args, parser))
     return parser
 
