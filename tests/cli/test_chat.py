@@ -164,3 +164,27 @@ def test_remote_url_that_is_no_http_url_names_the_flag(url: str) -> None:
     as `kvfit bench serve` refuses such a --base-url, not as a server that cannot be listed."""
     with pytest.raises(ValueError, match="--url must be an http"):
         main(["chat", "--url", url])
+
+
+def test_the_commands_that_show_text_default_to_the_trained_model(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`generate`, `chat` and `serve` with no model load kvfit-sotu: the shapes' random weights
+    print noise (a first `kvfit chat` answered in bytes of no language)."""
+    from kvfit.cli import build_parser
+    from kvfit.commands import chat
+    from kvfit.models.builtins import DEFAULT_MODEL
+
+    assert DEFAULT_MODEL == "kvfit-sotu"
+    for command in ("generate", "serve"):
+        assert build_parser().parse_args([command]).model == DEFAULT_MODEL
+    loaded: list[str] = []
+
+    def no_engine(args: object) -> None:
+        loaded.append(args.model)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(chat, "build_llm", no_engine)
+    with pytest.raises(SystemExit):
+        _chat([], "", monkeypatch, capsys)
+    assert loaded == [DEFAULT_MODEL]
