@@ -14,7 +14,8 @@ def last_to_arrive(arrived, index, count):
     graph replays included.
 
     acq_rel makes every other program's global writes before its ticket visible to the last
-    one, which then reads them past L1 (".cg"). One thread takes the ticket, so a CTA barrier
+    one (the fused decode's reduction also reads them past L1, ".cg"; the sampling filters'
+    passes read them plainly after the acquire). One thread takes the ticket, so a CTA barrier
     comes first: it orders this program's other warps' writes before that thread's release."""
     tl.debug_barrier()
     last = tl.atomic_add(arrived + index, 1, sem="acq_rel", scope="gpu") == count - 1
