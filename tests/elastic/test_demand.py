@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -82,9 +82,15 @@ def test_an_idle_cache_with_peers_gives_what_they_lack_and_keeps_the_rest() -> N
     assert g.idle_shrink(idle, now=0.0, peers_keep=100) is None
     assert g.idle_shrink(idle, now=5.0, peers_keep=100) is None  # nobody lacks: keeps all
     assert g.idle_shrink(idle, now=5.1, peers_keep=70) == 70  # at once: idle long enough
-    assert g.idle_shrink(idle, now=5.2, peers_keep=1) is None  # a give starts a new idle spell
-    assert g.idle_shrink(idle, now=6.2, peers_keep=1) == 4  # never below the floor
+    # The peer's want grew (its burst admitted): answered at once, still idle.
+    assert g.idle_shrink(replace(idle, num_blocks=70), now=5.2, peers_keep=40) == 40
+    assert g.idle_shrink(replace(idle, num_blocks=40), now=5.3, peers_keep=1) == 4  # the floor
     assert g.idle_shrink(KVUsage(100, 30, floor=4), now=9.0, peers_keep=10) is None  # busy
+    # A give to its own use plus headroom (no peer asking) starts a new idle spell.
+    g = governor(idle_s=1.0)
+    assert g.idle_shrink(idle, now=0.0) is None and g.idle_shrink(idle, now=1.0) == 4
+    assert g.idle_shrink(KVUsage(40, 0, floor=4), now=1.1, peers_keep=10) is None
+    assert g.idle_shrink(KVUsage(40, 0, floor=4), now=2.1, peers_keep=10) == 10
 
 
 @dataclass
@@ -99,13 +105,18 @@ class BoardEngine(Engine):
         return KVUsage(self.blocks, min(need, self.blocks), floor=2,
                        short=self.busy and self.blocks < need, need_blocks=need)
 
-    def peers_keep(self, usage: KVUsage, now: float) -> int | None:
-        """What `KVCacheResizer._share_demand` does, in whole blocks."""
+    def publish(self, usage: KVUsage, now: float) -> None:
+        """What `KVCacheResizer._publish_demand` does, in whole blocks."""
         self.board.publish(usage.shortfall(self.budget) * GiB, now)
+
+    def peers_keep(self, usage: KVUsage, now: float, spare: int) -> int | None:
+        """What `KVCacheResizer.govern` does with the board before deciding, in whole blocks:
+        say what this cache lacks, and keep what the peers need not have from it."""
+        self.publish(usage, now)
         peers = self.board.peers_short_bytes()
         if peers is None:
             return None
-        give = -(-peers // GiB)
+        give = -(-max(0, peers - spare) // GiB)
         return self.blocks - (give if give >= usage.floor else 0)
 
 

@@ -359,3 +359,55 @@ def test_a_resize_to_the_current_size_does_not_hold_the_next_grow_back(
     assert not llm.engine.kv_resizer.events
     llm.resize_kv_cache(num_blocks // 2)  # a real one does
     assert not governor.grow_due(time.monotonic())
+
+
+def test_a_grow_that_finds_less_than_a_block_free_holds_no_later_grow_back(
+    qwen3: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A short cache whose device has a few KiB over the band's lower quarter free (torch's
+    allocator or a peer moved a little) has nothing to grow into: that poll tried nothing, so
+    the memory a peer gives back a moment later is taken at the next poll, not
+    `min_interval_s` on (on an H100 pair, 2.3 s of every 16 s phase spent at 256 blocks)."""
+    import dataclasses
+    import math
+
+    from kvfit.engine import engine_core
+
+    llm = LLM(str(qwen3), device="cpu", **{**ENGINE, "elastic_idle_s": 60.0})
+    try:
+        core, cache = llm.engine, runner(llm).kv_cache
+        prompts = make_prompts((200,) * 48)  # 13 blocks each: most wait on a small cache
+        expected = tokens(llm.generate(prompts, PARAMS, use_tqdm=False))
+        llm.resize_kv_cache(core.kv_resizer.floor)
+        # Free memory just over the band's lower quarter, less what the cache maps beyond now.
+        base = [LOW + (HIGH - LOW) // 4 + 1024 + cache.physical_bytes]
+
+        class Scripted(HostMemoryMonitor):
+            def free_and_total(self) -> tuple[int, int]:
+                return base[0] - cache.physical_bytes, self.budget_bytes
+
+        core.executor.workers[0].monitor = Scripted(128 * MiB, "cpu_kv_cache_space_bytes")
+        governor = core.kv_cache_governor
+        governor.config = dataclasses.replace(governor.config, poll_interval_s=0.0)
+        governor.last_poll = governor.last_resize = governor.last_grow_attempt = -math.inf
+        clock = [1000.0]
+        monkeypatch.setattr(engine_core.time, "monotonic", lambda: clock[0])
+        for i, prompt in enumerate(prompts):
+            core.add_request(llm.make_request(prompt, PARAMS, str(i))[0])
+        outputs: dict[str, Any] = {}
+        for k in range(8):  # short of blocks (a waiting one does not fit), nothing to grow into
+            clock[0] = 1000.0 + 0.01 * k
+            outputs.update((seq.request_id, seq) for seq in core.step())
+        small, num_grows = cache.committed_blocks, core.kv_resizer.num_grows
+        assert core.scheduler.waiting and small <= 4 * core.kv_resizer.floor  # one granule
+        base[0] += 40 * MiB  # the peer gave its cache back
+        clock[0] = 1000.1
+        outputs.update((seq.request_id, seq) for seq in core.step())
+        assert cache.committed_blocks > small, "the grow waited for the interval"
+        assert core.kv_resizer.num_grows == num_grows + 1
+        clock[0] = 1001.0
+        while core.has_unfinished():
+            outputs.update((seq.request_id, seq) for seq in core.step())
+        assert [outputs[str(i)].output_token_ids for i in range(len(prompts))] == expected
+    finally:
+        llm.shutdown()

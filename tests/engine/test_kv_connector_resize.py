@@ -772,22 +772,24 @@ def test_an_idle_one_chunk_cache_shrinks_to_whole_granules_above_its_idle_target
     assert_idle_shrunk_to(llm, granule_ceil(llm, target))
 
 
-def test_an_idle_one_chunk_cache_gives_a_peer_whole_granules_and_keeps_what_it_asked(
+def test_an_idle_one_chunk_cache_gives_a_peer_whole_granules_at_least_what_it_lacks(
         connected, tmp_path) -> None:  # noqa: F811
     """Through the demand board an idle cache gives back what its peer lacks (200 blocks'
-    bytes of 512), keeping the rest: 312 blocks, which a one-chunk cache cannot use whole. It
-    keeps that rounded up to whole granules (384 blocks), so every backed byte is in a block."""
+    bytes of 512), keeping the rest. A one-chunk cache frees whole granules, so it keeps 312
+    rounded down to them (256 blocks): the peer gets all it lacks in one give, not one short
+    by a granule's remainder that it must ask again, and every backed byte is in a block."""
     from kvfit.elastic import DemandBoard
 
     llm = connected(**ELASTIC_IDLE, elastic_demand_dir=str(tmp_path / "board"))
     core = llm.engine
-    set_free_memory(llm, 1.0)
+    set_free_memory(llm, 4 / 1024)  # the low watermark: the peer can take nothing by itself
     start, board = core.kv_resizer.num_blocks, core.demand_board
     keep = start - 200
-    assert keep != granule_ceil(llm, keep) < start
+    kept = max(n for n in range(keep + 1) if runner(llm).kv_cache.granule_aligned_blocks(n) == n)
+    assert kept < keep < granule_ceil(llm, keep) < start
     peer = DemandBoard(tmp_path / "board", board.folder.name)  # a second engine on the device
     peer.publish(200 * llm.config.kv_cache_spec().block_bytes)
-    assert_idle_shrunk_to(llm, granule_ceil(llm, keep))
+    assert_idle_shrunk_to(llm, kept)
 
 
 def test_an_idle_shrink_of_a_one_chunk_cache_under_a_granule_never_grows_it(

@@ -108,8 +108,9 @@ class KVCacheGovernor:
     failed one's backoff, below), since the other process may fail without it. Free memory above
     the high watermark takes what brings it down to that middle, but only `min_interval_s` after
     the last shrink (also the out-of-memory guard's, or a resize through the API) and the last
-    grow attempt that grew nothing (it failed, or the cache was at its budget). A grow does not
-    hold the next one back: memory another engine gives back in steps is taken as it comes, and
+    grow attempt that grew nothing (it failed, or the cache was at its budget; a poll whose free
+    memory holds no further block or chunk tries nothing, and holds nothing back). A grow does
+    not hold the next one back: memory another engine gives back in steps is taken as it comes, and
     growing twice is no oscillation. A resize that fails (a driver error, a grow that found no
     memory) is retried after a backoff that doubles with each consecutive failure in its
     direction (`failed`): a driver that keeps failing is not retried at every poll, each retry
@@ -158,10 +159,16 @@ class KVCacheGovernor:
             return 0  # a cache with headroom leaves free memory to a busy co-tenant
         if free > high:
             return middle - free
-        floor_of_band = low + (high - low) // 4
+        floor_of_band = _floor_of_band(low, high)
         if usage is not None and usage.short and free > floor_of_band:
             return floor_of_band - free
         return 0
+
+    def spare_bytes(self, free: int, total: int) -> int:
+        """Of `free` device bytes, what a busy co-tenant short of blocks takes without anyone
+        giving back (`decide` grows it down to the band's lower quarter): what an idle engine
+        need not give for a peer's want."""
+        return max(0, free - _floor_of_band(*self.config.watermarks(total)))
 
     def idle_shrink(self, usage: KVUsage, now: float,
                     peers_keep: int | None = None) -> int | None:
@@ -170,7 +177,8 @@ class KVCacheGovernor:
 
         `peers_keep`, where other kvfit engines share the device (`DemandBoard`): the blocks
         left once they have what they lack. The cache then gives back only that, keeping the
-        rest (and its prefix cache) until a peer asks: an idle cache nobody needs stays.
+        rest (and its prefix cache) until a peer asks: an idle cache nobody needs stays. Such
+        a give leaves the idle clock running, so a peer's further want is answered at once.
         None, its use not looked at, while a failed shrink backs off (`shrink_due`)."""
         if not self.shrink_due(now):
             return None
@@ -184,7 +192,10 @@ class KVCacheGovernor:
         target = max(usage.idle_target, peers_keep or 0)
         if target >= usage.num_blocks:
             return None  # idle still: the next peer that asks is answered at once
-        self.low_since = None
+        if target == usage.idle_target:
+            self.low_since = None
+        # else: a peer's want, which grows as its burst is admitted; the cache stays idle, so
+        # the next want is answered at the next poll, not `idle_s` on.
         return target
 
     def grow_due(self, now: float) -> bool:
@@ -245,3 +256,9 @@ class KVCacheGovernor:
         """A grow was tried at `now` and grew nothing (failed, or nothing to do at the
         budget): the next attempt waits the interval."""
         self.last_grow_attempt = now
+
+
+def _floor_of_band(low: int, high: int) -> int:
+    """The lowest free memory a busy cache short of blocks grows down to: the band's lower
+    quarter, so it never pushes free memory under the low watermark itself."""
+    return low + (high - low) // 4

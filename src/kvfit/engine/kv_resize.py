@@ -17,7 +17,7 @@ import operator
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvfit.kv.report import format_bytes
@@ -453,12 +453,21 @@ class KVCacheResizer:
         if not governor.due(now):
             return None
         free, total = self._device_memory()
-        peers_keep = None if usage is None else self._share_demand(board, usage, now)
+        peers_keep = None
+        if usage is not None and board is not None:
+            self._publish_demand(board, usage, now)
+            peers_keep = self._peers_keep(board, usage, governor.spare_bytes(free, total))
         want = governor.decide(free, total, now, usage)
         if want > 0:
             return self._govern_shrink(governor, settle, want, free)
         if want < 0:
-            return self._govern_grow(governor, settle, -want, free)
+            event = self._govern_grow(governor, settle, -want, free)
+            if event is not None and usage is not None and board is not None:
+                # What it still lacks, at once: an idle peer that read the want from before
+                # this grow would give it a second time.
+                grown = replace(usage, num_blocks=event.num_blocks_after, short=False)
+                self._publish_demand(board, grown, now)
+            return event
         target = None if usage is None else governor.idle_shrink(usage, now, peers_keep)
         if target is not None and (target := self.shrink_size(target)) < self.num_blocks:
             return self._idle_shrink(governor, settle, target, free)
@@ -469,24 +478,28 @@ class KVCacheResizer:
         memory = self.executor.collective_rpc("device_memory")
         return min(f for f, _ in memory), min(t for _, t in memory)
 
-    def _share_demand(self, board: DemandBoard | None, usage: KVUsage,
-                      now: float) -> int | None:
-        """Publish the bytes this cache lacks (up to its budget) on `board`; return the blocks
-        it keeps once its peers have what they lack (None: no peer on the device, or a cache
-        not idle, which `idle_shrink` leaves alone anyway: the board is read only then). A
-        peer's want under one `max_model_len` sequence is not worth a resize: it keeps all."""
-        if board is None:
-            return None
-        block_bytes = self.config.kv_cache_spec().block_bytes
-        budget = min(self.limits()[1:]) if usage.needs_more else usage.num_blocks  # else: 0
-        board.publish(usage.shortfall(budget) * block_bytes, now)
+    def _publish_demand(self, board: DemandBoard, usage: KVUsage, now: float) -> None:
+        """Say on `board` the bytes this cache lacks, up to its budget (0 unless it needs
+        more: `KVUsage.needs_more`)."""
+        budget = min(self.limits()[1:]) if usage.needs_more else usage.num_blocks
+        board.publish(usage.shortfall(budget) * self.config.kv_cache_spec().block_bytes, now)
+
+    def _peers_keep(self, board: DemandBoard, usage: KVUsage, spare: int) -> int | None:
+        """The blocks an idle cache keeps once its peers on `board` have what they lack beyond
+        the `spare` free bytes they can take themselves (None: no peer on the device, or a
+        cache not idle, which `idle_shrink` leaves alone anyway: the board is read only then):
+        a size whose pages free at least that, so the give is one shrink, not one per poll
+        while the freed bytes fall short by a chunk's remainder. A want under one
+        `max_model_len` sequence is not worth a resize: it keeps all."""
         if not usage.is_low:
             return None
         peers_short = board.peers_short_bytes()
         if peers_short is None:
             return None
-        give = -(-peers_short // block_bytes)
-        return usage.num_blocks - give if give >= usage.floor else usage.num_blocks
+        give = peers_short - spare
+        if give < usage.floor * self.config.kv_cache_spec().block_bytes:
+            return usage.num_blocks
+        return min(self.executor.collective_rpc("kv_cache_blocks_at", -give))
 
     def _idle_shrink(self, governor: KVCacheGovernor, settle: Callable[[], None],
                      target: int, free: int) -> KVCacheResize | None:
@@ -527,23 +540,30 @@ class KVCacheResizer:
 
     def _govern_grow(self, governor: KVCacheGovernor, settle: Callable[[], None],
                      nbytes: int, free: int) -> KVCacheResize | None:
-        event = None
+        holds_back = True  # an attempt that grew nothing: the next waits the interval
         try:
             _, capacity, budget = self.limits()
-            fits = min(self.executor.collective_rpc("kv_cache_blocks_at", nbytes))
-            target = min(fits, capacity, budget)
-            if target <= self.num_blocks:
+            if min(capacity, budget) <= self.num_blocks:
                 return None  # at the budget
+            fits = min(self.executor.collective_rpc("kv_cache_blocks_at", nbytes))
+            if fits <= self.num_blocks:
+                # Free memory a few MiB over the band's floor (torch's allocator or a peer
+                # moved a little) holds no further block or chunk: nothing was tried, so
+                # nothing holds the next grow back. A peer that gives back its cache a moment
+                # later is taken at the next poll, not an interval on.
+                holds_back = False
+                return None
             settle()
             try:
-                event = self.resize(target, "governor", free)
+                event = self.resize(min(fits, capacity, budget), "governor", free)
             except KVCacheResizeError as error:
                 logger.warning("%s; %s", error, self._backoff(governor, True))
                 return None
+            holds_back = False
             governor.resized(event.time, grew=True)
             return event
-        finally:  # an attempt that grew nothing: the next waits the interval from its end
-            if event is None:
+        finally:
+            if holds_back:
                 governor.grow_attempted(time.monotonic())
 
     @staticmethod
