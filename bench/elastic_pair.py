@@ -35,8 +35,9 @@ token, so more cache adds throughput only in proportion to M / (W + M).
 
 Reported per mode: output tokens served within the phases (aborted requests' tokens count:
 they were served), TTFT percentiles (arrival -> first token; a request still waiting when its
-phase ends counts as the phase's length), each engine's KV cache bytes every `--sample-ms`
-(plot-ready `samples`, seconds since the load started) and its resizes; and the elastic /
+phase ends counts as the phase's length), each engine's KV cache bytes and output tokens so
+far every `--sample-ms` (plot-ready `samples`, seconds since the load started) and its
+resizes; and the elastic /
 static token ratio. The target: >= 1.3x the tokens with p99 TTFT no worse.
 On the CPU both engines read host memory, which other processes move too: a smoke test of the
 flow, not a measurement.
@@ -204,7 +205,7 @@ def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict
             time.sleep(0.01)  # idle: the governor polls on each step
         if stepped >= next_sample:
             samples.append({"t": stepped - t0, "kv_blocks": core.scheduler.block_manager.num_blocks,
-                            "kv_bytes": core.stats().committed_kv_bytes})
+                            "kv_bytes": core.stats().committed_kv_bytes, "output_tokens": tokens})
             next_sample = stepped + args.sample_ms / 1e3
     # Still waiting when the last phase ended: that phase's length, as at every other end.
     ttfts += [due[rid] - arrived[rid] for rid, seq in live.items() if seq.num_output_tokens == 0]
@@ -260,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["token_ratio"] = modes["elastic"]["output_tokens"] / modes["static"]["output_tokens"]
     write_record(args.out, record_of("elastic-pair", result, vars(args)))
     for mode, r in modes.items():
-        print(f"{mode:<8} tokens {r['output_tokens']:>9}  TTFT p50 {r['ttft_p50_s']} s  "
+        print(f"{mode:<8} tokens {r['output_tokens']:>9} "
+              f"{[e['output_tokens'] for e in r['engines']]}  TTFT p50 {r['ttft_p50_s']} s  "
               f"p99 {r['ttft_p99_s']} s  idle shrinks "
               f"{[e['kv_cache_idle_shrinks'] for e in r['engines']]}  prefix hits "
               f"{[round(e['prefix_cache_hit_rate'], 3) for e in r['engines']]}")

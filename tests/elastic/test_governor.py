@@ -87,6 +87,14 @@ def test_a_shrink_holds_off_the_next_grow_for_an_interval() -> None:
     assert g.decide(20 * GiB, TOTAL, now=15.0) < 0
 
 
+def test_an_idle_shrink_holds_no_grow_back() -> None:
+    """An idle cache's give-back answers no shortage: once busy again (its use asks) it grows
+    into whatever is free at the next poll, not an interval after it gave."""
+    g = governor(min_interval_s=10.0)
+    g.resized(5.0, idle=True)
+    assert g.grow_due(5.1) and g.decide(20 * GiB, TOTAL, now=5.1) == -14 * GiB
+
+
 def test_a_resize_landing_in_the_middle_never_triggers_the_opposite_one() -> None:
     """Whatever the free memory, applying the decision lands inside the band, where the next
     decision is 0: the governor cannot oscillate on its own."""

@@ -136,7 +136,7 @@ class Engine:
             self.governor.grow_attempted(now)  # at its budget (under a block: nothing tried)
         if target != self.blocks:
             grew = target > self.blocks and want < 0
-            self.governor.resized(now, grew=grew)
+            self.governor.resized(now, grew=grew, idle=want == 0)
             self.blocks = target
             if grew:
                 self.publish(self.usage(), now)

@@ -107,7 +107,8 @@ class KVCacheGovernor:
     what brings it to the middle of the two watermarks: a shrink is never delayed (but by a
     failed one's backoff, below), since the other process may fail without it. Free memory above
     the high watermark takes what brings it down to that middle, but only `min_interval_s` after
-    the last shrink (also the out-of-memory guard's, or a resize through the API) and the last
+    the last shrink (the governor's, the out-of-memory guard's, or a resize through the API; not
+    an idle one's) and the last
     grow attempt that grew nothing (it failed, or the cache was at its budget; a poll whose free
     memory holds no further block or chunk tries nothing, and holds nothing back). A grow does
     not hold the next one back: memory another engine gives back in steps is taken as it comes, and
@@ -211,14 +212,18 @@ class KVCacheGovernor:
         backoff has not passed (`failed`)."""
         return now >= self.shrink_retry_at
 
-    def resized(self, now: float, grew: bool = False) -> None:
+    def resized(self, now: float, grew: bool = False, idle: bool = False) -> None:
         """The cache was resized (or released by a failed resize) at `now`; `grew`: by this
-        governor's grow, which does not hold the next grow back. Ends the backoff of that
-        direction."""
+        governor's grow, which does not hold the next grow back; `idle`: by an idle shrink
+        (`idle_shrink`), which holds none back either: it answered no shortage of memory, and
+        the cache grows again only once its use asks (`KVUsage.needs_more`) and memory is free
+        (an engine busy again right after it gave its cache to a peer must not wait an
+        interval for the peer's give-back). Ends the backoff of that direction."""
         if grew:
             self.num_failed_grows, self.grow_retry_at = 0, -math.inf
         else:
-            self.last_resize = now
+            if not idle:
+                self.last_resize = now
             self.num_failed_shrinks, self.shrink_retry_at = 0, -math.inf
 
     def failed(self, now: float, grow: bool = False) -> float:

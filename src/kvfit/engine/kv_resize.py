@@ -511,7 +511,7 @@ class KVCacheResizer:
                          "%s", target, error, self.num_blocks, self._backoff(governor, False))
             return None
         self.num_idle_shrinks += 1
-        governor.resized(event.time)
+        governor.resized(event.time, idle=True)
         return event
 
     def _govern_shrink(self, governor: KVCacheGovernor, settle: Callable[[], None],
