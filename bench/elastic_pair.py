@@ -38,7 +38,8 @@ they were served), TTFT percentiles (arrival -> first token; a request still wai
 phase ends counts as the phase's length), each engine's KV cache bytes and output tokens so
 far every `--sample-ms` (plot-ready `samples`, seconds since the load started) and its
 resizes; and the elastic /
-static token ratio. The target: >= 1.3x the tokens with p99 TTFT no worse.
+static token ratio, overall and by phase (`phase_tokens`, `phase_token_ratios`: the busy
+engine's tokens in each phase). The target: >= 1.3x the tokens with p99 TTFT no worse.
 On the CPU both engines read host memory, which other processes move too: a smoke test of the
 flow, not a measurement.
 """
@@ -169,6 +170,7 @@ def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict
     ttfts: list[float] = []
     live: dict[str, Any] = {}
     tokens, samples, next_sample, n = 0, [], t0, 0
+    phase_tokens = [0] * args.num_phases  # by the phase the step began in
     while (now := time.monotonic()) < end:
         phase = int((now - t0) // args.phase_s)
         if phase % 2 == rank:
@@ -193,6 +195,7 @@ def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict
         stepped = time.monotonic()
         for rid, seq in list(live.items()):
             tokens += seq.num_output_tokens - before[rid]
+            phase_tokens[phase] += seq.num_output_tokens - before[rid]
             if before[rid] == 0 and seq.num_output_tokens > 0:
                 # A step begun before the phase's end may finish after it: its request was
                 # still waiting when the phase ended, which counts as the phase's length.
@@ -210,7 +213,8 @@ def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict
     # Still waiting when the last phase ended: that phase's length, as at every other end.
     ttfts += [due[rid] - arrived[rid] for rid, seq in live.items() if seq.num_output_tokens == 0]
     stats = core.stats()
-    return {"model": args.models[rank], "output_tokens": tokens, "ttft_s": ttfts,
+    return {"model": args.models[rank], "output_tokens": tokens, "phase_tokens": phase_tokens,
+            "ttft_s": ttfts,
             "prefix_cache_hit_rate": (stats.prefix_cache_hit_tokens
                                       / max(stats.prefix_cache_queried_tokens, 1)),
             "samples": samples, "num_preemptions": stats.num_preemptions,
@@ -252,6 +256,16 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             "engines": [engines[0], engines[1]]}
 
 
+def phase_ratios(static: dict[str, Any], elastic: dict[str, Any]) -> list[float]:
+    """Elastic / static output tokens of each phase's busy engine: each engine's first busy
+    phase starts both modes from fresh conversations; later ones start from wherever each
+    mode's earlier phases left its conversations (longer ones cost more to recompute)."""
+    def busy(mode: dict[str, Any], phase: int) -> int:
+        return mode["engines"][phase % 2]["phase_tokens"][phase]
+    num_phases = len(static["engines"][0]["phase_tokens"])
+    return [busy(elastic, i) / max(busy(static, i), 1) for i in range(num_phases)]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     limits = in_run_limits(args.device)  # before the engines, in a process that has exited
@@ -259,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"args": vars(args), "modes": modes, **limits}
     if {"static", "elastic"} <= modes.keys() and modes["static"]["output_tokens"]:
         result["token_ratio"] = modes["elastic"]["output_tokens"] / modes["static"]["output_tokens"]
+        result["phase_token_ratios"] = phase_ratios(modes["static"], modes["elastic"])
     write_record(args.out, record_of("elastic-pair", result, vars(args)))
     for mode, r in modes.items():
         print(f"{mode:<8} tokens {r['output_tokens']:>9} "
@@ -268,6 +283,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{[round(e['prefix_cache_hit_rate'], 3) for e in r['engines']]}")
     if "token_ratio" in result:
         print(f"elastic / static tokens: {result['token_ratio']:.2f} (target >= 1.3)")
+        print("by phase, elastic / static (the busy engine's):",
+              " ".join(f"{r:.2f}" for r in phase_ratios(modes["static"], modes["elastic"])))
     return result
 
 

@@ -44,8 +44,19 @@ def test_elastic_pair_bench_smoke(bench, tmp_path: Path) -> None:  # noqa: ANN00
         assert r["ttft_p50_s"] <= r["ttft_p99_s"] <= 2.0  # a phase at most
         for engine in r["engines"]:
             assert engine["output_tokens"] > 0 and engine["samples"]
+            assert sum(engine["phase_tokens"]) == engine["output_tokens"]
+            assert [s["output_tokens"] for s in engine["samples"]] == sorted(
+                s["output_tokens"] for s in engine["samples"])  # tokens so far, never fewer
             # Within the run (4 s), give or take the last step on two shared cores.
             assert all(0 <= s["t"] <= 6.0 for s in engine["samples"])
+        # Engine i is busy in phases i, i + 2, ...: the other phases serve nothing new (but
+        # a step begun at a phase's end).
+        assert r["engines"][0]["phase_tokens"][0] > r["engines"][0]["phase_tokens"][1]
+        assert r["engines"][1]["phase_tokens"][1] > r["engines"][1]["phase_tokens"][0]
+    static_run, elastic_run = result["modes"]["static"], result["modes"]["elastic"]
+    assert result["phase_token_ratios"] == pytest.approx(
+        [elastic_run["engines"][i]["phase_tokens"][i] / static_run["engines"][i]["phase_tokens"][i]
+         for i in range(2)])
     static, alone = (result["modes"][m]["engines"] for m in ("static", "elastic-alone"))
     assert all(e["kv_cache_idle_shrinks"] == 0 and not e["resizes"] for e in static)
     # Engine 0 idles in the second phase: alone, by its end it has given its cache back.
