@@ -108,14 +108,14 @@ class KVCacheGovernor:
     failed one's backoff, below), since the other process may fail without it. Free memory above
     the high watermark takes what brings it down to that middle, but only `min_interval_s` after
     the last shrink (the governor's, the out-of-memory guard's, or a resize through the API; not
-    an idle one's) and the last
-    grow attempt that grew nothing (it failed, or the cache was at its budget; a poll whose free
-    memory holds no further block or chunk tries nothing, and holds nothing back). A grow does
-    not hold the next one back: memory another engine gives back in steps is taken as it comes, and
-    growing twice is no oscillation. A resize that fails (a driver error, a grow that found no
-    memory) is retried after a backoff that doubles with each consecutive failure in its
-    direction (`failed`): a driver that keeps failing is not retried at every poll, each retry
-    preempting what the resize preempts (a KV connector's cache: every sequence). Between the
+    an idle one's) and the last grow attempt that grew nothing (it failed, or the cache was at
+    its budget; a poll whose free memory holds no further block or chunk tries nothing, and
+    holds nothing back). A grow does not hold the next one back: memory another engine gives
+    back in steps is taken as it comes, and growing twice is no oscillation. A resize that
+    fails (a driver error, a grow that found no memory) is retried after a backoff that doubles
+    with each consecutive failure in its direction (`failed`): a driver that keeps failing is
+    not retried at every poll, each retry preempting what the resize preempts (a KV
+    connector's cache: every sequence). Between the
     watermarks nothing changes. Landing in the middle of the band, a resize cannot trigger the
     opposite one by itself: hysteresis, with a grow after a shrink at most one per interval.
 

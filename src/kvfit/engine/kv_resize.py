@@ -496,10 +496,13 @@ class KVCacheResizer:
         peers_short = board.peers_short_bytes()
         if peers_short is None:
             return None
-        give = peers_short - spare
-        if give < usage.floor * self.config.kv_cache_spec().block_bytes:
+        give, block_bytes = peers_short - spare, self.config.kv_cache_spec().block_bytes
+        if give < usage.floor * block_bytes:
             return usage.num_blocks
-        return min(self.executor.collective_rpc("kv_cache_blocks_at", -give))
+        # Fewer blocks by the want, and no more than leave the pages it frees (a chunk's
+        # unused remainder frees nothing).
+        return min(usage.num_blocks - -(-give // block_bytes),
+                   *self.executor.collective_rpc("kv_cache_blocks_at", -give))
 
     def _idle_shrink(self, governor: KVCacheGovernor, settle: Callable[[], None],
                      target: int, free: int) -> KVCacheResize | None:
