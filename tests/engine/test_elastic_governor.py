@@ -79,6 +79,28 @@ def serve_until(llm: LLM, expected: list[list[int]], done: Callable[[], bool]) -
         assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
 
 
+def scripted(llm: LLM, monkeypatch: pytest.MonkeyPatch, free: Callable[[], int]) -> list[float]:
+    """The engine's device reads `free()` bytes free (of 128 MiB) and its governor polls at
+    every step on a fake clock (`clock[0]`, returned), which starts at 1000 s: after every
+    real time the governor noted."""
+    import dataclasses
+    import math
+
+    from kvfit.engine import engine_core
+
+    class Scripted(HostMemoryMonitor):
+        def free_and_total(self) -> tuple[int, int]:
+            return free(), self.budget_bytes
+
+    llm.engine.executor.workers[0].monitor = Scripted(128 * MiB, "cpu_kv_cache_space_bytes")
+    governor = llm.engine.kv_cache_governor
+    governor.config = dataclasses.replace(governor.config, poll_interval_s=0.0)
+    governor.last_poll = governor.last_resize = governor.last_grow_attempt = -math.inf
+    clock = [1000.0]
+    monkeypatch.setattr(engine_core.time, "monotonic", lambda: clock[0])
+    return clock
+
+
 def test_the_governor_shrinks_for_a_co_tenant_and_grows_back_once_it_frees(
     elastic: tuple[LLM, CoTenantDevice, list[list[int]]],
 ) -> None:
@@ -294,11 +316,6 @@ def test_an_out_of_memory_guards_shrink_holds_the_next_grow_back_for_the_interva
     """The guard's shrink is a shrink like the governor's: the governor grows back into that
     memory no sooner than `min_interval_s` after it (the step that ran out of memory may need
     it again at once), not at its next poll."""
-    import dataclasses
-    import math
-
-    from kvfit.engine import engine_core
-
     from .test_oom_guard import inject
 
     llm = LLM(str(qwen3), device="cpu", **ENGINE)
@@ -308,17 +325,7 @@ def test_an_out_of_memory_guards_shrink_holds_the_next_grow_back_for_the_interva
         budget = cache.committed_blocks
         assert core.kv_resizer.limits()[2] == budget  # the governor cannot grow it now
 
-        class AboveHigh(HostMemoryMonitor):
-            def free_and_total(self) -> tuple[int, int]:
-                return 64 * MiB, self.budget_bytes
-
-        core.executor.workers[0].monitor = AboveHigh(128 * MiB, "cpu_kv_cache_space_bytes")
-        governor = core.kv_cache_governor
-        governor.config = dataclasses.replace(governor.config, poll_interval_s=0.0)
-        # The fake clock starts after every real time the governor noted.
-        governor.last_poll = governor.last_resize = governor.last_grow_attempt = -math.inf
-        clock = [1000.0]
-        monkeypatch.setattr(engine_core.time, "monotonic", lambda: clock[0])
+        clock = scripted(llm, monkeypatch, lambda: 64 * MiB)  # above the high watermark
         requests = [llm.make_request(p, PARAMS, str(i))
                     for i, p in enumerate(make_prompts((5, 9)))]
         for seqs in requests:
@@ -368,10 +375,7 @@ def test_a_grow_that_finds_less_than_a_block_free_holds_no_later_grow_back(
     allocator or a peer moved a little) has nothing to grow into: that poll tried nothing, so
     the memory a peer gives back a moment later is taken at the next poll, not
     `min_interval_s` on (on an H100 pair, 2.3 s of every 16 s phase spent at 256 blocks)."""
-    import dataclasses
-    import math
 
-    from kvfit.engine import engine_core
 
     llm = LLM(str(qwen3), device="cpu", **{**ENGINE, "elastic_idle_s": 60.0})
     try:
@@ -382,16 +386,7 @@ def test_a_grow_that_finds_less_than_a_block_free_holds_no_later_grow_back(
         # Free memory just over the band's lower quarter, less what the cache maps beyond now.
         base = [LOW + (HIGH - LOW) // 4 + 1024 + cache.physical_bytes]
 
-        class Scripted(HostMemoryMonitor):
-            def free_and_total(self) -> tuple[int, int]:
-                return base[0] - cache.physical_bytes, self.budget_bytes
-
-        core.executor.workers[0].monitor = Scripted(128 * MiB, "cpu_kv_cache_space_bytes")
-        governor = core.kv_cache_governor
-        governor.config = dataclasses.replace(governor.config, poll_interval_s=0.0)
-        governor.last_poll = governor.last_resize = governor.last_grow_attempt = -math.inf
-        clock = [1000.0]
-        monkeypatch.setattr(engine_core.time, "monotonic", lambda: clock[0])
+        clock = scripted(llm, monkeypatch, lambda: base[0] - cache.physical_bytes)
         for i, prompt in enumerate(prompts):
             core.add_request(llm.make_request(prompt, PARAMS, str(i))[0])
         outputs: dict[str, Any] = {}
