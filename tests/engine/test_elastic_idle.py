@@ -133,8 +133,10 @@ def test_an_idle_engine_gives_a_peer_what_it_lacks_and_keeps_the_rest(
 ) -> None:
     """With a demand board (`elastic_demand_dir`) an idle engine whose peer lacks nothing
     keeps its whole cache past idle_s; once the peer publishes a want it gives that much back
-    at the next poll (to its chunks' granule), not down to one sequence, and it publishes what
-    it lacks itself: nothing while idle."""
+    at the next poll (less what free memory already holds for the peer, to its chunks'
+    granule), not down to one sequence, and it publishes what it lacks itself: nothing while
+    idle. A further want is answered at the next poll too (not idle_s after the first give),
+    and a want the freed memory already holds is not given twice."""
     llm = LLM(str(qwen3), device="cpu",
               **{**ENGINE, "elastic_idle_s": IDLE_S, "elastic_demand_dir": str(tmp_path)})
     try:
