@@ -18,7 +18,8 @@ from the last input that carries its data (the adversarial one from all of them)
     filters.png      top-k/top-p/min-p filters against the sort path (sampling)
     adversarial.png  the worst need of each adversarial run against the headroom kept
     elastic.png      KV cache size and the co-tenant's memory over time (elastic)
-    elastic_pair.png each engine's KV cache over time, elastic against static (elastic-pair)
+    elastic_pair.png each engine's KV cache (and output tokens) over time, elastic against static
+                     (elastic-pair)
     kv_dtype.png     KV blocks, output tok/s and decode step by cache dtype (kv-dtype)
 """
 
@@ -281,21 +282,32 @@ def plot_elastic(r: Record) -> Figure:
 
 
 def plot_elastic_pair(r: Record) -> Figure:
+    """Each engine's KV cache over time, elastic against static; below, where the record's
+    samples carry them (since 2026-12-06), each engine's output tokens so far."""
     res = r["results"]
-    fig, ax = plt.subplots(figsize=(9, 4.2))
-    for mode, style in (("elastic", "-"), ("elastic-alone", "--"), ("static", ":")):
-        for engine in res["modes"].get(mode, {}).get("engines", []):
+    curves = [(mode, style, engine) for mode, style in (("elastic", "-"), ("elastic-alone", "--"),
+                                                        ("static", ":"))
+              for engine in res["modes"].get(mode, {}).get("engines", [])]
+    with_tokens = all("output_tokens" in s for _, _, e in curves for s in e["samples"])
+    fig, axes = plt.subplots(2 if with_tokens else 1, 1, sharex=True, squeeze=False,
+                             figsize=(9, 7.0 if with_tokens else 4.2))
+    panels = [(axes[0][0], "kv_bytes", GiB, "KV cache (GiB)")]
+    if with_tokens:
+        panels.append((axes[1][0], "output_tokens", 1e3, "output tokens so far (thousands)"))
+    for ax, key, unit, ylabel in panels:
+        for mode, style, engine in curves:
             samples = engine["samples"]
-            ax.plot([s["t"] for s in samples], [s["kv_bytes"] / GiB for s in samples], style,
+            ax.plot([s["t"] for s in samples], [s[key] / unit for s in samples], style,
                     label=f"{engine['model']} ({mode})")
-    for k in range(1, res["args"]["num_phases"]):
-        ax.axvline(k * res["args"]["phase_s"], color="grey", lw=0.5)
-    ax.set_xlabel("seconds since the load started (the busy engine alternates each phase)")
-    ax.set_ylabel("KV cache (GiB)")
-    ax.set_ylim(bottom=0)
+        for k in range(1, res["args"]["num_phases"]):
+            ax.axvline(k * res["args"]["phase_s"], color="grey", lw=0.5)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+    axes[-1][0].set_xlabel("seconds since the load started (the busy engine alternates each "
+                           "phase)")
     # Beside the plot: inside, it hid the curves of a cache grown to the top (the 8B engine's
     # elastic cache at 60-70 s of the 2026-12-04 chat run).
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[0][0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ratio = res.get("token_ratio")
     _title(fig, "Two engines on one device: KV cache over time"
            + ("" if ratio is None else f" (elastic / static tokens {ratio:.2f})"), r)

@@ -134,3 +134,17 @@ def test_elastic_pair_legend_hides_no_curve() -> None:
     ax = fig.axes[0]
     legend = ax.get_legend().get_window_extent()
     assert not legend.overlaps(ax.get_window_extent())
+    assert len(fig.axes) == 1  # samples without tokens (records before 2026-12-06): no panel
+
+
+def test_elastic_pair_plots_each_engines_tokens_where_samples_carry_them() -> None:
+    payload = payloads.elastic_pair()
+    for mode in payload["modes"].values():
+        for engine in mode["engines"]:
+            for i, sample in enumerate(engine["samples"]):
+                sample["output_tokens"] = 100 * i
+    fig = plot.plot_elastic_pair(record_of("elastic-pair", payload, {}))
+    cache, tokens = fig.axes
+    assert tokens.get_ylabel() == "output tokens so far (thousands)"
+    assert len(tokens.get_lines()) - 3 == len(cache.get_lines()) - 3 == 4  # 3 phase lines
+    assert max(max(line.get_ydata(), default=0) for line in tokens.get_lines()[:4]) == 1.5
