@@ -23,10 +23,13 @@ import torch
 FAMILIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     # cuBLAS on Hopper names its kernels nvjet_*; older ones *gemm*/*gemv*, cutlass or xmma.
     ("gemm.cublas", re.compile(r"nvjet|gemm|gemv|cublas|cutlass|xmma|splitKreduce", re.I)),
-    ("gemm.triton", re.compile(r"_matmul_kernel")),
+    # `_skinny_kernel`: the linear layers of few rows (`ops/triton_skinny.py`).
+    ("gemm.triton", re.compile(r"_matmul_kernel|_skinny_kernel")),
     ("attention.prefill", re.compile(r"_prefill_kernel")),
     # `_decode_input_kernel` (`--fused-decode-input`) holds the attention input too.
-    ("attention.decode", re.compile(r"_decode_kernel|_decode_input_kernel|_reduce_splits_kernel")),
+    # `_decode_fp8_pairs_kernel` reads an e4m3 cache computed in float16.
+    ("attention.decode", re.compile(r"_decode_kernel|_decode_fp8_pairs_kernel|"
+                                    r"_decode_input_kernel|_reduce_splits_kernel")),
     ("attention.input", re.compile(r"_attention_input_kernel|_write_kv_kernel|_rotary_kernel")),
     ("norm", re.compile(r"_rms_norm_kernel|rms_?norm", re.I)),
     ("activation", re.compile(r"_silu_and_mul_kernel")),
