@@ -31,7 +31,10 @@ per engine (`Conversations`): each turn's prompt is the conversation's history p
 `--turn-len` new tokens, so the engine that can keep more histories in its prefix cache
 recomputes less. It is the workload where memory, not bandwidth, bounds throughput: on
 independent prompts decode reads the weights once per step and each sequence's KV once per
-token, so more cache adds throughput only in proportion to M / (W + M).
+token, so more cache adds throughput only in proportion to M / (W + M). `--kv-offloading-size`
+gives both engines, in both modes, a host-memory tier under the prefix cache: histories the
+device cache lost (evicted, or given back by an idle elastic engine) load back over PCIe
+rather than being computed again.
 
 Reported per mode: output tokens served within the phases (aborted requests' tokens count:
 they were served), TTFT percentiles (arrival -> first token; a request still waiting when its
@@ -88,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--high-watermark", default="6GiB", help="--elastic-high-watermark")
     p.add_argument("--min-interval", type=float, default=2.0, help="--elastic-min-interval")
     p.add_argument("--idle-s", type=float, default=0.5, help="--elastic-idle-s")
+    p.add_argument("--kv-offloading-size", type=float, nargs="+", metavar="GIB",
+                   help="give each engine, in every mode, a host-memory tier of this many GiB "
+                   "(one value: both engines; two: one each)")
     p.add_argument("--modes", nargs="+", default=["static", "elastic"],
                    choices=["static", "elastic", "elastic-alone"])
     p.add_argument("--sample-ms", type=float, default=100.0)
@@ -96,8 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def engine(args: argparse.Namespace, model: str, elastic: bool, board: str | None) -> LLM:
-    """An engine of the pair: elastic (sharing demand on `board`, None: alone) or static."""
+def engine(args: argparse.Namespace, rank: int, elastic: bool, board: str | None) -> LLM:
+    """Engine `rank` of the pair: elastic (sharing demand on `board`, None: alone) or static."""
     kwargs: dict[str, Any] = dict(
         elastic_kv_cache=True, elastic_low_watermark=args.low_watermark,
         elastic_high_watermark=args.high_watermark, elastic_min_interval=args.min_interval,
@@ -105,15 +111,18 @@ def engine(args: argparse.Namespace, model: str, elastic: bool, board: str | Non
     if args.device != "cpu":
         kwargs["gpu_memory_utilization"] = (args.gpu_memory_utilization if elastic
                                             else args.gpu_memory_utilization_static)
-    return LLM(model, device=args.device, load_format="dummy", max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, **kwargs)
+    if args.kv_offloading_size:
+        sizes = args.kv_offloading_size
+        kwargs["kv_offloading_size"] = sizes[rank % len(sizes)]
+    return LLM(args.models[rank], device=args.device, load_format="dummy",
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, **kwargs)
 
 
 def serve(rank: int, args: argparse.Namespace, elastic: bool, board: str | None, ready: Any,
           start: Any, results: Any) -> None:
     """One engine's process: start (shrinking to its start share when elastic), say ready,
     then run its phases from the shared start time and put its result on `results`."""
-    llm = engine(args, args.models[rank], elastic, board)
+    llm = engine(args, rank, elastic, board)
     if elastic and rank == 0:  # the second sizes itself from what the first leaves free
         bm = llm.engine.scheduler.block_manager
         llm.resize_kv_cache(max(llm.engine.kv_resizer.floor,
@@ -218,6 +227,7 @@ def run_phases(llm: LLM, rank: int, args: argparse.Namespace, t0: float) -> dict
             "ttft_s": ttfts,
             "prefix_cache_hit_rate": (stats.prefix_cache_hit_tokens
                                       / max(stats.prefix_cache_queried_tokens, 1)),
+            "kv_connector_hit_tokens": stats.kv_connector_hit_tokens,
             "samples": samples, "num_preemptions": stats.num_preemptions,
             "kv_cache_idle_shrinks": stats.kv_cache_idle_shrinks,
             "kv_cache_shrinks": stats.kv_cache_shrinks, "kv_cache_grows": stats.kv_cache_grows,

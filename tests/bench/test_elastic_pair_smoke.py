@@ -68,6 +68,23 @@ def test_elastic_pair_bench_smoke(bench, tmp_path: Path) -> None:  # noqa: ANN00
                 and p.status() != psutil.STATUS_ZOMBIE and "spawn" in " ".join(p.cmdline())]
 
 
+def test_a_chat_pair_with_host_memory_tiers_loads_histories_in_both_modes(
+        bench, tmp_path: Path) -> None:  # noqa: ANN001
+    # 8 conversations whose histories outgrow the CPU engine's 128 blocks: turns load what
+    # the cache evicted from the engine's host tier.
+    out = tmp_path / "pair.json"
+    result = bench.main(["--device", "cpu", "--models", "kvfit-tiny", "kvfit-tiny",
+                         "--workload", "chat", "--max-model-len", "256", "--max-num-seqs", "8",
+                         "--concurrency", "8", "--input-len", "64", "--turn-len", "16",
+                         "--output-len", "8", "--phase-s", "3", "--num-phases", "2",
+                         "--idle-s", "0.5", "--min-interval", "0.5", "--kv-offloading-size",
+                         "0.01", "--modes", "static", "elastic", "--out", str(out)])
+    assert json.loads(out.read_text())["config"]["kv_offloading_size"] == [0.01]
+    for mode in ("static", "elastic"):
+        for engine in result["modes"][mode]["engines"]:
+            assert engine["output_tokens"] > 0 and engine["kv_connector_hit_tokens"] > 0
+
+
 def test_chat_turns_extend_their_history_and_start_over_past_max_model_len(bench) -> None:  # noqa: ANN001
     # --device cpu: the default (cuda) is a usage error where torch sees no CUDA device.
     args = bench.parse_args(["--device", "cpu", "--workload", "chat", "--concurrency", "2",

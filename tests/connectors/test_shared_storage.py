@@ -82,12 +82,13 @@ def test_a_failing_store_warns_once_with_its_cause_then_once_per_interval(
     assert len(warnings(caplog)) == 3 and "could not save" in warnings(caplog)[2]
 
 
-def test_failed_saves_are_a_metric_only_with_a_connector() -> None:
+def test_failed_saves_and_store_hits_are_metrics_only_with_a_connector() -> None:
     report = KVCacheReport(method="measured", total=1, budget=1, weights=0, non_torch=0,
                            transient=0, margin=0, committed_bytes=0, num_blocks=1)
     stats = EngineStats(0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0)
-    name = "kvfit:kv_connector_failed_saves"
-    assert name not in {m.name for m in engine_metrics(stats, report)}
-    stats = EngineStats(0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, kv_connector_failed_saves=7)
-    [metric] = [m for m in engine_metrics(stats, report) if m.name == name]
-    assert (metric.kind, metric.value) == ("counter", 7.0)
+    names = {"kvfit:kv_connector_failed_saves": 7.0, "kvfit:kv_connector_hit_tokens": 48.0}
+    assert not names.keys() & {m.name for m in engine_metrics(stats, report)}
+    stats = EngineStats(0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, kv_connector_failed_saves=7,
+                        kv_connector_hit_tokens=48)
+    assert {m.name: (m.kind, m.value) for m in engine_metrics(stats, report)
+            if m.name in names} == {name: ("counter", v) for name, v in names.items()}

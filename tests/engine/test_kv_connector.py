@@ -256,7 +256,8 @@ def test_cpu_sizing_keeps_the_staging_buffer_free(qwen3, tmp_path, monkeypatch) 
         monkeypatch.setattr(w, "device", torch.device("cuda"))
         assert w.measure_kv_cache_blocks() == capacity
         # The buffer the saves use stays within the bound that sizing kept.
-        assert SharedStorageConnector.host_buffer_bytes(spec) == staging
+        assert SharedStorageConnector.host_buffer_bytes(
+            llm.engine.config.kv_connector_config, spec) == staging
         outputs(llm)
         assert 0 < connector(llm)._staging.nbytes <= staging
     finally:

@@ -1,5 +1,6 @@
 """KV connectors: the API through which the engine moves KV blocks to and from stores outside
-it (`KVConnector`, scheduler and worker sides), and the shared-storage connector."""
+it (`KVConnector`, scheduler and worker sides), the shared-storage connector and the host
+memory tier."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from kvfit.connectors.base import (
     ScheduledSeq,
 )
 from kvfit.connectors.config import BLOCK_COMPACT_LAYOUTS, CONNECTOR_NAMES, KVConnectorConfig
+from kvfit.connectors.host import HostConnector
 from kvfit.connectors.shared_storage import SharedStorageConnector
 from kvfit.kv.spec import KVCacheSpec
 
@@ -18,6 +20,7 @@ __all__ = [
     "BLOCK_COMPACT_LAYOUTS",
     "CONNECTOR_NAMES",
     "BlockTransfer",
+    "HostConnector",
     "KVConnector",
     "KVConnectorConfig",
     "KVConnectorMetadata",
@@ -26,6 +29,7 @@ __all__ = [
     "SharedStorageConnector",
     "create_kv_connector",
     "kv_connector_host_bytes",
+    "kv_connector_one_chunk",
     "model_identity",
 ]
 
@@ -39,7 +43,8 @@ def model_identity(model: str, load_format: str) -> str:
     return f"{model if is_builtin(model) else resolve_model(model).resolve()}:{load_format}"
 
 
-_CONNECTORS: dict[str, type[KVConnector]] = {"shared_storage": SharedStorageConnector}
+_CONNECTORS: dict[str, type[KVConnector]] = {"shared_storage": SharedStorageConnector,
+                                              "host": HostConnector}
 
 
 def create_kv_connector(config: KVConnectorConfig, role: str, spec: KVCacheSpec,
@@ -51,4 +56,10 @@ def create_kv_connector(config: KVConnectorConfig, role: str, spec: KVCacheSpec,
 def kv_connector_host_bytes(config: KVConnectorConfig, spec: KVCacheSpec) -> int:
     """The most host memory the worker side of the connector `config` names allocates for a
     cache of `spec` (`KVConnector.host_buffer_bytes`), known before it is created."""
-    return _CONNECTORS[config.kv_connector].host_buffer_bytes(spec)
+    return _CONNECTORS[config.kv_connector].host_buffer_bytes(config, spec)
+
+
+def kv_connector_one_chunk(config: KVConnectorConfig) -> bool:
+    """Whether the connector `config` names keeps each cache segment one physical allocation
+    (`KVConnector.needs_one_chunk`), known before it is created."""
+    return _CONNECTORS[config.kv_connector].needs_one_chunk

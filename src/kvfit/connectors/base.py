@@ -18,11 +18,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvfit.kv.spec import KVCacheSpec
+
+if TYPE_CHECKING:
+    from kvfit.connectors.config import KVConnectorConfig
 
 ROLES = ("scheduler", "worker")
 
@@ -38,14 +41,16 @@ class ScheduledSeq(Protocol):
 
 @dataclass(frozen=True)
 class BlockTransfer:
-    """One block to move: cache block `block_id` <-> the stored block named `key`. For a load,
-    `seq_id` and `first_token` say which sequence's tokens from where the block holds (what to
-    recompute if it cannot be loaded)."""
+    """One block to move: cache block `block_id` <-> the stored block named `key` (at `slot`,
+    for a store that keeps blocks at positions of its own). For a load, `seq_id` and
+    `first_token` say which sequence's tokens from where the block holds (what to recompute if
+    it cannot be loaded)."""
 
     block_id: int
     key: str
     seq_id: int = -1
     first_token: int = 0
+    slot: int = -1
 
 
 @dataclass
@@ -76,8 +81,15 @@ class KVConnector(ABC):
     """A connector of one role (`"scheduler"` in the engine, `"worker"` beside each cache);
     each instance serves its own role's methods only."""
 
+    needs_one_chunk: bool = True
+    """Whether each segment of the registered cache must be one physical allocation, as memory
+    registered with hardware outside the GPU (RDMA) must be: such a cache is resized by
+    recommitting it whole, which preempts every sequence. A connector that moves blocks with
+    copies through the cache's views says False, and the elastic cache keeps its cheap
+    resizes (the views are registered again after each)."""
+
     @classmethod
-    def host_buffer_bytes(cls, spec: KVCacheSpec) -> int:
+    def host_buffer_bytes(cls, config: KVConnectorConfig, spec: KVCacheSpec) -> int:
         """The most host memory the worker side allocates for a cache of `spec` once it runs
         (after the cache was sized): on the CPU, whose host memory is the device's, sizing
         keeps it free. 0 for a connector that allocates none."""
@@ -108,6 +120,11 @@ class KVConnector(ABC):
         `num_computed_tokens`."""
 
     @abstractmethod
+    def launched(self, meta: KVConnectorMetadata) -> None:
+        """The step `meta` was built for was launched: its saves will land. (A launch that
+        fails, a device out of memory, is scheduled again with new metadata.)"""
+
+    @abstractmethod
     def request_finished(self, seq: ScheduledSeq) -> None:
         """`seq` is done; forget what was kept for it."""
 
@@ -134,7 +151,9 @@ class KVConnector(ABC):
 
     @abstractmethod
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
-        """Save `meta.saves` once the step's forward has written them; returns when done."""
+        """Save `meta.saves` once the step's forward has written them. Returns when they are
+        done, or, for copies ordered on the device, once they are queued (the connector then
+        orders whatever reads or overwrites them after them)."""
 
     def num_failed_saves(self) -> int:
         """Blocks `wait_for_save` could not save since startup (for the engine's metrics);

@@ -2,19 +2,15 @@
 engine (another process, or this one after a restart) on the same model and KV layout loads
 what this one computed.
 
-A block's file name is the chained hash of its tokens and every token before it, rooted at a
-namespace that hashes the model and the KV layout, dtype and shape: equal names mean equal
-prefixes on an equal model. Files that cannot be used (truncated, corrupt, written for another
+A block's file name is its key (`connectors/chain.py`): equal names mean equal prefixes on an
+equal model. Files that cannot be used (truncated, corrupt, written for another
 model) are skipped with a warning and their blocks recomputed; a later save replaces them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +33,7 @@ from kvfit.connectors.block_file import (
     read_header,
     write_block,
 )
+from kvfit.connectors.chain import BlockChains, store_namespace
 from kvfit.connectors.config import KVConnectorConfig
 from kvfit.kv.spec import KVCacheSpec
 
@@ -78,7 +75,7 @@ class SharedStorageConnector(KVConnector):
     """
 
     @classmethod
-    def host_buffer_bytes(cls, spec: KVCacheSpec) -> int:
+    def host_buffer_bytes(cls, config: KVConnectorConfig, spec: KVCacheSpec) -> int:
         """The staging buffer at its largest: `STAGING_BLOCKS` blocks of `spec` (see
         `_staging_buffer`)."""
         return STAGING_BLOCKS * spec.block_bytes
@@ -88,15 +85,12 @@ class SharedStorageConnector(KVConnector):
         super().__init__(role)
         self.root = Path(config.kv_connector_path)
         self.block_size = spec.block_size
-        layout = "/".join(spec.dims)
-        described = {"model": model_id, "layout": layout, "dtype": str(spec.dtype),
-                     "num_segments": spec.num_segments, "block_shape": list(spec.block_shape)}
-        namespace = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+        namespace = store_namespace(model_id, spec)
         self.format = BlockFormat(spec.dtype, (spec.num_segments, *spec.block_shape), namespace)
-        self._file_meta = {"model": model_id, "layout": layout}
+        self._file_meta = {"model": model_id, "layout": "/".join(spec.dims)}
         self._warned: set[str] = set()
         # Scheduler side.
-        self._chains: dict[int, list[str]] = {}  # seq_id -> keys of its leading full blocks
+        self.chains = BlockChains(namespace, spec.block_size)
         self._pending_loads: list[BlockTransfer] = []
         self._bad_keys: set[str] = set()
         # Worker side.
@@ -117,31 +111,12 @@ class SharedStorageConnector(KVConnector):
 
     def keys_for(self, token_ids: list[int]) -> list[str]:
         """Keys of the full blocks of `token_ids`, in order."""
-        return self._extend_chain([], token_ids, len(token_ids) // self.block_size)
-
-    def block_keys(self, seq: ScheduledSeq, num_blocks: int) -> list[str]:
-        """Keys of `seq`'s first `num_blocks` full blocks, fewer where a block holds a token
-        not sampled yet (negative). Kept per sequence, extended as it grows."""
-        keys = self._chains.setdefault(seq.seq_id, [])
-        return self._extend_chain(keys, seq.token_ids, num_blocks)[:num_blocks]
-
-    def _extend_chain(self, keys: list[str], token_ids: list[int], num_blocks: int) -> list[str]:
-        """Append the keys of blocks `len(keys)..num_blocks` to `keys` (each hashes its tokens
-        onto its parent's key; the first onto the namespace), stopping at an unknown token."""
-        bs = self.block_size
-        parent = bytes.fromhex(keys[-1] if keys else self.format.namespace)
-        for i in range(len(keys), num_blocks):
-            tokens = token_ids[i * bs : (i + 1) * bs]
-            if len(tokens) < bs or min(tokens) < 0:
-                break
-            parent = hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
-            keys.append(parent.hex())
-        return keys
+        return self.chains.keys_for(token_ids)
 
     def get_num_new_matched_tokens(self, seq: ScheduledSeq) -> int:
         bs = self.block_size
         first = seq.num_computed_tokens // bs
-        keys = self.block_keys(seq, (len(seq.token_ids) - 1) // bs)
+        keys = self.chains.block_keys(seq, (len(seq.token_ids) - 1) // bs)
         hits = 0
         for key in keys[first:]:
             if not self._holds(key):
@@ -165,7 +140,7 @@ class SharedStorageConnector(KVConnector):
     def update_state_after_alloc(self, seq: ScheduledSeq, num_external_tokens: int) -> None:
         bs = self.block_size
         end = seq.num_computed_tokens // bs
-        keys = self.block_keys(seq, end)
+        keys = self.chains.block_keys(seq, end)
         for i in range(end - num_external_tokens // bs, end):
             self._pending_loads.append(BlockTransfer(seq.block_table[i], keys[i], seq.seq_id,
                                                      i * bs))
@@ -178,7 +153,7 @@ class SharedStorageConnector(KVConnector):
         planned: set[str] = set()  # two sequences may fill the same block in one step
         for seq, num_new in zip(seqs, num_new_tokens, strict=True):
             first, filled = seq.num_computed_tokens // bs, (seq.num_computed_tokens + num_new) // bs
-            for i, key in enumerate(self.block_keys(seq, filled)[first:], first):
+            for i, key in enumerate(self.chains.block_keys(seq, filled)[first:], first):
                 if key not in planned and self._needs_save(key):
                     planned.add(key)
                     meta.saves.append(BlockTransfer(seq.block_table[i], key))
@@ -192,8 +167,11 @@ class SharedStorageConnector(KVConnector):
             return True
         return not self.path(key).exists()
 
+    def launched(self, meta: KVConnectorMetadata) -> None:
+        """Nothing to record: a store's files are its own index, each there once written."""
+
     def request_finished(self, seq: ScheduledSeq) -> None:
-        self._chains.pop(seq.seq_id, None)
+        self.chains.forget(seq.seq_id)
 
     def loads_failed(self, error: KVLoadError) -> None:
         self._bad_keys |= error.bad_keys
@@ -311,7 +289,7 @@ class SharedStorageConnector(KVConnector):
     def _staging_buffer(self, num_blocks: int) -> torch.Tensor:
         """A host buffer of at least `num_blocks` (<= `STAGING_BLOCKS`) blocks, grown on demand.
 
-        Host memory, at most `host_buffer_bytes(spec)` = `STAGING_BLOCKS * spec.block_bytes`
+        Host memory, at most `host_buffer_bytes` = `STAGING_BLOCKS * spec.block_bytes`
         (Qwen3-0.6B, bf16, 16-token blocks: 64 x 1.75 MiB = 112 MiB), never two buffers at
         once. It is allocated after the KV cache was sized, so on the CPU, where the host is
         the device, the worker keeps this much out of the cache's budget; on a GPU it is pinned

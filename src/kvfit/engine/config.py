@@ -268,6 +268,7 @@ class EngineArgs:
     kv_cache_layout: str = "block_outer"
     kv_connector: str | None = None
     kv_connector_path: str | None = None
+    kv_offloading_size: float | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     worker_init_fn: str | None = None
@@ -386,6 +387,11 @@ class EngineArgs:
                        "none)")
         p.add_argument("--kv-connector-path", default=d.kv_connector_path, metavar="DIR",
                        help="the shared_storage connector's directory (created if missing)")
+        p.add_argument("--kv-offloading-size", type=float, default=d.kv_offloading_size,
+                       metavar="GIB",
+                       help="keep every full KV block in this many GiB of pinned host memory "
+                       "as well (the host connector), so a prompt whose prefix left the KV "
+                       "cache loads it rather than computing it again (default: none)")
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="devices (ranks) one model is split over (default: %(default)s)")
         p.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
@@ -525,12 +531,13 @@ class EngineArgs:
     def _kv_connector_config(self) -> KVConnectorConfig | None:
         # Each rank holds only its share of the KV heads, while a store's keys name the model
         # and the tokens alone: ranks would overwrite each other's blocks.
-        if self.kv_connector is not None and self.tensor_parallel_size > 1:
-            raise ValueError(f"kv_connector={self.kv_connector!r} stores whole blocks of one "
+        if self.tensor_parallel_size > 1 and (self.kv_connector or self.kv_offloading_size):
+            setting = "kv_connector" if self.kv_connector else "kv_offloading_size"
+            raise ValueError(f"{setting}={getattr(self, setting)!r} stores whole blocks of one "
                              f"rank; it does not support tensor_parallel_size > 1 (got "
-                             f"{self.tensor_parallel_size}): drop kv_connector or use 1")
+                             f"{self.tensor_parallel_size}): drop {setting} or use 1")
         return KVConnectorConfig.create(self.kv_connector, self.kv_connector_path,
-                                        self.kv_cache_layout)
+                                        self.kv_cache_layout, self.kv_offloading_size)
 
     def _parallel_config(self, hf_config: PretrainedConfig, device: torch.device
                          ) -> ParallelConfig:
@@ -653,7 +660,7 @@ class EngineArgs:
             raise ValueError(f"calculate_kv_scales=True (--calculate-kv-scales) sets the scales "
                              f"of an FP8 KV cache, but kv_cache_dtype is {name!r}; set "
                              f"--kv-cache-dtype fp8 or drop --calculate-kv-scales")
-        if self.calculate_kv_scales and self.kv_connector is not None:
+        if self.calculate_kv_scales and self.kv_connector not in (None, "host"):
             # Stored blocks would be read back by engines whose first step set other scales.
             raise ValueError(f"calculate_kv_scales=True gives each engine its own scales, so "
                              f"blocks kv_connector={self.kv_connector!r} stores could not be "

@@ -98,6 +98,8 @@ class EngineStats:
     num_step_tokens: int = 0  # tokens those steps computed, prompt and output
     num_decode_steps: int = 0  # of the steps: one token per sequence (no prompt chunk)
     kv_connector_failed_saves: int | None = None  # blocks not saved; None: no connector
+    # Prompt tokens whose K/V the connector's store gave (loaded, not computed); None: none.
+    kv_connector_hit_tokens: int | None = None
     # A failed resize left the KV cache released: requests wait until the engine backs it
     # again (a server's /health answers 503 meanwhile).
     kv_cache_released: bool = False
@@ -741,6 +743,8 @@ class EngineCore:
             num_step_tokens=self.scheduler.num_step_tokens,
             num_decode_steps=self.scheduler.num_decode_steps,
             kv_connector_failed_saves=failed_saves,
+            kv_connector_hit_tokens=(None if failed_saves is None
+                                     else self.scheduler.num_external_hit_tokens),
             kv_cache_released=self._kv_released_by_resize,
         )
 

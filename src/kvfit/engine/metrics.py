@@ -99,4 +99,7 @@ def engine_metrics(s: EngineStats, report: KVCacheReport) -> list[Metric]:
         metrics.append(counter("kv_connector_failed_saves", "KV blocks the connector could not "
                                "save to its store (full or unwritable; requests go on).",
                                s.kv_connector_failed_saves))
+        metrics.append(counter("kv_connector_hit_tokens", "Prompt tokens whose K/V the "
+                               "connector's store gave (loaded rather than computed).",
+                               s.kv_connector_hit_tokens))
     return metrics

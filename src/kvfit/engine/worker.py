@@ -13,6 +13,7 @@ from kvfit.connectors import (
     KVConnector,
     create_kv_connector,
     kv_connector_host_bytes,
+    kv_connector_one_chunk,
     model_identity,
 )
 from kvfit.engine import sampler
@@ -136,8 +137,9 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int, extensible: bool) -> int:
         """Create the cache (extensible: `num_blocks` is the capacity, the minimum is
         committed); return how many blocks this worker could commit for warmup. With a
-        connector the capacity is rounded up so that every segment starts on a granule."""
-        if extensible and self.config.kv_connector_config is not None:
+        one-chunk connector the capacity is rounded up so that every segment starts on a
+        granule."""
+        if extensible and self._one_chunk_connector():
             step = self.runner.kv_cache_spec.granule_block_step(
                 commit_granule(get_driver(self.device).granularity(self.device.index or 0)))
             num_blocks = -(-num_blocks // step) * step
@@ -219,13 +221,14 @@ class Worker:
 
     def measure_kv_cache_blocks(self) -> int:
         """The most blocks that fit in what is measured free within the budget, less the
-        transient and the margin; never more than the reserved capacity. With a connector, a
-        count at which every segment ends on a granule (each its own physical chunk)."""
+        transient and the margin; never more than the reserved capacity. With a one-chunk
+        connector, a count at which every segment ends on a granule (each its own physical
+        chunk)."""
         self.sized_profile = self.memory_profile()
         cache = self.runner.kv_cache
         available = self._available(self.sized_profile)
         num_blocks = min(cache.capacity_blocks, cache.blocks_that_fit(available))
-        if self.config.kv_connector_config is not None:
+        if self._one_chunk_connector():
             num_blocks = cache.granule_aligned_blocks(num_blocks)
         return num_blocks
 
@@ -247,12 +250,13 @@ class Worker:
 
     def extend_kv_cache(self, num_blocks: int) -> None:
         """Commit exactly `num_blocks` (growing, or shrinking below what warmup used). For a
-        connector the commit defragments: each segment becomes one physical allocation (RDMA
-        registration cannot span several) and warmup's contents are dropped. Under the
-        co-tenancy governor it maps small chunks, as its resizes do (~0.2 s more per 100 GiB),
-        so that its first shrink under memory pressure gives back no more than it needs."""
+        one-chunk connector the commit defragments: each segment becomes one physical
+        allocation (RDMA registration cannot span several) and warmup's contents are dropped.
+        Under the co-tenancy governor it maps small chunks, as its resizes do (~0.2 s more per
+        100 GiB), so that its first shrink under memory pressure gives back no more than it
+        needs."""
         self.runner.commit_blocks(num_blocks,
-                                  defragment=self.config.kv_connector_config is not None,
+                                  defragment=self._one_chunk_connector(),
                                   elastic=self.config.elastic is not None)
 
     def init_kv_connector(self) -> None:
@@ -286,9 +290,16 @@ class Worker:
 
     def kv_cache_one_chunk(self) -> bool:
         """Whether each segment of the extensible cache must stay one physical chunk: a KV
-        connector registered it (RDMA registration cannot span allocations). Such a cache is
-        resized by `recommit_kv_cache`, never by cutting or dropping chunks."""
-        return self.kv_connector is not None and self.runner.kv_cache is not None
+        connector that needs it registered it (`KVConnector.needs_one_chunk`: RDMA
+        registration cannot span allocations). Such a cache is resized by
+        `recommit_kv_cache`, never by cutting or dropping chunks."""
+        return (self.kv_connector is not None and self.kv_connector.needs_one_chunk
+                and self.runner.kv_cache is not None)
+
+    def _one_chunk_connector(self) -> bool:
+        """Whether the configured connector (before it exists) needs a one-chunk cache."""
+        cfg = self.config.kv_connector_config
+        return cfg is not None and kv_connector_one_chunk(cfg)
 
     def check_kv_cache_room(self, num_blocks: int) -> None:
         """Raise `VmmOutOfMemoryError`, touching nothing (no page released, the connector's
@@ -312,7 +323,7 @@ class Worker:
             connector.unregister_kv_caches()
         if not cache.is_released:
             cache.release_physical()
-        cache.recommit(defragment=connector is not None, num_blocks=num_blocks)
+        cache.recommit(defragment=self._one_chunk_connector(), num_blocks=num_blocks)
         if connector is not None:
             connector.register_kv_caches(self.runner.kv_cache_views())
 

@@ -1,0 +1,56 @@
+"""Names for full KV blocks that stores outside the engine share: a block's key is the chained
+hash of its tokens and every token before it, rooted at a namespace that hashes the model and
+the KV layout, dtype and shape. Equal keys mean equal prefixes on an equal model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+
+from kvfit.connectors.base import ScheduledSeq
+from kvfit.kv.spec import KVCacheSpec
+
+
+def store_namespace(model_id: str, spec: KVCacheSpec) -> str:
+    """The hex root of every key of a store for `model_id`'s K/V in a cache of `spec`."""
+    described = {"model": model_id, "layout": "/".join(spec.dims), "dtype": str(spec.dtype),
+                 "num_segments": spec.num_segments, "block_shape": list(spec.block_shape)}
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+
+
+class BlockChains:
+    """The keys of each sequence's full blocks, in order, kept per sequence and extended as it
+    grows (a key costs one sha256 of its block's tokens)."""
+
+    def __init__(self, namespace: str, block_size: int) -> None:
+        self.namespace = namespace
+        self.block_size = block_size
+        self._chains: dict[int, list[str]] = {}  # seq_id -> keys of its leading full blocks
+
+    def keys_for(self, token_ids: list[int]) -> list[str]:
+        """Keys of the full blocks of `token_ids`, in order."""
+        return self._extend([], token_ids, len(token_ids) // self.block_size)
+
+    def block_keys(self, seq: ScheduledSeq, num_blocks: int) -> list[str]:
+        """Keys of `seq`'s first `num_blocks` full blocks, fewer where a block holds a token
+        not sampled yet (negative)."""
+        keys = self._chains.setdefault(seq.seq_id, [])
+        return self._extend(keys, seq.token_ids, num_blocks)[:num_blocks]
+
+    def forget(self, seq_id: int) -> None:
+        """Drop what was kept for a finished sequence."""
+        self._chains.pop(seq_id, None)
+
+    def _extend(self, keys: list[str], token_ids: list[int], num_blocks: int) -> list[str]:
+        """Append the keys of blocks `len(keys)..num_blocks` to `keys` (each hashes its tokens
+        onto its parent's key; the first onto the namespace), stopping at an unknown token."""
+        bs = self.block_size
+        parent = bytes.fromhex(keys[-1] if keys else self.namespace)
+        for i in range(len(keys), num_blocks):
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            if len(tokens) < bs or min(tokens) < 0:
+                break
+            parent = hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+            keys.append(parent.hex())
+        return keys

@@ -1,0 +1,318 @@
+"""`HostConnector`: a host-memory tier under the prefix cache. Every full block the engine
+computes is copied to pinned host memory (`kv_offloading_size` GiB, least recently used blocks
+make room), and a prompt whose prefix left the device cache (evicted, preempted, or given back
+by an elastic cache to a peer engine) loads it from there instead of computing it again.
+
+Why it pays: a block of the 8B shape (2.25 MiB) crosses PCIe in ~50 us, where computing it
+again costs 16 tokens of prefill; a multi-turn conversation whose history fell out of the
+device comes back in a copy rather than a prefill of every earlier turn.
+
+What it costs a step: nothing on the device's compute. Saves run on a copy stream of their own
+once the step's forward has written their blocks; loads run on the compute stream before the
+forward that reads them. A later step that overwrites a block still being saved, or loads a
+slot still being written, waits for that save on the device (the scheduler side names it in
+the metadata); the host waits only where `MAX_SAVES_IN_FLIGHT` saves are queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from kvfit.connectors.base import (
+    BlockTransfer,
+    KVConnector,
+    KVConnectorMetadata,
+    KVLoadError,
+    ScheduledSeq,
+)
+from kvfit.connectors.chain import BlockChains, store_namespace
+from kvfit.connectors.config import KVConnectorConfig
+from kvfit.kv.spec import KVCacheSpec
+
+logger = logging.getLogger(__name__)
+
+PIECE_BYTES = 1 << 30
+"""Host memory is pinned in pieces of this size (a power of two: torch's pinned allocator
+rounds each allocation up to one, so a single 40 GiB tensor would pin 64)."""
+MAX_SAVES_IN_FLIGHT = 4
+"""Steps whose saves may be queued on the copy stream at once; the host waits for the oldest
+beyond it (a bound on what the scheduler side must track as possibly unfinished)."""
+
+
+@dataclass
+class HostConnectorMetadata(KVConnectorMetadata):
+    """`KVConnectorMetadata` with the ordering the device needs: `save_id` numbers this step's
+    saves (None: it has none); `wait_save_id` is the latest earlier save whose blocks this
+    step overwrites or whose slots it loads (None: no such)."""
+
+    save_id: int | None = None
+    wait_save_id: int | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves or self.wait_save_id is not None)
+
+
+@dataclass
+class HostStats:
+    """What the worker side moved, for tests and benchmarks."""
+
+    loaded_blocks: int = 0
+    saved_blocks: int = 0
+    host_waits: int = 0  # times the host waited for the copy stream (too many saves queued)
+
+
+class HostConnector(KVConnector):
+    """Both sides of the host tier (an instance serves one `role`).
+
+    Scheduler side: an index of block keys (`connectors/chain.py`) to slots of the host pool,
+    in least-recently-used order; hits are a prompt's leading blocks past the local prefix
+    hit that the index holds; saves are the full blocks a step fills that it does not.
+    Entries a step saves join the index only once that step was launched (`launched`).
+    Worker side: the pool, `kv_offloading_size` bytes of whole blocks pinned in
+    `PIECE_BYTES` pieces when the cache is first registered (host memory: on the CPU, where it
+    is the device's, sizing keeps it free); no device memory.
+    """
+
+    needs_one_chunk = False  # blocks move by copies through the cache's views
+
+    @classmethod
+    def host_buffer_bytes(cls, config: KVConnectorConfig, spec: KVCacheSpec) -> int:
+        """The pool: `kv_offloading_bytes` rounded down to whole blocks per piece."""
+        return num_slots(config, spec) * spec.block_bytes
+
+    def __init__(self, role: str, config: KVConnectorConfig, spec: KVCacheSpec,
+                 model_id: str) -> None:
+        super().__init__(role)
+        self.block_size = spec.block_size
+        self.block_shape = (spec.num_segments, *spec.block_shape)
+        self.dtype = spec.dtype
+        self.num_slots = num_slots(config, spec)
+        self.block_bytes = spec.block_bytes
+        self.slots_per_piece = max(1, PIECE_BYTES // spec.block_bytes)
+        if self.num_slots == 0:
+            raise ValueError(f"kv_offloading_size ({config.kv_offloading_bytes / (1 << 30):g} "
+                             f"GiB) holds no KV block of {spec.block_bytes} bytes; set it to at "
+                             f"least {spec.block_bytes / (1 << 30):.4f}")
+        # Scheduler side.
+        self.chains = BlockChains(store_namespace(model_id, spec), spec.block_size)
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recent first
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))  # popped from the end
+        self._pending_loads: list[BlockTransfer] = []
+        self._unlaunched: HostConnectorMetadata | None = None
+        self._next_save_id = 0
+        # The last MAX_SAVES_IN_FLIGHT saves (those that may still run when a step launches):
+        # (save_id, blocks read, slots written).
+        self._recent_saves: deque[tuple[int, set[int], set[int]]] = deque(
+            maxlen=MAX_SAVES_IN_FLIGHT)
+        # Worker side.
+        self._caches: list[torch.Tensor] | None = None
+        self._pieces: list[torch.Tensor] = []
+        self._stream: torch.cuda.Stream | None = None
+        self._save_events: OrderedDict[int, torch.cuda.Event] = OrderedDict()
+        self.stats = HostStats()
+
+    # -- scheduler side -----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, seq: ScheduledSeq) -> int:
+        bs = self.block_size
+        first = seq.num_computed_tokens // bs
+        hits = 0
+        for key in self.chains.block_keys(seq, (len(seq.token_ids) - 1) // bs)[first:]:
+            if key not in self._index:
+                break
+            hits += 1
+        return hits * bs
+
+    def update_state_after_alloc(self, seq: ScheduledSeq, num_external_tokens: int) -> None:
+        bs = self.block_size
+        end = seq.num_computed_tokens // bs
+        keys = self.chains.block_keys(seq, end)
+        for i in range(end - num_external_tokens // bs, end):
+            self._index.move_to_end(keys[i])
+            self._pending_loads.append(BlockTransfer(seq.block_table[i], keys[i], seq.seq_id,
+                                                     i * bs, self._index[keys[i]]))
+
+    def build_connector_meta(self, seqs: Sequence[ScheduledSeq],
+                             num_new_tokens: Sequence[int]) -> HostConnectorMetadata:
+        self._drop_unlaunched()
+        meta = HostConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        bs = self.block_size
+        loading = {t.slot for t in meta.loads}
+        written = {t.block_id for t in meta.loads}
+        planned: set[str] = set()  # two sequences may fill the same block in one step
+        for seq, num_new in zip(seqs, num_new_tokens, strict=True):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            written.update(seq.block_table[start // bs : -(-end // bs)])
+            first, filled = start // bs, end // bs
+            if filled == first:  # most decode steps: no block fills
+                continue
+            for i, key in enumerate(self.chains.block_keys(seq, filled)[first:], first):
+                if key in self._index:
+                    self._index.move_to_end(key)
+                elif key not in planned and (slot := self._take_slot(loading)) is not None:
+                    planned.add(key)
+                    meta.saves.append(BlockTransfer(seq.block_table[i], key, slot=slot))
+        meta.wait_save_id = max((save_id for save_id, blocks, slots in self._recent_saves
+                                 if blocks & written or slots & loading), default=None)
+        if meta.saves:
+            meta.save_id, self._next_save_id = self._next_save_id, self._next_save_id + 1
+            self._recent_saves.append((meta.save_id, {t.block_id for t in meta.saves},
+                                       {t.slot for t in meta.saves}))
+        self._unlaunched = meta
+        return meta
+
+    def _take_slot(self, loading: set[int]) -> int | None:
+        """A free slot, else the least recently used one's (never one this step loads from);
+        None where every slot is being loaded from."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        for key, slot in self._index.items():
+            if slot not in loading:
+                del self._index[key]
+                return slot
+        return None
+
+    def launched(self, meta: KVConnectorMetadata) -> None:
+        if meta is not self._unlaunched:
+            return
+        for t in meta.saves:
+            self._index[t.key] = t.slot
+        self._unlaunched = None
+
+    def _drop_unlaunched(self) -> None:
+        """The last metadata's launch failed (it is scheduled again): its slots hold nothing."""
+        if self._unlaunched is not None:
+            self._free_slots.extend(t.slot for t in self._unlaunched.saves)
+            self._unlaunched = None
+
+    def request_finished(self, seq: ScheduledSeq) -> None:
+        self.chains.forget(seq.seq_id)
+
+    def loads_failed(self, error: KVLoadError) -> None:
+        """Never called: a copy from host memory does not fail as a file read can."""
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks the index holds (scheduler side)."""
+        return len(self._index)
+
+    # -- worker side --------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        num_segments, *block_shape = self.block_shape
+        if len(kv_caches) != num_segments or any(
+                tuple(c.shape[1:]) != tuple(block_shape) or c.dtype != self.dtype
+                or c.shape[0] != kv_caches[0].shape[0] for c in kv_caches):
+            raise ValueError(f"expected {num_segments} caches of [blocks, *{block_shape}] "
+                             f"{self.dtype}, got {[(tuple(c.shape), c.dtype) for c in kv_caches]}")
+        self._caches = list(kv_caches)
+        if not self._pieces:
+            self._allocate_pool(kv_caches[0].device)
+
+    def _allocate_pool(self, device: torch.device) -> None:
+        pin, start = device.type == "cuda", time.perf_counter()
+        nbytes, available = self.num_slots * self.block_bytes, psutil.virtual_memory().available
+        if pin and nbytes > available:  # (on the CPU, sizing kept it out of the cache's budget)
+            raise ValueError(f"kv_offloading_size asks for {nbytes / (1 << 30):.1f} GiB of host "
+                             f"memory and {available / (1 << 30):.1f} GiB is available; lower "
+                             f"kv_offloading_size")
+        left = self.num_slots
+        while left:
+            n = min(left, self.slots_per_piece)
+            # Segment first: a run of slots is contiguous in each segment, as in the cache.
+            self._pieces.append(_host_tensor((self.block_shape[0], n, *self.block_shape[1:]),
+                                             self.dtype, pin))
+            left -= n
+        if pin:
+            self._stream = torch.cuda.Stream(device)
+        logger.info("KV offloading: %d blocks (%.1f GiB) of %shost memory in %.1f s",
+                    self.num_slots, sum(p.nbytes for p in self._pieces) / (1 << 30),
+                    "pinned " if self._pieces[0].is_pinned() else "",
+                    time.perf_counter() - start)
+
+    def unregister_kv_caches(self) -> None:
+        # The pages may go next (a resize, sleep): no save may still read them.
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._save_events.clear()
+        self._caches = None
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        caches = self._registered()
+        wait = getattr(meta, "wait_save_id", None)
+        if wait is not None and (event := self._save_events.get(wait)) is not None:
+            torch.cuda.current_stream(caches[0].device).wait_event(event)
+        for blocks, piece, slots in self._runs(meta.loads):
+            for i, cache in enumerate(caches):
+                cache[blocks].copy_(piece[i, slots], non_blocking=True)
+        self.stats.loaded_blocks += len(meta.loads)
+
+    def wait_for_save(self, meta: KVConnectorMetadata) -> None:
+        if not meta.saves:
+            return
+        caches = self._registered()
+        if self._stream is None:  # the CPU: copies in order, nothing to wait for
+            self._save(caches, meta.saves)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(caches[0].device))
+        with torch.cuda.stream(self._stream):
+            self._save(caches, meta.saves)
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        self._save_events[meta.save_id] = event
+        if len(self._save_events) > MAX_SAVES_IN_FLIGHT:
+            self._save_events.popitem(last=False)[1].synchronize()
+            self.stats.host_waits += 1
+
+    def _save(self, caches: list[torch.Tensor], saves: list[BlockTransfer]) -> None:
+        for blocks, piece, slots in self._runs(saves):
+            for i, cache in enumerate(caches):
+                piece[i, slots].copy_(cache[blocks], non_blocking=True)
+        self.stats.saved_blocks += len(saves)
+
+    def _runs(self, transfers: list[BlockTransfer]) -> Iterator[tuple[slice, torch.Tensor, slice]]:
+        """`transfers` as runs of consecutive blocks to consecutive slots of one piece, each
+        `(blocks, piece, slots)`: one copy per run and segment rather than per block."""
+        spp, i = self.slots_per_piece, 0
+        while i < len(transfers):
+            first, j = transfers[i], i + 1
+            while (j < len(transfers) and transfers[j].block_id == first.block_id + j - i
+                   and transfers[j].slot == first.slot + j - i
+                   and transfers[j].slot // spp == first.slot // spp):
+                j += 1
+            offset = first.slot % spp
+            yield (slice(first.block_id, first.block_id + j - i),
+                   self._pieces[first.slot // spp], slice(offset, offset + j - i))
+            i = j
+
+    def _registered(self) -> list[torch.Tensor]:
+        if self._caches is None:
+            raise RuntimeError("the KV connector has no cache registered (the engine is asleep "
+                               "or startup did not finish)")
+        return self._caches
+
+
+def num_slots(config: KVConnectorConfig, spec: KVCacheSpec) -> int:
+    """Blocks of `spec` the pool of `config` holds: whole blocks in each `PIECE_BYTES` piece."""
+    per_piece = max(1, PIECE_BYTES // spec.block_bytes)
+    nbytes = config.kv_offloading_bytes
+    whole, rest = divmod(nbytes, per_piece * spec.block_bytes)
+    return whole * per_piece + rest // spec.block_bytes
+
+
+def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    if pin:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError as error:  # pinned memory is capped (ulimit -l, containers)
+            logger.warning("KV offloading: no pinned host memory (%s); copies run from pageable "
+                           "memory, slower and synchronous", error)
+    return torch.empty(shape, dtype=dtype)

@@ -1,0 +1,188 @@
+"""The host-memory tier (`HostConnector`) without an engine: its index (hits, least recently
+used slots, entries only once their step was launched), the device ordering it writes into
+each step's metadata, and the worker side's copies through pieces of host memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from kvfit.connectors import KVConnectorConfig
+from kvfit.connectors import host as host_module
+from kvfit.connectors.host import MAX_SAVES_IN_FLIGHT, HostConnector, HostConnectorMetadata
+from kvfit.kv.spec import KVCacheSpec
+
+BS = 4
+SPEC = KVCacheSpec(num_layers=2, block_size=BS, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+
+
+@dataclass
+class Seq:
+    """What a connector reads from a sequence."""
+
+    seq_id: int
+    token_ids: list[int]
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+
+def config(num_blocks: int, spec: KVCacheSpec = SPEC) -> KVConnectorConfig:
+    return KVConnectorConfig("host", kv_offloading_bytes=num_blocks * spec.block_bytes)
+
+
+def scheduler_side(num_blocks: int) -> HostConnector:
+    return HostConnector("scheduler", config(num_blocks), SPEC, "model")
+
+
+def prefill(conn: HostConnector, seq: Seq, launch: bool = True) -> HostConnectorMetadata:
+    """One step computing all of `seq`'s tokens from `num_computed_tokens`, then advanced."""
+    num_new = len(seq.token_ids) - seq.num_computed_tokens
+    meta = conn.build_connector_meta([seq], [num_new])
+    if launch:
+        conn.launched(meta)
+        seq.num_computed_tokens += num_new
+    return meta
+
+
+def prompt(first: int, num_blocks: int) -> list[int]:
+    """`num_blocks` full blocks and one token more (the last token is never a hit)."""
+    return list(range(first, first + num_blocks * BS + 1))
+
+
+def test_a_prefix_saved_once_is_a_hit_for_the_next_sequence_and_loads_from_its_slots() -> None:
+    conn = scheduler_side(8)
+    first = Seq(0, prompt(100, 3), block_table=[5, 6, 7, 8])
+    meta = prefill(conn, first)
+    assert [(t.block_id, t.slot) for t in meta.saves] == [(5, 0), (6, 1), (7, 2)]
+    assert meta.save_id == 0 and meta.loads == []
+    conn.request_finished(first)
+
+    # Two blocks of the same prefix, then its own tokens: the local hit was one block.
+    second = Seq(1, prompt(100, 2) + [7] * 9, [5, 10, 11, 12], num_computed_tokens=BS)
+    assert conn.get_num_new_matched_tokens(second) == BS  # block 1 of the chain, not block 2
+    second.num_computed_tokens += BS
+    conn.update_state_after_alloc(second, BS)
+    meta = conn.build_connector_meta([second], [len(second.token_ids) - 2 * BS])
+    assert [(t.block_id, t.slot, t.first_token) for t in meta.loads] == [(10, 1, BS)]
+    # Its third and fourth blocks are new (its own tokens): saved to the next free slots.
+    assert [(t.block_id, t.slot) for t in meta.saves] == [(11, 3), (12, 4)]
+
+
+def test_the_least_recently_used_slot_makes_room_and_its_key_is_no_hit() -> None:
+    conn = scheduler_side(4)
+    a, b = Seq(0, prompt(0, 2), [0, 1, 2]), Seq(1, prompt(1000, 2), [3, 4, 5])
+    prefill(conn, a)
+    prefill(conn, b)  # four slots in use
+    assert conn.num_cached_blocks == 4
+    # `a` comes back (a hit, so its blocks are the most recent), then a third prompt needs two
+    # slots: `b`'s, the least recently used.
+    again = Seq(2, prompt(0, 2), [6, 7, 8])
+    assert conn.get_num_new_matched_tokens(again) == 2 * BS
+    again.num_computed_tokens = 2 * BS
+    conn.update_state_after_alloc(again, 2 * BS)
+    prefill(conn, again)
+    c = Seq(3, prompt(5000, 2), [9, 10, 11])
+    meta = prefill(conn, c)
+    assert sorted(t.slot for t in meta.saves) == [2, 3]  # b's
+    assert conn.get_num_new_matched_tokens(Seq(4, prompt(1000, 2))) == 0
+    assert conn.get_num_new_matched_tokens(Seq(5, prompt(0, 2))) == 2 * BS
+
+
+def test_a_step_whose_launch_failed_leaves_no_entry_and_frees_its_slots() -> None:
+    # A device out of memory fails the launch; the engine schedules the step again.
+    conn = scheduler_side(4)
+    seq = Seq(0, prompt(0, 2), [0, 1, 2])
+    failed = prefill(conn, seq, launch=False)
+    assert [t.slot for t in failed.saves] == [0, 1]
+    assert conn.get_num_new_matched_tokens(Seq(1, prompt(0, 2))) == 0  # nothing saved yet
+    retried = prefill(conn, seq)
+    assert sorted(t.slot for t in retried.saves) == [0, 1]  # the same slots, free again
+    assert conn.num_cached_blocks == 2
+    assert conn.get_num_new_matched_tokens(Seq(1, prompt(0, 2))) == 2 * BS
+
+
+def test_a_step_that_overwrites_a_block_still_being_saved_waits_for_that_save() -> None:
+    conn = scheduler_side(64)
+    prefill(conn, Seq(0, prompt(0, 2), [0, 1, 2]))  # save 0 reads blocks 0 and 1
+    quiet = prefill(conn, Seq(1, prompt(500, 1), [3, 4]))  # save 1: block 3
+    assert quiet.wait_save_id is None and quiet.save_id == 1
+    # Block 1 freed and handed to another sequence, which writes it.
+    reuse = prefill(conn, Seq(2, prompt(900, 1), [1, 5]))
+    assert reuse.wait_save_id == 0 and bool(reuse)
+    # Saves older than the last MAX_SAVES_IN_FLIGHT are done (the worker waits for them).
+    for n in range(MAX_SAVES_IN_FLIGHT):
+        prefill(conn, Seq(10 + n, prompt(2000 + 100 * n, 1), [20 + 2 * n, 21 + 2 * n]))
+    assert prefill(conn, Seq(30, prompt(7000, 1), [0, 40])).wait_save_id is None
+
+
+def test_a_load_from_a_slot_still_being_written_waits_for_that_save() -> None:
+    conn = scheduler_side(64)
+    prefill(conn, Seq(0, prompt(0, 2), [0, 1, 2]))  # save 0 writes slots 0 and 1
+    seq = Seq(1, prompt(0, 2), [7, 8, 9])
+    seq.num_computed_tokens = conn.get_num_new_matched_tokens(seq)
+    conn.update_state_after_alloc(seq, seq.num_computed_tokens)
+    meta = conn.build_connector_meta([seq], [1])
+    assert [t.slot for t in meta.loads] == [0, 1] and meta.wait_save_id == 0
+
+
+def worker_side(num_slots: int, num_blocks: int = 16, spec: KVCacheSpec = SPEC,
+                ) -> tuple[HostConnector, list[torch.Tensor]]:
+    conn = HostConnector("worker", config(num_slots, spec), spec, "model")
+    caches = [torch.randn(num_blocks, *spec.block_shape).to(spec.dtype)
+              for _ in range(spec.num_segments)]
+    conn.register_kv_caches(caches)
+    return conn, caches
+
+
+@pytest.mark.parametrize("layout", ["block_outer", "layer_outer"])
+def test_blocks_saved_and_loaded_come_back_exactly_across_pieces(layout, monkeypatch) -> None:
+    spec = KVCacheSpec(num_layers=2, block_size=BS, num_kv_heads=2, head_dim=8,
+                       dtype=torch.bfloat16, layout=layout)
+    monkeypatch.setattr(host_module, "PIECE_BYTES", 3 * spec.block_bytes)  # 3 slots a piece
+    conn, caches = worker_side(7, spec=spec)
+    assert [p.shape[1] for p in conn._pieces] == [3, 3, 1]
+    # Runs of consecutive blocks and slots, one crossing a piece boundary, one out of order.
+    pairs = [(2, 1), (3, 2), (4, 3), (5, 4), (9, 6), (0, 0)]
+    before = [c.clone() for c in caches]
+    conn.wait_for_save(HostConnectorMetadata(saves=[
+        host_module.BlockTransfer(b, f"k{b}", slot=s) for b, s in pairs], save_id=0))
+    for c in caches:
+        c.zero_()
+    targets = [(10, 1), (11, 2), (12, 3), (13, 4), (14, 6), (15, 0)]
+    conn.start_load_kv(HostConnectorMetadata(loads=[
+        host_module.BlockTransfer(b, f"k{b}", slot=s) for b, s in targets]))
+    source = dict((s, b) for b, s in pairs)
+    for cache, old in zip(caches, before, strict=True):
+        for b, s in targets:
+            assert torch.equal(cache[b], old[source[s]])
+    assert conn.stats.saved_blocks == conn.stats.loaded_blocks == len(pairs)
+
+
+def test_the_pool_is_whole_blocks_in_power_of_two_pieces(monkeypatch) -> None:
+    monkeypatch.setattr(host_module, "PIECE_BYTES", 4 * SPEC.block_bytes)
+    cfg = KVConnectorConfig("host", kv_offloading_bytes=10 * SPEC.block_bytes + 5)
+    assert host_module.num_slots(cfg, SPEC) == 10
+    assert HostConnector.host_buffer_bytes(cfg, SPEC) == 10 * SPEC.block_bytes
+    conn = HostConnector("worker", cfg, SPEC, "model")
+    conn.register_kv_caches([torch.zeros(4, *SPEC.block_shape)])
+    assert sum(p.nbytes for p in conn._pieces) == 10 * SPEC.block_bytes
+    conn.unregister_kv_caches()
+    conn.register_kv_caches([torch.zeros(6, *SPEC.block_shape)])  # a resize: the pool stays
+    assert len(conn._pieces) == 3
+
+
+def test_a_size_under_one_block_names_the_setting() -> None:
+    with pytest.raises(ValueError, match="kv_offloading_size .* holds no KV block"):
+        HostConnector("scheduler", KVConnectorConfig("host", kv_offloading_bytes=8), SPEC, "m")
+
+
+def test_a_pool_larger_than_the_hosts_available_memory_names_the_setting(monkeypatch) -> None:
+    # On a GPU the pool is pinned host memory, outside the device's budget: checked up front.
+    conn = HostConnector("worker", config(8), SPEC, "model")
+    monkeypatch.setattr(host_module.psutil, "virtual_memory",
+                        lambda: type("Memory", (), {"available": 7 * SPEC.block_bytes})())
+    with pytest.raises(ValueError, match="lower kv_offloading_size"):
+        conn._allocate_pool(torch.device("cuda"))
+    assert conn._pieces == []

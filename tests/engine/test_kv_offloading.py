@@ -1,0 +1,125 @@
+"""The host-memory tier (`--kv-offloading-size`) in an engine on the CPU (host driver): prefixes
+that left the KV cache load from host memory with identical greedy outputs; a cache too small
+for the batch reloads what it evicted; resizes keep the cache's chunks (no recommit) and the
+tier follows them; the settings' errors name the setting."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvfit import LLM, SamplingParams
+from kvfit.connectors import HostConnector
+from kvfit.engine.config import EngineArgs
+from kvfit.engine.worker import Worker
+
+BLOCK_SIZE = 16
+SETTINGS = dict(device="cpu", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=256,
+                block_size=BLOCK_SIZE)
+# Distinct first tokens: no two prompts share a block.
+PROMPTS = [{"prompt_token_ids": list(range(3 + i, 60 + 9 * i))} for i in range(4)]
+FULL_PREFIX_BLOCKS = sum((len(p["prompt_token_ids"]) - 1) // BLOCK_SIZE for p in PROMPTS)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+GIB = 1 << 30
+
+
+def outputs(llm: LLM, prompts: list[dict] = PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def worker(llm: LLM) -> Worker:
+    return llm.engine.executor.workers[0]
+
+
+def tier(llm: LLM) -> tuple[HostConnector, HostConnector]:
+    """The scheduler side and the worker side."""
+    return llm.engine.scheduler.kv_connector, worker(llm).kv_connector
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3: Path) -> list[list[int]]:
+    """Greedy outputs of an engine without the tier."""
+    llm = LLM(str(qwen3), **SETTINGS)
+    try:
+        return outputs(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture
+def offloading(qwen3: Path) -> LLM:
+    llm = LLM(str(qwen3), kv_offloading_size=0.01, **SETTINGS)
+    yield llm
+    llm.shutdown()
+
+
+def test_prefixes_the_cache_lost_load_from_host_memory_with_identical_outputs(
+        offloading, reference) -> None:
+    scheduler_side, worker_side = tier(offloading)
+    assert isinstance(scheduler_side, HostConnector)
+    assert outputs(offloading) == reference
+    assert scheduler_side.num_cached_blocks >= FULL_PREFIX_BLOCKS
+    assert worker_side.stats.loaded_blocks == 0
+    offloading.reset_prefix_cache()  # the device cache forgets every prefix
+    assert outputs(offloading) == reference
+    assert worker_side.stats.loaded_blocks == FULL_PREFIX_BLOCKS
+    assert offloading.engine.stats().kv_connector_hit_tokens == FULL_PREFIX_BLOCKS * BLOCK_SIZE
+    # Loaded blocks are local prefix hits from then on: a repeat loads nothing more.
+    assert outputs(offloading) == reference
+    assert worker_side.stats.loaded_blocks == FULL_PREFIX_BLOCKS
+
+
+def test_a_cache_too_small_for_the_batch_reloads_what_it_evicted(qwen3, reference) -> None:
+    # Room for about two prompts at once: each round evicts the others' prefixes.
+    llm = LLM(str(qwen3), kv_offloading_size=0.01, num_gpu_blocks_override=16,
+              enable_extensible_kv_cache=False, **SETTINGS)
+    try:
+        for _ in range(3):
+            assert outputs(llm) == reference
+        assert tier(llm)[1].stats.loaded_blocks > 0
+        assert llm.engine.scheduler.num_external_hit_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+def test_resizes_keep_the_caches_chunks_and_the_tier_follows_them(offloading, reference) -> None:
+    w, worker_side = worker(offloading), tier(offloading)[1]
+    assert not w.kv_cache_one_chunk()  # no recommit: resizes cut or map chunks
+    assert outputs(offloading) == reference
+    cache, before = w.runner.kv_cache, offloading.engine.scheduler.block_manager.num_blocks
+    floor = offloading.engine.kv_resizer.floor
+    offloading.resize_kv_cache(max(floor, before // 2))
+    views = worker_side._caches
+    assert views[0].shape[0] == cache.committed_blocks == max(floor, before // 2)
+    offloading.resize_kv_cache(before)
+    assert worker_side._caches[0].shape[0] == before
+    offloading.reset_prefix_cache()
+    assert outputs(offloading) == reference
+    assert worker_side.stats.loaded_blocks == FULL_PREFIX_BLOCKS
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kv_connector="host"), r"needs the host memory .* set kv_offloading_size"),
+    (dict(kv_connector="host", kv_offloading_size=1.0, kv_connector_path="x"),
+     "drop kv_connector_path"),
+    (dict(kv_connector="shared_storage", kv_connector_path="x", kv_offloading_size=1.0),
+     "kv_offloading_size keeps blocks in host memory"),
+    (dict(kv_offloading_size=0.0), "kv_offloading_size must be a positive number of GiB"),
+    (dict(kv_offloading_size=float("nan")), "kv_offloading_size must be a positive"),
+    (dict(kv_offloading_size=1e-9), r"kv_offloading_size .* holds no KV block"),
+    (dict(kv_offloading_size=1.0, tensor_parallel_size=2),
+     r"kv_offloading_size=1.0 .* does not support tensor_parallel_size > 1"),
+    (dict(kv_offloading_size=1.0, kv_cache_layout="head_major"),
+     "KV connector cannot register"),
+])
+def test_bad_offloading_settings_name_the_setting(qwen3, kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        LLM(str(qwen3), **{**SETTINGS, **kwargs})
+
+
+def test_the_cli_flag_reaches_the_engine_args() -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--kv-offloading-size", "2.5"]))
+    assert (args.kv_offloading_size, args.kv_connector) == (2.5, None)
