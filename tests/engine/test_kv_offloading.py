@@ -10,42 +10,25 @@ from pathlib import Path
 
 import pytest
 
-from kvfit import LLM, SamplingParams
+from kvfit import LLM
 from kvfit.connectors import HostConnector
 from kvfit.engine.config import EngineArgs
-from kvfit.engine.worker import Worker
 
-BLOCK_SIZE = 16
-SETTINGS = dict(device="cpu", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=256,
-                block_size=BLOCK_SIZE)
-# Distinct first tokens: no two prompts share a block.
-PROMPTS = [{"prompt_token_ids": list(range(3 + i, 60 + 9 * i))} for i in range(4)]
-FULL_PREFIX_BLOCKS = sum((len(p["prompt_token_ids"]) - 1) // BLOCK_SIZE for p in PROMPTS)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-GIB = 1 << 30
+from .test_kv_connector import (
+    BLOCK_SIZE,
+    SETTINGS,
+    outputs,
+    reference,  # noqa: F401 (a fixture: the outputs of an engine without a connector)
+    worker,
+)
+from .test_kv_connector import FULL_PREFIX_BLOCKS as PROMPT_BLOCKS
 
-
-def outputs(llm: LLM, prompts: list[dict] = PROMPTS) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-
-
-def worker(llm: LLM) -> Worker:
-    return llm.engine.executor.workers[0]
+FULL_PREFIX_BLOCKS = sum(PROMPT_BLOCKS)
 
 
 def tier(llm: LLM) -> tuple[HostConnector, HostConnector]:
     """The scheduler side and the worker side."""
     return llm.engine.scheduler.kv_connector, worker(llm).kv_connector
-
-
-@pytest.fixture(scope="module")
-def reference(qwen3: Path) -> list[list[int]]:
-    """Greedy outputs of an engine without the tier."""
-    llm = LLM(str(qwen3), **SETTINGS)
-    try:
-        return outputs(llm)
-    finally:
-        llm.shutdown()
 
 
 @pytest.fixture
@@ -56,7 +39,7 @@ def offloading(qwen3: Path) -> LLM:
 
 
 def test_prefixes_the_cache_lost_load_from_host_memory_with_identical_outputs(
-        offloading, reference) -> None:
+        offloading, reference) -> None:  # noqa: F811
     scheduler_side, worker_side = tier(offloading)
     assert isinstance(scheduler_side, HostConnector)
     assert outputs(offloading) == reference
@@ -71,7 +54,8 @@ def test_prefixes_the_cache_lost_load_from_host_memory_with_identical_outputs(
     assert worker_side.stats.loaded_blocks == FULL_PREFIX_BLOCKS
 
 
-def test_a_cache_too_small_for_the_batch_reloads_what_it_evicted(qwen3, reference) -> None:
+def test_a_cache_too_small_for_the_batch_reloads_what_it_evicted(
+        qwen3, reference) -> None:  # noqa: F811
     # Room for about two prompts at once: each round evicts the others' prefixes.
     llm = LLM(str(qwen3), kv_offloading_size=0.01, num_gpu_blocks_override=16,
               enable_extensible_kv_cache=False, **SETTINGS)
@@ -84,7 +68,8 @@ def test_a_cache_too_small_for_the_batch_reloads_what_it_evicted(qwen3, referenc
         llm.shutdown()
 
 
-def test_resizes_keep_the_caches_chunks_and_the_tier_follows_them(offloading, reference) -> None:
+def test_resizes_keep_the_caches_chunks_and_the_tier_follows_them(
+        offloading, reference) -> None:  # noqa: F811
     w, worker_side = worker(offloading), tier(offloading)[1]
     assert not w.kv_cache_one_chunk()  # no recommit: resizes cut or map chunks
     assert outputs(offloading) == reference

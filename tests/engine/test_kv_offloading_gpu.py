@@ -10,26 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfit import LLM, SamplingParams
+from kvfit import LLM
 from kvfit.connectors import BlockTransfer, HostConnector, KVConnectorConfig
 from kvfit.connectors.host import HostConnectorMetadata
 from kvfit.kv.spec import KVCacheSpec
 
+from .test_kv_connector_gpu import BLOCK_SIZE, LENGTHS, outputs
+
 pytestmark = pytest.mark.gpu
-
-BLOCK_SIZE = 16
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-LENGTHS = (1, 7, 16, 33, 64, 100, 300)
-
-
-def prompts() -> list[dict[str, list[int]]]:
-    g = torch.Generator().manual_seed(0)
-    return [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()}
-            for n in LENGTHS]
-
-
-def outputs(llm: LLM) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("layout", ["block_outer", "layer_outer"])
