@@ -245,9 +245,9 @@ class HostConnector(KVConnector):
         self._save_events.clear()
         self._caches = None
 
-    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+    def start_load_kv(self, meta: HostConnectorMetadata) -> None:
         caches = self._registered()
-        wait = getattr(meta, "wait_save_id", None)
+        wait = meta.wait_save_id
         if wait is not None and (event := self._save_events.get(wait)) is not None:
             torch.cuda.current_stream(caches[0].device).wait_event(event)
         for blocks, piece, slots in self._runs(meta.loads):
@@ -255,7 +255,7 @@ class HostConnector(KVConnector):
                 cache[blocks].copy_(piece[i, slots], non_blocking=True)
         self.stats.loaded_blocks += len(meta.loads)
 
-    def wait_for_save(self, meta: KVConnectorMetadata) -> None:
+    def wait_for_save(self, meta: HostConnectorMetadata) -> None:
         if not meta.saves:
             return
         caches = self._registered()

@@ -743,7 +743,7 @@ class EngineCore:
             num_step_tokens=self.scheduler.num_step_tokens,
             num_decode_steps=self.scheduler.num_decode_steps,
             kv_connector_failed_saves=failed_saves,
-            kv_connector_hit_tokens=(None if failed_saves is None
+            kv_connector_hit_tokens=(None if self.config.kv_connector_config is None
                                      else self.scheduler.num_external_hit_tokens),
             kv_cache_released=self._kv_released_by_resize,
         )
