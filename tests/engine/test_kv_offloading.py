@@ -108,3 +108,16 @@ def test_the_cli_flag_reaches_the_engine_args() -> None:
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = EngineArgs.from_cli_args(parser.parse_args(["--kv-offloading-size", "2.5"]))
     assert (args.kv_offloading_size, args.kv_connector) == (2.5, None)
+
+
+def test_after_sleep_and_wake_prefixes_load_from_host_memory(qwen3, reference) -> None:  # noqa: F811
+    # Sleep drops the KV cache's pages and the prefix cache with them; the tier keeps its copy.
+    llm = LLM(str(qwen3), kv_offloading_size=0.01, enable_sleep_mode=True, **SETTINGS)
+    try:
+        assert outputs(llm) == reference
+        llm.sleep(level=1)
+        llm.wake_up()
+        assert outputs(llm) == reference
+        assert tier(llm)[1].stats.loaded_blocks == FULL_PREFIX_BLOCKS
+    finally:
+        llm.shutdown()
