@@ -50,19 +50,23 @@ def test_forgotten_prefixes_load_from_pinned_memory_with_a_local_hits_outputs(
 
 def test_a_block_overwritten_while_its_save_is_queued_reaches_host_memory_as_it_was() -> None:
     # 256 MiB of blocks: their copy to the host takes milliseconds, the overwrite microseconds.
+    # Without the wait the copy reads zeros (seen on an H100 in one round of two), so three
+    # rounds, each saving fresh values into the same slots.
     spec = KVCacheSpec(num_layers=8, block_size=BLOCK_SIZE, num_kv_heads=8, head_dim=128,
                        dtype=torch.bfloat16)
     num_blocks = (256 << 20) // spec.block_bytes
     conn = HostConnector("worker", KVConnectorConfig(
         "host", kv_offloading_bytes=num_blocks * spec.block_bytes), spec, "model")
-    cache = torch.randn(num_blocks, *spec.block_shape, device="cuda").to(spec.dtype)
-    expected = cache.clone()
+    cache = torch.empty(num_blocks, *spec.block_shape, device="cuda", dtype=spec.dtype)
     conn.register_kv_caches([cache])
     every = [BlockTransfer(b, str(b), slot=b) for b in range(num_blocks)]
-    conn.wait_for_save(HostConnectorMetadata(saves=every, save_id=0))
-    # The next step writes every block (what its forward would): it waits for save 0 first.
-    conn.start_load_kv(HostConnectorMetadata(wait_save_id=0))
-    cache.zero_()
-    conn.start_load_kv(HostConnectorMetadata(loads=every))
-    torch.cuda.synchronize()
-    assert torch.equal(cache, expected)
+    for save_id in range(3):
+        cache.normal_()
+        expected = cache.clone()
+        conn.wait_for_save(HostConnectorMetadata(saves=every, save_id=save_id))
+        # The next step writes every block (what its forward would): it waits for the save.
+        conn.start_load_kv(HostConnectorMetadata(wait_save_id=save_id))
+        cache.zero_()
+        conn.start_load_kv(HostConnectorMetadata(loads=every))
+        torch.cuda.synchronize()
+        assert torch.equal(cache, expected), f"round {save_id}"
