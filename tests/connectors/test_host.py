@@ -90,6 +90,24 @@ def test_the_least_recently_used_slot_makes_room_and_its_key_is_no_hit() -> None
     assert conn.get_num_new_matched_tokens(Seq(5, prompt(0, 2))) == 2 * BS
 
 
+def test_a_full_pool_evicts_a_chain_from_its_end_so_its_prefix_stays_a_hit() -> None:
+    # A block is a hit only after its parent: evicting a chain's head would strand the rest.
+    conn = scheduler_side(3)
+    prefill(conn, Seq(0, prompt(0, 3), [0, 1, 2, 3]))  # the pool is full: one chain
+    assert conn.get_num_new_matched_tokens(Seq(1, prompt(0, 3))) == 3 * BS
+    meta = prefill(conn, Seq(2, prompt(900, 1), [4, 5]))
+    assert [t.slot for t in meta.saves] == [2]  # the chain's third block's slot
+    assert conn.get_num_new_matched_tokens(Seq(3, prompt(0, 3))) == 2 * BS
+    # Loaded again, the chain is touched from its end: its head is the last to go.
+    again = Seq(4, prompt(0, 2), [6, 7, 8])
+    again.num_computed_tokens = conn.get_num_new_matched_tokens(again)
+    conn.update_state_after_alloc(again, again.num_computed_tokens)
+    prefill(conn, again)
+    # Two blocks to save: the other prompt's (least recent), then the chain's second.
+    prefill(conn, Seq(5, prompt(2000, 2), [9, 10, 11]))
+    assert conn.get_num_new_matched_tokens(Seq(6, prompt(0, 2))) == BS
+
+
 def test_a_step_whose_launch_failed_leaves_no_entry_and_frees_its_slots() -> None:
     # A device out of memory fails the launch; the engine schedules the step again.
     conn = scheduler_side(4)

@@ -135,9 +135,9 @@ class HostConnector(KVConnector):
         end = seq.num_computed_tokens // bs
         keys = self.chains.block_keys(seq, end)
         for i in range(end - num_external_tokens // bs, end):
-            self._index.move_to_end(keys[i])
             self._pending_loads.append(BlockTransfer(seq.block_table[i], keys[i], seq.seq_id,
                                                      i * bs, self._index[keys[i]]))
+        self._touch(keys[end - num_external_tokens // bs : end])
 
     def build_connector_meta(self, seqs: Sequence[ScheduledSeq],
                              num_new_tokens: Sequence[int]) -> HostConnectorMetadata:
@@ -148,6 +148,7 @@ class HostConnector(KVConnector):
         loading = {t.slot for t in meta.loads}
         written = {t.block_id for t in meta.loads}
         planned: set[str] = set()  # two sequences may fill the same block in one step
+        reused: list[str] = []
         for seq, num_new in zip(seqs, num_new_tokens, strict=True):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             written.update(seq.block_table[start // bs : -(-end // bs)])
@@ -156,10 +157,11 @@ class HostConnector(KVConnector):
                 continue
             for i, key in enumerate(self.chains.block_keys(seq, filled)[first:], first):
                 if key in self._index:
-                    self._index.move_to_end(key)
+                    reused.append(key)
                 elif key not in planned and (slot := self._take_slot(loading)) is not None:
                     planned.add(key)
                     meta.saves.append(BlockTransfer(seq.block_table[i], key, slot=slot))
+        self._touch(reused)
         meta.wait_save_id = max((save_id for save_id, blocks, slots in self._recent_saves
                                  if blocks & written or slots & loading), default=None)
         if meta.saves:
@@ -183,9 +185,16 @@ class HostConnector(KVConnector):
     def launched(self, meta: KVConnectorMetadata) -> None:
         if meta is not self._unlaunched:
             return
-        for t in meta.saves:
+        for t in reversed(meta.saves):  # a chain's head the most recent, as in `_touch`
             self._index[t.key] = t.slot
         self._unlaunched = None
+
+    def _touch(self, keys: list[str]) -> None:
+        """Mark `keys` (a chain's blocks in order) used now, its last block least recently:
+        the pool evicts a chain from its end, so what stays is a prefix, still a hit (a block
+        whose parent is gone can never be one)."""
+        for key in reversed(keys):
+            self._index.move_to_end(key)
 
     def _drop_unlaunched(self) -> None:
         """The last metadata's launch failed (it is scheduled again): its slots hold nothing."""
