@@ -108,6 +108,20 @@ def test_a_full_pool_evicts_a_chain_from_its_end_so_its_prefix_stays_a_hit() -> 
     assert conn.get_num_new_matched_tokens(Seq(6, prompt(0, 2))) == BS
 
 
+def test_blocks_a_step_fills_again_are_not_the_room_its_new_blocks_take() -> None:
+    conn = scheduler_side(2)
+    prefill(conn, Seq(0, prompt(0, 1), [0, 1]))
+    prefill(conn, Seq(1, prompt(500, 1), [2, 3]))  # full: the first prompt's block is oldest
+    # One step: the first prompt computed again (no hit taken, as with prompt logprobs) and
+    # a new prompt whose block needs a slot: the second prompt's is the one to go.
+    meta = conn.build_connector_meta([Seq(2, prompt(0, 1), [4, 5]), Seq(3, prompt(900, 1),
+                                                                       [6, 7])], [BS + 1] * 2)
+    conn.launched(meta)
+    assert [(t.block_id, t.slot) for t in meta.saves] == [(6, 1)]
+    assert conn.get_num_new_matched_tokens(Seq(4, prompt(0, 1))) == BS
+    assert conn.get_num_new_matched_tokens(Seq(5, prompt(500, 1))) == 0
+
+
 def test_a_step_whose_launch_failed_leaves_no_entry_and_frees_its_slots() -> None:
     # A device out of memory fails the launch; the engine schedules the step again.
     conn = scheduler_side(4)

@@ -148,20 +148,21 @@ class HostConnector(KVConnector):
         loading = {t.slot for t in meta.loads}
         written = {t.block_id for t in meta.loads}
         planned: set[str] = set()  # two sequences may fill the same block in one step
-        reused: list[str] = []
         for seq, num_new in zip(seqs, num_new_tokens, strict=True):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             written.update(seq.block_table[start // bs : -(-end // bs)])
             first, filled = start // bs, end // bs
             if filled == first:  # most decode steps: no block fills
                 continue
-            for i, key in enumerate(self.chains.block_keys(seq, filled)[first:], first):
-                if key in self._index:
-                    reused.append(key)
-                elif key not in planned and (slot := self._take_slot(loading)) is not None:
+            keys = self.chains.block_keys(seq, filled)[first:]
+            # Blocks the pool holds already are used now, before any slot is taken for the
+            # others: the pool makes room from what this step does not touch.
+            self._touch([key for key in keys if key in self._index])
+            for i, key in enumerate(keys, first):
+                if key not in self._index and key not in planned and (
+                        slot := self._take_slot(loading)) is not None:
                     planned.add(key)
                     meta.saves.append(BlockTransfer(seq.block_table[i], key, slot=slot))
-        self._touch(reused)
         meta.wait_save_id = max((save_id for save_id, blocks, slots in self._recent_saves
                                  if blocks & written or slots & loading), default=None)
         if meta.saves:
