@@ -238,10 +238,11 @@ class HostConnector(KVConnector):
         while left:
             n = min(left, self.slots_per_piece)
             # Segment first: a run of slots is contiguous in each segment, as in the cache.
-            self._pieces.append(_host_tensor((self.block_shape[0], n, *self.block_shape[1:]),
-                                             self.dtype, pin))
+            piece = _host_tensor((self.block_shape[0], n, *self.block_shape[1:]), self.dtype, pin)
+            pin = pin and piece.is_pinned()  # once pinning failed (and warned), pageable
+            self._pieces.append(piece)
             left -= n
-        if pin:
+        if device.type == "cuda":
             self._stream = torch.cuda.Stream(device)
         logger.info("KV offloading: %d blocks (%.1f GiB) of %shost memory in %.1f s",
                     self.num_slots, sum(p.nbytes for p in self._pieces) / (1 << 30),
