@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
+from collections.abc import Callable
 
 from kvfit.connectors.base import ScheduledSeq
 from kvfit.kv.spec import KVCacheSpec
@@ -37,6 +38,25 @@ class BlockChains:
         not sampled yet (negative)."""
         keys = self._chains.setdefault(seq.seq_id, [])
         return self._extend(keys, seq.token_ids, num_blocks)[:num_blocks]
+
+    def num_hit_tokens(self, seq: ScheduledSeq, holds: Callable[[str], bool]) -> int:
+        """Tokens past `seq.num_computed_tokens` (block aligned) in the leading whole blocks
+        whose keys a store `holds`; never the last token (it is sampled from)."""
+        bs = self.block_size
+        hits = 0
+        for key in self.block_keys(seq, (len(seq.token_ids) - 1) // bs)[
+                seq.num_computed_tokens // bs :]:
+            if not holds(key):
+                break
+            hits += 1
+        return hits * bs
+
+    def hit_blocks(self, seq: ScheduledSeq, num_hit_tokens: int) -> list[tuple[int, str]]:
+        """`(index, key)` of the blocks of `seq`'s `num_hit_tokens` store hits, the ones right
+        before its `num_computed_tokens` (which counts them): what the store loads."""
+        end = seq.num_computed_tokens // self.block_size
+        keys = self.block_keys(seq, end)
+        return [(i, keys[i]) for i in range(end - num_hit_tokens // self.block_size, end)]
 
     def forget(self, seq_id: int) -> None:
         """Drop what was kept for a finished sequence."""

@@ -121,23 +121,14 @@ class HostConnector(KVConnector):
     # -- scheduler side -----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, seq: ScheduledSeq) -> int:
-        bs = self.block_size
-        first = seq.num_computed_tokens // bs
-        hits = 0
-        for key in self.chains.block_keys(seq, (len(seq.token_ids) - 1) // bs)[first:]:
-            if key not in self._index:
-                break
-            hits += 1
-        return hits * bs
+        return self.chains.num_hit_tokens(seq, self._index.__contains__)
 
     def update_state_after_alloc(self, seq: ScheduledSeq, num_external_tokens: int) -> None:
-        bs = self.block_size
-        end = seq.num_computed_tokens // bs
-        keys = self.chains.block_keys(seq, end)
-        for i in range(end - num_external_tokens // bs, end):
-            self._pending_loads.append(BlockTransfer(seq.block_table[i], keys[i], seq.seq_id,
-                                                     i * bs, self._index[keys[i]]))
-        self._touch(keys[end - num_external_tokens // bs : end])
+        hits = self.chains.hit_blocks(seq, num_external_tokens)
+        self._pending_loads += [BlockTransfer(seq.block_table[i], key, seq.seq_id,
+                                              i * self.block_size, self._index[key])
+                                for i, key in hits]
+        self._touch([key for _, key in hits])
 
     def build_connector_meta(self, seqs: Sequence[ScheduledSeq],
                              num_new_tokens: Sequence[int]) -> HostConnectorMetadata:

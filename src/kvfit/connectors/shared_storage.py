@@ -114,15 +114,7 @@ class SharedStorageConnector(KVConnector):
         return self.chains.keys_for(token_ids)
 
     def get_num_new_matched_tokens(self, seq: ScheduledSeq) -> int:
-        bs = self.block_size
-        first = seq.num_computed_tokens // bs
-        keys = self.chains.block_keys(seq, (len(seq.token_ids) - 1) // bs)
-        hits = 0
-        for key in keys[first:]:
-            if not self._holds(key):
-                break
-            hits += 1
-        return hits * bs
+        return self.chains.num_hit_tokens(seq, self._holds)
 
     def _holds(self, key: str) -> bool:
         if key in self._bad_keys:
@@ -138,12 +130,9 @@ class SharedStorageConnector(KVConnector):
         return True
 
     def update_state_after_alloc(self, seq: ScheduledSeq, num_external_tokens: int) -> None:
-        bs = self.block_size
-        end = seq.num_computed_tokens // bs
-        keys = self.chains.block_keys(seq, end)
-        for i in range(end - num_external_tokens // bs, end):
-            self._pending_loads.append(BlockTransfer(seq.block_table[i], keys[i], seq.seq_id,
-                                                     i * bs))
+        self._pending_loads += [BlockTransfer(seq.block_table[i], key, seq.seq_id,
+                                              i * self.block_size)
+                                for i, key in self.chains.hit_blocks(seq, num_external_tokens)]
 
     def build_connector_meta(self, seqs: Sequence[ScheduledSeq],
                              num_new_tokens: Sequence[int]) -> KVConnectorMetadata:
