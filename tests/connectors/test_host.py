@@ -4,6 +4,7 @@ each step's metadata, and the worker side's copies through pieces of host memory
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import pytest
@@ -218,3 +219,17 @@ def test_a_pool_larger_than_the_hosts_available_memory_names_the_setting(monkeyp
     with pytest.raises(ValueError, match="lower kv_offloading_size"):
         conn._allocate_pool(torch.device("cuda"))
     assert conn._pieces == []
+
+
+def test_a_pool_that_cannot_be_pinned_warns_once_and_is_pageable(monkeypatch, caplog) -> None:
+    # This machine has no pinned allocator: every pin fails, as a capped `ulimit -l` does.
+    monkeypatch.setattr(host_module, "PIECE_BYTES", 2 * SPEC.block_bytes)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: "copy stream")
+    conn = HostConnector("worker", config(7), SPEC, "model")
+    with caplog.at_level(logging.WARNING, logger="kvfit.connectors.host"):
+        conn._allocate_pool(torch.device("cuda"))
+    assert [p.shape[1] for p in conn._pieces] == [2, 2, 2, 1]
+    assert not any(p.is_pinned() for p in conn._pieces)
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "no pinned host memory" in message
+    assert conn._stream == "copy stream"  # saves still leave the compute stream
