@@ -121,3 +121,17 @@ def test_after_sleep_and_wake_prefixes_load_from_host_memory(qwen3, reference) -
         assert tier(llm)[1].stats.loaded_blocks == FULL_PREFIX_BLOCKS
     finally:
         llm.shutdown()
+
+
+def test_the_tier_works_across_processes_with_the_multiprocess_executor(
+        qwen3, reference) -> None:  # noqa: F811
+    # The worker side runs in the worker's process: the metadata crosses a pipe each step.
+    llm = LLM(str(qwen3), kv_offloading_size=0.01, distributed_executor_backend="mp",
+              **SETTINGS)
+    try:
+        assert outputs(llm) == reference
+        llm.reset_prefix_cache()
+        assert outputs(llm) == reference
+        assert llm.engine.stats().kv_connector_hit_tokens == FULL_PREFIX_BLOCKS * BLOCK_SIZE
+    finally:
+        llm.shutdown()
