@@ -77,6 +77,28 @@ class KVLoadError(RuntimeError):
         self.bad_keys = bad_keys
 
 
+def checked_caches(kv_caches: list[torch.Tensor], shape: tuple[int, ...],
+                   dtype: torch.dtype) -> list[torch.Tensor]:
+    """`kv_caches` as a worker side registers them, once each is `[blocks, *block_shape]` of
+    `dtype` with as many blocks as the others and one per segment (`shape`:
+    `(num_segments, *block_shape)`); `ValueError` otherwise."""
+    num_segments, *block_shape = shape
+    if len(kv_caches) != num_segments or any(
+            tuple(c.shape[1:]) != tuple(block_shape) or c.dtype != dtype
+            or c.shape[0] != kv_caches[0].shape[0] for c in kv_caches):
+        raise ValueError(f"expected {num_segments} caches of [blocks, *{block_shape}] {dtype}, "
+                         f"got {[(tuple(c.shape), c.dtype) for c in kv_caches]}")
+    return list(kv_caches)
+
+
+def registered(kv_caches: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """A worker side's registered caches; `RuntimeError` while there are none."""
+    if kv_caches is None:
+        raise RuntimeError("the KV connector has no cache registered (the engine is asleep "
+                           "or startup did not finish)")
+    return kv_caches
+
+
 class KVConnector(ABC):
     """A connector of one role (`"scheduler"` in the engine, `"worker"` beside each cache);
     each instance serves its own role's methods only."""

@@ -31,6 +31,8 @@ from kvfit.connectors.base import (
     KVConnectorMetadata,
     KVLoadError,
     ScheduledSeq,
+    checked_caches,
+    registered,
 )
 from kvfit.connectors.chain import BlockChains, store_namespace
 from kvfit.connectors.config import KVConnectorConfig
@@ -208,13 +210,7 @@ class HostConnector(KVConnector):
     # -- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        num_segments, *block_shape = self.block_shape
-        if len(kv_caches) != num_segments or any(
-                tuple(c.shape[1:]) != tuple(block_shape) or c.dtype != self.dtype
-                or c.shape[0] != kv_caches[0].shape[0] for c in kv_caches):
-            raise ValueError(f"expected {num_segments} caches of [blocks, *{block_shape}] "
-                             f"{self.dtype}, got {[(tuple(c.shape), c.dtype) for c in kv_caches]}")
-        self._caches = list(kv_caches)
+        self._caches = checked_caches(kv_caches, self.block_shape, self.dtype)
         if not self._pieces:
             self._allocate_pool(kv_caches[0].device)
 
@@ -248,7 +244,7 @@ class HostConnector(KVConnector):
         self._caches = None
 
     def start_load_kv(self, meta: HostConnectorMetadata) -> None:
-        caches = self._registered()
+        caches = registered(self._caches)
         wait = meta.wait_save_id
         if wait is not None and (event := self._save_events.get(wait)) is not None:
             torch.cuda.current_stream(caches[0].device).wait_event(event)
@@ -260,7 +256,7 @@ class HostConnector(KVConnector):
     def wait_for_save(self, meta: HostConnectorMetadata) -> None:
         if not meta.saves:
             return
-        caches = self._registered()
+        caches = registered(self._caches)
         if self._stream is None:  # the CPU: copies in order, nothing to wait for
             self._save(caches, meta.saves)
             return
@@ -294,12 +290,6 @@ class HostConnector(KVConnector):
             yield (slice(first.block_id, first.block_id + j - i),
                    self._pieces[first.slot // spp], slice(offset, offset + j - i))
             i = j
-
-    def _registered(self) -> list[torch.Tensor]:
-        if self._caches is None:
-            raise RuntimeError("the KV connector has no cache registered (the engine is asleep "
-                               "or startup did not finish)")
-        return self._caches
 
 
 def num_slots(config: KVConnectorConfig, spec: KVCacheSpec) -> int:

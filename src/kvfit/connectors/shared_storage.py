@@ -24,6 +24,8 @@ from kvfit.connectors.base import (
     KVConnectorMetadata,
     KVLoadError,
     ScheduledSeq,
+    checked_caches,
+    registered,
 )
 from kvfit.connectors.block_file import (
     SUFFIX,
@@ -168,14 +170,7 @@ class SharedStorageConnector(KVConnector):
     # -- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        num_segments, *block_shape = self.format.shape
-        if len(kv_caches) != num_segments or any(
-                tuple(c.shape[1:]) != tuple(block_shape) or c.dtype != self.format.dtype
-                or c.shape[0] != kv_caches[0].shape[0] for c in kv_caches):
-            raise ValueError(f"expected {num_segments} caches of [blocks, *{block_shape}] "
-                             f"{self.format.dtype}, got "
-                             f"{[(tuple(c.shape), c.dtype) for c in kv_caches]}")
-        self._caches = list(kv_caches)
+        self._caches = checked_caches(kv_caches, self.format.shape, self.format.dtype)
 
     def unregister_kv_caches(self) -> None:
         self._caches = None
@@ -188,7 +183,7 @@ class SharedStorageConnector(KVConnector):
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         if not meta.loads:
             return
-        caches, start = self._registered(), time.perf_counter()
+        caches, start = registered(self._caches), time.perf_counter()
         lost: dict[int, int] = {}  # seq_id -> its first token that must be recomputed
         bad: set[str] = set()
         loaded = 0
@@ -216,7 +211,7 @@ class SharedStorageConnector(KVConnector):
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
         if not meta.saves:
             return
-        caches, start = self._registered(), time.perf_counter()
+        caches, start = registered(self._caches), time.perf_counter()
         saved = failed = 0
         for group, staging in self._rounds(meta.saves):
             for t, buffer in zip(group, staging, strict=True):
@@ -260,12 +255,6 @@ class SharedStorageConnector(KVConnector):
             logger.warning("KV store: %d block(s) not saved to %s in the last %.0f s (latest: "
                            "block %s: %s)", self._unsaved, self.root, now - last, key, error)
         self._save_warned_at, self._unsaved = now, 0
-
-    def _registered(self) -> list[torch.Tensor]:
-        if self._caches is None:
-            raise RuntimeError("the KV connector has no cache registered (the engine is asleep "
-                               "or startup did not finish)")
-        return self._caches
 
     def _rounds(self, transfers: list[BlockTransfer]
                 ) -> Iterator[tuple[list[BlockTransfer], torch.Tensor]]:
