@@ -53,8 +53,7 @@ import torch.nn.functional as F
 from kvfit.benchmarks.figures import record_of
 from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
-from kvfit.ops.attention import AttentionMetadata, paged_attention
-from kvfit.ops.flash_prefill import flash_prefill
+from kvfit.ops.attention import AttentionMetadata
 
 try:
     from triton.testing import do_bench
@@ -204,50 +203,18 @@ def time_sdpa(shape: Shape, batch: int, length: int) -> float:
     )
 
 
-def time_engine_op(shape: Shape, k_cache, v_cache, query_lens, seq_lens) -> float:
-    """Median ms of `paged_attention` as the engine calls it in a prefill step: with the
-    step's own keys and values (views of one QKV row, as the model's), under the engine's
-    default `flash_prefill`, so rows without a cached prefix run FlashAttention-2 and the rest
-    the paged kernel (`kvfit.ops.flash_prefill`)."""
-    md = metadata(query_lens, seq_lens, shape.block_size, k_cache.shape[0])
-    widths = [shape.num_heads * shape.head_dim, *[shape.num_kv_heads * shape.head_dim] * 2]
-    qkv = torch.randn(sum(query_lens), sum(widths), dtype=shape.dtype, device="cuda")
-    q, k, v = (t.view(-1, n // shape.head_dim, shape.head_dim)
-               for t, n in zip(qkv.split(widths, dim=-1), widths, strict=True))
-    query = q.contiguous()  # `attention_input`'s output
-    scale = shape.head_dim**-0.5
-
-    def fn():
-        with flash_prefill():
-            return paged_attention(query, k_cache, v_cache, md, scale, new_kv=(k, v),
-                                   **_fp8_scales(k_cache, compute=False))
-
-    return do_bench(fn, return_mode="median")
-
-
 def bench_prefill(shape: Shape, k_cache, v_cache, batch: int, length: int):
-    """The paged kernel alone (`ms`) and the engine's op (`engine_ms`) on `batch` fresh
-    prompts of `length`, and the engine's op on prompts whose first half is a cached prefix
-    (`prefix_ms`, the second half's attention: its FLOPs are 3/4 of the fresh prompt's),
-    against SDPA on the fresh prompts."""
     ms = time_paged(shape, k_cache, v_cache, [length] * batch, [length] * batch)
-    engine_ms = time_engine_op(shape, k_cache, v_cache, [length] * batch, [length] * batch)
-    prefix_ms = time_engine_op(shape, k_cache, v_cache, [length // 2] * batch, [length] * batch)
     sdpa_ms = time_sdpa(shape, batch, length)
     flops = 2 * 2 * batch * shape.num_heads * shape.head_dim * length * length / 2  # causal half
     return dict(
         batch=batch,
         length=length,
         ms=ms,
-        engine_ms=engine_ms,
-        prefix_ms=prefix_ms,
         sdpa_ms=sdpa_ms,
         tflops=flops / (ms * 1e-3) / 1e12,
-        engine_tflops=flops / (engine_ms * 1e-3) / 1e12,
-        prefix_tflops=0.75 * flops / (prefix_ms * 1e-3) / 1e12,
         sdpa_tflops=flops / (sdpa_ms * 1e-3) / 1e12,
         frac_of_sdpa=sdpa_ms / ms,
-        engine_frac_of_sdpa=sdpa_ms / engine_ms,
     )
 
 
@@ -353,14 +320,13 @@ def fp8_compute_rows(shape: Shape, k_cache, v_cache) -> list[dict]:
     return rows
 
 
-def _fp8_scales(k_cache: torch.Tensor, compute: bool = True) -> dict:
-    """An e4m3 cache's launch arguments as the engine passes them: scales 1.0, and (with
-    `compute`, for the kernel launcher) float16 compute (`ops/attention.py`'s choice for a
-    bf16 model; the query's own dtype otherwise)."""
+def _fp8_scales(k_cache: torch.Tensor) -> dict:
+    """An e4m3 cache's launch arguments as the engine passes them: scales 1.0, and float16
+    compute (`ops/attention.py`'s choice for a bf16 model; the query's own dtype otherwise)."""
     if k_cache.dtype != torch.float8_e4m3fn:
         return {}
-    scales = {"k_scale": torch.ones(1, device="cuda"), "v_scale": torch.ones(1, device="cuda")}
-    return {**scales, "fp8_compute_dtype": torch.float16} if compute else scales
+    return {"k_scale": torch.ones(1, device="cuda"), "v_scale": torch.ones(1, device="cuda"),
+            "fp8_compute_dtype": torch.float16}
 
 
 def bench_batch_invariant(shape: Shape, k_cache, v_cache, case: str, batch: int, length: int,
@@ -508,18 +474,16 @@ def main() -> None:
             f"{b:>12} {c:>8} {r['ms']:>8.3f} {r['gb_per_s']:>8.0f} {r['frac_of_copy']:>8.0%}",
             flush=True,
         )
-    # TFLOP/s: the paged kernel alone, the engine's op (fresh prompts: FlashAttention-2 where
-    # the cache holds the query's dtype), the engine's op over a cached half, SDPA.
-    print(f"{'prefill batch':>13} {'length':>7} {'kernel':>8} {'op':>8} {'op+pfx':>8} "
-          f"{'SDPA':>8} {'kernel/SDPA':>11} {'op/SDPA':>8}")
+    print(
+        f"{'prefill batch':>13} {'length':>7} {'ms':>8} {'TFLOP/s':>8} {'SDPA':>8} {'of SDPA':>8}"
+    )
     prefill = []
     for b, n in [(1, 4096), (4, 4096), (1, 16384), (16, 1024)]:
         r = bench_prefill(shape, k_cache, v_cache, b, n)
         prefill.append(r)
         print(
-            f"{b:>13} {n:>7} {r['tflops']:>8.1f} {r['engine_tflops']:>8.1f} "
-            f"{r['prefix_tflops']:>8.1f} {r['sdpa_tflops']:>8.1f} {r['frac_of_sdpa']:>11.0%} "
-            f"{r['engine_frac_of_sdpa']:>8.0%}",
+            f"{b:>13} {n:>7} {r['ms']:>8.3f} {r['tflops']:>8.1f} {r['sdpa_tflops']:>8.1f} "
+            f"{r['frac_of_sdpa']:>8.0%}",
             flush=True,
         )
     result = dict(

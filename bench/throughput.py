@@ -364,19 +364,16 @@ def _bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
     return rows
 
 
-def bench_ttft(model: str, args: argparse.Namespace, limits: DeviceLimits,
-               flash_prefill: bool = True) -> dict:
+def bench_ttft(model: str, args: argparse.Namespace, limits: DeviceLimits) -> dict:
     """Time to first token of one prompt of `--ttft-len` random tokens (one output token,
     prefilled in one step), median of `--ttft-repeat` after an untimed one; against the limit
-    of the steps it ran (compute-bound: the GEMMs' and attention's FLOPs). `flash_prefill`:
-    the engine's (its attention on FlashAttention-2, or the paged Triton kernel)."""
+    of the steps it ran (compute-bound: the GEMMs' and attention's FLOPs)."""
     llm = LLM(model, device=args.device, load_format="dummy", max_model_len=args.ttft_len + 1,
               max_num_batched_tokens=args.ttft_len, max_num_seqs=1,
               enable_prefix_caching=False, enforce_eager=args.enforce_eager,
               cudagraph_mode=args.cudagraph_mode[0],
               small_batch_kernels=small_batch_settings(args)[0],
-              fused_decode_input=SMALL_BATCH_SETTINGS[args.fused_decode_input][0],
-              flash_prefill=flash_prefill)
+              fused_decode_input=SMALL_BATCH_SETTINGS[args.fused_decode_input][0])
     vocab = llm.config.model_config.hf_config.vocab_size
     rng = random.Random(args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -394,9 +391,8 @@ def bench_ttft(model: str, args: argparse.Namespace, limits: DeviceLimits,
             limit = limit_of(llm, recorder.steps, limits)
     llm.shutdown()
     ttft = statistics.median(times)
-    return {"model": model, "prompt_len": args.ttft_len, "flash_prefill": flash_prefill,
-            "ttft_s": ttft, "runs_s": times, "limit_s": limit.seconds,
-            "of_limit": limit.seconds / ttft, "limit": limit.as_dict()}
+    return {"model": model, "prompt_len": args.ttft_len, "ttft_s": ttft, "runs_s": times,
+            "limit_s": limit.seconds, "of_limit": limit.seconds / ttft, "limit": limit.as_dict()}
 
 
 def _pdl_label(row: dict) -> str:
@@ -454,10 +450,6 @@ def main(argv: list[str] | None = None) -> None:
                              "inside its attention kernel): off, on, or both: each decode row "
                              "off then on, side by side; offline and TTFT runs use the first "
                              "(default: %(default)s, as the engine's)")
-    parser.add_argument("--flash-prefill", choices=sorted(SMALL_BATCH_SETTINGS), default="on",
-                        help="the engine's flash_prefill for the TTFT runs: off, on, or both "
-                             "(one engine each, side by side; default: %(default)s, as the "
-                             "engine's)")
     parser.add_argument("--pdl", choices=["default", *sorted(SMALL_BATCH_SETTINGS)],
                         default="default",
                         help="with the small-batch kernels on, launch a small step's kernels "
@@ -504,9 +496,8 @@ def main(argv: list[str] | None = None) -> None:
             gc.collect()
     result["ttft"] = []
     for model in args.ttft_models:
-        for flash in SMALL_BATCH_SETTINGS[args.flash_prefill]:
-            result["ttft"].append(bench_ttft(model, args, limits, flash))
-            gc.collect()
+        result["ttft"].append(bench_ttft(model, args, limits))
+        gc.collect()
     write_record(args.out, record_of("throughput", result, vars(args)))
     print_tables(result)
 
@@ -538,9 +529,8 @@ def print_tables(result: dict) -> None:
               f"{r.get('small_batch_kernels', False)!s:11} {_pdl_label(r):10} "
               f"{r.get('fused_decode_input', False)!s:5} {runs}")
     for r in result.get("ttft", []):
-        flash = {True: ", flash", False: ", paged"}.get(r.get("flash_prefill"), "")
-        print(f"TTFT {r['model']} {r['prompt_len']} tokens{flash}: {r['ttft_s'] * 1e3:.1f} ms, "
-              f"limit {r['limit_s'] * 1e3:.1f} ms ({r['limit']['gemm_tflop']:.3g} TFLOP GEMM + "
+        print(f"TTFT {r['model']} {r['prompt_len']} tokens: {r['ttft_s'] * 1e3:.1f} ms, limit "
+              f"{r['limit_s'] * 1e3:.1f} ms ({r['limit']['gemm_tflop']:.3g} TFLOP GEMM + "
               f"{r['limit']['attention_tflop']:.3g} TFLOP attention): "
               f"{r['of_limit']:.1%} of the limit")
 

@@ -165,43 +165,6 @@ def test_fused_decode_input_gives_the_unfused_greedy_tokens(make_llm) -> None:
             _assert_same_up_to_rounding(got, expected, (small, kwargs))
 
 
-def test_flash_prefill_gives_the_paged_kernels_greedy_tokens(
-        make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`flash_prefill` runs fresh prompts' attention on FlashAttention-2 over the step's own
-    K/V, which sums in another order than the paged kernel: greedy tokens are the paged
-    engine's up to a rounding, for fresh prompts, prompts chunked by a small step budget (the
-    later chunks continue a prefix: paged rows beside fresh ones in one step) and prompts that
-    hit the prefix cache."""
-    from kvfit.ops import attention
-
-    calls = 0
-    fresh = attention.flash_attention_fresh
-
-    def counted(*args: object, **kwargs: object) -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        return fresh(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "flash_attention_fresh", counted)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
-    longer = [{"prompt_token_ids": p["prompt_token_ids"] + list(range(3, 40))}
-              for p in prompts()]  # the first pass's prompts as cached prefixes
-
-    def run(flash: bool) -> list:
-        llm = make_llm(flash_prefill=flash, max_num_batched_tokens=160,
-                       cuda_graph_sizes=[1, 2, 4, 8, 16])
-        out = [*llm.generate(prompts(), params, use_tqdm=False),
-               *llm.generate(longer, params, use_tqdm=False)]
-        llm.shutdown()
-        return out
-
-    expected = run(False)
-    assert calls == 0
-    got = run(True)
-    assert calls > 0
-    _assert_same_up_to_rounding(got, expected, "flash_prefill")
-
-
 def test_pdl_gives_the_bits_without_it(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
     """Programmatic dependent launch overlaps a small step's kernels and changes no arithmetic:
     with it on, graphs at every batch size and eager steps give the tokens and logprobs

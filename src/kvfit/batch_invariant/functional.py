@@ -43,12 +43,11 @@ def silu_and_mul_exp(x: torch.Tensor) -> torch.Tensor:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     metadata: AttentionMetadata, scale: float,
                     out: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`ops.paged_attention`, with `batch_invariant` set in the mode."""
     return _paged_attention(query, k_cache, v_cache, metadata, scale, out,
                             batch_invariant=is_batch_invariant(), k_scale=k_scale,
-                            v_scale=v_scale, new_kv=new_kv)
+                            v_scale=v_scale)
 
 
 def logsumexp(x: torch.Tensor) -> torch.Tensor:

@@ -204,10 +204,6 @@ class EngineConfig:
     # (`kvfit.ops.attention_input.decode_attention`): a graph node fewer a layer; off until
     # timed on a GPU. Off in the deterministic mode, whose attention is its own kernel.
     fused_decode_input: bool = False
-    # Prefill rows without a cached prefix through PyTorch's FlashAttention-2 over the step's
-    # own K/V (`kvfit.ops.flash_prefill`), 16-bit caches on CUDA; off in the deterministic
-    # mode, whose attention is its own kernel.
-    flash_prefill: bool = True
 
     @property
     def runs_small_batch_kernels(self) -> bool:
@@ -218,11 +214,6 @@ class EngineConfig:
     def runs_fused_decode_input(self) -> bool:
         """`fused_decode_input` as the engine runs it: never in the deterministic mode."""
         return self.fused_decode_input and not self.deterministic
-
-    @property
-    def runs_flash_prefill(self) -> bool:
-        """`flash_prefill` as the engine runs it: never in the deterministic mode."""
-        return self.flash_prefill and not self.deterministic
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """What one KV cache block holds on one rank, in `kv_cache_layout`: its share of the
@@ -293,7 +284,6 @@ class EngineArgs:
     calculate_kv_scales: bool = False
     small_batch_kernels: bool = True
     fused_decode_input: bool = False
-    flash_prefill: bool = True
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -464,13 +454,6 @@ class EngineArgs:
                        "its attention kernel (a launch fewer per layer) instead of a kernel of "
                        "their own; 16-bit KV caches only (an fp8 cache keeps the separate "
                        "kernel); ignored with --deterministic (default: off)")
-        p.add_argument("--flash-prefill", action=argparse.BooleanOptionalAction,
-                       default=d.flash_prefill,
-                       help="on CUDA, run prefill rows without a cached prefix through "
-                       "PyTorch's FlashAttention-2 over the step's own keys and values (16-bit "
-                       "KV caches; rows continuing a cached prefix, fp8 caches and decode keep "
-                       "the paged Triton kernels); ignored with --deterministic; "
-                       "--no-flash-prefill for the paged kernels alone (default: on)")
         return parser
 
     @classmethod
@@ -543,7 +526,6 @@ class EngineArgs:
             deterministic=self.deterministic or self.batch_invariant,
             small_batch_kernels=self.small_batch_kernels,
             fused_decode_input=self.fused_decode_input,
-            flash_prefill=self.flash_prefill,
         )
 
     def _kv_connector_config(self) -> KVConnectorConfig | None:

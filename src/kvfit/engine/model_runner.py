@@ -31,7 +31,6 @@ from kvfit.models.loader import load_model
 from kvfit.models.weight_arena import WeightArena
 from kvfit.ops.attention import AttentionMetadata
 from kvfit.ops.attention_input import fused_decode_input
-from kvfit.ops.flash_prefill import flash_prefill
 from kvfit.ops.small_batch import small_batch_kernels
 
 T = TypeVar("T")
@@ -46,16 +45,14 @@ def _in_kernel_mode(method: Callable[..., T]) -> Callable[..., T]:
     `deterministic`: every op of the steps it launches or the graphs it captures then runs
     its batch-invariant kernel (`kvfit.batch_invariant`). Likewise the small-batch kernels
     (`kvfit.ops.small_batch`) when `small_batch_kernels` is set, and decode steps' fused
-    attention input (`kvfit.ops.attention_input`) when `fused_decode_input` is, and fresh
-    prefill rows' FlashAttention (`kvfit.ops.flash_prefill`) when `flash_prefill` is, outside
-    that mode."""
+    attention input (`kvfit.ops.attention_input`) when `fused_decode_input` is, outside that
+    mode."""
     @functools.wraps(method)
     def wrapped(self: ModelRunner, *args: object, **kwargs: object) -> T:
         config = self.config
         with (batch_invariant_mode(config.deterministic),
               small_batch_kernels(config.runs_small_batch_kernels),
-              fused_decode_input(config.runs_fused_decode_input),
-              flash_prefill(config.runs_flash_prefill)):
+              fused_decode_input(config.runs_fused_decode_input)):
             return method(self, *args, **kwargs)
 
     return wrapped

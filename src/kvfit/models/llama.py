@@ -25,7 +25,6 @@ from kvfit.ops.attention_input import (
     fuses_decode_input,
     stored_key,
 )
-from kvfit.ops.flash_prefill import runs_flash_prefill
 from kvfit.ops.layers import ROPE_TYPES, RotaryEmbedding, add_rms_norm, rms_norm
 
 
@@ -141,8 +140,16 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
-        return self.o_proj(self.attend_qkv(positions, self.qkv_proj(hidden),
-                                           attn_metadata).flatten(1))
+        q = self.project(positions, hidden, attn_metadata.slot_mapping)
+        return self.o_proj(self.attend(q, attn_metadata).flatten(1))
+
+    def project(
+        self, positions: torch.Tensor, hidden: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [T, H] -> q [T, heads, head_dim]: the QKV projection, q/k norms, rope and the
+        K/V store at `slot_mapping`. Reads no host bound of the step, so it is graph safe at
+        any batch composition of T tokens (piecewise graphs capture it)."""
+        return self.project_qkv(positions, self.qkv_proj(hidden), slot_mapping)
 
     def fuses_decode_input(self, attn_metadata: AttentionMetadata) -> bool:
         """Whether this step's attention runs as `decode` (`fuses_decode_input`); never in the
@@ -171,26 +178,10 @@ class LlamaAttention(nn.Module):
                 k.view(num_tokens, self.num_kv_heads, self.head_dim),
                 v.view(num_tokens, self.num_kv_heads, self.head_dim))
 
-    def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor,
-                   attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """`project_qkv` then `attend`. Where the step's prefill rows without a cached prefix
-        run FlashAttention (`kvfit.ops.flash_prefill`), the keys are rotated in place in `qkv`
-        and handed to it with the values."""
-        if not runs_flash_prefill(qkv.dtype, self.k_cache, attn_metadata):
-            return self.attend(self.project_qkv(positions, qkv, attn_metadata.slot_mapping),
-                               attn_metadata)
-        q = self.project_qkv(positions, qkv, attn_metadata.slot_mapping, key_in_place=True)
-        _, k, v = self._heads(qkv)
-        return self.attend(q, attn_metadata, new_kv=(k, v))
-
     def project_qkv(
-        self, positions: torch.Tensor, qkv: torch.Tensor, slot_mapping: torch.Tensor,
-        key_in_place: bool = False,
+        self, positions: torch.Tensor, qkv: torch.Tensor, slot_mapping: torch.Tensor
     ) -> torch.Tensor:
-        """QKV projection's output [T, q + k + v] -> q [T, heads, head_dim]: q/k norms, rope and
-        the K/V store at `slot_mapping`; with `key_in_place` the keys in `qkv` are left as
-        stored (normalised, rotated). Reads no host bound of the step, so it is graph safe at
-        any batch composition of T tokens (piecewise graphs capture it)."""
+        """`project` from the QKV projection's output [T, q + k + v]."""
         q, k, v = self._heads(qkv)
         if self.calculate_kv_scales:
             self._calculate_kv_scales(positions, k, v)
@@ -203,17 +194,15 @@ class LlamaAttention(nn.Module):
             self.k_norm.weight if self.k_norm is not None else None,
             self.q_norm.eps if self.q_norm is not None else 0.0,
             self.rotary_emb.cos_sin_cache,
-            self.k_cache, self.v_cache, slot_mapping, self.k_scale, self.v_scale, key_in_place,
+            self.k_cache, self.v_cache, slot_mapping, self.k_scale, self.v_scale,
         )
         return q
 
     def attend(self, q: torch.Tensor, attn_metadata: AttentionMetadata,
-               out: torch.Tensor | None = None,
-               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Paged attention of `q` [T, heads, head_dim] over this layer's cache (into `out`);
-        `new_kv`, this step's stored keys and values, as `paged_attention` takes them."""
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Paged attention of `q` [T, heads, head_dim] over this layer's cache (into `out`)."""
         return paged_attention(q, self.k_cache, self.v_cache, attn_metadata, self.scale, out,
-                               k_scale=self.k_scale, v_scale=self.v_scale, new_kv=new_kv)
+                               k_scale=self.k_scale, v_scale=self.v_scale)
 
     def _calculate_kv_scales(self, positions: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor) -> None:
@@ -267,10 +256,11 @@ class LlamaDecoderLayer(nn.Module):
         """(this layer's MLP output, the residual stream before it); the next norm adds the two,
         so each residual add rides in the norm kernel after it. `residual` is None in layer 0."""
         attn = self.self_attn
-        qkv, residual = self.qkv(hidden, residual)
         if attn.fuses_decode_input(attn_metadata):
+            qkv, residual = self.qkv(hidden, residual)
             return self.post_attention(attn.decode(positions, qkv, attn_metadata), residual)
-        return self.post_attention(attn.attend_qkv(positions, qkv, attn_metadata), residual)
+        q, residual = self.pre_attention(positions, hidden, residual, attn_metadata.slot_mapping)
+        return self.post_attention(attn.attend(q, attn_metadata), residual)
 
     def pre_attention(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,

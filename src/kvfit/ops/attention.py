@@ -12,7 +12,6 @@ import torch
 
 from kvfit.kv_quant import is_fp8
 from kvfit.ops.fixed_tile_attention import paged_attention_fixed_tiles
-from kvfit.ops.flash_prefill import flash_attention_fresh, runs_flash_prefill
 from kvfit.ops.reference import paged_attention_reference, write_kv_reference
 
 
@@ -35,9 +34,6 @@ class AttentionMetadata:
     # them the fused decode (`kvfit.ops.attention_input.decode_attention`) reduces its splits in
     # its own launch. The runner's, one for all layers (they run one after another).
     split_tickets: torch.Tensor | None = None
-    # [num_seqs] int32, the query length of each prefill row without a cached prefix (else 0):
-    # set by the step's first layer that runs FlashAttention (`kvfit.ops.flash_prefill`).
-    fresh_query_lens: torch.Tensor | None = None
 
 
 def write_kv(
@@ -71,7 +67,6 @@ def paged_attention(
     batch_invariant: bool = False,
     k_scale: torch.Tensor | None = None,  # [1] float32: an FP8 cache's scales, else unused
     v_scale: torch.Tensor | None = None,
-    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new query rows over its cached context.
 
@@ -83,11 +78,6 @@ def paged_attention(
     `batch_invariant`: every row is reduced over its keys in fixed tiles from key 0, by one
     kernel for prefill and decode rows alike, so a row's output depends on its query, position
     and keys only (not on the batch, a cached prefix or a chunk border).
-
-    `new_kv`: this step's keys (as stored: normalised, rotated) and values, `[num_tokens,
-    num_kv_heads, head_dim]` each. Where `kvfit.ops.flash_prefill` applies (outside the
-    batch-invariant mode), prefill rows without a cached prefix attend over them with
-    FlashAttention-2, and the paged prefill kernel runs the other prefill rows only.
     """
     num_heads, head_dim = query.shape[1:]
     _check_cache(k_cache, v_cache, None)
@@ -98,10 +88,8 @@ def paged_attention(
         )
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"query head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
-    kv_shape = (query.shape[0], *k_cache.shape[2:])
-    if new_kv is not None and any(tuple(t.shape) != kv_shape for t in new_kv):
-        raise ValueError(f"new_kv must be two [{', '.join(map(str, kv_shape))}] tensors, got "
-                         f"{[list(t.shape) for t in new_kv]}")
+    if out is None:
+        out = torch.empty_like(query)
     if query.is_cuda:
         from kvfit.ops.triton_attention import paged_attention_triton  # CUDA-only dependency
 
@@ -110,18 +98,10 @@ def paged_attention(
         # (bench/attention.py --sweep --kv-cache-dtype fp8, 2026-12-04), and float16 keeps 3
         # more bits of the query and p. A float32 model's stay float32.
         compute = torch.float16 if query.dtype == torch.bfloat16 else None
-        flash = (new_kv is not None and not batch_invariant
-                 and runs_flash_prefill(query.dtype, k_cache, metadata))
-        if flash:  # first: the paged kernels then write the rows it leaves
-            out = flash_attention_fresh(query, *new_kv, metadata, scale, out)
-        elif out is None:
-            out = torch.empty_like(query)
         return paged_attention_triton(query, k_cache, v_cache, metadata, scale, out,
                                       batch_invariant=batch_invariant,
                                       k_scale=k_scale, v_scale=v_scale,
-                                      fp8_compute_dtype=compute, skip_fresh=flash)
-    if out is None:
-        out = torch.empty_like(query)
+                                      fp8_compute_dtype=compute)
     if batch_invariant:
         if is_fp8(k_cache.dtype):
             raise ValueError("the deterministic mode's CPU attention reads a cache in the "

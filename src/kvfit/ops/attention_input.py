@@ -54,7 +54,6 @@ def attention_input(
     slot_mapping: torch.Tensor,  # [T] int64; -1 = skip
     k_scale: torch.Tensor | None = None,  # [1] float32: an FP8 cache's scales, else unused
     v_scale: torch.Tensor | None = None,
-    key_in_place: bool = False,
 ) -> torch.Tensor:
     """Prepare one layer's attention input and store this step's K/V.
 
@@ -63,10 +62,6 @@ def attention_input(
     (slots of -1 are left untouched; an FP8 cache stores them quantised with the scales, as
     `write_kv` does). Returns the rotated q as a new contiguous `[T, num_heads, head_dim]` in
     q's dtype. On CUDA it is one kernel launch and graph safe.
-
-    `key_in_place`: also write each token's key as stored (normalised, rotated, before any
-    quantisation) back into `k`, for attention over the step's own keys
-    (`kvfit.ops.flash_prefill`); every token's, a slot of -1 included. No extra memory.
     """
     _check_inputs(positions, q, k, v, q_norm_weight, k_norm_weight, cos_sin_cache, k_cache,
                   v_cache, slot_mapping)  # fmt: skip
@@ -76,11 +71,11 @@ def attention_input(
 
         return attention_input_triton(
             positions, q, k, v, q_norm_weight, k_norm_weight, eps,
-            cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, key_in_place,
+            cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         )  # fmt: skip
     return attention_input_torch(
         positions, q, k, v, q_norm_weight, k_norm_weight, eps,
-        cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, key_in_place,
+        cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     )  # fmt: skip
 
 
@@ -142,16 +137,12 @@ def attention_input_torch(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    key_in_place: bool = False,
 ) -> torch.Tensor:
     """The unfused torch composition of `attention_input`: the CPU path and the kernel's oracle."""
-    key = k
     if q_norm_weight is not None:
         q, k = rms_norm_torch(q, q_norm_weight, eps), rms_norm_torch(k, k_norm_weight, eps)
     q, k = rotary_torch(positions, q, k, cos_sin_cache, q.shape[-1])
     write_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    if key_in_place:
-        key.copy_(k)
     return q
 
 

@@ -185,7 +185,6 @@ def _prefill_kernel(
     FP8: tl.constexpr,
     FP8_F16: tl.constexpr,
     BATCH_INVARIANT: tl.constexpr = False,
-    SKIP_FRESH: tl.constexpr = False,
 ):  # fmt: skip
     # Axis 0 holds (query tile, KV head) pairs: CUDA caps axes 1 and 2 at 65,535 programs,
     # which a long chunk's tiles pass (a 64k-token chunk at 16 query heads per KV head in the
@@ -202,11 +201,6 @@ def _prefill_kernel(
     if (q_len < 2 - BATCH_INVARIANT) | (tile * BLOCK_M >= q_len * QUERY_GROUP):
         return
     prefix = tl.load(seq_lens + seq) - q_len
-    # FlashAttention wrote the rows without a prefix (`ops.flash_prefill`). Nested: the outer
-    # test is a constexpr, compiled away.
-    if SKIP_FRESH:  # noqa: SIM102
-        if prefix == 0:
-            return
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // QUERY_GROUP
@@ -735,7 +729,6 @@ def paged_attention_triton(
     v_scale: torch.Tensor | None = None,
     fp8_compute_dtype: torch.dtype | None = None,
     fp8_pairs: bool | None = None,
-    skip_fresh: bool = False,
 ) -> torch.Tensor:
     """Launch the prefill kernel (query length > 1) and the decode kernel (query length 1).
 
@@ -755,9 +748,6 @@ def paged_attention_triton(
     `batch_invariant`: the prefill kernel alone runs every row (decodes too), each over key
     tiles of BLOCK_N from key 0 with the causal mask on every tile: no split-KV, so a row's
     reduction order is fixed by its position alone. No scratch memory.
-
-    `skip_fresh`: the prefill kernel leaves the rows without a cached prefix (FlashAttention
-    wrote them, `kvfit.ops.flash_prefill`).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -793,7 +783,7 @@ def paged_attention_triton(
             scale_log2, k_scale, v_scale, *common,
             NUM_KV_HEADS=num_kv_heads, QUERY_GROUP=group, **dims, BLOCK_SIZE=block_size,
             FP8=fp8, FP8_F16=fp8_f16,
-            BATCH_INVARIANT=batch_invariant, SKIP_FRESH=skip_fresh, **cfg,
+            BATCH_INVARIANT=batch_invariant, **cfg,
         )  # fmt: skip
     if batch_invariant:
         return out

@@ -56,7 +56,6 @@ def _attention_input_kernel(
     HALF_P2: tl.constexpr,
     QK_NORM: tl.constexpr,
     FP8: tl.constexpr,
-    KEY_IN_PLACE: tl.constexpr = False,
     PDL: tl.constexpr = False,
     PDL_EARLY: tl.constexpr = True,
 ):  # fmt: skip
@@ -73,27 +72,18 @@ def _attention_input_kernel(
     _store_halves(q_out, token, q1, q2, NUM_HEADS, HEADS_P2, HALF, HALF_P2)
 
     slot = tl.load(slot_mapping + token)
-    # A padded CUDA-graph slot: its K/V are not stored, so not computed either (unless its key
-    # goes back in place). Nested: the outer test is a constexpr, compiled away.
-    if not KEY_IN_PLACE:  # noqa: SIM102
-        if slot < 0:
-            return
+    if slot < 0:  # padded CUDA-graph slot: its K/V are not stored, so not computed either
+        return
     k1, k2 = _load_halves(k, token, stride_kt, stride_kh, stride_kd,
                           NUM_KV_HEADS, KV_HEADS_P2, HALF, HALF_P2)  # fmt: skip
     if QK_NORM:
         k1, k2 = _rms_norm_halves(k1, k2, k_norm_weight, eps, HALF, HALF_P2)
     k1, k2 = _rotate_halves(k1, k2, cos, sin)
+    v1, v2 = _load_halves(v, token, stride_vt, stride_vh, stride_vd,
+                          NUM_KV_HEADS, KV_HEADS_P2, HALF, HALF_P2)  # fmt: skip
     h = tl.arange(0, KV_HEADS_P2)[:, None]
     d = tl.arange(0, HALF_P2)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HALF)
-    if KEY_IN_PLACE:  # the key as stored, for attention over the step's own keys
-        key = k + token * stride_kt + h * stride_kh
-        tl.store(key + d * stride_kd, k1, mask=mask)
-        tl.store(key + (d + HALF) * stride_kd, k2, mask=mask)
-        if slot < 0:
-            return
-    v1, v2 = _load_halves(v, token, stride_vt, stride_vh, stride_vd,
-                          NUM_KV_HEADS, KV_HEADS_P2, HALF, HALF_P2)  # fmt: skip
     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch
     lo, hi = dst + d * stride_cd, dst + (d + HALF) * stride_cd
     tl.store(k_cache + lo, to_cache(k1, k_scale, k_cache, FP8), mask=mask)
@@ -116,13 +106,11 @@ def attention_input_triton(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    key_in_place: bool = False,
 ) -> torch.Tensor:
     """The fused kernel behind `kvfit.ops.attention_input` (which validates the arguments).
 
     Returns the normalised, rotated q as a new contiguous `[T, num_heads, head_dim]`. An FP8
     cache stores k (rounded to q's dtype after rope, as unfused) quantised with the scales.
-    `key_in_place`: the rotated k also goes back into `k`.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -144,7 +132,6 @@ def attention_input_triton(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_P2=heads_p2, KV_HEADS_P2=triton.next_power_of_2(num_kv_heads),
         HALF=half, HALF_P2=triton.next_power_of_2(half), QK_NORM=qk_norm, FP8=fp8,
-        KEY_IN_PLACE=key_in_place,
         num_warps=_num_warps(heads_p2 * triton.next_power_of_2(head_dim)),
         **pdl_launch(num_tokens, q.device),
     )  # fmt: skip
