@@ -12,9 +12,11 @@
 Decode is memory bound, so it is reported as KV bytes read per second against the bandwidth of a
 device-to-device copy (bytes read + written) measured in the same run. Prefill is reported as
 attention TFLOP/s against torch's scaled_dot_product_attention on the same sequences laid out
-contiguously (no paging, KV heads pre-expanded): an upper bound. `--kv-cache-dtype fp8` reads an
-e4m3 cache (scales 1.0, float16 compute as the engine's) with the same queries; its KV bytes
-are one per value; `--sweep` adds each fp8 path side by side (`fp8_compute_rows`).
+contiguously (no paging, KV heads pre-expanded): an upper bound. On Hopper torch's SDPA
+picks cuDNN's fused attention, not FlashAttention-2 (torch's own FlashAttention-2 ran at 52-61%
+of it on an H100, below the paged kernel: docs/benchmarks.md, 2026-12-06). `--kv-cache-dtype
+fp8` reads an e4m3 cache (scales 1.0, float16 compute as the engine's) with the same queries;
+its KV bytes are one per value; `--sweep` adds each fp8 path side by side (`fp8_compute_rows`).
 
 `--batch-invariant`: what attention costs in the deterministic mode, where the prefill kernel
 runs every row (`batch_invariant=True`: no split-KV, a decode row in a tile of BLOCK_M query
