@@ -359,31 +359,26 @@ def test_prefill_grid_keeps_axes_1_and_2_within_cuda_limits(paged_batch, monkeyp
     assert math.prod(grid) == 2 * 70_000 * 16 // 16 * 2  # every (KV head, tile, sequence)
 
 
-def test_decode_split_tokens_shorten_for_few_sequences_and_lengthen_for_many():
+def test_decode_split_tokens_shorten_for_a_launch_of_few_sequences():
     """A launch of few sequences splits each one finer, so that its KV heads and splits give
-    every SM a program; one whose rows alone give every SM two programs splits at
-    `LONG_SPLIT_TOKENS`; between, the dtype's base. A batch padded to its default CUDA graph
-    size splits as it does eager."""
+    every SM a program; from enough sequences on, the dtype's base. A batch padded to its
+    default CUDA graph size splits as it does eager."""
     from kvfit.engine.config import _resolve_graph_sizes
 
     split = triton_attention.decode_split_tokens
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
-    long, rows_per_sm = triton_attention.LONG_SPLIT_TOKENS, triton_attention.LONG_SPLIT_ROWS_PER_SM
     assert split(bf16, 1, 8, 132) == triton_attention.MIN_SPLIT_TOKENS
-    assert split(bf16, 32, 8, 132) == triton_attention.split_tokens_for(bf16)
-    assert split(fp8, 32, 8, 132) == triton_attention.split_tokens_for(fp8)
-    assert split(bf16, 33, 8, 132) == split(fp8, 256, 8, 132) == long
+    assert split(bf16, 256, 8, 132) == triton_attention.split_tokens_for(bf16)
+    assert split(fp8, 256, 8, 132) == triton_attention.split_tokens_for(fp8)
     for dtype in (bf16, fp8):
         for kv_heads in (1, 2, 4, 8, 32):
             base = triton_attention.split_tokens_for(dtype)
             tokens = [split(dtype, n, kv_heads, 132) for n in range(1, 513)]
             assert tokens == sorted(tokens)  # more sequences, never shorter splits
-            assert all(triton_attention.MIN_SPLIT_TOKENS <= t <= max(base, long) for t in tokens)
+            assert all(triton_attention.MIN_SPLIT_TOKENS <= t <= base for t in tokens)
             for n, t in enumerate(tokens, 1):
-                rows = (1 << (n - 1).bit_length()) * kv_heads
-                assert (t == max(base, long)) == (rows >= rows_per_sm * 132), (n, t)
-                if t < base:
-                    assert t == triton_attention.MIN_SPLIT_TOKENS or rows * base // t >= 132
+                programs = (1 << (n - 1).bit_length()) * kv_heads * base // t
+                assert t == triton_attention.MIN_SPLIT_TOKENS or programs >= 132
             sizes = _resolve_graph_sizes(None, 512)
             for n in range(1, 513):
                 padded = min(s for s in sizes if s >= n)
@@ -392,28 +387,24 @@ def test_decode_split_tokens_shorten_for_few_sequences_and_lengthen_for_many():
 
 def test_split_scratch_grows_with_the_launch_so_warmup_measures_its_largest():
     """A launch of fewer sequences may split into more (sequence, split) parts than one of
-    more (finer splits below a wave of programs, longer ones from two waves on); the scratch
-    is allocated for `most_decode_parts`, the most any launch of at most as many sequences
-    makes, so the allocation grows with the sequence count and max_seq_len, and warmup's
-    launch of the most rows at max_model_len is the largest any launch makes."""
-    split, parts = triton_attention.decode_split_tokens, triton_attention.most_decode_parts
+    more; the scratch is allocated for `short_launch_parts` where that is more than the
+    launch's own, so the allocation grows with the sequence count and max_seq_len, and the
+    warmup's launch of the most rows at max_model_len is the largest any launch makes."""
+    split, parts = triton_attention.decode_split_tokens, triton_attention.short_launch_parts
     num_kv_splits = triton_attention.num_kv_splits
-    bf16 = torch.bfloat16
-    own = [n * num_kv_splits(1035, 32, split(bf16, n, 8, 132)) for n in (4, 5)]
-    assert own == [68, 45]  # fewer sequences, more parts: finer splits
-    own = [n * num_kv_splits(4096, 32, split(bf16, n, 8, 132)) for n in (32, 33)]
-    assert own == [256, 66]  # and longer ones
-    for dtype in (bf16, torch.float8_e4m3fn):
+    own = [n * num_kv_splits(1035, 32, split(torch.bfloat16, n, 8, 132)) for n in (4, 5)]
+    assert own == [68, 45]  # fewer sequences, more parts: the case the bound exists for
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for kv_heads in (1, 4, 8, 64, 200):
             for max_seq_len in (1, 100, 1035, 4096, 131072):
                 most = last = 0
                 for n in range(1, 300):
                     own = n * num_kv_splits(max_seq_len, 32, split(dtype, n, kv_heads, 132))
-                    alloc = max(parts(dtype, n, kv_heads, max_seq_len, 32, 132), own)
+                    alloc = max(parts(n, kv_heads, max_seq_len, 32, 132), own)
                     most = max(most, own)
                     assert alloc >= most and alloc >= last, (kv_heads, max_seq_len, n)
                     last = alloc
-                longer = max(parts(dtype, 299, kv_heads, 2 * max_seq_len, 32, 132),
+                longer = max(parts(299, kv_heads, 2 * max_seq_len, 32, 132),
                              299 * num_kv_splits(2 * max_seq_len, 32,
                                                  split(dtype, 299, kv_heads, 132)))
                 assert longer >= last

@@ -36,7 +36,7 @@ SPLIT_TOKENS = 512
 FP8 cache (`split_tokens_for`) ..."""
 MAX_SPLITS = 32
 """... and at most this many parts; longer sequences get longer parts. A launch of few
-sequences splits shorter, one of many longer (`decode_split_tokens`).
+sequences splits shorter (`decode_split_tokens`).
 
 How a sequence is split depends on its own length and the launch's sequence count rounded up
 to a power of two, never on the launch's `max_seq_len`: eager decode and a CUDA graph captured
@@ -46,17 +46,6 @@ greedy outputs agree exactly. Across batch sizes they need not (nor do the GEMMs
 deterministic mode's kernel never splits."""
 MIN_SPLIT_TOKENS = 64
 """The shortest split `decode_split_tokens` makes: one tile of the decode kernel's BLOCK_N."""
-LONG_SPLIT_TOKENS = 2048
-"""The split of a launch of many sequences (`LONG_SPLIT_ROWS_PER_SM`). Decode kernel and
-reduction device time, 32/8 heads, bf16 (H100, `bench/attention.py --sweep`, 2026-12-05):
-256 x 1,024 tokens 405 us at the base (512: two splits and their reduction), 371 unsplit, 375
-at 2,048; 64 x 1,024: 114, 104, 103; 64 x 4,096: 387 at 512, 380 at 1,024, 377 at 2,048.
-e4m3 (H200, 16/8 heads, same day): 64 x 4,096 0.170 ms at its base 1,024, 0.162 at 2,048."""
-LONG_SPLIT_ROWS_PER_SM = 2
-"""Programs per SM a launch's (sequence, KV head) rows give unsplit from which its splits are
-`LONG_SPLIT_TOKENS`: 64 sequences of 8 KV heads on 132 SMs (3.9), where the sweep above
-found the longer splits faster; 16 sequences (1.0) split finer (39 us at 1,024 tokens
-against 43 unsplit)."""
 
 
 @triton.jit
@@ -620,54 +609,51 @@ def split_tokens_for(kv_dtype: torch.dtype) -> int:
 def decode_split_tokens(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int,
                         sms: int = DEFAULT_SMS) -> int:
     """Tokens per decode split for a launch of `num_seqs` sequences of `num_kv_heads` KV heads
-    on `sms` SMs. A launch whose sequences and KV heads alone give every SM
-    `LONG_SPLIT_ROWS_PER_SM` programs splits at `LONG_SPLIT_TOKENS` (or the dtype's base where
-    that is longer); a smaller one at `split_tokens_for` the dtype, divided (by a power of
-    two, down to `MIN_SPLIT_TOKENS`) until each such span of a sequence gives every SM a
-    program.
+    on `sms` SMs: `split_tokens_for` the dtype, divided (by a power of two, down to
+    `MIN_SPLIT_TOKENS`) until each such span of a sequence gives every SM a program.
 
-    Why shorter for few sequences: one program reads one split of one KV head, its tiles one
-    after the other, each paced by a DRAM round trip. At batch 1 (8 KV heads, 1k tokens)
-    512-token splits made 24 programs for 132 SMs, and the kernel took 12.3 us for 4.2 MB
-    (H100, `bench/throughput.py --profile-decode`, 2026-12-05): 1/9 of copy bandwidth, a
-    quarter of the 0.6B shape's batch-1 step. Why longer for many: their programs already
-    fill the SMs, and each extra split costs its partial output's round trip through memory
-    and the reduction kernel (`LONG_SPLIT_TOKENS`). The count is rounded up to a power of two
-    so that a batch padded to its CUDA graph's size splits as it would eager (`MAX_SPLITS`)."""
+    Why: one program reads one split of one KV head, its tiles one after the other, each
+    paced by a DRAM round trip. At batch 1 (8 KV heads, 1k tokens) 512-token splits made 24
+    programs for 132 SMs, and the kernel took 12.3 us for 4.2 MB (H100, `bench/throughput.py
+    --profile-decode`, 2026-12-05): 1/9 of copy bandwidth, a quarter of the 0.6B shape's
+    batch-1 step. At 64 sequences and more nothing changes. The count is rounded up to a
+    power of two so that a batch padded to its CUDA graph's size splits as it would eager
+    (`MAX_SPLITS`)."""
     base = tokens = split_tokens_for(kv_dtype)
     rows = triton.next_power_of_2(max(1, num_seqs)) * num_kv_heads
-    if rows >= LONG_SPLIT_ROWS_PER_SM * sms:
-        return max(base, LONG_SPLIT_TOKENS)
     while tokens > MIN_SPLIT_TOKENS and rows * (base // tokens) < sms:
         tokens //= 2
     return tokens
 
 
-@functools.lru_cache(maxsize=1024)  # one key a step (max_seq_len moves), asked by every layer
-def most_decode_parts(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int,
-                      max_seq_len: int, max_splits: int = MAX_SPLITS,
-                      sms: int = DEFAULT_SMS) -> int:
-    """The most (sequence, split) parts any decode launch of at most `num_seqs` sequences at
-    this `max_seq_len` makes with `decode_split_tokens`' splits; the split scratch is
-    allocated for this many parts, whatever the launch's own count.
+def short_launch_parts(num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                       max_splits: int = MAX_SPLITS, sms: int = DEFAULT_SMS) -> int:
+    """The most (sequence, split) parts a decode launch of at most `num_seqs` sequences at this
+    `max_seq_len` can make with splits shortened by `decode_split_tokens`; the split scratch
+    is allocated for this many parts where the launch's own are fewer.
 
-    Memory: the scratch takes 4 bytes x heads x (head_dim + 1) a part. A launch's own parts
-    do not grow with its sequences: fewer split finer (4 sequences of 8 KV heads split 1k
-    tokens 17 ways, 5 sequences 9 ways: 68 parts against 45), and from 2 x SMs rows on the
-    splits are longer (32 sequences of 8 KV heads split 4k tokens 8 ways, 64 sequences 2 ways:
-    256 parts against 128). The split length follows the sequence count rounded up to a power
-    of two, so within each such bucket the launch of the most sequences makes the most parts:
-    this is the largest of those, one per power of two up to `num_seqs`. It grows with
-    `num_seqs` and `max_seq_len`, so warmup's launch of the most rows at `max_model_len`
-    allocates what any launch does."""
-    most, bucket = 0, 1
-    while True:
-        n = min(bucket, num_seqs)
-        tokens = decode_split_tokens(kv_dtype, n, num_kv_heads, sms)
-        most = max(most, n * num_kv_splits(max_seq_len, max_splits, tokens))
-        if bucket >= num_seqs:
-            return most
-        bucket *= 2
+    Memory: the scratch takes 4 bytes x heads x (head_dim + 1) a part, for max(this bound,
+    num_seqs x splits). A launch of fewer sequences may split into more parts (4 sequences
+    of 8 KV heads split 1k tokens 17 ways, 5 sequences 9 ways: 68 parts against 45), so the
+    launch's own count alone does not grow with `num_seqs` and warmup's step of the most rows
+    would not meet the largest scratch. Only launches of at most `short` sequences split below
+    the base (their count, rounded up to a power of two, times their KV heads leaves an SM
+    without a program at the base), each sequence into at most `num_kv_splits(max_seq_len,
+    max_splits, MIN_SPLIT_TOKENS)` parts; launches of more split at the base, so their parts
+    grow with `num_seqs`. The allocation thus grows with `num_seqs` and `max_seq_len`, and
+    warmup's launch of the most rows at `max_model_len` measures every launch's."""
+    return (min(num_seqs, _most_short_launch_seqs(num_kv_heads, sms))
+            * num_kv_splits(max_seq_len, max_splits, MIN_SPLIT_TOKENS))
+
+
+@functools.cache
+def _most_short_launch_seqs(num_kv_heads: int, sms: int) -> int:
+    """The most sequences a launch may have and still split below the base: the largest power
+    of two that, times the KV heads, leaves an SM idle (0 when none does)."""
+    short = 0
+    while max(1, 2 * short) * num_kv_heads < sms:
+        short = max(1, 2 * short)
+    return short
 
 
 def num_kv_splits(max_seq_len: int, max_splits: int = MAX_SPLITS,
@@ -845,15 +831,15 @@ class DecodeSplits:
     def plan(cls, query: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata,
              max_splits: int, split_tokens: int | None) -> DecodeSplits:
         """`split_tokens` (default `decode_split_tokens`) and the launch's split count; the
-        scratch, `most_decode_parts` long at the least, so warmup's largest launch measures
+        scratch, `short_launch_parts` long at the least, so warmup's largest launch measures
         every launch's (graph safe: its shapes come from host ints)."""
         num_seqs, (num_heads, head_dim) = metadata.seq_lens.shape[0], query.shape[1:]
         parts = 0  # beyond this launch's own: none where split_tokens is given (tests, sweeps)
         if split_tokens is None:
             sms = num_sms(query.device)
             split_tokens = decode_split_tokens(k_cache.dtype, num_seqs, k_cache.shape[2], sms)
-            parts = most_decode_parts(k_cache.dtype, num_seqs, k_cache.shape[2],
-                                      metadata.max_seq_len, max_splits, sms)
+            parts = short_launch_parts(num_seqs, k_cache.shape[2], metadata.max_seq_len,
+                                       max_splits, sms)
         num_splits = num_kv_splits(metadata.max_seq_len, max_splits, split_tokens)
         used = num_seqs * num_splits if num_splits > 1 else 0
         parts = max(parts, used) if used else 0
