@@ -111,13 +111,17 @@ class BoardEngine(Engine):
 
     def peers_keep(self, usage: KVUsage, now: float, spare: int) -> int | None:
         """What `KVCacheResizer.govern` does with the board before deciding, in whole blocks:
-        say what this cache lacks, and keep what the peers need not have from it."""
+        say what this cache lacks, and keep what the peers need not have from it; a busy
+        cache keeps its demand plus one sequence (its live blocks lie at the front)."""
         self.publish(usage, now)
+        if usage.short:
+            return None
         peers = self.board.peers_short_bytes()
         if peers is None:
             return None
         give = -(-max(0, peers - spare) // GiB)
-        return self.blocks - (give if give >= usage.floor else 0)
+        keep = self.blocks - (give if give >= usage.floor else 0)
+        return keep if usage.is_low else max(keep, usage.demand_blocks + usage.floor)
 
 
 @pytest.mark.parametrize("demand", [30, 60, 85])

@@ -129,14 +129,19 @@ class Engine:
         keep = self.peers_keep(usage, now, self.governor.spare_bytes(free, TOTAL))
         want = self.governor.decide(free, TOTAL, now, usage)
         target = self.blocks - want // GiB if want > 0 else self.blocks + (-want) // GiB
+        shared = False
         if want == 0:
-            target = self.governor.idle_shrink(usage, now, keep) or self.blocks
+            target = self.governor.idle_shrink(usage, now, keep)
+            if target is None:  # as `KVCacheResizer.govern`: a busy cache's tail to its peers
+                target = self.governor.share_shrink(usage, now, keep)
+                shared = target is not None
+            target = target or self.blocks
         target = max(2, min(target, self.budget))
         if want < 0 and self.blocks >= self.budget:
             self.governor.grow_attempted(now)  # at its budget (under a block: nothing tried)
         if target != self.blocks:
             grew = target > self.blocks and want < 0
-            self.governor.resized(now, grew=grew, idle=want == 0)
+            self.governor.resized(now, grew=grew, idle=want == 0 and not shared)
             self.blocks = target
             if grew:
                 self.publish(self.usage(), now)

@@ -9,6 +9,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from kvfit import LLM, SamplingParams
 from kvfit.elastic import DemandBoard
 
@@ -23,7 +25,7 @@ from .test_elastic_governor import (
     serve_until,
     tokens,
 )
-from .test_oom_guard import assert_nothing_leaked, runner
+from .test_oom_guard import assert_nothing_leaked, make_prompts, runner
 
 IDLE_S = 0.3
 
@@ -181,3 +183,60 @@ def test_an_idle_engine_gives_a_peer_what_it_lacks_and_keeps_the_rest(
     finally:
         llm.shutdown()
     assert not list(tmp_path.rglob(f"{board.name}"))  # shutdown took its entry off the board
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_busy_engine_gives_its_free_tail_to_a_peer_and_preempts_nothing(
+    qwen3: Path, tmp_path: Path, packed: bool
+) -> None:
+    """A busy engine holding far more than its batch needs, whose peer on the board lacks
+    blocks, gives it the free tail beyond its demand plus one sequence (`share_shrink`,
+    cause `share`) after idle_s while it serves: no sequence is preempted, its greedy tokens
+    are the ones it gives alone, it keeps what its batch needs to finish, and it does not take
+    the memory back while the peer holds it. Not `packed` (the prefix cache from the first run
+    kept, so new blocks come from the never-used tail first), its live blocks reach the tail:
+    it gives less or nothing, and still preempts nothing."""
+    prompts = make_prompts((200,) * 40, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    llm = LLM(str(qwen3), device="cpu",
+              **{**ENGINE, "elastic_idle_s": IDLE_S, "elastic_demand_dir": str(tmp_path)})
+    try:
+        expected = tokens(llm.generate(prompts, params, use_tqdm=False))
+        if packed:
+            llm.reset_prefix_cache()  # the second run's blocks pack at the front, as fresh ones
+        device = CoTenantDevice(llm)
+        llm.engine.executor.workers[0].monitor = device
+        resizer, board = llm.engine.kv_resizer, llm.engine.demand_board
+        peer = DemandBoard(tmp_path, board.folder.name)
+        start, block_bytes = resizer.num_blocks, llm.config.kv_cache_spec().block_bytes
+        demand = 40 * -(-500 // llm.config.cache_config.block_size)  # 40 x (200 + 300) tokens
+        assert 4 * demand > start > demand + resizer.floor  # busy, with a tail to spare
+        seqs = [seq for i, p in enumerate(prompts)
+                for seq in llm.make_request(p, params, f"share-{i}")]
+        for seq in seqs:
+            llm.engine.add_request(seq)
+        while min(len(seq.output_token_ids) for seq in seqs) < 150:  # half way
+            llm.engine.step()
+        live_end = resizer._live_end()
+        assert (live_end < start * 3 // 4) == packed  # unpacked: live blocks reach the tail
+        peer.publish(start // 4 * block_bytes)
+        gave_at: int | None = None
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+            if gave_at is None and llm.engine.stats().kv_cache_share_shrinks:
+                gave_at = resizer.num_blocks
+                device.other += (start - gave_at) * block_bytes  # the peer takes it
+                peer.publish(0)  # and lacks nothing more
+        shares = [e for e in resizer.events if e.cause == "share"]
+        assert all(e.num_preempted == 0 for e in shares)
+        assert llm.engine.scheduler.num_preemptions == 0
+        assert [list(seq.output_token_ids) for seq in seqs] == expected
+        assert llm.engine.stats().kv_cache_idle_shrinks == 0
+        assert all(e.num_blocks_after >= live_end for e in shares)
+        if packed:
+            [share] = shares
+            assert gave_at == share.num_blocks_after < start
+            assert share.num_blocks_after >= demand + resizer.floor
+            assert resizer.num_blocks == gave_at  # nothing taken back while the peer holds it
+    finally:
+        llm.shutdown()

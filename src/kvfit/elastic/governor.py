@@ -125,7 +125,8 @@ class KVCacheGovernor:
     by that much only; and only a cache short of headroom grows (one that has it would take
     back what it just gave). A busy cache short of blocks grows even
     inside the band, down to its lower quarter, so it never pushes free memory under the low
-    watermark itself.
+    watermark itself; a busy cache with blocks beyond its demand gives that tail to peers that
+    lack blocks (`share_shrink`).
     """
 
     config: ElasticConfig
@@ -133,6 +134,7 @@ class KVCacheGovernor:
     last_resize: float = -math.inf  # the last resize that holds grows back: not a grow
     last_grow_attempt: float = -math.inf  # the last grow attempt that grew nothing
     low_since: float | None = None  # since when the cache's use has been low
+    share_since: float | None = None  # since when a busy cache has had a tail a peer lacks
     # Consecutive failed resizes by direction, and when the next may be tried (`failed`).
     num_failed_shrinks: int = 0
     num_failed_grows: int = 0
@@ -198,6 +200,31 @@ class KVCacheGovernor:
         # else: a peer's want, which grows as its burst is admitted; the cache stays idle, so
         # the next want is answered at the next poll, not `idle_s` on.
         return target
+
+    def share_shrink(self, usage: KVUsage, now: float,
+                     peers_keep: int | None) -> int | None:
+        """Blocks a busy cache shrinks to so that peers short of blocks get its tail:
+        `peers_keep` (what `KVCacheResizer` leaves it: at least its demand plus one
+        `max_model_len` sequence, and every block a live sequence holds, so the shrink
+        preempts nothing), once a peer has lacked that tail for `idle_s`. None for a cache
+        idle by its use (`idle_shrink` gives for it), one short of blocks itself, no peer
+        asking, or while a failed shrink backs off.
+
+        Why: a cache that grew for a burst keeps what it holds while a quarter of it or more
+        stays in use, so without this a co-tenant that turns busy meanwhile waits for blocks
+        until the first goes idle (four engines sharing one device, `tests/elastic/
+        test_share.py`). The caller counts the shrink as a resize that holds grows back
+        (`resized`), so the cache does not take back at once what it gave."""
+        if (not self.shrink_due(now) or self.config.idle_s <= 0 or peers_keep is None
+                or usage.short or usage.is_low or peers_keep >= usage.num_blocks):
+            self.share_since = None
+            return None
+        if self.share_since is None:
+            self.share_since = now
+        if now - self.share_since < self.config.idle_s:
+            return None
+        self.share_since = None
+        return peers_keep
 
     def grow_due(self, now: float) -> bool:
         """Whether the cache may grow at `now` (or, released by a failure, be backed again):

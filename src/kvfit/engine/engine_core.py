@@ -94,6 +94,7 @@ class EngineStats:
     kv_cache_failed_shrinks: int = 0
     kv_cache_resize_backoff_s: float = 0.0  # the governor's wait after failed resizes
     kv_cache_idle_shrinks: int = 0  # of the shrinks: an idle cache giving back (`elastic_idle_s`)
+    kv_cache_share_shrinks: int = 0  # of the shrinks: a busy cache's free tail to its peers
     num_steps: int = 0  # steps launched since startup
     num_step_tokens: int = 0  # tokens those steps computed, prompt and output
     num_decode_steps: int = 0  # of the steps: one token per sequence (no prompt chunk)
@@ -739,6 +740,7 @@ class EngineCore:
             kv_cache_resize_backoff_s=(0.0 if self.kv_cache_governor is None
                                        else self.kv_cache_governor.backoff_s),
             kv_cache_idle_shrinks=self.kv_resizer.num_idle_shrinks,
+            kv_cache_share_shrinks=self.kv_resizer.num_share_shrinks,
             num_steps=self.scheduler.num_steps,
             num_step_tokens=self.scheduler.num_step_tokens,
             num_decode_steps=self.scheduler.num_decode_steps,

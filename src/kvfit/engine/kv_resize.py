@@ -49,8 +49,8 @@ class KVCacheResizeError(RuntimeError):
 @dataclass(frozen=True)
 class KVCacheResize:
     """One resize of the KV cache, by `cause` (`api`: `LLM.resize_kv_cache`; `governor`;
-    `idle`: the governor's idle shrink; `wake`; `restore`: a cache a failed resize released,
-    backed again).
+    `idle`: the governor's idle shrink; `share`: a busy cache's free tail to peers that lack
+    blocks; `wake`; `restore`: a cache a failed resize released, backed again).
 
     `delta_bytes`: physical bytes gained (negative: given back) on rank 0; `free_bytes`: the
     device free memory that prompted a governor's resize; `time`: `time.monotonic()` at its
@@ -86,6 +86,7 @@ class KVCacheResizer:
     num_failed_grows: int = 0
     num_failed_shrinks: int = 0  # resizes that raised going down (the governor backs off)
     num_idle_shrinks: int = 0  # of `num_shrinks`: an idle cache giving back what it did not use
+    num_share_shrinks: int = 0  # of `num_shrinks`: a busy cache's free tail to peers that lack
     # Called when a recommit could not back even the floor and left the cache released (the
     # engine then backs it again by itself: `restore`).
     on_released: Callable[[], None] = lambda: None
@@ -468,9 +469,13 @@ class KVCacheResizer:
                 grown = replace(usage, num_blocks=event.num_blocks_after, short=False)
                 self._publish_demand(board, grown, now)
             return event
-        target = None if usage is None else governor.idle_shrink(usage, now, peers_keep)
+        if usage is None:
+            return None
+        target, cause = governor.idle_shrink(usage, now, peers_keep), "idle"
+        if target is None:
+            target, cause = governor.share_shrink(usage, now, peers_keep), "share"
         if target is not None and (target := self.shrink_size(target)) < self.num_blocks:
-            return self._idle_shrink(governor, settle, target, free)
+            return self._idle_shrink(governor, settle, target, free, cause)
         return None
 
     def _device_memory(self) -> tuple[int, int]:
@@ -485,13 +490,14 @@ class KVCacheResizer:
         board.publish(usage.shortfall(budget) * self.config.kv_cache_spec().block_bytes, now)
 
     def _peers_keep(self, board: DemandBoard, usage: KVUsage, spare: int) -> int | None:
-        """The blocks an idle cache keeps once its peers on `board` have what they lack beyond
-        the `spare` free bytes they can take themselves (None: no peer on the device, or a
-        cache not idle, which `idle_shrink` leaves alone anyway: the board is read only then):
-        a size whose pages free at least that, so the give is one shrink, not one per poll
-        while the freed bytes fall short by a chunk's remainder. A want under one
-        `max_model_len` sequence is not worth a resize: it keeps all."""
-        if not usage.is_low:
+        """The blocks this cache keeps once its peers on `board` have what they lack beyond the
+        `spare` free bytes they can take themselves (None: no peer on the device, or a cache
+        short of blocks itself): a size whose pages free at least that, so the give is one
+        shrink, not one per poll while the freed bytes fall short by a chunk's remainder. A
+        want under one `max_model_len` sequence is not worth a resize: it keeps all. A busy
+        cache (not idle by its use) keeps at least its demand plus one such sequence and
+        every block a running sequence holds (`share_shrink`: it gives its free tail only)."""
+        if usage.short:
             return None
         peers_short = board.peers_short_bytes()
         if peers_short is None:
@@ -501,20 +507,36 @@ class KVCacheResizer:
             return usage.num_blocks
         # Fewer blocks by the want, and no more than leave the pages it frees (a chunk's
         # unused remainder frees nothing).
-        return min(usage.num_blocks - -(-give // block_bytes),
+        keep = min(usage.num_blocks - -(-give // block_bytes),
                    *self.executor.collective_rpc("kv_cache_blocks_at", -give))
+        if usage.is_low:
+            return keep
+        return max(keep, usage.demand_blocks + usage.floor, self._live_end())
+
+    def _live_end(self) -> int:
+        """One past the highest block id a running sequence holds: a shrink to it preempts
+        nothing (the block manager hands out low ids first, so live blocks pack at the front
+        and a busy cache's tail is free)."""
+        return 1 + max((max(seq.block_table, default=-1) for seq in self.scheduler.running),
+                       default=-1)
 
     def _idle_shrink(self, governor: KVCacheGovernor, settle: Callable[[], None],
-                     target: int, free: int) -> KVCacheResize | None:
+                     target: int, free: int, cause: str = "idle") -> KVCacheResize | None:
+        """An idle cache's give-back (`cause` "idle"), or a busy one's tail to its peers
+        ("share", which holds this cache's grows back for the interval: the peer takes it)."""
         settle()
         try:
-            event = self.resize(target, "idle", free)
+            event = self.resize(target, cause, free)
         except KVCacheResizeError as error:
-            logger.error("the idle KV cache could not shrink to %d blocks (%s); it holds %d; "
-                         "%s", target, error, self.num_blocks, self._backoff(governor, False))
+            logger.error("the %s KV cache could not shrink to %d blocks (%s); it holds %d; %s",
+                         "idle" if cause == "idle" else "busy", target, error, self.num_blocks,
+                         self._backoff(governor, False))
             return None
-        self.num_idle_shrinks += 1
-        governor.resized(event.time, idle=True)
+        if cause == "idle":
+            self.num_idle_shrinks += 1
+        else:
+            self.num_share_shrinks += 1
+        governor.resized(event.time, idle=cause == "idle")
         return event
 
     def _govern_shrink(self, governor: KVCacheGovernor, settle: Callable[[], None],
@@ -646,7 +668,8 @@ class KVCacheResizer:
             "num_shrinks": self.num_shrinks, "num_grows": self.num_grows,
             "num_failed_grows": self.num_failed_grows,
             "num_failed_shrinks": self.num_failed_shrinks,
-            "num_idle_shrinks": self.num_idle_shrinks, "elastic": None,
+            "num_idle_shrinks": self.num_idle_shrinks,
+            "num_share_shrinks": self.num_share_shrinks, "elastic": None,
             "latest_resizes": [asdict(e) for e in list(self.events)[-16:]],
         }
         if governor is not None:

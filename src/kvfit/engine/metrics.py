@@ -74,6 +74,9 @@ def engine_metrics(s: EngineStats, report: KVCacheReport) -> list[Metric]:
         counter("kv_cache_idle_shrinks", "Shrinks of an idle KV cache giving back what it did "
                 "not use (elastic_idle_s); counted in kv_cache_resizes too.",
                 s.kv_cache_idle_shrinks),
+        counter("kv_cache_share_shrinks", "Shrinks of a busy KV cache giving its free tail to "
+                "engines on the same device that lack blocks (elastic_demand_dir); counted in "
+                "kv_cache_resizes too.", s.kv_cache_share_shrinks),
         counter("kv_cache_failed_grows", "Grows of the KV cache that found no memory (the cache "
                 "stayed as it was), and failed attempts to back a released one.",
                 s.kv_cache_failed_grows),
