@@ -188,9 +188,8 @@ class KVCacheGovernor:
         if not (self.config.idle_s > 0 and usage.is_low):
             self.low_since = None
             return None
-        if self.low_since is None:
-            self.low_since = now
-        if now - self.low_since < self.config.idle_s:
+        self.low_since, held = _held(self.low_since, now, self.config.idle_s)
+        if not held:
             return None
         target = max(usage.idle_target, peers_keep or 0)
         if target >= usage.num_blocks:
@@ -219,9 +218,8 @@ class KVCacheGovernor:
                 or usage.short or usage.is_low or peers_keep >= usage.num_blocks):
             self.share_since = None
             return None
-        if self.share_since is None:
-            self.share_since = now
-        if now - self.share_since < self.config.idle_s:
+        self.share_since, held = _held(self.share_since, now, self.config.idle_s)
+        if not held:
             return None
         self.share_since = None
         return peers_keep
@@ -288,6 +286,13 @@ class KVCacheGovernor:
         """A grow was tried at `now` and grew nothing (failed, or nothing to do at the
         budget): the next attempt waits the interval."""
         self.last_grow_attempt = now
+
+
+def _held(since: float | None, now: float, span: float) -> tuple[float, bool]:
+    """A condition true at `now`, true since `since` (None: it starts now): when it started,
+    and whether it has held for `span`."""
+    since = now if since is None else since
+    return since, now - since >= span
 
 
 def _floor_of_band(low: int, high: int) -> int:
