@@ -515,8 +515,9 @@ class KVCacheResizer:
 
     def _live_end(self) -> int:
         """One past the highest block id a running sequence holds: a shrink to it preempts
-        nothing (the block manager hands out low ids first, so live blocks pack at the front
-        and a busy cache's tail is free)."""
+        nothing. Live blocks need not lie at the front (the block manager hands out blocks
+        without a prefix-cache entry first, never-used tail blocks among them), so a busy
+        cache gives what lies past its last live block, or nothing."""
         return 1 + max((max(seq.block_table, default=-1) for seq in self.scheduler.running),
                        default=-1)
 
