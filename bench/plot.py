@@ -285,31 +285,32 @@ def plot_elastic_pair(r: Record) -> Figure:
     """Each engine's KV cache over time, elastic against static; below, where the record's
     samples carry them (since 2026-12-06), each engine's output tokens so far."""
     res = r["results"]
-    curves = [(mode, style, engine) for mode, style in (("elastic", "-"), ("elastic-alone", "--"),
-                                                        ("static", ":"))
-              for engine in res["modes"].get(mode, {}).get("engines", [])]
-    with_tokens = all("output_tokens" in s for _, _, e in curves for s in e["samples"])
+    curves = [(mode, style, rank, engine)
+              for mode, style in (("elastic", "-"), ("elastic-alone", "--"), ("static", ":"))
+              for rank, engine in enumerate(res["modes"].get(mode, {}).get("engines", []))]
+    with_tokens = all("output_tokens" in s for *_, e in curves for s in e["samples"])
     fig, axes = plt.subplots(2 if with_tokens else 1, 1, sharex=True, squeeze=False,
                              figsize=(9, 7.0 if with_tokens else 4.2))
     panels = [(axes[0][0], "kv_bytes", GiB, "KV cache (GiB)")]
     if with_tokens:
         panels.append((axes[1][0], "output_tokens", 1e3, "output tokens so far (thousands)"))
     for ax, key, unit, ylabel in panels:
-        for mode, style, engine in curves:
+        for mode, style, rank, engine in curves:
             samples = engine["samples"]
             ax.plot([s["t"] for s in samples], [s[key] / unit for s in samples], style,
-                    label=f"{engine['model']} ({mode})")
+                    label=f"{rank}: {engine['model']} ({mode})")
         for k in range(1, res["args"]["num_phases"]):
             ax.axvline(k * res["args"]["phase_s"], color="grey", lw=0.5)
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
-    axes[-1][0].set_xlabel("seconds since the load started (the busy engine alternates each "
+    axes[-1][0].set_xlabel("seconds since the load started (the busy engines change each "
                            "phase)")
     # Beside the plot: inside, it hid the curves of a cache grown to the top (the 8B engine's
     # elastic cache at 60-70 s of the 2026-12-04 chat run).
     axes[0][0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ratio = res.get("token_ratio")
-    _title(fig, "Two engines on one device: KV cache over time"
+    num_engines = max(len(m["engines"]) for m in res["modes"].values())
+    _title(fig, f"{num_engines} engines on one device: KV cache over time"
            + ("" if ratio is None else f" (elastic / static tokens {ratio:.2f})"), r)
     return fig
 

@@ -107,3 +107,43 @@ def test_chat_turns_extend_their_history_and_start_over_past_max_model_len(bench
         lengths.append(len(prompt))
         chats.answered(f"t{i}", prompt + [0] * 4)
     assert max(lengths) + 4 <= 64 and any(b < a for a, b in pairwise(lengths))
+
+
+def test_four_engines_two_busy_at_a_time(bench, tmp_path: Path) -> None:  # noqa: ANN001
+    """Four kvfit-tiny engines, two busy in each phase (engine i in phases p with
+    (p - i) mod 4 < 2): each phase's busy engines serve, the idle ones do not, and the phase
+    ratios add up the busy engines."""
+    out = tmp_path / "four.json"
+    result = bench.main(["--device", "cpu", "--models", *["kvfit-tiny"] * 4,
+                         "--busy-per-phase", "2", "--max-model-len", "256",
+                         "--max-num-seqs", "4", "--concurrency", "4", "--input-len", "32",
+                         "--output-len", "8", "--phase-s", "2", "--num-phases", "4",
+                         "--idle-s", "0.5", "--min-interval", "0.5", "--out", str(out)])
+    assert json.loads(out.read_text())["config"]["gpu_memory_utilization_static"] == 0.225
+    for mode in ("static", "elastic"):
+        engines = result["modes"][mode]["engines"]
+        assert len(engines) == 4
+        for phase in range(4):
+            tokens = [e["phase_tokens"][phase] for e in engines]
+            busy = [tokens[i] for i in range(4) if (phase - i) % 4 < 2]
+            idle = [tokens[i] for i in range(4) if (phase - i) % 4 >= 2]
+            # An idle engine serves nothing but a step begun at its phase's end.
+            assert min(busy) > max(idle), (mode, phase, tokens)
+        assert all("kv_cache_share_shrinks" in e for e in engines)
+    static, elastic = (result["modes"][m]["engines"] for m in ("static", "elastic"))
+    assert result["phase_token_ratios"] == pytest.approx([
+        sum(elastic[i]["phase_tokens"][p] for i in range(4) if (p - i) % 4 < 2)
+        / sum(static[i]["phase_tokens"][p] for i in range(4) if (p - i) % 4 < 2)
+        for p in range(4)])
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--models", "kvfit-tiny"], "at least two"),
+    (["--models", "a", "b", "c", "--busy-per-phase", "3"], "one engine idle at least"),
+    (["--models", "a", "b", "--busy-per-phase", "0"], "busy-per-phase"),
+])
+def test_engine_counts_and_busy_sets_are_checked(bench, argv: list[str], match: str,  # noqa: ANN001
+                                                 capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", *argv])
+    assert match in capsys.readouterr().err
