@@ -39,6 +39,15 @@ kernels: input, decode, split reduction), the fused `decode_attention` with the 
 its own kernel, and with it in the launch (`split_tickets`, as the engine runs it). The
 difference is what the engine's `--fused-decode-input` saves a layer, before the graph's
 per-node cost.
+
+`--mixed-decode`: decode over sequences of mixed lengths (uniform in 100-`--mixed-max-len`,
+seeded), as the engine's batches hold them, at each `--batches`, with the programs started in
+three orders: the batch's, longest programs first (`kvfit.ops.decode_order`, the engine's),
+and shortest first (the worst case). KV bytes over time against the copy bandwidth, as the
+table's decode rows.
+
+    PYTHONPATH=src python3 bench/attention.py --mixed-decode --num-heads 16 --num-kv-heads 8 \\
+        --batches 64 128 256 --out $OUT/attn-mixed.json
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ import re
 import statistics
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -60,6 +70,8 @@ from kvfit.ops.attention import AttentionMetadata
 try:
     from triton.testing import do_bench
 
+    from kvfit.ops.decode_order import decode_order
+    from kvfit.ops.sm_count import num_sms
     from kvfit.ops.triton_attention import paged_attention_triton
 except ImportError as e:
     raise SystemExit(f"bench/attention.py times the Triton kernels, so it needs Triton and a "
@@ -190,6 +202,43 @@ def bench_decode(shape: Shape, k_cache, v_cache, batch: int, context: int, copy_
         gb_per_s=bandwidth / 1e9,
         frac_of_copy=bandwidth / copy_bw,
     )
+
+
+def mixed_decode_rows(shape: Shape, k_cache, v_cache, batches: list[int], max_len: int,
+                      copy_bw: float, kv_cache_dtype: torch.dtype,
+                      split_tokens: list[int]) -> list[dict]:
+    """`--mixed-decode`: each batch's decode in three start orders (module docstring), then
+    longest first at each of `split_tokens` (`--mixed-split-tokens`)."""
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for batch in batches:
+        seq_lens = torch.randint(100, max_len + 1, (batch,), generator=gen)
+        md = metadata([1] * batch, seq_lens.tolist(), shape.block_size, k_cache.shape[0])
+        query = torch.randn(batch, shape.num_heads, shape.head_dim, dtype=shape.dtype,
+                            device="cuda")
+        out = torch.empty_like(query)
+        lpt = decode_order(seq_lens.numpy(), np.ones(batch, np.int64), shape.num_kv_heads,
+                           shape.head_dim, kv_cache_dtype, num_sms(query.device))
+        kv_bytes = (2 * int(seq_lens.sum()) * shape.num_kv_heads * shape.head_dim
+                    * k_cache.element_size())
+        row = dict(batch=batch, max_len=max_len, kv_gb=kv_bytes / 1e9)
+        variants = [("batch", None, None), ("longest_first", lpt, None),
+                    ("shortest_first", lpt[::-1].copy(), None)]
+        variants += [(f"longest_first_split{t}", decode_order(
+            seq_lens.numpy(), np.ones(batch, np.int64), shape.num_kv_heads, shape.head_dim,
+            kv_cache_dtype, split_tokens=t), t) for t in split_tokens]
+        for name, order, tokens in variants:
+            md.decode_order = None if order is None else torch.from_numpy(order).cuda()
+            ms = do_bench(lambda md=md, q=query, o=out, t=tokens: paged_attention_triton(
+                q, k_cache, v_cache, md, shape.head_dim**-0.5, o, split_tokens=t,
+                **_fp8_scales(k_cache)), return_mode="median")
+            row[f"{name}_ms"] = ms
+            row[f"{name}_of_copy"] = kv_bytes / (ms * 1e-3) / copy_bw
+        rows.append(row)
+        print(f"{batch:>6} {row['kv_gb']:>7.2f} " + " ".join(
+            f"{row[v[0] + '_ms']:>9.4f} {row[v[0] + '_of_copy']:>5.0%}" for v in variants),
+            flush=True)
+    return rows
 
 
 def time_sdpa(shape: Shape, batch: int, length: int) -> float:
@@ -414,6 +463,13 @@ def main() -> None:
                         help="a layer's decode attention with its input, unfused and fused "
                              "(with and without the split reduction in the launch), not the "
                              "table")
+    parser.add_argument("--mixed-decode", action="store_true",
+                        help="decode over mixed lengths in three program orders, not the table")
+    parser.add_argument("--mixed-max-len", type=int, default=2300,
+                        help="--mixed-decode: the longest sequence (the shortest is 100)")
+    parser.add_argument("--mixed-split-tokens", type=int, nargs="*", default=[],
+                        help="--mixed-decode: also longest first at these split lengths "
+                             "(65536: no split, no reduction kernel)")
     parser.add_argument("--bi-block-m", type=int, nargs="*", default=[128, 64, 32],
                         help="BLOCK_M values tried for the mode's decode rows")
     args = parser.parse_args()
@@ -430,7 +486,8 @@ def main() -> None:
         if b * c * token_bytes <= args.max_cache_gib * 2**30
     ]
     # The record's limits; `copy_bw` stays the rows' roofline, timed by do_bench as they are.
-    limits = {} if args.sweep or args.decode_input else in_run_limits("cuda")
+    limits = ({} if args.sweep or args.decode_input or args.mixed_decode
+              else in_run_limits("cuda"))
     cache_tokens = max(max(b * c for b, c in cases), 65536)
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else shape.dtype
     k_cache, v_cache = paged_cache(shape, cache_tokens, cache_dtype)
@@ -438,6 +495,19 @@ def main() -> None:
     if args.sweep:
         write_record(args.out, record_of("attention-sweep", sweep(shape, k_cache, v_cache),
                                          vars(args)))
+        return
+    if args.mixed_decode:
+        print(f"{torch.cuda.get_device_name()}  {args.dtype}  KV {args.kv_cache_dtype}  heads "
+              f"{shape.num_heads}/{shape.num_kv_heads}; copy {copy_bw / 1e9:.0f} GB/s; "
+              f"ms and share of copy: batch order, longest first, shortest first, then "
+              f"longest first split at {args.mixed_split_tokens}")
+        rows = mixed_decode_rows(shape, k_cache, v_cache, args.batches, args.mixed_max_len,
+                                 copy_bw, cache_dtype, args.mixed_split_tokens)
+        result = dict(device=torch.cuda.get_device_name(),
+                      shape={**asdict(shape), "dtype": args.dtype,
+                             "kv_cache_dtype": args.kv_cache_dtype},
+                      copy_gb_per_s=copy_bw / 1e9, mixed_decode=rows)
+        write_record(args.out, record_of("attention-mixed-decode", result, vars(args)))
         return
     if args.decode_input:
         rows = decode_input_rows(shape, k_cache, v_cache, cases)

@@ -159,3 +159,54 @@ def test_decode_split_layout_follows_the_sequence_and_the_padded_batch(paged_bat
     eager = run(real, max(lens))
     assert torch.equal(run(real, 32768), eager)
     assert torch.equal(run(len(padded), 32768)[:real], eager)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_decode_order_changes_no_bit_eager_or_replayed(paged_batch, kv_dtype):
+    """256 decode rows of mixed lengths and a prefill row: started longest first
+    (`decode_order`, the engine's), shortest first or in batch order, the output is the same
+    bits (bf16 pages and e4m3 pages through the pairs kernel), and a CUDA graph captured with
+    an order buffer gives them too after the buffer is refilled with another order."""
+    import numpy as np
+
+    from kvfit.ops.decode_order import decode_order
+    from kvfit.ops.sm_count import num_sms
+
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(100, 2300, (256,), generator=g).tolist()
+    seqs = [(n - 1, 1) for n in lens[:200]] + [(0, 37)] + [(n - 1, 1) for n in lens[200:]]
+    batch = paged_batch(seqs, num_heads=16, num_kv_heads=8, head_dim=128,
+                        dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    md, query = batch.metadata, batch.query
+    k_cache, v_cache, scales = batch.k_cache, batch.v_cache, {}
+    if kv_dtype != torch.bfloat16:
+        k_cache, v_cache = (c.clamp(-4, 4).to(kv_dtype) for c in (k_cache, v_cache))
+        one = torch.ones(1, device="cuda")
+        scales = dict(k_scale=one, v_scale=one)
+    lpt = decode_order(md.seq_lens.cpu().numpy(),
+                       np.diff(md.query_start_loc.cpu().numpy()), 8, 128, kv_dtype,
+                       num_sms(query.device))  # fmt: skip
+    assert lpt[-1] == 200  # the prefill row, which the decode kernel skips, last
+
+    def attend(order: np.ndarray | None) -> torch.Tensor:
+        md.decode_order = None if order is None else torch.from_numpy(order).cuda()
+        return paged_attention(query, k_cache, v_cache, md, 0.1, **scales)
+
+    expect = attend(None)
+    assert torch.equal(attend(lpt), expect)
+    assert torch.equal(attend(lpt[::-1].copy()), expect)
+
+    md.decode_order = order_buf = torch.from_numpy(lpt[::-1].copy()).cuda()
+    out = torch.empty_like(query)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        paged_attention(query, k_cache, v_cache, md, 0.1, out=out, **scales)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(query, k_cache, v_cache, md, 0.1, out=out, **scales)
+    order_buf.copy_(torch.from_numpy(lpt))
+    out.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(out, expect)

@@ -169,6 +169,46 @@ def test_fp8_pairs_decode_splits_and_pads_like_the_tile_kernel(paged_batch):
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-3, atol=1e-3)
 
 
+ORDER_BATCH = [(300, 1), (0, 5), (5, 1), (70, 1), (0, 1), (130, 1)]
+
+
+@pytest.mark.parametrize("fp8_pairs", [None, False, True])
+def test_decode_order_starts_programs_in_another_order_and_changes_no_bit(paged_batch,
+                                                                          fp8_pairs):
+    """A `decode_order` only reorders which program starts when: every (sequence, split, KV
+    head) still runs once and writes its own part, so the output is bit for bit the batch
+    order's, for the tile kernel (bf16, e4m3) and the e4m3 pairs kernel, in a mixed step
+    (a prefill row among the decode rows) and a split one."""
+    batch = paged_batch(ORDER_BATCH, num_heads=8, num_kv_heads=2, head_dim=32)
+    kw = dict(max_splits=4, split_tokens=64)
+    query, k_cache, v_cache = batch.query, batch.k_cache, batch.v_cache
+    if fp8_pairs is not None:
+        k_cache = _e4m3_values(k_cache.shape, 1.0).to(torch.float8_e4m3fn)
+        v_cache = _e4m3_values(v_cache.shape, 1.0).to(torch.float8_e4m3fn)
+        query = query * 0.05
+        kw.update(k_scale=torch.ones(1), v_scale=torch.ones(1), fp8_pairs=fp8_pairs,
+                  fp8_compute_dtype=torch.float16)
+    outs = []
+    for order in (None, [5, 3, 0, 2, 4, 1], [1, 0, 2, 3, 4, 5]):
+        batch.metadata.decode_order = None if order is None else torch.tensor(
+            order, dtype=torch.int32)
+        out = torch.full_like(query, float("nan"))
+        triton_attention.paged_attention_triton(query, k_cache, v_cache, batch.metadata, 0.3,
+                                                out, **kw)
+        outs.append(out)
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+
+
+def test_decode_order_holds_one_rank_per_sequence(paged_batch):
+    batch = paged_batch(ORDER_BATCH, num_heads=4, num_kv_heads=2, head_dim=16)
+    batch.metadata.decode_order = torch.arange(5, dtype=torch.int32)
+    with pytest.raises(ValueError, match="decode_order must hold one rank per sequence"):
+        triton_attention.paged_attention_triton(batch.query, batch.k_cache, batch.v_cache,
+                                                batch.metadata, 0.3,
+                                                torch.empty_like(batch.query))
+
+
 @pytest.mark.parametrize("block_size,block_n", [(32, 16), (8, 32), (16, 16)])
 def test_fp8_pairs_decode_finds_tokens_on_pages_of_any_size(paged_batch, block_size, block_n):
     """The pairs kernel computes a token's page and slot once per tile for K and V: tiles

@@ -47,6 +47,9 @@ class CUDAGraphRunner:
         self.seq_lens = torch.ones(max_bs, **i32)
         self.query_start_loc = torch.arange(max_bs + 1, **i32)
         self.block_table = torch.zeros(max_bs, max_num_blocks_per_seq, **i32)
+        # The rows in batch order: where a step brings no `decode_order`, and for padded rows.
+        self.rows = torch.arange(max_bs, **i32)
+        self.decode_order = self.rows.clone()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
@@ -67,6 +70,7 @@ class CUDAGraphRunner:
             max_query_len=1,
             max_seq_len=self.max_model_len,
             split_tickets=self.split_tickets,
+            decode_order=self.decode_order[:bs],
         )
 
     @torch.inference_mode()
@@ -102,9 +106,13 @@ class CUDAGraphRunner:
         self.slot_mapping[:n].copy_(metadata.slot_mapping)
         self.seq_lens[:n].copy_(metadata.seq_lens)
         self.block_table[:n, :width].copy_(metadata.block_table)
+        # A permutation of the padded batch's rows: the step's own, then the padding's.
+        order = metadata.decode_order
+        self.decode_order[:n].copy_(self.rows[:n] if order is None else order)
         if n < bs:  # padded rows: nothing written, one token of block 0 read
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].fill_(1)
             self.block_table[n:bs, 0].zero_()
+            self.decode_order[n:bs].copy_(self.rows[n:bs])
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -31,6 +31,7 @@ from kvfit.models.loader import load_model
 from kvfit.models.weight_arena import WeightArena
 from kvfit.ops.attention import AttentionMetadata
 from kvfit.ops.attention_input import fused_decode_input
+from kvfit.ops.sm_count import num_sms
 from kvfit.ops.small_batch import small_batch_kernels
 
 T = TypeVar("T")
@@ -217,10 +218,12 @@ class ModelRunner:
             [batch.seqs[i] for i in np.searchsorted(query_start_loc, pending, side="right") - 1])
         ends = np.fromiter(map(len, token_lists), np.int64, num_seqs)
         logits_indices = query_start_loc[1:][seq_lens == ends] - 1
+        order = self._decode_order(seq_lens, num_new)
         (input_ids_t, positions_t, slot_mapping_t, logits_indices_t, pending_t, pending_src_t,
-         query_start_loc_t, seq_lens_t, block_table_t) = to_device_packed(
+         query_start_loc_t, seq_lens_t, block_table_t, *order_t) = to_device_packed(
             self.device, input_ids, positions, slot_mapping, logits_indices, pending, pending_src,
-            query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_table)
+            query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_table,
+            *([] if order is None else [order]))
         if len(pending) == num_tokens and np.array_equal(pending_src, np.arange(num_tokens)):
             # Every row pending, in the last step's order (a decode step of the same batch):
             # its sampled ids are the inputs as they lie, without a gather and a scatter.
@@ -235,8 +238,22 @@ class ModelRunner:
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
             split_tickets=self.split_tickets,
+            decode_order=order_t[0] if order_t else None,
         )
         return input_ids_t, positions_t, metadata, logits_indices_t
+
+    def _decode_order(self, seq_lens: np.ndarray, num_new: np.ndarray) -> np.ndarray | None:
+        """`AttentionMetadata.decode_order` on CUDA, where the split-KV decode kernel runs the
+        decode rows (not in the deterministic mode); else None. Every step has one, prefill
+        steps too (the decode kernel launches, all programs idle), so one kernel variant
+        serves them all: warmup compiles it."""
+        if self.device.type != "cuda" or self.config.deterministic:
+            return None
+        from kvfit.ops.decode_order import decode_order  # triton is a CUDA-only dependency
+
+        spec = self.kv_cache_spec
+        return decode_order(seq_lens, num_new, spec.num_kv_heads, spec.head_dim, spec.dtype,
+                            num_sms(self.device))
 
     def _pending_token_rows(self, seqs: list[Sequence]) -> np.ndarray:
         """Rows of the last step's sampled ids holding the pending tokens of `seqs`."""

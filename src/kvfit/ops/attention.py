@@ -34,6 +34,9 @@ class AttentionMetadata:
     # them the fused decode (`kvfit.ops.attention_input.decode_attention`) reduces its splits in
     # its own launch. The runner's, one for all layers (they run one after another).
     split_tickets: torch.Tensor | None = None
+    # [num_seqs] int32, a permutation of the rows, or None (batch order): the order the decode
+    # kernel starts sequences in (`kvfit.ops.decode_order`). It sets the pace only, no result.
+    decode_order: torch.Tensor | None = None
 
 
 def write_kv(

@@ -257,7 +257,7 @@ def _prefill_kernel(
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     query, k_cache, v_cache, out, part_out, part_lse,
-    query_start_loc, seq_lens, block_table,
+    query_start_loc, seq_lens, block_table, decode_order,
     scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -273,13 +273,13 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     FP8: tl.constexpr,
     FP8_F16: tl.constexpr,
+    ORDERED: tl.constexpr = False,
     PDL: tl.constexpr = False,
     PDL_EARLY: tl.constexpr = True,
 ):  # fmt: skip
     wait_then_release(PDL, PDL_EARLY)  # first: the query is the kernel before's output
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    seq, kv_head, split = _decode_program(decode_order, num_splits, NUM_HEADS // QUERY_GROUP,
+                                          ORDERED)
     q_row, start, end, active = _decode_range(query_start_loc, seq_lens, seq, split, max_splits,
                                               split_tokens, BLOCK_N)
     if not active:
@@ -314,6 +314,20 @@ def _decode_kernel(
                       stride_ot, stride_oh, stride_od, HEAD_DIM, HEAD_DIM_P2, SPLIT)  # fmt: skip
     if SPLIT:
         tl.store(part_lse + part, m_i + tl.log2(l_i), mask=g_mask)
+
+
+@triton.jit
+def _decode_program(decode_order, num_splits, NUM_KV_HEADS: tl.constexpr,
+                    ORDERED: tl.constexpr):
+    """(sequence, KV head, split) of one decode program. Programs are numbered (rank, split,
+    KV head), KV head fastest, so the hardware starts a sequence's programs together and the
+    sequences in rank order: with `ORDERED` the rank-th is `decode_order[rank]` (longest
+    parts first: `decode_order`), else the batch's rank-th row. One grid axis: a launch of
+    many sequences passes no 65,535 limit."""
+    pid = tl.program_id(0)
+    rank = pid // (NUM_KV_HEADS * num_splits)
+    seq = tl.load(decode_order + rank) if ORDERED else rank
+    return seq, pid % NUM_KV_HEADS, pid // NUM_KV_HEADS % num_splits
 
 
 @triton.jit
@@ -442,7 +456,7 @@ def _fp8_pairs_step(
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_fp8_pairs_kernel(
     query, k_cache, v_cache, out, part_out, part_lse,
-    query_start_loc, seq_lens, block_table,
+    query_start_loc, seq_lens, block_table, decode_order,
     scale_log2, k_scale, v_scale, num_splits, max_splits, split_tokens,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -457,6 +471,7 @@ def _decode_fp8_pairs_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     ASM: tl.constexpr,
+    ORDERED: tl.constexpr = False,
     PDL: tl.constexpr = False,
     PDL_EARLY: tl.constexpr = True,
 ):  # fmt: skip
@@ -474,9 +489,8 @@ def _decode_fp8_pairs_kernel(
     The cache strides (stride_cb, stride_cs, stride_ch) count uint16 pairs: the host halves
     them (they are even, `_use_fp8_pairs`), so no row offset is divided in the loop."""
     wait_then_release(PDL, PDL_EARLY)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    seq, kv_head, split = _decode_program(decode_order, num_splits, NUM_HEADS // QUERY_GROUP,
+                                          ORDERED)
     q_row, start, end, active = _decode_range(query_start_loc, seq_lens, seq, split, max_splits,
                                               split_tokens, BLOCK_N)
     if not active:
@@ -713,6 +727,11 @@ def _decode_config(head_dim: int) -> dict[str, int]:
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
 
 
+def decode_block_n(head_dim: int) -> int:
+    """Tokens per tile of the decode kernels at their default config."""
+    return _decode_config(head_dim)["BLOCK_N"]
+
+
 def paged_attention_triton(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -788,13 +807,19 @@ def paged_attention_triton(
     if batch_invariant:
         return out
     plan = DecodeSplits.plan(query, k_cache, metadata, max_splits, split_tokens)
-    grid = (num_seqs, num_kv_heads, plan.num_splits)
+    grid = (num_seqs * plan.num_splits * num_kv_heads,)
     pdl = pdl_launch(num_tokens, query.device)
+    order = metadata.decode_order
+    if order is not None and order.shape != (num_seqs,):
+        raise ValueError(f"decode_order must hold one rank per sequence ({num_seqs}), got "
+                         f"shape {tuple(order.shape)}")
     args = (query, k_cache, v_cache, out, plan.part_out, plan.part_lse,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
+            metadata.seq_lens if order is None else order,  # unread without an order
             scale_log2, k_scale, v_scale, plan.num_splits, max_splits,
             plan.split_tokens)  # fmt: skip
     shape = dict(decode_shape(num_heads, group, head_dim, block_size), SPLIT=plan.split,
+                 ORDERED=order is not None,
                  **(decode_config or _decode_config(head_dim)))  # fmt: skip
     if _use_fp8_pairs(fp8_pairs, k_cache, fp8_f16 or (fp8 and query.dtype == torch.float16)):
         _decode_fp8_pairs_kernel[grid](
