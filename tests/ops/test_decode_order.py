@@ -85,3 +85,11 @@ def test_the_order_shortens_a_launch_that_ends_on_long_programs() -> None:
                                               132).tolist()), slots)
     assert ordered < batch
     assert ordered / ideal < 1.02
+
+
+def test_a_launch_that_starts_at_once_keeps_the_batch_order() -> None:
+    """Fewer rows x KV heads than SMs: every program starts at once, whatever the order."""
+    seq_lens = np.array([5, 4000, 300, 2000])
+    order = decode_order(seq_lens, np.ones(4, np.int64), 8, 128, BF16, 132)
+    assert order.tolist() == [0, 1, 2, 3] and order.dtype == np.int32
+    assert decode_order(seq_lens, np.ones(4, np.int64), 8, 128, BF16, 16).tolist()[0] == 1

@@ -28,13 +28,18 @@ def decode_order(seq_lens: np.ndarray, query_lens: np.ndarray, num_kv_heads: int
     The split layout is the kernel's (`decode_split_tokens` for this launch's size, at most
     `MAX_SPLITS` parts of whole BLOCK_N tiles), so the key is exact for eager launches and
     for a CUDA graph's padded batch alike (both split alike: `MAX_SPLITS`'s note). Host time:
-    a few numpy passes over the rows, ~10 us at 256. `split_tokens`: a launch's override
-    of the kernel's (`paged_attention_triton`'s, for benches)."""
+    a few numpy passes over the rows, ~10 us at 256. A launch of fewer rows times KV heads
+    than SMs gets the batch order: it starts at once (its splits are shortened to fill the
+    device, `decode_split_tokens`), so no order helps, and the host's time weighs most
+    there. `split_tokens`: a launch's override of the kernel's (benches)."""
+    num_seqs = len(seq_lens)
+    if num_seqs * num_kv_heads < sms and split_tokens is None:
+        return np.arange(num_seqs, dtype=np.int32)
     if split_tokens is None:
-        split_tokens = decode_split_tokens(kv_dtype, len(seq_lens), num_kv_heads, sms)
+        split_tokens = decode_split_tokens(kv_dtype, num_seqs, num_kv_heads, sms)
     block_n = decode_block_n(head_dim)
-    splits = np.clip(-(-seq_lens // split_tokens), 1, MAX_SPLITS)
-    tiles = -(-seq_lens // block_n)
-    tiles_per_split = -(-tiles // splits)
+    splits = np.minimum(np.maximum((seq_lens + split_tokens - 1) // split_tokens, 1),
+                        MAX_SPLITS)
+    tiles_per_split = ((seq_lens + block_n - 1) // block_n + splits - 1) // splits
     tiles_per_split[query_lens != 1] = 0
     return np.argsort(-tiles_per_split, kind="stable").astype(np.int32)
