@@ -407,18 +407,24 @@ def test_decode_split_tokens_shorten_for_a_launch_of_few_sequences():
 
     split = triton_attention.decode_split_tokens
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    long = triton_attention.LONG_SPLIT_FACTOR
     assert split(bf16, 1, 8, 132) == triton_attention.MIN_SPLIT_TOKENS
-    assert split(bf16, 256, 8, 132) == triton_attention.split_tokens_for(bf16)
-    assert split(fp8, 256, 8, 132) == triton_attention.split_tokens_for(fp8)
+    assert split(bf16, 128, 8, 132) == triton_attention.split_tokens_for(bf16)
+    assert split(fp8, 128, 8, 132) == triton_attention.split_tokens_for(fp8)
+    # 256 sequences of 8 KV heads: 15.5 rows per SM, started longest first, split longer.
+    assert split(bf16, 256, 8, 132) == long * triton_attention.split_tokens_for(bf16)
+    assert split(fp8, 129, 8, 132) == long * triton_attention.split_tokens_for(fp8)
     for dtype in (bf16, fp8):
         for kv_heads in (1, 2, 4, 8, 32):
             base = triton_attention.split_tokens_for(dtype)
             tokens = [split(dtype, n, kv_heads, 132) for n in range(1, 513)]
             assert tokens == sorted(tokens)  # more sequences, never shorter splits
-            assert all(triton_attention.MIN_SPLIT_TOKENS <= t <= base for t in tokens)
+            assert all(triton_attention.MIN_SPLIT_TOKENS <= t <= base or t == long * base
+                       for t in tokens)
             for n, t in enumerate(tokens, 1):
-                programs = (1 << (n - 1).bit_length()) * kv_heads * base // t
-                assert t == triton_attention.MIN_SPLIT_TOKENS or programs >= 132
+                rows = (1 << (n - 1).bit_length()) * kv_heads
+                assert t == triton_attention.MIN_SPLIT_TOKENS or rows * base // t >= 132
+                assert (t == long * base) == (rows >= 8 * 132)
             sizes = _resolve_graph_sizes(None, 512)
             for n in range(1, 513):
                 padded = min(s for s in sizes if s >= n)
@@ -427,24 +433,32 @@ def test_decode_split_tokens_shorten_for_a_launch_of_few_sequences():
 
 def test_split_scratch_grows_with_the_launch_so_warmup_measures_its_largest():
     """A launch of fewer sequences may split into more (sequence, split) parts than one of
-    more; the scratch is allocated for `short_launch_parts` where that is more than the
+    more; the scratch is allocated for `launch_parts_bound` where that is more than the
     launch's own, so the allocation grows with the sequence count and max_seq_len, and the
     warmup's launch of the most rows at max_model_len is the largest any launch makes."""
-    split, parts = triton_attention.decode_split_tokens, triton_attention.short_launch_parts
+    split = triton_attention.decode_split_tokens
     num_kv_splits = triton_attention.num_kv_splits
+
+    def parts(n, kv_heads, max_seq_len, max_splits, sms, dtype=torch.bfloat16):
+        return triton_attention.launch_parts_bound(dtype, n, kv_heads, max_seq_len,
+                                                   max_splits, sms)
+
     own = [n * num_kv_splits(1035, 32, split(torch.bfloat16, n, 8, 132)) for n in (4, 5)]
-    assert own == [68, 45]  # fewer sequences, more parts: the case the bound exists for
+    assert own == [68, 45]  # fewer sequences, more parts: the cases the bound exists for
+    own = [n * num_kv_splits(4096, 32, split(torch.bfloat16, n, 8, 132)) for n in (128, 129)]
+    assert own == [1024, 258]  # the base split, then 4x longer
+    assert parts(129, 8, 4096, 32, 132) == 1024
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for kv_heads in (1, 4, 8, 64, 200):
             for max_seq_len in (1, 100, 1035, 4096, 131072):
                 most = last = 0
                 for n in range(1, 300):
                     own = n * num_kv_splits(max_seq_len, 32, split(dtype, n, kv_heads, 132))
-                    alloc = max(parts(n, kv_heads, max_seq_len, 32, 132), own)
+                    alloc = max(parts(n, kv_heads, max_seq_len, 32, 132, dtype), own)
                     most = max(most, own)
                     assert alloc >= most and alloc >= last, (kv_heads, max_seq_len, n)
                     last = alloc
-                longer = max(parts(299, kv_heads, 2 * max_seq_len, 32, 132),
+                longer = max(parts(299, kv_heads, 2 * max_seq_len, 32, 132, dtype),
                              299 * num_kv_splits(2 * max_seq_len, 32,
                                                  split(dtype, 299, kv_heads, 132)))
                 assert longer >= last

@@ -46,6 +46,17 @@ greedy outputs agree exactly. Across batch sizes they need not (nor do the GEMMs
 deterministic mode's kernel never splits."""
 MIN_SPLIT_TOKENS = 64
 """The shortest split `decode_split_tokens` makes: one tile of the decode kernel's BLOCK_N."""
+LONG_LAUNCH_ROWS_PER_SM = 8
+"""A launch of at least this many rows per SM (its sequences rounded up to a power of two,
+times KV heads) splits `LONG_SPLIT_FACTOR` times longer than the dtype's base ..."""
+LONG_SPLIT_FACTOR = 4
+"""... since its programs start longest first (`kvfit.ops.decode_order`), several waves of
+them balance without short parts, and fewer parts are fewer programs and a smaller split
+reduction (none for sequences within one part). On an H100 (`bench/attention.py
+--mixed-decode`, 2026-12-06, 128-256 sequences of 100-2,300 tokens) the launch took 4-6%
+(bf16) and 8-12% (e4m3) less time unsplit than at the base split; started in batch order,
+longer splits had lost 2-3.5% of the offline run (a few long programs ending the launch).
+A program then reads at most 2,048 tokens (bf16) or 4,096 (e4m3)."""
 
 
 @triton.jit
@@ -630,34 +641,52 @@ def decode_split_tokens(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int,
     paced by a DRAM round trip. At batch 1 (8 KV heads, 1k tokens) 512-token splits made 24
     programs for 132 SMs, and the kernel took 12.3 us for 4.2 MB (H100, `bench/throughput.py
     --profile-decode`, 2026-12-05): 1/9 of copy bandwidth, a quarter of the 0.6B shape's
-    batch-1 step. At 64 sequences and more nothing changes. The count is rounded up to a
-    power of two so that a batch padded to its CUDA graph's size splits as it would eager
-    (`MAX_SPLITS`)."""
+    batch-1 step. At 64 sequences and more nothing changes, until a launch holds
+    `LONG_LAUNCH_ROWS_PER_SM` rows per SM: then its splits are `LONG_SPLIT_FACTOR` times the
+    base. The count is rounded up to a power of two so that a batch padded to its CUDA graph's
+    size splits as it would eager (`MAX_SPLITS`)."""
     base = tokens = split_tokens_for(kv_dtype)
     rows = triton.next_power_of_2(max(1, num_seqs)) * num_kv_heads
+    if rows >= LONG_LAUNCH_ROWS_PER_SM * sms:
+        return base * LONG_SPLIT_FACTOR
     while tokens > MIN_SPLIT_TOKENS and rows * (base // tokens) < sms:
         tokens //= 2
     return tokens
 
 
-def short_launch_parts(num_seqs: int, num_kv_heads: int, max_seq_len: int,
-                       max_splits: int = MAX_SPLITS, sms: int = DEFAULT_SMS) -> int:
+def launch_parts_bound(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int,
+                       max_seq_len: int, max_splits: int = MAX_SPLITS,
+                       sms: int = DEFAULT_SMS) -> int:
     """The most (sequence, split) parts a decode launch of at most `num_seqs` sequences at this
-    `max_seq_len` can make with splits shortened by `decode_split_tokens`; the split scratch
-    is allocated for this many parts where the launch's own are fewer.
+    `max_seq_len` can make with `decode_split_tokens`' splits; the split scratch is allocated
+    for this many parts where the launch's own are fewer.
 
     Memory: the scratch takes 4 bytes x heads x (head_dim + 1) a part, for max(this bound,
     num_seqs x splits). A launch of fewer sequences may split into more parts (4 sequences
-    of 8 KV heads split 1k tokens 17 ways, 5 sequences 9 ways: 68 parts against 45), so the
+    of 8 KV heads split 1k tokens 17 ways, 5 sequences 9 ways: 68 parts against 45; 128
+    sequences split 4k tokens at the base, 8 ways, 256 at 4x the base, 2 ways), so the
     launch's own count alone does not grow with `num_seqs` and warmup's step of the most rows
-    would not meet the largest scratch. Only launches of at most `short` sequences split below
-    the base (their count, rounded up to a power of two, times their KV heads leaves an SM
-    without a program at the base), each sequence into at most `num_kv_splits(max_seq_len,
-    max_splits, MIN_SPLIT_TOKENS)` parts; launches of more split at the base, so their parts
-    grow with `num_seqs`. The allocation thus grows with `num_seqs` and `max_seq_len`, and
-    warmup's launch of the most rows at `max_model_len` measures every launch's."""
-    return (min(num_seqs, _most_short_launch_seqs(num_kv_heads, sms))
-            * num_kv_splits(max_seq_len, max_splits, MIN_SPLIT_TOKENS))
+    would not meet the largest scratch. Launches of at most `short` sequences split below the
+    base, each sequence into at most `num_kv_splits(max_seq_len, max_splits,
+    MIN_SPLIT_TOKENS)` parts; launches of at most `based` at the base; longer launches split
+    longer still. Each regime's most parts grow with `num_seqs`, so the bound, their maximum,
+    grows with `num_seqs` and `max_seq_len`, and warmup's launch of the most rows at
+    `max_model_len` measures every launch's."""
+    short, based = _most_short_launch_seqs(num_kv_heads, sms), _most_base_launch_seqs(
+        num_kv_heads, sms)
+    return max(min(num_seqs, short) * num_kv_splits(max_seq_len, max_splits, MIN_SPLIT_TOKENS),
+               min(num_seqs, based) * num_kv_splits(max_seq_len, max_splits,
+                                                    split_tokens_for(kv_dtype)))
+
+
+@functools.cache
+def _most_base_launch_seqs(num_kv_heads: int, sms: int) -> int:
+    """The most sequences a launch may have and still split at the base: the largest power of
+    two that, times the KV heads, stays under `LONG_LAUNCH_ROWS_PER_SM` rows per SM."""
+    based = 1
+    while 2 * based * num_kv_heads < LONG_LAUNCH_ROWS_PER_SM * sms:
+        based *= 2
+    return based
 
 
 @functools.cache
@@ -856,15 +885,15 @@ class DecodeSplits:
     def plan(cls, query: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata,
              max_splits: int, split_tokens: int | None) -> DecodeSplits:
         """`split_tokens` (default `decode_split_tokens`) and the launch's split count; the
-        scratch, `short_launch_parts` long at the least, so warmup's largest launch measures
+        scratch, `launch_parts_bound` long at the least, so warmup's largest launch measures
         every launch's (graph safe: its shapes come from host ints)."""
         num_seqs, (num_heads, head_dim) = metadata.seq_lens.shape[0], query.shape[1:]
         parts = 0  # beyond this launch's own: none where split_tokens is given (tests, sweeps)
         if split_tokens is None:
             sms = num_sms(query.device)
             split_tokens = decode_split_tokens(k_cache.dtype, num_seqs, k_cache.shape[2], sms)
-            parts = short_launch_parts(num_seqs, k_cache.shape[2], metadata.max_seq_len,
-                                       max_splits, sms)
+            parts = launch_parts_bound(k_cache.dtype, num_seqs, k_cache.shape[2],
+                                       metadata.max_seq_len, max_splits, sms)
         num_splits = num_kv_splits(metadata.max_seq_len, max_splits, split_tokens)
         used = num_seqs * num_splits if num_splits > 1 else 0
         parts = max(parts, used) if used else 0
