@@ -257,9 +257,10 @@ def test_startup_order_commits_only_what_warmup_addresses(
                    fused_decode_input=fused_decode_input)
 
     # Under the small-batch kernels (their fused variants) or the fused decode input (a step of
-    # decodes alone) warmup also samples one decode token.
+    # decodes alone) warmup also samples one decode token; always a short prefill and a short
+    # decode (the decode kernels' unsplit variant).
     one_decode = small_batch_kernels or fused_decode_input
-    warmup_steps = 4 if one_decode else 3
+    warmup_steps = 6 if one_decode else 5
     names = [e[0] for e in events]
     assert names == ["step", "warm_up", *["step"] * warmup_steps, "capture", "extend"]
     _, committable, committed_at_warmup, capacity = events[1]
@@ -271,6 +272,8 @@ def test_startup_order_commits_only_what_warmup_addresses(
         assert max_block_id < committed_now <= committable
     if one_decode:
         assert steps[1][1:3] == (1, 1)  # one token, a decode
+    # Sequences of one block: a prefill of two tokens and a decode, each one split a sequence.
+    assert [s[1:4] for s in steps[-4:-2]] == [(2, 0, 0), (1, 1, 0)]
     mixed, full_rows = steps[-2], steps[-1]
     assert mixed[1] == LIMITS["max_num_batched_tokens"] and mixed[2] > 0  # prefill + decodes
     # The most rows a step samples, beside the activations of the whole token budget.

@@ -369,7 +369,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, max_blocks: int, num_decodes: int = 0,
-                  params: SamplingParams | None = None) -> None:
+                  params: SamplingParams | None = None, max_context: int | None = None) -> None:
         """One step of `num_tokens` dummy tokens: `num_decodes` decodes (the rows sampled, with
         `params`; greedy when None), the rest prefill chunks of at most `max_model_len - 1`.
 
@@ -384,14 +384,16 @@ class ModelRunner:
         address (at least one) or `max_blocks`, whichever is fewer, and those are committed
         first: reading a block twice costs no memory. While `calculate_kv_scales` waits for
         the first real step, the dummy step calculates them too (so that memory is measured)
-        and leaves them at 1.0.
+        and leaves them at 1.0. `max_context` caps every context below `max_model_len` (a
+        step of short sequences: the decode kernels' variant of one split per sequence).
         """
         params = params or SamplingParams(temperature=0.0, max_tokens=1)
         vocab_size = self.config.model_config.hf_config.vocab_size
-        longest_chunk = max(1, self.max_model_len - 1)
+        longest = self.max_model_len if max_context is None else min(max_context,
+                                                                     self.max_model_len)
+        longest_chunk = max(1, longest - 1)
         lengths = [1] * num_decodes + _split(num_tokens - num_decodes, longest_chunk)
-        contexts = [self.max_model_len] * num_decodes + [longest_chunk] * (len(lengths)
-                                                                          - num_decodes)
+        contexts = [longest] * num_decodes + [longest_chunk] * (len(lengths) - num_decodes)
         prefill_blocks = sum(-(-c // self.block_size) for c in contexts[num_decodes:])
         num_blocks = min(max_blocks, max(1, prefill_blocks))
         self.ensure_blocks(num_blocks)

@@ -172,7 +172,9 @@ class Worker:
         that runs the former's fused variants, and a step of decodes alone, the only kind the
         latter's kernel takes: it allocates no more than the steps above, whose decode rows at
         `max_model_len` size the same split scratch, but it compiles here, not at a user's
-        first step).
+        first step). And a short prefill and a short decode (contexts of one block): the decode
+        kernels' variant of one split per sequence, which every step at `max_model_len` splits
+        past, compiles here too, not at a user's first short prompt.
         """
         sc = self.config.scheduler_config
         runner, params = self.runner, self.runner.warmup_params
@@ -189,6 +191,10 @@ class Worker:
             # at the few rows a step samples, which no other warmup step has; the fused decode
             # input runs only in a step of decodes alone.
             self._measured_step(runner.dummy_run, 1, num_committable_blocks, 1)
+        short = self.config.cache_config.block_size
+        self._measured_step(runner.dummy_run, min(2, sc.max_num_batched_tokens),
+                            num_committable_blocks, 0, None, short)
+        self._measured_step(runner.dummy_run, 1, num_committable_blocks, 1, None, short)
         self._measured_step(runner.dummy_run, sc.max_num_batched_tokens, num_committable_blocks,
                             num_decodes, params)
         self._measured_step(runner.dummy_run, sc.max_num_batched_tokens, num_committable_blocks,
