@@ -152,12 +152,20 @@ def attention_decode_input() -> dict[str, Any]:
          "kernel_us": {"unfused": 12.0, "fused": 10.2, "fused_tickets": 10.0}}]}
 
 
+def attention_mixed_decode() -> dict[str, Any]:
+    return {"device": "cpu", "copy_gb_per_s": 3000.0, "mixed_decode": [
+        {"batch": 256, "max_len": 2300, "kv_gb": 1.22, "batch_ms": 0.4411,
+         "batch_of_copy": 0.92, "longest_first_ms": 0.4380, "longest_first_of_copy": 0.92,
+         "shortest_first_ms": 0.4404, "shortest_first_of_copy": 0.92}]}
+
+
 ALL = {"capacity": capacity, "throughput": throughput, "serving": serving, "sleep": sleep,
        "sampling": sampling, "adversarial": adversarial, "elastic": elastic,
        "elastic-pair": elastic_pair, "async-engine": async_engine, "kv-dtype": kv_dtype,
        "batch-invariant-gemm": batch_invariant_gemm, "skinny-linear": skinny_linear,
        "attention-batch-invariant": attention_batch_invariant,
-       "attention-decode-input": attention_decode_input}
+       "attention-decode-input": attention_decode_input,
+       "attention-mixed-decode": attention_mixed_decode}
 
 
 def attention() -> dict[str, Any]:

@@ -228,6 +228,20 @@ def attention_decode_input(p: dict[str, Any]) -> Figures:
     return f
 
 
+def attention_mixed_decode(p: dict[str, Any]) -> Figures:
+    """Decode over mixed lengths: each start order's (and split's) milliseconds, and longest
+    first at the default split over the batch order."""
+    f: Figures = {}
+    for r in p["mixed_decode"]:
+        name = f"batch{r['batch']}"
+        for key, ms in r.items():
+            if key.endswith("_ms"):
+                f[f"{name}.{key}"] = figure(ms, "ms", "lower")
+        f[f"{name}.longest_first_over_batch"] = figure(
+            r["longest_first_ms"] / r["batch_ms"], "ratio", "lower")
+    return f
+
+
 def batch_invariant_gemm(p: dict[str, Any]) -> Figures:
     """The mode's GEMM as it is (the current config) against cuBLAS, and its invariance; the
     candidate configs are exploration, not claims."""
@@ -415,7 +429,8 @@ FIGURES: dict[str, Callable[[Any], Figures]] = {
     "capacity": capacity, "throughput": throughput, "serving": serving, "sleep": sleep,
     "elastic": elastic, "elastic-pair": elastic_pair, "sampling": sampling,
     "attention": attention, "attention-batch-invariant": attention_batch_invariant,
-    "attention-decode-input": attention_decode_input, "vmm": vmm,
+    "attention-decode-input": attention_decode_input,
+    "attention-mixed-decode": attention_mixed_decode, "vmm": vmm,
     "batch-invariant-gemm": batch_invariant_gemm, "skinny-linear": skinny_linear,
     "adversarial": adversarial, "sampling-sweep": no_figures, "attention-sweep": no_figures,
     "bench-throughput": bench_throughput, "bench-latency": bench_latency,
@@ -439,6 +454,7 @@ def _bench_of(data: Any, name: str) -> str:
                          f"(a JSON {type(data).__name__}, not an object)")
     for key, bench in (("timings", "batch-invariant-gemm"), ("cases", "attention-batch-invariant"),
                        ("decode_input", "attention-decode-input"),
+                       ("mixed_decode", "attention-mixed-decode"),
                        ("kv_cache_dtypes", "kv-dtype"),
                        ("sweeps", "adversarial"), ("serve", "serving"), ("components", "sleep"),
                        ("samples", "elastic"), ("modes", "elastic-pair"), ("prefill", "attention"),
