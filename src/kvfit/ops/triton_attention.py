@@ -672,31 +672,21 @@ def launch_parts_bound(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int,
     longer still. Each regime's most parts grow with `num_seqs`, so the bound, their maximum,
     grows with `num_seqs` and `max_seq_len`, and warmup's launch of the most rows at
     `max_model_len` measures every launch's."""
-    short, based = _most_short_launch_seqs(num_kv_heads, sms), _most_base_launch_seqs(
-        num_kv_heads, sms)
+    short = _most_seqs_under(num_kv_heads, sms)
+    based = _most_seqs_under(num_kv_heads, LONG_LAUNCH_ROWS_PER_SM * sms)
     return max(min(num_seqs, short) * num_kv_splits(max_seq_len, max_splits, MIN_SPLIT_TOKENS),
                min(num_seqs, based) * num_kv_splits(max_seq_len, max_splits,
                                                     split_tokens_for(kv_dtype)))
 
 
 @functools.cache
-def _most_base_launch_seqs(num_kv_heads: int, sms: int) -> int:
-    """The most sequences a launch may have and still split at the base: the largest power of
-    two that, times the KV heads, stays under `LONG_LAUNCH_ROWS_PER_SM` rows per SM."""
-    based = 1
-    while 2 * based * num_kv_heads < LONG_LAUNCH_ROWS_PER_SM * sms:
-        based *= 2
-    return based
-
-
-@functools.cache
-def _most_short_launch_seqs(num_kv_heads: int, sms: int) -> int:
-    """The most sequences a launch may have and still split below the base: the largest power
-    of two that, times the KV heads, leaves an SM idle (0 when none does)."""
-    short = 0
-    while max(1, 2 * short) * num_kv_heads < sms:
-        short = max(1, 2 * short)
-    return short
+def _most_seqs_under(num_kv_heads: int, rows: int) -> int:
+    """The largest power of two of sequences whose KV heads make fewer than `rows` rows (0
+    when none does): the most a launch may have and stay in the regime below `rows`."""
+    most = 0
+    while max(1, 2 * most) * num_kv_heads < rows:
+        most = max(1, 2 * most)
+    return most
 
 
 def num_kv_splits(max_seq_len: int, max_splits: int = MAX_SPLITS,
