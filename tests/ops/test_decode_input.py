@@ -169,6 +169,34 @@ def test_split_reduction_in_the_launch_gives_the_reduction_kernels_bits(num_head
 
 
 @interpret
+@pytest.mark.parametrize("tickets", [False, True], ids=["reduction_kernel", "tickets"])
+def test_a_decode_order_changes_no_bit(tickets: bool) -> None:
+    """With `metadata.decode_order` the programs start in another order (one grid axis, as the
+    plain decode kernel's): every output and stored K/V bit is the batch order's."""
+    from kvfit.ops.triton_decode_input import decode_attention_input_triton
+
+    torch.manual_seed(7)
+    case = _decode_case(PREFIXES, 4, 2, 16, True, block_size=8)
+    results = []
+    for order in (None, [5, 3, 1, 0, 4, 2], [0, 1, 2, 3, 4, 5][::-1]):
+        md = dataclasses.replace(
+            case["metadata"],
+            decode_order=None if order is None else torch.tensor(order, dtype=torch.int32),
+            split_tickets=torch.zeros(len(PREFIXES) * 2, dtype=torch.int32) if tickets else None)
+        k_cache, v_cache = case["k_cache"].clone(), case["v_cache"].clone()
+        out = torch.full_like(case["q"], float("nan")).contiguous()
+        decode_attention_input_triton(
+            case["positions"], case["q"], case["k"], case["v"], case["q_norm_weight"],
+            case["k_norm_weight"], EPS, case["cos_sin_cache"], k_cache, v_cache,
+            md.slot_mapping, md, SCALE, out, max_splits=3, split_tokens=16,
+        )  # fmt: skip
+        results.append((out, k_cache, v_cache))
+    for out, k_cache, v_cache in results[1:]:
+        assert torch.equal(out, results[0][0])
+        assert torch.equal(k_cache, results[0][1]) and torch.equal(v_cache, results[0][2])
+
+
+@interpret
 def test_a_padded_row_stores_nothing_and_the_others_are_unchanged() -> None:
     """A CUDA graph's padding row (slot -1) leaves every page as it was."""
     from kvfit.ops.triton_decode_input import decode_attention_input_triton

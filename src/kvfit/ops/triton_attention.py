@@ -828,17 +828,13 @@ def paged_attention_triton(
     plan = DecodeSplits.plan(query, k_cache, metadata, max_splits, split_tokens)
     grid = (num_seqs * plan.num_splits * num_kv_heads,)
     pdl = pdl_launch(num_tokens, query.device)
-    order = metadata.decode_order
-    if order is not None and order.shape != (num_seqs,):
-        raise ValueError(f"decode_order must hold one rank per sequence ({num_seqs}), got "
-                         f"shape {tuple(order.shape)}")
+    order, ordered = decode_order_arg(metadata)
     args = (query, k_cache, v_cache, out, plan.part_out, plan.part_lse,
-            metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-            metadata.seq_lens if order is None else order,  # unread without an order
+            metadata.query_start_loc, metadata.seq_lens, metadata.block_table, order,
             scale_log2, k_scale, v_scale, plan.num_splits, max_splits,
             plan.split_tokens)  # fmt: skip
     shape = dict(decode_shape(num_heads, group, head_dim, block_size), SPLIT=plan.split,
-                 ORDERED=order is not None,
+                 ORDERED=ordered,
                  **(decode_config or _decode_config(head_dim)))  # fmt: skip
     if _use_fp8_pairs(fp8_pairs, k_cache, fp8_f16 or (fp8 and query.dtype == torch.float16)):
         _decode_fp8_pairs_kernel[grid](
@@ -849,6 +845,18 @@ def paged_attention_triton(
         _decode_kernel[grid](*args, *common, FP8=fp8, FP8_F16=fp8_f16, **shape, **pdl)
     plan.reduce(out, metadata, max_splits, pdl)
     return out
+
+
+def decode_order_arg(metadata: AttentionMetadata) -> tuple[torch.Tensor, bool]:
+    """The decode kernels' `decode_order` argument and their ORDERED flag: the metadata's order,
+    checked to hold one rank per sequence, or any int32 tensor (unread) where it has none."""
+    order, num_seqs = metadata.decode_order, metadata.seq_lens.shape[0]
+    if order is None:
+        return metadata.seq_lens, False
+    if order.shape != (num_seqs,):
+        raise ValueError(f"decode_order must hold one rank per sequence ({num_seqs}), got "
+                         f"shape {tuple(order.shape)}")
+    return order, True
 
 
 def decode_shape(num_heads: int, group: int, head_dim: int, block_size: int) -> dict[str, int]:

@@ -31,9 +31,11 @@ from kvfit.ops.triton_attention import (
     _attend_pages,
     _combine_parts,
     _decode_config,
+    _decode_program,
     _decode_range,
     _num_seq_splits,
     _store_decode_out,
+    decode_order_arg,
     decode_shape,
 )
 from kvfit.ops.triton_tickets import last_to_arrive
@@ -77,7 +79,7 @@ def _normed_rotated(src, rows, row_mask, d, stride_d, cos, sin, norm_weight, eps
 def _decode_input_kernel(
     q, k, v, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, slot_mapping,
     k_cache, v_cache, out, part_out, part_lse, tickets,
-    query_start_loc, seq_lens, block_table,
+    query_start_loc, seq_lens, block_table, decode_order,
     scale_log2, num_splits, max_splits, split_tokens,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
@@ -97,13 +99,13 @@ def _decode_input_kernel(
     QK_NORM: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     TICKETS: tl.constexpr,
+    ORDERED: tl.constexpr = False,
     PDL: tl.constexpr = False,
     PDL_EARLY: tl.constexpr = True,
 ):  # fmt: skip
     wait_then_release(PDL, PDL_EARLY)  # first: q, k and v are the kernel before's output
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    seq, kv_head, split = _decode_program(decode_order, num_splits, NUM_HEADS // QUERY_GROUP,
+                                          ORDERED)
     q_row, start, end, active = _decode_range(query_start_loc, seq_lens, seq, split, max_splits,
                                               split_tokens, BLOCK_N)
     if not active:
@@ -220,19 +222,20 @@ def decode_attention_input_triton(
                  and tickets.numel() >= num_seqs * num_kv_heads)
     qk_norm = q_norm_weight is not None
     pdl = pdl_launch(num_tokens, q.device)
-    _decode_input_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
+    order, ordered = decode_order_arg(metadata)
+    _decode_input_kernel[(num_seqs * plan.num_splits * num_kv_heads,)](
         q, k, v, positions, cos_sin_cache.contiguous(),
         q_norm_weight.contiguous() if qk_norm else q,  # never read without QK_NORM
         k_norm_weight.contiguous() if qk_norm else k,
         eps, slot_mapping, k_cache, v_cache, out, plan.part_out, plan.part_lse,
         tickets if in_kernel else plan.part_lse,  # never read without TICKETS
         metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-        scale * math.log2(math.e), plan.num_splits, max_splits, plan.split_tokens,
+        order, scale * math.log2(math.e), plan.num_splits, max_splits, plan.split_tokens,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *k_cache.stride(),
         metadata.block_table.stride(0),
         **decode_shape(num_heads, num_heads // num_kv_heads, head_dim, k_cache.shape[1]),
         HALF=head_dim // 2, SPLIT=plan.split, QK_NORM=qk_norm,
-        SPLITS_P2=triton.next_power_of_2(max_splits), TICKETS=in_kernel,
+        SPLITS_P2=triton.next_power_of_2(max_splits), TICKETS=in_kernel, ORDERED=ordered,
         **_decode_config(head_dim), **pdl,
     )  # fmt: skip
     if not in_kernel:
