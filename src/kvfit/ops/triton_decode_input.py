@@ -179,7 +179,7 @@ def _reduce_if_last(out, part_out, part_lse, tickets, seq, kv_head, q_row, seq_s
     (`_combine_parts`), so which program comes last changes no bit. It sets the counter back
     to 0 for the next launch (`last_to_arrive`): the tickets stay zero between launches,
     graph replays included."""
-    if last_to_arrive(tickets, seq * tl.num_programs(1) + kv_head, seq_splits):
+    if last_to_arrive(tickets, seq * (NUM_HEADS // QUERY_GROUP) + kv_head, seq_splits):
         d = tl.arange(0, HEAD_DIM_P2)
         for g in tl.static_range(QUERY_GROUP):
             head = kv_head * QUERY_GROUP + g
