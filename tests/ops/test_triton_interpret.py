@@ -407,24 +407,25 @@ def test_decode_split_tokens_shorten_for_a_launch_of_few_sequences():
 
     split = triton_attention.decode_split_tokens
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
-    long = triton_attention.LONG_SPLIT_FACTOR
+    long = triton_attention.LONG_SPLIT_TOKENS
     assert split(bf16, 1, 8, 132) == triton_attention.MIN_SPLIT_TOKENS
-    assert split(bf16, 128, 8, 132) == triton_attention.split_tokens_for(bf16)
-    assert split(fp8, 128, 8, 132) == triton_attention.split_tokens_for(fp8)
-    # 256 sequences of 8 KV heads: 15.5 rows per SM, started longest first, split longer.
-    assert split(bf16, 256, 8, 132) == long * triton_attention.split_tokens_for(bf16)
-    assert split(fp8, 129, 8, 132) == long * triton_attention.split_tokens_for(fp8)
+    assert split(bf16, 64, 8, 132) == triton_attention.split_tokens_for(bf16)
+    assert split(fp8, 64, 8, 132) == triton_attention.split_tokens_for(fp8)
+    # 65 sequences of 8 KV heads, padded to 128: 7.8 rows per SM, started longest first,
+    # split longer, as 256 are.
+    assert split(bf16, 65, 8, 132) == split(bf16, 256, 8, 132) == long == 4096
+    assert split(fp8, 65, 8, 132) == long
     for dtype in (bf16, fp8):
         for kv_heads in (1, 2, 4, 8, 32):
             base = triton_attention.split_tokens_for(dtype)
             tokens = [split(dtype, n, kv_heads, 132) for n in range(1, 513)]
             assert tokens == sorted(tokens)  # more sequences, never shorter splits
-            assert all(triton_attention.MIN_SPLIT_TOKENS <= t <= base or t == long * base
+            assert all(triton_attention.MIN_SPLIT_TOKENS <= t <= base or t == long
                        for t in tokens)
             for n, t in enumerate(tokens, 1):
                 rows = (1 << (n - 1).bit_length()) * kv_heads
                 assert t == triton_attention.MIN_SPLIT_TOKENS or rows * base // t >= 132
-                assert (t == long * base) == (rows >= 8 * 132)
+                assert (t == long) == (rows >= 4 * 132)
             sizes = _resolve_graph_sizes(None, 512)
             for n in range(1, 513):
                 padded = min(s for s in sizes if s >= n)
@@ -445,9 +446,9 @@ def test_split_scratch_grows_with_the_launch_so_warmup_measures_its_largest():
 
     own = [n * num_kv_splits(1035, 32, split(torch.bfloat16, n, 8, 132)) for n in (4, 5)]
     assert own == [68, 45]  # fewer sequences, more parts: the cases the bound exists for
-    own = [n * num_kv_splits(4096, 32, split(torch.bfloat16, n, 8, 132)) for n in (128, 129)]
-    assert own == [1024, 258]  # the base split, then 4x longer
-    assert parts(129, 8, 4096, 32, 132) == 1024
+    own = [n * num_kv_splits(4096, 32, split(torch.bfloat16, n, 8, 132)) for n in (64, 65)]
+    assert own == [512, 65]  # the base split, then parts of LONG_SPLIT_TOKENS
+    assert parts(65, 8, 4096, 32, 132) == 512
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for kv_heads in (1, 4, 8, 64, 200):
             for max_seq_len in (1, 100, 1035, 4096, 131072):

@@ -46,17 +46,20 @@ greedy outputs agree exactly. Across batch sizes they need not (nor do the GEMMs
 deterministic mode's kernel never splits."""
 MIN_SPLIT_TOKENS = 64
 """The shortest split `decode_split_tokens` makes: one tile of the decode kernel's BLOCK_N."""
-LONG_LAUNCH_ROWS_PER_SM = 8
+LONG_LAUNCH_ROWS_PER_SM = 4
 """A launch of at least this many rows per SM (its sequences rounded up to a power of two,
-times KV heads) splits `LONG_SPLIT_FACTOR` times longer than the dtype's base ..."""
-LONG_SPLIT_FACTOR = 4
+times KV heads) splits sequences into parts of `LONG_SPLIT_TOKENS` ..."""
+LONG_SPLIT_TOKENS = 4096
 """... since its programs start longest first (`kvfit.ops.decode_order`), several waves of
 them balance without short parts, and fewer parts are fewer programs and a smaller split
 reduction (none for sequences within one part). On an H100 (`bench/attention.py
 --mixed-decode`, 2026-12-06, 128-256 sequences of 100-2,300 tokens) the launch took 4-6%
 (bf16) and 8-12% (e4m3) less time unsplit than at the base split; started in batch order,
 longer splits had lost 2-3.5% of the offline run (a few long programs ending the launch).
-A program then reads at most 2,048 tokens (bf16) or 4,096 (e4m3)."""
+Offline (`bench/kv_dtype.py`, H100, 2026-12-06, alternated runs), parts of 4,096 tokens
+from 4 rows per SM gave 3.3% (bf16) and 3.9% (e4m3) more output tok/s than 4x the base from
+8 rows per SM. A cap in tokens rather than bytes: what bounds the launch's tail is one
+program's length against the wave (one 32k sequence among short ones), whatever the dtype."""
 
 
 @triton.jit
@@ -641,14 +644,15 @@ def decode_split_tokens(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int,
     paced by a DRAM round trip. At batch 1 (8 KV heads, 1k tokens) 512-token splits made 24
     programs for 132 SMs, and the kernel took 12.3 us for 4.2 MB (H100, `bench/throughput.py
     --profile-decode`, 2026-12-05): 1/9 of copy bandwidth, a quarter of the 0.6B shape's
-    batch-1 step. At 64 sequences and more nothing changes, until a launch holds
-    `LONG_LAUNCH_ROWS_PER_SM` rows per SM: then its splits are `LONG_SPLIT_FACTOR` times the
-    base. The count is rounded up to a power of two so that a batch padded to its CUDA graph's
-    size splits as it would eager (`MAX_SPLITS`)."""
+    batch-1 step. A launch of enough rows to give every SM a program at the base keeps it,
+    until it holds `LONG_LAUNCH_ROWS_PER_SM` rows per SM (65 sequences and more at 8 KV heads
+    on 132 SMs): then its splits are `LONG_SPLIT_TOKENS` long. The count is rounded up to a
+    power of two so that a batch padded to its CUDA graph's size splits as it would eager
+    (`MAX_SPLITS`)."""
     base = tokens = split_tokens_for(kv_dtype)
     rows = triton.next_power_of_2(max(1, num_seqs)) * num_kv_heads
     if rows >= LONG_LAUNCH_ROWS_PER_SM * sms:
-        return base * LONG_SPLIT_FACTOR
+        return max(base, LONG_SPLIT_TOKENS)
     while tokens > MIN_SPLIT_TOKENS and rows * (base // tokens) < sms:
         tokens //= 2
     return tokens
@@ -663,8 +667,8 @@ def launch_parts_bound(kv_dtype: torch.dtype, num_seqs: int, num_kv_heads: int,
 
     Memory: the scratch takes 4 bytes x heads x (head_dim + 1) a part, for max(this bound,
     num_seqs x splits). A launch of fewer sequences may split into more parts (4 sequences
-    of 8 KV heads split 1k tokens 17 ways, 5 sequences 9 ways: 68 parts against 45; 128
-    sequences split 4k tokens at the base, 8 ways, 256 at 4x the base, 2 ways), so the
+    of 8 KV heads split 1k tokens 17 ways, 5 sequences 9 ways: 68 parts against 45; 64
+    sequences split 4k tokens at the base, 8 ways, 65 into `LONG_SPLIT_TOKENS`, 1 way), so the
     launch's own count alone does not grow with `num_seqs` and warmup's step of the most rows
     would not meet the largest scratch. Launches of at most `short` sequences split below the
     base, each sequence into at most `num_kv_splits(max_seq_len, max_splits,
