@@ -197,6 +197,33 @@ def test_a_decode_order_changes_no_bit(tickets: bool) -> None:
 
 
 @interpret
+def test_each_sequence_and_kv_head_counts_at_its_own_ticket() -> None:
+    """The tickets are laid out (sequence, KV head), as the runner sizes them: a counter held
+    away from zero at one pair's slot keeps that pair alone from reducing (its rows stay as
+    they were, its splits' arrivals stay counted) and leaves every other pair's output."""
+    from kvfit.ops.triton_decode_input import decode_attention_input_triton
+
+    torch.manual_seed(8)
+    case = _decode_case(PREFIXES, 4, 2, 16, True, block_size=8)
+    seq, kv_head, held = 3, 0, 1000  # 34 tokens: three splits of 16
+    tickets = torch.zeros(len(PREFIXES) * 2, dtype=torch.int32)
+    tickets[seq * 2 + kv_head] = held
+    md = dataclasses.replace(case["metadata"], split_tickets=tickets)
+    out = torch.full_like(case["q"], float("nan")).contiguous()
+    decode_attention_input_triton(
+        case["positions"], case["q"], case["k"], case["v"], case["q_norm_weight"],
+        case["k_norm_weight"], EPS, case["cos_sin_cache"], case["k_cache"], case["v_cache"],
+        md.slot_mapping, md, SCALE, out, max_splits=3, split_tokens=16,
+    )  # fmt: skip
+    held_rows = torch.zeros(out.shape[:2], dtype=torch.bool)
+    held_rows[seq, kv_head * 2:(kv_head + 1) * 2] = True  # the KV head's two query heads
+    assert out[held_rows].isnan().all() and out[~held_rows].isfinite().all()
+    expect = torch.zeros_like(tickets)
+    expect[seq * 2 + kv_head] = held + 3
+    assert torch.equal(tickets, expect)
+
+
+@interpret
 def test_a_padded_row_stores_nothing_and_the_others_are_unchanged() -> None:
     """A CUDA graph's padding row (slot -1) leaves every page as it was."""
     from kvfit.ops.triton_decode_input import decode_attention_input_triton
