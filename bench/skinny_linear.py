@@ -7,7 +7,9 @@ ops, each a CUDA-graph replay of ~0.1 s, and ~10 compiles of a few seconds).
 
 Shapes: the linear layers of `--models` (default the built-in 0.6B: hidden 1024, q 2048, kv
 1024 each, intermediate 3072; and 8B: hidden 4096, q 4096, kv 1024 each, intermediate 12288)
-and their LM head (vocab 151936), bf16, at M in `--m` (1 2 4 8 16). Per shape and M, each op
+and their LM head (vocab 151936), bf16, at M in `--m` (1 2 4 8 16; above the skinny kernels'
+16 rows, as at a decode step of 64-256 sequences, cuBLAS and the unfused chain alone). Per
+shape and M, each op
 is timed as a CUDA graph node (`triton.testing.do_bench_cudagraph`), as a decode graph runs
 it, over as many copies of the weight as fill `--rotate-mib` (default 512 MiB, several L2s)
 so that every call reads its weight from DRAM as a decode step does:
@@ -24,7 +26,10 @@ so that every call reads its weight from DRAM as a decode step does:
   overlap, as in a decode step.
 
 Reported: microseconds, the weight's GB/s and that over the in-run copy bandwidth
-(`copy_bandwidth_gbps`), skinny/cublas and fused/unfused. With `--sweep`, the skinny kernel at each
+(`copy_bandwidth_gbps`), skinny/cublas and fused/unfused, and cuBLAS against the op's limit:
+max(bytes moved / copy bandwidth, 2MNK / the in-run GEMM rate), the bytes being the weight,
+the input and the output (`cublas_over_limit`: how far a decode step's GEMMs sit from what
+the device allows at that batch). With `--sweep`, the skinny kernel at each
 of a few tile configs too (exploration for `skinny_config`). Writes a record
 (`kvfit.benchmarks.record`) to --out and prints the table.
 """
@@ -88,7 +93,18 @@ def _time_us(calls: list[Callable[[], object]]) -> float:
     return triton.testing.do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3 / len(calls)
 
 
-def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool) -> dict:
+def limit_us(shape: Shape, m: int, limits: dict) -> float | None:
+    """The op's time at the in-run limits (None without them): its bf16 weight, input and
+    output at copy bandwidth, or its 2MNK FLOPs at the GEMM rate, whichever is longer."""
+    if not limits:
+        return None
+    moved = 2 * (shape.n * shape.k + m * shape.k + m * shape.n)
+    flops = 2 * m * shape.n * shape.k
+    return max(moved / (limits["copy_bandwidth_gbps"] * 1e3),
+               flops / (limits["gemm_tflops"] * 1e6))
+
+
+def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool, limits: dict) -> dict:
     from kvfit.ops import triton_skinny as ts
     from kvfit.ops.layers import add_rms_norm, silu_and_mul
     from kvfit.ops.sm_count import num_sms
@@ -102,7 +118,9 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool) -> dict:
     res = torch.randn(m, shape.k, device=dev, dtype=dtype)
     norm = torch.ones(shape.k, device=dev, dtype=dtype)
     gate_up = torch.randn(m, 2 * shape.k, device=dev, dtype=dtype)
-    pdls = [False, True] if torch.cuda.get_device_capability(dev)[0] >= 9 else [False]
+    skinny = m <= ts.MAX_ROWS
+    pdl_ok = torch.cuda.get_device_capability(dev)[0] >= 9
+    pdls = ([False, True] if pdl_ok else [False]) if skinny else []
     us = {"cublas": _time_us([lambda w=w: F.linear(x, w) for w in ws])}
     for pdl in pdls:
         tag = "_pdl" if pdl else ""
@@ -116,23 +134,28 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool) -> dict:
                 gate_up, w, pdl=p) for w in ws])
     # The plain kernel at one row takes FMAs (`ROW_GEMV`); its 16-row MMA tile, as at 2-16
     # rows, beside it.
-    mma = {**ts.skinny_config(shape.n, shape.k, num_sms(dev)), "ROW_GEMV": False}
-    us["skinny_mma"] = _time_us([lambda w=w: ts.skinny_linear_triton(x, w, config=mma)
-                                 for w in ws])
+    if skinny:
+        mma = {**ts.skinny_config(shape.n, shape.k, num_sms(dev)), "ROW_GEMV": False}
+        us["skinny_mma"] = _time_us([lambda w=w: ts.skinny_linear_triton(x, w, config=mma)
+                                     for w in ws])
     if shape.prologue == "add_rms_norm":
         us["unfused"] = _time_us([lambda w=w: F.linear(add_rms_norm(x, res, norm, 1e-6)[0], w)
                                   for w in ws])
     elif shape.prologue == "silu_and_mul":
         us["unfused"] = _time_us([lambda w=w: F.linear(silu_and_mul(gate_up), w) for w in ws])
-    if sweep:
+    if sweep and skinny:
         for cfg in SWEEP:
             name = "n{BLOCK_N}k{BLOCK_K}w{num_warps}s{num_stages}".format(**cfg)
             us[f"skinny.{name}"] = _time_us([lambda w=w, c=cfg: ts.skinny_linear_triton(
                 x, w, config=c) for w in ws])
     row = {"model": shape.model, "layer": shape.layer, "n": shape.n, "k": shape.k, "m": m,
            "prologue": shape.prologue, "weight_copies": copies, "us": us,
-           "weight_gb_per_s": {k: weight_bytes / (v * 1e3) for k, v in us.items()},
-           "skinny_over_cublas": us["skinny"] / us["cublas"]}
+           "weight_gb_per_s": {k: weight_bytes / (v * 1e3) for k, v in us.items()}}
+    if skinny:
+        row["skinny_over_cublas"] = us["skinny"] / us["cublas"]
+    limit = limit_us(shape, m, limits)
+    if limit is not None:
+        row["limit_us"], row["cublas_over_limit"] = limit, us["cublas"] / limit
     if "fused" in us:
         row["fused_over_unfused"] = us["fused"] / us["unfused"]
     return row
@@ -143,16 +166,17 @@ def table_text(result: dict) -> str:
     copy = result.get("copy_bandwidth_gbps")
     lines = [f"{'model':16} {'layer':13} {'M':>3} {'cublas us':>9} {'skinny us':>9} "
              f"{'GB/s':>7} {'of copy':>7} {'unfused':>8} {'fused':>8} {'skinny pdl':>10} "
-             f"{'fused pdl':>9} {'skinny mma':>10}"]
+             f"{'fused pdl':>9} {'skinny mma':>10} {'limit us':>8} {'cublas/limit':>12}"]
     for r in result["layers"]:
-        gbps = r["weight_gb_per_s"]["skinny"]
+        gbps = r["weight_gb_per_s"].get("skinny", nan)
         share = f"{gbps / copy:7.2f}" if copy else f"{'-':>7}"
         us = r["us"]
         lines.append(f"{r['model']:16} {r['layer']:13} {r['m']:3d} {us['cublas']:9.2f} "
-                     f"{us['skinny']:9.2f} {gbps:7.0f} {share} "
+                     f"{us.get('skinny', nan):9.2f} {gbps:7.0f} {share} "
                      f"{us.get('unfused', nan):8.2f} {us.get('fused', nan):8.2f} "
                      f"{us.get('skinny_pdl', nan):10.2f} {us.get('fused_pdl', nan):9.2f} "
-                     f"{us.get('skinny_mma', nan):10.2f}")
+                     f"{us.get('skinny_mma', nan):10.2f} {r.get('limit_us', nan):8.2f} "
+                     f"{r.get('cublas_over_limit', nan):12.2f}")
     return "\n".join(lines)
 
 
@@ -162,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where to write the record (JSON)")
     p.add_argument("--models", nargs="+", default=["qwen3-0.6b-shape", "qwen3-8b-shape"],
                    help="built-in model names or folders whose layer shapes to time")
-    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="rows (<= 16)")
+    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                   help="rows; above 16 (the skinny kernels' most) cuBLAS and the chain alone")
     p.add_argument("--rotate-mib", type=int, default=512,
                    help="weight copies cycled per timing, so each call reads DRAM, not L2")
     p.add_argument("--sweep", action="store_true", help="time the skinny kernel's SWEEP configs")
@@ -178,13 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         import triton  # noqa: F401
     except ImportError as e:
         parser.error(f"needs Triton (pip install 'kvfit[cuda]'): {e}")
-    if max(args.m) > 16 or min(args.m) < 1:
-        parser.error("--m values must be in 1..16 (the skinny kernels' MAX_ROWS)")
+    if min(args.m) < 1:
+        parser.error("--m values must be at least 1")
     limits = in_run_limits("cuda")
     rows = []
     for shape in [s for model in args.models for s in shapes(model)]:
         for m in args.m:
-            rows.append(measure(shape, m, args.rotate_mib * MiB, args.sweep))
+            rows.append(measure(shape, m, args.rotate_mib * MiB, args.sweep, limits))
         print(f"{shape.model} {shape.layer}: done", flush=True)
         torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "dtype": "bf16", "layers": rows, **limits}

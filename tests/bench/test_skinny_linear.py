@@ -44,10 +44,27 @@ def test_table_and_record_from_timings(bench) -> None:  # noqa: ANN001
     result = payload() | {"copy_bandwidth_gbps": 4000.0, "gemm_tflops": 700.0}
     text = bench.table_text(result)
     assert "qkv_proj" in text and text.count("\n") == len(result["layers"])
-    assert all(line.split()[6] == "0.70" for line in text.splitlines()[1:])  # 2,800 / 4,000
-    record = record_of("skinny-linear", result, {"m": [1, 16]})
+    small, big = text.splitlines()[1:3], text.splitlines()[3]
+    assert all(line.split()[6] == "0.70" for line in small)  # 2,800 / 4,000
+    record = record_of("skinny-linear", result, {"m": [1, 16, 256]})
     assert validate(record) == []
-    assert record["figures"]["qwen3-0.6b.qkv_proj.m1.fused_over_unfused"]["value"] == 3.5 / 9
-    assert record["figures"]["qwen3-0.6b.qkv_proj.m1.skinny_pdl_us"]["value"] == 2.5
-    assert text.splitlines()[1].split()[-3:] == ["2.50", "3.00", "4.00"]  # pdl, then mma
-    assert record["figures"]["qwen3-0.6b.qkv_proj.m1.skinny_mma_us"]["value"] == 4.0
+    figures = record["figures"]
+    assert figures["qwen3-0.6b.qkv_proj.m1.fused_over_unfused"]["value"] == 3.5 / 9
+    assert figures["qwen3-0.6b.qkv_proj.m1.skinny_pdl_us"]["value"] == 2.5
+    assert small[0].split()[-5:-2] == ["2.50", "3.00", "4.00"]  # pdl, then mma
+    assert figures["qwen3-0.6b.qkv_proj.m1.skinny_mma_us"]["value"] == 4.0
+    # 256 rows: cuBLAS against the op's limit, no skinny column or figure.
+    assert big.split()[-2:] == ["4.00", "2.00"] and big.split()[4] == "nan"
+    assert figures["qwen3-0.6b.qkv_proj.m256.cublas_over_limit"]["value"] == 2.0
+    assert not any(name.startswith("qwen3-0.6b.qkv_proj.m256.skinny") for name in figures)
+
+
+def test_the_limit_is_the_longer_of_bytes_and_flops(bench) -> None:  # noqa: ANN001
+    shape = bench.Shape("m", "lm_head", 151936, 1024, "none")
+    limits = {"copy_bandwidth_gbps": 4000.0, "gemm_tflops": 800.0}
+    weight_us = 2 * 151936 * 1024 / 4e6  # 311 MB at 4,000 GB/s: 77.8 us
+    # One row moves the weight (and a row in and out); 256 rows do 2MNK FLOPs at the GEMM rate.
+    assert bench.limit_us(shape, 1, limits) == pytest.approx(weight_us, rel=1e-3)
+    assert bench.limit_us(shape, 1024, limits) == pytest.approx(
+        2 * 1024 * 151936 * 1024 / 800e6)
+    assert bench.limit_us(shape, 1, {}) is None
