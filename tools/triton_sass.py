@@ -176,7 +176,8 @@ def ptxas_usage(kernel: Any, arch: int) -> tuple[int | None, int | None]:
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"
         ptx.write_text(kernel.asm["ptx"])
-        ptxas = subprocess.run([BIN / "ptxas", f"-arch=sm_{arch}a", "-v", ptx, "-o", "/dev/null"],
+        arch_flag = f"-arch=sm_{arch}a" if arch >= 90 else f"-arch=sm_{arch}"  # "a": Hopper's own
+        ptxas = subprocess.run([BIN / "ptxas", arch_flag, "-v", ptx, "-o", "/dev/null"],
                                capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", ptxas)
     spills = re.search(r"(\d+) bytes spill stores", ptxas)
