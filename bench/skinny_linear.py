@@ -20,8 +20,6 @@ so that every call reads its weight from DRAM as a decode step does:
   (`rms_norm_linear_triton` / `silu_and_mul_linear_triton`);
 - `skinny_mma`: the plain kernel with its 16-row tensor-core tile at every M (`ROW_GEMV` off),
   where `skinny` takes FMAs at one row;
-- `tiled` (above 16 rows): `tiled_linear_triton`, the tiled kernel for decode batches of
-  17-256 rows (`kvfit.ops.triton_tiled_linear`);
 - `skinny_pdl` and `fused_pdl`: the same kernels launched with programmatic dependent launch
   (`pdl=True`: each node prefetches its weights and starts while the node before finishes),
   on compute capability 9.0+. The graph chains the calls, so each has a predecessor to
@@ -31,9 +29,8 @@ Reported: microseconds, the weight's GB/s and that over the in-run copy bandwidt
 (`copy_bandwidth_gbps`), skinny/cublas and fused/unfused, and cuBLAS against the op's limit:
 max(bytes moved / copy bandwidth, 2MNK / the in-run GEMM rate), the bytes being the weight,
 the input and the output (`cublas_over_limit`: how far a decode step's GEMMs sit from what
-the device allows at that batch; `tiled_over_cublas`). With `--sweep`, the skinny (or,
-above 16 rows, the tiled) kernel at each of a few tile configs too (exploration for
-`skinny_config` and `tiled_config`). Writes a record
+the device allows at that batch). With `--sweep`, the skinny kernel at each
+of a few tile configs too (exploration for `skinny_config`). Writes a record
 (`kvfit.benchmarks.record`) to --out and prints the table.
 """
 
@@ -84,12 +81,6 @@ SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
          for bn, bk, w, s in ((16, 256, 2, 4), (16, 512, 4, 3), (32, 256, 4, 4),
                               (32, 128, 4, 6), (64, 128, 4, 4), (64, 256, 8, 3))]
 
-TILED_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
-               for bm, bn, bk, w, s in ((64, 32, 128, 4, 4), (64, 64, 128, 4, 4),
-                                        (64, 128, 64, 4, 4), (128, 32, 64, 4, 4),
-                                        (128, 64, 64, 4, 4), (128, 128, 64, 8, 3),
-                                        (256, 32, 64, 8, 3), (32, 64, 128, 4, 4))]
-
 
 def _time_us(calls: list[Callable[[], object]]) -> float:
     """Microseconds per call, replaying all of `calls` (one per weight copy) as one graph."""
@@ -115,7 +106,6 @@ def limit_us(shape: Shape, m: int, limits: dict) -> float | None:
 
 def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool, limits: dict) -> dict:
     from kvfit.ops import triton_skinny as ts
-    from kvfit.ops import triton_tiled_linear as tt
     from kvfit.ops.layers import add_rms_norm, silu_and_mul
     from kvfit.ops.sm_count import num_sms
 
@@ -142,8 +132,6 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool, limits: dict) 
         elif shape.prologue == "silu_and_mul":
             us["fused" + tag] = _time_us([lambda w=w, p=pdl: ts.silu_and_mul_linear_triton(
                 gate_up, w, pdl=p) for w in ws])
-    if not skinny:
-        us["tiled"] = _time_us([lambda w=w: tt.tiled_linear_triton(x, w) for w in ws])
     # The plain kernel at one row takes FMAs (`ROW_GEMV`); its 16-row MMA tile, as at 2-16
     # rows, beside it.
     if skinny:
@@ -160,21 +148,11 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool, limits: dict) 
             name = "n{BLOCK_N}k{BLOCK_K}w{num_warps}s{num_stages}".format(**cfg)
             us[f"skinny.{name}"] = _time_us([lambda w=w, c=cfg: ts.skinny_linear_triton(
                 x, w, config=c) for w in ws])
-    elif sweep:
-        for cfg in TILED_SWEEP:
-            name = "m{BLOCK_M}n{BLOCK_N}k{BLOCK_K}w{num_warps}s{num_stages}".format(**cfg)
-            us[f"tiled.{name}"] = _time_us([lambda w=w, c=cfg: tt.tiled_linear_triton(
-                x, w, config=c) for w in ws])
     row = {"model": shape.model, "layer": shape.layer, "n": shape.n, "k": shape.k, "m": m,
            "prologue": shape.prologue, "weight_copies": copies, "us": us,
            "weight_gb_per_s": {k: weight_bytes / (v * 1e3) for k, v in us.items()}}
     if skinny:
         row["skinny_over_cublas"] = us["skinny"] / us["cublas"]
-    else:
-        row["tiled_config"] = tt.tiled_config(m, shape.n, shape.k, num_sms(dev))
-        row["tiled_over_cublas"] = us["tiled"] / us["cublas"]
-        best = min((v, k) for k, v in us.items() if k.startswith("tiled"))
-        row["best_tiled"], row["best_tiled_over_cublas"] = best[1], best[0] / us["cublas"]
     limit = limit_us(shape, m, limits)
     if limit is not None:
         row["limit_us"], row["cublas_over_limit"] = limit, us["cublas"] / limit
@@ -188,8 +166,7 @@ def table_text(result: dict) -> str:
     copy = result.get("copy_bandwidth_gbps")
     lines = [f"{'model':16} {'layer':13} {'M':>3} {'cublas us':>9} {'skinny us':>9} "
              f"{'GB/s':>7} {'of copy':>7} {'unfused':>8} {'fused':>8} {'skinny pdl':>10} "
-             f"{'fused pdl':>9} {'skinny mma':>10} {'tiled us':>8} {'limit us':>8} "
-             f"{'cublas/limit':>12} {'best tiled':>28}"]
+             f"{'fused pdl':>9} {'skinny mma':>10} {'limit us':>8} {'cublas/limit':>12}"]
     for r in result["layers"]:
         gbps = r["weight_gb_per_s"].get("skinny", nan)
         share = f"{gbps / copy:7.2f}" if copy else f"{'-':>7}"
@@ -198,9 +175,8 @@ def table_text(result: dict) -> str:
                      f"{us.get('skinny', nan):9.2f} {gbps:7.0f} {share} "
                      f"{us.get('unfused', nan):8.2f} {us.get('fused', nan):8.2f} "
                      f"{us.get('skinny_pdl', nan):10.2f} {us.get('fused_pdl', nan):9.2f} "
-                     f"{us.get('skinny_mma', nan):10.2f} {us.get('tiled', nan):8.2f} "
-                     f"{r.get('limit_us', nan):8.2f} {r.get('cublas_over_limit', nan):12.2f} "
-                     f"{r.get('best_tiled', '-'):>22} {r.get('best_tiled_over_cublas', nan):5.2f}")
+                     f"{us.get('skinny_mma', nan):10.2f} {r.get('limit_us', nan):8.2f} "
+                     f"{r.get('cublas_over_limit', nan):12.2f}")
     return "\n".join(lines)
 
 
@@ -214,9 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows; above 16 (the skinny kernels' most) cuBLAS and the chain alone")
     p.add_argument("--rotate-mib", type=int, default=512,
                    help="weight copies cycled per timing, so each call reads DRAM, not L2")
-    p.add_argument("--sweep", action="store_true",
-                   help="time the skinny kernel's SWEEP configs (above 16 rows the tiled "
-                        "kernel's TILED_SWEEP)")
+    p.add_argument("--sweep", action="store_true", help="time the skinny kernel's SWEEP configs")
     return p
 
 

@@ -233,39 +233,3 @@ def test_small_batch_path_runs_its_fused_layers_and_matches(pair, monkeypatch) -
         with batch_invariant_mode():
             skinny.step(steps[2])
         assert calls == {}
-
-
-def test_small_batch_path_takes_the_tiled_kernel_past_its_rows(pair, monkeypatch) -> None:
-    """Past `MAX_ROWS` rows, up to `TILED_MAX_ROWS`, every projection and the LM head (this
-    runner's logits are every row's) take the tiled product; past that, none; on the CPU the
-    logits match the default path's bit for bit."""
-    from kvfit.models import parallel_layers
-    from kvfit.ops import small_batch
-
-    ours, _, config = pair
-    calls: dict[str, int] = {}
-
-    def counted(name: str, fn: Callable) -> Callable:
-        def spy(*args, **kwargs):  # noqa: ANN202
-            calls[name] = calls.get(name, 0) + 1
-            return fn(*args, **kwargs)
-        return spy
-
-    for name in ("skinny_linear", "tiled_linear"):
-        monkeypatch.setattr(parallel_layers, name, counted(name, getattr(parallel_layers, name)))
-    # The CPU tensors stand in for CUDA ones: the row bounds decide.
-    monkeypatch.setattr(parallel_layers, "takes_skinny_path", lambda x: (
-        small_batch.is_small_batch_enabled() and 0 < x.shape[0] <= small_batch.MAX_ROWS))
-    monkeypatch.setattr(parallel_layers, "takes_tiled_path", lambda x: (
-        small_batch.is_small_batch_enabled()
-        and small_batch.MAX_ROWS < x.shape[0] <= small_batch.TILED_MAX_ROWS))
-    monkeypatch.setattr(small_batch, "TILED_MAX_ROWS", 40)
-    layers = config.num_hidden_layers
-    for rows, expect in ((17, {"tiled_linear": 4 * layers + 1}),
-                         (40, {"tiled_linear": 4 * layers + 1}), (41, {})):
-        step = {0: random_tokens(rows, rows, config.vocab_size)}
-        expected = PagedRunner(ours, config).step(step)[0]
-        calls.clear()
-        with small_batch.small_batch_kernels():
-            assert torch.equal(PagedRunner(ours, config).step(step)[0], expected)
-        assert calls == expect, rows

@@ -258,8 +258,8 @@ def batch_invariant_gemm(p: dict[str, Any]) -> Figures:
 
 def skinny_linear(p: dict[str, Any]) -> Figures:
     """The small-batch kernels against cuBLAS and the fused pairs against their chains, per
-    layer and M (rows past the kernels' 16 time cuBLAS and the tiled kernel), and cuBLAS
-    against the op's in-run limit; the sweep's configs are exploration, not claims."""
+    layer and M (rows past the kernels' 16 time cuBLAS alone), and cuBLAS against the op's
+    in-run limit; the sweep's configs are exploration, not claims."""
     f: Figures = {}
     for r in p["layers"]:
         name = f"{r['model']}.{r['layer']}.m{r['m']}"
@@ -269,8 +269,6 @@ def skinny_linear(p: dict[str, Any]) -> Figures:
                                                   "higher")
         if "cublas_over_limit" in r:
             f[f"{name}.cublas_over_limit"] = figure(r["cublas_over_limit"], "ratio", "lower")
-        if "tiled_over_cublas" in r:  # the tiled kernel above 16 rows (runs since 2026-12-06)
-            f[f"{name}.tiled_over_cublas"] = figure(r["tiled_over_cublas"], "ratio", "lower")
         if "fused_over_unfused" in r:
             f[f"{name}.fused_over_unfused"] = figure(r["fused_over_unfused"], "ratio", "lower")
         # Programmatic dependent launch (sm_90+ runs only), and the plain kernel's tensor-core

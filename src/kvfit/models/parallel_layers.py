@@ -24,8 +24,6 @@ from kvfit.ops.small_batch import (
     silu_and_mul_linear,
     skinny_linear,
     takes_skinny_path,
-    takes_tiled_path,
-    tiled_linear,
 )
 
 
@@ -38,14 +36,10 @@ def small_batch_fused(x: torch.Tensor) -> bool:
 
 def _local_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """This rank's product: while the small-batch kernels are on, the skinny kernel for a few
-    rows or the tiled one for a decode batch past them; else `linear` (cuBLAS, or the
-    batch-invariant GEMM in that mode)."""
-    if not is_batch_invariant():
-        if takes_skinny_path(x):
-            return skinny_linear(x, weight, bias)
-        if takes_tiled_path(x):
-            return tiled_linear(x, weight, bias)
+    """This rank's product: the small-batch kernel for a few rows while it is on, else
+    `linear` (cuBLAS, or the batch-invariant GEMM in that mode)."""
+    if takes_skinny_path(x) and not is_batch_invariant():
+        return skinny_linear(x, weight, bias)
     return linear(x, weight, bias)
 
 

@@ -1,9 +1,7 @@
 """The small-batch kernels switch (`small_batch_kernels`, on by default;
 `--no-small-batch-kernels` for cuBLAS at every size) and the linear layers it routes:
 `y = x W^T (+ b)` for a few rows, alone or with the op before it (residual add + RMSNorm,
-SiLU-and-mul) folded into the same kernel (`triton_skinny`); and for a decode batch past
-them, up to `TILED_MAX_ROWS` rows, a tiled kernel shaped for weight streaming
-(`triton_tiled_linear`).
+SiLU-and-mul) folded into the same kernel (`triton_skinny`).
 
 At decode batch 1 a step is paced by its kernel nodes, not its bytes: cuBLAS takes 5-8 us for a
 2-8 MB weight that an H200 streams in ~2 us, sometimes as two nodes (split-K and its reduction),
@@ -35,12 +33,6 @@ slice would read more bytes of x (from L2) than of its weights, and cuBLAS's til
 which reuse each weight tile across rows, are the better tool."""
 
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
-
-TILED_MAX_ROWS = 256
-"""The most rows (tokens) a forward may have to take the tiled kernel (past `MAX_ROWS`): a
-decode step of the default `max_num_seqs`. Its products read each weight once from DRAM and
-share it across the batch in L2; past this, prefill chunks of thousands of tokens, cuBLAS's
-large tiles are the tool. 0 turns the tiled path off."""
 
 FUSED_MAX_ROWS = 1
 """The most rows at which the model folds the norms and the SiLU into the linear layer after
@@ -77,13 +69,6 @@ def takes_skinny_path(x: torch.Tensor) -> bool:
             and 0 < x.shape[0] <= MAX_ROWS)
 
 
-def takes_tiled_path(x: torch.Tensor) -> bool:
-    """Whether a linear layer of input `x` [T, K] runs the tiled kernel now: the switch is
-    on, `x` is a CUDA bf16/fp16 tensor and `MAX_ROWS` < T <= `TILED_MAX_ROWS`."""
-    return (_ENABLED.get() and x.is_cuda and x.dtype in SKINNY_DTYPES
-            and MAX_ROWS < x.shape[0] <= TILED_MAX_ROWS)
-
-
 def fuses_prologue(x: torch.Tensor) -> bool:
     """Whether the norm or SiLU before a linear layer of input `x` rides in its kernel now:
     `takes_skinny_path(x)` and at most `FUSED_MAX_ROWS` rows."""
@@ -97,17 +82,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
         from kvfit.ops.triton_skinny import skinny_linear_triton  # CUDA-only dependency
 
         return skinny_linear_triton(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a decode batch past `MAX_ROWS` rows, in one kernel on
-    CUDA."""
-    if x.is_cuda:
-        from kvfit.ops.triton_tiled_linear import tiled_linear_triton  # CUDA-only dependency
-
-        return tiled_linear_triton(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
