@@ -305,32 +305,6 @@ def test_skinny_norm_kernels_run_in_one_wave(monkeypatch: pytest.MonkeyPatch, n:
                                       f"({kernel.metadata.shared} B shared, {regs} registers)")
 
 
-@pytest.mark.parametrize("arch", [80, 90])
-@pytest.mark.parametrize("rows", [17, 64, 256])
-@pytest.mark.parametrize(("n", "k"), [
-    (4096, 1024), (1024, 3072),  # the 0.6B shape's qkv and down (BLOCK_N 32)
-    (24576, 4096), (151_936, 1024),  # the 8B's gate_up, an LM head (BLOCK_N 64-128)
-    (37, 100),  # N and K off the tiles: the masked loop
-])  # fmt: skip
-def test_tiled_linear_kernel_compiles_without_spills_in_shared_memory(
-    monkeypatch: pytest.MonkeyPatch, arch: int, rows: int, n: int, k: int,
-) -> None:
-    """The tiled kernel runs on every CUDA device the small-batch switch is on for, at each
-    of `tiled_config`'s three BLOCK_M: it compiles, spills nothing and its stages fit one
-    SM's shared memory (Ampere's 164 KB too)."""
-    from kvfit.ops import triton_tiled_linear
-
-    monkeypatch.syspath_prepend(str(TOOLS))
-    sass = importlib.import_module("triton_sass")
-    x, w = torch.randn(rows, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
-    (fn, named, options), = sass.captured_launches(
-        lambda: triton_tiled_linear.tiled_linear_triton(x, w))
-    kernel = sass.compile_launch(fn, named, options, arch=arch)
-    regs, spills = sass.ptxas_usage(kernel, arch)
-    assert spills == 0, f"{regs} registers, {spills} bytes spilled"
-    assert kernel.metadata.shared + 1024 <= 167_936, kernel.metadata.shared
-
-
 def _check_trigger(after_wait: str, early: bool, name: str) -> None:
     """The PTX after a PDL kernel's wait lets its successor start: right away (early), or
     after the kernel's loads and before its last stores (late, `ops/pdl.PDL_EARLY` off)."""
