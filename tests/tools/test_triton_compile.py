@@ -247,7 +247,10 @@ def test_skinny_linear_kernels_compile_before_sm90(monkeypatch: pytest.MonkeyPat
         triton_skinny.silu_and_mul_linear_triton(gate_up, w)))
     assert len(launches) == 4
     for fn, named, options in launches:
-        assert sass.compile_launch(fn, named, options, arch=arch).asm["cubin"]
+        kernel = sass.compile_launch(fn, named, options, arch=arch)
+        assert kernel.asm["cubin"]
+        # `tools/triton_sass.py --arch 80` reports ptxas's figures too (sm_80, not "sm_80a")
+        assert sass.ptxas_usage(kernel, arch)[0], fn.__name__
 
 
 @pytest.mark.parametrize(("n", "k"), [
