@@ -9,10 +9,9 @@ Shapes: the linear layers of `--models` (default the built-in 0.6B: hidden 1024,
 1024 each, intermediate 3072; and 8B: hidden 4096, q 4096, kv 1024 each, intermediate 12288)
 and their LM head (vocab 151936), bf16, at M in `--m` (1 2 4 8 16; above the skinny kernels'
 16 rows, as at a decode step of 64-256 sequences, cuBLAS and the unfused chain alone). Per
-shape and M, each op
-is timed as a CUDA graph node (`triton.testing.do_bench_cudagraph`), as a decode graph runs
-it, over as many copies of the weight as fill `--rotate-mib` (default 512 MiB, several L2s)
-so that every call reads its weight from DRAM as a decode step does:
+shape and M, each op is timed as a CUDA graph node (`triton.testing.do_bench_cudagraph`), as
+a decode graph runs it, over as many copies of the weight as fill `--rotate-mib` (default 512
+MiB, several L2s) so that every call reads its weight from DRAM as a decode step does:
 
 - `cublas`: `F.linear`; `skinny`: `skinny_linear_triton`;
 - where the model folds an op in (qkv and gate_up after the residual add + RMSNorm, down after
@@ -29,9 +28,9 @@ Reported: microseconds, the weight's GB/s and that over the in-run copy bandwidt
 (`copy_bandwidth_gbps`), skinny/cublas and fused/unfused, and cuBLAS against the op's limit:
 max(bytes moved / copy bandwidth, 2MNK / the in-run GEMM rate), the bytes being the weight,
 the input and the output (`cublas_over_limit`: how far a decode step's GEMMs sit from what
-the device allows at that batch). With `--sweep`, the skinny kernel at each
-of a few tile configs too (exploration for `skinny_config`). Writes a record
-(`kvfit.benchmarks.record`) to --out and prints the table.
+the device allows at that batch). With `--sweep`, the skinny kernel at each of a few tile
+configs too (exploration for `skinny_config`). Writes a record (`kvfit.benchmarks.record`)
+to --out and prints the table.
 """
 
 from __future__ import annotations
