@@ -19,6 +19,9 @@ MiB, several L2s) so that every call reads its weight from DRAM as a decode step
   (`rms_norm_linear_triton` / `silu_and_mul_linear_triton`);
 - `skinny_mma`: the plain kernel with its 16-row tensor-core tile at every M (`ROW_GEMV` off),
   where `skinny` takes FMAs at one row;
+- `skinny_whole` and `fused_whole` (with `_pdl` as below), where `skinny_config` splits K
+  across programs (`split_k`: the 0.6B's N-1024 layers), the same launch unsplit; the engine's
+  split-K scratch is in effect throughout, as in a decode step;
 - `skinny_pdl` and `fused_pdl`: the same kernels launched with programmatic dependent launch
   (`pdl=True`: each node prefetches its weights and starts while the node before finishes),
   on compute capability 9.0+. The graph chains the calls, so each has a predecessor to
@@ -59,6 +62,9 @@ class Shape:
     prologue: str  # "none", "add_rms_norm" or "silu_and_mul"
 
 
+LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
 def shapes(model: str) -> list[Shape]:
     """The linear layers of one decoder layer of `model` (a built-in name or a folder) and its
     LM head at tensor parallel 1, as `kvfit.models.llama` builds them, with the op the
@@ -76,9 +82,12 @@ def shapes(model: str) -> list[Shape]:
             Shape(model, "lm_head", c.vocab_size, c.hidden_size, "none")]
 
 
-SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
-         for bn, bk, w, s in ((16, 256, 2, 4), (16, 512, 4, 3), (32, 256, 4, 4),
-                              (32, 128, 4, 6), (64, 128, 4, 4), (64, 256, 8, 3))]
+SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s, SPLIT_K=p)
+         for bn, bk, w, s, p in ((16, 256, 2, 4, 1), (16, 512, 4, 3, 1), (32, 256, 4, 4, 1),
+                                 (32, 128, 4, 6, 1), (64, 128, 4, 4, 1), (64, 256, 8, 3, 1),
+                                 # few tiles: more stages in flight, or K in parts
+                                 (16, 256, 2, 6, 1), (16, 256, 2, 8, 1), (16, 128, 2, 8, 1),
+                                 (16, 256, 2, 4, 2), (16, 256, 2, 4, 4), (16, 128, 2, 4, 4))]
 
 
 def _time_us(calls: list[Callable[[], object]]) -> float:
@@ -107,6 +116,7 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool, limits: dict) 
     from kvfit.ops import triton_skinny as ts
     from kvfit.ops.layers import add_rms_norm, silu_and_mul
     from kvfit.ops.sm_count import num_sms
+    from kvfit.ops.small_batch import small_batch_kernels
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     weight_bytes = shape.n * shape.k * 2
@@ -121,32 +131,43 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool, limits: dict) 
     pdl_ok = torch.cuda.get_device_capability(dev)[0] >= 9
     pdls = ([False, True] if pdl_ok else [False]) if skinny else []
     us = {"cublas": _time_us([lambda w=w: F.linear(x, w) for w in ws])}
-    for pdl in pdls:
-        tag = "_pdl" if pdl else ""
-        us["skinny" + tag] = _time_us([lambda w=w, p=pdl: ts.skinny_linear_triton(x, w, pdl=p)
-                                       for w in ws])
-        if shape.prologue == "add_rms_norm":
-            us["fused" + tag] = _time_us([lambda w=w, p=pdl: ts.rms_norm_linear_triton(
-                x, res, norm, 1e-6, w, pdl=p) for w in ws])
-        elif shape.prologue == "silu_and_mul":
-            us["fused" + tag] = _time_us([lambda w=w, p=pdl: ts.silu_and_mul_linear_triton(
-                gate_up, w, pdl=p) for w in ws])
-    # The plain kernel at one row takes FMAs (`ROW_GEMV`); its 16-row MMA tile, as at 2-16
-    # rows, beside it.
-    if skinny:
-        mma = {**ts.skinny_config(shape.n, shape.k, num_sms(dev)), "ROW_GEMV": False}
-        us["skinny_mma"] = _time_us([lambda w=w: ts.skinny_linear_triton(x, w, config=mma)
-                                     for w in ws])
+    config = ts.skinny_config(shape.n, shape.k, num_sms(dev), shape.prologue != "none")
+    # The engine's split-K scratch is in effect, so the kernels split where `skinny_config`
+    # says (`skinny`, `fused`); `*_whole` beside them where it does: the same launch unsplit.
+    wholes = {"": None} if config["SPLIT_K"] == 1 else {"": None, "_whole": {**config,
+                                                                             "SPLIT_K": 1}}
+    with small_batch_kernels(scratch=ts.allocate_split_k_scratch(dev)):
+        for pdl in pdls:
+            for whole, cfg in wholes.items():
+                tag = whole + ("_pdl" if pdl else "")
+                us["skinny" + tag] = _time_us([lambda w=w, p=pdl, c=cfg: ts.skinny_linear_triton(
+                    x, w, config=c, pdl=p) for w in ws])
+                if shape.prologue == "add_rms_norm":
+                    us["fused" + tag] = _time_us([lambda w=w, p=pdl, c=cfg:
+                                                  ts.rms_norm_linear_triton(
+                                                      x, res, norm, 1e-6, w, config=c, pdl=p)
+                                                  for w in ws])
+                elif shape.prologue == "silu_and_mul":
+                    us["fused" + tag] = _time_us([lambda w=w, p=pdl, c=cfg:
+                                                  ts.silu_and_mul_linear_triton(
+                                                      gate_up, w, config=c, pdl=p) for w in ws])
+        # The plain kernel at one row takes FMAs (`ROW_GEMV`); its 16-row MMA tile, as at
+        # 2-16 rows, beside it.
+        if skinny:
+            mma = {**ts.skinny_config(shape.n, shape.k, num_sms(dev)), "ROW_GEMV": False}
+            us["skinny_mma"] = _time_us([lambda w=w: ts.skinny_linear_triton(x, w, config=mma)
+                                         for w in ws])
+        if sweep and skinny:
+            for cfg in SWEEP:
+                name = "n{BLOCK_N}k{BLOCK_K}w{num_warps}s{num_stages}p{SPLIT_K}".format(**cfg)
+                if shape.k % (cfg["SPLIT_K"] * cfg["BLOCK_K"]) == 0:
+                    us[f"skinny.{name}"] = _time_us([lambda w=w, c=cfg: ts.skinny_linear_triton(
+                        x, w, config=c) for w in ws])
     if shape.prologue == "add_rms_norm":
         us["unfused"] = _time_us([lambda w=w: F.linear(add_rms_norm(x, res, norm, 1e-6)[0], w)
                                   for w in ws])
     elif shape.prologue == "silu_and_mul":
         us["unfused"] = _time_us([lambda w=w: F.linear(silu_and_mul(gate_up), w) for w in ws])
-    if sweep and skinny:
-        for cfg in SWEEP:
-            name = "n{BLOCK_N}k{BLOCK_K}w{num_warps}s{num_stages}".format(**cfg)
-            us[f"skinny.{name}"] = _time_us([lambda w=w, c=cfg: ts.skinny_linear_triton(
-                x, w, config=c) for w in ws])
     row = {"model": shape.model, "layer": shape.layer, "n": shape.n, "k": shape.k, "m": m,
            "prologue": shape.prologue, "weight_copies": copies, "us": us,
            "weight_gb_per_s": {k: weight_bytes / (v * 1e3) for k, v in us.items()}}
@@ -165,7 +186,8 @@ def table_text(result: dict) -> str:
     copy = result.get("copy_bandwidth_gbps")
     lines = [f"{'model':16} {'layer':13} {'M':>3} {'cublas us':>9} {'skinny us':>9} "
              f"{'GB/s':>7} {'of copy':>7} {'unfused':>8} {'fused':>8} {'skinny pdl':>10} "
-             f"{'fused pdl':>9} {'skinny mma':>10} {'limit us':>8} {'cublas/limit':>12}"]
+             f"{'fused pdl':>9} {'skinny mma':>10} {'whole us':>8} {'limit us':>8} "
+             f"{'cublas/limit':>12}"]
     for r in result["layers"]:
         gbps = r["weight_gb_per_s"].get("skinny", nan)
         share = f"{gbps / copy:7.2f}" if copy else f"{'-':>7}"
@@ -174,7 +196,8 @@ def table_text(result: dict) -> str:
                      f"{us.get('skinny', nan):9.2f} {gbps:7.0f} {share} "
                      f"{us.get('unfused', nan):8.2f} {us.get('fused', nan):8.2f} "
                      f"{us.get('skinny_pdl', nan):10.2f} {us.get('fused_pdl', nan):9.2f} "
-                     f"{us.get('skinny_mma', nan):10.2f} {r.get('limit_us', nan):8.2f} "
+                     f"{us.get('skinny_mma', nan):10.2f} {us.get('skinny_whole', nan):8.2f} "
+                     f"{r.get('limit_us', nan):8.2f} "
                      f"{r.get('cublas_over_limit', nan):12.2f}")
     return "\n".join(lines)
 
@@ -190,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rotate-mib", type=int, default=512,
                    help="weight copies cycled per timing, so each call reads DRAM, not L2")
     p.add_argument("--sweep", action="store_true", help="time the skinny kernel's SWEEP configs")
+    p.add_argument("--layers", nargs="+", choices=LAYERS, default=list(LAYERS),
+                   help="which of each model's layers to time (default all)")
     return p
 
 
@@ -206,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--m values must be at least 1")
     limits = in_run_limits("cuda")
     rows = []
-    for shape in [s for model in args.models for s in shapes(model)]:
+    for shape in [s for model in args.models for s in shapes(model) if s.layer in args.layers]:
         for m in args.m:
             rows.append(measure(shape, m, args.rotate_mib * MiB, args.sweep, limits))
         print(f"{shape.model} {shape.layer}: done", flush=True)

@@ -21,6 +21,12 @@ def test_arguments(bench) -> None:  # noqa: ANN001
     args = bench.build_parser().parse_args(["--out", "x.json"])
     assert args.m == [1, 2, 4, 8, 16] and not args.sweep
     assert args.models == ["qwen3-0.6b-shape", "qwen3-8b-shape"]
+    assert args.layers == [s.layer for s in bench.shapes("qwen3-0.6b-shape")]
+    picked = bench.build_parser().parse_args(["--out", "x.json", "--layers", "o_proj",
+                                              "down_proj"])
+    assert picked.layers == ["o_proj", "down_proj"]
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--out", "x.json", "--layers", "mlp"])
 
 
 def test_shapes_are_the_models_linear_layers_with_their_folded_ops(bench) -> None:  # noqa: ANN001
@@ -33,10 +39,12 @@ def test_shapes_are_the_models_linear_layers_with_their_folded_ops(bench) -> Non
 
 
 def test_the_sweep_configs_keep_the_kernels_constraints(bench) -> None:  # noqa: ANN001
-    """BLOCK_N at least 16 (tl.dot's smallest tile), BLOCK_K dividing every model K."""
+    """BLOCK_N at least 16 (tl.dot's smallest tile), BLOCK_K dividing every model K, and a
+    split config's parts a power of two (the bench skips a K its parts do not divide)."""
     for cfg in bench.SWEEP:
         assert cfg["BLOCK_N"] >= 16
         assert all(k % cfg["BLOCK_K"] == 0 for k in (1024, 2048, 3072, 4096, 12288))
+        assert cfg["SPLIT_K"] in (1, 2, 4)
 
 
 def test_table_and_record_from_timings(bench) -> None:  # noqa: ANN001
@@ -51,8 +59,9 @@ def test_table_and_record_from_timings(bench) -> None:  # noqa: ANN001
     figures = record["figures"]
     assert figures["qwen3-0.6b.qkv_proj.m1.fused_over_unfused"]["value"] == 3.5 / 9
     assert figures["qwen3-0.6b.qkv_proj.m1.skinny_pdl_us"]["value"] == 2.5
-    assert small[0].split()[-5:-2] == ["2.50", "3.00", "4.00"]  # pdl, then mma
+    assert small[0].split()[-6:-2] == ["2.50", "3.00", "4.00", "3.25"]  # pdl, mma, unsplit
     assert figures["qwen3-0.6b.qkv_proj.m1.skinny_mma_us"]["value"] == 4.0
+    assert figures["qwen3-0.6b.qkv_proj.m1.skinny_whole_us"]["value"] == 3.25
     # 256 rows: cuBLAS against the op's limit, no skinny column or figure.
     assert big.split()[-2:] == ["4.00", "2.00"] and big.split()[4] == "nan"
     assert figures["qwen3-0.6b.qkv_proj.m256.cublas_over_limit"]["value"] == 2.0

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfit.ops.layers import add_rms_norm_torch, rms_norm_torch, silu_and_mul_torch
+from kvfit.ops.small_batch import small_batch_kernels
 
 triton_skinny = pytest.importorskip("kvfit.ops.triton_skinny")
 
@@ -143,6 +144,70 @@ def test_fused_prologues_round_where_the_unfused_kernels_round(prologue: str, ro
     assert (got != expect).sum() <= 1, (got != expect).sum()
 
 
+@interpret
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("row_gemv", [True, False])
+def test_split_k_matches_torch_and_leaves_the_tickets_at_zero(rows: int, parts: int,
+                                                              row_gemv: bool) -> None:
+    """K cut into 2 or 4 parts (each a program, the last of a tile summing them) gives the
+    product, N off the tiles and with a bias, and every ticket is back at zero for the next
+    launch; the plain, norm and SiLU prologues alike."""
+    scratch = triton_skinny.allocate_split_k_scratch(torch.device("cpu"))
+    cfg = dict(BLOCK_N=16, BLOCK_K=32, num_warps=2, num_stages=2, ROW_GEMV=row_gemv,
+               SPLIT_K=parts)
+    w, b = _weights(37, 256, torch.float16)
+    x = torch.randn(rows, 256, dtype=torch.float16)
+    with small_batch_kernels(scratch=scratch):
+        got = triton_skinny.skinny_linear_triton(x, w, b, config=cfg)
+        gate_up = torch.randn(rows, 512, dtype=torch.float16) * 2
+        silu = triton_skinny.silu_and_mul_linear_triton(gate_up, w, config=cfg)
+        residual = torch.randn(rows, 256, dtype=torch.float16)
+        norm = torch.randn(256, dtype=torch.float16)
+        normed_out, summed = triton_skinny.rms_norm_linear_triton(x, residual, norm, 1e-6, w,
+                                                                  config=cfg)
+    _close(got, _linear_fp32(x, w, b))
+    _close(silu, _linear_fp32(silu_and_mul_torch(gate_up), w, None))
+    normed, expect_sum = add_rms_norm_torch(x, residual, norm, 1e-6)
+    assert torch.equal(summed, expect_sum)
+    _close(normed_out, _linear_fp32(normed, w, None))
+    assert not scratch.tickets.any()
+
+
+def test_split_k_parts_only_where_sms_would_idle() -> None:
+    """The 0.6B's N-1024 layers (64 tiles of 16 rows) split in 4 on 132 SMs, and in 2 on 108
+    (128 programs); every layer with a program for every SM, and a K not cut into whole
+    BLOCK_K tiles, stays whole."""
+    cfg = triton_skinny.skinny_config
+    assert cfg(1024, 2048, num_sms=132)["SPLIT_K"] == 4  # 0.6B o_proj
+    assert cfg(1024, 3072, num_sms=132, prologue=True)["SPLIT_K"] == 4  # 0.6B down_proj
+    assert cfg(1024, 3072, num_sms=108)["SPLIT_K"] == 2
+    for n, k in [(4096, 1024), (6144, 1024), (6144, 4096), (4096, 4096), (4096, 12288),
+                 (24576, 4096), (151936, 1024)]:
+        assert cfg(n, k, num_sms=132)["SPLIT_K"] == 1, (n, k)
+    assert cfg(1024, 768, num_sms=132)["SPLIT_K"] == 1  # 768 = 3 BLOCK_K tiles: no halves
+    assert cfg(1024, 1536, num_sms=132)["SPLIT_K"] == 2  # 6 tiles: halves, not quarters
+
+
+def test_split_k_without_its_scratch_runs_whole_or_refuses() -> None:
+    """The default rule's split needs the scratch in effect: without one (a direct call) the
+    launch runs unsplit; a config that asks for a split it cannot have says why."""
+    w, _ = _weights(16, 64, torch.float16)
+    x = torch.randn(1, 64, dtype=torch.float16)
+    ask = dict(BLOCK_N=16, BLOCK_K=32, num_warps=2, num_stages=2, SPLIT_K=2)
+    with pytest.raises(ValueError, match="no split-K scratch"):
+        triton_skinny.skinny_linear_triton(x, w, config=ask)
+    scratch = triton_skinny.allocate_split_k_scratch(torch.device("cpu"))
+    with small_batch_kernels(scratch=scratch), pytest.raises(ValueError, match="power of two"):
+        triton_skinny.skinny_linear_triton(x, w, config=dict(ask, SPLIT_K=3))
+    with small_batch_kernels(scratch=scratch), pytest.raises(ValueError, match="BLOCK_K"):
+        triton_skinny.skinny_linear_triton(x, w, config=dict(ask, SPLIT_K=4))
+    small = triton_skinny.SplitKScratch(scratch.partials[:16], scratch.tickets)
+    with small_batch_kernels(scratch=small), pytest.raises(ValueError, match="too small"):
+        triton_skinny.skinny_linear_triton(x, w, config=ask)
+    assert triton_skinny._split_launch(4, False, 1024, 2048, 16, 256, None) == 1
+
+
 def test_skinny_linear_refuses_what_it_does_not_compute() -> None:
     w, _ = _weights(16, 32, torch.float16)
     with pytest.raises(ValueError, match="M <= 16"):
@@ -226,19 +291,56 @@ def test_gpu_silu_and_mul_linear_matches_the_unfused_chain(dtype: torch.dtype, r
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize(("n", "k", "prologue"), [(1024, 2048, "none"), (1024, 3072, "silu"),
+                                                  (1024, 1024, "norm"), (2000, 4096, "none")])
+def test_gpu_split_k_matches_torch_and_repeats_its_bits(dtype: torch.dtype, rows: int, n: int,
+                                                        k: int, prologue: str) -> None:
+    """With the scratch in effect the N-1024 layers (and an N off the tiles) split K across
+    programs: the product to one rounding, the same bits on every launch whichever program of
+    a tile finishes last, and the tickets back at zero."""
+    scratch = triton_skinny.allocate_split_k_scratch(torch.device("cuda"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert triton_skinny.skinny_config(n, k, sms)["SPLIT_K"] > 1
+    w, b = _weights(n, k, dtype, "cuda", bias=prologue == "none")
+    x = torch.randn(rows, 2 * k if prologue == "silu" else k, dtype=dtype, device="cuda")
+    norm = torch.randn(k, dtype=dtype, device="cuda")
+
+    def run() -> torch.Tensor:
+        if prologue == "silu":
+            return triton_skinny.silu_and_mul_linear_triton(x, w)
+        if prologue == "norm":
+            return triton_skinny.rms_norm_linear_triton(x, None, norm, 1e-6, w)[0]
+        return triton_skinny.skinny_linear_triton(x, w, b)
+
+    with small_batch_kernels(scratch=scratch):
+        got = [run() for _ in range(20)]
+    operand = {"silu": lambda: silu_and_mul_torch(x), "norm": lambda: rms_norm_torch(x, norm, 1e-6),
+               "none": lambda: x}[prologue]()
+    _close(got[0], _linear_fp32(operand, w, b))
+    assert all(torch.equal(g, got[0]) for g in got)
+    assert not scratch.tickets.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_gpu_pdl_chain_in_a_graph_gives_the_bits_without_pdl(
-        rows: int, early: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        rows: int, early: bool, split: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A layer's chain of skinny kernels, each reading its predecessor's output, launched with
     programmatic dependent launch and replayed from a CUDA graph: the same bits as without, on
     every replay (a read before `gdc_wait` would see the predecessor's output half written),
-    with the successor released early or late (`PDL_EARLY`)."""
+    with the successor released early or late (`PDL_EARLY`), and with o_proj and down_proj
+    split across programs sharing one scratch (a scratch touched before the wait would race
+    the split launch before)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     from kvfit.ops import pdl as ops_pdl
 
     monkeypatch.setattr(ops_pdl, "PDL_EARLY", early)
+    scratch = triton_skinny.allocate_split_k_scratch(torch.device("cuda")) if split else None
     dtype, hidden, inter = torch.bfloat16, 1024, 3072
     qkv, _ = _weights(4096, hidden, dtype, "cuda", bias=False)
     o, _ = _weights(hidden, 4096, dtype, "cuda", bias=False)
@@ -258,12 +360,14 @@ def test_gpu_pdl_chain_in_a_graph_gives_the_bits_without_pdl(
             h = triton_skinny.silu_and_mul_linear_triton(g, down, pdl=pdl)
         return h
 
-    expect = layer(False)
-    layer(True)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = layer(True)
+    with small_batch_kernels(scratch=scratch):
+        expect = layer(False)
+        layer(True)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = layer(True)
     for _ in range(20):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got, expect)
+    assert scratch is None or not scratch.tickets.any()

@@ -273,7 +273,7 @@ def skinny_linear(p: dict[str, Any]) -> Figures:
             f[f"{name}.fused_over_unfused"] = figure(r["fused_over_unfused"], "ratio", "lower")
         # Programmatic dependent launch (sm_90+ runs only), and the plain kernel's tensor-core
         # tile at one row (runs since the FMA path took M = 1).
-        for col in ("skinny_pdl", "fused_pdl", "skinny_mma"):
+        for col in ("skinny_pdl", "fused_pdl", "skinny_mma", "skinny_whole", "fused_whole"):
             if col in r["us"]:
                 f[f"{name}.{col}_us"] = figure(r["us"][col], "us", "lower")
     return f

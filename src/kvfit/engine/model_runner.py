@@ -32,7 +32,7 @@ from kvfit.models.weight_arena import WeightArena
 from kvfit.ops.attention import AttentionMetadata
 from kvfit.ops.attention_input import fused_decode_input
 from kvfit.ops.sm_count import num_sms
-from kvfit.ops.small_batch import small_batch_kernels
+from kvfit.ops.small_batch import SplitKScratch, small_batch_kernels
 
 T = TypeVar("T")
 
@@ -52,7 +52,7 @@ def _in_kernel_mode(method: Callable[..., T]) -> Callable[..., T]:
     def wrapped(self: ModelRunner, *args: object, **kwargs: object) -> T:
         config = self.config
         with (batch_invariant_mode(config.deterministic),
-              small_batch_kernels(config.runs_small_batch_kernels),
+              small_batch_kernels(config.runs_small_batch_kernels, self.split_k_scratch),
               fused_decode_input(config.runs_fused_decode_input)):
             return method(self, *args, **kwargs)
 
@@ -84,6 +84,7 @@ class ModelRunner:
         self.kv_cache: ExtensibleKVCache | None = None
         self.kv_cache_spec = config.kv_cache_spec()
         self.split_tickets = self._split_tickets(config)
+        self.split_k_scratch = self._split_k_scratch(config)
         self._num_allocated_blocks = 0
         self._allocated_cache: torch.Tensor | None = None  # without the extensible cache
         self.graphs: CUDAGraphRunner | None = None
@@ -104,6 +105,15 @@ class ModelRunner:
         rows = max([config.scheduler_config.max_num_seqs, *config.cuda_graph_sizes])
         return torch.zeros(rows * self.kv_cache_spec.num_kv_heads, dtype=torch.int32,
                            device=self.device)
+
+    def _split_k_scratch(self, config: EngineConfig) -> SplitKScratch | None:
+        """The small-batch kernels' split-K scratch on CUDA (else None): allocated here, before
+        warmup measures memory and graphs capture its addresses (~0.5 MB)."""
+        if not config.runs_small_batch_kernels or self.device.type != "cuda":
+            return None
+        from kvfit.ops.triton_skinny import allocate_split_k_scratch  # CUDA-only dependency
+
+        return allocate_split_k_scratch(self.device)
 
     # -- KV cache -----------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,23 @@ at 16 rows the SiLU alone costs the down projection ~2,000 instructions per 8 KB
 (`triton_skinny`). `bench/skinny_linear.py` times fused against unfused at 1-16 rows; raise
 this where it says the fused pairs win."""
 
+
+@dataclass(frozen=True)
+class SplitKScratch:
+    """Device memory the skinny kernels' split-K launches share (`triton_skinny`): each
+    program's fp32 partial product (`partials`) and one int32 ticket per output tile
+    (`tickets`, zero between launches: a tile's last program sets its ticket back). One
+    engine's launches run one after another on its stream, so one scratch serves them all;
+    two engines need two. The model runner allocates it once, before warmup measures memory
+    and graphs capture its addresses (`triton_skinny.allocate_split_k_scratch`), and puts it
+    in effect with `small_batch_kernels`; without one the kernels never split."""
+
+    partials: torch.Tensor
+    tickets: torch.Tensor
+
+
 _ENABLED: ContextVar[bool] = ContextVar("kvfit_small_batch_kernels", default=False)
+_SCRATCH: ContextVar[SplitKScratch | None] = ContextVar("kvfit_split_k_scratch", default=None)
 
 
 def is_small_batch_enabled() -> bool:
@@ -51,14 +68,21 @@ def is_small_batch_enabled() -> bool:
     return _ENABLED.get()
 
 
+def split_k_scratch() -> SplitKScratch | None:
+    """The split-K scratch in effect for the ops called now (None: no split)."""
+    return _SCRATCH.get()
+
+
 @contextmanager
-def small_batch_kernels(enabled: bool = True) -> Iterator[None]:
-    """Run the block with the small-batch kernels on (or off); the previous state comes back
-    on exit."""
-    token = _ENABLED.set(enabled)
+def small_batch_kernels(enabled: bool = True,
+                        scratch: SplitKScratch | None = None) -> Iterator[None]:
+    """Run the block with the small-batch kernels on (or off), their split-K launches using
+    `scratch` (None: unsplit); the previous state comes back on exit."""
+    token, scratch_token = _ENABLED.set(enabled), _SCRATCH.set(scratch)
     try:
         yield
     finally:
+        _SCRATCH.reset(scratch_token)
         _ENABLED.reset(token)
 
 

@@ -7,10 +7,13 @@ each rounded as the unfused kernels round, so that the chain's node is gone.
 At decode batch sizes the product is a stream of W: every weight byte is read once and used M
 times. The kernel is shaped for that stream rather than for reuse:
 
-- One program per BLOCK_N rows of W, each running the whole K loop. No split-K across
-  programs: partial sums would need a second node (a reduction) or atomics into a zeroed
-  output (a memset node, and a summation order that follows scheduling), the two things this
-  kernel exists to remove. The memory bound is the output alone; no workspace.
+- One program per BLOCK_N rows of W, each running the whole K loop, but where that leaves
+  SMs without a program (`split_k`: N 1024 at 16-row tiles is 64 programs): there each tile's
+  K is cut into SPLIT_K parts, each part a program, and the tile's last program to finish
+  sums the parts in split order in the same launch (`_reduce_split_k`): no reduction node, no
+  memset, no atomics on the output, and the bits do not depend on which program came last.
+  Memory: the output, and for a split launch the engine's `SplitKScratch`, allocated once
+  (`allocate_split_k_scratch`); no allocation per launch.
 - The MMA is `tl.dot` on a 16-row tile of x (its smallest M), rows past M masked off: loading
   them costs no bytes, and one compiled variant serves every M up to 16 (`M` is not
   specialised, so no batch size compiles anything new). At M = 1 a kernel takes FMAs instead
@@ -48,7 +51,8 @@ import triton.language as tl
 
 from kvfit.ops import sm_count
 from kvfit.ops.pdl import pdl_keywords, release_late, use_pdl, wait_then_release
-from kvfit.ops.small_batch import MAX_ROWS, SKINNY_DTYPES
+from kvfit.ops.small_batch import MAX_ROWS, SKINNY_DTYPES, SplitKScratch, split_k_scratch
+from kvfit.ops.triton_tickets import last_to_arrive
 
 BLOCK_M = 16
 """Rows of the MMA tile: `tl.dot`'s smallest M; x rows past M are masked (no bytes read)."""
@@ -92,7 +96,66 @@ def skinny_config(n: int, k: int, num_sms: int = sm_count.DEFAULT_SMS,
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     one_wave = not prologue or triton.cdiv(n, block_n) <= 2 * num_sms
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=2 if block_n == 16 else 4,
-                num_stages=4 if one_wave else 3, ROW_GEMV=block_n <= 32)
+                num_stages=4 if one_wave else 3, ROW_GEMV=block_n <= 32,
+                SPLIT_K=split_k(triton.cdiv(n, block_n), k, block_k, num_sms))
+
+
+MAX_SPLIT_K = 4
+"""The most parts a split-K launch cuts K into (`split_k`)."""
+
+
+def split_k(tiles: int, k: int, block_k: int, num_sms: int) -> int:
+    """Parts of K for a launch of `tiles` output tiles: doubled from 1 while the launch has
+    fewer programs than SMs and each part stays a whole number of BLOCK_K tiles, up to
+    `MAX_SPLIT_K`.
+
+    Why: a weight with few rows (N 1024: the 0.6B's o_proj and down_proj) makes 64 tiles of
+    16 rows, so half the SMs stream nothing and the other half hold 24 KB of loads in flight
+    each, against the ~25-30 KB every SM needs outstanding; at one row on an H100 those
+    layers ran at 31-37% of copy bandwidth (4.5 and 5.7 us) where qkv and gate_up, with a
+    program for every SM, ran at 58-66%. The parts' sum costs a store, a ticket and a read of
+    SPLIT_K partials from L2 by the tile's last program (`_reduce_split_k`), in the same
+    launch."""
+    parts = 1
+    while (parts < MAX_SPLIT_K and tiles * parts < num_sms
+           and k % (2 * parts * block_k) == 0):
+        parts *= 2
+    return parts
+
+
+def allocate_split_k_scratch(device: torch.device) -> SplitKScratch:
+    """The split-K scratch for every launch `skinny_config` splits on `device`: a split
+    launch has fewer tiles than SMs, each at most 16 rows of W (the narrowest BLOCK_N), so N
+    < 16 x SMs. Memory: `MAX_SPLIT_K` x `MAX_ROWS` x 16 x SMs fp32 partials (540 KB at 132
+    SMs) and one int32 ticket a SM."""
+    sms = sm_count.num_sms(device)
+    return SplitKScratch(
+        partials=torch.empty(MAX_SPLIT_K * MAX_ROWS * 16 * sms, dtype=torch.float32,
+                             device=device),
+        tickets=torch.zeros(sms, dtype=torch.int32, device=device))
+
+
+def _split_launch(parts: int, explicit: bool, n: int, k: int, block_n: int, block_k: int,
+                  scratch: SplitKScratch | None) -> int:
+    """`parts` if `scratch` holds that launch's partials and tickets and each part is a whole
+    number of BLOCK_K tiles, else 1; a config that asked for the split (`explicit`) raises
+    instead."""
+    if parts == 1:
+        return 1
+    tiles = triton.cdiv(n, block_n)
+    reason = None
+    if parts & (parts - 1) or k % (parts * block_k):
+        reason = f"SPLIT_K {parts} must be a power of two dividing K {k} into BLOCK_K tiles"
+    elif scratch is None:
+        reason = "no split-K scratch is in effect (small_batch_kernels(scratch=...))"
+    elif (scratch.tickets.numel() < tiles
+          or scratch.partials.numel() < parts * BLOCK_M * n):
+        reason = f"the split-K scratch is too small for N {n} in {parts} parts"
+    if reason is None:
+        return parts
+    if explicit:
+        raise ValueError(reason)
+    return 1
 
 
 PREFETCH_BYTES = 32 * 1024
@@ -165,14 +228,15 @@ def _operand(x_rows, r_rows, norm_weight, inv_rms, k, mask, k_mask,
 
 
 @triton.jit
-def _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid,
-             K: tl.constexpr, PROLOGUE: tl.constexpr, ROWS: tl.constexpr,
+def _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, tile, k_lo,
+             K: tl.constexpr, K_PART: tl.constexpr, PROLOGUE: tl.constexpr, ROWS: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              NORM_BLOCK_K: tl.constexpr, NORM_STAGES: tl.constexpr,
              GEMV_STAGES: tl.constexpr):  # fmt: skip
-    """acc `[BLOCK_M, BLOCK_N]` fp32 of this program's columns, after the prologue on ROWS rows
-    of x (M <= ROWS). ROWS == BLOCK_M: the tensor-core product; ROWS == 1: FMAs on a
-    `[BLOCK_N, BLOCK_K]` weight tile, reduced over K once after the loop (row 0 of acc).
+    """acc `[BLOCK_M, BLOCK_N]` fp32 of output tile `tile`'s columns over the K_PART columns of
+    x from `k_lo` (all K without a split), after the prologue on ROWS rows of x (M <= ROWS).
+    ROWS == BLOCK_M: the tensor-core product; ROWS == 1: FMAs on a `[BLOCK_N, BLOCK_K]`
+    weight tile, reduced over K once after the loop (row 0 of acc).
 
     Why a second path at M = 1: the prologue's tile feeds the MMA, and a tile of fewer rows
     than the MMA's 16, repeated to 16, is computed in the MMA operand's layout, where each
@@ -200,11 +264,11 @@ def _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid,
     # Rows of W past N read row N - 1 instead (their outputs are not stored): the weight loads,
     # the bytes that matter, need no mask.
     if ROWS == 1:
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         w_tile = w + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K  # [BLOCK_N, 1] rows
         part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         # Without a dot the pipeliner stages these loads only when asked (as the main loop's).
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=GEMV_STAGES):
+        for k0 in tl.range(k_lo, k_lo + K_PART, BLOCK_K, num_stages=GEMV_STAGES):
             k = k0 + rk
             if K % BLOCK_K == 0:
                 a = _operand(x_rows, r_rows, norm_weight, inv_rms, k, row_mask, k < K, K,
@@ -218,10 +282,10 @@ def _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid,
             part += wt.to(tl.float32) * a.to(tl.float32)
         acc = tl.broadcast_to(tl.sum(part, axis=1)[None, :], (BLOCK_M, BLOCK_N))
     else:
-        w_rows = w + tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1
+        w_rows = w + tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), N - 1
                                 ).to(tl.int64)[None, :] * K  # [1, BLOCK_N] rows
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_lo + K_PART, BLOCK_K):
             k = k0 + rk
             if K % BLOCK_K == 0:
                 a = _operand(x_rows, r_rows, norm_weight, inv_rms, k, row_mask, k < K, K,
@@ -236,10 +300,43 @@ def _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid,
     return acc
 
 
+@triton.jit
+def _store_rows(out, bias, acc, tile, M, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+    """Rows < M of the output tile `tile`: acc (+ bias) in out's dtype."""
+    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    rm = tl.arange(0, BLOCK_M)
+    out_ptrs = out + rm.to(tl.int64)[:, None] * N + rn[None, :]
+    tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _reduce_split_k(out, bias, partials, tickets, acc, tile, split, M, N,
+                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SPLIT_K: tl.constexpr):  # fmt: skip
+    """Store this program's partial product; the tile's last program to arrive sums the
+    SPLIT_K partials, in split order whichever came last, and stores the rows.
+
+    Partials lie at `[split, row, column]`, fp32. The ticket's acq_rel atomic makes every
+    other program's partial visible to the last one, which reads them past L1 (".cg")."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    row_ptrs = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    tl.store(partials + split * BLOCK_M * N + row_ptrs, acc, mask=mask)
+    if last_to_arrive(tickets, tile, SPLIT_K):
+        splits = tl.arange(0, SPLIT_K).to(tl.int64)[:, None, None] * BLOCK_M * N
+        parts = tl.load(partials + splits + row_ptrs[None, :, :], mask=mask[None, :, :],
+                        other=0.0, cache_modifier=".cg")
+        _store_rows(out, bias, tl.sum(parts, axis=0), tile, M, N, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
 # M changes with the batch: not specialised, so a new batch size never compiles a variant.
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
-    x, residual, norm_weight, w, bias, out, sum_out, M, N, eps,
+    x, residual, norm_weight, w, bias, out, sum_out, partials, tickets, M, N, eps,
     K: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -253,35 +350,41 @@ def _skinny_kernel(
     PDL_EARLY: tl.constexpr = True,
     PREFETCH_K: tl.constexpr = 64,
     ROW_GEMV: tl.constexpr = True,
+    SPLIT_K: tl.constexpr = 1,
 ):  # fmt: skip
     pid = tl.program_id(0)
+    # A tile's SPLIT_K programs are neighbours, each over K / SPLIT_K columns.
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    K_PART: tl.constexpr = K // SPLIT_K
+    k_lo = split * K_PART
     if PDL:
         # Only the weights may be touched before the wait, while the kernel before still
         # runs: x and the residual may be its outputs, and out and sum_out may reuse the
-        # memory of its inputs (the caching allocator), so all four come after.
-        rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-        lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
+        # memory of its inputs (the caching allocator), so all four come after, as do the
+        # split partials and tickets, which the kernel before may be using.
+        rows = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        lines = k_lo + tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K_PART - 1)
         _prefetch_l2(w + rows[:, None] * K + lines[None, :])
         wait_then_release(PDL, PDL_EARLY)
     if PROLOGUE == 0 and not ROW_GEMV:  # the 16-row tile at every M (the bench's baseline)
-        acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, K, PROLOGUE,
-                       BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK_K, NORM_STAGES,
-                       GEMV_STAGES)
+        acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, tile, k_lo, K,
+                       K_PART, PROLOGUE, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK_K,
+                       NORM_STAGES, GEMV_STAGES)
     elif M == 1:  # a branch on M, not a variant: one compiled kernel serves every M
-        acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, K, PROLOGUE,
-                       1, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK_K, NORM_STAGES,
-                       GEMV_STAGES)
+        acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, tile, k_lo, K,
+                       K_PART, PROLOGUE, 1, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK_K,
+                       NORM_STAGES, GEMV_STAGES)
     else:
-        acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, K, PROLOGUE,
-                       BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK_K, NORM_STAGES,
-                       GEMV_STAGES)
+        acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, tile, k_lo, K,
+                       K_PART, PROLOGUE, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK_K,
+                       NORM_STAGES, GEMV_STAGES)
     release_late(PDL, PDL_EARLY)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if HAS_BIAS:
-        acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    rm = tl.arange(0, BLOCK_M)
-    out_ptrs = out + rm.to(tl.int64)[:, None] * N + rn[None, :]
-    tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    if SPLIT_K == 1:
+        _store_rows(out, bias, acc, tile, M, N, HAS_BIAS, BLOCK_M, BLOCK_N)
+    else:
+        _reduce_split_k(out, bias, partials, tickets, acc, tile, split, M, N, HAS_BIAS,
+                        BLOCK_M, BLOCK_N, SPLIT_K)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> None:
@@ -310,6 +413,9 @@ def _launch(
         return out
     launch = dict(config or skinny_config(n, k, sm_count.num_sms(x.device), prologue != NONE))
     block_n = launch.pop("BLOCK_N")
+    scratch = split_k_scratch()
+    parts = _split_launch(launch.pop("SPLIT_K", 1), config is not None and "SPLIT_K" in config,
+                          n, k, block_n, launch["BLOCK_K"], scratch)
     # At least two iterations: a one-block pass over the whole row let the compiler keep the
     # row live into the product's loop, where it spilled (K 1024: 255 registers and 292 bytes
     # spilled, 3.4x slower at one row on the H200; tools/triton_sass.py --linear 6144 1024).
@@ -318,14 +424,17 @@ def _launch(
     launch.setdefault("GEMV_STAGES", launch.get("num_stages", 3))
     if use_pdl(pdl, x.device):
         # 64 elements a line: 128 bytes of bf16/fp16.
-        cols = max(64, min(PREFETCH_BYTES // (2 * block_n), triton.next_power_of_2(k)))
+        cols = max(64, min(PREFETCH_BYTES // (2 * block_n), triton.next_power_of_2(k // parts)))
         launch.update(pdl_keywords(), PREFETCH_K=cols)
     x = x.contiguous()
-    # Absent operands' pointers are x's: the kernel's PROLOGUE never reads them.
-    _skinny_kernel[(triton.cdiv(n, block_n),)](
+    partials, tickets = (scratch.partials, scratch.tickets) if parts > 1 else (out, out)
+    # Absent operands' pointers are x's (out's for an unsplit launch's scratch): the kernel's
+    # PROLOGUE and SPLIT_K never read them.
+    _skinny_kernel[(triton.cdiv(n, block_n) * parts,)](
         x, x if residual is None else residual, x if norm_weight is None else norm_weight,
-        weight.contiguous(), bias, out, sum_out, x.shape[0], n, eps, K=k, PROLOGUE=prologue,
-        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, **launch,
+        weight.contiguous(), bias, out, sum_out, partials, tickets, x.shape[0], n, eps, K=k,
+        PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        SPLIT_K=parts, **launch,
     )  # fmt: skip
     return out
 
@@ -336,7 +445,8 @@ def skinny_linear_triton(
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [M, K], M <= `MAX_ROWS`, in one kernel. `config`
     overrides `skinny_config` (the bench's sweep); `pdl` the launch's `ops.pdl.PDL_DEFAULT`.
-    Memory: the output [M, N] only."""
+    Memory: the output [M, N]; a split-K launch's partials are the `SplitKScratch` in effect
+    (`small_batch_kernels`), allocated before."""
     return _launch(x, weight, bias, x.shape[-1], NONE, config, pdl=pdl)
 
 
@@ -348,7 +458,7 @@ def rms_norm_linear_triton(
     """`(F.linear(rms_norm(x + residual), weight, bias), x + residual)` in one kernel, rounded
     as `add_rms_norm` then `F.linear` are; without `residual`, `(F.linear(rms_norm(x), ...),
     x)`. `config` and `pdl` as `skinny_linear_triton`'s. Memory: the output [M, N] and, with
-    a residual, the sum [M, K]."""
+    a residual, the sum [M, K]; split partials as `skinny_linear_triton`'s."""
     k = x.shape[-1]
     if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
         raise ValueError(f"the norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} must "
@@ -372,7 +482,7 @@ def silu_and_mul_linear_triton(
 ) -> torch.Tensor:
     """`F.linear(silu_and_mul(x), weight, bias)` for `x = [gate, up]` [M, 2K] in one kernel,
     rounded as `silu_and_mul` then `F.linear` are; `config` and `pdl` as
-    `skinny_linear_triton`'s. Memory: the output [M, N] only."""
+    `skinny_linear_triton`'s. Memory: the output [M, N], and as `skinny_linear_triton`'s."""
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dim, got {x.shape[-1]}")
     return _launch(x, weight, bias, x.shape[-1] // 2, SILU_AND_MUL, config, pdl=pdl)
