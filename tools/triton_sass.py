@@ -105,18 +105,24 @@ def capture_decode_input_launches(args: argparse.Namespace
 def capture_linear_launches(args: argparse.Namespace
                             ) -> list[tuple[JITFunction, dict[str, Any], dict]]:
     """The small-batch linear kernels' launches for a `[N, K]` weight at `--batch` rows: plain,
-    after RMSNorm, after the residual add and RMSNorm, after SiLU-and-mul (PROLOGUE 0-3)."""
+    after RMSNorm, after the residual add and RMSNorm, after SiLU-and-mul (PROLOGUE 0-3), with
+    the engine's split-K scratch in effect (K in parts where `skinny_config` says)."""
     from kvfit.ops import triton_skinny as ts
+    from kvfit.ops.small_batch import small_batch_kernels
 
     n, k = args.linear
     x = torch.randn(args.batch, k, dtype=torch.bfloat16)
     gate_up = torch.randn(args.batch, 2 * k, dtype=torch.bfloat16)
     norm, weight = torch.ones(k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
-    return captured_launches(lambda: (
-        ts.skinny_linear_triton(x, weight),
-        ts.rms_norm_linear_triton(x, None, norm, 1e-6, weight),
-        ts.rms_norm_linear_triton(x, x.clone(), norm, 1e-6, weight),
-        ts.silu_and_mul_linear_triton(gate_up, weight)))
+
+    def launches() -> None:
+        with small_batch_kernels(scratch=ts.allocate_split_k_scratch(torch.device("cpu"))):
+            ts.skinny_linear_triton(x, weight)
+            ts.rms_norm_linear_triton(x, None, norm, 1e-6, weight)
+            ts.rms_norm_linear_triton(x, x.clone(), norm, 1e-6, weight)
+            ts.silu_and_mul_linear_triton(gate_up, weight)
+
+    return captured_launches(launches)
 
 
 def captured_launches(call: Callable[[], object]) -> list[tuple[JITFunction, dict[str, Any], dict]]:
@@ -237,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     for fn, named, options in launches:
         if args.linear:
             print(f"PROLOGUE {named['PROLOGUE']}, BLOCK_N {named['BLOCK_N']}, BLOCK_K "
-                  f"{named['BLOCK_K']}, {options}")
+                  f"{named['BLOCK_K']}, SPLIT_K {named['SPLIT_K']}, {options}")
         print(report(compile_launch(fn, named, options, args.arch), args.arch, args.top))
     return 0
 

@@ -15,6 +15,8 @@ import argparse
 import importlib
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -217,12 +219,24 @@ def test_skinny_linear_kernels_compile_for_sm90(
 
     x, w = torch.randn(3, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
     norm, bias = torch.ones(k, dtype=dtype), torch.randn(n, dtype=dtype)
-    names = _compile_launches(monkeypatch, lambda: (
-        triton_skinny.skinny_linear_triton(x, w, bias),
-        triton_skinny.rms_norm_linear_triton(x, None, norm, 1e-6, w),
-        triton_skinny.rms_norm_linear_triton(x, x.clone(), norm, 1e-6, w, bias),
-        triton_skinny.silu_and_mul_linear_triton(torch.randn(3, 2 * k, dtype=dtype), w)))
+    with _split_k_scratch():  # as the engine runs them: (1024, 3072) in 4 parts
+        names = _compile_launches(monkeypatch, lambda: (
+            triton_skinny.skinny_linear_triton(x, w, bias),
+            triton_skinny.rms_norm_linear_triton(x, None, norm, 1e-6, w),
+            triton_skinny.rms_norm_linear_triton(x, x.clone(), norm, 1e-6, w, bias),
+            triton_skinny.silu_and_mul_linear_triton(torch.randn(3, 2 * k, dtype=dtype), w)))
     assert names == ["_skinny_kernel"] * 4  # plain and the three prologues
+
+
+@contextmanager
+def _split_k_scratch() -> Iterator[None]:
+    """The engine's split-K scratch in effect, so launches split where `skinny_config` says."""
+    from kvfit.ops import triton_skinny
+    from kvfit.ops.small_batch import small_batch_kernels
+
+    with small_batch_kernels(scratch=triton_skinny.allocate_split_k_scratch(
+            torch.device("cpu"))):
+        yield
 
 
 @pytest.mark.parametrize("arch", [80, 89])
@@ -255,23 +269,29 @@ def test_skinny_linear_kernels_compile_before_sm90(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.parametrize(("n", "k"), [
     (4096, 1024), (6144, 1024), (1024, 3072),  # the 0.6B shape: qkv, gate_up, down
+    (1024, 2048),  # the 0.6B's o_proj, in parts as down_proj
     (6144, 4096), (24576, 4096), (4096, 12288),  # the 8B shape
 ])  # fmt: skip
 def test_skinny_linear_kernels_do_not_spill(monkeypatch: pytest.MonkeyPatch, n: int,
                                             k: int) -> None:
     """A spill in the one-row loop costs its whole stream: the rms pass in one block of the
-    0.6B's K 1024 spilled 292 bytes and ran 3.4x slower than the unfused pair on the H200."""
+    0.6B's K 1024 spilled 292 bytes and ran 3.4x slower than the unfused pair on the H200.
+    The split launches' sum of parts too (a [4, 16, 16] tile at once spilled 8 bytes beside
+    the SiLU prologue)."""
     from kvfit.ops import triton_skinny
 
     monkeypatch.syspath_prepend(str(TOOLS))
     sass = importlib.import_module("triton_sass")
     x, w, norm = torch.randn(1, k), torch.randn(n, k), torch.ones(k)
     x, w, norm = (t.to(torch.bfloat16) for t in (x, w, norm))
-    launches = sass.captured_launches(lambda: (
-        triton_skinny.skinny_linear_triton(x, w),
-        triton_skinny.rms_norm_linear_triton(x, None, norm, 1e-6, w),
-        triton_skinny.rms_norm_linear_triton(x, x.clone(), norm, 1e-6, w),
-        triton_skinny.silu_and_mul_linear_triton(torch.randn(1, 2 * k, dtype=x.dtype), w)))
+    with _split_k_scratch():
+        launches = sass.captured_launches(lambda: (
+            triton_skinny.skinny_linear_triton(x, w),
+            triton_skinny.rms_norm_linear_triton(x, None, norm, 1e-6, w),
+            triton_skinny.rms_norm_linear_triton(x, x.clone(), norm, 1e-6, w),
+            triton_skinny.silu_and_mul_linear_triton(torch.randn(1, 2 * k, dtype=x.dtype), w)))
+    if n == 1024:
+        assert all(named["SPLIT_K"] == 4 for _, named, _ in launches)
     for prologue, (fn, named, options) in enumerate(launches):
         regs, spills = sass.ptxas_usage(sass.compile_launch(fn, named, options, arch=90), 90)
         assert spills == 0, f"prologue {prologue}: {regs} registers, {spills} bytes spilled"

@@ -327,10 +327,13 @@ def _reduce_split_k(out, bias, partials, tickets, acc, tile, split, M, N,
     row_ptrs = rm.to(tl.int64)[:, None] * N + rn[None, :]
     tl.store(partials + split * BLOCK_M * N + row_ptrs, acc, mask=mask)
     if last_to_arrive(tickets, tile, SPLIT_K):
-        splits = tl.arange(0, SPLIT_K).to(tl.int64)[:, None, None] * BLOCK_M * N
-        parts = tl.load(partials + splits + row_ptrs[None, :, :], mask=mask[None, :, :],
-                        other=0.0, cache_modifier=".cg")
-        _store_rows(out, bias, tl.sum(parts, axis=0), tile, M, N, HAS_BIAS, BLOCK_M, BLOCK_N)
+        # One part at a time: a [SPLIT_K, 16, 16] tile at once spilled beside the SiLU
+        # prologue's registers (tools/triton_sass.py --linear 1024 2048).
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(partials + s * BLOCK_M * N + row_ptrs, mask=mask, other=0.0,
+                             cache_modifier=".cg")
+        _store_rows(out, bias, total, tile, M, N, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 # M changes with the batch: not specialised, so a new batch size never compiles a variant.
