@@ -102,11 +102,17 @@ def test_a_warm_engine_compiles_no_kernel_for_new_batch_shapes(make_llm,
     assert compiled == []
 
 
-def test_small_batch_kernels_give_the_cublas_paths_greedy_tokens(make_llm) -> None:
+@pytest.mark.parametrize("split_k", [False, True])
+def test_small_batch_kernels_give_the_cublas_paths_greedy_tokens(
+        make_llm, split_k: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """`small_batch_kernels` changes only the summation order of the products at up to 16
     tokens (one rounding of bf16): on the trained tiny model greedy decoding is unchanged, from
-    graphs at every batch size and from eager steps. Its down_proj (N 256, K 512) splits K in
-    two (`triton_skinny.split_k`), whose tickets are all back at zero after."""
+    graphs at every batch size and from eager steps. With the split-K scratch (`split_k`) its
+    down_proj (N 256, K 512) splits K in two (`triton_skinny.split_k`), whose tickets are all
+    back at zero after."""
+    from kvfit.ops import triton_skinny
+
+    monkeypatch.setattr(triton_skinny, "SPLIT_K_DEFAULT", split_k)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [o.outputs[0].token_ids
                 for o in make_llm(small_batch_kernels=False, cuda_graph_sizes=[1, 2, 4, 8, 16])
@@ -115,7 +121,7 @@ def test_small_batch_kernels_give_the_cublas_paths_greedy_tokens(make_llm) -> No
         llm = make_llm(small_batch_kernels=True, **kwargs)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
         scratch = llm.engine.executor.workers[0].runner.split_k_scratch
-        assert scratch is not None and not scratch.tickets.any()
+        assert (scratch is not None and not scratch.tickets.any()) if split_k else not scratch
         llm.shutdown()
         assert got == expected, kwargs
 

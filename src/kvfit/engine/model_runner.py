@@ -107,13 +107,16 @@ class ModelRunner:
                            device=self.device)
 
     def _split_k_scratch(self, config: EngineConfig) -> SplitKScratch | None:
-        """The small-batch kernels' split-K scratch on CUDA (else None): allocated here, before
-        warmup measures memory and graphs capture its addresses (~0.5 MB)."""
+        """The small-batch kernels' split-K scratch on CUDA where `triton_skinny`'s
+        `SPLIT_K_DEFAULT` is on (else None: no launch splits): allocated here, before warmup
+        measures memory and graphs capture its addresses (~0.5 MB)."""
         if not config.runs_small_batch_kernels or self.device.type != "cuda":
             return None
-        from kvfit.ops.triton_skinny import allocate_split_k_scratch  # CUDA-only dependency
+        from kvfit.ops import triton_skinny  # CUDA-only dependency
 
-        return allocate_split_k_scratch(self.device)
+        if not triton_skinny.SPLIT_K_DEFAULT:
+            return None
+        return triton_skinny.allocate_split_k_scratch(self.device)
 
     # -- KV cache -----------------------------------------------------------------------------
 

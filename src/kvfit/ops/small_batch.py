@@ -52,8 +52,9 @@ class SplitKScratch:
     (`tickets`, zero between launches: a tile's last program sets its ticket back). One
     engine's launches run one after another on its stream, so one scratch serves them all;
     two engines need two. The model runner allocates it once, before warmup measures memory
-    and graphs capture its addresses (`triton_skinny.allocate_split_k_scratch`), and puts it
-    in effect with `small_batch_kernels`; without one the kernels never split."""
+    and graphs capture its addresses (`triton_skinny.allocate_split_k_scratch`, where
+    `triton_skinny.SPLIT_K_DEFAULT` is on), and puts it in effect with
+    `small_batch_kernels`; without one the kernels never split."""
 
     partials: torch.Tensor
     tickets: torch.Tensor

@@ -103,6 +103,12 @@ def skinny_config(n: int, k: int, num_sms: int = sm_count.DEFAULT_SMS,
 MAX_SPLIT_K = 4
 """The most parts a split-K launch cuts K into (`split_k`)."""
 
+SPLIT_K_DEFAULT = False
+"""Whether an engine allocates the split-K scratch (`allocate_split_k_scratch`), and so runs
+the launches `split_k` cuts in parts: off until a GPU has timed whole decode steps with it
+(`bench/throughput.py`, a tree with this on beside one with it off) and run the engine's GPU
+tests (the split kernels' own tests pass the scratch themselves)."""
+
 
 def split_k(tiles: int, k: int, block_k: int, num_sms: int) -> int:
     """Parts of K for a launch of `tiles` output tiles: doubled from 1 while the launch has
