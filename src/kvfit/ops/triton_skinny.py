@@ -103,11 +103,14 @@ def skinny_config(n: int, k: int, num_sms: int = sm_count.DEFAULT_SMS,
 MAX_SPLIT_K = 4
 """The most parts a split-K launch cuts K into (`split_k`)."""
 
-SPLIT_K_DEFAULT = False
+SPLIT_K_DEFAULT = True
 """Whether an engine allocates the split-K scratch (`allocate_split_k_scratch`), and so runs
-the launches `split_k` cuts in parts: off until a GPU has timed whole decode steps with it
-(`bench/throughput.py`, a tree with this on beside one with it off) and run the engine's GPU
-tests (the split kernels' own tests pass the scratch themselves)."""
+the launches `split_k` cuts in parts. On: whole decode steps of the 0.6B shape, a tree with it
+on beside one with it off (H100, 2026-12-06, `bench/throughput.py --decode-batches 1 4 16`,
+three runs each way in two calls, sixteen in the second only), were 1.4-2.3% faster at one
+sequence, 3.8-5.0% at four and 3.0% at sixteen; the engine's greedy tokens stayed the cuBLAS
+path's (docs/benchmarks.md).
+Shapes with a program for every SM (the 8B's layers) never split."""
 
 
 def split_k(tiles: int, k: int, block_k: int, num_sms: int) -> int:
@@ -121,7 +124,9 @@ def split_k(tiles: int, k: int, block_k: int, num_sms: int) -> int:
     layers ran at 31-37% of copy bandwidth (4.5 and 5.7 us) where qkv and gate_up, with a
     program for every SM, ran at 58-66%. The parts' sum costs a store, a ticket and a read of
     SPLIT_K partials from L2 by the tile's last program (`_reduce_split_k`), in the same
-    launch."""
+    launch. Timed alone (`bench/skinny_linear.py`, H100): at one row o_proj 4.74 us in four
+    parts against 4.55 whole (3.59 against 3.93 with PDL), down_proj 5.49 against 5.78; at
+    four rows 5.07 against 5.80 and 5.78 against 7.45."""
     parts = 1
     while (parts < MAX_SPLIT_K and tiles * parts < num_sms
            and k % (2 * parts * block_k) == 0):
