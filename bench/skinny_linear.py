@@ -134,8 +134,9 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool, limits: dict) 
     config = ts.skinny_config(shape.n, shape.k, num_sms(dev), shape.prologue != "none")
     # The engine's split-K scratch is in effect, so the kernels split where `skinny_config`
     # says (`skinny`, `fused`); `*_whole` beside them where it does: the same launch unsplit.
-    wholes = {"": None} if config["SPLIT_K"] == 1 else {"": None, "_whole": {**config,
-                                                                             "SPLIT_K": 1}}
+    wholes: dict[str, dict | None] = {"": None}
+    if config["SPLIT_K"] > 1:
+        wholes["_whole"] = {**config, "SPLIT_K": 1}
     with small_batch_kernels(scratch=ts.allocate_split_k_scratch(dev)):
         for pdl in pdls:
             for whole, cfg in wholes.items():
