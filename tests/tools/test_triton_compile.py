@@ -240,12 +240,17 @@ def _split_k_scratch() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("arch", [80, 89])
-@pytest.mark.parametrize(("n", "k"), [(24576, 4096), (37, 100)])
+@pytest.mark.parametrize(("n", "k", "parts"), [
+    (24576, 4096, 1),
+    (37, 100, 1),
+    (1024, 3072, 4),  # the 0.6B's down_proj: K in parts and the last program's sum
+])  # fmt: skip
 def test_skinny_linear_kernels_compile_before_sm90(monkeypatch: pytest.MonkeyPatch, arch: int,
-                                                   n: int, k: int) -> None:
+                                                   n: int, k: int, parts: int) -> None:
     """The small-batch kernels are on by default on every CUDA device, so they must compile
     for Ampere and Ada too (no PDL there: `use_pdl` needs 9.0), at one row (the FMA path and
-    the fused prologues) and at several (the MMA tile), off the tiles included."""
+    the fused prologues) and at several (the MMA tile), off the tiles and in K's parts
+    included (the tickets' acq_rel atomic and the `.cg` loads of the partials)."""
     from kvfit.ops import triton_skinny
 
     monkeypatch.syspath_prepend(str(TOOLS))
@@ -254,12 +259,14 @@ def test_skinny_linear_kernels_compile_before_sm90(monkeypatch: pytest.MonkeyPat
     w, bias = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
     norm, gate_up = torch.ones(k, dtype=torch.bfloat16), torch.randn(1, 2 * k,
                                                                      dtype=torch.bfloat16)
-    launches = sass.captured_launches(lambda: (
-        triton_skinny.skinny_linear_triton(x1, w, bias),
-        triton_skinny.skinny_linear_triton(x3, w),
-        triton_skinny.rms_norm_linear_triton(x1, x1.clone(), norm, 1e-6, w),
-        triton_skinny.silu_and_mul_linear_triton(gate_up, w)))
+    with _split_k_scratch():
+        launches = sass.captured_launches(lambda: (
+            triton_skinny.skinny_linear_triton(x1, w, bias),
+            triton_skinny.skinny_linear_triton(x3, w),
+            triton_skinny.rms_norm_linear_triton(x1, x1.clone(), norm, 1e-6, w),
+            triton_skinny.silu_and_mul_linear_triton(gate_up, w)))
     assert len(launches) == 4
+    assert [named["SPLIT_K"] for _, named, _ in launches] == [parts] * 4
     for fn, named, options in launches:
         kernel = sass.compile_launch(fn, named, options, arch=arch)
         assert kernel.asm["cubin"]
