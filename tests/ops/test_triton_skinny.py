@@ -8,11 +8,19 @@ GPU tests (the 0.6B and 8B layer shapes, bf16/fp16):
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvfit.ops.layers import add_rms_norm_torch, rms_norm_torch, silu_and_mul_torch
+from kvfit.ops.attention_input import AttentionInputArgs, attention_input_torch
+from kvfit.ops.layers import (
+    RotaryEmbedding,
+    add_rms_norm_torch,
+    rms_norm_torch,
+    silu_and_mul_torch,
+)
 from kvfit.ops.small_batch import small_batch_kernels
 
 triton_skinny = pytest.importorskip("kvfit.ops.triton_skinny")
@@ -174,6 +182,87 @@ def test_split_k_matches_torch_and_leaves_the_tickets_at_zero(rows: int, parts: 
     assert not scratch.tickets.any()
 
 
+def _attention_layer(rows: int, qk_norm: bool, dtype: torch.dtype, device: str = "cpu",
+                     heads: tuple[int, int, int] = (4, 2, 32), hidden: int = 64,
+                     cache_dtype: torch.dtype | None = None):
+    """A QKV weight of `heads` (q heads, KV heads, head_dim), its attention-input arguments
+    (caches of 3 blocks of 8 slots, rows at distinct slots, the second at -1 where there are
+    several) and an input x."""
+    num_heads, num_kv_heads, head_dim = heads
+    g = torch.Generator().manual_seed(rows * 10 + qk_norm)
+    w, b = _weights((num_heads + 2 * num_kv_heads) * head_dim, hidden, dtype, device)
+    slots = torch.randperm(24, generator=g)[:rows]
+    if rows > 1:
+        slots[1] = -1  # a CUDA graph's padded row: computed, not stored
+    norm = [(torch.rand(head_dim, generator=g) + 0.5).to(dtype=dtype, device=device)
+            for _ in range(2)] if qk_norm else [None, None]
+    cache = torch.zeros(3, 8, num_kv_heads, head_dim, dtype=cache_dtype or dtype, device=device)
+    rope = RotaryEmbedding(head_dim, 64, base=10_000.0).to(device)
+    args = AttentionInputArgs(
+        torch.randint(0, 64, (rows,), generator=g).to(device), norm[0], norm[1], 1e-6,
+        rope.cos_sin_cache, cache, cache.clone(), slots.to(device),
+        *(torch.ones(1, device=device) for _ in range(2)))
+    x = (torch.randn(rows, hidden, generator=g) * 2).to(dtype=dtype, device=device)
+    return w, b, args, x
+
+
+def _unfused(w, b, args: AttentionInputArgs, x, norm, config):
+    """The oracle of `qkv_attention_input_triton`: the same projection launch without the
+    epilogue (the same product bits), then `attention_input_torch` on caches of its own."""
+    if norm is None:
+        qkv = triton_skinny.skinny_linear_triton(x, w, b, config=config)
+    else:
+        qkv = triton_skinny.rms_norm_linear_triton(x, norm[0], norm[1], norm[2], w, b,
+                                                   config=config)[0]
+    caches = args.k_cache.clone(), args.v_cache.clone()
+    q = attention_input_torch(args.positions, *args.split(qkv), args.q_norm_weight,
+                              args.k_norm_weight, args.eps, args.cos_sin_cache, *caches,
+                              args.slot_mapping, args.k_scale, args.v_scale)
+    return q, caches
+
+
+@interpret
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("prologue", ["none", "rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("parts", [None, 1, 2])
+def test_qkv_epilogue_runs_the_attention_input(rows: int, prologue: str, qk_norm: bool,
+                                               parts: int | None) -> None:
+    """Each head's last program to store one of its tiles normalises and rotates a q head in
+    place, a k head into the cache, copies a v head: q and the stored K are the unfused
+    chain's to one rounding (the rms sums in another order), V bit for bit; slot -1 stores
+    nothing; every head ticket is back at zero. Whole K and K in parts (the tile's last
+    program then also takes the head's ticket), `skinny_config`'s tiles (None) and 16-column
+    tiles, two to a head."""
+    w, b, args, x = _attention_layer(rows, qk_norm, torch.float16)
+    residual = torch.randn_like(x) if prologue == "add_rms_norm" else None
+    norm = None if prologue == "none" else (residual, torch.rand(x.shape[1]).half() + 0.5, 1e-6)
+    config = None if parts is None else dict(BLOCK_N=16, BLOCK_K=32, num_warps=2,
+                                             num_stages=2, SPLIT_K=parts)
+    scratch = triton_skinny.allocate_split_k_scratch(torch.device("cpu"), heads=8)
+    with small_batch_kernels(scratch=scratch):
+        q, summed = triton_skinny.qkv_attention_input_triton(x, w, b, args, norm, config)
+        expect_q, (expect_k, expect_v) = _unfused(w, b, args, x, norm, config)
+    _close(q, expect_q)
+    _close(args.k_cache, expect_k)
+    assert torch.equal(args.v_cache, expect_v)
+    assert args.v_cache.flatten(0, 1).flatten(1).any(1).sum() == (args.slot_mapping >= 0).sum()
+    assert summed is None if norm is None else summed.shape == x.shape
+    assert not scratch.head_tickets.any() and not scratch.tickets.any()
+
+
+def test_qkv_epilogue_needs_its_tickets_and_whole_heads() -> None:
+    """Without head tickets in effect, or with a head not a whole number of tiles, the launch
+    says what to change rather than run."""
+    w, b, args, x = _attention_layer(1, True, torch.float16, heads=(2, 1, 16))
+    with pytest.raises(ValueError, match="head tickets"):
+        triton_skinny.qkv_attention_input_triton(x, w, b, args)
+    scratch = triton_skinny.allocate_split_k_scratch(torch.device("cpu"), heads=4)
+    with small_batch_kernels(scratch=scratch), pytest.raises(ValueError, match="BLOCK_N 32"):
+        triton_skinny.qkv_attention_input_triton(
+            x, w, b, args, config=dict(BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2))
+
+
 def test_split_k_parts_only_where_sms_would_idle() -> None:
     """The 0.6B's N-1024 layers (64 tiles of 16 rows) split in 4 on 132 SMs, and in 2 on 108
     (128 programs); every layer with a program for every SM, and a K not cut into whole
@@ -202,7 +291,7 @@ def test_split_k_without_its_scratch_runs_whole_or_refuses() -> None:
         triton_skinny.skinny_linear_triton(x, w, config=dict(ask, SPLIT_K=3))
     with small_batch_kernels(scratch=scratch), pytest.raises(ValueError, match="BLOCK_K"):
         triton_skinny.skinny_linear_triton(x, w, config=dict(ask, SPLIT_K=4))
-    small = triton_skinny.SplitKScratch(scratch.partials[:16], scratch.tickets)
+    small = dataclasses.replace(scratch, partials=scratch.partials[:16])
     with small_batch_kernels(scratch=small), pytest.raises(ValueError, match="too small"):
         triton_skinny.skinny_linear_triton(x, w, config=ask)
     assert triton_skinny._split_launch(4, False, 1024, 2048, 16, 256, None) == 1
@@ -321,6 +410,50 @@ def test_gpu_split_k_matches_torch_and_repeats_its_bits(dtype: torch.dtype, rows
     _close(got[0], _linear_fp32(operand, w, b))
     assert all(torch.equal(g, got[0]) for g in got)
     assert not scratch.tickets.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize(("heads", "hidden"), [
+    ((16, 8, 128), 1024),  # the 0.6B shape: 16-column tiles, 8 a head
+    ((32, 8, 128), 4096),  # the 8B shape: 32-column tiles
+    ((32, 8, 64), 2048),   # 64-wide heads
+])  # fmt: skip
+@pytest.mark.parametrize("cache", ["16-bit", "fp8"])
+def test_gpu_qkv_epilogue_matches_the_unfused_chain_and_repeats_its_bits(
+        dtype: torch.dtype, rows: int, heads: tuple[int, int, int], hidden: int,
+        cache: str) -> None:
+    """The QKV projection with the attention input in its kernel, as the model runs it (the
+    input norm and residual in the kernel at one row, a plain product above): q and the
+    stored K within a rounding of the same launch without the epilogue followed by the
+    unfused attention input, V bit for bit (an e4m3 cache: at most 1% of the K codes a step
+    apart); 20 launches give the same bits whichever program of a head comes last; the head
+    tickets are back at zero."""
+    cache_dtype = torch.float8_e4m3fn if cache == "fp8" else None
+    w, b, args, x = _attention_layer(rows, True, dtype, "cuda", heads, hidden, cache_dtype)
+    b = None
+    norm = (torch.randn_like(x), torch.rand(hidden, device="cuda").to(dtype) + 0.5, 1e-6) \
+        if rows == 1 else None
+    scratch = triton_skinny.allocate_split_k_scratch(torch.device("cuda"),
+                                                     heads[0] + 2 * heads[1])
+    with small_batch_kernels(scratch=scratch):
+        runs = []
+        for _ in range(20):
+            args.k_cache.zero_(), args.v_cache.zero_()
+            q, _ = triton_skinny.qkv_attention_input_triton(x, w, b, args, norm)
+            runs.append((q.clone(), args.k_cache.clone(), args.v_cache.clone()))
+        expect_q, (expect_k, expect_v) = _unfused(w, b, args, x, norm, None)
+    q, k_cache, v_cache = runs[0]
+    _close(q.contiguous(), expect_q)
+    if cache_dtype is None:
+        _close(k_cache, expect_k)
+    else:
+        assert (k_cache.float() != expect_k.float()).float().mean() < 0.01
+    assert torch.equal(v_cache.float(), expect_v.float())
+    assert all(all(torch.equal(a.float(), b.float()) for a, b in zip(run, runs[0], strict=True))
+               for run in runs)
+    assert not scratch.head_tickets.any() and not scratch.tickets.any()
 
 
 @pytest.mark.gpu

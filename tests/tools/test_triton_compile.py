@@ -304,6 +304,49 @@ def test_skinny_linear_kernels_do_not_spill(monkeypatch: pytest.MonkeyPatch, n: 
         assert spills == 0, f"prologue {prologue}: {regs} registers, {spills} bytes spilled"
 
 
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize(("heads", "hidden"), [((16, 8, 128), 1024), ((32, 8, 128), 4096)])
+def test_qkv_epilogue_compiles_without_spills(monkeypatch: pytest.MonkeyPatch, arch: int,
+                                              heads: tuple[int, int, int], hidden: int) -> None:
+    """The QKV projection with the attention input in its kernel (`qkv_attention_input`), at
+    one row with the input norm in it and at three rows without, over a 16-bit and an e4m3
+    cache (sm_89 and later: Ampere has no e4m3), compiles for sm_90 and sm_80 and spills
+    nothing: the epilogue's head tile comes after the product's registers are free."""
+    from kvfit.ops import triton_skinny
+    from kvfit.ops.attention_input import AttentionInputArgs
+    from kvfit.ops.layers import RotaryEmbedding
+    from kvfit.ops.small_batch import small_batch_kernels
+
+    monkeypatch.syspath_prepend(str(TOOLS))
+    sass = importlib.import_module("triton_sass")
+    num_heads, num_kv_heads, head_dim = heads
+    w = torch.randn((num_heads + 2 * num_kv_heads) * head_dim, hidden, dtype=torch.bfloat16)
+    norm = torch.ones(head_dim, dtype=torch.bfloat16)
+    rope = RotaryEmbedding(head_dim, 64, base=10_000.0)
+    scratch = triton_skinny.allocate_split_k_scratch(torch.device("cpu"),
+                                                     num_heads + 2 * num_kv_heads)
+
+    def launches(rows: int, cache_dtype: torch.dtype) -> None:
+        cache = torch.zeros(2, 16, num_kv_heads, head_dim, dtype=cache_dtype)
+        args = AttentionInputArgs(torch.zeros(rows, dtype=torch.long), norm, norm, 1e-6,
+                                  rope.cos_sin_cache, cache, cache.clone(),
+                                  torch.arange(rows), torch.ones(1), torch.ones(1))
+        x = torch.randn(rows, hidden, dtype=torch.bfloat16)
+        in_norm = (x.clone(), torch.ones(hidden, dtype=torch.bfloat16), 1e-6) if rows == 1 \
+            else None
+        triton_skinny.qkv_attention_input_triton(x, w, None, args, in_norm)
+
+    with small_batch_kernels(scratch=scratch):
+        dtypes = (torch.bfloat16, torch.float8_e4m3fn) if arch >= 89 else (torch.bfloat16,)
+        captured = sass.captured_launches(lambda: [launches(rows, dtype) for rows in (1, 3)
+                                                   for dtype in dtypes])
+    assert len(captured) == 2 * len(dtypes)
+    assert all(named["ATTENTION_INPUT"] for _, named, _ in captured)
+    for fn, named, options in captured:
+        regs, spills = sass.ptxas_usage(sass.compile_launch(fn, named, options, arch=arch), arch)
+        assert spills == 0, f"FP8 {named['FP8']}: {regs} registers, {spills} bytes spilled"
+
+
 SM90_SHARED_BYTES, SM90_REGISTERS = 233_472, 65_536  # per SM; the driver keeps 1 KB a block
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,49 @@ from kvfit.kv_quant import is_fp8
 from kvfit.ops.attention import AttentionMetadata, _check_cache, check_kv_scales, paged_attention
 from kvfit.ops.layers import rms_norm_torch, rotary_torch
 from kvfit.ops.reference import write_kv_reference
+
+
+@dataclass(frozen=True)
+class AttentionInputArgs:
+    """What `attention_input` takes besides q, k and v: given these, a kernel that produces q,
+    k and v can finish the attention input itself (`small_batch.qkv_attention_input`)."""
+
+    positions: torch.Tensor  # [T] int
+    q_norm_weight: torch.Tensor | None  # [head_dim], or None for no q/k norm
+    k_norm_weight: torch.Tensor | None
+    eps: float
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim]: cos then sin
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [T] int64; -1 = skip
+    k_scale: torch.Tensor | None = None  # an FP8 cache's scales, else unused
+    v_scale: torch.Tensor | None = None
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v `[T, heads, head_dim]`: views of a QKV projection's output `[T, (heads +
+        2 x num_kv_heads) x head_dim]`, the head counts taken from the cache's shape."""
+        num_kv_heads, head_dim = self.k_cache.shape[2], self.k_cache.shape[3]
+        rows, kv = qkv.shape[0], num_kv_heads * head_dim
+        q = qkv.shape[1] - 2 * kv
+        if q <= 0 or q % head_dim:
+            raise ValueError(f"a QKV projection of {qkv.shape[1]} columns is not q heads, then "
+                             f"{num_kv_heads} k and v heads of {head_dim}")
+        return (qkv[:, :q].view(rows, q // head_dim, head_dim),
+                qkv[:, q:q + kv].view(rows, num_kv_heads, head_dim),
+                qkv[:, q + kv:].view(rows, num_kv_heads, head_dim))
+
+    def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`attention_input`'s checks of these with q, k and v: shapes, dtypes and devices."""
+        _check_inputs(self.positions, q, k, v, self.q_norm_weight, self.k_norm_weight,
+                      self.cos_sin_cache, self.k_cache, self.v_cache, self.slot_mapping)
+        check_kv_scales(self.k_cache, self.k_scale, self.v_scale)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`attention_input` of q, k and v with these arguments."""
+        return attention_input(self.positions, q, k, v, self.q_norm_weight, self.k_norm_weight,
+                               self.eps, self.cos_sin_cache, self.k_cache, self.v_cache,
+                               self.slot_mapping, self.k_scale, self.v_scale)
+
 
 _FUSED_DECODE: ContextVar[bool] = ContextVar("kvfit_fused_decode_input", default=False)
 

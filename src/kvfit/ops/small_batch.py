@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvfit.ops.attention_input import AttentionInputArgs
 from kvfit.ops.layers import add_rms_norm_torch, rms_norm_torch, silu_and_mul_torch
 
 MAX_ROWS = 16
@@ -45,6 +46,14 @@ at 16 rows the SiLU alone costs the down projection ~2,000 instructions per 8 KB
 this where it says the fused pairs win."""
 
 
+QKV_EPILOGUE_DEFAULT = False
+"""Whether an engine on the small-batch kernels runs each layer's attention input (q/k norm,
+rope, K/V store) in its QKV projection's kernel (`qkv_attention_input`): one graph node fewer a
+layer at decode sizes. The model runner allocates the head tickets the epilogue counts with
+where it is on; `fuses_attention_input` sees them. Off until whole decode steps are timed
+with it on a GPU (`bench/throughput.py --qkv-epilogue both`)."""
+
+
 @dataclass(frozen=True)
 class SplitKScratch:
     """Device memory the skinny kernels' split-K launches share (`triton_skinny`): each
@@ -54,10 +63,13 @@ class SplitKScratch:
     two engines need two. The model runner allocates it once, before warmup measures memory
     and graphs capture its addresses (`triton_skinny.allocate_split_k_scratch`, where
     `triton_skinny.SPLIT_K_DEFAULT` is on), and puts it in effect with
-    `small_batch_kernels`; without one the kernels never split."""
+    `small_batch_kernels`; without one the kernels never split. `head_tickets`: one int32
+    counter per head of a QKV projection with the attention-input epilogue
+    (`qkv_attention_input`), zero between launches like `tickets`."""
 
     partials: torch.Tensor
     tickets: torch.Tensor
+    head_tickets: torch.Tensor
 
 
 _ENABLED: ContextVar[bool] = ContextVar("kvfit_small_batch_kernels", default=False)
@@ -98,6 +110,37 @@ def fuses_prologue(x: torch.Tensor) -> bool:
     """Whether the norm or SiLU before a linear layer of input `x` rides in its kernel now:
     `takes_skinny_path(x)` and at most `FUSED_MAX_ROWS` rows."""
     return takes_skinny_path(x) and x.shape[0] <= FUSED_MAX_ROWS
+
+
+def fuses_attention_input(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether a QKV projection of input `x` and heads of `head_dim` runs the attention input
+    in its kernel now (`qkv_attention_input`): `takes_skinny_path(x)`, the scratch in effect
+    has head tickets (`QKV_EPILOGUE_DEFAULT`), and a head is whole tiles of 16 columns (the
+    kernel's narrowest)."""
+    scratch = _SCRATCH.get()
+    return (takes_skinny_path(x) and head_dim % 16 == 0 and scratch is not None
+            and scratch.head_tickets.numel() > 0)
+
+
+def qkv_attention_input(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: AttentionInputArgs,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A QKV projection and its attention input: `F.linear(x, weight, bias)` (after `norm` =
+    (residual, norm weight, eps), `rms_norm_linear`'s, where given), then `attention_input` of
+    its q, k and v heads with `args`: K/V stored at the slots. Returns (q [T, num_heads,
+    head_dim], normalised and rotated, x + residual where `norm` is given, else None). On CUDA
+    one kernel (`triton_skinny.qkv_attention_input_triton`), whose q is a view of the
+    projection's output; the head counts come from the cache's shape."""
+    if x.is_cuda:
+        from kvfit.ops.triton_skinny import qkv_attention_input_triton  # CUDA-only dependency
+
+        return qkv_attention_input_triton(x, weight, bias, args, norm)
+    if norm is None:
+        qkv, summed = F.linear(x, weight, bias), None
+    else:
+        qkv, summed = rms_norm_linear_torch(x, norm[0], norm[1], norm[2], weight, bias)
+    return args.apply(*args.split(qkv)), summed
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor,

@@ -92,6 +92,71 @@ def _attention_input_kernel(
     tl.store(v_cache + hi, to_cache(v2, v_scale, v_cache, FP8), mask=mask)
 
 
+@triton.jit
+def _store_kv_rows(cache, x1, x2, scale, slots, kv_head, mask, stride_cb, stride_cs, stride_ch,
+                   stride_cd, block_size, HALF: tl.constexpr, HALF_P2: tl.constexpr,
+                   FP8: tl.constexpr):  # fmt: skip
+    """Both halves `[ROWS, HALF_P2]` of one KV head of each row at the row's cache slot; rows
+    of slot -1 (a graph's padding) and masked rows store nothing."""
+    d = tl.arange(0, HALF_P2)[None, :]
+    dst = ((slots // block_size) * stride_cb + (slots % block_size) * stride_cs)[:, None]
+    dst += kv_head * stride_ch + d * stride_cd
+    mask = mask & (slots >= 0)[:, None]
+    tl.store(cache + dst, to_cache(x1, scale, cache, FP8), mask=mask)
+    tl.store(cache + dst + HALF * stride_cd, to_cache(x2, scale, cache, FP8), mask=mask)
+
+
+@triton.jit
+def attention_input_epilogue(
+    qkv, head, M, N, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
+    k_cache, v_cache, slot_mapping, k_scale, v_scale,
+    stride_cb, stride_cs, stride_ch, stride_cd, block_size,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    FP8: tl.constexpr,
+    ROWS: tl.constexpr,
+):  # fmt: skip
+    """The attention input of one head of a QKV projection's output `qkv` [M, N] (q heads,
+    then k, then v; M <= ROWS), run by the projection's own kernel once the head's columns are
+    stored (`triton_skinny`'s epilogue): a q head normalised and rotated in place, a k head
+    normalised, rotated and stored at each row's slot, a v head stored. The rounding points
+    are `_attention_input_kernel`'s, on the same rounded projection. The head's columns were
+    written by other programs of this launch: read past L1 (".cg"), after the ticket that
+    made them visible."""
+    rm = tl.arange(0, ROWS)
+    d = tl.arange(0, HALF_P2)[None, :]
+    mask = (rm < M)[:, None] & (d < HALF)
+    src = qkv + rm.to(tl.int64)[:, None] * N + head * 2 * HALF + d
+    x1 = tl.load(src, mask=mask, other=0.0, cache_modifier=".cg")
+    x2 = tl.load(src + HALF, mask=mask, other=0.0, cache_modifier=".cg")
+    slots = tl.load(slot_mapping + rm, mask=rm < M, other=-1)
+    if head >= NUM_HEADS + NUM_KV_HEADS:
+        _store_kv_rows(v_cache, x1, x2, v_scale, slots, head - NUM_HEADS - NUM_KV_HEADS, mask,
+                       stride_cb, stride_cs, stride_ch, stride_cd, block_size, HALF, HALF_P2,
+                       FP8)  # fmt: skip
+    else:
+        pos = tl.load(positions + rm, mask=rm < M, other=0).to(tl.int64)
+        row = cos_sin_cache + pos[:, None] * 2 * HALF + d
+        cos = tl.load(row, mask=mask, other=0.0)
+        sin = tl.load(row + HALF, mask=mask, other=0.0)
+        if head < NUM_HEADS:
+            if QK_NORM:
+                x1, x2 = _rms_norm_halves(x1, x2, q_norm_weight, eps, HALF, HALF_P2)
+            x1, x2 = _rotate_halves(x1, x2, cos, sin)
+            tl.store(src, x1, mask=mask)
+            tl.store(src + HALF, x2, mask=mask)
+        else:
+            if QK_NORM:
+                x1, x2 = _rms_norm_halves(x1, x2, k_norm_weight, eps, HALF, HALF_P2)
+            x1, x2 = _rotate_halves(x1, x2, cos, sin)
+            _store_kv_rows(k_cache, x1, x2, k_scale, slots, head - NUM_HEADS, mask, stride_cb,
+                           stride_cs, stride_ch, stride_cd, block_size, HALF, HALF_P2,
+                           FP8)  # fmt: skip
+
+
 def attention_input_triton(
     positions: torch.Tensor,
     q: torch.Tensor,

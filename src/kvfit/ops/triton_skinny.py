@@ -49,9 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfit.kv_quant import is_fp8
 from kvfit.ops import sm_count
+from kvfit.ops.attention_input import AttentionInputArgs
 from kvfit.ops.pdl import pdl_keywords, release_late, use_pdl, wait_then_release
 from kvfit.ops.small_batch import MAX_ROWS, SKINNY_DTYPES, SplitKScratch, split_k_scratch
+from kvfit.ops.triton_attention_input import attention_input_epilogue
 from kvfit.ops.triton_tickets import last_to_arrive
 
 BLOCK_M = 16
@@ -134,16 +137,19 @@ def split_k(tiles: int, k: int, block_k: int, num_sms: int) -> int:
     return parts
 
 
-def allocate_split_k_scratch(device: torch.device) -> SplitKScratch:
-    """The split-K scratch for every launch `skinny_config` splits on `device`: a split
-    launch has fewer tiles than SMs, each at most 16 rows of W (the narrowest BLOCK_N), so N
-    < 16 x SMs. Memory: `MAX_SPLIT_K` x `MAX_ROWS` x 16 x SMs fp32 partials (540 KB at 132
-    SMs) and one int32 ticket a SM."""
+def allocate_split_k_scratch(device: torch.device, heads: int = 0) -> SplitKScratch:
+    """The scratch for every launch `skinny_config` splits on `device`, and for QKV
+    projections of up to `heads` heads with the attention-input epilogue: a split launch has
+    fewer tiles than SMs, each at most 16 rows of W (the narrowest BLOCK_N), so N < 16 x SMs.
+    Memory: `MAX_SPLIT_K` x `MAX_ROWS` x 16 x SMs fp32 partials (540 KB at 132 SMs) where
+    `SPLIT_K_DEFAULT` is on (else none: no launch splits), one int32 ticket a SM and one a
+    head."""
     sms = sm_count.num_sms(device)
+    partials = MAX_SPLIT_K * MAX_ROWS * 16 * sms if SPLIT_K_DEFAULT else 0
     return SplitKScratch(
-        partials=torch.empty(MAX_SPLIT_K * MAX_ROWS * 16 * sms, dtype=torch.float32,
-                             device=device),
-        tickets=torch.zeros(sms, dtype=torch.int32, device=device))
+        partials=torch.empty(partials, dtype=torch.float32, device=device),
+        tickets=torch.zeros(sms, dtype=torch.int32, device=device),
+        head_tickets=torch.zeros(heads, dtype=torch.int32, device=device))
 
 
 def _split_launch(parts: int, explicit: bool, n: int, k: int, block_n: int, block_k: int,
@@ -328,7 +334,8 @@ def _reduce_split_k(out, bias, partials, tickets, acc, tile, split, M, N,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     SPLIT_K: tl.constexpr):  # fmt: skip
     """Store this program's partial product; the tile's last program to arrive sums the
-    SPLIT_K partials, in split order whichever came last, and stores the rows.
+    SPLIT_K partials, in split order whichever came last, and stores the rows. Returns whether
+    this program stored them.
 
     Partials lie at `[split, row, column]`, fp32. The ticket's acq_rel atomic makes every
     other program's partial visible to the last one, which reads them past L1 (".cg")."""
@@ -337,7 +344,8 @@ def _reduce_split_k(out, bias, partials, tickets, acc, tile, split, M, N,
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     row_ptrs = rm.to(tl.int64)[:, None] * N + rn[None, :]
     tl.store(partials + split * BLOCK_M * N + row_ptrs, acc, mask=mask)
-    if last_to_arrive(tickets, tile, SPLIT_K):
+    last = last_to_arrive(tickets, tile, SPLIT_K)
+    if last:
         # One part at a time: a [SPLIT_K, 16, 16] tile at once spilled beside the SiLU
         # prologue's registers (tools/triton_sass.py --linear 1024 2048).
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -345,12 +353,16 @@ def _reduce_split_k(out, bias, partials, tickets, acc, tile, split, M, N,
             total += tl.load(partials + s * BLOCK_M * N + row_ptrs, mask=mask, other=0.0,
                              cache_modifier=".cg")
         _store_rows(out, bias, total, tile, M, N, HAS_BIAS, BLOCK_M, BLOCK_N)
+    return last
 
 
 # M changes with the batch: not specialised, so a new batch size never compiles a variant.
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
     x, residual, norm_weight, w, bias, out, sum_out, partials, tickets, M, N, eps,
+    positions, cos_sin_cache, q_norm_weight, k_norm_weight, qk_eps, k_cache, v_cache,
+    slot_mapping, k_scale, v_scale, head_tickets,
+    stride_cb, stride_cs, stride_ch, stride_cd, block_size,
     K: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -365,6 +377,13 @@ def _skinny_kernel(
     PREFETCH_K: tl.constexpr = 64,
     ROW_GEMV: tl.constexpr = True,
     SPLIT_K: tl.constexpr = 1,
+    ATTENTION_INPUT: tl.constexpr = False,
+    NUM_HEADS: tl.constexpr = 0,
+    NUM_KV_HEADS: tl.constexpr = 0,
+    HALF: tl.constexpr = 8,
+    HALF_P2: tl.constexpr = 8,
+    QK_NORM: tl.constexpr = False,
+    FP8: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     # A tile's SPLIT_K programs are neighbours, each over K / SPLIT_K columns.
@@ -396,9 +415,23 @@ def _skinny_kernel(
     release_late(PDL, PDL_EARLY)
     if SPLIT_K == 1:
         _store_rows(out, bias, acc, tile, M, N, HAS_BIAS, BLOCK_M, BLOCK_N)
+        stored = True
     else:
-        _reduce_split_k(out, bias, partials, tickets, acc, tile, split, M, N, HAS_BIAS,
-                        BLOCK_M, BLOCK_N, SPLIT_K)
+        stored = _reduce_split_k(out, bias, partials, tickets, acc, tile, split, M, N,
+                                 HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
+    if ATTENTION_INPUT:
+        # A head's columns are 2 * HALF / BLOCK_N whole tiles; the last of them to be stored
+        # runs the head's attention input (the projection is q heads, then k, then v).
+        TILES_PER_HEAD: tl.constexpr = 2 * HALF // BLOCK_N
+        head = tile // TILES_PER_HEAD
+        # Nested, not `and`: only a program that stored its tile may take the ticket.
+        if stored:  # noqa: SIM102
+            if last_to_arrive(head_tickets, head, TILES_PER_HEAD):
+                attention_input_epilogue(
+                    out, head, M, N, positions, cos_sin_cache, q_norm_weight, k_norm_weight,
+                    qk_eps, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                    stride_cb, stride_cs, stride_ch, stride_cd, block_size,
+                    NUM_HEADS, NUM_KV_HEADS, HALF, HALF_P2, QK_NORM, FP8, BLOCK_M)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> None:
@@ -418,16 +451,20 @@ def _launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, prologue: int,
     config: dict[str, int] | None, residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None, eps: float = 0.0, sum_out: torch.Tensor | None = None,
-    pdl: bool | None = None,
+    pdl: bool | None = None, attention_input: AttentionInputArgs | None = None,
 ) -> torch.Tensor:
     _check(x, weight, bias, k)
     n = weight.shape[0]
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
-    launch = dict(config or skinny_config(n, k, sm_count.num_sms(x.device), prologue != NONE))
+    num_sms = sm_count.num_sms(x.device)
+    launch = dict(config or skinny_config(n, k, num_sms, prologue != NONE))
+    if attention_input is not None and config is None:
+        launch = _head_aligned(launch, n, k, attention_input.k_cache.shape[3], num_sms)
     block_n = launch.pop("BLOCK_N")
     scratch = split_k_scratch()
+    epilogue = _epilogue_operands(attention_input, x, out, block_n, scratch)
     parts = _split_launch(launch.pop("SPLIT_K", 1), config is not None and "SPLIT_K" in config,
                           n, k, block_n, launch["BLOCK_K"], scratch)
     # At least two iterations: a one-block pass over the whole row let the compiler keep the
@@ -446,11 +483,55 @@ def _launch(
     # PROLOGUE and SPLIT_K never read them.
     _skinny_kernel[(triton.cdiv(n, block_n) * parts,)](
         x, x if residual is None else residual, x if norm_weight is None else norm_weight,
-        weight.contiguous(), bias, out, sum_out, partials, tickets, x.shape[0], n, eps, K=k,
-        PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        SPLIT_K=parts, **launch,
+        weight.contiguous(), bias, out, sum_out, partials, tickets, x.shape[0], n, eps,
+        *epilogue.pop("operands"), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, SPLIT_K=parts, **launch, **epilogue,
     )  # fmt: skip
     return out
+
+
+def _head_aligned(launch: dict[str, int], n: int, k: int, head_dim: int,
+                  num_sms: int) -> dict[str, int]:
+    """`skinny_config`'s launch with BLOCK_N narrowed until a head's columns are whole tiles
+    (the attention-input epilogue counts a head's tiles), K's parts recounted for the tiles."""
+    block_n = launch["BLOCK_N"]
+    while head_dim % block_n and block_n > 16:
+        block_n //= 2
+    if block_n == launch["BLOCK_N"]:
+        return launch
+    return {**launch, "BLOCK_N": block_n, "num_warps": 2 if block_n == 16 else 4,
+            "SPLIT_K": split_k(triton.cdiv(n, block_n), k, launch["BLOCK_K"], num_sms)}
+
+
+def _epilogue_operands(args: AttentionInputArgs | None, x: torch.Tensor, out: torch.Tensor,
+                       block_n: int, scratch: SplitKScratch | None) -> dict:
+    """The kernel's attention-input operands (`operands`, positional, after `eps`) and
+    constexprs for `args`; without them, placeholders the kernel never reads."""
+    if args is None:
+        return dict(operands=[x] * 4 + [0.0] + [x] * 6 + [0] * 5)
+    k_cache = args.k_cache
+    q, k, v = args.split(out)
+    args.check(q, k, v)
+    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    if head_dim % block_n:
+        raise ValueError(f"the attention-input epilogue needs head_dim {head_dim} a multiple of "
+                         f"BLOCK_N {block_n}")
+    heads = num_heads + 2 * num_kv_heads
+    if scratch is None or scratch.head_tickets.numel() < heads:
+        raise ValueError(f"the attention-input epilogue needs {heads} head tickets in the "
+                         "small-batch scratch in effect (small_batch_kernels(scratch=...))")
+    fp8 = is_fp8(k_cache.dtype)
+    qk_norm = args.q_norm_weight is not None
+    return dict(
+        operands=[args.positions, args.cos_sin_cache.contiguous(),
+                  args.q_norm_weight.contiguous() if qk_norm else x,
+                  args.k_norm_weight.contiguous() if qk_norm else x, args.eps,
+                  k_cache, args.v_cache, args.slot_mapping,
+                  args.k_scale if fp8 else x, args.v_scale if fp8 else x, scratch.head_tickets,
+                  *k_cache.stride(), k_cache.shape[1]],
+        ATTENTION_INPUT=True, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        HALF=head_dim // 2, HALF_P2=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm,
+        FP8=fp8)
 
 
 def skinny_linear_triton(
@@ -468,6 +549,7 @@ def rms_norm_linear_triton(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None,
     config: dict[str, int] | None = None, pdl: bool | None = None,
+    attention_input: AttentionInputArgs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(F.linear(rms_norm(x + residual), weight, bias), x + residual)` in one kernel, rounded
     as `add_rms_norm` then `F.linear` are; without `residual`, `(F.linear(rms_norm(x), ...),
@@ -486,8 +568,28 @@ def rms_norm_linear_triton(
         summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out = _launch(x, weight, bias, k, RMS_NORM if residual is None else ADD_RMS_NORM, config,
                   residual, norm_weight.contiguous(), eps, summed if residual is not None
-                  else None, pdl)
+                  else None, pdl, attention_input)
     return out, summed
+
+
+def qkv_attention_input_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    args: AttentionInputArgs, norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+    config: dict[str, int] | None = None, pdl: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernel of `kvfit.ops.small_batch.qkv_attention_input`: the projection (after the
+    RMSNorm `norm` = (residual, weight, eps) where given), then each head's attention input
+    run by the last program to store one of its tiles (`attention_input_epilogue`), counted
+    in by the scratch's `head_tickets`. `config` and `pdl` as `skinny_linear_triton`'s.
+    Memory: the projection's output [M, N] (q is normalised and rotated in it), the norm's
+    sum as `rms_norm_linear_triton`'s; no q copy."""
+    if norm is None:
+        qkv = _launch(x, weight, bias, x.shape[-1], NONE, config, pdl=pdl, attention_input=args)
+        summed = None
+    else:
+        qkv, summed = rms_norm_linear_triton(x, norm[0], norm[1], norm[2], weight, bias, config,
+                                             pdl, args)
+    return args.split(qkv)[0], summed
 
 
 def silu_and_mul_linear_triton(
