@@ -102,17 +102,21 @@ def test_a_warm_engine_compiles_no_kernel_for_new_batch_shapes(make_llm,
     assert compiled == []
 
 
-@pytest.mark.parametrize("split_k", [False, True])
+@pytest.mark.parametrize(("split_k", "qkv_epilogue"), [(False, False), (True, False),
+                                                       (True, True)])
 def test_small_batch_kernels_give_the_cublas_paths_greedy_tokens(
-        make_llm, split_k: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        make_llm, split_k: bool, qkv_epilogue: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """`small_batch_kernels` changes only the summation order of the products at up to 16
     tokens (one rounding of bf16): on the trained tiny model greedy decoding is unchanged, from
     graphs at every batch size and from eager steps. With the split-K scratch (`split_k`) its
     down_proj (N 256, K 512) splits K in two (`triton_skinny.split_k`), whose tickets are all
-    back at zero after."""
-    from kvfit.ops import triton_skinny
+    back at zero after; with the QKV epilogue the attention input runs in the QKV
+    projection's kernel (the norms' sums in another order: the same tokens here), its head
+    tickets back at zero too."""
+    from kvfit.ops import small_batch, triton_skinny
 
     monkeypatch.setattr(triton_skinny, "SPLIT_K_DEFAULT", split_k)
+    monkeypatch.setattr(small_batch, "QKV_EPILOGUE_DEFAULT", qkv_epilogue)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [o.outputs[0].token_ids
                 for o in make_llm(small_batch_kernels=False, cuda_graph_sizes=[1, 2, 4, 8, 16])
@@ -122,6 +126,8 @@ def test_small_batch_kernels_give_the_cublas_paths_greedy_tokens(
         got = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
         scratch = llm.engine.executor.workers[0].runner.split_k_scratch
         assert (scratch is not None and not scratch.tickets.any()) if split_k else not scratch
+        if qkv_epilogue:
+            assert scratch.head_tickets.numel() and not scratch.head_tickets.any()
         llm.shutdown()
         assert got == expected, kwargs
 

@@ -29,6 +29,7 @@ from kvfit.graphs.piecewise import PiecewiseGraphRunner
 from kvfit.kv.cache import ExtensibleKVCache
 from kvfit.models.loader import load_model
 from kvfit.models.weight_arena import WeightArena
+from kvfit.ops import small_batch
 from kvfit.ops.attention import AttentionMetadata
 from kvfit.ops.attention_input import fused_decode_input
 from kvfit.ops.sm_count import num_sms
@@ -107,16 +108,23 @@ class ModelRunner:
                            device=self.device)
 
     def _split_k_scratch(self, config: EngineConfig) -> SplitKScratch | None:
-        """The small-batch kernels' split-K scratch on CUDA where `triton_skinny`'s
-        `SPLIT_K_DEFAULT` is on (else None: no launch splits): allocated here, before warmup
-        measures memory and graphs capture its addresses (~0.5 MB)."""
+        """The small-batch kernels' scratch on CUDA where `triton_skinny`'s `SPLIT_K_DEFAULT`
+        or `small_batch.QKV_EPILOGUE_DEFAULT` is on (else None: no launch splits, no QKV
+        epilogue), with a head ticket for each of this rank's q, k and v heads where the
+        latter is: allocated here, before warmup measures memory and graphs capture its
+        addresses (~0.5 MB)."""
         if not config.runs_small_batch_kernels or self.device.type != "cuda":
             return None
         from kvfit.ops import triton_skinny  # CUDA-only dependency
 
-        if not triton_skinny.SPLIT_K_DEFAULT:
+        if not (triton_skinny.SPLIT_K_DEFAULT or small_batch.QKV_EPILOGUE_DEFAULT):
             return None
-        return triton_skinny.allocate_split_k_scratch(self.device)
+        heads = 0
+        if small_batch.QKV_EPILOGUE_DEFAULT:
+            tp = config.parallel_config.tensor_parallel_size
+            heads = (config.model_config.hf_config.num_attention_heads // tp
+                     + 2 * self.kv_cache_spec.num_kv_heads)
+        return triton_skinny.allocate_split_k_scratch(self.device, heads)
 
     # -- KV cache -----------------------------------------------------------------------------
 

@@ -16,11 +16,12 @@ from kvfit.models.parallel_layers import (
     VocabParallelEmbedding,
     even_shard,
     kv_head_shard,
+    small_batch_attention_input,
     small_batch_fused,
 )
 from kvfit.ops.attention import AttentionMetadata
 from kvfit.ops.attention_input import (
-    attention_input,
+    AttentionInputArgs,
     decode_attention,
     fuses_decode_input,
     stored_key,
@@ -188,15 +189,17 @@ class LlamaAttention(nn.Module):
         # q/k norms (Qwen3), rope and the K/V store in one launch: on CUDA, one kernel node
         # instead of four in every layer of the decode graphs, and 3 fewer Triton launches per
         # layer of an eager prefill step, whose host time is mostly such launches.
-        q = attention_input(
-            positions, q, k, v,
-            self.q_norm.weight if self.q_norm is not None else None,
+        return self.attention_input_args(positions, slot_mapping).apply(q, k, v)
+
+    def attention_input_args(self, positions: torch.Tensor,
+                             slot_mapping: torch.Tensor) -> AttentionInputArgs:
+        """This layer's `attention_input` arguments but q, k and v."""
+        norm = self.q_norm
+        return AttentionInputArgs(
+            positions, norm.weight if norm is not None else None,
             self.k_norm.weight if self.k_norm is not None else None,
-            self.q_norm.eps if self.q_norm is not None else 0.0,
-            self.rotary_emb.cos_sin_cache,
-            self.k_cache, self.v_cache, slot_mapping, self.k_scale, self.v_scale,
-        )
-        return q
+            norm.eps if norm is not None else 0.0, self.rotary_emb.cos_sin_cache,
+            self.k_cache, self.v_cache, slot_mapping, self.k_scale, self.v_scale)
 
     def attend(self, q: torch.Tensor, attn_metadata: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -266,9 +269,19 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
         slot_mapping: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q of this layer, the residual stream): `qkv`, then `LlamaAttention.project_qkv`."""
+        """(q of this layer, the residual stream): `qkv`, then `LlamaAttention.project_qkv`;
+        on the small-batch path with the QKV epilogue, both in the projection's kernel."""
+        attn = self.self_attn
+        if small_batch_attention_input(hidden, attn.head_dim) and not attn.calculate_kv_scales:
+            args = attn.attention_input_args(positions, slot_mapping)
+            if small_batch_fused(hidden):
+                norm = self.input_layernorm
+                return attn.qkv_proj.forward_attention_input(
+                    hidden, args, (residual, norm.weight, norm.eps))
+            hidden, residual = self.input_norm(hidden, residual)
+            return attn.qkv_proj.forward_attention_input(hidden, args)[0], residual
         qkv, residual = self.qkv(hidden, residual)
-        return self.self_attn.project_qkv(positions, qkv, slot_mapping), residual
+        return attn.project_qkv(positions, qkv, slot_mapping), residual
 
     def qkv(
         self, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -279,11 +292,16 @@ class LlamaDecoderLayer(nn.Module):
         if small_batch_fused(hidden):
             norm = self.input_layernorm
             return qkv_proj.forward_normed(hidden, residual, norm.weight, norm.eps)
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.input_norm(hidden, residual)
         return qkv_proj(hidden), residual
+
+    def input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the input norm of hidden + residual, hidden + residual); in layer 0, which has no
+        residual yet, (the norm of hidden, hidden)."""
+        if residual is None:
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm(hidden, residual)
 
     def post_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor

@@ -18,8 +18,11 @@ from torch import nn
 from kvfit.batch_invariant import is_batch_invariant
 from kvfit.batch_invariant.functional import linear
 from kvfit.distributed import all_gather, all_reduce, tp_rank, tp_size
+from kvfit.ops.attention_input import AttentionInputArgs
 from kvfit.ops.small_batch import (
+    fuses_attention_input,
     fuses_prologue,
+    qkv_attention_input,
     rms_norm_linear,
     silu_and_mul_linear,
     skinny_linear,
@@ -32,6 +35,12 @@ def small_batch_fused(x: torch.Tensor) -> bool:
     (`kvfit.ops.small_batch`); never in the batch-invariant mode, whose GEMMs keep one K
     order for every M."""
     return fuses_prologue(x) and not is_batch_invariant()
+
+
+def small_batch_attention_input(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether a QKV projection of input `x` runs the attention input in its kernel now
+    (`kvfit.ops.small_batch.fuses_attention_input`); never in the batch-invariant mode."""
+    return fuses_attention_input(x, head_dim) and not is_batch_invariant()
 
 
 def _local_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -105,6 +114,15 @@ class MergedColumnParallelLinear(nn.Module):
         """`(self(rms_norm(x + residual)), x + residual)` (without a residual, `x` second) in
         one kernel (`kvfit.ops.small_batch.rms_norm_linear`): the small-batch path only."""
         return rms_norm_linear(x, residual, norm_weight, eps, self.weight, self.bias)
+
+    def forward_attention_input(
+        self, x: torch.Tensor, args: AttentionInputArgs,
+        norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(q, x + residual or None): this QKV projection and the attention input of this
+        rank's heads in one kernel, the input norm `norm` in it too where given
+        (`kvfit.ops.small_batch.qkv_attention_input`): the small-batch path only."""
+        return qkv_attention_input(x, self.weight, self.bias, args, norm)
 
     def shard(self, param: torch.Tensor, name: str) -> torch.Tensor:
         """The rows of `param` (this module's weight or bias) that checkpoint `name` fills."""
