@@ -52,6 +52,7 @@ from kvfit.benchmarks.limits import (
 from kvfit.benchmarks.profiling import KernelProfile, per_step_text, profile_run, profile_text
 from kvfit.benchmarks.record import write_record
 from kvfit.engine.sequence import ScheduledBatch, Sequence
+from kvfit.ops import small_batch as small_batch_ops
 from kvfit.ops.compiles import triton_compiles
 
 GiB = 1 << 30
@@ -269,16 +270,19 @@ def small_batch_settings(args: argparse.Namespace) -> list[bool]:
 
 
 def decode_settings(args: argparse.Namespace
-                    ) -> list[tuple[bool, bool, bool | None, str | None]]:
-    """(fused_decode_input, small_batch_kernels, PDL, its trigger) per decode engine: each
-    `--fused-decode-input` setting by each `--small-batch-kernels` setting, the ones with the
-    kernels on once per `--pdl` setting (None: `ops.pdl.PDL_DEFAULT`), those with PDL on once
-    per `--pdl-trigger` (None: as `ops.pdl.PDL_EARLY` says)."""
+                    ) -> list[tuple[bool, bool, bool | None, str | None, bool | None]]:
+    """(fused_decode_input, small_batch_kernels, PDL, its trigger, QKV epilogue) per decode
+    engine: each `--fused-decode-input` setting by each `--small-batch-kernels` setting, the
+    ones with the kernels on once per `--pdl` setting (None: `ops.pdl.PDL_DEFAULT`), those
+    with PDL on once per `--pdl-trigger` (None: as `ops.pdl.PDL_EARLY` says), and each of
+    those once per `--qkv-epilogue` setting (None: `small_batch.QKV_EPILOGUE_DEFAULT`)."""
     pdl = {"default": [None], **SMALL_BATCH_SETTINGS}[args.pdl]
+    qkv = {"default": [None], **SMALL_BATCH_SETTINGS}[args.qkv_epilogue]
     triggers = args.pdl_trigger or [None]
-    return [(fused, small, p, t) for fused in SMALL_BATCH_SETTINGS[args.fused_decode_input]
+    return [(fused, small, p, t, e) for fused in SMALL_BATCH_SETTINGS[args.fused_decode_input]
             for small in small_batch_settings(args)
-            for p in (pdl if small else [None]) for t in (triggers if p else [None])]
+            for p in (pdl if small else [None]) for t in (triggers if p else [None])
+            for e in (qkv if small else [None])]
 
 
 @contextmanager
@@ -301,16 +305,36 @@ def pdl_default(pdl: bool | None, trigger: str | None = None) -> Iterator[None]:
         ops_pdl.PDL_DEFAULT, ops_pdl.PDL_EARLY = saved
 
 
+@contextmanager
+def qkv_epilogue_default(epilogue: bool | None) -> Iterator[None]:
+    """`small_batch.QKV_EPILOGUE_DEFAULT` set to `epilogue` (None: as it is) within the
+    block: an engine built in it allocates its head tickets, or not, and runs so."""
+    if epilogue is None:
+        yield
+        return
+    saved = small_batch_ops.QKV_EPILOGUE_DEFAULT
+    small_batch_ops.QKV_EPILOGUE_DEFAULT = epilogue
+    try:
+        yield
+    finally:
+        small_batch_ops.QKV_EPILOGUE_DEFAULT = saved
+
+
 def bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
                  small_batch: bool = False, pdl: bool | None = None,
-                 trigger: str | None = None, fused: bool = False) -> list[dict]:
+                 trigger: str | None = None, fused: bool = False,
+                 epilogue: bool | None = None) -> list[dict]:
     """Decode step time at each batch size against the limit of the same steps (weights and
     KV reads over the copy bandwidth, unless the GEMMs' FLOPs take longer), with the engine's
     `small_batch_kernels` set to `small_batch`, its kernels' PDL to `pdl` with `trigger`
-    (`pdl_default`) and its `fused_decode_input` to `fused`. With `--profile-decode`, each
-    row's steps once more under the profiler, appended to that file (`per_step_text`)."""
-    with pdl_default(pdl, trigger):
-        return _bench_decode(model, args, limits, small_batch, pdl, trigger, fused)
+    (`pdl_default`), its QKV epilogue to `epilogue` (`qkv_epilogue_default`) and its
+    `fused_decode_input` to `fused`. With `--profile-decode`, each row's steps once more
+    under the profiler, appended to that file (`per_step_text`)."""
+    with pdl_default(pdl, trigger), qkv_epilogue_default(epilogue):
+        rows = _bench_decode(model, args, limits, small_batch, pdl, trigger, fused)
+    for row in rows:
+        row["qkv_epilogue"] = epilogue
+    return rows
 
 
 def _bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
@@ -460,6 +484,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="where a PDL kernel lets its successor start (ops/pdl.PDL_EARLY): "
                              "right after its wait, or after its main loop; each engine with "
                              "PDL on once per trigger given (default: as PDL_EARLY says)")
+    parser.add_argument("--qkv-epilogue", choices=["default", *sorted(SMALL_BATCH_SETTINGS)],
+                        default="default",
+                        help="with the small-batch kernels on, run each layer's attention "
+                             "input in its QKV projection's kernel: off, on, both (one engine "
+                             "each, side by side), or default: as "
+                             "ops/small_batch.QKV_EPILOGUE_DEFAULT says")
     parser.add_argument("--profile-decode", metavar="PATH",
                         help="profile each decode row's steps once more and append, per step, "
                              "the device span, the kernels' time and each kernel to PATH")
@@ -490,9 +520,9 @@ def main(argv: list[str] | None = None) -> None:
         result["throughput"] = result["throughputs"][0]
     result["decode"] = []
     for model in args.decode_models:
-        for fused, small_batch, pdl, trigger in decode_settings(args):
-            result["decode"] += bench_decode(model, args, limits, small_batch, pdl, trigger,
-                                             fused)
+        for fused, small, pdl, trigger, epilogue in decode_settings(args):
+            result["decode"] += bench_decode(model, args, limits, small, pdl, trigger, fused,
+                                             epilogue)
             gc.collect()
     result["ttft"] = []
     for model in args.ttft_models:
@@ -520,14 +550,14 @@ def print_tables(result: dict) -> None:
               f"memory-bound): {t['of_limit']:.1%} of the limit")
     print(f"{'model':<18} {'batch':>5} {'context':>7} {'step ms':>8} {'limit ms':>8} "
           f"{'ratio':>5} {'of limit':>8} {'sync step ms':>12} {'sync ratio':>10} graphs "
-          f"small-batch pdl        fused runs ms")
+          f"small-batch pdl        fused qkv-epilogue runs ms")
     for r in result["decode"]:
         runs = " ".join(f"{t:.3f}" for t in r.get("step_ms_runs", []))
         print(f"{r['model']:<18} {r['batch']:>5} {r['context']:>7.0f} {r['step_ms']:>8.3f} "
               f"{r['roofline_ms']:>8.3f} {r['ratio']:>5.2f} {r['of_limit']:>8.1%} "
               f"{r['sync_step_ms']:>12.3f} {r['sync_ratio']:>10.2f} {r['graphs']!s:6} "
               f"{r.get('small_batch_kernels', False)!s:11} {_pdl_label(r):10} "
-              f"{r.get('fused_decode_input', False)!s:5} {runs}")
+              f"{r.get('fused_decode_input', False)!s:5} {r.get('qkv_epilogue')!s:12} {runs}")
     for r in result.get("ttft", []):
         print(f"TTFT {r['model']} {r['prompt_len']} tokens: {r['ttft_s'] * 1e3:.1f} ms, limit "
               f"{r['limit_s'] * 1e3:.1f} ms ({r['limit']['gemm_tflop']:.3g} TFLOP GEMM + "

@@ -133,3 +133,23 @@ def test_decode_rows_side_by_side_with_and_without_the_fused_decode_input(
     assert rows == [False, True]
     for name in ("batch2", "batch2.fused_input"):
         assert f"decode.kvfit-tiny.{name}.step_ms" in record["figures"]
+
+
+def test_decode_rows_side_by_side_with_and_without_the_qkv_epilogue(
+        bench, tmp_path: Path) -> None:  # noqa: ANN001
+    """`--qkv-epilogue both`: each decode row with the small-batch kernels once per setting,
+    named apart in the figures; the module's default is back after."""
+    from kvfit.ops import small_batch
+
+    default = small_batch.QKV_EPILOGUE_DEFAULT
+    out = tmp_path / "t.json"
+    bench.main(["--device", "cpu", "--skip-throughput", "--decode-models", "kvfit-tiny",
+                "--decode-batches", "2", "--decode-context", "32", "--iters", "2",
+                "--decode-repeat", "1", "--ttft-models", "--small-batch-kernels", "both",
+                "--qkv-epilogue", "both", "--out", str(out)])
+    record = json.loads(out.read_text())
+    rows = [(d["small_batch_kernels"], d["qkv_epilogue"]) for d in record["results"]["decode"]]
+    assert rows == [(False, None), (True, False), (True, True)]
+    for name in ("batch2", "batch2.small_batch.no_qkv_epilogue", "batch2.small_batch.qkv_epilogue"):
+        assert f"decode.kvfit-tiny.{name}.step_ms" in record["figures"]
+    assert small_batch.QKV_EPILOGUE_DEFAULT is default

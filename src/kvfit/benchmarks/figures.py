@@ -71,7 +71,9 @@ def throughput(p: dict[str, Any]) -> Figures:
         if d.get("pdl_trigger"):  # `--pdl-trigger`: where its kernels release their successors
             pdl += f".{d['pdl_trigger']}_trigger"
         fused = ".fused_input" if d.get("fused_decode_input") else ""  # `--fused-decode-input`
-        name = f"decode.{d['model']}.batch{d['batch']}{small}{pdl}{fused}"
+        # `--qkv-epilogue`: the attention input in the QKV projection, set either way.
+        qkv = {True: ".qkv_epilogue", False: ".no_qkv_epilogue"}.get(d.get("qkv_epilogue"), "")
+        name = f"decode.{d['model']}.batch{d['batch']}{small}{pdl}{fused}{qkv}"
         f[f"{name}.step_ms"] = figure(d["step_ms"], "ms", "lower")
         f[f"{name}.over_roofline"] = figure(d["ratio"], "ratio", "lower")
     for r in p.get("ttft", []):
