@@ -50,8 +50,12 @@ QKV_EPILOGUE_DEFAULT = False
 """Whether an engine on the small-batch kernels runs each layer's attention input (q/k norm,
 rope, K/V store) in its QKV projection's kernel (`qkv_attention_input`): one graph node fewer a
 layer at decode sizes. The model runner allocates the head tickets the epilogue counts with
-where it is on; `fuses_attention_input` sees them. Off until whole decode steps are timed
-with it on a GPU (`bench/throughput.py --qkv-epilogue both`)."""
+where it is on; `fuses_attention_input` sees them. Off: whole decode steps with it against
+without (H100, 2026-12-06, `bench/throughput.py --qkv-epilogue both`, medians of 3 in one
+call) were 1.5% (one sequence) and 1.1% (four) faster on the 8B shape but 5.6% and 5.3%
+slower on the 0.6B's, whose QKV kernel grew 2.4 us a layer (each program's ticket, then the
+head's last program reading its columns back), about the 2.65 us node it replaced, while
+the device's idle time between nodes grew ~3 us a layer (docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)

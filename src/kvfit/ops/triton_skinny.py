@@ -14,6 +14,12 @@ times. The kernel is shaped for that stream rather than for reuse:
   memset, no atomics on the output, and the bits do not depend on which program came last.
   Memory: the output, and for a split launch the engine's `SplitKScratch`, allocated once
   (`allocate_split_k_scratch`); no allocation per launch.
+- An epilogue for a QKV projection (`qkv_attention_input_triton`): once a program has stored
+  its tile it takes its head's ticket (a head is 2 x HALF / BLOCK_N whole tiles), and the
+  head's last program reads the head's columns back and runs the attention input on them
+  (`triton_attention_input.attention_input_epilogue`: q normalised and rotated in place, K/V
+  to the cache): the attention input's node is gone. Memory: one int32 ticket a head in the
+  engine's scratch; no q copy.
 - The MMA is `tl.dot` on a 16-row tile of x (its smallest M), rows past M masked off: loading
   them costs no bytes, and one compiled variant serves every M up to 16 (`M` is not
   specialised, so no batch size compiles anything new). At M = 1 a kernel takes FMAs instead
@@ -553,8 +559,9 @@ def rms_norm_linear_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(F.linear(rms_norm(x + residual), weight, bias), x + residual)` in one kernel, rounded
     as `add_rms_norm` then `F.linear` are; without `residual`, `(F.linear(rms_norm(x), ...),
-    x)`. `config` and `pdl` as `skinny_linear_triton`'s. Memory: the output [M, N] and, with
-    a residual, the sum [M, K]; split partials as `skinny_linear_triton`'s."""
+    x)`. `config` and `pdl` as `skinny_linear_triton`'s; `attention_input`: the epilogue of
+    `qkv_attention_input_triton`. Memory: the output [M, N] and, with a residual, the sum
+    [M, K]; split partials as `skinny_linear_triton`'s."""
     k = x.shape[-1]
     if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
         raise ValueError(f"the norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} must "
