@@ -423,6 +423,16 @@ def _pdl_label(row: dict) -> str:
     return f"{row.get('pdl')}" + (f"/{row['pdl_trigger']}" if row.get("pdl_trigger") else "")
 
 
+def _kernel_setting(parser: argparse.ArgumentParser, flag: str, what: str,
+                    default: str) -> None:
+    """A flag for a setting of the small-batch kernels' module (`default`): off, on, both (one
+    engine each, side by side) or default (as the module says)."""
+    parser.add_argument(flag, choices=["default", *sorted(SMALL_BATCH_SETTINGS)],
+                        default="default",
+                        help=f"with the small-batch kernels on, {what}: off, on, both (one "
+                             f"engine each, side by side), or default: as {default} says")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -474,22 +484,14 @@ def main(argv: list[str] | None = None) -> None:
                              "inside its attention kernel): off, on, or both: each decode row "
                              "off then on, side by side; offline and TTFT runs use the first "
                              "(default: %(default)s, as the engine's)")
-    parser.add_argument("--pdl", choices=["default", *sorted(SMALL_BATCH_SETTINGS)],
-                        default="default",
-                        help="with the small-batch kernels on, launch a small step's kernels "
-                             "with programmatic dependent launch (sm_90+): off, on, both (one "
-                             "engine each, side by side), or default: as "
-                             "ops/pdl.PDL_DEFAULT says")
+    _kernel_setting(parser, "--pdl", "launch a small step's kernels with programmatic "
+                    "dependent launch (sm_90+)", "ops/pdl.PDL_DEFAULT")
     parser.add_argument("--pdl-trigger", nargs="+", choices=["early", "late"],
                         help="where a PDL kernel lets its successor start (ops/pdl.PDL_EARLY): "
                              "right after its wait, or after its main loop; each engine with "
                              "PDL on once per trigger given (default: as PDL_EARLY says)")
-    parser.add_argument("--qkv-epilogue", choices=["default", *sorted(SMALL_BATCH_SETTINGS)],
-                        default="default",
-                        help="with the small-batch kernels on, run each layer's attention "
-                             "input in its QKV projection's kernel: off, on, both (one engine "
-                             "each, side by side), or default: as "
-                             "ops/small_batch.QKV_EPILOGUE_DEFAULT says")
+    _kernel_setting(parser, "--qkv-epilogue", "run each layer's attention input in its QKV "
+                    "projection's kernel", "ops/small_batch.QKV_EPILOGUE_DEFAULT")
     parser.add_argument("--profile-decode", metavar="PATH",
                         help="profile each decode row's steps once more and append, per step, "
                              "the device span, the kernels' time and each kernel to PATH")

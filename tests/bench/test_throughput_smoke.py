@@ -103,15 +103,20 @@ def test_decode_rows_per_pdl_setting_and_their_profile(bench, tmp_path: Path) ->
 
 
 
+def _decode_record(bench, tmp_path: Path, batch: int, *flags: str) -> dict:  # noqa: ANN001
+    """The record of one short decode run of kvfit-tiny on the CPU at `batch` with `flags`."""
+    out = tmp_path / "t.json"
+    bench.main(["--device", "cpu", "--skip-throughput", "--decode-models", "kvfit-tiny",
+                "--decode-batches", str(batch), "--decode-context", "32", "--iters", "2",
+                "--decode-repeat", "1", "--ttft-models", *flags, "--out", str(out)])
+    return json.loads(out.read_text())
+
+
 def test_decode_rows_per_pdl_trigger(bench, tmp_path: Path) -> None:  # noqa: ANN001
     """`--pdl on --pdl-trigger early late` runs the rows with PDL once per trigger, named apart
     in the record and its figures."""
-    out = tmp_path / "t.json"
-    bench.main(["--device", "cpu", "--skip-throughput", "--decode-models", "kvfit-tiny",
-                "--decode-batches", "1", "--decode-context", "32", "--iters", "2",
-                "--decode-repeat", "1", "--ttft-models", "--small-batch-kernels", "on",
-                "--pdl", "on", "--pdl-trigger", "early", "late", "--out", str(out)])
-    record = json.loads(out.read_text())
+    record = _decode_record(bench, tmp_path, 1, "--small-batch-kernels", "on", "--pdl", "on",
+                            "--pdl-trigger", "early", "late")
     rows = [(d["pdl"], d["pdl_trigger"]) for d in record["results"]["decode"]]
     assert rows == [(True, "early"), (True, "late")]
     for trigger in ("early", "late"):
@@ -123,12 +128,8 @@ def test_decode_rows_side_by_side_with_and_without_the_fused_decode_input(
         bench, tmp_path: Path) -> None:  # noqa: ANN001
     """`--fused-decode-input both`: each decode row once per setting, named apart in the
     figures, the fused rows last."""
-    out = tmp_path / "t.json"
-    bench.main(["--device", "cpu", "--skip-throughput", "--decode-models", "kvfit-tiny",
-                "--decode-batches", "2", "--decode-context", "32", "--iters", "2",
-                "--decode-repeat", "1", "--ttft-models", "--small-batch-kernels", "off",
-                "--fused-decode-input", "both", "--out", str(out)])
-    record = json.loads(out.read_text())
+    record = _decode_record(bench, tmp_path, 2, "--small-batch-kernels", "off",
+                            "--fused-decode-input", "both")
     rows = [d["fused_decode_input"] for d in record["results"]["decode"]]
     assert rows == [False, True]
     for name in ("batch2", "batch2.fused_input"):
@@ -142,14 +143,11 @@ def test_decode_rows_side_by_side_with_and_without_the_qkv_epilogue(
     from kvfit.ops import small_batch
 
     default = small_batch.QKV_EPILOGUE_DEFAULT
-    out = tmp_path / "t.json"
-    bench.main(["--device", "cpu", "--skip-throughput", "--decode-models", "kvfit-tiny",
-                "--decode-batches", "2", "--decode-context", "32", "--iters", "2",
-                "--decode-repeat", "1", "--ttft-models", "--small-batch-kernels", "both",
-                "--qkv-epilogue", "both", "--out", str(out)])
-    record = json.loads(out.read_text())
+    record = _decode_record(bench, tmp_path, 2, "--small-batch-kernels", "both",
+                            "--qkv-epilogue", "both")
     rows = [(d["small_batch_kernels"], d["qkv_epilogue"]) for d in record["results"]["decode"]]
     assert rows == [(False, None), (True, False), (True, True)]
-    for name in ("batch2", "batch2.small_batch.no_qkv_epilogue", "batch2.small_batch.qkv_epilogue"):
+    for name in ("batch2", "batch2.small_batch.no_qkv_epilogue",
+                 "batch2.small_batch.qkv_epilogue"):
         assert f"decode.kvfit-tiny.{name}.step_ms" in record["figures"]
     assert small_batch.QKV_EPILOGUE_DEFAULT is default
