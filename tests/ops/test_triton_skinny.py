@@ -251,6 +251,19 @@ def test_qkv_epilogue_runs_the_attention_input(rows: int, prologue: str, qk_norm
     assert not scratch.head_tickets.any() and not scratch.tickets.any()
 
 
+def test_qkv_epilogue_narrows_tiles_to_whole_heads() -> None:
+    """Where the widest tile does not divide a head (64 columns against 80-wide heads), the
+    epilogue's config narrows it to one that does, the rest chosen for that tile; where it
+    divides, the config is the plain one."""
+    config = triton_skinny.skinny_config
+    assert config(9600, 1024, num_sms=132)["BLOCK_N"] == 64
+    assert config(9600, 1024, num_sms=132, head_dim=80) == dict(
+        BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=4, ROW_GEMV=True, SPLIT_K=1)
+    # 80-wide heads at N 1200: 75 tiles of 16 for 132 SMs, so K in two parts.
+    assert config(1200, 1024, num_sms=132, head_dim=80)["SPLIT_K"] == 2
+    assert config(9600, 1024, num_sms=132, head_dim=128) == config(9600, 1024, num_sms=132)
+
+
 def test_qkv_epilogue_needs_its_tickets_and_whole_heads() -> None:
     """Without head tickets in effect, or with a head not a whole number of tiles, the launch
     says what to change rather than run."""

@@ -68,8 +68,10 @@ BLOCK_M = 16
 
 
 def skinny_config(n: int, k: int, num_sms: int = sm_count.DEFAULT_SMS,
-                  prologue: bool = False) -> dict[str, int]:
-    """Tiles and launch options for a `[n, k]` weight (to be timed: `bench/skinny_linear.py`).
+                  prologue: bool = False, head_dim: int | None = None) -> dict[str, int]:
+    """Tiles and launch options for a `[n, k]` weight (to be timed: `bench/skinny_linear.py`);
+    with `head_dim`, BLOCK_N narrowed until a head's columns are whole tiles (the QKV
+    epilogue counts a head's tiles), and the rest chosen for that tile.
 
     BLOCK_N is the widest of 64/32/16 that still gives one program per SM (16 is the narrowest
     tile `tl.dot` takes). With 132 SMs: the 0.6B model's o_proj and down_proj (N = 1024) get
@@ -101,6 +103,8 @@ def skinny_config(n: int, k: int, num_sms: int = sm_count.DEFAULT_SMS,
     406.3/408.9 (8B).
     """
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= num_sms), 16)
+    while head_dim is not None and head_dim % block_n and block_n > 16:
+        block_n //= 2
     block_k = 256 if block_n <= 32 else 128
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     one_wave = not prologue or triton.cdiv(n, block_n) <= 2 * num_sms
@@ -464,10 +468,9 @@ def _launch(
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
-    num_sms = sm_count.num_sms(x.device)
-    launch = dict(config or skinny_config(n, k, num_sms, prologue != NONE))
-    if attention_input is not None and config is None:
-        launch = _head_aligned(launch, n, k, attention_input.k_cache.shape[3], num_sms)
+    head_dim = None if attention_input is None else attention_input.k_cache.shape[3]
+    launch = dict(config or skinny_config(n, k, sm_count.num_sms(x.device), prologue != NONE,
+                                          head_dim))
     block_n = launch.pop("BLOCK_N")
     scratch = split_k_scratch()
     epilogue = _epilogue_operands(attention_input, x, out, block_n, scratch)
@@ -494,19 +497,6 @@ def _launch(
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, SPLIT_K=parts, **launch, **epilogue,
     )  # fmt: skip
     return out
-
-
-def _head_aligned(launch: dict[str, int], n: int, k: int, head_dim: int,
-                  num_sms: int) -> dict[str, int]:
-    """`skinny_config`'s launch with BLOCK_N narrowed until a head's columns are whole tiles
-    (the attention-input epilogue counts a head's tiles), K's parts recounted for the tiles."""
-    block_n = launch["BLOCK_N"]
-    while head_dim % block_n and block_n > 16:
-        block_n //= 2
-    if block_n == launch["BLOCK_N"]:
-        return launch
-    return {**launch, "BLOCK_N": block_n, "num_warps": 2 if block_n == 16 else 4,
-            "SPLIT_K": split_k(triton.cdiv(n, block_n), k, launch["BLOCK_K"], num_sms)}
 
 
 def _epilogue_operands(args: AttentionInputArgs | None, x: torch.Tensor, out: torch.Tensor,
