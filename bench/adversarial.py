@@ -14,7 +14,9 @@ How to run (on the GPU machine, one model per call; JSON and run.log land in $OU
 Engine settings of a user's beyond the model: `--kv-cache-dtype fp8` (the e4m3 cache's
 kernels and scratch), `--[no-]small-batch-kernels` (the one-node layers of steps of at most
 16 tokens) and `--[no-]fused-decode-input` (a decode step's attention input in its attention
-kernel), e.g. `"adversarial --models qwen3-0.6b-shape --kv-cache-dtype fp8 --deadline-s 270"`.
+kernel), e.g. `"adversarial --models qwen3-0.6b-shape --kv-cache-dtype fp8 --deadline-s 270"`;
+and a kernel switch, `--[no-]qkv-epilogue` (the attention input in the QKV projection's
+kernel, with its head tickets: `ops/small_batch.QKV_EPILOGUE_DEFAULT`).
 
 About 4 and 5-5.5 minutes. Filling the cache is the floor of each "all+long" run (8B: ~0.9M prompt
 tokens at ~25k tok/s, four times). `--deadline-s` starts no run or engine once that many seconds
@@ -73,6 +75,7 @@ from kvfit.benchmarks.record import write_record
 from kvfit.engine.sampling_params import MAX_TOKEN_LIST
 from kvfit.kv.monitor import CudaMemoryMonitor, HostMemoryMonitor, MemoryMonitor
 from kvfit.kv.report import format_bytes
+from kvfit.ops import small_batch
 
 MARGINS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -569,6 +572,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fused-decode-input", action=argparse.BooleanOptionalAction,
                         default=None, help="the engines' fused_decode_input (unset: the "
                                            "engine's default)")
+    parser.add_argument("--qkv-epilogue", action=argparse.BooleanOptionalAction, default=None,
+                        help="the small-batch kernels' QKV epilogue for every engine "
+                             "(ops/small_batch.QKV_EPILOGUE_DEFAULT; unset: as it says)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not args.num_prompts:
@@ -581,6 +587,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.qkv_epilogue is not None:  # a module switch: engines built after it follow it
+        small_batch.QKV_EPILOGUE_DEFAULT = args.qkv_epilogue
     limits = in_run_limits(args.device)  # before any engine: it holds 2.4 GiB for a moment
     began = time.monotonic()
     device = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
