@@ -82,14 +82,20 @@ def _attention_input_kernel(
     v1, v2 = _load_halves(v, token, stride_vt, stride_vh, stride_vd,
                           NUM_KV_HEADS, KV_HEADS_P2, HALF, HALF_P2)  # fmt: skip
     h = tl.arange(0, KV_HEADS_P2)[:, None]
-    d = tl.arange(0, HALF_P2)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HALF)
+    mask = (h < NUM_KV_HEADS) & (tl.arange(0, HALF_P2)[None, :] < HALF)
     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch
-    lo, hi = dst + d * stride_cd, dst + (d + HALF) * stride_cd
-    tl.store(k_cache + lo, to_cache(k1, k_scale, k_cache, FP8), mask=mask)
-    tl.store(k_cache + hi, to_cache(k2, k_scale, k_cache, FP8), mask=mask)
-    tl.store(v_cache + lo, to_cache(v1, v_scale, v_cache, FP8), mask=mask)
-    tl.store(v_cache + hi, to_cache(v2, v_scale, v_cache, FP8), mask=mask)
+    _store_kv_halves(k_cache, dst, k1, k2, k_scale, mask, stride_cd, HALF, HALF_P2, FP8)
+    _store_kv_halves(v_cache, dst, v1, v2, v_scale, mask, stride_cd, HALF, HALF_P2, FP8)
+
+
+@triton.jit
+def _store_kv_halves(cache, dst, x1, x2, scale, mask, stride_cd, HALF: tl.constexpr,
+                     HALF_P2: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
+    """Both rotate-half halves `[R, HALF_P2]` into `cache` as it stores them (`to_cache`),
+    each row's head starting at offset `dst` `[R, 1]`."""
+    lo = dst + tl.arange(0, HALF_P2)[None, :] * stride_cd
+    tl.store(cache + lo, to_cache(x1, scale, cache, FP8), mask=mask)
+    tl.store(cache + lo + HALF * stride_cd, to_cache(x2, scale, cache, FP8), mask=mask)
 
 
 @triton.jit
@@ -98,12 +104,9 @@ def _store_kv_rows(cache, x1, x2, scale, slots, kv_head, mask, stride_cb, stride
                    FP8: tl.constexpr):  # fmt: skip
     """Both halves `[ROWS, HALF_P2]` of one KV head of each row at the row's cache slot; rows
     of slot -1 (a graph's padding) and masked rows store nothing."""
-    d = tl.arange(0, HALF_P2)[None, :]
     dst = ((slots // block_size) * stride_cb + (slots % block_size) * stride_cs)[:, None]
-    dst += kv_head * stride_ch + d * stride_cd
-    mask = mask & (slots >= 0)[:, None]
-    tl.store(cache + dst, to_cache(x1, scale, cache, FP8), mask=mask)
-    tl.store(cache + dst + HALF * stride_cd, to_cache(x2, scale, cache, FP8), mask=mask)
+    _store_kv_halves(cache, dst + kv_head * stride_ch, x1, x2, scale,
+                     mask & (slots >= 0)[:, None], stride_cd, HALF, HALF_P2, FP8)
 
 
 @triton.jit
