@@ -66,10 +66,11 @@ class SplitKScratch:
     engine's launches run one after another on its stream, so one scratch serves them all;
     two engines need two. The model runner allocates it once, before warmup measures memory
     and graphs capture its addresses (`triton_skinny.allocate_split_k_scratch`, where
-    `triton_skinny.SPLIT_K_DEFAULT` is on), and puts it in effect with
-    `small_batch_kernels`; without one the kernels never split. `head_tickets`: one int32
-    counter per head of a QKV projection with the attention-input epilogue
-    (`qkv_attention_input`), zero between launches like `tickets`."""
+    `triton_skinny.SPLIT_K_DEFAULT` or `QKV_EPILOGUE_DEFAULT` is on), and puts it in effect
+    with `small_batch_kernels`; without one, or with no `partials` (split K off), the kernels
+    never split. `head_tickets`: one int32 counter per head of a QKV projection with the
+    attention-input epilogue (`qkv_attention_input`), zero between launches like `tickets`;
+    none where the epilogue is off."""
 
     partials: torch.Tensor
     tickets: torch.Tensor
@@ -93,8 +94,8 @@ def split_k_scratch() -> SplitKScratch | None:
 @contextmanager
 def small_batch_kernels(enabled: bool = True,
                         scratch: SplitKScratch | None = None) -> Iterator[None]:
-    """Run the block with the small-batch kernels on (or off), their split-K launches using
-    `scratch` (None: unsplit); the previous state comes back on exit."""
+    """Run the block with the small-batch kernels on (or off), their split-K launches and QKV
+    epilogue using `scratch` (None: neither); the previous state comes back on exit."""
     token, scratch_token = _ENABLED.set(enabled), _SCRATCH.set(scratch)
     try:
         yield
