@@ -397,7 +397,7 @@ def test_skinny_pdl_launch_reads_and_writes_nothing_before_its_wait(
 
     from kvfit.ops import pdl, triton_skinny
 
-    monkeypatch.setattr(triton_skinny, "use_pdl", lambda pdl, device: True)
+    monkeypatch.setattr(triton_skinny, "use_pdl", lambda pdl, device, num_tokens: True)
     monkeypatch.setattr(pdl, "PDL_EARLY", early)
     monkeypatch.syspath_prepend(str(TOOLS))
     sass = importlib.import_module("triton_sass")
@@ -431,7 +431,7 @@ def test_decode_step_pdl_kernels_wait_before_any_memory_access(
     from kvfit.ops import pdl, triton_attention, triton_attention_input
     from kvfit.ops.small_batch import small_batch_kernels
 
-    monkeypatch.setattr(pdl, "use_pdl", lambda requested, device: True)
+    monkeypatch.setattr(pdl, "use_pdl", lambda requested, device, num_tokens: True)
     monkeypatch.setattr(pdl, "PDL_EARLY", early)
     monkeypatch.setattr(triton_attention, "_has_e4m3x2_cvt", lambda device: True)
     monkeypatch.syspath_prepend(str(TOOLS))
@@ -484,7 +484,8 @@ def test_fused_decode_input_compiles_for_sm90(
     from kvfit.ops import pdl
     from kvfit.ops.small_batch import small_batch_kernels
 
-    monkeypatch.setattr(pdl, "use_pdl", lambda requested, device: pdl_early is not None)
+    monkeypatch.setattr(pdl, "use_pdl",
+                        lambda requested, device, num_tokens: pdl_early is not None)
     monkeypatch.setattr(pdl, "PDL_EARLY", bool(pdl_early))
     monkeypatch.syspath_prepend(str(TOOLS))
     sass = importlib.import_module("triton_sass")

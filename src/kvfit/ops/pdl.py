@@ -14,11 +14,17 @@ Which kernels: the ones of a step of at most `small_batch.MAX_ROWS` tokens with 
 kernels on (`pdl_launch`): the skinny linear layers, the attention input and the decode
 attention with its split reduction; that is where it is timed. A successor launches only once
 every program of its predecessor has started and passed its wait, so its programs, waiting on
-their SMs, never hold one that a program of the predecessor still needs. Off (`PDL_DEFAULT`):
-`bench/throughput.py --pdl both --pdl-trigger early late` timed whole decode steps (H100,
-eee7332) 7.8% (early) and 6% (late) faster at one row on the 0.6B shape, 2.6% slower (early)
-and within 0.4% (late) on the 8B, and within 1-2% either way at 4-16 rows: too little where the
-batch-1 targets lie to be worth a second launch path by default.
+their SMs, never hold one that a program of the predecessor still needs.
+
+By default (`PDL_DEFAULT` None) only the kernels of one-token steps launch so
+(`PDL_MAX_ROWS`), and each releases its successor early unless it streams more than
+`EARLY_MAX_WEIGHT_BYTES` of weights (`PDL_EARLY` None). Whole decode steps with K in parts
+(H100, 2026-12-07, `bench/throughput.py --pdl both --pdl-trigger early late`, medians of 3 in
+one call): at one row the early trigger everywhere was 8.9% faster on the 0.6B shape and 1.9%
+slower on the 8B, the late one 2.9% and 0.3% faster; at four rows both were up to 8% slower.
+This rule, against PDL off in one later call (`--pdl off`, then `--pdl default`): one row
+9.7% faster on the 0.6B (1.133 -> 1.023 ms) and 1.2% on the 8B (6.242 -> 6.168 ms); four
+rows unchanged (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -30,24 +36,35 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvfit.ops.small_batch import MAX_ROWS, is_small_batch_enabled
 
-PDL_DEFAULT = False
-"""Whether the small-batch step's kernels launch with PDL (`pdl=None`) where the device has it;
+PDL_DEFAULT: bool | None = None
+"""Whether the small-batch step's kernels launch with PDL (`pdl=None`) where the device has it:
+True at every small-batch size, False never, None for steps of at most `PDL_MAX_ROWS` tokens.
 `bench/skinny_linear.py` times the skinny kernels each way, `bench/throughput.py --pdl` whole
-decode steps (the module docstring has the figures that keep it off)."""
-PDL_EARLY = True
+decode steps (the module docstring has the figures)."""
+PDL_MAX_ROWS = 1
+"""The most tokens of a step whose kernels launch with PDL where `PDL_DEFAULT` is None: at four
+rows either trigger made whole decode steps slower on both shapes timed."""
+PDL_EARLY: bool | None = None
 """Where a PDL kernel lets its successor start: right after its own wait (early: the
 successor's programs become resident while this kernel runs), or once its main loop is done,
 before its last stores (late: the successor's launch and its weight prefetch overlap this
-kernel's tail only). Early is the default where PDL is on: it is the faster at one row on the
-0.6B shape; on the 8B its successors' waiting programs hold shared memory (49-108 KB a program
-of the skinny kernels at one row) on SMs the larger grids need, and late is the faster there
-(`bench/throughput.py --pdl-trigger early late`, docs/benchmarks.md). The successor waits for
-this kernel's completion either way, so both give the same bits."""
+kernel's tail only). None: early, but late for a linear layer that streams more than
+`EARLY_MAX_WEIGHT_BYTES` of weights. The successor waits for this kernel's completion either
+way, so all give the same bits."""
+EARLY_MAX_WEIGHT_BYTES = 16 << 20
+"""The most weight bytes of a linear layer that releases its successor early where `PDL_EARLY`
+is None. Early pays where a kernel is short against its successor's launch (the 0.6B shape's
+4-12 MiB layers, ~5-8 us); the 8B's (32-192 MiB) ran faster with the late trigger, their
+successors' waiting programs holding shared memory (49-108 KB a program at one row) for tens
+of microseconds."""
 
 
-def use_pdl(pdl: bool | None, device: torch.device) -> bool:
-    """`pdl`, or `PDL_DEFAULT` where None; only on a CUDA device of compute capability 9.0+."""
+def use_pdl(pdl: bool | None, device: torch.device, num_tokens: int) -> bool:
+    """`pdl`, or `PDL_DEFAULT` where None (and where that is None, `num_tokens <=
+    PDL_MAX_ROWS`); only on a CUDA device of compute capability 9.0+."""
     wanted = PDL_DEFAULT if pdl is None else pdl
+    if wanted is None:
+        wanted = num_tokens <= PDL_MAX_ROWS
     return wanted and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
@@ -56,15 +73,17 @@ def pdl_launch(num_tokens: int, device: torch.device) -> dict[str, bool]:
     (for `wait_then_release` and `release_late`) and Triton's `launch_pdl` where the
     small-batch kernels are on, the step has at most `MAX_ROWS` tokens and `use_pdl` says so;
     none otherwise."""
-    if is_small_batch_enabled() and 0 < num_tokens <= MAX_ROWS and use_pdl(None, device):
+    if is_small_batch_enabled() and 0 < num_tokens <= MAX_ROWS and use_pdl(None, device,
+                                                                            num_tokens):
         return pdl_keywords()
     return {}
 
 
-def pdl_keywords() -> dict[str, bool]:
+def pdl_keywords(weight_bytes: int = 0) -> dict[str, bool]:
     """A PDL launch's keywords: the kernel's `PDL` and `PDL_EARLY` constexprs and Triton's
-    `launch_pdl`."""
-    return dict(PDL=True, PDL_EARLY=PDL_EARLY, launch_pdl=True)
+    `launch_pdl`; the trigger as `PDL_EARLY` says, for a kernel that streams `weight_bytes`."""
+    early = weight_bytes <= EARLY_MAX_WEIGHT_BYTES if PDL_EARLY is None else PDL_EARLY
+    return dict(PDL=True, PDL_EARLY=early, launch_pdl=True)
 
 
 @triton.jit

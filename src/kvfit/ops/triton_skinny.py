@@ -41,9 +41,9 @@ times. The kernel is shaped for that stream rather than for reuse:
   start as soon as every program has passed that wait, or with `ops/pdl.py`'s `PDL_EARLY`
   off, once every program has its product, before the stores. At one row each node's ~3 us
   beyond its bytes (launch, the first DRAM round trips, the tail) is what paces a decode
-  step, and this overlaps part of it with the node before. Off (`ops/pdl.py`'s `PDL_DEFAULT`,
-  which the decode step's other kernels follow too; its docstring has the whole steps' times
-  with each trigger).
+  step, and this overlaps part of it with the node before. On for one-row steps
+  (`ops/pdl.py`'s `PDL_DEFAULT`, which the decode step's other kernels follow too; its
+  docstring has the whole steps' times with each trigger and the rule that picks one).
 
 The launch shape follows the tensor shapes only (graph safe). K is a constexpr (a layer's K
 never changes, and a static trip count lets the loop drop its mask when BLOCK_K divides K).
@@ -482,10 +482,10 @@ def _launch(
     launch.setdefault("NORM_BLOCK_K", max(16, min(NORM_BLOCK_K, triton.next_power_of_2(k) // 2)))
     launch.setdefault("NORM_STAGES", 2)
     launch.setdefault("GEMV_STAGES", launch.get("num_stages", 3))
-    if use_pdl(pdl, x.device):
+    if use_pdl(pdl, x.device, x.shape[0]):
         # 64 elements a line: 128 bytes of bf16/fp16.
         cols = max(64, min(PREFETCH_BYTES // (2 * block_n), triton.next_power_of_2(k // parts)))
-        launch.update(pdl_keywords(), PREFETCH_K=cols)
+        launch.update(pdl_keywords(weight.numel() * weight.element_size()), PREFETCH_K=cols)
     x = x.contiguous()
     partials, tickets = (scratch.partials, scratch.tickets) if parts > 1 else (out, out)
     # Absent operands' pointers are x's (out's for an unsplit launch's scratch): the kernel's
@@ -535,7 +535,7 @@ def skinny_linear_triton(
     config: dict[str, int] | None = None, pdl: bool | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [M, K], M <= `MAX_ROWS`, in one kernel. `config`
-    overrides `skinny_config` (the bench's sweep); `pdl` the launch's `ops.pdl.PDL_DEFAULT`.
+    overrides `skinny_config` (the bench's sweep); `pdl` overrides `ops.pdl.use_pdl`'s choice.
     Memory: the output [M, N]; a split-K launch's partials are the `SplitKScratch` in effect
     (`small_batch_kernels`), allocated before."""
     return _launch(x, weight, bias, x.shape[-1], NONE, config, pdl=pdl)
