@@ -73,10 +73,8 @@ def pdl_launch(num_tokens: int, device: torch.device) -> dict[str, bool]:
     (for `wait_then_release` and `release_late`) and Triton's `launch_pdl` where the
     small-batch kernels are on, the step has at most `MAX_ROWS` tokens and `use_pdl` says so;
     none otherwise."""
-    if is_small_batch_enabled() and 0 < num_tokens <= MAX_ROWS and use_pdl(None, device,
-                                                                            num_tokens):
-        return pdl_keywords()
-    return {}
+    small_step = is_small_batch_enabled() and 0 < num_tokens <= MAX_ROWS
+    return pdl_keywords() if small_step and use_pdl(None, device, num_tokens) else {}
 
 
 def pdl_keywords(weight_bytes: int = 0) -> dict[str, bool]:
