@@ -18,7 +18,9 @@ MiB, several L2s) so that every call reads its weight from DRAM as a decode step
   SiLU-and-mul): `unfused` (the op's own kernel, then `F.linear`) and `fused`
   (`rms_norm_linear_triton` / `silu_and_mul_linear_triton`);
 - `skinny_mma`: the plain kernel with its 16-row tensor-core tile at every M (`ROW_GEMV` off),
-  where `skinny` takes FMAs at one row;
+  where `skinny` takes FMAs at one row; `fused_mma` (one row, norm prologues): the fused
+  kernel with `ROW_GEMV` off, its one row's prologue broadcast to the MMA tile, where `fused`
+  takes FMAs;
 - `skinny_whole` and `fused_whole` (with `_pdl` as below), where `skinny_config` splits K
   across programs (`split_k`: the 0.6B's N-1024 layers), the same launch unsplit; the engine's
   split-K scratch is in effect throughout, as in a decode step;
@@ -158,6 +160,10 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool, limits: dict) 
             mma = {**ts.skinny_config(shape.n, shape.k, num_sms(dev)), "ROW_GEMV": False}
             us["skinny_mma"] = _time_us([lambda w=w: ts.skinny_linear_triton(x, w, config=mma)
                                          for w in ws])
+        if m == 1 and shape.prologue == "add_rms_norm":
+            mma = {**config, "ROW_GEMV": False}
+            us["fused_mma"] = _time_us([lambda w=w: ts.rms_norm_linear_triton(
+                x, res, norm, 1e-6, w, config=mma) for w in ws])
         if sweep and skinny:
             for cfg in SWEEP:
                 name = "n{BLOCK_N}k{BLOCK_K}w{num_warps}s{num_stages}p{SPLIT_K}".format(**cfg)
@@ -187,7 +193,8 @@ def table_text(result: dict) -> str:
     copy = result.get("copy_bandwidth_gbps")
     lines = [f"{'model':16} {'layer':13} {'M':>3} {'cublas us':>9} {'skinny us':>9} "
              f"{'GB/s':>7} {'of copy':>7} {'unfused':>8} {'fused':>8} {'skinny pdl':>10} "
-             f"{'fused pdl':>9} {'skinny mma':>10} {'whole us':>8} {'limit us':>8} "
+             f"{'fused pdl':>9} {'skinny mma':>10} {'fused mma':>9} {'whole us':>8} "
+             f"{'limit us':>8} "
              f"{'cublas/limit':>12}"]
     for r in result["layers"]:
         gbps = r["weight_gb_per_s"].get("skinny", nan)
@@ -197,7 +204,8 @@ def table_text(result: dict) -> str:
                      f"{us.get('skinny', nan):9.2f} {gbps:7.0f} {share} "
                      f"{us.get('unfused', nan):8.2f} {us.get('fused', nan):8.2f} "
                      f"{us.get('skinny_pdl', nan):10.2f} {us.get('fused_pdl', nan):9.2f} "
-                     f"{us.get('skinny_mma', nan):10.2f} {us.get('skinny_whole', nan):8.2f} "
+                     f"{us.get('skinny_mma', nan):10.2f} {us.get('fused_mma', nan):9.2f} "
+                     f"{us.get('skinny_whole', nan):8.2f} "
                      f"{r.get('limit_us', nan):8.2f} "
                      f"{r.get('cublas_over_limit', nan):12.2f}")
     return "\n".join(lines)

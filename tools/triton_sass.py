@@ -190,13 +190,18 @@ def ptxas_usage(kernel: Any, arch: int) -> tuple[int | None, int | None]:
     return (int(regs.group(1)) if regs else None, int(spills.group(1)) if spills else None)
 
 
-def report(kernel: Any, arch: int, top: int) -> str:
-    regs, spills = ptxas_usage(kernel, arch)
+def sass_text(kernel: Any) -> str:
+    """cuobjdump's SASS of a compiled kernel."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
-        sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True,
+        return subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True,
                               text=True, check=True).stdout
+
+
+def report(kernel: Any, arch: int, top: int) -> str:
+    regs, spills = ptxas_usage(kernel, arch)
+    sass = sass_text(kernel)
     lines = [f"{kernel.name}: {'?' if regs is None else regs} registers, "
              f"{'?' if spills is None else spills} bytes spilled, "
              f"{kernel.metadata.shared} bytes shared"]

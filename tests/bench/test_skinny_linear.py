@@ -59,8 +59,10 @@ def test_table_and_record_from_timings(bench) -> None:  # noqa: ANN001
     figures = record["figures"]
     assert figures["qwen3-0.6b.qkv_proj.m1.fused_over_unfused"]["value"] == 3.5 / 9
     assert figures["qwen3-0.6b.qkv_proj.m1.skinny_pdl_us"]["value"] == 2.5
-    assert small[0].split()[-6:-2] == ["2.50", "3.00", "4.00", "3.25"]  # pdl, mma, unsplit
+    # pdl, the MMA tile of the plain and the fused kernel, unsplit
+    assert small[0].split()[-7:-2] == ["2.50", "3.00", "4.00", "3.75", "3.25"]
     assert figures["qwen3-0.6b.qkv_proj.m1.skinny_mma_us"]["value"] == 4.0
+    assert figures["qwen3-0.6b.qkv_proj.m1.fused_mma_us"]["value"] == 3.75
     assert figures["qwen3-0.6b.qkv_proj.m1.skinny_whole_us"]["value"] == 3.25
     # 256 rows: cuBLAS against the op's limit, no skinny column or figure.
     assert big.split()[-2:] == ["4.00", "2.00"] and big.split()[4] == "nan"

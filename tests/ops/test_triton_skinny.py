@@ -153,6 +153,32 @@ def test_fused_prologues_round_where_the_unfused_kernels_round(prologue: str, ro
 
 
 @interpret
+@pytest.mark.parametrize("prologue", ["rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("row_gemv", [True, False])
+def test_one_row_norm_feeds_either_product(prologue: str, row_gemv: bool) -> None:
+    """At one row a norm prologue feeds FMAs (`ROW_GEMV`: `skinny_config`'s choice for every
+    kernel with a prologue) or, with `ROW_GEMV` off, the MMA tile, its one row broadcast to the
+    tile's 16: both round where the unfused kernels round (an identity weight makes the product
+    exact) and give the chain's product to one rounding, off the tile's edge in N too."""
+    g = torch.Generator().manual_seed(5)
+    k, n = 256, 40
+    x = (torch.randn(1, k, generator=g) * 3).half()
+    residual = (torch.randn(1, k, generator=g) * 3).half() if prologue == "add_rms_norm" \
+        else None
+    norm = (torch.rand(k, generator=g) + 0.5).half()
+    expect = (rms_norm_torch(x, norm, 1e-6) if residual is None
+              else add_rms_norm_torch(x, residual, norm, 1e-6)[0])
+    config = dict(BLOCK_N=16, BLOCK_K=64, num_warps=2, num_stages=2, ROW_GEMV=row_gemv)
+    got, _ = triton_skinny.rms_norm_linear_triton(x, residual, norm, 1e-6,
+                                                  torch.eye(k, dtype=torch.float16),
+                                                  config=config)
+    assert (got != expect).sum() <= 1, (got != expect).sum()
+    w, b = _weights(n, k, torch.float16)
+    got, _ = triton_skinny.rms_norm_linear_triton(x, residual, norm, 1e-6, w, b, config=config)
+    _close(got, _linear_fp32(expect, w, b))
+
+
+@interpret
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("parts", [2, 4])
 @pytest.mark.parametrize("row_gemv", [True, False])
@@ -378,6 +404,25 @@ def test_gpu_rms_norm_linear_matches_the_unfused_chain(dtype: torch.dtype, rows:
     normed, expect_sum = add_rms_norm_torch(x, residual, norm, 1e-6)
     assert torch.equal(summed, expect_sum)
     _close(got, _linear_fp32(normed, w, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "k"), [(6144, 1024), (24576, 4096)])
+def test_gpu_one_row_norm_through_the_mma_matches_the_unfused_chain(dtype: torch.dtype, n: int,
+                                                                  k: int) -> None:
+    """With `ROW_GEMV` off a one-row fused norm feeds the MMA tile (`bench/skinny_linear.py`'s
+    `fused_mma`): the chain's product to one rounding, the residual sum bit for bit."""
+    w, _ = _weights(n, k, dtype, "cuda", bias=False)
+    x = torch.randn(1, k, dtype=dtype, device="cuda")
+    residual = torch.randn(1, k, dtype=dtype, device="cuda") * 3
+    norm = torch.randn(k, dtype=dtype, device="cuda")
+    config = {**triton_skinny.skinny_config(n, k, prologue=True), "ROW_GEMV": False}
+    got, summed = triton_skinny.rms_norm_linear_triton(x, residual, norm, 1e-6, w,
+                                                       config=config)
+    normed, expect_sum = add_rms_norm_torch(x, residual, norm, 1e-6)
+    assert torch.equal(summed, expect_sum)
+    _close(got, _linear_fp32(normed, w, None))
 
 
 @pytest.mark.gpu

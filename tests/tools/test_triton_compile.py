@@ -510,3 +510,38 @@ def test_fused_decode_input_compiles_for_sm90(
         assert after and not re.findall(r"\b(?:ld|st|cp\.async|atom|red|prefetch)\.global",
                                         before), fn.__name__
         _check_trigger(after, pdl_early, fn.__name__)
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_one_row_norm_through_the_mma_compiles_to_a_short_stage(monkeypatch: pytest.MonkeyPatch,
+                                                                arch: int) -> None:
+    """With `ROW_GEMV` off a one-row fused add + RMSNorm feeds the MMA (the 8B's gate_up tile,
+    BLOCK_N 64): it compiles without spills, and its weight stage's loop is far shorter than
+    the FMA path's (127 against 256 instructions for sm_90 with Triton 3.6), the reason to time
+    it."""
+    from kvfit.ops import triton_skinny
+
+    monkeypatch.syspath_prepend(str(TOOLS))
+    sass = importlib.import_module("triton_sass")
+    n, k = 24576, 4096
+    x, w = torch.randn(1, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
+    norm = torch.ones(k, dtype=torch.bfloat16)
+    config = triton_skinny.skinny_config(n, k, prologue=True)
+    assert config["BLOCK_N"] == 64 and config["ROW_GEMV"]  # the FMAs until timed
+    with _split_k_scratch():
+        launches = sass.captured_launches(lambda: [
+            triton_skinny.rms_norm_linear_triton(x, x.clone(), norm, 1e-6, w,
+                                                 config={**config, "ROW_GEMV": row_gemv})
+            for row_gemv in (True, False)])
+    stages = []
+    for fn, named, options in launches:
+        kernel = sass.compile_launch(fn, named, options, arch=arch)
+        regs, spills = sass.ptxas_usage(kernel, arch)
+        assert spills == 0, f"ROW_GEMV {named['ROW_GEMV']}: {regs} registers, {spills} spilled"
+        stages.append(sass.loop_mixes(sass.sass_text(kernel)))
+    # Both kernels hold the 2-16-row MMA loop too (M is a runtime branch); the one-row stage
+    # is the FMA path's loop without HMMA, and the other kernel's shorter HMMA loop.
+    fma = max(sum(m.values()) for m in stages[0] if not m["HMMA"])
+    mma = min(sum(m.values()) for m in stages[1] if m["HMMA"])
+    assert sum(1 for m in stages[1] if m["HMMA"]) == 2
+    assert mma < 0.6 * fma, (mma, fma)

@@ -23,9 +23,12 @@ times. The kernel is shaped for that stream rather than for reuse:
 - The MMA is `tl.dot` on a 16-row tile of x (its smallest M), rows past M masked off: loading
   them costs no bytes, and one compiled variant serves every M up to 16 (`M` is not
   specialised, so no batch size compiles anything new). At M = 1 a kernel takes FMAs instead
-  (a runtime branch, `_product`) where it has a prologue, which costs ALU work per row of the
-  tile, and without one where its weight tile is at most 32 rows (`ROW_GEMV`, timed per
-  shape in `skinny_config`: the 0.6B down_proj 8.9 us as a 16-row MMA, 5.7 with FMAs).
+  (a runtime branch, `_product`) where `ROW_GEMV` says: `skinny_config` sets it where the
+  weight tile is at most 32 rows (timed per shape there: the 0.6B down_proj 8.9 us as a
+  16-row MMA, 5.7 with FMAs) and for every kernel with a prologue, whose 16-row tile costs ALU
+  work per row. Without it a one-row kernel with a prologue computes the prologue on its one
+  row and broadcasts it to the MMA's 16 (not yet timed: `bench/skinny_linear.py`'s
+  `fused_mma`).
 - A prologue is recomputed by every program (from L2: the x rows are a few KB): the RMSNorm's
   rms by a pre-pass over the row, the SiLU per tile. That is ~10 (norm) and ~30 (SiLU)
   instructions per x element per program, cheap for one row and not for 16 (see `_product`).
@@ -100,7 +103,12 @@ def skinny_config(n: int, k: int, num_sms: int = sm_count.DEFAULT_SMS,
     rows of W. H100, 2026-12-05, FMAs against the 16-row MMA at one row: 0.6B qkv 4.9/5.5 us,
     o_proj 4.5/5.5, gate_up 6.5/7.1, down 5.7/8.9, 8B qkv 19.3/20.1, o_proj 13.4/14.6, down
     36.2/38.6; at BLOCK_N 64 the MMA's: 8B gate_up 68.7/73.1, LM heads 102.4/109.0 (0.6B) and
-    406.3/408.9 (8B).
+    406.3/408.9 (8B). A kernel with a prologue takes FMAs at every width: with `ROW_GEMV` off
+    its one row's prologue feeds the MMA, broadcast to the tile's 16 rows, which for the 8B's
+    gate_up (BLOCK_N 64) is a 127-instruction stage at 78 registers against the FMAs' 256 at
+    122 (sm_90, `tools/triton_sass.py --linear 24576 4096 --batch 1`); not yet timed
+    (`bench/skinny_linear.py`'s `fused_mma`, the plain MMA there 68.7 us against the fused
+    FMAs' 74.7 on an H100).
     """
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= num_sms), 16)
     while head_dim is not None and head_dim % block_n and block_n > 16:
@@ -109,7 +117,7 @@ def skinny_config(n: int, k: int, num_sms: int = sm_count.DEFAULT_SMS,
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     one_wave = not prologue or triton.cdiv(n, block_n) <= 2 * num_sms
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=2 if block_n == 16 else 4,
-                num_stages=4 if one_wave else 3, ROW_GEMV=block_n <= 32,
+                num_stages=4 if one_wave else 3, ROW_GEMV=block_n <= 32 or prologue,
                 SPLIT_K=split_k(triton.cdiv(n, block_n), k, block_k, num_sms))
 
 
@@ -259,11 +267,13 @@ def _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, tile, k_lo,
              K: tl.constexpr, K_PART: tl.constexpr, PROLOGUE: tl.constexpr, ROWS: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              NORM_BLOCK_K: tl.constexpr, NORM_STAGES: tl.constexpr,
-             GEMV_STAGES: tl.constexpr):  # fmt: skip
+             GEMV_STAGES: tl.constexpr, FMA: tl.constexpr = True):  # fmt: skip
     """acc `[BLOCK_M, BLOCK_N]` fp32 of output tile `tile`'s columns over the K_PART columns of
     x from `k_lo` (all K without a split), after the prologue on ROWS rows of x (M <= ROWS).
-    ROWS == BLOCK_M: the tensor-core product; ROWS == 1: FMAs on a `[BLOCK_N, BLOCK_K]`
-    weight tile, reduced over K once after the loop (row 0 of acc).
+    ROWS == BLOCK_M: the tensor-core product; ROWS == 1 with `FMA`: FMAs on a `[BLOCK_N,
+    BLOCK_K]` weight tile, reduced over K once after the loop (row 0 of acc); ROWS == 1
+    without: the prologue on the one row, broadcast to the MMA's BLOCK_M rows (every row of
+    acc is row 0's).
 
     Why a second path at M = 1: the prologue's tile feeds the MMA, and a tile of fewer rows
     than the MMA's 16, repeated to 16, is computed in the MMA operand's layout, where each
@@ -290,7 +300,7 @@ def _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, tile, k_lo,
         inv_rms = tl.rsqrt(sum_sq / K + eps)
     # Rows of W past N read row N - 1 instead (their outputs are not stored): the weight loads,
     # the bytes that matter, need no mask.
-    if ROWS == 1:
+    if ROWS == 1 and FMA:
         rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         w_tile = w + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K  # [BLOCK_N, 1] rows
         part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -323,6 +333,8 @@ def _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, tile, k_lo,
                 a = _operand(x_rows, r_rows, norm_weight, inv_rms, k,
                              row_mask & k_mask[None, :], k_mask, K, PROLOGUE)
                 wt = tl.load(w_rows + k[:, None], mask=k_mask[:, None], other=0.0)
+            if ROWS < BLOCK_M:
+                a = tl.broadcast_to(a, (BLOCK_M, BLOCK_K))
             acc = tl.dot(a, wt, acc)
     return acc
 
@@ -417,7 +429,7 @@ def _skinny_kernel(
     elif M == 1:  # a branch on M, not a variant: one compiled kernel serves every M
         acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, tile, k_lo, K,
                        K_PART, PROLOGUE, 1, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK_K,
-                       NORM_STAGES, GEMV_STAGES)
+                       NORM_STAGES, GEMV_STAGES, ROW_GEMV)
     else:
         acc = _product(x, residual, norm_weight, w, sum_out, M, N, eps, pid, tile, k_lo, K,
                        K_PART, PROLOGUE, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, NORM_BLOCK_K,
