@@ -105,8 +105,9 @@ def skinny_config(n: int, k: int, num_sms: int = sm_count.DEFAULT_SMS,
     36.2/38.6; at BLOCK_N 64 the MMA's: 8B gate_up 68.7/73.1, LM heads 102.4/109.0 (0.6B) and
     406.3/408.9 (8B). A kernel with a prologue takes FMAs at every width: with `ROW_GEMV` off
     its one row's prologue feeds the MMA, broadcast to the tile's 16 rows, which for the 8B's
-    gate_up (BLOCK_N 64) is a 127-instruction stage at 78 registers against the FMAs' 256 at
-    122 (sm_90, `tools/triton_sass.py --linear 24576 4096 --batch 1`); not yet timed
+    gate_up (BLOCK_N 64), after the residual add, is a 133-instruction stage at 70 registers
+    against the FMAs' 260 at 128 (sm_90, `tools/triton_sass.py --linear 24576 4096 --batch
+    1`); not yet timed
     (`bench/skinny_linear.py`'s `fused_mma`, the plain MMA there 68.7 us against the fused
     FMAs' 74.7 on an H100).
     """
