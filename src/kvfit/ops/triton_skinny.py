@@ -107,9 +107,8 @@ def skinny_config(n: int, k: int, num_sms: int = sm_count.DEFAULT_SMS,
     its one row's prologue feeds the MMA, broadcast to the tile's 16 rows, which for the 8B's
     gate_up (BLOCK_N 64), after the residual add, is a 133-instruction stage at 70 registers
     against the FMAs' 260 at 128 (sm_90, `tools/triton_sass.py --linear 24576 4096 --batch
-    1`); not yet timed
-    (`bench/skinny_linear.py`'s `fused_mma`, the plain MMA there 68.7 us against the fused
-    FMAs' 74.7 on an H100).
+    1`); not yet timed (`bench/skinny_linear.py`'s `fused_mma`; the plain MMA there streamed
+    that layer in 68.7 us against the fused FMAs' 74.7 on an H100).
     """
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= num_sms), 16)
     while head_dim is not None and head_dim % block_n and block_n > 16:
