@@ -1,5 +1,6 @@
 """Sampling one token per logits row on the GPU: today's Sampler torch math vs the fused kernel,
-and the top-k / top-p / min-p filters: the former sort path vs per-row thresholds.
+greedy decoding's argmax (torch's against the one-launch kernel), and the top-k / top-p /
+min-p filters: the former sort path vs per-row thresholds.
 
     PYTHONPATH=src python3 bench/sampling.py --out sampling.json
     PYTHONPATH=src python3 bench/sampling.py --out sampling_sweep.json --sweep
@@ -29,7 +30,7 @@ import torch
 from kvfit.benchmarks.figures import record_of
 from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.record import write_record
-from kvfit.ops import filter_thresholds, gumbel_sample
+from kvfit.ops import argmax_scratch, filter_thresholds, greedy_argmax, gumbel_sample
 from kvfit.ops.memwatch import watch_memory
 from kvfit.ops.reference import sort_filter_reference
 
@@ -120,6 +121,10 @@ def bench_row(num_rows: int, vocab_size: int, copy_bw: float | None, device: tor
             partial(gumbel_sample, logits, temperature, seeds),
         )
     )
+    # Greedy decoding: torch's one-block-a-row argmax against the one-launch split kernel.
+    scratch = argmax_scratch(num_rows, device)
+    argmax_torch_ms, argmax_ms = (median_ms(fn, device) for fn in (
+        partial(torch.argmax, logits, dim=-1), partial(greedy_argmax, logits, scratch)))
     read_bw = logits.nbytes / (kernel_ms * 1e-3)
     return dict(
         num_rows=num_rows,
@@ -127,6 +132,8 @@ def bench_row(num_rows: int, vocab_size: int, copy_bw: float | None, device: tor
         torch_ms=torch_ms,
         torch_seeded_ms=seeded_ms,
         kernel_ms=kernel_ms,
+        argmax_torch_ms=argmax_torch_ms,
+        argmax_kernel_ms=argmax_ms,
         speedup=torch_ms / kernel_ms,
         speedup_seeded=seeded_ms / kernel_ms,
         kernel_gb_per_s=read_bw / 1e9,
@@ -290,7 +297,8 @@ def main() -> None:
     if copy_bw is not None:
         print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s")
     print(f"{'N':>5} {'torch ms':>9} {'seeded ms':>10} {'kernel ms':>10} {'speedup':>8} "
-          f"{'seeded':>7} {'GB/s':>6} {'of copy':>8}")  # fmt: skip
+          f"{'seeded':>7} {'GB/s':>6} {'of copy':>8} {'argmax torch':>13} "
+          f"{'one launch':>11}")  # fmt: skip
     rows = []
     for num_rows in batches:
         r = bench_row(num_rows, vocab_size, copy_bw, device)
@@ -299,7 +307,8 @@ def main() -> None:
         print(
             f"{num_rows:>5} {r['torch_ms']:>9.3f} {r['torch_seeded_ms']:>10.3f} "
             f"{r['kernel_ms']:>10.4f} {r['speedup']:>7.1f}x {r['speedup_seeded']:>6.1f}x "
-            f"{r['kernel_gb_per_s']:>6.0f} {of_copy:>8}",
+            f"{r['kernel_gb_per_s']:>6.0f} {of_copy:>8} {r['argmax_torch_ms']:>13.4f} "
+            f"{r['argmax_kernel_ms']:>11.4f}",
             flush=True,
         )
     filters = filter_table(filter_rows, vocab_size, device) if filter_rows else []

@@ -190,6 +190,9 @@ def sampling(p: dict[str, Any]) -> Figures:
     f: Figures = {}
     for r in p.get("sampling", []):
         f[f"sample.rows{r['num_rows']}.kernel_ms"] = figure(r["kernel_ms"], "ms", "lower")
+        if "argmax_kernel_ms" in r:  # records since 2026-12-07
+            f[f"greedy.rows{r['num_rows']}.argmax_ms"] = figure(r["argmax_kernel_ms"], "ms",
+                                                                "lower")
     for r in p.get("filters", []):
         name = f"filter.{r['setting'].replace(' ', '_')}.rows{r['num_rows']}"
         f[f"{name}.threshold_ms"] = figure(r["threshold_ms"], "ms", "lower")

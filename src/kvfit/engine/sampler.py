@@ -18,7 +18,7 @@ from kvfit.batch_invariant.functional import logsumexp, topk_indices
 from kvfit.engine.logits_processors import AllowedTokens, BannedTokens, LogitBias, Penalties
 from kvfit.engine.sequence import Logprob, Logprobs, Sequence
 from kvfit.engine.transfer import to_device, to_host
-from kvfit.ops import filter_thresholds, gumbel_sample
+from kvfit.ops import argmax_scratch, filter_thresholds, greedy_argmax, gumbel_sample
 
 # Rows of prompt positions pushed through the logits head and the top-n scorer at once; warmup
 # runs one chunk of exactly this width so its memory is measured before the cache is sized.
@@ -163,19 +163,27 @@ class Sampler:
     then undone, and logprobs are the log-softmax of the raw logits, as vLLM returns by default.
 
     Device memory beyond the `[N, V]` logits: the processors' entries (see each), the filter
-    thresholds' O(N) and one `_LOGSUMEXP_BYTES` block of float32 for logprobs.
+    thresholds' O(N) and one `_LOGSUMEXP_BYTES` block of float32 for logprobs; on CUDA with
+    `max_num_seqs`, the greedy argmax's scratch (`kvfit.ops.argmax_scratch`, ~9 KB at 256 rows),
+    allocated here, once.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
+    def __init__(self, device: torch.device | str = "cpu", seed: int = 0,
+                 max_num_seqs: int = 0) -> None:
         self.device = torch.device(device)
         self.generator = torch.Generator(self.device).manual_seed(seed)
+        # Steps of up to `max_num_seqs` all-greedy rows take the one-launch argmax.
+        self.argmax_scratch = argmax_scratch(max_num_seqs, self.device)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from `logits` `[N, V]` (any float dtype; changed and restored in place) with
         `meta` built for the same N rows."""
         logits = logits.contiguous()
         undo = [processor.apply(logits) for processor in meta.processors]
-        token_ids = logits.argmax(dim=-1) if meta.all_greedy else self._sample(logits, meta)
+        if meta.all_greedy:
+            token_ids = greedy_argmax(logits, self.argmax_scratch)
+        else:
+            token_ids = self._sample(logits, meta)
         for change in reversed(undo):
             change.restore(logits)
         return self._with_logprobs(logits, token_ids, meta.num_logprobs)

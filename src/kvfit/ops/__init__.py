@@ -3,13 +3,15 @@
 from kvfit.ops.attention import AttentionMetadata, paged_attention, write_kv
 from kvfit.ops.attention_input import attention_input
 from kvfit.ops.layers import RotaryEmbedding, rms_norm, silu_and_mul
-from kvfit.ops.sampling import filter_thresholds, gumbel_sample
+from kvfit.ops.sampling import argmax_scratch, filter_thresholds, greedy_argmax, gumbel_sample
 
 __all__ = [
     "AttentionMetadata",
     "RotaryEmbedding",
+    "argmax_scratch",
     "attention_input",
     "filter_thresholds",
+    "greedy_argmax",
     "gumbel_sample",
     "paged_attention",
     "rms_norm",

@@ -1,11 +1,15 @@
-"""Seeded Gumbel-max sampling of one token per logits row, and the top-k / top-p / min-p filters
-as one logit threshold per row: Triton on CUDA, torch elsewhere."""
+"""Seeded Gumbel-max sampling of one token per logits row, greedy decoding's argmax, and the
+top-k / top-p / min-p filters as one logit threshold per row: Triton on CUDA, torch elsewhere."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvfit.ops.triton_argmax import ArgmaxScratch
 
 LOGITS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_TEMPERATURE = 2.0**-64
@@ -28,6 +32,27 @@ _FILTER_BYTES_PER_LOGIT = 24
 # Cuts per pass of the torch search: one histogram weighs them all, so a 16-bit key takes 2
 # passes and a 32-bit key 4.
 _TORCH_CANDIDATES = 256
+
+
+def argmax_scratch(max_rows: int, device: torch.device) -> ArgmaxScratch | None:
+    """The scratch `greedy_argmax` takes for calls of up to `max_rows` rows on `device`
+    (`triton_argmax.ArgmaxScratch`); None off CUDA or for no rows, where it needs none."""
+    if device.type != "cuda" or max_rows <= 0:
+        return None
+    from kvfit.ops.triton_argmax import ArgmaxScratch  # CUDA-only dependency
+
+    return ArgmaxScratch.allocate(max_rows, device)
+
+
+def greedy_argmax(logits: torch.Tensor, scratch: ArgmaxScratch | None = None) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` (`[N, V]` -> `[N]` int64, first column on ties): on CUDA with a
+    `scratch` of at least N rows in one launch (`triton_argmax`: the row split over the SMs),
+    else torch's reduction (one thread block a row). The same ids either way."""
+    if scratch is not None and logits.is_cuda and logits.shape[0] <= scratch.max_rows:
+        from kvfit.ops.triton_argmax import argmax_triton  # CUDA-only dependency
+
+        return argmax_triton(logits, scratch)
+    return logits.argmax(dim=-1)
 
 
 def gumbel_sample(
