@@ -270,19 +270,23 @@ def small_batch_settings(args: argparse.Namespace) -> list[bool]:
 
 
 def decode_settings(args: argparse.Namespace
-                    ) -> list[tuple[bool, bool, bool | None, str | None, bool | None]]:
-    """(fused_decode_input, small_batch_kernels, PDL, its trigger, QKV epilogue) per decode
-    engine: each `--fused-decode-input` setting by each `--small-batch-kernels` setting, the
-    ones with the kernels on once per `--pdl` setting (None: `ops.pdl.PDL_DEFAULT`), those
-    with PDL on once per `--pdl-trigger` (None: as `ops.pdl.PDL_EARLY` says), and each of
-    those once per `--qkv-epilogue` setting (None: `small_batch.QKV_EPILOGUE_DEFAULT`)."""
-    pdl = {"default": [None], **SMALL_BATCH_SETTINGS}[args.pdl]
-    qkv = {"default": [None], **SMALL_BATCH_SETTINGS}[args.qkv_epilogue]
+                    ) -> list[tuple[bool, bool, bool | None, str | None, bool | None,
+                                    bool | None]]:
+    """(fused_decode_input, small_batch_kernels, PDL, its trigger, QKV epilogue, one-row MMA)
+    per decode engine: each `--fused-decode-input` setting by each `--small-batch-kernels`
+    setting, the ones with the kernels on once per `--pdl` setting (None:
+    `ops.pdl.PDL_DEFAULT`), those with PDL on once per `--pdl-trigger` (None: as
+    `ops.pdl.PDL_EARLY` says), and each of those once per `--qkv-epilogue` setting (None:
+    `small_batch.QKV_EPILOGUE_DEFAULT`) and `--one-row-mma` setting (None:
+    `triton_skinny.ROW_MMA_PROLOGUE`)."""
+    default = {"default": [None], **SMALL_BATCH_SETTINGS}
+    pdl, qkv, mma = default[args.pdl], default[args.qkv_epilogue], default[args.one_row_mma]
     triggers = args.pdl_trigger or [None]
-    return [(fused, small, p, t, e) for fused in SMALL_BATCH_SETTINGS[args.fused_decode_input]
+    return [(fused, small, p, t, e, m)
+            for fused in SMALL_BATCH_SETTINGS[args.fused_decode_input]
             for small in small_batch_settings(args)
             for p in (pdl if small else [None]) for t in (triggers if p else [None])
-            for e in (qkv if small else [None])]
+            for e in (qkv if small else [None]) for m in (mma if small else [None])]
 
 
 @contextmanager
@@ -320,20 +324,38 @@ def qkv_epilogue_default(epilogue: bool | None) -> Iterator[None]:
         small_batch_ops.QKV_EPILOGUE_DEFAULT = saved
 
 
+@contextmanager
+def one_row_mma(enabled: bool | None) -> Iterator[None]:
+    """`triton_skinny.ROW_MMA_PROLOGUE` set to `enabled` (None: as it is) within the block:
+    an engine built in it captures its one-row graphs with the fused prologues' MMA, or not."""
+    if enabled is None or not torch.cuda.is_available():
+        yield
+        return
+    from kvfit.ops import triton_skinny  # imports Triton
+
+    saved = triton_skinny.ROW_MMA_PROLOGUE
+    triton_skinny.ROW_MMA_PROLOGUE = enabled
+    try:
+        yield
+    finally:
+        triton_skinny.ROW_MMA_PROLOGUE = saved
+
+
 def bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,
                  small_batch: bool = False, pdl: bool | None = None,
                  trigger: str | None = None, fused: bool = False,
-                 epilogue: bool | None = None) -> list[dict]:
+                 epilogue: bool | None = None, mma: bool | None = None) -> list[dict]:
     """Decode step time at each batch size against the limit of the same steps (weights and
     KV reads over the copy bandwidth, unless the GEMMs' FLOPs take longer), with the engine's
     `small_batch_kernels` set to `small_batch`, its kernels' PDL to `pdl` with `trigger`
-    (`pdl_default`), its QKV epilogue to `epilogue` (`qkv_epilogue_default`) and its
+    (`pdl_default`), its QKV epilogue to `epilogue` (`qkv_epilogue_default`), its fused
+    one-row prologues' product to `mma` (`one_row_mma`) and its
     `fused_decode_input` to `fused`. With `--profile-decode`, each row's steps once more
     under the profiler, appended to that file (`per_step_text`)."""
-    with pdl_default(pdl, trigger), qkv_epilogue_default(epilogue):
+    with pdl_default(pdl, trigger), qkv_epilogue_default(epilogue), one_row_mma(mma):
         rows = _bench_decode(model, args, limits, small_batch, pdl, trigger, fused)
     for row in rows:
-        row["qkv_epilogue"] = epilogue
+        row["qkv_epilogue"], row["one_row_mma"] = epilogue, mma
     return rows
 
 
@@ -492,6 +514,9 @@ def main(argv: list[str] | None = None) -> None:
                              "PDL on once per trigger given (default: as PDL_EARLY says)")
     _kernel_setting(parser, "--qkv-epilogue", "run each layer's attention input in its QKV "
                     "projection's kernel", "ops/small_batch.QKV_EPILOGUE_DEFAULT")
+    _kernel_setting(parser, "--one-row-mma", "feed a one-row fused norm's output to the "
+                    "16-row MMA in kernels wider than 32 rows of W, not FMAs",
+                    "ops/triton_skinny.ROW_MMA_PROLOGUE")
     parser.add_argument("--profile-decode", metavar="PATH",
                         help="profile each decode row's steps once more and append, per step, "
                              "the device span, the kernels' time and each kernel to PATH")
@@ -522,9 +547,9 @@ def main(argv: list[str] | None = None) -> None:
         result["throughput"] = result["throughputs"][0]
     result["decode"] = []
     for model in args.decode_models:
-        for fused, small, pdl, trigger, epilogue in decode_settings(args):
+        for fused, small, pdl, trigger, epilogue, mma in decode_settings(args):
             result["decode"] += bench_decode(model, args, limits, small, pdl, trigger, fused,
-                                             epilogue)
+                                             epilogue, mma)
             gc.collect()
     result["ttft"] = []
     for model in args.ttft_models:
@@ -552,14 +577,15 @@ def print_tables(result: dict) -> None:
               f"memory-bound): {t['of_limit']:.1%} of the limit")
     print(f"{'model':<18} {'batch':>5} {'context':>7} {'step ms':>8} {'limit ms':>8} "
           f"{'ratio':>5} {'of limit':>8} {'sync step ms':>12} {'sync ratio':>10} graphs "
-          f"small-batch pdl        fused qkv-epilogue runs ms")
+          f"small-batch pdl        fused qkv-epilogue mma   runs ms")
     for r in result["decode"]:
         runs = " ".join(f"{t:.3f}" for t in r.get("step_ms_runs", []))
         print(f"{r['model']:<18} {r['batch']:>5} {r['context']:>7.0f} {r['step_ms']:>8.3f} "
               f"{r['roofline_ms']:>8.3f} {r['ratio']:>5.2f} {r['of_limit']:>8.1%} "
               f"{r['sync_step_ms']:>12.3f} {r['sync_ratio']:>10.2f} {r['graphs']!s:6} "
               f"{r.get('small_batch_kernels', False)!s:11} {_pdl_label(r):10} "
-              f"{r.get('fused_decode_input', False)!s:5} {r.get('qkv_epilogue')!s:12} {runs}")
+              f"{r.get('fused_decode_input', False)!s:5} {r.get('qkv_epilogue')!s:12} "
+              f"{r.get('one_row_mma')!s:5} {runs}")
     for r in result.get("ttft", []):
         print(f"TTFT {r['model']} {r['prompt_len']} tokens: {r['ttft_s'] * 1e3:.1f} ms, limit "
               f"{r['limit_s'] * 1e3:.1f} ms ({r['limit']['gemm_tflop']:.3g} TFLOP GEMM + "

@@ -151,3 +151,16 @@ def test_decode_rows_side_by_side_with_and_without_the_qkv_epilogue(
                  "batch2.small_batch.qkv_epilogue"):
         assert f"decode.kvfit-tiny.{name}.step_ms" in record["figures"]
     assert small_batch.QKV_EPILOGUE_DEFAULT is default
+
+
+def test_decode_rows_side_by_side_with_and_without_the_one_row_mma(
+        bench, tmp_path: Path) -> None:  # noqa: ANN001
+    """`--one-row-mma both`: each decode row with the small-batch kernels once per setting,
+    named apart in the figures (off the GPU the setting changes no kernel, but the rows and
+    their names are the bench's)."""
+    record = _decode_record(bench, tmp_path, 2, "--small-batch-kernels", "on",
+                            "--one-row-mma", "both")
+    rows = [d["one_row_mma"] for d in record["results"]["decode"]]
+    assert rows == [False, True]
+    for name in ("batch2.small_batch.no_row_mma", "batch2.small_batch.row_mma"):
+        assert f"decode.kvfit-tiny.{name}.step_ms" in record["figures"]

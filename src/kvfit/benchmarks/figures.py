@@ -73,7 +73,9 @@ def throughput(p: dict[str, Any]) -> Figures:
         fused = ".fused_input" if d.get("fused_decode_input") else ""  # `--fused-decode-input`
         # `--qkv-epilogue`: the attention input in the QKV projection, set either way.
         qkv = {True: ".qkv_epilogue", False: ".no_qkv_epilogue"}.get(d.get("qkv_epilogue"), "")
-        name = f"decode.{d['model']}.batch{d['batch']}{small}{pdl}{fused}{qkv}"
+        # `--one-row-mma`: the fused one-row prologues' product, set either way.
+        mma = {True: ".row_mma", False: ".no_row_mma"}.get(d.get("one_row_mma"), "")
+        name = f"decode.{d['model']}.batch{d['batch']}{small}{pdl}{fused}{qkv}{mma}"
         f[f"{name}.step_ms"] = figure(d["step_ms"], "ms", "lower")
         f[f"{name}.over_roofline"] = figure(d["ratio"], "ratio", "lower")
     for r in p.get("ttft", []):

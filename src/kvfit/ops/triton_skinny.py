@@ -108,7 +108,8 @@ def skinny_config(n: int, k: int, num_sms: int = sm_count.DEFAULT_SMS,
     gate_up (BLOCK_N 64), after the residual add, is a 133-instruction stage at 70 registers
     against the FMAs' 260 at 128 (sm_90, `tools/triton_sass.py --linear 24576 4096 --batch
     1`); not yet timed (`bench/skinny_linear.py`'s `fused_mma`; the plain MMA there streamed
-    that layer in 68.7 us against the fused FMAs' 74.7 on an H100).
+    that layer in 68.7 us against the fused FMAs' 74.7 on an H100). `ROW_MMA_PROLOGUE` turns
+    that path on for prologue kernels wider than 32 rows of W.
     """
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= num_sms), 16)
     while head_dim is not None and head_dim % block_n and block_n > 16:
@@ -117,8 +118,16 @@ def skinny_config(n: int, k: int, num_sms: int = sm_count.DEFAULT_SMS,
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     one_wave = not prologue or triton.cdiv(n, block_n) <= 2 * num_sms
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=2 if block_n == 16 else 4,
-                num_stages=4 if one_wave else 3, ROW_GEMV=block_n <= 32 or prologue,
+                num_stages=4 if one_wave else 3,
+                ROW_GEMV=block_n <= 32 or (prologue and not ROW_MMA_PROLOGUE),
                 SPLIT_K=split_k(triton.cdiv(n, block_n), k, block_k, num_sms))
+
+
+ROW_MMA_PROLOGUE = False
+"""Whether a one-row kernel with a prologue and a tile wider than 32 rows of W (the 8B's
+gate_up, the LM heads under a fused norm) broadcasts its prologue's row to the 16-row MMA
+instead of taking FMAs (`skinny_config`'s ROW_GEMV); off until whole steps time it
+(`bench/throughput.py --one-row-mma both`). Read at launch: graphs keep what they captured."""
 
 
 MAX_SPLIT_K = 4
