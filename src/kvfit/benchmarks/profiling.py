@@ -33,7 +33,8 @@ FAMILIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("attention.input", re.compile(r"_attention_input_kernel|_write_kv_kernel|_rotary_kernel")),
     ("norm", re.compile(r"_rms_norm_kernel|rms_?norm", re.I)),
     ("activation", re.compile(r"_silu_and_mul_kernel")),
-    ("sampling", re.compile(r"_gumbel_argmax_kernel|_logsumexp_kernel|_key_range_kernel|"
+    # `_argmax_kernel`: greedy steps' argmax (`ops/triton_argmax.py`).
+    ("sampling", re.compile(r"_argmax_kernel|_logsumexp_kernel|_key_range_kernel|"
                             r"_begin_kernel|_radix_kernel|_between_kernel|_mass_kernel|"
                             r"_finish_kernel|RadixSort|topk", re.I)),
     ("memcpy", re.compile(r"^(Memcpy|Memset)", re.I)),
