@@ -102,3 +102,24 @@ def test_gpu_sampling_memory_beyond_the_logits_is_entries_and_one_block() -> Non
     bound = (40 * entries + 4 * sampler_module._LOGSUMEXP_BYTES + 64 * rows * 8
              + allowed_rows * vocab * logits.element_size())
     assert watch.peak_bytes <= bound, (watch.peak_bytes, bound)
+
+
+def test_gpu_greedy_batch_allocates_only_its_ids() -> None:
+    """An all-greedy step of `max_num_seqs` rows takes the one-launch argmax, whose scratch
+    the sampler allocated when it was built (before warmup measures memory): the step itself
+    allocates the [N] int64 ids and nothing else, and they are torch's argmax's."""
+    from kvfit.ops.memwatch import watch_memory
+
+    vocab, rows = 151936, 256
+    logits = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
+    sampler = Sampler("cuda", max_num_seqs=rows)
+    assert sampler.argmax_scratch is not None and sampler.argmax_scratch.max_rows == rows
+    seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.0)) for _ in range(rows)]
+    meta = SamplingMetadata.from_seqs(seqs, vocab, "cuda")
+    assert meta.all_greedy
+    first = sampler(logits, meta).sampled_token_ids  # compile
+    with watch_memory("cuda") as watch:
+        ids = sampler(logits, meta).sampled_token_ids
+    assert watch.peak_bytes <= 512 * -(-rows * 8 // 512), watch.peak_bytes  # one allocator block
+    assert torch.equal(ids, first)
+    assert torch.equal(ids, logits.argmax(dim=-1))
