@@ -171,7 +171,7 @@ def test_layer_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch, hidden:
 def test_sampling_and_filter_kernels_compile_for_sm90(
     monkeypatch: pytest.MonkeyPatch, vocab: int,
 ) -> None:
-    from kvfit.ops import triton_filters, triton_sampling
+    from kvfit.ops import triton_argmax, triton_filters, triton_sampling
 
     logits = torch.randn(4, vocab, dtype=torch.bfloat16)
     temperature = torch.tensor([0.0, 0.7, 1.0, 2.0])
@@ -182,7 +182,9 @@ def test_sampling_and_filter_kernels_compile_for_sm90(
         logits, temperature, top_k, top_p, min_p))
     names += _compile_launches(monkeypatch, lambda: triton_sampling.gumbel_sample_triton(
         logits, temperature, seeds, torch.full((4,), -1e30)))
-    assert names
+    scratch = triton_argmax.ArgmaxScratch.allocate(4, logits.device)
+    names += _compile_launches(monkeypatch, lambda: triton_argmax.argmax_triton(logits, scratch))
+    assert "_argmax_kernel" in names
 
 
 @pytest.mark.parametrize(("rows", "width", "dtype"), [
