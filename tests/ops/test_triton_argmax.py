@@ -97,6 +97,18 @@ def test_scratch_bounds_every_launch_up_to_its_rows(max_rows):
         assert splits <= bound
 
 
+@interpret
+def test_requested_splits_beyond_the_scratch_are_capped_not_refused():
+    """A caller's `splits` past what the scratch holds (9 rows x 50 splits, 20 parts) runs at
+    fewer splits (2 a row), to the same ids."""
+    logits = _hard_rows(4000, torch.float32)
+    scratch = triton_argmax.ArgmaxScratch(torch.zeros(9, dtype=torch.int32),
+                                          torch.empty(20, dtype=torch.int64))
+    got = triton_argmax.argmax_triton(logits, scratch, splits=50, block=16)
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert not scratch.arrived.any()
+
+
 # --- GPU ---------------------------------------------------------------------------------------
 
 

@@ -100,7 +100,8 @@ def _argmax_kernel(
     for tile in range(tiles_per_split):
         cols = start + tile * BLOCK + offs
         mask = cols < vocab_size
-        x = tl.load(row_logits + cols * stride_v, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(row_logits + cols.to(tl.int64) * stride_v, mask=mask,
+                    other=0.0).to(tl.float32)
         best = tl.maximum(best, tl.where(mask, _keys(x, cols), _INT64_MIN))
     tl.store(parts + row * splits + split, tl.max(best, axis=0))
     if last_to_arrive(arrived, row, splits):
@@ -116,7 +117,8 @@ def argmax_triton(logits: torch.Tensor, scratch: ArgmaxScratch, *,
     """`logits.argmax(dim=-1)` for `logits` `[N, V]` (bf16/fp16/fp32, any strides, N at most
     `scratch.max_rows`) in one launch: `[N]` int64, the first column of each row's largest
     value (NaN counts as largest, as in torch). `splits` (programs per row, default
-    `num_splits`) and `block` tune the launch and never change the result.
+    `num_splits`; capped at what the scratch holds) and `block` tune the launch and never
+    change the result.
 
     Device memory: the `[N]` output; the rest is `scratch`'s."""
     num_rows, vocab_size = logits.shape
@@ -127,13 +129,13 @@ def argmax_triton(logits: torch.Tensor, scratch: ArgmaxScratch, *,
     if num_rows == 0:
         return out
     num_tiles = triton.cdiv(vocab_size, block)
-    most = min(num_tiles, PROGRAMS_PER_SM * num_sms(logits.device))
+    # A requested count is capped where the kernel's tile of keys or the scratch would not
+    # hold it (the default never is).
+    most = min(num_tiles, PROGRAMS_PER_SM * num_sms(logits.device),
+               scratch.parts.numel() // num_rows)
     splits = min(splits or num_splits(num_rows, num_tiles, logits.device), most)
     tiles_per_split = triton.cdiv(num_tiles, splits)
     splits = triton.cdiv(num_tiles, tiles_per_split)  # no split left without a tile
-    if num_rows * splits > scratch.parts.numel():
-        raise ValueError(f"{num_rows} rows x {splits} splits exceed the scratch's "
-                         f"{scratch.parts.numel()} parts")
     _argmax_kernel[(num_rows, splits)](
         logits, out, scratch.arrived, scratch.parts, *logits.stride(), vocab_size,
         tiles_per_split, BLOCK=block, SPLITS_P2=splits_bound(num_tiles, logits.device),
