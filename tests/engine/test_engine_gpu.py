@@ -132,6 +132,27 @@ def test_small_batch_kernels_give_the_cublas_paths_greedy_tokens(
         assert got == expected, kwargs
 
 
+def test_greedy_argmax_kernel_gives_torchs_tokens(
+        make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `GREEDY_ARGMAX_KERNEL` the engine's sampler holds the argmax scratch for its
+    `max_num_seqs` rows (built before warmup) and greedy decoding, from graphs and at every
+    batch size the prompts make, gives exactly torch's argmax's tokens (the kernel's is exact);
+    every row's ticket is back at zero."""
+    from kvfit.engine import sampler
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    monkeypatch.setattr(sampler, "GREEDY_ARGMAX_KERNEL", False)
+    expected = [o.outputs[0].token_ids
+                for o in make_llm(max_num_seqs=8).generate(prompts(), params, use_tqdm=False)]
+    monkeypatch.setattr(sampler, "GREEDY_ARGMAX_KERNEL", True)
+    llm = make_llm(max_num_seqs=8)
+    scratch = llm.engine.executor.workers[0].runner.sampler.argmax_scratch
+    assert scratch is not None and scratch.max_rows == 8
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+    assert got == expected
+    assert not scratch.arrived.any()
+
+
 # Where two runs may round differently, greedy picks may differ only at a near-tie: the
 # logits of these models are of magnitude ~10, where one bf16 step is 0.06 nats.
 NEAR_TIE = 0.15

@@ -80,7 +80,8 @@ class ModelRunner:
         # their addresses, so sleep can drop the pages and wake restore them in place.
         self.weight_arena = (WeightArena(self.model, self.device) if config.enable_sleep_mode
                              else None)
-        self.sampler = Sampler(self.device, mc.seed, config.scheduler_config.max_num_seqs)
+        self.sampler = Sampler(self.device, mc.seed, config.scheduler_config.max_num_seqs
+                               if sampler_module.GREEDY_ARGMAX_KERNEL else 0)
         self.eos_token_ids = mc.eos_token_ids
         self.kv_cache: ExtensibleKVCache | None = None
         self.kv_cache_spec = config.kv_cache_spec()

@@ -29,6 +29,13 @@ _LOGSUMEXP_BYTES = 16 << 20
 
 LogitsProcessor = AllowedTokens | Penalties | LogitBias | BannedTokens
 
+GREEDY_ARGMAX_KERNEL = False
+"""Whether the model runner builds its sampler with the one-launch greedy argmax
+(`kvfit.ops.greedy_argmax`, scratch for `max_num_seqs` rows). Off until its GPU tests run:
+written on 2026-12-07 with no GPU lent (the interpreter's tests and the sm_90 compile passed);
+`tests/ops/test_triton_argmax.py` and `tests/engine/test_sampling_gpu.py` hold its GPU tests,
+`bench/sampling.py` times it against torch's argmax."""
+
 
 @dataclass
 class SamplingMetadata:
