@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kvfit.kv_quant import is_fp8
 from kvfit.ops.pdl import pdl_launch, release_late, wait_then_release
-from kvfit.ops.triton_kv_write import to_cache
+from kvfit.ops.triton_kv_write import slot_offset, to_cache
 from kvfit.ops.triton_layers import (
     _cos_sin,
     _load_halves,
@@ -83,7 +83,7 @@ def _attention_input_kernel(
                           NUM_KV_HEADS, KV_HEADS_P2, HALF, HALF_P2)  # fmt: skip
     h = tl.arange(0, KV_HEADS_P2)[:, None]
     mask = (h < NUM_KV_HEADS) & (tl.arange(0, HALF_P2)[None, :] < HALF)
-    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch
+    dst = slot_offset(slot, block_size, stride_cb, stride_cs) + h * stride_ch
     _store_kv_halves(k_cache, dst, k1, k2, k_scale, mask, stride_cd, HALF, HALF_P2, FP8)
     _store_kv_halves(v_cache, dst, v1, v2, v_scale, mask, stride_cd, HALF, HALF_P2, FP8)
 
@@ -104,7 +104,7 @@ def _store_kv_rows(cache, x1, x2, scale, slots, kv_head, mask, stride_cb, stride
                    FP8: tl.constexpr):  # fmt: skip
     """Both halves `[ROWS, HALF_P2]` of one KV head of each row at the row's cache slot; rows
     of slot -1 (a graph's padding) and masked rows store nothing."""
-    dst = ((slots // block_size) * stride_cb + (slots % block_size) * stride_cs)[:, None]
+    dst = slot_offset(slots, block_size, stride_cb, stride_cs)[:, None]
     _store_kv_halves(cache, dst + kv_head * stride_ch, x1, x2, scale,
                      mask & (slots >= 0)[:, None], stride_cd, HALF, HALF_P2, FP8)
 

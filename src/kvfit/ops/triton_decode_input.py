@@ -38,6 +38,7 @@ from kvfit.ops.triton_attention import (
     decode_order_arg,
     decode_shape,
 )
+from kvfit.ops.triton_kv_write import slot_offset
 from kvfit.ops.triton_tickets import last_to_arrive
 
 if TYPE_CHECKING:
@@ -135,8 +136,8 @@ def _decode_input_kernel(
                         mask=d < HEAD_DIM, other=0.0)
         slot = tl.load(slot_mapping + q_row)
         if slot >= 0:  # a padded CUDA-graph row stores nothing
-            dst = ((slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-                   + kv_head * stride_ch + d * stride_cd)
+            dst = (slot_offset(slot, BLOCK_SIZE, stride_cb, stride_cs) + kv_head * stride_ch
+                   + d * stride_cd)
             tl.store(k_cache + dst, key.to(k_cache.dtype.element_ty), mask=d < HEAD_DIM)
             tl.store(v_cache + dst, value.to(v_cache.dtype.element_ty), mask=d < HEAD_DIM)
         # The first term of an online softmax: its weight is exp2(0) = 1, exact in any dtype.

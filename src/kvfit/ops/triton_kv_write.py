@@ -13,6 +13,13 @@ FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 @triton.jit
+def slot_offset(slot, block_size, stride_cb, stride_cs):
+    """Where cache slot `slot` (block id x block_size + position in the block) starts, from
+    the cache's base: its block's stride plus its position's (any shape of slots)."""
+    return (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
+
+
+@triton.jit
 def to_cache(x, scale_ptr, cache, FP8: tl.constexpr):
     """`x` as `cache` stores it: cast, or for FP8 divided by the scale (IEEE-rounded, as torch
     divides), saturated to +-448 and rounded to nearest (`kvfit.kv_quant.quantize_fp8`)."""
@@ -40,12 +47,10 @@ def _write_kv_kernel(
     slot = tl.load(slot_mapping + token)
     if slot < 0:  # padded CUDA-graph slot
         return
-    block = slot // block_size
-    offset = slot % block_size
     h = tl.arange(0, HEADS_P2)[:, None]
     d = tl.arange(0, DIM_P2)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-    dst = block * stride_cb + offset * stride_cs + h * stride_ch + d * stride_cd
+    dst = slot_offset(slot, block_size, stride_cb, stride_cs) + h * stride_ch + d * stride_cd
     k = tl.load(key + token * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
     tl.store(k_cache + dst, to_cache(k, k_scale, k_cache, FP8), mask=mask)
     v = tl.load(value + token * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
