@@ -124,15 +124,21 @@ def test_decode_rows_per_pdl_trigger(bench, tmp_path: Path) -> None:  # noqa: AN
                 in record["figures"])
 
 
-def test_decode_rows_side_by_side_with_and_without_the_fused_decode_input(
-        bench, tmp_path: Path) -> None:  # noqa: ANN001
-    """`--fused-decode-input both`: each decode row once per setting, named apart in the
-    figures, the fused rows last."""
-    record = _decode_record(bench, tmp_path, 2, "--small-batch-kernels", "off",
-                            "--fused-decode-input", "both")
-    rows = [d["fused_decode_input"] for d in record["results"]["decode"]]
-    assert rows == [False, True]
-    for name in ("batch2", "batch2.fused_input"):
+@pytest.mark.parametrize(("flags", "key", "names"), [
+    (("--small-batch-kernels", "off", "--fused-decode-input", "both"), "fused_decode_input",
+     ("batch2", "batch2.fused_input")),
+    # Off the GPU the one-row MMA changes no kernel; the rows and their names are the bench's.
+    (("--small-batch-kernels", "on", "--one-row-mma", "both"), "one_row_mma",
+     ("batch2.small_batch.no_row_mma", "batch2.small_batch.row_mma")),
+])  # fmt: skip
+def test_decode_rows_side_by_side_off_then_on(
+        bench, tmp_path: Path, flags: tuple[str, ...], key: str,  # noqa: ANN001
+        names: tuple[str, str]) -> None:
+    """`--fused-decode-input both`, `--one-row-mma both`: each decode row once per setting,
+    off first, named apart in the figures."""
+    record = _decode_record(bench, tmp_path, 2, *flags)
+    assert [d[key] for d in record["results"]["decode"]] == [False, True]
+    for name in names:
         assert f"decode.kvfit-tiny.{name}.step_ms" in record["figures"]
 
 
@@ -152,15 +158,3 @@ def test_decode_rows_side_by_side_with_and_without_the_qkv_epilogue(
         assert f"decode.kvfit-tiny.{name}.step_ms" in record["figures"]
     assert small_batch.QKV_EPILOGUE_DEFAULT is default
 
-
-def test_decode_rows_side_by_side_with_and_without_the_one_row_mma(
-        bench, tmp_path: Path) -> None:  # noqa: ANN001
-    """`--one-row-mma both`: each decode row with the small-batch kernels once per setting,
-    named apart in the figures (off the GPU the setting changes no kernel, but the rows and
-    their names are the bench's)."""
-    record = _decode_record(bench, tmp_path, 2, "--small-batch-kernels", "on",
-                            "--one-row-mma", "both")
-    rows = [d["one_row_mma"] for d in record["results"]["decode"]]
-    assert rows == [False, True]
-    for name in ("batch2.small_batch.no_row_mma", "batch2.small_batch.row_mma"):
-        assert f"decode.kvfit-tiny.{name}.step_ms" in record["figures"]
