@@ -56,6 +56,7 @@ class ArgmaxScratch:
 
     @property
     def max_rows(self) -> int:
+        """The most rows one call may have (one ticket each)."""
         return self.arrived.numel()
 
 
