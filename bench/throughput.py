@@ -33,8 +33,9 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -310,35 +311,34 @@ def pdl_default(pdl: bool | None, trigger: str | None = None) -> Iterator[None]:
 
 
 @contextmanager
-def qkv_epilogue_default(epilogue: bool | None) -> Iterator[None]:
-    """`small_batch.QKV_EPILOGUE_DEFAULT` set to `epilogue` (None: as it is) within the
-    block: an engine built in it allocates its head tickets, or not, and runs so."""
-    if epilogue is None:
+def module_setting(module: ModuleType, name: str, value: bool | None) -> Iterator[None]:
+    """`module.name` set to `value` (None: as it is) within the block, then back: an engine
+    built in it reads the setting at its build and its graphs' capture."""
+    if value is None:
         yield
         return
-    saved = small_batch_ops.QKV_EPILOGUE_DEFAULT
-    small_batch_ops.QKV_EPILOGUE_DEFAULT = epilogue
+    saved = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        small_batch_ops.QKV_EPILOGUE_DEFAULT = saved
+        setattr(module, name, saved)
 
 
-@contextmanager
-def one_row_mma(enabled: bool | None) -> Iterator[None]:
+def qkv_epilogue_default(epilogue: bool | None) -> AbstractContextManager[None]:
+    """`small_batch.QKV_EPILOGUE_DEFAULT` set to `epilogue` (None: as it is) within the
+    block: an engine built in it allocates its head tickets, or not, and runs so."""
+    return module_setting(small_batch_ops, "QKV_EPILOGUE_DEFAULT", epilogue)
+
+
+def one_row_mma(enabled: bool | None) -> AbstractContextManager[None]:
     """`triton_skinny.ROW_MMA_PROLOGUE` set to `enabled` (None: as it is) within the block:
     an engine built in it captures its one-row graphs with the fused prologues' MMA, or not."""
     if enabled is None or not torch.cuda.is_available():
-        yield
-        return
+        return nullcontext()
     from kvfit.ops import triton_skinny  # imports Triton
 
-    saved = triton_skinny.ROW_MMA_PROLOGUE
-    triton_skinny.ROW_MMA_PROLOGUE = enabled
-    try:
-        yield
-    finally:
-        triton_skinny.ROW_MMA_PROLOGUE = saved
+    return module_setting(triton_skinny, "ROW_MMA_PROLOGUE", enabled)
 
 
 def bench_decode(model: str, args: argparse.Namespace, limits: DeviceLimits,

@@ -50,7 +50,7 @@ class ArgmaxScratch:
         """Scratch for calls of up to `max_rows` rows on `device`: 4 x max_rows bytes of
         tickets and 8 x max(max_rows, PROGRAMS_PER_SM x SMs) bytes of keys (9 KB at 256 rows on
         132 SMs): the most (row, split) parts `num_splits` makes, at any row count."""
-        parts = max(max_rows, PROGRAMS_PER_SM * num_sms(device))
+        parts = max(max_rows, _grid_programs(device))
         return cls(torch.zeros(max_rows, dtype=torch.int32, device=device),
                    torch.empty(parts, dtype=torch.int64, device=device))
 
@@ -60,17 +60,22 @@ class ArgmaxScratch:
         return self.arrived.numel()
 
 
+def _grid_programs(device: torch.device) -> int:
+    """The programs a launch of few rows is split into: `PROGRAMS_PER_SM` per SM."""
+    return PROGRAMS_PER_SM * num_sms(device)
+
+
 def num_splits(num_rows: int, num_tiles: int, device: torch.device) -> int:
     """Programs per row: the grid up to `PROGRAMS_PER_SM` per SM, one tile each at least, and
     never more than that grid's parts in all (so `ArgmaxScratch` bounds every launch)."""
-    return max(1, min(num_tiles, PROGRAMS_PER_SM * num_sms(device) // max(1, num_rows)))
+    return max(1, min(num_tiles, _grid_programs(device) // max(1, num_rows)))
 
 
 def splits_bound(num_tiles: int, device: torch.device) -> int:
     """The kernel's SPLITS_P2: a power of two at or above any launch's splits over rows of
     `num_tiles` tiles. A constant of the vocabulary and the device, not of the row count, so
     a new batch size compiles nothing."""
-    return triton.next_power_of_2(min(num_tiles, PROGRAMS_PER_SM * num_sms(device)))
+    return triton.next_power_of_2(min(num_tiles, _grid_programs(device)))
 
 
 @triton.jit
@@ -132,8 +137,7 @@ def argmax_triton(logits: torch.Tensor, scratch: ArgmaxScratch, *,
     num_tiles = triton.cdiv(vocab_size, block)
     # A requested count is capped where the kernel's tile of keys or the scratch would not
     # hold it (the default never is).
-    most = min(num_tiles, PROGRAMS_PER_SM * num_sms(logits.device),
-               scratch.parts.numel() // num_rows)
+    most = min(num_tiles, _grid_programs(logits.device), scratch.parts.numel() // num_rows)
     splits = min(splits or num_splits(num_rows, num_tiles, logits.device), most)
     tiles_per_split = triton.cdiv(num_tiles, splits)
     splits = triton.cdiv(num_tiles, tiles_per_split)  # no split left without a tile
