@@ -13,7 +13,9 @@ shape and M, each op is timed as a CUDA graph node (`triton.testing.do_bench_cud
 a decode graph runs it, over as many copies of the weight as fill `--rotate-mib` (default 512
 MiB, several L2s) so that every call reads its weight from DRAM as a decode step does:
 
-- `cublas`: `F.linear`; `skinny`: `skinny_linear_triton`;
+- `cublas`: `F.linear`; `cublaslt`: the same under `torch.backends.cuda.preferred_blas_library
+  ("cublaslt")`, whose heuristics may split K where few output tiles leave SMs idle (the
+  N-1024 layers at 64-256 rows); `skinny`: `skinny_linear_triton`;
 - where the model folds an op in (qkv and gate_up after the residual add + RMSNorm, down after
   SiLU-and-mul): `unfused` (the op's own kernel, then `F.linear`) and `fused`
   (`rms_norm_linear_triton` / `silu_and_mul_linear_triton`);
@@ -42,7 +44,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +106,17 @@ def _time_us(calls: list[Callable[[], object]]) -> float:
     return triton.testing.do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3 / len(calls)
 
 
+@contextmanager
+def blas_library(name: str) -> Iterator[None]:
+    """torch's preferred BLAS library set to `name` for the block, then put back."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def limit_us(shape: Shape, m: int, limits: dict) -> float | None:
     """The op's time at the in-run limits (None without them): its bf16 weight, input and
     output at copy bandwidth, or its 2MNK FLOPs at the GEMM rate, whichever is longer."""
@@ -133,6 +147,8 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool, limits: dict) 
     pdl_ok = torch.cuda.get_device_capability(dev)[0] >= 9
     pdls = ([False, True] if pdl_ok else [False]) if skinny else []
     us = {"cublas": _time_us([lambda w=w: F.linear(x, w) for w in ws])}
+    with blas_library("cublaslt"):
+        us["cublaslt"] = _time_us([lambda w=w: F.linear(x, w) for w in ws])
     config = ts.skinny_config(shape.n, shape.k, num_sms(dev), shape.prologue != "none")
     # The engine's split-K scratch is in effect, so the kernels split where `skinny_config`
     # says (`skinny`, `fused`); `*_whole` beside them where it does: the same launch unsplit.
@@ -191,7 +207,7 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool, limits: dict) 
 def table_text(result: dict) -> str:
     nan = float("nan")
     copy = result.get("copy_bandwidth_gbps")
-    lines = [f"{'model':16} {'layer':13} {'M':>3} {'cublas us':>9} {'skinny us':>9} "
+    lines = [f"{'model':16} {'layer':13} {'M':>3} {'cublas us':>9} {'lt us':>7} {'skinny us':>9} "
              f"{'GB/s':>7} {'of copy':>7} {'unfused':>8} {'fused':>8} {'skinny pdl':>10} "
              f"{'fused pdl':>9} {'skinny mma':>10} {'fused mma':>9} {'whole us':>8} "
              f"{'limit us':>8} "
@@ -201,7 +217,8 @@ def table_text(result: dict) -> str:
         share = f"{gbps / copy:7.2f}" if copy else f"{'-':>7}"
         us = r["us"]
         lines.append(f"{r['model']:16} {r['layer']:13} {r['m']:3d} {us['cublas']:9.2f} "
-                     f"{us.get('skinny', nan):9.2f} {gbps:7.0f} {share} "
+                     f"{us.get('cublaslt', nan):7.2f} {us.get('skinny', nan):9.2f} "
+                     f"{gbps:7.0f} {share} "
                      f"{us.get('unfused', nan):8.2f} {us.get('fused', nan):8.2f} "
                      f"{us.get('skinny_pdl', nan):10.2f} {us.get('fused_pdl', nan):9.2f} "
                      f"{us.get('skinny_mma', nan):10.2f} {us.get('fused_mma', nan):9.2f} "

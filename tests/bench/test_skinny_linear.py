@@ -53,7 +53,7 @@ def test_table_and_record_from_timings(bench) -> None:  # noqa: ANN001
     text = bench.table_text(result)
     assert "qkv_proj" in text and text.count("\n") == len(result["layers"])
     small, big = text.splitlines()[1:3], text.splitlines()[3]
-    assert all(line.split()[6] == "0.70" for line in small)  # 2,800 / 4,000
+    assert all(line.split()[7] == "0.70" for line in small)  # 2,800 / 4,000
     record = record_of("skinny-linear", result, {"m": [1, 16, 256]})
     assert validate(record) == []
     figures = record["figures"]
@@ -64,8 +64,9 @@ def test_table_and_record_from_timings(bench) -> None:  # noqa: ANN001
     assert figures["qwen3-0.6b.qkv_proj.m1.skinny_mma_us"]["value"] == 4.0
     assert figures["qwen3-0.6b.qkv_proj.m1.fused_mma_us"]["value"] == 3.75
     assert figures["qwen3-0.6b.qkv_proj.m1.skinny_whole_us"]["value"] == 3.25
-    # 256 rows: cuBLAS against the op's limit, no skinny column or figure.
-    assert big.split()[-2:] == ["4.00", "2.00"] and big.split()[4] == "nan"
+    # 256 rows: cuBLAS (and cuBLASLt) against the op's limit, no skinny column or figure.
+    assert big.split()[-2:] == ["4.00", "2.00"] and big.split()[4:6] == ["6.00", "nan"]
+    assert figures["qwen3-0.6b.qkv_proj.m256.cublaslt_us"]["value"] == 6.0
     assert figures["qwen3-0.6b.qkv_proj.m256.cublas_over_limit"]["value"] == 2.0
     assert not any(name.startswith("qwen3-0.6b.qkv_proj.m256.skinny") for name in figures)
 

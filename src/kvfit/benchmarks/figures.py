@@ -279,10 +279,10 @@ def skinny_linear(p: dict[str, Any]) -> Figures:
         if "fused_over_unfused" in r:
             f[f"{name}.fused_over_unfused"] = figure(r["fused_over_unfused"], "ratio", "lower")
         # Programmatic dependent launch (sm_90+ runs only), and the plain kernel's tensor-core
-        # tile at one row (runs since the FMA path took M = 1), and the fused kernel's (since
-        # its one-row prologue could feed it).
-        for col in ("skinny_pdl", "fused_pdl", "skinny_mma", "fused_mma", "skinny_whole",
-                    "fused_whole"):
+        # tile at one row (runs since the FMA path took M = 1), the fused kernel's (since
+        # its one-row prologue could feed it), and cuBLASLt beside cuBLAS.
+        for col in ("cublaslt", "skinny_pdl", "fused_pdl", "skinny_mma", "fused_mma",
+                    "skinny_whole", "fused_whole"):
             if col in r["us"]:
                 f[f"{name}.{col}_us"] = figure(r["us"][col], "us", "lower")
     return f
