@@ -149,7 +149,8 @@ def measure(shape: Shape, m: int, rotate_bytes: int, sweep: bool, limits: dict) 
     us = {"cublas": _time_us([lambda w=w: F.linear(x, w) for w in ws])}
     with blas_library("cublaslt"):
         us["cublaslt"] = _time_us([lambda w=w: F.linear(x, w) for w in ws])
-    config = ts.skinny_config(shape.n, shape.k, num_sms(dev), shape.prologue != "none")
+    kinds = {"none": ts.NONE, "add_rms_norm": ts.ADD_RMS_NORM, "silu_and_mul": ts.SILU_AND_MUL}
+    config = ts.skinny_config(shape.n, shape.k, num_sms(dev), kinds[shape.prologue])
     # The engine's split-K scratch is in effect, so the kernels split where `skinny_config`
     # says (`skinny`, `fused`); `*_whole` beside them where it does: the same launch unsplit.
     wholes: dict[str, dict | None] = {"": None}

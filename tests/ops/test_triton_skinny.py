@@ -308,7 +308,7 @@ def test_split_k_parts_only_where_sms_would_idle() -> None:
     BLOCK_K tiles, stays whole."""
     cfg = triton_skinny.skinny_config
     assert cfg(1024, 2048, num_sms=132)["SPLIT_K"] == 4  # 0.6B o_proj
-    assert cfg(1024, 3072, num_sms=132, prologue=True)["SPLIT_K"] == 4  # 0.6B down_proj
+    assert cfg(1024, 3072, num_sms=132, prologue=triton_skinny.SILU_AND_MUL)["SPLIT_K"] == 4
     assert cfg(1024, 3072, num_sms=108)["SPLIT_K"] == 2
     for n, k in [(4096, 1024), (6144, 1024), (6144, 4096), (4096, 4096), (4096, 12288),
                  (24576, 4096), (151936, 1024)]:
@@ -369,9 +369,23 @@ def test_skinny_config_gives_every_sm_a_program_and_keeps_block_k_a_divisor() ->
             ] == [True, True, False]
     assert triton_skinny.skinny_config(1024, 3072)["BLOCK_N"] == 16
     # A prologue's buffers fit two programs a SM at four stages: a grid beyond that takes three.
-    assert triton_skinny.skinny_config(24576, 4096, prologue=True)["num_stages"] == 3
+    norm = triton_skinny.ADD_RMS_NORM
+    assert triton_skinny.skinny_config(24576, 4096, prologue=norm)["num_stages"] == 3
     assert triton_skinny.skinny_config(24576, 4096)["num_stages"] == 4
-    assert triton_skinny.skinny_config(6144, 4096, prologue=True)["num_stages"] == 4
+    assert triton_skinny.skinny_config(6144, 4096, prologue=norm)["num_stages"] == 4
+
+
+@pytest.mark.parametrize("mma_prologue", [True, False])
+def test_one_row_mma_takes_norm_prologues_of_wide_tiles_only(monkeypatch: pytest.MonkeyPatch,
+                                                             mma_prologue: bool) -> None:
+    """`ROW_MMA_PROLOGUE` moves a one-row norm prologue of a 64-row tile (the 8B's gate_up) to
+    the MMA; 32-row tiles and the SiLU prologue keep the FMAs either way."""
+    monkeypatch.setattr(triton_skinny, "ROW_MMA_PROLOGUE", mma_prologue)
+    gemv = {(n, p): triton_skinny.skinny_config(n, 4096, num_sms=132, prologue=p)["ROW_GEMV"]
+            for n in (6144, 24576) for p in (triton_skinny.RMS_NORM, triton_skinny.ADD_RMS_NORM,
+                                               triton_skinny.SILU_AND_MUL)}
+    wide_norms = {(24576, triton_skinny.RMS_NORM), (24576, triton_skinny.ADD_RMS_NORM)}
+    assert gemv == {key: not (mma_prologue and key in wide_norms) for key in gemv}
 
 
 # --- GPU ---------------------------------------------------------------------------------------
@@ -417,7 +431,8 @@ def test_gpu_one_row_norm_through_the_mma_matches_the_unfused_chain(dtype: torch
     x = torch.randn(1, k, dtype=dtype, device="cuda")
     residual = torch.randn(1, k, dtype=dtype, device="cuda") * 3
     norm = torch.randn(k, dtype=dtype, device="cuda")
-    config = {**triton_skinny.skinny_config(n, k, prologue=True), "ROW_GEMV": False}
+    config = {**triton_skinny.skinny_config(n, k, prologue=triton_skinny.ADD_RMS_NORM),
+              "ROW_GEMV": False}
     got, summed = triton_skinny.rms_norm_linear_triton(x, residual, norm, 1e-6, w,
                                                        config=config)
     normed, expect_sum = add_rms_norm_torch(x, residual, norm, 1e-6)

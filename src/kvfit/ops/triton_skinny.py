@@ -26,9 +26,9 @@ times. The kernel is shaped for that stream rather than for reuse:
   (a runtime branch, `_product`) where `ROW_GEMV` says: `skinny_config` sets it where the
   weight tile is at most 32 rows (timed per shape there: the 0.6B down_proj 8.9 us as a
   16-row MMA, 5.7 with FMAs) and for every kernel with a prologue, whose 16-row tile costs ALU
-  work per row. Without it a one-row kernel with a prologue computes the prologue on its one
-  row and broadcasts it to the MMA's 16 (not yet timed: `bench/skinny_linear.py`'s
-  `fused_mma`).
+  work per row, but a wider tile than 32 rows of W with a norm prologue computes the norm on
+  its one row and broadcasts it to the MMA's 16 (`ROW_MMA_PROLOGUE`: the 8B's gate_up 1.6%
+  faster so, its one-row step 1.5%).
 - A prologue is recomputed by every program (from L2: the x rows are a few KB): the RMSNorm's
   rms by a pre-pass over the row, the SiLU per tile. That is ~10 (norm) and ~30 (SiLU)
   instructions per x element per program, cheap for one row and not for 16 (see `_product`).
@@ -70,9 +70,14 @@ BLOCK_M = 16
 """Rows of the MMA tile: `tl.dot`'s smallest M; x rows past M are masked (no bytes read)."""
 
 
+NONE, RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL = 0, 1, 2, 3
+"""The kernel's `PROLOGUE`: what it computes from x before the product."""
+
+
 def skinny_config(n: int, k: int, num_sms: int = sm_count.DEFAULT_SMS,
-                  prologue: bool = False, head_dim: int | None = None) -> dict[str, int]:
-    """Tiles and launch options for a `[n, k]` weight (to be timed: `bench/skinny_linear.py`);
+                  prologue: int = NONE, head_dim: int | None = None) -> dict[str, int]:
+    """Tiles and launch options for a `[n, k]` weight whose kernel computes `prologue` (NONE,
+    RMS_NORM, ADD_RMS_NORM or SILU_AND_MUL) from x first (timed: `bench/skinny_linear.py`);
     with `head_dim`, BLOCK_N narrowed until a head's columns are whole tiles (the QKV
     epilogue counts a head's tiles), and the rest chosen for that tile.
 
@@ -103,31 +108,36 @@ def skinny_config(n: int, k: int, num_sms: int = sm_count.DEFAULT_SMS,
     rows of W. H100, 2026-12-05, FMAs against the 16-row MMA at one row: 0.6B qkv 4.9/5.5 us,
     o_proj 4.5/5.5, gate_up 6.5/7.1, down 5.7/8.9, 8B qkv 19.3/20.1, o_proj 13.4/14.6, down
     36.2/38.6; at BLOCK_N 64 the MMA's: 8B gate_up 68.7/73.1, LM heads 102.4/109.0 (0.6B) and
-    406.3/408.9 (8B). A kernel with a prologue takes FMAs at every width: with `ROW_GEMV` off
-    its one row's prologue feeds the MMA, broadcast to the tile's 16 rows, which for the 8B's
-    gate_up (BLOCK_N 64), after the residual add, is a 133-instruction stage at 70 registers
-    against the FMAs' 260 at 128 (sm_90, `tools/triton_sass.py --linear 24576 4096 --batch
-    1`); not yet timed (`bench/skinny_linear.py`'s `fused_mma`; the plain MMA there streamed
-    that layer in 68.7 us against the fused FMAs' 74.7 on an H100). `ROW_MMA_PROLOGUE` turns
-    that path on for prologue kernels wider than 32 rows of W.
+    406.3/408.9 (8B). A kernel with a prologue takes FMAs where its tile is at most 32 rows;
+    above, a norm prologue takes the MMA where `ROW_MMA_PROLOGUE` says and SiLU-and-mul the
+    FMAs (no model's down_proj is that wide, and its MMA spills 16 bytes at N 24576: sm_90,
+    `tests/tools/test_triton_compile.py`). A norm's one row feeds the MMA broadcast to the
+    tile's 16 rows, which for the 8B's gate_up (BLOCK_N 64), after the residual add, is a
+    133-instruction stage at 70 registers against the FMAs' 260 at 128 (sm_90,
+    `tools/triton_sass.py --linear 24576 4096 --batch 1`). H100, 2026-12-07
+    (`bench/skinny_linear.py --m 1`): that layer fused 71.8 us with the MMA against 72.9 with
+    FMAs (the plain product 66.6, unfused 70.6).
     """
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= num_sms), 16)
     while head_dim is not None and head_dim % block_n and block_n > 16:
         block_n //= 2
     block_k = 256 if block_n <= 32 else 128
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
-    one_wave = not prologue or triton.cdiv(n, block_n) <= 2 * num_sms
+    one_wave = prologue == NONE or triton.cdiv(n, block_n) <= 2 * num_sms
+    mma_prologue = prologue in (RMS_NORM, ADD_RMS_NORM) and ROW_MMA_PROLOGUE
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=2 if block_n == 16 else 4,
                 num_stages=4 if one_wave else 3,
-                ROW_GEMV=block_n <= 32 or (prologue and not ROW_MMA_PROLOGUE),
+                ROW_GEMV=block_n <= 32 or (prologue != NONE and not mma_prologue),
                 SPLIT_K=split_k(triton.cdiv(n, block_n), k, block_k, num_sms))
 
 
-ROW_MMA_PROLOGUE = False
-"""Whether a one-row kernel with a prologue and a tile wider than 32 rows of W (the 8B's
+ROW_MMA_PROLOGUE = True
+"""Whether a one-row kernel with a norm prologue and a tile wider than 32 rows of W (the 8B's
 gate_up, the LM heads under a fused norm) broadcasts its prologue's row to the 16-row MMA
-instead of taking FMAs (`skinny_config`'s ROW_GEMV); off until whole steps time it
-(`bench/throughput.py --one-row-mma both`). Read at launch: graphs keep what they captured."""
+instead of taking FMAs (`skinny_config`'s ROW_GEMV). On since whole one-row steps of the 8B
+shape timed it (H100, 2026-12-07, `bench/throughput.py --one-row-mma both`, medians of 3 in one
+call): 5.876 ms against 5.966 with FMAs, 1.5% faster. Read at launch: graphs keep what they
+captured."""
 
 
 MAX_SPLIT_K = 4
@@ -209,9 +219,6 @@ stages' worth, so that all programs' prefetches (8-12 MB at the two models' shap
 NORM_BLOCK_K = 2048
 """Columns of one row per iteration of a one-row norm prologue's rms pass, at most half the
 row (K 4096: two iterations, 16-32 values a thread; K 1024: two of 512)."""
-
-NONE, RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL = 0, 1, 2, 3
-"""The kernel's `PROLOGUE`: what it computes from x before the product."""
 
 
 @triton.jit
@@ -490,8 +497,7 @@ def _launch(
     if x.shape[0] == 0:
         return out
     head_dim = None if attention_input is None else attention_input.k_cache.shape[3]
-    launch = dict(config or skinny_config(n, k, sm_count.num_sms(x.device), prologue != NONE,
-                                          head_dim))
+    launch = dict(config or skinny_config(n, k, sm_count.num_sms(x.device), prologue, head_dim))
     block_n = launch.pop("BLOCK_N")
     scratch = split_k_scratch()
     epilogue = _epilogue_operands(attention_input, x, out, block_n, scratch)
