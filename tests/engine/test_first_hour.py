@@ -34,6 +34,16 @@ def greedy(**kwargs: object) -> SamplingParams:
     ({"seed": 1.0}, r"seed must be an integer"),
     ({"logprobs": 1.5}, r"logprobs must be an integer"),
     ({"stop_token_ids": [2, False]}, r"stop_token_ids must hold integers"),
+    # Found by the hunt: these reached the detokenizer inside a step and failed the batch.
+    ({"stop": ["a", 1]}, r"stop must hold strings, got \['a', 1\]"),
+    ({"stop": [b"a"]}, r"stop must hold strings"),
+    ({"bad_words": [3]}, r"bad_words must hold strings"),
+    ({"bad_words_token_ids": [[1.5]]}, r"bad_words_token_ids must hold lists of integers"),
+    ({"stop": 5}, r"stop must be a list, got 5"),
+    ({"allowed_token_ids": 5}, r"allowed_token_ids must be a list, got 5"),
+    ({"bad_words_token_ids": [5]}, r"bad_words_token_ids must be a list, got 5"),
+    ({"logit_bias": {"a": 1.0}}, r"logit_bias must map token ids to numbers"),
+    ({"logit_bias": [(1, 2.0)]}, r"logit_bias must map token ids to numbers"),
 ])
 def test_sampling_params_refuse_non_finite_and_non_integer_values(
     kwargs: dict, match: str,

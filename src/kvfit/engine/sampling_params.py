@@ -65,14 +65,20 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):
             value = getattr(self, name)
-            setattr(self, name, [value] if isinstance(value, str) else list(value or []))
-        self.stop_token_ids = list(self.stop_token_ids or [])
+            setattr(self, name, [value] if isinstance(value, str) else _as_list(name, value))
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
-        self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids or []]
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
+        self.bad_words_token_ids = [_as_list("bad_words_token_ids", ids)
+                                    for ids in _as_list("bad_words_token_ids",
+                                                        self.bad_words_token_ids)]
         if self.logit_bias is not None:
-            # JSON object keys arrive as strings.
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            # JSON object keys arrive as strings. A key or value that is no number is named
+            # here, not left to int()'s error, which says neither field nor entry.
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (AttributeError, TypeError, ValueError):
+                _check(False, "logit_bias", "must map token ids to numbers", self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -89,6 +95,13 @@ class SamplingParams:
         for name in ("stop_token_ids", "allowed_token_ids"):
             ids = getattr(self, name) or ()
             _check(all(_is_int(t) for t in ids), name, "must hold integers", ids)
+        _check(all(_is_int(t) for ids in self.bad_words_token_ids for t in ids),
+               "bad_words_token_ids", "must hold lists of integers", self.bad_words_token_ids)
+        # Stop strings are first read by the detokenizer inside a step, where an int or bytes
+        # would fail the step and with it every request of the batch.
+        for name in ("stop", "bad_words"):
+            words = getattr(self, name)
+            _check(all(isinstance(w, str) for w in words), name, "must hold strings", words)
         _check(self.allowed_token_ids != [], "allowed_token_ids",
                "must name at least one token (None: every token)", self.allowed_token_ids)
         _check(self.n >= 1, "n", "must be >= 1", self.n)
@@ -179,6 +192,15 @@ def _is_int(value: object) -> bool:
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
         value, bool | np.bool_)
+
+
+def _as_list(name: str, value: object) -> list:
+    """`value` (a list, tuple or other iterable; None: empty) as a new list. A lone number
+    is refused naming the field, not left to list()'s error, which names neither."""
+    try:
+        return list(value or [])
+    except TypeError:
+        raise ValueError(f"SamplingParams.{name} must be a list, got {value!r}") from None
 
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:
