@@ -121,6 +121,33 @@ def test_device_errors() -> None:
             EngineArgs(device="cuda").create_engine_config()
 
 
+def test_cpu_device_index_is_refused_naming_the_setting() -> None:
+    # Found by the hunt: 'cpu:1' was accepted and failed in the weight loader, which called
+    # the checkpoint damaged. 'cpu:0' is the CPU.
+    with pytest.raises(ValueError, match=r"device='cpu:1': the CPU has no device index"):
+        config_on("cpu:1")
+    assert config_on("cpu:0").device == torch.device("cpu")
+
+
+def config_on(device: str):  # -> EngineConfig
+    return EngineArgs(model="kvfit-tiny", device=device).create_engine_config()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    # Found by the hunt: these failed in the worker with torch's words, naming no setting...
+    ({"seed": 1.5}, r"seed must be an integer in \[-2\*\*63, 2\*\*64\), got 1.5"),
+    ({"seed": 2**70}, r"seed must be an integer"),
+    ({"max_num_batched_tokens": 200.5}, r"max_num_batched_tokens must be an integer >= 1"),
+    # ... and 0 was taken as "the default".
+    ({"max_num_batched_tokens": 0}, r"max_num_batched_tokens must be an integer >= 1, got 0"),
+])
+def test_engine_seed_and_token_budget_are_checked_at_config_time(
+    kwargs: dict, match: str,
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        config(**kwargs)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("device", ["auto", "cuda"])
 def test_cuda_device_resolves_to_an_index(device: str) -> None:

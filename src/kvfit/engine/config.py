@@ -477,7 +477,7 @@ class EngineArgs:
             dtype=_resolve_dtype(self.dtype, hf_config, device),
             max_model_len=_resolve_max_model_len(self.max_model_len, hf_config, device),
             load_format=_check_choice("load_format", self.load_format, LOAD_FORMATS),
-            seed=self.seed,
+            seed=_check_seed(self.seed),
             max_logprobs=_at_least("max_logprobs", self.max_logprobs, 0),
             eos_token_ids=load_eos_token_ids(self.model, hf_config),
         )
@@ -491,7 +491,10 @@ class EngineArgs:
                              f"{block_size}: each sequence holds whole blocks, so a larger one "
                              f"only wastes memory, and warmup runs a step of at least a block")
         max_num_seqs = _at_least("max_num_seqs", self.max_num_seqs, 1)
-        max_batched = self.max_num_batched_tokens or _DEFAULT_MAX_NUM_BATCHED_TOKENS[device.type]
+        max_batched = _DEFAULT_MAX_NUM_BATCHED_TOKENS[device.type]
+        if self.max_num_batched_tokens is not None:
+            # 0 is no default: a step of no tokens is no setting anyone means.
+            max_batched = _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         # No step can hold more, and profiling and warmup run a step of this size: measured
         # sizing would keep its transient free for nothing.
         fill = max(max_num_seqs * max_len, block_size)
@@ -679,6 +682,14 @@ def _at_least(name: str, value: int, low: int) -> int:
     return value
 
 
+def _check_seed(seed: int) -> int:
+    """The engine's seed, in the range torch's generators take: checked here, since a float or
+    an overflow would otherwise fail in a worker with torch's words, naming no setting."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
+    return seed
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
@@ -720,6 +731,13 @@ def _resolve_device(device: str) -> torch.device:
         raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {device!r}") from e
     if resolved.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {device!r}")
+    if resolved.type == "cpu":
+        # The CPU has one device: 'cpu:1' would fail later, in the weight loader, as if the
+        # checkpoint were damaged.
+        if resolved.index not in (None, 0):
+            raise ValueError(f"device={device!r}: the CPU has no device index; use "
+                             f"device='cpu'")
+        resolved = torch.device("cpu")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu'")
     if resolved.type == "cuda" and resolved.index is None:
