@@ -133,6 +133,32 @@ def test_stop_strings_are_cut_or_kept_as_asked(llm: LLM) -> None:
         assert out.outputs[0].stop_reason == stop
 
 
+def test_a_stop_token_s_text_is_kept_only_with_include_stop_str_in_output(llm: LLM) -> None:
+    # Found by the hunt: the stop token's text was left out even when asked for (vLLM keeps
+    # it with include_stop_str_in_output).
+    [prompt] = prompts(15, seed=7)
+    greedy = dict(temperature=0, ignore_eos=True)
+    [plain] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(**greedy, max_tokens=12),
+                           use_tqdm=False)
+    tokens = plain.outputs[0].token_ids
+    texts = [o.outputs[0].text for o in llm.generate(
+        [{"prompt_token_ids": prompt}] * len(tokens),
+        [SamplingParams(**greedy, max_tokens=n) for n in range(1, len(tokens) + 1)],
+        use_tqdm=False)]  # texts[i]: the text of tokens[:i + 1]
+    # A first occurrence with text of its own (some of the tiny vocabulary decodes to none).
+    at = next(i for i in range(1, len(tokens))
+              if tokens[i] not in tokens[:i] and texts[i] != texts[i - 1])
+    before, through = texts[at - 1], texts[at]
+    for include, text in ((False, before), (True, through)):
+        [out] = llm.generate({"prompt_token_ids": prompt},
+                             SamplingParams(**greedy, max_tokens=12, stop_token_ids=[tokens[at]],
+                                            include_stop_str_in_output=include),
+                             use_tqdm=False)
+        got = out.outputs[0]
+        assert got.token_ids == tokens[:at + 1] and got.stop_reason == tokens[at]
+        assert got.text == text
+
+
 @pytest.mark.parametrize(("params", "setting"), [
     (SamplingParams(logit_bias={512: 1.0}), "logit_bias"),
     (SamplingParams(stop_token_ids=[-1]), "stop_token_ids"),

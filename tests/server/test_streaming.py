@@ -105,3 +105,32 @@ def test_a_stalled_event_loop_sends_the_backlog_as_one_event(server: ServerThrea
     assert joined("tokens") == want["logprobs"]["tokens"]
     assert joined("token_logprobs") == pytest.approx(want["logprobs"]["token_logprobs"])
     assert content[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stop", [[], ["no such text"]], ids=["plain", "stop strings"])
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_s_text_follows_include_stop_str_in_output(
+    engine: AsyncLLM, llm: LLM, stop: list[str], include: bool,
+) -> None:
+    # Found by the hunt: a stream decoding its own text (no stop strings) kept the stop token's
+    # text even without include_stop_str_in_output, unlike `LLM` and vLLM.
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    (plain,) = llm.generate(PROMPT, SamplingParams(**greedy, max_tokens=12), use_tqdm=False)
+    tokens = plain.outputs[0].token_ids
+    texts = [o.outputs[0].text for o in llm.generate(
+        [PROMPT] * len(tokens),
+        [SamplingParams(**greedy, max_tokens=n) for n in range(1, len(tokens) + 1)],
+        use_tqdm=False)]  # texts[i]: the text of tokens[:i + 1]
+    # A first occurrence with text of its own (some of the tiny vocabulary decodes to none).
+    at = next(i for i in range(1, len(tokens))
+              if tokens[i] not in tokens[:i] and texts[i] != texts[i - 1])
+    params = SamplingParams(**greedy, max_tokens=12, stop=stop, stop_token_ids=[tokens[at]],
+                            include_stop_str_in_output=include)
+    (want,) = llm.generate(PROMPT, params, use_tqdm=False)
+
+    async def read() -> Any:
+        return [out async for out in engine.generate(PROMPT, params)][-1]
+
+    got = asyncio.run(read()).outputs[0]
+    assert got.token_ids == want.outputs[0].token_ids == tokens[:at + 1]
+    assert got.text == want.outputs[0].text == texts[at if include else at - 1]

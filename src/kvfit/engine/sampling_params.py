@@ -30,7 +30,8 @@ class SamplingParams:
 
     `max_tokens=None` generates until the context is full (`max_model_len`) or a stop.
     `n` completions share the prompt (and, with prefix caching, its KV blocks). `stop` strings
-    end generation and are cut from the text unless `include_stop_str_in_output`.
+    end generation and are cut from the text unless `include_stop_str_in_output`; so is the
+    text of the token that ends it (`stop_token_ids`, EOS), which `token_ids` always hold.
     `logprobs=n` returns the top-n log-probabilities of every generated token plus the sampled
     one; `prompt_logprobs=n` the same for every prompt token after the first. They are computed
     from the raw logits (vLLM's default), before penalties, temperature and filters.

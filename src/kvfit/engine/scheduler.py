@@ -316,11 +316,13 @@ class Scheduler:
         num_tokens = len(seq.token_ids)
         num_output = num_tokens - seq.num_prompt_tokens
         may_stop = num_output >= params.min_tokens
-        if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
-            seq.finish_reason = "stop"
-            return True
-        if may_stop and token_id in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token_id
+        eos = may_stop and not params.ignore_eos and token_id in self.eos_token_ids
+        if eos or may_stop and token_id in params.stop_token_ids:
+            # As in vLLM, the stop token's text (EOS's too, where skip_special_tokens keeps
+            # it) is in the output only with include_stop_str_in_output.
+            if params.include_stop_str_in_output and (params.detokenize or params.stop):
+                self.detokenizer.step(seq, check_stop=False)
+            seq.finish_reason, seq.stop_reason = "stop", None if eos else token_id
             return True
         stop = None
         if params.detokenize or params.stop:

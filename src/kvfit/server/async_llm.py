@@ -236,7 +236,13 @@ class RequestStream:
                                                   zip(token_ids, logprobs, strict=True))
                 out.finish_reason, out.stop_reason = finish_reason, stop_reason
                 if text is None:
-                    self._mirrors[index].token_ids.extend(token_ids)
+                    mirror = self._mirrors[index]
+                    if (finish_reason == "stop" and token_ids
+                            and not mirror.sampling_params.include_stop_str_in_output):
+                        # Ended by a stop token or EOS (a stop string comes with the engine's
+                        # text): its text stays out, as in vLLM and the engine's own text.
+                        token_ids = token_ids[:-1]
+                    mirror.token_ids.extend(token_ids)
                     decode.add(index)
                 elif finish_reason is not None:
                     out.text = text
