@@ -176,6 +176,19 @@ def test_weights_swapped_while_awake_invalidate_the_prefix_cache(
     assert outputs(llm) == other_reference
 
 
+def test_a_load_refused_part_way_still_invalidates_the_prefix_cache(
+    llm, other_model, other_reference
+) -> None:
+    # Found by the hunt: the tensors before the refused one were copied, but the prefix cache
+    # kept the old weights' K/V, so a prompt's output hung on whether its prefix was cached.
+    outputs(llm)  # fills the prefix cache with the old weights' K/V
+    llm._swapped = True
+    weights = list(load_file(other_model / "model.safetensors").items())
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(3,\)"):
+        llm.load_weights([*weights, ("model.norm.weight", torch.zeros(3))])
+    assert outputs(llm) == other_reference  # every tensor before the bad one was the other's
+
+
 def test_level_2_without_reload_refuses_to_generate_until_loaded(llm, reference, qwen3) -> None:
     llm.sleep(level=2)
     llm.wake_up(reload_weights=False)

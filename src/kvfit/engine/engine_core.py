@@ -507,13 +507,16 @@ class EngineCore:
         try:
             self.executor.collective_rpc("load_weights", weights)
         finally:
+            # Even when a tensor is refused, those before it were copied: the prefix cache's
+            # K/V (and the connector's store) belong to weights the model no longer has.
             self._refresh_sleep_state()
-        self.scheduler.block_manager.reset_prefix_cache()
-        if self.scheduler.kv_connector is not None:
-            # The store is keyed by the model's source weights: K/V of these must not enter it.
-            logger.warning("weights replaced: the KV connector is off for this engine (its "
-                           "store holds K/V of the model's own weights)")
-            self.scheduler.kv_connector = None
+            self.scheduler.block_manager.reset_prefix_cache()
+            if self.scheduler.kv_connector is not None:
+                # The store is keyed by the model's source weights: K/V of these must not
+                # enter it.
+                logger.warning("weights replaced: the KV connector is off for this engine "
+                               "(its store holds K/V of the model's own weights)")
+                self.scheduler.kv_connector = None
 
     def _refresh_sleep_state(self) -> None:
         self._sleep_state = SleepState.merge(self.executor.collective_rpc("sleep_state"))
