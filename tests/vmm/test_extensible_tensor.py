@@ -58,6 +58,15 @@ def test_commit_rounds_up_to_the_granule(device: str) -> None:
         assert t.segment_view(0).numel() == 0
 
 
+def test_reserved_bytes_hold_every_committed_granule(device: str) -> None:
+    # The reservation is the capacity rounded up to the granule, so a full commit of a
+    # capacity that is no granule multiple never maps more than it reserved.
+    with ExtensibleTensor(3 * MiB, device) as t:
+        t.commit(3 * MiB)
+        assert t.committed_bytes == 3 * MiB
+        assert t.reserved_bytes == t.physical_bytes == 2 * t.granularity
+
+
 def test_fine_growth_maps_granules_and_bulk_growth_large_chunks(device: str) -> None:
     with ExtensibleTensor(3 << 30, device) as t:
         g = t.granularity

@@ -445,7 +445,8 @@ class Worker:
         if cache is None:
             nbytes = self.runner.num_blocks * spec.block_bytes  # allocated (as above)
             return nbytes, nbytes
-        return cache.physical_bytes, cache.capacity_blocks * spec.block_bytes
+        # The reservation, not capacity x block bytes: committed granules can pass the latter.
+        return cache.physical_bytes, cache.reserved_bytes
 
     # -- sleep mode ---------------------------------------------------------------------------
 

@@ -79,6 +79,11 @@ class ExtensibleKVCache:
         """Device memory the cache holds now."""
         return self.tensor.physical_bytes
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Address space the cache reserved (its capacity, rounded up to the granule)."""
+        return self.tensor.reserved_bytes
+
     def commit(self, num_blocks: int, defragment: bool = False, elastic: bool = False) -> None:
         """Back exactly `num_blocks` blocks, growing or shrinking; the prefix is kept.
 

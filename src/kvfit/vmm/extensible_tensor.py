@@ -122,6 +122,12 @@ class ExtensibleTensor:
         return self._live().physical_bytes
 
     @property
+    def reserved_bytes(self) -> int:
+        """Bytes of address space reserved: `capacity_bytes` rounded up to the granule, the
+        most `physical_bytes` can reach."""
+        return self._live().size
+
+    @property
     def num_physical_chunks(self) -> int:
         """Physical allocations mapped now."""
         return len(self._live().chunks)
