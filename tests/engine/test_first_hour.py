@@ -44,6 +44,8 @@ def greedy(**kwargs: object) -> SamplingParams:
     ({"bad_words_token_ids": [5]}, r"bad_words_token_ids must be a list, got 5"),
     ({"logit_bias": {"a": 1.0}}, r"logit_bias must map token ids to numbers"),
     ({"logit_bias": [(1, 2.0)]}, r"logit_bias must map token ids to numbers"),
+    ({"truncate_prompt_tokens": 0}, r"truncate_prompt_tokens must be >= 1, -1"),
+    ({"truncate_prompt_tokens": -2}, r"truncate_prompt_tokens must be >= 1, -1"),
 ])
 def test_sampling_params_refuse_non_finite_and_non_integer_values(
     kwargs: dict, match: str,
@@ -67,6 +69,21 @@ def test_vllm_prompt_dict_forms_are_accepted(llm: LLM) -> None:
     assert [o.prompt for o in outs] == [text, text, None]
     assert outs[0].prompt_token_ids == outs[1].prompt_token_ids == outs[2].prompt_token_ids
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm: LLM) -> None:
+    # vLLM's SamplingParams field, offline as the server takes it: a prompt past max_model_len
+    # runs on its last k tokens, and gives what those tokens alone give.
+    ids = list(range(3, 203))  # 200 tokens, max_model_len 128
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": ids}, greedy(), use_tqdm=False)
+    cut, alone = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": ids[-50:]}],
+                              [greedy(truncate_prompt_tokens=50), greedy()], use_tqdm=False)
+    assert cut.prompt_token_ids == ids[-50:]
+    assert cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    short = llm.generate({"prompt_token_ids": ids[:10]}, greedy(truncate_prompt_tokens=50),
+                         use_tqdm=False)[0]
+    assert short.prompt_token_ids == ids[:10]
 
 
 def test_numpy_and_torch_prompt_token_ids_are_accepted(llm: LLM) -> None:

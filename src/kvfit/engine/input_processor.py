@@ -64,6 +64,8 @@ class InputProcessor:
         where = f"request {index}"
         text, token_ids = parse_prompt(where, prompt, self.tokenizer)
         mc = self.config.model_config
+        if (k := params.truncate_prompt_tokens) is not None:
+            token_ids = token_ids[-(mc.max_model_len if k == -1 else k):]
         vocab_size = mc.hf_config.vocab_size
         if not token_ids:
             raise ValueError(f"{where}: the prompt is empty")

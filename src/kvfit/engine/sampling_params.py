@@ -37,6 +37,8 @@ class SamplingParams:
     from the raw logits (vLLM's default), before penalties, temperature and filters.
     `detokenize=False` leaves `output_text` empty unless stop strings need the text (a front
     end that decodes text itself keeps that work off the engine's step).
+    `truncate_prompt_tokens=k` keeps only the prompt's last k tokens (-1: the last
+    `max_model_len`), as vLLM's does; `RequestOutput.prompt` stays the text given.
     """
 
     n: int = 1
@@ -62,6 +64,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):
@@ -121,6 +124,9 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or value >= 0, name, "must be >= 0 or None", value)
+        _check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
+               or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
+               "must be >= 1, -1 (the last max_model_len) or None", self.truncate_prompt_tokens)
         _check(all(self.stop), "stop", "must not contain an empty string", self.stop)
         _check(all(self.bad_words_token_ids), "bad_words_token_ids",
                "must not contain an empty token list", self.bad_words_token_ids)
@@ -179,8 +185,9 @@ class SamplingParams:
         return self.has_penalties or bool(self.multi_token_bad_words)
 
 
-_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
-_OPTIONAL_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+               "truncate_prompt_tokens")
+_OPTIONAL_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
 
