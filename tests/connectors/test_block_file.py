@@ -3,7 +3,9 @@ detected, and writers racing on one key never expose a partial file."""
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -70,6 +72,18 @@ def test_foreign_files_are_detected_by_their_header(tmp_path) -> None:
     other_shape = BlockFormat(torch.float32, FMT.shape, FMT.namespace)
     with pytest.raises(BlockFileError, match="tensor BF16"):
         read_header(path, other_shape, "k2")
+
+
+@pytest.mark.parametrize("header", [
+    {"__metadata__": "not an object", "kv": {}},
+    {"__metadata__": {"format": "kvfit-kv-block-v1"}, "kv": []},
+])
+def test_a_header_of_the_wrong_shape_is_unusable_not_a_crash(tmp_path, header) -> None:
+    raw = json.dumps(header).encode()
+    path = tmp_path / "k.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(BlockFileError, match="unreadable header"):
+        read_header(path, FMT, "k")
 
 
 _WRITER = """

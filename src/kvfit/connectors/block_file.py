@@ -115,6 +115,10 @@ def _check_header(f: BinaryIO, fmt: BlockFormat, key: str) -> dict[str, str]:
         meta, tensor = header["__metadata__"], header["kv"]
     except (ValueError, KeyError, TypeError) as e:
         raise BlockFileError(f"unreadable header ({e})") from None
+    # Valid JSON of another shape would fail below with AttributeError, which the connector
+    # does not catch: one such file would fail every step that looks it up.
+    if not (isinstance(meta, dict) and isinstance(tensor, dict)):
+        raise BlockFileError("unreadable header (__metadata__ and kv must be JSON objects)")
     if meta.get("format") != FORMAT:
         raise BlockFileError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
     if meta.get("namespace") != fmt.namespace:
