@@ -47,6 +47,17 @@ def test_entries_of_dead_or_silent_engines_are_ignored(tmp_path: Path) -> None:
     assert board.peers_short_bytes() == 4 * GiB
 
 
+def test_entries_named_by_no_possible_pid_are_removed_not_a_crash(tmp_path: Path) -> None:
+    # The board's folder is shared (/dev/shm): a name no process can have must not fail the
+    # engine's poll, and with it every step.
+    board = DemandBoard(tmp_path, "cpu")
+    names = ["99999999999999999999-0", "0-0"]
+    for name in names:
+        (board.folder / name).write_text(str(GiB))
+    assert board.peers_short_bytes() is None
+    assert not any((board.folder / name).exists() for name in names)
+
+
 def test_an_unchanged_want_is_rewritten_only_to_show_the_engine_alive(tmp_path: Path) -> None:
     board = DemandBoard(tmp_path, "cpu")
     board.publish(GiB, now=0.0)

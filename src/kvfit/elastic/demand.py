@@ -108,9 +108,11 @@ class DemandBoard:
 
 
 def _alive(pid: int) -> bool:
+    if pid <= 0:  # kill(0) would signal this process's own group: never an engine's pid
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # too large for a pid_t: no such process
         return False
     except PermissionError:  # another user's process: alive
         return True
