@@ -206,9 +206,12 @@ def test_the_pool_is_whole_blocks_in_power_of_two_pieces(monkeypatch) -> None:
     assert len(conn._pieces) == 3
 
 
-def test_a_size_under_one_block_names_the_setting() -> None:
-    with pytest.raises(ValueError, match="kv_offloading_size .* holds no KV block"):
+def test_a_size_under_one_block_names_the_setting_and_a_size_that_is_accepted() -> None:
+    with pytest.raises(ValueError, match="kv_offloading_size .* holds no KV block") as error:
         HostConnector("scheduler", KVConnectorConfig("host", kv_offloading_bytes=8), SPEC, "m")
+    least = float(str(error.value).rsplit(" ", 1)[1])  # GiB, as the setting takes it
+    config = KVConnectorConfig.create(None, None, "block_outer", kv_offloading_size=least)
+    assert HostConnector("scheduler", config, SPEC, "m").num_slots >= 1
 
 
 def test_a_pool_larger_than_the_hosts_available_memory_names_the_setting(monkeypatch) -> None:

@@ -104,6 +104,16 @@ def test_bad_offloading_settings_name_the_setting(qwen3, kwargs, match) -> None:
         LLM(str(qwen3), **{**SETTINGS, **kwargs})
 
 
+@pytest.mark.parametrize("kv_offloading_size", [0.99, 2.0])
+def test_a_tier_that_leaves_the_cpu_cache_too_little_names_kv_offloading_size(
+        qwen3, kv_offloading_size) -> None:
+    # On the CPU the tier comes out of the cache's budget: all of it (2.0, refused at
+    # profiling) or all but a few MiB (0.99, too few blocks once measured).
+    with pytest.raises(ValueError, match="lower kv_offloading_size"):
+        LLM(str(qwen3), kv_offloading_size=kv_offloading_size,
+            cpu_kv_cache_space_bytes=1 << 30, **SETTINGS)
+
+
 def test_the_cli_flag_reaches_the_engine_args() -> None:
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = EngineArgs.from_cli_args(parser.parse_args(["--kv-offloading-size", "2.5"]))

@@ -17,6 +17,7 @@ the metadata); the host waits only where `MAX_SAVES_IN_FLIGHT` saves are queued.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
@@ -101,7 +102,7 @@ class HostConnector(KVConnector):
         if self.num_slots == 0:
             raise ValueError(f"kv_offloading_size ({config.kv_offloading_bytes / (1 << 30):g} "
                              f"GiB) holds no KV block of {spec.block_bytes} bytes; set it to at "
-                             f"least {spec.block_bytes / (1 << 30):.4f}")
+                             f"least {least_offloading_gib(spec):g}")
         # Scheduler side.
         self.chains = BlockChains(store_namespace(model_id, spec), spec.block_size)
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recent first
@@ -298,6 +299,12 @@ def num_slots(config: KVConnectorConfig, spec: KVCacheSpec) -> int:
     nbytes = config.kv_offloading_bytes
     whole, rest = divmod(nbytes, per_piece * spec.block_bytes)
     return whole * per_piece + rest // spec.block_bytes
+
+
+def least_offloading_gib(spec: KVCacheSpec) -> float:
+    """The least `kv_offloading_size` (GiB) that holds one block of `spec`, rounded up to a
+    millionth of a GiB: a figure that, given back, is accepted (a rounded-down one is not)."""
+    return math.ceil(spec.block_bytes * 1e6 / (1 << 30)) / 1e6
 
 
 def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:

@@ -304,6 +304,11 @@ class EngineCore:
             hint = "raise cpu_kv_cache_space_bytes or lower max_model_len"
         else:
             hint = "raise gpu_memory_utilization or lower max_model_len"
+        kc = self.config.kv_connector_config
+        if (self.config.device.type == "cpu" and cc.sizing_method != "override"
+                and kc is not None and kc.kv_offloading_bytes):
+            hint += (", or lower kv_offloading_size (on the CPU its host tier comes out of the "
+                     "same budget)")
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks of {cc.block_size} tokens = "
             f"{num_blocks * cc.block_size} tokens, fewer than one max_model_len "

@@ -109,18 +109,28 @@ class Worker:
         self._measured_step(self.runner.profile_run)
         graph_capture = self._throwaway_capture_bytes() if measure_graphs else 0
         now = self.monitor.snapshot()
-        self.estimate_blocks = estimate_num_blocks(
-            total=now.total,
-            utilization=self.config.cache_config.memory_utilization,
-            weights=self.weights,
-            activation_peak=transient_bytes(self.step_peaks),
-            graph_capture=graph_capture,
-            # The connector's host buffers come after sizing: on the CPU, more of the same use.
-            non_torch=non_torch_bytes(self.baseline, now, self._arena_bytes())
-            + self._connector_host_bytes(),
-            block_bytes=self.runner.kv_cache_spec.block_bytes,
-            setting=self.monitor.budget_setting,
-        )
+        host_bytes = self._connector_host_bytes()
+        try:
+            self.estimate_blocks = estimate_num_blocks(
+                total=now.total,
+                utilization=self.config.cache_config.memory_utilization,
+                weights=self.weights,
+                activation_peak=transient_bytes(self.step_peaks),
+                graph_capture=graph_capture,
+                # The connector's host buffers come after sizing: on the CPU, more of the same
+                # use.
+                non_torch=non_torch_bytes(self.baseline, now, self._arena_bytes()) + host_bytes,
+                block_bytes=self.runner.kv_cache_spec.block_bytes,
+                setting=self.monitor.budget_setting,
+            )
+        except ValueError as error:
+            cfg = self.config.kv_connector_config
+            if not (host_bytes and cfg is not None and cfg.kv_offloading_bytes):
+                raise
+            # "What the model uses" is then mostly the host tier: name the setting behind it.
+            raise ValueError(f"{error}, or lower kv_offloading_size: {host_bytes} of those bytes "
+                             f"are its host tier, which on the CPU comes out of the same "
+                             f"budget") from None
         return self.estimate_blocks
 
     def _throwaway_capture_bytes(self) -> int:
