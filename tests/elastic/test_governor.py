@@ -20,13 +20,14 @@ TOTAL = 100 * GiB
     ("1.5 GiB", MemoryAmount(nbytes=3 * GiB // 2)),
     ("512MiB", MemoryAmount(nbytes=512 * MiB)),
     ("1", MemoryAmount(nbytes=1)),  # a whole number is bytes, even 1
+    (1e-05, MemoryAmount(fraction=1e-05)),  # a float that str() writes with an exponent
 ])
 def test_watermarks_are_fractions_or_bytes(text: str | float, amount: MemoryAmount) -> None:
     assert MemoryAmount.parse(text, "elastic_low_watermark") == amount
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "2GB", "2 gigabytes", "1.5", "", "0.0", "1.0", 1.0,
-                                  "2147483648.0"])
+                                  "2147483648.0", float("nan"), float("inf"), -0.05])
 def test_bad_watermarks_name_the_setting(text: str) -> None:
     with pytest.raises(ValueError, match="elastic_high_watermark"):
         MemoryAmount.parse(text, "elastic_high_watermark")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 
 from kvfit.elastic.usage import KVUsage
 from kvfit.kv.report import format_bytes
@@ -42,7 +43,10 @@ class MemoryAmount:
         """A fraction of total memory in (0, 1) (`0.05`), or bytes: a whole number
         (`2147483648`) or one with a binary unit (`2GiB`, `512MiB`, `1.5GiB`). Raises
         `ValueError` naming `setting`."""
-        match = _AMOUNT.match(str(value))
+        # str() writes a float under 1e-4 with an exponent (1e-05), which the pattern refuses:
+        # its shortest exact digits are written out instead (0.00001).
+        text = format(Decimal(repr(value)), "f") if isinstance(value, float) else str(value)
+        match = _AMOUNT.match(text)
         if match is None:
             raise ValueError(f"{setting} must be a fraction of device memory in (0, 1) such "
                              f"as 0.05, or bytes such as 2147483648, 2GiB or 512MiB; got "
