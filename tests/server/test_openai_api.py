@@ -463,6 +463,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    # Unbounded, this n had the server build 10**20 sequences (memory without end, no answer).
+    ("/v1/completions", {"prompt": "x", "n": 10**20}, 400, "n"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": 16385}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1000}}, 400, "logit_bias"),

@@ -13,6 +13,12 @@ MAX_TOKEN_LIST = 1024
 (token sequences) one request may carry. Warmup samples every row with this many of each, so
 the step that holds the most of them is one that was measured before the KV cache was sized."""
 
+MAX_N = 16384
+"""Most completions (`n`) one request may ask for, vLLM's default bound
+(`VLLM_MAX_N_SEQUENCES`). Each is a sequence built as the request is queued, so an unbounded
+`n` (a 30-byte request asking for 10**20) would fill the front end's memory before any check
+on the engine's side ran."""
+
 
 @dataclass
 class SamplingParams:
@@ -108,7 +114,7 @@ class SamplingParams:
             _check(all(isinstance(w, str) for w in words), name, "must hold strings", words)
         _check(self.allowed_token_ids != [], "allowed_token_ids",
                "must name at least one token (None: every token)", self.allowed_token_ids)
-        _check(self.n >= 1, "n", "must be >= 1", self.n)
+        _check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]", self.n)
         _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(self.top_k >= -1, "top_k", "must be -1 (off), 0 (off) or >= 1", self.top_k)
