@@ -150,6 +150,29 @@ def test_stop_strings(client: openai.OpenAI, llm: LLM) -> None:
     assert "".join(c.choices[0].text for c in streamed) == expected
 
 
+def test_min_tokens_keeps_a_stop_string_from_ending_the_first_tokens(client: openai.OpenAI,
+                                                                     llm: LLM) -> None:
+    # As vLLM: stop strings count only in the text of tokens past the first min_tokens. The
+    # first token's own text as the stop string ended the output at once, empty, even with
+    # min_tokens=1.
+    (ref,) = llm.generate(PROMPTS[3], greedy(16), use_tqdm=False)
+    (first,) = llm.generate(PROMPTS[3], greedy(1), use_tqdm=False)
+    text, stop = ref.outputs[0].text, first.outputs[0].text
+    assert stop and text.startswith(stop)
+    again = text.find(stop, 1)  # the first match that ends past the first token's text
+    expected = text if again == -1 else text[:again]
+    for min_tokens, want in ((0, ""), (1, expected)):
+        r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=16,
+                                      temperature=0, stop=[stop],
+                                      extra_body={"min_tokens": min_tokens})
+        assert r.choices[0].text == want, min_tokens
+        streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[3],
+                                             max_tokens=16, temperature=0, stop=[stop],
+                                             extra_body={"min_tokens": min_tokens},
+                                             stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == want, min_tokens
+
+
 def test_logprobs(client: openai.OpenAI, llm: LLM) -> None:
     (ref,) = llm.generate(PROMPTS[4], greedy(5, logprobs=3), use_tqdm=False)
     r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[4], max_tokens=5,

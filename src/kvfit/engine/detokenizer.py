@@ -150,11 +150,12 @@ class Detokenizer:
         stops = seq.sampling_params.stop
         if not stops:
             return None
-        window_start = max(0, new_start - max(map(len, stops)) + 1)
+        # Each stop string where it ends in the new text: one wholly in earlier text was
+        # looked for before, or lies in text that min_tokens keeps (not checked then).
         found = [
             (index, stop)
             for stop in stops
-            if (index := seq.output_text.find(stop, window_start)) != -1
+            if (index := seq.output_text.find(stop, max(0, new_start - len(stop) + 1))) != -1
         ]
         if not found:
             return None

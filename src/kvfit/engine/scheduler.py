@@ -326,7 +326,12 @@ class Scheduler:
             return True
         stop = None
         if params.detokenize or params.stop:
-            stop = self.detokenizer.step(seq, check_stop=may_stop)
+            # Stop strings only in the text of tokens past the first min_tokens (vLLM's `>`):
+            # that text is kept, as EOS and stop ids keep it (banned from sampling below
+            # min_tokens, they end the output at token min_tokens + 1 at the earliest). At
+            # `>=`, the min_tokens-th token's text could end it and be cut away with the stop
+            # string: min_tokens=1 did not keep a one-token stop string from ending at once.
+            stop = self.detokenizer.step(seq, check_stop=num_output > params.min_tokens)
         if stop is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
             return True
