@@ -194,6 +194,20 @@ def test_resizes_out_of_bounds_raise_naming_the_setting_and_change_nothing(
     assert event.num_blocks_after == floor and type(event.num_blocks_after) is int
 
 
+def test_a_capacity_short_of_a_granule_reports_the_reservation_not_less_than_committed(
+    make_llm: Callable[..., LLM],
+) -> None:
+    # 2 sequences of 64 tokens: 8 blocks of 16 KiB, a quarter of the 2 MiB granule that the
+    # first commit maps whole.
+    llm = make_llm(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
+    for num_blocks in (4, 8):
+        llm.resize_kv_cache(num_blocks)
+        stats, state = llm.engine.stats(), llm.engine.kv_cache_state()
+        assert 0 < stats.committed_kv_bytes <= stats.reserved_kv_bytes
+        assert (state["committed_bytes"], state["reserved_bytes"]) == (
+            stats.committed_kv_bytes, stats.reserved_kv_bytes)
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"num_gpu_blocks_override": 512}, "sized by override.*num_gpu_blocks_override"),
     ({"enable_sleep_mode": True}, "asleep.*wake_up"),
