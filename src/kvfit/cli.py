@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="'auto' (cuda where there is one, else cpu), 'cpu', 'cuda' or "
                        "'cuda:N' (default: %(default)s)")
     probe.set_defaults(func=_cmd_probe)
+    # A wrong flag is reported with the usage of the command it was given to, not kvfit's.
+    for command in [*sub.choices.values(), *modes.choices.values()]:
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -88,10 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: the process's arguments) and run the command; its exit status."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    # Out of the namespace, which commands pickle into the processes they start.
+    command_parser = vars(args).pop("command_parser", parser)
     # serve without its extra takes any flag: its message is the install hint.
     if not getattr(args, "accepts_unknown_args", False) and (
             unknown := check_vllm_flags(parser, unknown)):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if hasattr(args, "check_args"):
         args.check_args(args)  # flags that are wrong together: a usage error, nothing loaded
     status = args.func(args)

@@ -56,6 +56,24 @@ def test_every_sampling_flag_is_checked_by_the_parser(
     assert capsys.readouterr().err == f"kvfit {argv[0]}: error: {message}\n"
 
 
+@pytest.mark.parametrize(("argv", "prog"), [
+    (["generate", "--bogus"], "kvfit generate"),
+    (["bench", "throughput", "--bogus"], "kvfit bench throughput"),
+    (["probe", "--bogus"], "kvfit probe"),
+])
+def test_an_unknown_flag_shows_its_commands_usage(
+    argv: list[str], prog: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvfit.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {prog} ")
+    assert err.endswith(f"{prog}: error: unrecognized arguments: --bogus\n")
+
+
 def test_version() -> None:
     result = kvfit_cli("--version")
     assert result.returncode == 0 and result.stdout.strip() == f"kvfit {kvfit.__version__}"
