@@ -489,6 +489,9 @@ BAD_REQUESTS = [
     # Unbounded, this n had the server build 10**20 sequences (memory without end, no answer).
     ("/v1/completions", {"prompt": "x", "n": 10**20}, 400, "n"),
     ("/v1/chat/completions", {"messages": MESSAGES, "n": 16385}, 400, "n"),
+    # So are a request's prompts times n: each completion of each prompt is a sequence.
+    ("/v1/completions", {"prompt": [[1]] * 16385}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["x"] * 2049, "n": 8}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1000}}, 400, "logit_bias"),

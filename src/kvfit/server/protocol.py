@@ -20,7 +20,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.sampling_params import MAX_N, SamplingParams
 
 
 class APIError(Exception):
@@ -188,6 +188,12 @@ class CompletionRequest(_SamplingFields):
             p = [p]
         if not p:
             raise APIError("prompt must not be empty", param="prompt")
+        # Every prompt's n completions are sequences built as the request is queued: bounded
+        # together as n alone is, or a body of a million one-token prompts would take them
+        # (an n out of range is named by its own check).
+        if 1 <= self.n <= MAX_N < len(p) * self.n:
+            raise APIError(f"a request may ask for at most {MAX_N} completions in all (prompts "
+                           f"x n); this one asks for {len(p)} x {self.n}", param="prompt")
         return list(p)
 
     def check(self) -> None:
