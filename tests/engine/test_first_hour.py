@@ -44,6 +44,7 @@ def greedy(**kwargs: object) -> SamplingParams:
     ({"bad_words_token_ids": [5]}, r"bad_words_token_ids must be a list, got 5"),
     ({"logit_bias": {"a": 1.0}}, r"logit_bias must map token ids to numbers"),
     ({"logit_bias": [(1, 2.0)]}, r"logit_bias must map token ids to numbers"),
+    ({"bad_words": ["ok", " "]}, r"bad_words must not contain an empty word"),
     ({"truncate_prompt_tokens": 0}, r"truncate_prompt_tokens must be >= 1, -1"),
     ({"truncate_prompt_tokens": -2}, r"truncate_prompt_tokens must be >= 1, -1"),
 ])

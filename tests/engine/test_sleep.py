@@ -124,6 +124,8 @@ def test_tags_wake_each_part_on_its_own(llm, reference) -> None:
 def test_bad_arguments_name_the_setting(llm) -> None:
     with pytest.raises(ValueError, match="level is 1"):
         llm.sleep(level=3)
+    with pytest.raises(ValueError, match="level is 1"):
+        llm.sleep(level=True)
     with pytest.raises(ValueError, match="mode is 'wait'"):
         llm.sleep(mode="later")
     assert not llm.is_sleeping

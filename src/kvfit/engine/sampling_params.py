@@ -134,6 +134,8 @@ class SamplingParams:
                or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
                "must be >= 1, -1 (the last max_model_len) or None", self.truncate_prompt_tokens)
         _check(all(self.stop), "stop", "must not contain an empty string", self.stop)
+        _check(all(w.strip() for w in self.bad_words), "bad_words",
+               "must not contain an empty word (it would ban nothing)", self.bad_words)
         _check(all(self.bad_words_token_ids), "bad_words_token_ids",
                "must not contain an empty token list", self.bad_words_token_ids)
         if self.logit_bias is not None:

@@ -105,7 +105,7 @@ class SleepState:
 
 
 def check_sleep_args(level: int, mode: str) -> None:
-    if level not in LEVELS:
+    if isinstance(level, bool) or level not in LEVELS:  # True == 1, but no level anyone meant
         raise ValueError(f"sleep(level={level!r}): level is 1 (offload the weights to host "
                          f"memory) or 2 (discard them)")
     if mode not in MODES:
