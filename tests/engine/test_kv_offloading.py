@@ -104,6 +104,13 @@ def test_bad_offloading_settings_name_the_setting(qwen3, kwargs, match) -> None:
         LLM(str(qwen3), **{**SETTINGS, **kwargs})
 
 
+def test_a_tier_of_no_block_is_refused_with_the_config_before_a_model_loads(qwen3) -> None:
+    from kvfit.engine.config import EngineArgs
+
+    with pytest.raises(ValueError, match=r"kv_offloading_size .* holds no KV block"):
+        EngineArgs(model=str(qwen3), kv_offloading_size=1e-9, **SETTINGS).create_engine_config()
+
+
 @pytest.mark.parametrize("kv_offloading_size", [0.99, 2.0])
 def test_a_tier_that_leaves_the_cpu_cache_too_little_names_kv_offloading_size(
         qwen3, kv_offloading_size) -> None:

@@ -27,6 +27,7 @@ __all__ = [
     "KVLoadError",
     "ScheduledSeq",
     "SharedStorageConnector",
+    "check_kv_connector",
     "create_kv_connector",
     "kv_connector_host_bytes",
     "kv_connector_one_chunk",
@@ -51,6 +52,12 @@ def create_kv_connector(config: KVConnectorConfig, role: str, spec: KVCacheSpec,
                         model_id: str) -> KVConnector:
     """The connector `config` names, for `role` ("scheduler" or "worker")."""
     return _CONNECTORS[config.kv_connector](role, config, spec, model_id)
+
+
+def check_kv_connector(config: KVConnectorConfig, spec: KVCacheSpec) -> None:
+    """Raise ValueError naming the setting where the connector `config` names cannot serve a
+    cache of `spec` (`KVConnector.check`): known before any model loads."""
+    _CONNECTORS[config.kv_connector].check(config, spec)
 
 
 def kv_connector_host_bytes(config: KVConnectorConfig, spec: KVCacheSpec) -> int:

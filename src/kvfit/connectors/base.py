@@ -117,6 +117,12 @@ class KVConnector(ABC):
         keeps it free. 0 for a connector that allocates none."""
         return 0
 
+    @classmethod
+    def check(cls, config: KVConnectorConfig, spec: KVCacheSpec) -> None:
+        """Raise ValueError naming the setting where `config` cannot serve a cache of `spec`;
+        the engine asks as its config is made, before a model loads and warms up."""
+        return None  # the store takes blocks of any size
+
     def __init__(self, role: str) -> None:
         if role not in ROLES:
             raise ValueError(f"KV connector role must be one of {ROLES}, got {role!r}")

@@ -90,19 +90,23 @@ class HostConnector(KVConnector):
         """The pool: `kv_offloading_bytes` rounded down to whole blocks per piece."""
         return num_slots(config, spec) * spec.block_bytes
 
+    @classmethod
+    def check(cls, config: KVConnectorConfig, spec: KVCacheSpec) -> None:
+        if num_slots(config, spec) == 0:
+            raise ValueError(f"kv_offloading_size ({config.kv_offloading_bytes / (1 << 30):g} "
+                             f"GiB) holds no KV block of {spec.block_bytes} bytes; set it to at "
+                             f"least {least_offloading_gib(spec):g}")
+
     def __init__(self, role: str, config: KVConnectorConfig, spec: KVCacheSpec,
                  model_id: str) -> None:
         super().__init__(role)
+        self.check(config, spec)
         self.block_size = spec.block_size
         self.block_shape = (spec.num_segments, *spec.block_shape)
         self.dtype = spec.dtype
         self.num_slots = num_slots(config, spec)
         self.block_bytes = spec.block_bytes
         self.slots_per_piece = max(1, PIECE_BYTES // spec.block_bytes)
-        if self.num_slots == 0:
-            raise ValueError(f"kv_offloading_size ({config.kv_offloading_bytes / (1 << 30):g} "
-                             f"GiB) holds no KV block of {spec.block_bytes} bytes; set it to at "
-                             f"least {least_offloading_gib(spec):g}")
         # Scheduler side.
         self.chains = BlockChains(store_namespace(model_id, spec), spec.block_size)
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recent first

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvfit.connectors import check_kv_connector
 from kvfit.connectors.config import CONNECTOR_NAMES, KVConnectorConfig
 from kvfit.elastic.demand import DEFAULT_DEMAND_DIR
 from kvfit.elastic.governor import (
@@ -509,7 +510,7 @@ class EngineArgs:
                         "%d x max_model_len %d): using %d", max_batched, max_num_seqs, max_len,
                         fill)
             max_batched = fill
-        return EngineConfig(
+        config = EngineConfig(
             model_config=model_config,
             cache_config=self._cache_config(device, block_size),
             scheduler_config=SchedulerConfig(max_num_seqs, max_batched, max_len),
@@ -530,6 +531,10 @@ class EngineArgs:
             small_batch_kernels=self.small_batch_kernels,
             fused_decode_input=self.fused_decode_input,
         )
+        if config.kv_connector_config is not None:
+            # Now, not after the model loaded and warmup ran: a host tier that holds no block.
+            check_kv_connector(config.kv_connector_config, config.kv_cache_spec())
+        return config
 
     def _kv_connector_config(self) -> KVConnectorConfig | None:
         # Each rank holds only its share of the KV heads, while a store's keys name the model
