@@ -491,6 +491,9 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": MESSAGES, "n": 16385}, 400, "n"),
     # So are a request's prompts times n: each completion of each prompt is a sequence.
     ("/v1/completions", {"prompt": [[1]] * 16385}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "echo": True, "max_tokens": 0, "min_tokens": 3}, 400,
+     "min_tokens"),
     ("/v1/completions", {"prompt": ["x"] * 2049, "n": 8}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
@@ -552,6 +555,12 @@ def test_bad_requests_get_openai_errors(http: httpx.Client, path: str, body: dic
     assert error["message"] and error["type"]
     assert error["param"] == param
     assert http.get("/health").status_code == 200
+
+
+def test_an_empty_prompt_of_several_is_named_by_its_index(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": ["a", ""], "max_tokens": 1})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "the prompt at index 1 is empty"
 
 
 def test_tool_and_format_fields_that_ask_for_nothing_are_taken(client: openai.OpenAI,

@@ -154,6 +154,9 @@ class OpenAIServing:
         prompt and completion fit in max_model_len. `which` tells one prompt of several."""
         limit = self.engine.max_model_len
         subject = f"the {where}{which}"
+        if num_prompt == 0:
+            empty = "render to no tokens" if where == "messages" else "is empty"
+            raise APIError(f"{subject} {empty}", param=where)
         if num_prompt >= limit:
             size = f"{'render to' if where == 'messages' else 'is'} {num_prompt} tokens"
             raise APIError(f"this model's maximum context length is {limit} tokens and "
@@ -357,6 +360,9 @@ class OpenAIServing:
         # Prompt scoring (echo with max_tokens 0, as OpenAI's legacy API and vLLM take it, and
         # evaluation harnesses send): the engine generates one token, left out of the answer.
         scoring = body.echo and body.max_tokens == 0
+        if scoring and body.min_tokens:
+            raise APIError("min_tokens must be 0 with max_tokens 0 (prompt scoring)",
+                           param="min_tokens")
         params = [body.sampling_params(
             self.check_length(len(p["prompt_token_ids"]), 1 if scoring else body.max_tokens,
                               "prompt", "max_tokens",
