@@ -265,6 +265,18 @@ def test_a_sliding_window_as_long_as_the_context_runs(tmp_path) -> None:
     assert args.create_engine_config().model_config.max_model_len == 64
 
 
+def test_yarn_runs_to_its_extended_context_past_max_position_embeddings(tmp_path) -> None:
+    """Qwen3's model card extends 32k to 128k by adding rope_scaling yarn (factor 4 over
+    original_max_position_embeddings 32768) and leaves max_position_embeddings at 40960: the
+    context is original x factor, as vLLM reads it; max_model_len past 40960 was refused."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    model = _saved_config(tmp_path, rope_scaling=yarn)  # max_position_embeddings 256
+    args = EngineArgs(model=model, device="cpu", max_model_len=512)
+    assert args.create_engine_config().model_config.max_model_len == 512
+    with pytest.raises(ValueError, match=r"max_model_len \(513\) .* YaRN context \(512: "):
+        EngineArgs(model=model, device="cpu", max_model_len=513).create_engine_config()
+
+
 def test_a_token_budget_no_step_can_fill_is_capped_at_what_one_can(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -771,16 +771,21 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig,
 
 def _resolve_max_model_len(max_model_len: int | None, hf_config: PretrainedConfig,
                            device: torch.device) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None)
+    from kvfit.models.llama import max_positions
+
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    # YaRN runs past max_position_embeddings, to the context it was extended to.
+    limit = max_positions(hf_config) if positions else None
     if max_model_len is None:
         cap = _DEFAULT_MAX_MODEL_LEN_CAP[device.type]
         return min(limit, cap) if limit else cap
     _at_least("max_model_len", max_model_len, 1)
     if limit and max_model_len > limit:
-        raise ValueError(
-            f"max_model_len ({max_model_len}) is larger than the model's "
-            f"max_position_embeddings ({limit}); lower max_model_len"
-        )
+        context = (f"max_position_embeddings ({limit})" if limit == positions else
+                   f"YaRN context ({limit}: rope_scaling original_max_position_embeddings x "
+                   f"factor)")
+        raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
+                         f"{context}; lower max_model_len")
     return max_model_len
 
 

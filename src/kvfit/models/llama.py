@@ -27,7 +27,7 @@ from kvfit.ops.attention_input import (
     fuses_decode_input,
     stored_key,
 )
-from kvfit.ops.layers import ROPE_TYPES, RotaryEmbedding, add_rms_norm, rms_norm
+from kvfit.ops.layers import ROPE_TYPES, RotaryEmbedding, add_rms_norm, rms_norm, rope_positions
 
 
 def head_dim(config: PretrainedConfig) -> int:
@@ -47,6 +47,12 @@ def rope_parameters(config: PretrainedConfig) -> tuple[float, dict | None]:
     # Older configs say "type" where newer ones say "rope_type".
     params["rope_type"] = params.pop("type", None) or params.get("rope_type", "default")
     return float(theta), None if params["rope_type"] == "default" else params
+
+
+def max_positions(config: PretrainedConfig) -> int:
+    """The longest sequence the model runs: `max_position_embeddings`, or longer under YaRN
+    (`kvfit.ops.layers.rope_positions`); its rotary table holds that many positions."""
+    return rope_positions(config.max_position_embeddings, rope_parameters(config)[1])
 
 
 def check_config(config: PretrainedConfig, max_model_len: int) -> None:

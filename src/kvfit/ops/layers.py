@@ -122,12 +122,26 @@ ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 """`rope_type`s of `rope_scaling` that `RotaryEmbedding` computes as transformers does."""
 
 
+def rope_positions(max_position: int, rope_scaling: dict | None) -> int:
+    """Positions a rope covers: the config's `max_position_embeddings`, or under YaRN its
+    `original_max_position_embeddings` x `factor` where that is longer, as vLLM reads it.
+    Qwen3's model card extends its 32k context to 128k by adding `rope_scaling` alone
+    (max_position_embeddings stays 40960), and transformers ropes any position."""
+    scaling = rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn" or not scaling.get("factor"):
+        return max_position
+    original = scaling.get("original_max_position_embeddings") or max_position
+    return max(max_position, int(original * scaling["factor"]))
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) rotary embedding with a precomputed cos/sin cache.
 
     `rope_scaling` is the HF dict (`rope_type` or `type`): None or one of `ROPE_TYPES`.
-    Called as `rotary(positions, q, k) -> (q, k)` with q/k `[T, heads, head_dim]` or
-    `[T, heads * head_dim]`; the output keeps the input shape and dtype.
+    `max_position` is the config's `max_position_embeddings`; the cos/sin table holds
+    `rope_positions` of it. Called as `rotary(positions, q, k) -> (q, k)` with q/k
+    `[T, heads, head_dim]` or `[T, heads * head_dim]`; the output keeps the input shape and
+    dtype.
     """
 
     def __init__(
@@ -152,7 +166,8 @@ class RotaryEmbedding(nn.Module):
         elif rope_type != "default":
             raise ValueError(f"rope_scaling rope_type {rope_type!r} is not supported; kvfit "
                              f"supports {', '.join(ROPE_TYPES)}")
-        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+        positions = rope_positions(max_position, rope_scaling)
+        freqs = torch.arange(positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         cos_sin = torch.cat([freqs.cos() * scale, freqs.sin() * scale], -1)
         self.register_buffer("cos_sin_cache", cos_sin, False)
 
