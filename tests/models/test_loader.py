@@ -294,6 +294,26 @@ def test_a_config_that_is_not_json_is_one_line_naming_the_file(tmp_path: Path) -
         load_hf_config(str(tmp_path))
 
 
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64}}, "KeyError: .*low_freq_factor"),
+    ({"num_attention_heads": "4"}, "StrictDataclass.*num_attention_heads"),
+    ({"head_dim": 15}, "StrictDataclass.*even"),
+])
+def test_a_config_transformers_refuses_is_one_line_naming_the_file(
+        tmp_path: Path, fields: dict, match: str) -> None:
+    # transformers 5 validates fields with a KeyError or huggingface_hub's strict dataclass
+    # errors, no ValueError: a traceback went up past the CLI's one-line errors.
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "num_attention_heads": 4, "rope_theta": 10000.0, **fields}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"config\.json is refused by transformers \({match}"):
+        load_hf_config(str(tmp_path))
+    with pytest.raises(ValueError) as info:
+        load_hf_config(str(tmp_path))
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("content", ['{"bad', "{}"])
 def test_a_broken_tokenizer_is_one_line_naming_the_folder(tmp_path: Path, content: str) -> None:
     # Cut short, it was a JSON error naming no file; valid JSON of the wrong shape, a KeyError

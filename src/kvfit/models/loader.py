@@ -130,6 +130,14 @@ def load_hf_config(model: str) -> PretrainedConfig:
         if isinstance(architectures, list):
             model_class_for(architectures)  # raises, naming them, if kvfit runs none of them
         raise
+    except Exception as e:
+        # transformers 5 validates fields as it reads them and refuses a bad one with a
+        # KeyError (rope_scaling without a key its rope_type needs) or huggingface_hub's
+        # StrictDataclassError (a field of the wrong type, an odd head_dim): no ValueError,
+        # so a traceback past the CLI's one-line errors.
+        reason = " ".join(str(e).strip("'\"").split())
+        raise ValueError(f"{folder / 'config.json'} is refused by transformers "
+                         f"({type(e).__name__}: {reason}); correct that field") from e
 
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
