@@ -134,3 +134,22 @@ def test_a_stop_token_s_text_follows_include_stop_str_in_output(
     got = asyncio.run(read()).outputs[0]
     assert got.token_ids == want.outputs[0].token_ids == tokens[:at + 1]
     assert got.text == want.outputs[0].text == texts[at if include else at - 1]
+
+
+@pytest.mark.parametrize("extra", [{}, {"logprobs": 1}, {"n": 2}, {"stop": ["no such text"]}],
+                         ids=["plain", "logprobs", "n=2", "stop strings"])
+def test_detokenize_false_leaves_the_text_as_llm_does(engine: AsyncLLM, llm: LLM,
+                                                      extra: dict[str, Any]) -> None:
+    # Found by the hunt: a stream decoded its text even with detokenize=False, which
+    # `LLM.generate` leaves empty (unless stop strings make the engine decode).
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False,
+                            **extra)
+    (want,) = llm.generate(PROMPT, params, use_tqdm=False)
+
+    async def read() -> Any:
+        return [out async for out in engine.generate(PROMPT, params)][-1]
+
+    got = asyncio.run(read())
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+    assert [o.text for o in got.outputs] == [o.text for o in want.outputs]
+    assert bool(extra.get("stop")) == bool(want.outputs[0].text)

@@ -166,6 +166,9 @@ class RequestStream:
         self._mirrors = [Sequence(first.prompt_token_ids, params, request_id=request_id)
                          for _ in seqs]
         self._hold_back = max(map(len, params.stop), default=1) - 1
+        # `detokenize=False` leaves the text empty, as `LLM.generate` does (only stop strings
+        # make the engine decode, and then its text comes as it does there).
+        self._decode = params.detokenize
         self._closed = False
         # Told of every output and of the end (the server's request metrics): a call here
         # rather than a generator around the stream, which would cost two more switches a
@@ -215,16 +218,18 @@ class RequestStream:
             # nothing else (a plain delta never ends its request: its last is a RequestDelta).
             tokens, out, mirror = deltas[0][1], self.output.outputs[0], self._mirrors[0]
             out.token_ids.extend(tokens)
-            mirror.token_ids.extend(tokens)
-            self._engine._detokenizer.step(mirror, check_stop=False)
-            out.text = mirror.output_text
+            if self._decode:
+                mirror.token_ids.extend(tokens)
+                self._engine._detokenizer.step(mirror, check_stop=False)
+                out.text = mirror.output_text
             return
         decode: set[int] = set()
         for delta in deltas:
             if len(delta) == 2:  # a plain request's new tokens
                 self.output.outputs[0].token_ids.extend(delta[1])
-                self._mirrors[0].token_ids.extend(delta[1])
-                decode.add(0)
+                if self._decode:
+                    self._mirrors[0].token_ids.extend(delta[1])
+                    decode.add(0)
                 continue
             _, seqs, _, prompt_logprobs = delta
             for index, token_ids, logprobs, finish_reason, stop_reason, text in seqs:
@@ -236,6 +241,8 @@ class RequestStream:
                                                   zip(token_ids, logprobs, strict=True))
                 out.finish_reason, out.stop_reason = finish_reason, stop_reason
                 if text is None:
+                    if not self._decode:
+                        continue
                     mirror = self._mirrors[index]
                     if (finish_reason == "stop" and token_ids
                             and not mirror.sampling_params.include_stop_str_in_output):
