@@ -153,3 +153,23 @@ def test_detokenize_false_leaves_the_text_as_llm_does(engine: AsyncLLM, llm: LLM
     assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
     assert [o.text for o in got.outputs] == [o.text for o in want.outputs]
     assert bool(extra.get("stop")) == bool(want.outputs[0].text)
+
+
+def test_an_old_stream_closed_late_leaves_a_new_request_of_its_id(engine: AsyncLLM) -> None:
+    # Found by the hunt: a stream whose last output had come but was not read aborted, as it
+    # closed, the new request that had taken its id meanwhile.
+    async def run() -> Any:
+        old = aiter(engine.add_request(PROMPT, SamplingParams(max_tokens=16, ignore_eos=True),
+                                       "reused"))
+        assert not (await anext(old)).finished
+        deadline = time.monotonic() + 30
+        while engine.num_requests:  # its end has come, unread: the id is free
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        new = engine.add_request(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True),
+                                 "reused")
+        await old.aclose()
+        return [out async for out in new][-1]
+
+    out = asyncio.run(run()).outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 8

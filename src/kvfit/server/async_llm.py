@@ -206,7 +206,10 @@ class RequestStream:
     def _close(self) -> None:
         if not self._closed:
             self._closed = True
-            if not self.output.finished:
+            # Only while the id is still this stream's: once the engine's last output came
+            # (read or not) the id is free, and a new request may run under it.
+            if (not self.output.finished
+                    and self._engine._streams.get(self.request_id) is self._stream):
                 self._engine.abort(self.request_id)
             for mirror in self._mirrors:
                 self._engine._detokenizer.free(mirror)
