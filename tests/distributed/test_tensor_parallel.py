@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -432,3 +433,29 @@ def test_shapes_the_ranks_cannot_split_are_refused_before_loading(
     args = EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=tp)
     with pytest.raises(ValueError, match=match):
         args.create_engine_config()
+
+
+@pytest.mark.parametrize("method", ["answer", "fail"])
+def test_a_rank_whose_engine_died_mid_call_exits_quietly(method: str) -> None:
+    # Found by the hunt: an engine killed while its ranks worked left each rank printing a
+    # BrokenPipeError traceback as it answered (it exited all the same).
+    from kvfit.engine.worker_proc import _serve
+
+    class Worker:
+        def answer(self) -> int:
+            return 1
+
+        def fail(self) -> None:
+            raise RuntimeError("a step that failed")
+
+    class GonePipe:  # one message in, then the engine's end is closed
+        def __init__(self) -> None:
+            self.payloads = [pickle.dumps(("rpc", method, ()))]
+
+        def recv_bytes(self) -> bytes:
+            return self.payloads.pop(0)
+
+        def send_bytes(self, payload: bytes) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    _serve(Worker(), 1, GonePipe())  # returns: nobody to answer

@@ -73,6 +73,15 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
 
 
 def _serve(worker: Any, rank: int, conn: Connection) -> None:
+    try:
+        _serve_messages(worker, rank, conn)
+    except (BrokenPipeError, ConnectionResetError):
+        # The engine died while this rank worked on its message: nobody to answer, and a
+        # traceback from every rank would bury the engine's own reason in its log.
+        return
+
+
+def _serve_messages(worker: Any, rank: int, conn: Connection) -> None:
     from kvfit.engine.step_input import StepDecoder
 
     decoder, launched = StepDecoder(), deque()
