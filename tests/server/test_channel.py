@@ -55,3 +55,22 @@ def test_the_outbox_stops_after_a_failed_write() -> None:
     outbox.put(("add", "x", [1]))
     outbox.close(timeout=5)
     assert not outbox._thread.is_alive()
+
+
+def test_a_command_that_does_not_pickle_is_dropped_and_the_rest_still_go() -> None:
+    # Found by the hunt: it stopped the outbox's thread, and every later command (every
+    # request) waited forever.
+    a, b = multiprocessing.Pipe()
+    outbox, receiver = _Outbox(_Channel(a)), _Channel(b)
+    outbox.put(("add", "before", [1]))
+    outbox.put(("call", 0, lambda llm: None, ()))
+    outbox.put(("add", "after", [2]))
+    outbox.put(("stop",))
+    got: list = []
+    while not got or got[-1] != ("stop",):
+        assert b.poll(10), f"only {got} arrived"
+        got += receiver.receive()
+    assert got == [("add", "before", [1]), ("add", "after", [2]), ("stop",)]
+    outbox.put(("add", "later", [3]))  # the thread serves on
+    assert b.poll(10) and receiver.receive() == [("add", "later", [3])]
+    outbox.close(timeout=5)

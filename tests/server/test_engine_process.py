@@ -87,6 +87,19 @@ def test_a_call_in_flight_when_the_engine_dies_fails(doomed: AsyncLLM, tmp_path:
     asyncio.run(run())
 
 
+def test_a_call_that_does_not_pickle_is_refused_and_the_engine_serves_on(
+        doomed: AsyncLLM) -> None:
+    # Found by the hunt: a lambda sent to the engine process stopped the thread that sends
+    # commands: the call, and every request after it, waited forever.
+    async def run() -> str | None:
+        with pytest.raises(TypeError, match="must pickle"):
+            await asyncio.wait_for(doomed.call_engine(lambda llm: 1), 30)
+        outputs = [out async for out in doomed.generate("later", SamplingParams(max_tokens=2))]
+        return outputs[-1].outputs[0].finish_reason
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) is not None
+
+
 def test_an_engine_that_fails_tells_its_clients_why(doomed: AsyncLLM) -> None:
     # Its loop raised outside any step (its workers died): the clients' error says why, not
     # only "the engine process exited (exit code 1)".

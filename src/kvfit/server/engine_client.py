@@ -158,10 +158,22 @@ class _Outbox:
                 except queue.Empty:
                     break
             end = batch[-1] is _OUTBOX_END
+            messages = batch[:-1] if end else batch
             try:
-                self._channel.send_many(batch[:-1] if end else batch)
+                self._channel.send_many(messages)
             except OSError:
                 return
+            except Exception:
+                # A message that does not pickle must not take the others with it, nor stop
+                # this thread (every later command would wait forever): the rest go alone.
+                for message in messages:
+                    try:
+                        self._channel.send(message)
+                    except OSError:
+                        return
+                    except Exception:
+                        logger.exception("dropped a command that does not pickle: %.200r",
+                                         message)
             if end:
                 return
 
@@ -289,6 +301,7 @@ class EngineProcess:
     def send(self, command: tuple[Any, ...]) -> None:
         """Queue a command for the engine (thread-safe, never blocks on the pipe);
         EngineDeadError once the process is gone or shut down."""
+        _check_call_pickles(command)
         try:
             if not self._process.is_alive():
                 raise OSError("the engine process exited")
@@ -373,6 +386,7 @@ class AttachedEngine:
     def send(self, command: tuple[Any, ...]) -> None:
         """Queue a command for the engine (thread-safe, never blocks on the pipe);
         EngineDeadError once detached or the engine is gone."""
+        _check_call_pickles(command)
         try:
             if self._dead:
                 raise OSError("the engine process exited")
@@ -394,6 +408,20 @@ class AttachedEngine:
         if self._reader is not threading.current_thread():
             self._reader.join(timeout=5)
         self._channel.close()
+
+
+def _check_call_pickles(command: tuple[Any, ...]) -> None:
+    """Raise to the caller, here, what would stop a `call` (`AsyncLLM.call_engine`, rare)
+    from reaching the engine process: its function (a lambda, a local function) or its
+    arguments not pickling. In the outbox the error would reach nobody, and the call would
+    wait forever."""
+    if command[0] == "call":
+        try:
+            pickle.dumps(command, _PROTOCOL)
+        except Exception as e:
+            raise TypeError(f"a call to the engine process must pickle (a module-level "
+                            f"function, arguments that pickle): {type(e).__name__}: "
+                            f"{e}") from e
 
 
 def _log_setup() -> tuple[int, str | None]:
