@@ -5,6 +5,7 @@ server; the in-thread engine (`engine_process=False`) still serves the same."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import re
 import signal
@@ -94,6 +95,23 @@ def test_a_call_that_does_not_pickle_is_refused_and_the_engine_serves_on(
     async def run() -> str | None:
         with pytest.raises(TypeError, match="must pickle"):
             await asyncio.wait_for(doomed.call_engine(lambda llm: 1), 30)
+        outputs = [out async for out in doomed.generate("later", SamplingParams(max_tokens=2))]
+        return outputs[-1].outputs[0].finish_reason
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) is not None
+
+
+def test_a_call_whose_function_the_engine_cannot_import_fails_alone(
+        doomed: AsyncLLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found by the hunt: it failed to unpickle in the engine's command reader, which stopped:
+    # the call, and every request after it, waited forever.
+    (tmp_path / "hunt_late_hooks.py").write_text("def one(llm):\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # here only: the engine process started before
+    late = importlib.import_module("hunt_late_hooks")
+
+    async def run() -> str | None:
+        with pytest.raises(ModuleNotFoundError, match="hunt_late_hooks"):
+            await asyncio.wait_for(doomed.call_engine(late.one), 30)
         outputs = [out async for out in doomed.generate("later", SamplingParams(max_tokens=2))]
         return outputs[-1].outputs[0].finish_reason
 

@@ -301,7 +301,7 @@ class EngineProcess:
     def send(self, command: tuple[Any, ...]) -> None:
         """Queue a command for the engine (thread-safe, never blocks on the pipe);
         EngineDeadError once the process is gone or shut down."""
-        _check_call_pickles(command)
+        command = _pickled_call(command)
         try:
             if not self._process.is_alive():
                 raise OSError("the engine process exited")
@@ -386,7 +386,7 @@ class AttachedEngine:
     def send(self, command: tuple[Any, ...]) -> None:
         """Queue a command for the engine (thread-safe, never blocks on the pipe);
         EngineDeadError once detached or the engine is gone."""
-        _check_call_pickles(command)
+        command = _pickled_call(command)
         try:
             if self._dead:
                 raise OSError("the engine process exited")
@@ -410,18 +410,26 @@ class AttachedEngine:
         self._channel.close()
 
 
-def _check_call_pickles(command: tuple[Any, ...]) -> None:
-    """Raise to the caller, here, what would stop a `call` (`AsyncLLM.call_engine`, rare)
-    from reaching the engine process: its function (a lambda, a local function) or its
-    arguments not pickling. In the outbox the error would reach nobody, and the call would
-    wait forever."""
-    if command[0] == "call":
-        try:
-            pickle.dumps(command, _PROTOCOL)
-        except Exception as e:
-            raise TypeError(f"a call to the engine process must pickle (a module-level "
-                            f"function, arguments that pickle): {type(e).__name__}: "
-                            f"{e}") from e
+def _pickled_call(command: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A `call` of a function (`AsyncLLM.call_engine`, rare) with the function and its
+    arguments pickled here, into bytes that `_run_pickled` unpickles inside the call: one that
+    does not pickle (a lambda, a local function) raises to its caller, and one that does not
+    unpickle in the engine process (its module not importable there) fails only itself. In
+    the pipe, either error would stop a thread that every later command needs."""
+    if command[0] != "call" or isinstance(command[2], str):
+        return command
+    _, call_id, fn, args = command
+    try:
+        payload = pickle.dumps((fn, args), _PROTOCOL)
+    except Exception as e:
+        raise TypeError(f"a call to the engine process must pickle (a module-level function, "
+                        f"arguments that pickle): {type(e).__name__}: {e}") from e
+    return "call", call_id, _run_pickled, (payload,)
+
+
+def _run_pickled(llm: LLM, payload: bytes) -> Any:
+    fn, args = pickle.loads(payload)
+    return fn(llm, *args)
 
 
 def _log_setup() -> tuple[int, str | None]:
