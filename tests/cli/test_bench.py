@@ -65,6 +65,16 @@ def test_bench_offline_bad_flag_names_it(engine_flags: list[str]) -> None:
 
 
 @pytest.mark.parametrize("mode", ["throughput", "latency"])
+def test_bench_offline_past_max_model_len_names_the_flags(mode: str,
+                                                          engine_flags: list[str]) -> None:
+    # Outputs cut at the context's end would time another workload than the one asked for.
+    with pytest.raises(ValueError, match=r"--input-len 60 \+ --output-len 8 is more than "
+                       r"max_model_len \(64\)"):
+        main(["bench", mode, "--input-len", "60", "--output-len", "8", *engine_flags,
+              "--max-model-len", "64"])
+
+
+@pytest.mark.parametrize("mode", ["throughput", "latency"])
 def test_bench_offline_on_cuda_where_there_is_none_names_the_device(
         mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The record's limits are measured first: that step, too, is a setting error (one line

@@ -97,6 +97,14 @@ def _setup(args: argparse.Namespace, num: int) -> tuple[LLM, list[dict], Samplin
     from kvfit.engine.sampling_params import SamplingParams
 
     llm = build_llm(args)
+    max_model_len = llm.config.model_config.max_model_len
+    if args.input_len + args.output_len > max_model_len:
+        # Every output would stop at the context's end, short of --output-len: rates of a
+        # workload other than the one asked for.
+        llm.shutdown()
+        raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} is "
+                         f"more than max_model_len ({max_model_len}); lower them or raise "
+                         f"--max-model-len")
     vocab = llm.config.model_config.hf_config.vocab_size
     prompts = random_prompts(num, args.input_len, vocab, args.seed)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
