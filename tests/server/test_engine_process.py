@@ -134,6 +134,20 @@ def test_an_engine_that_fails_tells_its_clients_why(doomed: AsyncLLM) -> None:
     assert "worker rank 1 was killed" in str(died[0])
 
 
+def test_a_dead_callback_added_after_the_engine_died_is_called_at_once(doomed: AsyncLLM) -> None:
+    # `kvfit serve` adds its callback after the engine started: an engine that died in between
+    # must still stop the server.
+    async def run() -> None:
+        with pytest.raises(EngineDeadError):
+            await doomed.call_engine(engine_hooks.break_stats)
+
+    asyncio.run(run())
+    _wait_for(lambda: doomed._died_of is not None, "the engine was not reported dead")
+    died: list[BaseException] = []
+    doomed.add_dead_callback(died.append)
+    assert len(died) == 1 and "worker rank 1 was killed" in str(died[0])
+
+
 def test_kvfit_serve_exits_when_its_engine_process_dies() -> None:
     server = ServeProcess()
     try:

@@ -9,6 +9,7 @@ import contextlib
 import copy
 import itertools
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -301,6 +302,10 @@ class AsyncLLM:
         self._call_ids = itertools.count()
         self._dead: BaseException | None = None
         self._dead_callbacks: list[Callable[[BaseException], None]] = []
+        # What stopped the engine other than `shutdown`; with the callbacks under one lock, so
+        # that each callback is called once whether it came before the death or after.
+        self._died_of: BaseException | None = None
+        self._dead_lock = threading.Lock()
         if client is None:
             client = EngineProcess if engine_process else InThreadEngine
         self._client = client(engine_args, self._on_outputs, self._on_dead)
@@ -360,8 +365,13 @@ class AsyncLLM:
 
     def add_dead_callback(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback(error)` (from an engine thread) if the engine stops other than by
-        `shutdown`: a server exits on it."""
-        self._dead_callbacks.append(callback)
+        `shutdown`: a server exits on it. Called at once (here) if it has stopped already:
+        the engine may die between its start and this call."""
+        with self._dead_lock:
+            self._dead_callbacks.append(callback)
+            died_of = self._died_of
+        if died_of is not None:
+            callback(died_of)
 
     async def sleep(self, level: int = 1, mode: str = "wait") -> SleepReport:
         """`LLM.sleep` in the engine, between two steps: requests queued before it are run to
@@ -513,7 +523,10 @@ class AsyncLLM:
             if future is not None:
                 _settle_threadsafe(future, None, dead)
         if error is not None:
-            for callback in self._dead_callbacks:
+            with self._dead_lock:
+                self._died_of = error
+                callbacks = list(self._dead_callbacks)
+            for callback in callbacks:
                 callback(error)
 
 
