@@ -273,7 +273,18 @@ def test_yarn_runs_to_its_extended_context_past_max_position_embeddings(tmp_path
     model = _saved_config(tmp_path, rope_scaling=yarn)  # max_position_embeddings 256
     args = EngineArgs(model=model, device="cpu", max_model_len=512)
     assert args.create_engine_config().model_config.max_model_len == 512
-    with pytest.raises(ValueError, match=r"max_model_len \(513\) .* YaRN context \(512: "):
+    with pytest.raises(ValueError, match=r"max_model_len \(513\) .* rope_scaling extends it "
+                       r"\(512, max_position_embeddings 256\)"):
+        EngineArgs(model=model, device="cpu", max_model_len=513).create_engine_config()
+
+
+def test_linear_rope_scaling_runs_to_max_position_embeddings_times_its_factor(tmp_path) -> None:
+    # vLLM's reading: positions are divided by the factor, so the context is the factor times
+    # longer; llama3's config gives its long context itself and stays.
+    model = _saved_config(tmp_path, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    args = EngineArgs(model=model, device="cpu", max_model_len=512)
+    assert args.create_engine_config().model_config.max_model_len == 512
+    with pytest.raises(ValueError, match=r"extends it \(512, max_position_embeddings 256\)"):
         EngineArgs(model=model, device="cpu", max_model_len=513).create_engine_config()
 
 

@@ -137,17 +137,22 @@ def test_cached_prefix_then_decode_matches_hf(pair) -> None:
     assert runner.seq_lens == {0: 40, 1: 12}
 
 
-def test_yarn_matches_hf_past_max_position_embeddings(tmp_path: Path) -> None:
-    """YaRN's context is original_max_position_embeddings x factor, which may pass
-    max_position_embeddings (Qwen3: 32768 x 4 against 40960); transformers ropes any position,
-    and kvfit's rotary table ended at max_position_embeddings (an index error past it)."""
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    {"rope_type": "linear", "factor": 4.0},
+])
+def test_scaled_ropes_match_hf_past_max_position_embeddings(tmp_path: Path,
+                                                            scaling: dict) -> None:
+    """YaRN's context is original_max_position_embeddings x factor and linear scaling's
+    max_position_embeddings x factor, which may pass max_position_embeddings (Qwen3: 32768 x
+    4 against 40960); transformers ropes any position, and kvfit's rotary table ended at
+    max_position_embeddings (an index error past it)."""
     from transformers import Qwen3Config
 
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
     config = Qwen3Config(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=40,
-        initializer_range=0.1, rope_scaling=yarn,
+        initializer_range=0.1, rope_scaling=scaling,
     )  # fmt: skip
     with torch.random.fork_rng():
         torch.manual_seed(0)

@@ -774,7 +774,7 @@ def _resolve_max_model_len(max_model_len: int | None, hf_config: PretrainedConfi
     from kvfit.models.llama import max_positions
 
     positions = getattr(hf_config, "max_position_embeddings", None)
-    # YaRN runs past max_position_embeddings, to the context it was extended to.
+    # A scaled rope runs past max_position_embeddings, to the context it was extended to.
     limit = max_positions(hf_config) if positions else None
     if max_model_len is None:
         cap = _DEFAULT_MAX_MODEL_LEN_CAP[device.type]
@@ -782,8 +782,8 @@ def _resolve_max_model_len(max_model_len: int | None, hf_config: PretrainedConfi
     _at_least("max_model_len", max_model_len, 1)
     if limit and max_model_len > limit:
         context = (f"max_position_embeddings ({limit})" if limit == positions else
-                   f"YaRN context ({limit}: rope_scaling original_max_position_embeddings x "
-                   f"factor)")
+                   f"context as its rope_scaling extends it ({limit}, max_position_embeddings "
+                   f"{positions})")
         raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
                          f"{context}; lower max_model_len")
     return max_model_len

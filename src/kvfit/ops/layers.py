@@ -123,15 +123,20 @@ ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 def rope_positions(max_position: int, rope_scaling: dict | None) -> int:
-    """Positions a rope covers: the config's `max_position_embeddings`, or under YaRN its
-    `original_max_position_embeddings` x `factor` where that is longer, as vLLM reads it.
-    Qwen3's model card extends its 32k context to 128k by adding `rope_scaling` alone
-    (max_position_embeddings stays 40960), and transformers ropes any position."""
+    """Positions a rope covers, as vLLM reads a config: `max_position_embeddings`, or the
+    context its scaling extends it to where that is longer: under YaRN
+    `original_max_position_embeddings` x `factor`, under linear scaling
+    `max_position_embeddings` x `factor` (llama3's stays: its config already gives the long
+    context). Qwen3's model card extends its 32k context to 128k by adding `rope_scaling`
+    alone (max_position_embeddings stays 40960), and transformers ropes any position."""
     scaling = rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "yarn" or not scaling.get("factor"):
-        return max_position
-    original = scaling.get("original_max_position_embeddings") or max_position
-    return max(max_position, int(original * scaling["factor"]))
+    rope_type, factor = scaling.get("rope_type", scaling.get("type")), scaling.get("factor")
+    if rope_type == "yarn" and factor:
+        original = scaling.get("original_max_position_embeddings") or max_position
+        return max(max_position, int(original * factor))
+    if rope_type == "linear" and factor:
+        return max(max_position, int(max_position * factor))
+    return max_position
 
 
 class RotaryEmbedding(nn.Module):
