@@ -13,7 +13,7 @@ from typing import Any
 
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.prompts import Prompt, check_token_ids, parse_prompt
-from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.sampling_params import SamplingParams, truncate_prompt
 from kvfit.engine.sequence import Sequence
 
 __all__ = ["InputProcessor", "Prompt"]
@@ -64,8 +64,7 @@ class InputProcessor:
         where = f"request {index}"
         text, token_ids = parse_prompt(where, prompt, self.tokenizer)
         mc = self.config.model_config
-        if (k := params.truncate_prompt_tokens) is not None:
-            token_ids = token_ids[-(mc.max_model_len if k == -1 else k):]
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, mc.max_model_len)
         vocab_size = mc.hf_config.vocab_size
         if not token_ids:
             raise ValueError(f"{where}: the prompt is empty")

@@ -210,6 +210,14 @@ def _is_real(value: object) -> bool:
         value, bool | np.bool_)
 
 
+def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None,
+                    max_model_len: int) -> list[int]:
+    """`token_ids` cut to their last `truncate_prompt_tokens` (-1: the last `max_model_len`;
+    None: all), vLLM's `truncate_prompt_tokens`, for the engine and the server alike."""
+    k = truncate_prompt_tokens
+    return token_ids if k is None else token_ids[-(max_model_len if k == -1 else k):]
+
+
 def _as_list(name: str, value: object) -> list:
     """`value` (a list, tuple or other iterable; None: empty) as a new list. A lone number
     is refused naming the field, not left to list()'s error, which names neither."""

@@ -20,7 +20,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvfit.engine.sampling_params import MAX_N, SamplingParams
+from kvfit.engine.sampling_params import MAX_N, SamplingParams, truncate_prompt
 
 
 class APIError(Exception):
@@ -116,7 +116,7 @@ class _SamplingFields(_Body):
             raise APIError(f"truncate_prompt_tokens must be >= 1, or -1 for the model's "
                            f"max_model_len ({max_model_len}); got {k}",
                            param="truncate_prompt_tokens")
-        return token_ids[-(max_model_len if k == -1 else k):]
+        return truncate_prompt(token_ids, k, max_model_len)
 
     @property
     def include_usage(self) -> bool:
