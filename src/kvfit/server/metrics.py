@@ -110,26 +110,39 @@ class ServerMetrics:
 class _RequestTiming:
     """One request's figures, fed by its stream (`StreamObserver`)."""
 
-    __slots__ = ("metrics", "num_prompt_tokens", "start", "last", "num_tokens", "last_output")
+    __slots__ = ("metrics", "num_prompt_tokens", "start", "last", "counts", "last_output")
 
     def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
         self.metrics, self.num_prompt_tokens = metrics, num_prompt_tokens
         self.start = self.last = time.perf_counter()
-        self.num_tokens = 0
+        self.counts: dict[int, int] = {}  # tokens seen so far, by completion index
         self.last_output: RequestOutput | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.counts.values())
 
     def output(self, output: RequestOutput) -> None:
         self.last_output = output
-        outputs = output.outputs
-        total = (len(outputs[0].token_ids) if len(outputs) == 1
-                 else sum(len(o.token_ids) for o in outputs))
-        if total > self.num_tokens:
-            now = time.perf_counter()
-            if self.num_tokens == 0:
-                self.metrics.ttft.observe(now - self.start)
-            else:
-                self.metrics.itl.observe((now - self.last) / (total - self.num_tokens))
-            self.last, self.num_tokens = now, total
+        new = {o.index: len(o.token_ids) - self.counts.get(o.index, 0) for o in output.outputs}
+        new = {i: k for i, k in new.items() if k > 0}
+        if not new:
+            return
+        # One inter-token sample per token after a completion's first, as vLLM counts them,
+        # however the outputs were coalesced on their way here. A completion's tokens that
+        # came together share the gap since its last ones; those that came with its first
+        # token came at once (a gap of 0). The n completions advance side by side, so each
+        # one's gap is the whole interval, not a share of it.
+        now = time.perf_counter()
+        if not self.counts:
+            self.metrics.ttft.observe(now - self.start)
+        for i, k in new.items():
+            first = i not in self.counts
+            gap = 0.0 if first else (now - self.last) / k
+            for _ in range(k - 1 if first else k):
+                self.metrics.itl.observe(gap)
+            self.counts[i] = self.counts.get(i, 0) + k
+        self.last = now
 
     def end(self, failed: bool) -> None:
         m, output = self.metrics, self.last_output

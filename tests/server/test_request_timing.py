@@ -1,0 +1,56 @@
+"""The server's per-request latency figures count tokens, not deliveries: an API process that
+falls behind gets several tokens in one output, and vLLM's inter-token count is still one per
+token after the first."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from kvfit.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from kvfit.server.metrics import ServerMetrics, _RequestTiming  # noqa: E402
+
+
+def _output(*token_counts: int, finished: bool = False) -> RequestOutput:
+    outputs = [CompletionOutput(index=i, text="", token_ids=list(range(k)),
+                                cumulative_logprob=None, logprobs=None,
+                                finish_reason="length" if finished else None)
+               for i, k in enumerate(token_counts)]
+    return RequestOutput("r", None, [1, 2], None, outputs, finished)
+
+
+def _sample(metric: object, suffix: str) -> float:
+    (family,) = metric.collect()  # type: ignore[attr-defined]
+    return next(s.value for s in family.samples if s.name.endswith(suffix))
+
+
+@pytest.fixture
+def metrics() -> ServerMetrics:
+    return ServerMetrics(engine=None)  # type: ignore[arg-type]  # the engine's collector is not read
+
+
+@pytest.mark.parametrize("deliveries", [[1, 2, 3], [2, 3], [3], [1, 3]])
+def test_one_inter_token_sample_per_token_after_the_first(metrics: ServerMetrics,
+                                                          deliveries: list[int]) -> None:
+    timing = _RequestTiming(metrics, num_prompt_tokens=2)
+    for k in deliveries:
+        timing.output(_output(k, finished=k == 3))
+    timing.end(failed=False)
+    assert _sample(metrics.ttft, "_count") == 1
+    assert _sample(metrics.itl, "_count") == 2
+    assert _sample(metrics.generation_tokens, "_total") == 3
+
+
+def test_n_completions_each_count_their_own_tokens(metrics: ServerMetrics,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([0.0, 1.0, 2.0, 3.0])
+    monkeypatch.setattr("kvfit.server.metrics.time.perf_counter", lambda: next(clock))
+    timing = _RequestTiming(metrics, num_prompt_tokens=2)
+    for k in (1, 2, 4):  # at 1 s, 2 s and 3 s
+        timing.output(_output(k, k, finished=k == 4))
+    assert _sample(metrics.ttft, "_sum") == 1.0
+    assert _sample(metrics.itl, "_count") == 2 * 3
+    # Each completion's gap is the whole interval, never a share of it split between the n:
+    # one token each at 2 s (1 s apart), then two each at 3 s (0.5 s apart).
+    assert _sample(metrics.itl, "_sum") == pytest.approx(2 * 1.0 + 4 * 0.5)
