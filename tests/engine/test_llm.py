@@ -95,6 +95,19 @@ def test_greedy_matches_transformers_batched(
     assert (hits > 0) == enable_prefix_caching
 
 
+def test_num_cached_tokens_counts_the_prompts_prefix_cache_hits(qwen3: Path) -> None:
+    prompt = make_prompts((50,), seed=3)[0]
+    for enable in (True, False):
+        llm = make_llm(qwen3, enable_prefix_caching=enable)
+        block_size = llm.engine.config.cache_config.block_size
+        (cold,) = llm.generate(token_prompts([prompt]), greedy(), use_tqdm=False)
+        (warm,) = llm.generate(token_prompts([prompt + [5, 6]]), greedy(), use_tqdm=False)
+        assert cold.num_cached_tokens == 0
+        # The first prompt's full blocks, never its last token.
+        assert warm.num_cached_tokens == (49 // block_size * block_size if enable else 0)
+        llm.shutdown()
+
+
 def test_preemption_on_a_tiny_cache_keeps_outputs(qwen3: Path) -> None:
     prompts = make_prompts((40, 45, 50, 55, 60, 65), seed=1)
     # 10 blocks of 16 tokens hold one max_model_len sequence, not six of up to 105 tokens.

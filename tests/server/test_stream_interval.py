@@ -34,7 +34,7 @@ def _plain(token: int) -> _Item:
 def _step(tokens: list[list[int]], finish: list[str | None], finished: bool = False) -> _Item:
     """A `RequestDelta`: completion i gained `tokens[i]` (and ended if `finish[i]`)."""
     return ("r", [(i, t, None, f, None, None) for i, (t, f) in enumerate(
-        zip(tokens, finish, strict=True))], finished, None)
+        zip(tokens, finish, strict=True))], finished, None, 0)
 
 
 def _batches(interval: int, items: list[_Item]) -> list[list[_Item]]:
@@ -47,7 +47,7 @@ def _batches(interval: int, items: list[_Item]) -> list[list[_Item]]:
         async def reader() -> None:
             while True:
                 batches.append(await stream.take())
-                if any(isinstance(i, BaseException) or (len(i) == 4 and i[2])
+                if any(isinstance(i, BaseException) or (len(i) > 2 and i[2])
                        for i in batches[-1]):
                     return
 

@@ -30,7 +30,7 @@ def llm(model_path: Path) -> Iterator[LLM]:
 
 def _finished_queued(stream: Any) -> bool:
     """Whether the engine's last delta (`finished`) waits, unread, in the stream."""
-    return any(len(item) == 4 and item[2] for item in stream._stream.items
+    return any(len(item) > 2 and item[2] for item in stream._stream.items
                if not isinstance(item, BaseException))
 
 

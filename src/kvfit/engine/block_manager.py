@@ -62,9 +62,10 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> None:
         """Start a waiting `seq`: take the cached blocks of its longest hashed prefix.
 
-        Sets `num_cached_tokens` and `num_computed_tokens` to the tokens those blocks hold. The
-        last token is never a hit, so the first step always has a token to sample from. Requests
-        with prompt logprobs get no hits: their prompt must run through the model.
+        Sets `num_computed_tokens` to the tokens those blocks hold, and `num_cached_tokens`
+        too the first time the sequence starts. The last token is never a hit, so the first
+        step always has a token to sample from. Requests with prompt logprobs get no hits:
+        their prompt must run through the model.
         """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
@@ -78,10 +79,12 @@ class BlockManager:
                 self._take(self.blocks[block_id])
                 seq.block_table.append(block_id)
                 parent = h
-        seq.num_cached_tokens = seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = num_hit = len(seq.block_table) * self.block_size
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = num_hit
         if self.enable_prefix_caching:
             self.num_queried_tokens += len(seq)
-            self.num_hit_tokens += seq.num_cached_tokens
+            self.num_hit_tokens += num_hit
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow `seq.block_table` to hold `num_computed_tokens + num_new_tokens` tokens.

@@ -33,7 +33,11 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's prompt and its `n` completions; `prompt_logprobs` starts with None."""
+    """A request's prompt and its `n` completions; `prompt_logprobs` starts with None.
+
+    `num_cached_tokens`: the prompt tokens whose K/V came from the prefix cache or the KV
+    connector when the request was first scheduled (0 before), as vLLM's field.
+    """
 
     request_id: str
     prompt: str | None
@@ -41,6 +45,7 @@ class RequestOutput:
     prompt_logprobs: list[Logprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0
 
     @classmethod
     def from_seqs(cls, seqs: SequenceOf[Sequence]) -> RequestOutput:
@@ -57,6 +62,7 @@ class RequestOutput:
             prompt_logprobs=prompt_logprobs,
             outputs=[_completion(seq) for seq in seqs],
             finished=all(seq.is_finished for seq in seqs),
+            num_cached_tokens=max(first.num_cached_tokens, 0),
         )
 
     @classmethod

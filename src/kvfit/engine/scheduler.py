@@ -130,12 +130,17 @@ class Scheduler:
                 if self._waits_for_parent(seq):
                     i += 1
                     continue
+                first_start = seq.num_cached_tokens < 0
                 self.block_manager.allocate(seq)
                 num_external = self._take_external_hits(seq)
                 num_new = self._chunk_size(seq, budget)
                 if not self.block_manager.append_slots(seq, num_new):
                     self._release(seq)
+                    if first_start:  # not started after all
+                        seq.num_cached_tokens = -1
                     break
+                if first_start:
+                    seq.num_cached_tokens += num_external
                 if num_external:
                     self.kv_connector.update_state_after_alloc(seq, num_external)
                     self.num_external_hit_tokens += num_external
@@ -169,6 +174,7 @@ class Scheduler:
             if first is not None and first < seq.num_computed_tokens:
                 self.num_external_hit_tokens -= seq.num_computed_tokens - first
                 seq.num_computed_tokens = first
+                seq.num_cached_tokens = min(seq.num_cached_tokens, first)
         self.kv_connector.loads_failed(error)
 
     def postprocess(self, batch: ScheduledBatch, output: ModelOutput) -> list[Sequence]:
@@ -309,7 +315,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0
 
     def _check_stop(self, seq: Sequence, token_id: int) -> bool:
         params = seq.sampling_params

@@ -61,7 +61,10 @@ class Sequence:
     parent: Sequence | None = None
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
+    # The prompt tokens whose K/V came from a cache (the prefix cache or the KV connector)
+    # when the sequence was first scheduled, as vLLM reports them; -1 until then. Kept across
+    # preemption: hits on its own earlier blocks after one are no saving to report.
+    num_cached_tokens: int = -1
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

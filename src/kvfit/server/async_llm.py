@@ -235,7 +235,8 @@ class RequestStream:
                     self._mirrors[0].token_ids.extend(delta[1])
                     decode.add(0)
                 continue
-            _, seqs, _, prompt_logprobs = delta
+            _, seqs, _, prompt_logprobs, num_cached_tokens = delta
+            self.output.num_cached_tokens = max(num_cached_tokens, 0)
             for index, token_ids, logprobs, finish_reason, stop_reason, text in seqs:
                 out = self.output.outputs[index]
                 out.token_ids.extend(token_ids)

@@ -92,7 +92,7 @@ class _Tracked:
         if self.prompt_logprobs:
             self.prompt_logprobs = False
             prompt_logprobs = list(self.seqs[0].prompt_logprobs)
-        return self.request_id, parts, finished, prompt_logprobs
+        return self.request_id, parts, finished, prompt_logprobs, self.seqs[0].num_cached_tokens
 
 
 class EngineCoreLoop:

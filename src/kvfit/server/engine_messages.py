@@ -46,9 +46,10 @@ SeqDelta = tuple[int, list[int], "list[Logprobs] | None", "str | None", "int | s
 gained since its last delta; `logprobs` None unless asked for; `finish_reason` None until it
 ends; `text` is the engine's (None unless it detokenizes: stop strings)."""
 
-RequestDelta = tuple[str, list[SeqDelta], bool, "list[Logprobs | None] | None"]
-"""`(request_id, seqs, finished, prompt_logprobs)`: what one request gained; `finished` once
-every completion has ended (the last delta, which carries the prompt logprobs where asked)."""
+RequestDelta = tuple[str, list[SeqDelta], bool, "list[Logprobs | None] | None", int]
+"""`(request_id, seqs, finished, prompt_logprobs, num_cached_tokens)`: what one request gained;
+`finished` once every completion has ended; the prompt logprobs, where asked, with the first;
+`num_cached_tokens` as `RequestOutput`'s (-1 while the request waits to start)."""
 
 PlainDelta = tuple[str, list[int]]
 """`(request_id, token_ids)`: the new tokens of a plain request (one completion, no logprobs,
