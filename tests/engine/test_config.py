@@ -79,6 +79,7 @@ def test_utilization_given_is_kept_and_fallback_restores_the_estimate_default() 
         ({"max_logprobs": -1}, "max_logprobs"),
         ({"cuda_graph_sizes": [0]}, "cuda_graph_sizes"),
         ({"max_model_len": 0}, "max_model_len"),
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
     ],
 )
 def test_bad_values_name_the_flag(kwargs: dict, flag: str) -> None:
@@ -181,6 +182,17 @@ def test_cli_round_trip() -> None:
         enable_extensible_kv_cache=False, kv_cache_margin_fraction=0.25,
     )
     assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
+
+
+def test_long_prefill_token_threshold_flag_reaches_the_scheduler_config() -> None:
+    # vLLM's engine argument: LLM(long_prefill_token_threshold=...) was a TypeError and the
+    # flag unknown, though the scheduler cuts prompts at it.
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--long-prefill-token-threshold", "64"]))
+    assert args.long_prefill_token_threshold == 64
+    scheduler = config(long_prefill_token_threshold=64).scheduler_config
+    assert scheduler.long_prefill_token_threshold == 64
+    assert config().scheduler_config.long_prefill_token_threshold == 0
 
 
 def test_small_batch_kernels_flag_reaches_the_engine_config() -> None:

@@ -130,6 +130,32 @@ def test_chunked_prefill_keeps_outputs(qwen3: Path) -> None:
         assert out.outputs[0].token_ids == hf_greedy(qwen3, prompt)
 
 
+def test_long_prefill_token_threshold_cuts_prompts_and_keeps_outputs(qwen3: Path) -> None:
+    prompts = make_prompts()
+    llm = make_llm(qwen3, long_prefill_token_threshold=7)
+    assert llm.engine.scheduler.long_prefill_token_threshold == 7
+    chunks: list[int] = []
+    schedule = llm.engine.scheduler.schedule
+
+    def spy() -> object:
+        batch = schedule()
+        if batch is not None:
+            chunks.extend(batch.num_new_tokens)
+        return batch
+
+    llm.engine.scheduler.schedule = spy  # type: ignore[method-assign]
+    params = greedy(logprobs=2)
+    outputs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    assert max(chunks) == 7  # every prompt longer than 7 tokens was cut at 7
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(qwen3, prompt)
+        ref = hf_logprobs(qwen3, prompt + out.outputs[0].token_ids)
+        for i, entry in enumerate(out.outputs[0].logprobs):
+            for token, lp in entry.items():
+                assert lp.logprob == pytest.approx(ref[len(prompt) + i - 1, token].item(),
+                                                   abs=1e-4)
+
+
 def test_logprobs_and_prompt_logprobs_match_log_softmax(qwen3: Path) -> None:
     prompts = make_prompts((9, 40, 23))
     # A small token budget splits prompts into chunks: prompt logprobs cross chunk borders.

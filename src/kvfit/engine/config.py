@@ -160,6 +160,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # Most tokens of one prompt computed in a step (0 = off): vLLM's cap that keeps one long
+    # prompt from taking a whole step's budget while other prompts wait.
+    long_prefill_token_threshold: int = 0
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
@@ -250,6 +253,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int = 0
     block_size: int = 16
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -317,6 +321,11 @@ class EngineArgs:
                        f"{_DEFAULT_MAX_NUM_BATCHED_TOKENS['cuda']} on a GPU, "
                        f"{_DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} on the CPU, at most "
                        "--max-num-seqs x --max-model-len)")
+        p.add_argument("--long-prefill-token-threshold", type=human_readable_int,
+                       default=d.long_prefill_token_threshold,
+                       help="most tokens of one prompt computed in a step, so a long prompt "
+                       "is cut into chunks that leave room for others; 0 = off (default: "
+                       "%(default)s)")
         p.add_argument("--block-size", type=int, default=d.block_size,
                        help=f"tokens per KV cache block, a power of two up to {MAX_BLOCK_SIZE} "
                        "(default: %(default)s)")
@@ -513,7 +522,10 @@ class EngineArgs:
         config = EngineConfig(
             model_config=model_config,
             cache_config=self._cache_config(device, block_size),
-            scheduler_config=SchedulerConfig(max_num_seqs, max_batched, max_len),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs, max_batched, max_len,
+                _at_least("long_prefill_token_threshold", self.long_prefill_token_threshold, 0),
+            ),
             device=device,
             enforce_eager=self.enforce_eager or device.type != "cuda",
             cuda_graph_sizes=_resolve_graph_sizes(

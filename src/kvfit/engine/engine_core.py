@@ -162,6 +162,7 @@ class EngineCore:
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
             max_model_len=sc.max_model_len,
+            long_prefill_token_threshold=sc.long_prefill_token_threshold,
             block_manager=BlockManager(cc.num_gpu_blocks, cc.block_size, cc.enable_prefix_caching),
             eos_token_id=config.model_config.eos_token_ids,
             detokenizer=Detokenizer(tokenizer),
