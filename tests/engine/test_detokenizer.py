@@ -169,3 +169,25 @@ def test_token_bytes_of_byte_fallback_pieces() -> None:
     ids = [1 + b for b in "日".encode()] + [257]
     assert [detok.decode_token(t) for t in ids[:3]] == ["\ufffd"] * 3
     assert b"".join(detok.token_bytes(t) for t in ids) == "日 moon".encode()
+
+
+@pytest.mark.parametrize("in_prompt", [False, True])
+def test_byte_fallback_run_rewritten_by_a_later_token_does_not_fail_the_step(
+    in_prompt: bool,
+) -> None:
+    """A byte-fallback decoder turns every byte of an invalid UTF-8 run into U+FFFD, so a
+    token after a lone lead byte rewrites text `DecodeStream` already gave, and it raises
+    ("Invalid prefix encountered"). That failed the engine's step and every request in it;
+    a new stream takes over instead (vLLM's recovery), in the prompt's context too."""
+    pieces = ["<unk>", *(f"<0x{b:02X}>" for b in range(256)), "▁moon"]
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>",
+                               byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    a, lead, moon = 1 + ord("a"), 1 + 0xC5, 257
+    prompt, output = [a, a], [lead, moon, a]
+    if in_prompt:
+        prompt, output = [a, lead, moon], [moon, a]
+    seq, stop, fed = generate(Detokenizer(tok), prompt, output)
+    assert (stop, fed) == (None, len(output))
+    assert seq.output_text == " moona"

@@ -16,6 +16,10 @@ from kvfit.engine.sequence import Logprobs, Sequence
 PROMPT_CONTEXT_TOKENS = 6
 # A byte-fallback vocabulary's token for one raw byte (SentencePiece-style, as Llama 2's).
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# What `DecodeStream.step` raises when text it already gave changes: a byte-fallback decoder
+# turns every byte of an invalid UTF-8 run into U+FFFD, so a token ending the run rewrites
+# bytes before it (vLLM recovers from it the same way, by a new stream).
+_INVALID_PREFIX = "Invalid prefix encountered"
 
 
 def _byte_level_chars() -> dict[str, int]:
@@ -107,19 +111,31 @@ class Detokenizer:
         state = self._streams.get(seq.seq_id)
         if state is None:
             state = self._streams[seq.seq_id] = [self._new_stream(seq), seq.num_prompt_tokens]
-        stream, num_fed = state
+        num_fed = state[1]
         tokens = seq.token_ids
         end = state[1] = len(tokens)
         if end - num_fed == 1:
-            new_text = stream.step(tokenizer, tokens[num_fed])
+            new_text = self._protected_step(state, seq, tokens[num_fed])
         else:
-            new_text = "".join(filter(None, (stream.step(tokenizer, token_id)
+            new_text = "".join(filter(None, (self._protected_step(state, seq, token_id)
                                              for token_id in tokens[num_fed:end])))
         if not new_text:
             return None
         start = len(seq.output_text)
         seq.output_text += new_text
         return self._truncate_at_stop(seq, start) if check_stop else None
+
+    def _protected_step(self, state: list, seq: Sequence, token_id: int) -> str | None:
+        """`state`'s stream stepped with `token_id`; where the stream cannot go on (text it
+        gave changed), a new stream takes over from this token: the text already given stays,
+        and the step does not fail (it would fail every request of the batch)."""
+        try:
+            return state[0].step(self.tokenizer, token_id)
+        except Exception as e:  # tokenizers raises a bare Exception
+            if _INVALID_PREFIX not in str(e):
+                raise
+        state[0] = DecodeStream(skip_special_tokens=seq.sampling_params.skip_special_tokens)
+        return state[0].step(self.tokenizer, token_id)
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s stream once it is finished."""
@@ -138,12 +154,12 @@ class Detokenizer:
 
     def _stream_over(self, seq: Sequence, context: list[int]) -> tuple[DecodeStream, int]:
         """A stream fed `context`, and how many of its tokens end in complete text."""
-        stream = DecodeStream(skip_special_tokens=seq.sampling_params.skip_special_tokens)
+        state: list = [DecodeStream(skip_special_tokens=seq.sampling_params.skip_special_tokens)]
         num_complete = 0
         for i, token_id in enumerate(context, start=1):
-            if stream.step(self.tokenizer, token_id) is not None:
+            if self._protected_step(state, seq, token_id) is not None:
                 num_complete = i
-        return stream, num_complete
+        return state[0], num_complete
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence, new_start: int) -> str | None:
