@@ -227,6 +227,28 @@ def test_text_prompts_and_chat(qwen3_llm: LLM) -> None:
     assert len(two) == 2
 
 
+def test_chat_continues_the_final_message_and_takes_template_variables(
+    qwen3_llm: LLM,
+) -> None:
+    # vLLM's LLM.chat arguments: an assistant prefill, the template's own variables, tools.
+    tokenizer = qwen3_llm.get_tokenizer()
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    [out] = qwen3_llm.chat(conversation, greedy(1), use_tqdm=False,
+                           add_generation_prompt=False, continue_final_message=True)
+    assert out.prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nHel"
+    assert out.prompt_token_ids == tokenizer.encode(out.prompt, add_special_tokens=False)
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        qwen3_llm.chat(conversation, greedy(1), use_tqdm=False, continue_final_message=True)
+    template = ("{{ greeting }}{% for t in tools or [] %}<{{ t['name'] }}>{% endfor %}"
+                "{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    [out] = qwen3_llm.chat(conversation[:1], greedy(1), use_tqdm=False, chat_template=template,
+                           chat_template_kwargs={"greeting": "hey"}, tools=[{"name": "f"}])
+    assert out.prompt == "hey<f>[hi]"
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set tokenize"):
+        qwen3_llm.chat(conversation[:1], greedy(1), use_tqdm=False,
+                       chat_template_kwargs={"tokenize": True})
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "setting"),
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
@@ -204,11 +205,31 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of `{"role", "content"}` messages) or
-        a list of conversations, rendered with the tokenizer's chat template."""
+        a list of conversations, rendered with the tokenizer's chat template (or
+        `chat_template`), as vLLM's `LLM.chat`: `continue_final_message` leaves the last
+        message open for the model to continue (an assistant prefill; with
+        `add_generation_prompt=False`); `chat_template_kwargs` are the template's own variables
+        (e.g. Qwen3's `enable_thinking`); `tools` are passed to the template as they are."""
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer and the model folder has none")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True continues the last message, "
+                             "add_generation_prompt=True starts a new one: pass "
+                             "add_generation_prompt=False")
+        kwargs = dict(chat_template_kwargs or {})
+        # The template call's own arguments (tokenize, return_tensors, ...) would change what
+        # it returns, not what the template reads.
+        call_args = {"conversation", "messages", *(
+            name for name, p in inspect.signature(self.tokenizer.apply_chat_template)
+            .parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD)}
+        if clash := sorted(call_args & set(kwargs)):
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}: an argument "
+                             f"of the template call, not a variable of the template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
@@ -216,7 +237,8 @@ class LLM:
             for text in (
                 self.tokenizer.apply_chat_template(
                     conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                    chat_template=chat_template,
+                    continue_final_message=continue_final_message,
+                    chat_template=chat_template, tools=tools, **kwargs,
                 )
                 for conv in conversations
             )
@@ -254,4 +276,3 @@ class LLM:
                     self.engine.abort_request(seqs[0].request_id)
                 raise
         return [RequestOutput.from_seqs(seqs) for seqs in requests]
-
