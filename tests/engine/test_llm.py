@@ -249,6 +249,19 @@ def test_chat_continues_the_final_message_and_takes_template_variables(
                        chat_template_kwargs={"tokenize": True})
 
 
+def test_chat_joins_openai_text_parts(qwen3_llm: LLM) -> None:
+    # OpenAI's content parts, as vLLM's LLM.chat takes them: rendered as the list they are,
+    # the template wrote their Python repr into the prompt.
+    parts = [{"type": "text", "text": "what is"}, {"type": "text", "text": "the sky?"}]
+    [out] = qwen3_llm.chat([{"role": "user", "content": parts}], greedy(1), use_tqdm=False)
+    [ref] = qwen3_llm.chat([{"role": "user", "content": "what is\nthe sky?"}], greedy(1),
+                           use_tqdm=False)
+    assert out.prompt == ref.prompt and out.prompt_token_ids == ref.prompt_token_ids
+    image = [{"type": "image_url", "image_url": {"url": "data:..."}}]
+    with pytest.raises(ValueError, match="message 0: content part 0 .*text only"):
+        qwen3_llm.chat([{"role": "user", "content": image}], greedy(1), use_tqdm=False)
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "setting"),
     [

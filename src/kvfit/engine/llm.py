@@ -17,7 +17,7 @@ from kvfit.engine.input_processor import InputProcessor
 from kvfit.engine.kv_resize import KVCacheResize
 from kvfit.engine.metrics import Metric, engine_metrics
 from kvfit.engine.outputs import RequestOutput
-from kvfit.engine.prompts import Prompt, batch_args
+from kvfit.engine.prompts import Prompt, batch_args, describe
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
@@ -211,10 +211,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of `{"role", "content"}` messages) or
         a list of conversations, rendered with the tokenizer's chat template (or
-        `chat_template`), as vLLM's `LLM.chat`: `continue_final_message` leaves the last
-        message open for the model to continue (an assistant prefill; with
-        `add_generation_prompt=False`); `chat_template_kwargs` are the template's own variables
-        (e.g. Qwen3's `enable_thinking`); `tools` are passed to the template as they are."""
+        `chat_template`), as vLLM's `LLM.chat`: a message's content is a string or OpenAI's
+        text parts (`[{"type": "text", "text": ...}]`, joined a line apart, as vLLM joins
+        them); `continue_final_message` leaves the last message open for the model to continue
+        (an assistant prefill; with `add_generation_prompt=False`); `chat_template_kwargs` are
+        the template's own variables (e.g. Qwen3's `enable_thinking`); `tools` are passed to
+        the template as they are."""
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer and the model folder has none")
         if continue_final_message and add_generation_prompt:
@@ -236,11 +238,12 @@ class LLM:
              "prompt": text}
             for text in (
                 self.tokenizer.apply_chat_template(
-                    conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                    [_template_message(i, j, m) for j, m in enumerate(conv)],
+                    tokenize=False, add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
                     chat_template=chat_template, tools=tools, **kwargs,
                 )
-                for conv in conversations
+                for i, conv in enumerate(conversations)
             )
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -276,3 +279,21 @@ class LLM:
                     self.engine.abort_request(seqs[0].request_id)
                 raise
         return [RequestOutput.from_seqs(seqs) for seqs in requests]
+
+
+def _template_message(conversation: int, index: int, message: Any) -> Any:
+    """`message` as the chat template reads it: OpenAI's text parts (`content` a list) joined
+    a line apart, as vLLM joins them (rendered as a list, the template would write the parts'
+    Python repr into the prompt)."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"conversation {conversation}, message {index}: content part {k} "
+                             f"is {describe(part)}; this engine takes text only: a string or parts "
+                             f"{{'type': 'text', 'text': ...}}")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
