@@ -8,6 +8,7 @@ import asyncio
 import importlib
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -21,6 +22,7 @@ import pytest
 
 from kvfit import LLM, SamplingParams
 from kvfit.engine.config import EngineArgs
+from kvfit.engine.outputs import RequestOutput
 from kvfit.server.async_llm import AsyncLLM, EngineDeadError
 from kvfit.server.openai_api import ServeConfig, build_app
 
@@ -236,3 +238,33 @@ def test_the_in_thread_engine_serves_the_same(model_path: Path) -> None:
         engine.shutdown()
     assert not engine.is_alive
 
+
+
+def test_the_front_end_tokenizes_with_the_tokenizer_flag(model_path: Path, tmp_path: Path) -> None:
+    # `--tokenizer FOLDER` for a model folder without tokenizer files: the engine took it, but
+    # the front end loaded the model folder's (none), so every text prompt was refused.
+    model, tokenizer = tmp_path / "model", tmp_path / "tokenizer"
+    shutil.copytree(model_path, model)
+    tokenizer.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).rename(tokenizer / name)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(**engine_kwargs(model_path))
+    [ref] = llm.generate("The sky is", params, use_tqdm=False)
+    llm.shutdown()
+    engine = AsyncLLM(EngineArgs(**{**engine_kwargs(model), "tokenizer": str(tokenizer)}),
+                      engine_process=False)
+
+    async def run() -> RequestOutput:
+        output = None
+        async for output in engine.generate("The sky is", params):  # noqa: B007
+            pass
+        return output
+
+    try:
+        assert engine.tokenizer is not None
+        out = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert out.prompt_token_ids == ref.prompt_token_ids
+    assert out.outputs[0].text == ref.outputs[0].text != ""

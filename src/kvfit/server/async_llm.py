@@ -315,7 +315,8 @@ class AsyncLLM:
         self._stats, self._is_sleeping = ready.stats, ready.is_sleeping
         self._sleeps_underway = 0  # `sleep` calls sent and not answered yet
         self._kv_cache_report = ready.kv_cache_report
-        self.tokenizer: Any | None = load_tokenizer(engine_args.model)
+        # `--tokenizer` as the engine reads it: prompts tokenized here, text decoded here.
+        self.tokenizer: Any | None = load_tokenizer(engine_args.tokenizer or engine_args.model)
         self._input_processor = InputProcessor(self.config, self.tokenizer)
         self._detokenizer = Detokenizer(self.tokenizer)
 
