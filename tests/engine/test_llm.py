@@ -324,6 +324,27 @@ def test_generation_config_eos_ids_end_the_output(tmp_path: Path, qwen3: Path) -
     assert eos not in out.outputs[0].token_ids and len(out.outputs[0].token_ids) == MAX_TOKENS
 
 
+def test_the_tokenizers_eos_ends_the_output(tmp_path: Path, qwen3: Path) -> None:
+    # vLLM's first EOS is the tokenizer's: a chat fine-tune may set tokenizer_config.json's
+    # eos_token to its end-of-turn token and leave config.json's eos_token_id as it was.
+    prompt = make_prompts((9,), seed=3)[0]
+    expected = hf_greedy(qwen3, prompt)
+    shutil.copytree(qwen3, tmp_path / "m")
+    eos = expected[3]
+    config_file = tmp_path / "m" / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_file.read_text())
+    llm = make_llm(qwen3)
+    tokenizer_config["eos_token"] = llm.get_tokenizer().convert_ids_to_tokens(eos)
+    llm.shutdown()
+    config_file.write_text(json.dumps(tokenizer_config))
+    llm = make_llm(tmp_path / "m")
+    assert llm.get_tokenizer().eos_token_id == eos
+    [out] = llm.generate(token_prompts([prompt]), SamplingParams(temperature=0, max_tokens=12),
+                         use_tqdm=False)
+    assert out.outputs[0].token_ids == expected[: expected.index(eos) + 1]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", None)
+
+
 def test_folder_without_tokenizer_serves_token_ids(tmp_path: Path, qwen3: Path) -> None:
     folder = tmp_path / "m"
     shutil.copytree(qwen3, folder, ignore=shutil.ignore_patterns("tokenizer*"))

@@ -95,7 +95,8 @@ class ModelConfig:
     seed: int = 0
     max_logprobs: int = 20
     # Ids that end generation: config.json's `eos_token_id` and generation_config.json's
-    # (chat models list their end-of-turn token there only, e.g. Llama 3 Instruct's <|eot_id|>).
+    # (chat models list their end-of-turn token there only, e.g. Llama 3 Instruct's <|eot_id|>),
+    # and the tokenizer's, which `LLM` adds once it has loaded it.
     eos_token_ids: list[int] = field(default_factory=list)
 
     @property

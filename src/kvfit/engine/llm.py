@@ -74,6 +74,13 @@ class LLM:
         if args.tokenizer and self.tokenizer is None:
             raise ValueError(f"tokenizer={args.tokenizer!r} holds no tokenizer files "
                              f"(tokenizer.json, tokenizer_config.json, ...)")
+        mc = self.config.model_config
+        # vLLM's first EOS is the tokenizer's, which a chat fine-tune may set to its
+        # end-of-turn token without touching config.json or generation_config.json.
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(eos, int) and 0 <= eos < mc.hf_config.vocab_size \
+                and eos not in mc.eos_token_ids:
+            mc.eos_token_ids.append(eos)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.engine = EngineCore(self.config, self.tokenizer)
 
