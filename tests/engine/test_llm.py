@@ -296,6 +296,16 @@ def test_sampling_params_and_argument_errors(qwen3_llm: LLM) -> None:
         LLM("kvfit-tiny", no_such_flag=1)
 
 
+def test_generation_config_vllm_is_taken_and_another_value_says_why(qwen3: Path) -> None:
+    # vLLM's LLM(generation_config="vllm") asks for what kvfit does (no sampling defaults from
+    # generation_config.json); it was refused as an unknown engine argument.
+    llm = make_llm(qwen3, generation_config="vllm")
+    assert llm.get_default_sampling_params() == SamplingParams()
+    llm.shutdown()
+    with pytest.raises(ValueError, match="generation_config='auto'.*SamplingParams"):
+        LLM(str(qwen3), device="cpu", generation_config="auto")
+
+
 def test_unknown_architecture_names_the_config_field(tmp_path: Path, qwen3: Path) -> None:
     shutil.copytree(qwen3, tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())

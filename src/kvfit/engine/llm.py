@@ -51,8 +51,16 @@ class LLM:
         enforce_eager: bool = False,
         load_format: str = "auto",
         seed: int = 0,
+        generation_config: str = "vllm",
         **kwargs: Any,
     ) -> None:
+        if generation_config != "vllm":
+            # vLLM's default ("auto") takes temperature, top_p, ... from generation_config.json
+            # where a request leaves them unset; kvfit never does (`get_default_sampling_params`).
+            raise ValueError(f"generation_config={generation_config!r} is not supported: kvfit "
+                             f"takes only eos_token_id from the model's generation_config.json, "
+                             f"never its sampling defaults (vLLM's generation_config='vllm', "
+                             f"the one value taken); set sampling in SamplingParams")
         unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
         if unknown:
             raise TypeError(f"LLM() got unknown engine arguments: {', '.join(sorted(unknown))}")
@@ -177,6 +185,12 @@ class LLM:
         (`name`, `kind` "gauge" or "counter", `value`, `labels`, `help`), the same figures the
         server exposes at `/metrics` (see `kvfit.engine.metrics`)."""
         return engine_metrics(self.engine.stats(), self.kv_cache_report)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no `sampling_params`: `SamplingParams()`,
+        as vLLM's with `generation_config="vllm"` (the model's generation_config.json sampling
+        defaults are never applied)."""
+        return SamplingParams()
 
     def get_tokenizer(self) -> Any | None:
         """The model's tokenizer, or None for a folder without one (token-id prompts only)."""
