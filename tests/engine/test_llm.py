@@ -271,6 +271,8 @@ def test_chat_joins_openai_text_parts(qwen3_llm: LLM) -> None:
         ({"prompt_token_ids": [5]}, greedy(logprobs=21), "max_logprobs"),
         ({"prompt_token_ids": [5]}, greedy(prompt_logprobs=50), "max_logprobs"),
         ([5, 6], greedy(), "prompt_token_ids"),
+        # vLLM's keys for what a text-only engine does not do: they were ignored.
+        ({"prompt": "hi", "multi_modal_data": {"image": None}}, greedy(), "multi_modal_data"),
     ],
 )
 def test_one_bad_request_raises_before_anything_runs(

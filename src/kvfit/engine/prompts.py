@@ -13,6 +13,7 @@ import numpy as np
 from kvfit.engine.sampling_params import SamplingParams
 
 Prompt = str | dict[str, Any]
+_PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 
 
 def batch_args(prompts: Any, sampling_params: Any) -> tuple[list[Prompt], list[SamplingParams]]:
@@ -36,6 +37,13 @@ def batch_args(prompts: Any, sampling_params: Any) -> tuple[list[Prompt], list[S
 
 def parse_prompt(where: str, prompt: Prompt, tokenizer: Any | None) -> tuple[str | None, list]:
     """`(text or None, token ids)` of one prompt; errors start with `where`."""
+    if isinstance(prompt, dict) and _PROMPT_KEYS & set(prompt) and (
+            other := sorted(map(str, set(prompt) - _PROMPT_KEYS))):
+        # vLLM's other keys (multi_modal_data, cache_salt, ...) ask for what a text-only
+        # engine does not do: ignored, the request would run without them. (A dict of neither
+        # key is no prompt, said below.)
+        raise ValueError(f"{where}: prompt key {', '.join(map(repr, other))} is not supported; "
+                         f"a prompt dict holds 'prompt' (text) and/or 'prompt_token_ids'")
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
         if hasattr(ids, "tolist") and not isinstance(ids, Sequence):
