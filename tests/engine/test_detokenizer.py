@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 from transformers import PreTrainedTokenizerFast
 
 from kvfit.engine.block_manager import BlockManager
@@ -191,3 +199,37 @@ def test_byte_fallback_run_rewritten_by_a_later_token_does_not_fail_the_step(
     seq, stop, fed = generate(Detokenizer(tok), prompt, output)
     assert (stop, fed) == (None, len(output))
     assert seq.output_text == " moona"
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_bytes() -> Tokenizer:
+    """Llama 2's decoder: byte fallback (a run of byte pieces that is not valid UTF-8 decodes
+    to U+FFFD, every byte of it) and the text's first space stripped."""
+    pieces = ["<unk>", "<s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "c", "▁moon"]
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>",
+                               byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken("<s>", special=True)])
+    return tok
+
+
+@pytest.mark.parametrize("prompt_text", ["ü語ü", "▁", "ab😀"])
+def test_output_keeps_its_leading_space_after_any_prompt_tail(
+    sentencepiece_bytes: Tokenizer, prompt_text: str
+) -> None:
+    """The output's text is the whole text's after the prompt's. The context fed to the
+    stream was cut to nothing where the prompt's tail started inside a character (every byte
+    piece of the run then decodes to U+FFFD, "incomplete") or held no text (`<s>▁`), and the
+    decoder stripped the output's leading space."""
+    tok = sentencepiece_bytes
+    pieces = [tok.token_to_id("▁")] if prompt_text == "▁" else tok.encode(
+        prompt_text, add_special_tokens=False).ids[1:]  # without the space prepended
+    prompt = [tok.token_to_id("<s>"), *pieces]
+    output = tok.encode(" c moon", add_special_tokens=False).ids
+    assert output[0] == tok.token_to_id("▁")  # the space the decoder strips from the start
+    seq, _, _ = generate(Detokenizer(tok), prompt, output)
+    full, before = tok.decode(prompt + output), tok.decode(prompt)
+    assert full.startswith(before) and seq.output_text == full[len(before):]

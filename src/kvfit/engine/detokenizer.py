@@ -143,23 +143,26 @@ class Detokenizer:
 
     def _new_stream(self, seq: Sequence) -> DecodeStream:
         # The prompt's text is already known: feed its tail as context and drop what it yields.
+        # The context is the longest window of the tail whose text ends in a whole character:
+        # - the prompt may end inside one (a token-id prompt cut mid-way): the stream would
+        #   emit its first bytes, as U+FFFD, at the start of the output's text; they are the
+        #   prompt's, so the window ends before them;
+        # - the tail may start inside one: a byte-fallback decoder then turns the whole run of
+        #   byte tokens after it into U+FFFD, so the window starts after it (over nothing, a
+        #   SentencePiece decoder would strip the output's leading space).
+        # A token of no text (a skipped special token, a stripped space) is context too.
+        skip = seq.sampling_params.skip_special_tokens
         context = seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
-        stream, num_complete = self._stream_over(seq, context)
-        if num_complete < len(context):
-            # The prompt ends inside a character (a token-id prompt cut mid-way): the stream
-            # holds its first bytes and would emit them, as U+FFFD, at the start of the
-            # output's text. They are the prompt's: leave them out of the context.
-            stream, _ = self._stream_over(seq, context[:num_complete])
-        return stream
-
-    def _stream_over(self, seq: Sequence, context: list[int]) -> tuple[DecodeStream, int]:
-        """A stream fed `context`, and how many of its tokens end in complete text."""
-        state: list = [DecodeStream(skip_special_tokens=seq.sampling_params.skip_special_tokens)]
-        num_complete = 0
-        for i, token_id in enumerate(context, start=1):
-            if self._protected_step(state, seq, token_id) is not None:
-                num_complete = i
-        return state[0], num_complete
+        window: list[int] = []
+        for end in range(len(context), 0, -1):
+            window = next((context[first:end] for first in range(end) if not self.tokenizer.decode(
+                context[first:end], skip_special_tokens=skip).endswith("\ufffd")), [])
+            if window:
+                break
+        state: list = [DecodeStream(skip_special_tokens=skip)]
+        for token_id in window:
+            self._protected_step(state, seq, token_id)
+        return state[0]
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence, new_start: int) -> str | None:
