@@ -308,6 +308,27 @@ def test_generation_config_vllm_is_taken_and_another_value_says_why(qwen3: Path)
         LLM(str(qwen3), device="cpu", generation_config="auto")
 
 
+def test_use_tqdm_takes_a_bar_factory(qwen3_llm: LLM) -> None:
+    # vLLM's use_tqdm may be a tqdm class or factory; it was taken as True and a default bar
+    # shown instead of the caller's.
+    bars = []
+
+    class Bar:
+        def __init__(self, total: int, desc: str) -> None:
+            self.total, self.n, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, n: int) -> None:
+            self.n += n
+
+        def close(self) -> None:
+            self.closed = True
+
+    qwen3_llm.generate(token_prompts(make_prompts((3, 5))), greedy(2, n=2), use_tqdm=Bar)
+    [bar] = bars
+    assert (bar.total, bar.n, bar.closed) == (4, 4, True)
+
+
 def test_unknown_architecture_names_the_config_field(tmp_path: Path, qwen3: Path) -> None:
     shutil.copytree(qwen3, tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())

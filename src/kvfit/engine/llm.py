@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
@@ -25,6 +25,8 @@ from kvfit.kv.report import KVCacheReport
 from kvfit.models.loader import load_tokenizer
 
 Message = dict[str, str]
+# Whether to show a progress bar, or (vLLM's) a tqdm class or factory that makes it.
+UseTqdm = bool | Callable[..., tqdm]
 
 
 class LLM:
@@ -200,7 +202,7 @@ class LLM:
         self,
         prompts: Prompt | SequenceOf[Prompt],
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string, `{"prompt": "text"}` or
         `{"prompt_token_ids": [...]}`, vLLM's forms); results in input order.
@@ -223,7 +225,7 @@ class LLM:
         self,
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         continue_final_message: bool = False,
@@ -276,7 +278,7 @@ class LLM:
         Raises ValueError naming the setting, like `generate`."""
         return self.input_processor.make_request(prompt, params, request_id)
 
-    def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[list[Sequence]], use_tqdm: UseTqdm) -> list[RequestOutput]:
         self.engine.check_can_run()
         try:
             for seq in itertools.chain.from_iterable(requests):
@@ -285,20 +287,26 @@ class LLM:
             for seqs in requests:
                 self.engine.abort_request(seqs[0].request_id)
             raise
-        with tqdm(total=sum(map(len, requests)), desc="Generating",
-                  # None: no bar where stderr is not a terminal (a log file gets no line
-                  # per update).
-                  disable=None if use_tqdm else True) as bar:
-            try:
-                while self.engine.has_unfinished():
-                    bar.update(len(self.engine.step()))
-            except BaseException:
-                # Interrupted (Ctrl-C) or failed: drop this call's requests, or they would keep
-                # their KV blocks and run to their end inside the next call.
-                self.engine.fail_step()
-                for seqs in requests:
-                    self.engine.abort_request(seqs[0].request_id)
-                raise
+        total, bar = sum(map(len, requests)), None
+        try:
+            if callable(use_tqdm):  # vLLM's: the caller's tqdm class or factory makes the bar
+                bar = use_tqdm(total=total, desc="Generating")
+            else:
+                # None: no bar where stderr is not a terminal (a log file gets no line per
+                # update).
+                bar = tqdm(total=total, desc="Generating", disable=None if use_tqdm else True)
+            while self.engine.has_unfinished():
+                bar.update(len(self.engine.step()))
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: drop this call's requests, or they would keep
+            # their KV blocks and run to their end inside the next call.
+            self.engine.fail_step()
+            for seqs in requests:
+                self.engine.abort_request(seqs[0].request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [RequestOutput.from_seqs(seqs) for seqs in requests]
 
 
