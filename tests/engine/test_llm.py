@@ -308,6 +308,17 @@ def test_generation_config_vllm_is_taken_and_another_value_says_why(qwen3: Path)
         LLM(str(qwen3), device="cpu", generation_config="auto")
 
 
+def test_vllm_arguments_kvfit_does_anyway_are_taken_and_others_say_why(qwen3: Path) -> None:
+    # LLM(model, trust_remote_code=True), in most vLLM scripts, was a TypeError (unknown engine
+    # argument), though the command line takes its flag; the others said nothing of why.
+    make_llm(qwen3, trust_remote_code=True, enable_chunked_prefill=True, quantization=None,
+             pipeline_parallel_size=1).shutdown()
+    with pytest.raises(ValueError, match="quantization='awq' .*unquantized checkpoints"):
+        LLM(str(qwen3), device="cpu", quantization="awq")
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False .*always chunks"):
+        LLM(str(qwen3), device="cpu", enable_chunked_prefill=False)
+
+
 def test_use_tqdm_takes_a_bar_factory(qwen3_llm: LLM) -> None:
     # vLLM's use_tqdm may be a tqdm class or factory; it was taken as True and a default bar
     # shown instead of the caller's.

@@ -63,6 +63,7 @@ class LLM:
                              f"takes only eos_token_id from the model's generation_config.json, "
                              f"never its sampling defaults (vLLM's generation_config='vllm', "
                              f"the one value taken); set sampling in SamplingParams")
+        kwargs = _without_vllm_noops(kwargs)
         unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
         if unknown:
             raise TypeError(f"LLM() got unknown engine arguments: {', '.join(sorted(unknown))}")
@@ -326,3 +327,29 @@ def _template_message(conversation: int, index: int, message: Any) -> Any:
                              f"{{'type': 'text', 'text': ...}}")
         texts.append(part["text"])
     return {**message, "content": "\n".join(texts)}
+
+
+def _without_vllm_noops(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` less vLLM's engine arguments that ask for what kvfit does anyway (e.g.
+    `trust_remote_code=True`), as the command line takes their flags; one asking for what
+    kvfit does not do raises ValueError naming what to do instead."""
+    from kvfit.commands.common import VLLM_NOOP_FLAGS, VLLM_UNSUPPORTED_FLAGS
+
+    rest = {}
+    for name, value in kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        if name in EngineArgs.__dataclass_fields__ or (
+                flag not in VLLM_NOOP_FLAGS and flag not in VLLM_UNSUPPORTED_FLAGS):
+            rest[name] = value
+            continue
+        if flag in VLLM_NOOP_FLAGS:
+            # enable_chunked_prefill=False asks for --no-enable-chunked-prefill.
+            if value or f"--no-{flag[2:]}" not in VLLM_UNSUPPORTED_FLAGS:
+                continue
+            flag = f"--no-{flag[2:]}"
+        # At a value that asks for nothing (None, 0, "auto", a size of 1): nothing to refuse.
+        elif value in (None, False, 0, "auto") or (value == 1 and name.endswith("_size")):
+            continue
+        raise ValueError(f"{name}={value!r} (a vLLM argument) is not supported: "
+                         f"{VLLM_UNSUPPORTED_FLAGS[flag]}")
+    return rest
