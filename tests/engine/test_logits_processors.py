@@ -118,6 +118,16 @@ def test_sampling_applies_processors_yet_logprobs_stay_raw() -> None:
         assert logprobs[row][4].rank == 1  # the raw distribution's favourite
 
 
+def test_penalties_act_on_the_biased_logits_as_vllm_orders_them() -> None:
+    # vLLM applies logit_bias before the penalties: token 4 (in the prompt) scores
+    # (2 + 2) / 2 = 2 < 2.9, not 2 / 2 + 2 = 3, so token 5 wins.
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 4], logits[0, 5] = 2.0, 2.9
+    seqs = [make_seq([4], [], temperature=0, repetition_penalty=2.0, logit_bias={4: 2.0})]
+    meta = SamplingMetadata.from_seqs(seqs, VOCAB, "cpu")
+    assert Sampler()(logits, meta).sampled_token_ids.tolist() == [5]
+
+
 def test_lists_longer_than_warmup_measures_are_rejected_naming_the_field() -> None:
     with pytest.raises(ValueError, match="logit_bias.*1024"):
         SamplingParams(logit_bias={t: 1.0 for t in range(MAX_TOKEN_LIST + 1)})

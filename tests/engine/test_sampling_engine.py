@@ -28,11 +28,11 @@ def hf_greedy_penalized(folder: Path, prompt: list[int], max_tokens: int,
         output = torch.bincount(torch.tensor(ids[len(prompt):], dtype=torch.long),
                                 minlength=vocab).float()
         seen = torch.bincount(torch.tensor(ids), minlength=vocab) > 0
+        for token, bias in (params.logit_bias or {}).items():  # before the penalties, as vLLM
+            logits[token] += bias
         rp = params.repetition_penalty
         logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
         logits = logits - params.frequency_penalty * output - params.presence_penalty * (output > 0)
-        for token, bias in (params.logit_bias or {}).items():
-            logits[token] += bias
         ids.append(int(logits.argmax()))
     return ids[len(prompt):]
 
@@ -55,7 +55,9 @@ def prompts(*lengths: int, seed: int = 0) -> list[list[int]]:
     SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.8),
     SamplingParams(temperature=0, repetition_penalty=0.7, frequency_penalty=-0.5),
     SamplingParams(temperature=0, logit_bias={7: 3.0, 9: -50.0}, frequency_penalty=2.0),
-], ids=["repetition", "presence+frequency", "encouraging", "bias"])
+    SamplingParams(temperature=0, logit_bias={t: 4.0 for t in range(3, 512, 7)},
+                   repetition_penalty=3.0),
+], ids=["repetition", "presence+frequency", "encouraging", "bias", "bias+repetition"])
 def test_penalties_and_bias_match_a_dense_reference(llm: LLM, qwen3: Path,
                                                     params: SamplingParams) -> None:
     # Penalties read each step's previous token, which the overlapped engine would otherwise

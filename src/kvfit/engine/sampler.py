@@ -27,7 +27,7 @@ PROMPT_LOGPROBS_CHUNK = 1024
 # [rows, V] temporaries (26 rows of a 152k vocabulary), small next to one chunk's logits.
 _LOGSUMEXP_BYTES = 16 << 20
 
-LogitsProcessor = AllowedTokens | Penalties | LogitBias | BannedTokens
+LogitsProcessor = AllowedTokens | BannedTokens | LogitBias | Penalties
 
 GREEDY_ARGMAX_KERNEL = True
 """Whether the model runner builds its sampler with the one-launch greedy argmax
@@ -86,11 +86,13 @@ class SamplingMetadata:
         processors = []
         if any(p.allowed_token_ids is not None or p.logit_bias or p.bad_words_token_ids
                or p.min_tokens or p.has_penalties for p in params):
+            # vLLM's order: the penalties act on the biased logits ((x + bias) / penalty, not
+            # x / penalty + bias); bans and the allowed mask are -inf whatever comes after.
             processors = [
                 AllowedTokens.from_seqs(seqs, vocab_size, device),
-                Penalties.from_seqs(seqs, vocab_size, device),
-                LogitBias.from_seqs(seqs, vocab_size, device),
                 BannedTokens.from_seqs(seqs, vocab_size, device, eos_token_ids),
+                LogitBias.from_seqs(seqs, vocab_size, device),
+                Penalties.from_seqs(seqs, vocab_size, device),
             ]
         all_greedy = temperature.count(0.0) == num_rows
         return cls(
@@ -162,10 +164,10 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per logits row; runs outside CUDA graphs, batched over rows.
 
-    Order (vLLM's): the allowed-tokens mask, penalties, logit bias and bans change the logits
-    in place; greedy rows take
-    the argmax of the result; the others take the Gumbel-max draw of `kvfit.ops.gumbel_sample`
-    at their temperature, over the tokens that pass their top-k / top-p / min-p threshold
+    Order (vLLM's): the allowed-tokens mask, bans (bad words, stops below `min_tokens`), logit
+    bias, then penalties change the logits in place; greedy rows take the argmax of the result;
+    the others take the Gumbel-max draw of `kvfit.ops.gumbel_sample` at their temperature,
+    over the tokens that pass their top-k / top-p / min-p threshold
     (`kvfit.ops.filter_thresholds`, no sort). Each row's noise comes from its own 64-bit seed:
     the engine's generator for unseeded rows, `token_seed` for seeded ones. The changes are
     then undone, and logprobs are the log-softmax of the raw logits, as vLLM returns by default.

@@ -26,10 +26,11 @@ class SamplingParams:
 
     `temperature=0` is greedy. `top_k` of 0 or -1, `top_p=1` and `min_p=0` disable those
     filters, which act on the tempered distribution in vLLM's order: min-p, top-k, then top-p
-    over what is left. Penalties act on the raw logits before them: `repetition_penalty` (> 1
-    discourages) on every token of the prompt and output, `presence_penalty` and
-    `frequency_penalty` on output tokens (once, and per occurrence); `logit_bias` adds to given
-    token ids; `allowed_token_ids` (when set) are the only tokens that may be sampled.
+    over what is left. Penalties act on the logits before them, after `logit_bias` (vLLM's
+    order): `repetition_penalty` (> 1 discourages) on every token of the prompt and output,
+    `presence_penalty` and `frequency_penalty` on output tokens (once, and per occurrence);
+    `logit_bias` adds to given token ids; `allowed_token_ids` (when set) are the only tokens
+    that may be sampled.
     `bad_words` are never generated: a one-token word is banned outright, a longer
     one when the output ends with all but its last token (`bad_words_token_ids` holds them
     tokenized; the `LLM` front end fills it).
