@@ -117,6 +117,24 @@ def test_bad_words_are_never_generated(llm: LLM) -> None:
     assert by_text[0].outputs[0].token_ids[0] != first
 
 
+def test_a_sampling_params_changed_between_calls_is_read_afresh(llm: LLM) -> None:
+    # The sampler caches arrays derived from logit_bias and bad words on the params object; a
+    # user who reuses one SamplingParams with new settings (reassigned or changed in place)
+    # got the first call's bias and bans again.
+    prompt = {"prompt_token_ids": prompts(7, seed=5)[0]}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={77: 100.0})
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == [77] * 4
+    params.logit_bias = {88: 100.0}
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == [88] * 4
+    params.logit_bias[99] = 200.0
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == [99] * 4
+    params.bad_words_token_ids = [[99]]
+    assert 99 not in llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    params.temperature = -1.0  # checked again, as a new SamplingParams would be
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate(prompt, params, use_tqdm=False)
+
+
 def test_stop_strings_are_cut_or_kept_as_asked(llm: LLM) -> None:
     [prompt] = prompts(15, seed=5)
     greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 from collections.abc import Callable, Iterable, Mapping
@@ -217,7 +218,10 @@ class LLM:
         resolved: dict[int, SamplingParams] = {}  # one tokenization per distinct params
         for sp in sampling_params:
             if id(sp) not in resolved:
-                resolved[id(sp)] = self.input_processor.resolve_bad_words(sp)
+                # The call's own copy (checked again), as vLLM clones it: what the sampler
+                # caches on a params object (`logit_bias_arrays`, the bad words' sets) must not
+                # outlive a caller's changes to one it passes again.
+                resolved[id(sp)] = self.input_processor.resolve_bad_words(dataclasses.replace(sp))
         requests = [self.input_processor.make_sequences(i, p, resolved[id(sp)])
                     for i, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True))]
         return self._run(requests, use_tqdm)
