@@ -76,7 +76,7 @@ def test_utilization_given_is_kept_and_fallback_restores_the_estimate_default() 
         ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),
         ({"dtype": "int3"}, "dtype"),
         ({"load_format": "pickle"}, "load_format"),
-        ({"max_logprobs": -1}, "max_logprobs"),
+        ({"max_logprobs": -2}, "max_logprobs"),  # -1 is the whole vocabulary
         ({"cuda_graph_sizes": [0]}, "cuda_graph_sizes"),
         ({"max_model_len": 0}, "max_model_len"),
         ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),

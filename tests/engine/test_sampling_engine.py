@@ -254,6 +254,27 @@ def test_logprobs_above_the_vocabulary_size_give_the_whole_vocabulary(qwen3: Pat
     llm.shutdown()
 
 
+def test_minus_one_logprobs_give_the_whole_vocabulary_as_vllm(qwen3: Path) -> None:
+    # vLLM's -1: every token's logprob, within max_logprobs (-1 there: no cap); both were
+    # refused as below 0.
+    llm = LLM(str(qwen3), device="cpu", num_gpu_blocks_override=16, max_model_len=64,
+              max_num_batched_tokens=64, max_logprobs=-1)
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
+    [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    entries = [*out.outputs[0].logprobs, *out.prompt_logprobs[1:]]
+    assert len(entries) == 4 and all(sorted(e) == list(range(512)) for e in entries)
+    llm.shutdown()
+
+
+def test_minus_one_logprobs_above_max_logprobs_are_refused_naming_the_vocabulary(
+        llm: LLM) -> None:
+    with pytest.raises(ValueError, match=r"logprobs=-1 \(the whole vocabulary, 512\) is above "
+                                         r"max_logprobs=20"):
+        llm.generate([{"prompt_token_ids": [5]}], SamplingParams(logprobs=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs must be >= 0, -1"):
+        SamplingParams(prompt_logprobs=-2)
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_n_above_max_num_seqs_queues_the_siblings(qwen3: Path, prefix_caching: bool) -> None:
     """vLLM takes any n: completions past max_num_seqs wait for a free slot, and each is what

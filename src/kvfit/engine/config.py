@@ -342,8 +342,8 @@ class EngineArgs:
                        help="engine random seed (dummy weights, unseeded sampling; "
                        "default: %(default)s)")
         p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
-                       help="most logprobs / prompt_logprobs a request may ask for; warmup "
-                       "measures this many (default: %(default)s)")
+                       help="most logprobs / prompt_logprobs a request may ask for, -1 for "
+                       "the whole vocabulary; warmup measures this many (default: %(default)s)")
         p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=d.cuda_graph_sizes,
                        metavar="N", help="decode batch sizes to capture as CUDA graphs "
                        "(default: 1 2 4 8 16..512 by 16; sizes above max-num-seqs or "
@@ -489,7 +489,9 @@ class EngineArgs:
             max_model_len=_resolve_max_model_len(self.max_model_len, hf_config, device),
             load_format=_check_choice("load_format", self.load_format, LOAD_FORMATS),
             seed=_check_seed(self.seed),
-            max_logprobs=_at_least("max_logprobs", self.max_logprobs, 0),
+            # -1: no cap, vLLM's (the whole vocabulary, which warmup then measures).
+            max_logprobs=(hf_config.vocab_size if self.max_logprobs == -1
+                          else _at_least("max_logprobs", self.max_logprobs, 0)),
             eos_token_ids=load_eos_token_ids(self.model, hf_config),
         )
         max_len = model_config.max_model_len

@@ -77,9 +77,13 @@ class InputProcessor:
             )
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(params, name)
-            if n is not None and n > mc.max_logprobs:
-                raise ValueError(f"{where}: SamplingParams.{name}={n} is above max_logprobs="
-                                 f"{mc.max_logprobs}; lower it or raise max_logprobs")
+            if n == -1:  # vLLM's: every token of the vocabulary
+                params = dataclasses.replace(params, **{name: vocab_size})
+            asked = f"-1 (the whole vocabulary, {vocab_size})" if n == -1 else n
+            if n is not None and getattr(params, name) > mc.max_logprobs:
+                raise ValueError(f"{where}: SamplingParams.{name}={asked} is above max_logprobs="
+                                 f"{mc.max_logprobs}; lower it or raise max_logprobs (-1: the "
+                                 f"whole vocabulary)")
         try:
             params.check_token_ids(vocab_size)
         except ValueError as e:

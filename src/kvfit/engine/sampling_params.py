@@ -40,7 +40,8 @@ class SamplingParams:
     end generation and are cut from the text unless `include_stop_str_in_output`; so is the
     text of the token that ends it (`stop_token_ids`, EOS), which `token_ids` always hold.
     `logprobs=n` returns the top-n log-probabilities of every generated token plus the sampled
-    one; `prompt_logprobs=n` the same for every prompt token after the first. They are computed
+    one; `prompt_logprobs=n` the same for every prompt token after the first; -1 asks for the
+    whole vocabulary (within the engine's `max_logprobs`, as vLLM's). They are computed
     from the raw logits (vLLM's default), before penalties, temperature and filters.
     `detokenize=False` leaves `output_text` empty unless stop strings need the text (a front
     end that decodes text itself keeps that work off the engine's step).
@@ -130,7 +131,8 @@ class SamplingParams:
                f"must be in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or value >= 0, name, "must be >= 0 or None", value)
+            _check(value is None or value >= -1, name,
+                   "must be >= 0, -1 (the whole vocabulary) or None", value)
         _check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
                or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
                "must be >= 1, -1 (the last max_model_len) or None", self.truncate_prompt_tokens)

@@ -174,6 +174,8 @@ class OpenAIServing:
         return max_tokens
 
     def check_logprobs(self, n: int | None, param: str) -> None:
+        if n is not None and n < 0:  # the API's answers count entries: no -1 (all) here
+            raise APIError(f"{param} must be >= 0, got {n}", param=param)
         if n is not None and n > self.engine.max_logprobs:
             raise APIError(f"{param}={n} is above the server's max_logprobs="
                            f"{self.engine.max_logprobs}", param=param)
