@@ -377,6 +377,28 @@ def test_streamed_echo_has_the_logprobs_of_the_unstreamed_one(client: openai.Ope
     assert streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-5)
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_text_offsets_past_held_back_text_are_the_unstreamed_ones(
+        client: openai.OpenAI, llm: LLM, echo: bool) -> None:
+    """A stop string that never matches makes the stream hold back text that might start it
+    while the tokens' logprobs go out: each token's text_offset is still where its text
+    starts in the whole answer (it was the length of the text sent so far, so it lagged)."""
+    (ref,) = llm.generate(PROMPTS[3], greedy(16), use_tqdm=False)
+    text = ref.outputs[0].text
+    stop = text[-6:] + "\x00"  # each prefix of the answer's last characters held back
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=16, temperature=0,
+                  logprobs=1, echo=echo, stop=[stop, text[2:5] + "\x00"])
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)
+              if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    offsets = [x for c in chunks if c.logprobs for x in c.logprobs.text_offset]
+    assert offsets == whole.logprobs.text_offset
+    # (A token holding part of a character is U+FFFD alone, not in the text.)
+    assert all(whole.text.startswith(t, o) for o, t in zip(
+        offsets, whole.logprobs.tokens, strict=True) if "\ufffd" not in t)
+
+
 async def _concurrent(url: str, prompts: list[str]) -> list[str]:
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused",
                                   max_retries=0) as aclient:

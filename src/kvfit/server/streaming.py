@@ -133,6 +133,10 @@ async def stream_completion(streams: list[AsyncIterator[RequestOutput]],
     chunk carries what every choice added since the last, an engine error ends the stream as
     an error event."""
     sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, index) -> (chars, tokens)
+    # (prompt, index) -> the text offset of its next token: the sum of its tokens' texts so
+    # far, as the whole answer counts them. Not the text sent: a stop string's possible start
+    # or a character's first bytes are held back while their tokens' logprobs go out.
+    next_offset: dict[tuple[int, int], int] = {}
     done: set[tuple[int, int]] = set()
     outputs: dict[int, RequestOutput] = {}
     base = {"id": ids, "object": "text_completion", "created": created, "model": model}
@@ -162,10 +166,13 @@ async def stream_completion(streams: list[AsyncIterator[RequestOutput]],
                     logprobs = None
                     if num_logprobs is not None:
                         # As unstreamed: the echoed prompt's tokens lead, and offsets count its
-                        # text.
-                        offset = 0 if first_echo else chars + (len(echo[i]) if echo else 0)
+                        # tokens' text.
                         logprobs = completion_logprobs(engine, c, num_logprobs, out,
-                                                        first_echo, tokens, offset)
+                                                        first_echo, tokens,
+                                                        next_offset.get(key, 0))
+                        if logprobs["tokens"]:
+                            next_offset[key] = (logprobs["text_offset"][-1]
+                                                + len(logprobs["tokens"][-1]))
                     sent[key] = (len(c.text), len(c.token_ids))
                     if c.finish_reason is not None:
                         done.add(key)
