@@ -315,7 +315,8 @@ def test_prompt_logprobs_the_server_cannot_give_are_refused(http: httpx.Client, 
     assert http.get("/health").status_code == 200
 
 
-def test_add_special_tokens_reaches_the_tokenizer(client: openai.OpenAI, engine: AsyncLLM,
+def test_add_special_tokens_reaches_the_tokenizer(client: openai.OpenAI, http: httpx.Client,
+                                                   engine: AsyncLLM,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's `add_special_tokens`: on by default for a completion's text prompt, off for a
     rendered chat (its template writes its own), either way when the request says."""
@@ -333,7 +334,12 @@ def test_add_special_tokens_reaches_the_tokenizer(client: openai.OpenAI, engine:
     for extra in ({}, {"add_special_tokens": True}):
         client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1,
                                        extra_body=extra)
-    assert seen == [True, False, False, True]
+    # /tokenize tokenizes as those routes do, the same flag honoured for messages too.
+    for extra in ({}, {"add_special_tokens": False}):
+        http.post("/tokenize", json={"prompt": PROMPTS[2], **extra}).raise_for_status()
+    for extra in ({}, {"add_special_tokens": True}):
+        http.post("/tokenize", json={"messages": MESSAGES, **extra}).raise_for_status()
+    assert seen == [True, False, False, True] * 2
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client: openai.OpenAI,

@@ -334,6 +334,7 @@ class TokenizeRequest(_ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    # Unset: on for a prompt, off for messages (as in a completion and a chat completion).
     add_special_tokens: bool = True
 
 

@@ -331,7 +331,10 @@ class OpenAIServing:
             raise APIError("send one of prompt or messages", param="prompt")
         if body.messages is not None:
             text = await self.render_chat(body)
-            (tokens,) = await self.encode([text], "messages", add_special_tokens=False)
+            # As a chat completion tokenizes them (and vLLM's /tokenize): the template writes
+            # its own special tokens, so the tokenizer's are off unless the request asks.
+            add = body.add_special_tokens and "add_special_tokens" in body.model_fields_set
+            (tokens,) = await self.encode([text], "messages", add_special_tokens=add)
         else:
             (tokens,) = await self.encode([body.prompt], "prompt", body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": self.engine.max_model_len,
