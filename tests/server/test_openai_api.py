@@ -635,6 +635,10 @@ LONE_SURROGATES = [  # JSON escapes that decode to no Unicode text
      "messages"),
     ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
     ("/v1/completions", b'{"prompt": "x", "logit_bias": {"\\ud800": 1}}', "logit_bias"),
+    # Tokenized as the request is queued: the tokenizer's TypeError was a 500.
+    ("/v1/completions", b'{"prompt": "x", "bad_words": ["ok", "\\ud800"]}', "bad_words"),
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "x"}], "bad_words": ["\\udfff"]}', "bad_words"),
 ]
 
 

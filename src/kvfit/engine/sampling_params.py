@@ -139,6 +139,10 @@ class SamplingParams:
         _check(all(self.stop), "stop", "must not contain an empty string", self.stop)
         _check(all(w.strip() for w in self.bad_words), "bad_words",
                "must not contain an empty word (it would ban nothing)", self.bad_words)
+        # They are tokenized as the request is queued, and a tokenizer raises a TypeError on a
+        # lone UTF-16 surrogate (JSON's "\ud800" escapes carry them), not a ValueError.
+        _check(all(_is_unicode(w) for w in self.bad_words), "bad_words",
+               "must be valid Unicode text (no lone UTF-16 surrogates)", self.bad_words)
         _check(all(self.bad_words_token_ids), "bad_words_token_ids",
                "must not contain an empty token list", self.bad_words_token_ids)
         if self.logit_bias is not None:
@@ -228,6 +232,14 @@ def _as_list(name: str, value: object) -> list:
         return list(value or [])
     except TypeError:
         raise ValueError(f"SamplingParams.{name} must be a list, got {value!r}") from None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:
