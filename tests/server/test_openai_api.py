@@ -628,6 +628,20 @@ def test_invalid_json_is_a_400_and_the_server_survives(http: httpx.Client,
     assert r.usage.completion_tokens == 2
 
 
+@pytest.mark.parametrize(("content", "says"), [
+    (b'{"prompt": "caf\xe9"}', "can't decode byte 0xe9"),  # Latin-1, not UTF-8
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "recursion"),
+])
+def test_a_body_the_json_parser_cannot_read_says_why(http: httpx.Client, content: bytes,
+                                                     says: str) -> None:
+    # FastAPI answers these with "There was an error parsing the body", naming no cause.
+    r = http.post("/v1/completions", content=content,
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert message.startswith("the request body could not be read as JSON") and says in message
+
+
 LONE_SURROGATES = [  # JSON escapes that decode to no Unicode text
     ("/v1/completions", b'{"prompt": "\\ud800 x", "max_tokens": 2}', "prompt"),
     ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),

@@ -54,6 +54,11 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         message = str(e.detail)
+        if e.status_code == 400 and message == _UNPARSED_BODY and e.__cause__ is not None:
+            # FastAPI's words for a body its JSON parser raised on other than with a
+            # JSONDecodeError; the cause says what is wrong (bytes that are not UTF-8, nesting
+            # too deep for the parser).
+            message = f"the request body could not be read as JSON: {e.__cause__}"
         if e.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
             # No route matched: say which there are (an OpenAI client calling
             # /v1/embeddings or /v1/responses learns this server does not serve them).
@@ -91,6 +96,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     return app
 
 
+_UNPARSED_BODY = "There was an error parsing the body"
 # What pydantic puts in an error's `loc` for the member of a union that failed
 # (`str | list[str]` ...): not a field, so not part of the `param` named.
 _UNION_MEMBER = re.compile(r"(str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*)")
