@@ -100,11 +100,18 @@ def test_probe_exits_zero_where_vmm_works() -> None:
 
 
 def test_temperature_default_is_vllms_and_the_help_says_so() -> None:
+    from kvfit.commands.common import sampling_params_from_args
+
     for command in ("generate", "chat"):
         args = build_parser().parse_args([command])
-        assert args.temperature == SamplingParams().temperature == 1.0
+        assert args.temperature is None  # the model's generation_config.json, else 1.0
+        assert sampling_params_from_args(args).temperature == SamplingParams().temperature == 1.0
+        assert sampling_params_from_args(args, {"temperature": 0.6}).temperature == 0.6
+        args = build_parser().parse_args([command, "--temperature", "1.0"])
+        assert sampling_params_from_args(args, {"temperature": 0.6}).temperature == 1.0
     help_text = " ".join(kvfit_cli("generate", "--help").stdout.split())
-    assert "0 is greedy (default: 1.0, as vLLM's SamplingParams" in help_text
+    assert ("0 is greedy (default: the model's generation_config.json, else 1.0, as vLLM"
+            in help_text)
 
 
 def test_no_progress_bar_lines_when_not_on_a_terminal() -> None:

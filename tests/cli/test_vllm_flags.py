@@ -41,7 +41,8 @@ def test_bad_counts_are_usage_errors_naming_the_flag(
     (["serve", "m", "--quantization=fp8"], "--quantization", "unquantized"),
     (["serve", "m", "-pp", "2"], "-pp", "--tensor-parallel-size"),
     (["serve", "m", "--enable-lora"], "--enable-lora", "LoRA"),
-    (["serve", "m", "--generation-config", "auto"], "--generation-config", "eos_token_id"),
+    (["serve", "m", "--override-generation-config", "{}"], "--override-generation-config",
+     "--generation-config FOLDER"),
     (["serve", "m", "--config", "serve.yaml"], "--config", "flags"),
     (["serve", "m", "--enable-log-requests"], "--enable-log-requests", "request"),
     (["generate", "--revision", "main"], "--revision", "local folder"),
@@ -74,19 +75,12 @@ def test_vllm_flags_that_ask_for_what_kvfit_does_run_with_a_note(
     assert flag in err and why in err
 
 
-@pytest.mark.parametrize("argv", [["--generation-config", "vllm"], ["--generation-config=vllm"]])
-def test_generation_config_vllm_is_what_kvfit_does_and_runs_with_a_note(
-    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-) -> None:
-    """`--generation-config vllm` (vLLM's "ignore the model's sampling defaults") is kvfit's
-    only behaviour: taken with a note, where `auto` or a folder is refused."""
-    from kvfit.server import serve
-
-    ran = []
-    monkeypatch.setattr(serve, "run_serve", lambda args: ran.append(args.model_tag) or 0)
-    assert main(["serve", "m", *argv, "--port", "0"]) == 0
-    assert ran == ["m"]
-    assert "--generation-config vllm has no effect" in capsys.readouterr().err
+@pytest.mark.parametrize("value", ["vllm", "auto", "/some/folder"])
+def test_generation_config_is_an_engine_flag(value: str) -> None:
+    """`--generation-config` (vLLM's): where a request's unset sampling fields come from."""
+    args = build_parser().parse_args(["serve", "m", "--generation-config", value])
+    assert args.generation_config == value
+    assert build_parser().parse_args(["serve", "m"]).generation_config == "auto"
 
 
 def test_bench_serve_takes_vllm_bench_serve_flags() -> None:

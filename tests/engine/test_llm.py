@@ -298,14 +298,41 @@ def test_sampling_params_and_argument_errors(qwen3_llm: LLM) -> None:
         LLM("kvfit-tiny", no_such_flag=1)
 
 
-def test_generation_config_vllm_is_taken_and_another_value_says_why(qwen3: Path) -> None:
-    # vLLM's LLM(generation_config="vllm") asks for what kvfit does (no sampling defaults from
-    # generation_config.json); it was refused as an unknown engine argument.
-    llm = make_llm(qwen3, generation_config="vllm")
+def test_generation_config_sampling_defaults_apply_where_a_request_leaves_them(
+        tmp_path: Path, qwen3: Path) -> None:
+    # vLLM's generation_config="auto" (its default): generation_config.json's temperature,
+    # top_k, ..., max_new_tokens are the defaults of a request that leaves them unset.
+    prompt = make_prompts((9,), seed=4)[0]
+    shutil.copytree(qwen3, tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 2, "temperature": 0.0, "top_k": 3, "max_new_tokens": 5,
+         "do_sample": True}))
+    llm = make_llm(tmp_path / "m")
+    assert llm.config.model_config.sampling_defaults == {"temperature": 0.0, "top_k": 3,
+                                                         "max_tokens": 5}
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0, top_k=3,
+                                                               max_tokens=5)
+    [out] = llm.generate(token_prompts([prompt]), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(qwen3, prompt, max_tokens=5)
+    llm.shutdown()
+    # "vllm": SamplingParams' own defaults (max_tokens 16, temperature 1).
+    llm = make_llm(tmp_path / "m", generation_config="vllm")
+    assert llm.config.model_config.sampling_defaults == {}
     assert llm.get_default_sampling_params() == SamplingParams()
     llm.shutdown()
-    with pytest.raises(ValueError, match="generation_config='auto'.*SamplingParams"):
-        LLM(str(qwen3), device="cpu", generation_config="auto")
+    # A folder: its generation_config.json, whatever the model's.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_p": 0.5}))
+    llm = make_llm(qwen3, generation_config=str(other))
+    assert llm.get_default_sampling_params() == SamplingParams(top_p=0.5)
+    llm.shutdown()
+    # What SamplingParams refuses is refused at start, naming the way out.
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="generation_config.json.*temperature.*'vllm'"):
+        make_llm(tmp_path / "m")
+    with pytest.raises(ValueError, match="generation_config='nowhere' is neither"):
+        make_llm(qwen3, generation_config="nowhere")
 
 
 def test_vllm_arguments_kvfit_does_anyway_are_taken_and_others_say_why(qwen3: Path) -> None:

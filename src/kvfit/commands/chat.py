@@ -135,8 +135,8 @@ def local_reply(args: argparse.Namespace) -> tuple[Reply, Callable[[], None]]:
     """A `Reply` from a model loaded here with the engine flags (`LLM.chat`)."""
     if args.model is None:
         args.model = DEFAULT_MODEL
-    params = sampling_params_from_args(args)
     llm = build_llm(args)
+    params = sampling_params_from_args(args, llm.config.model_config.sampling_defaults)
 
     def reply(messages: list[Message], out: IO[str]) -> str:
         text = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text

@@ -28,6 +28,10 @@ _SAMPLING_FIELDS = {
     "ignore_eos": "ignore_eos",
 }
 
+# The fields generation_config.json may set (`load_sampling_defaults`): their flags are unset
+# unless given, so that the model's defaults apply.
+_MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 32,
                       with_n: bool = True) -> None:
@@ -36,22 +40,24 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 32,
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens,
                    help="most tokens to generate per completion (default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=1.0,
-                   help="sampling temperature; 0 is greedy (default: %(default)s, as vLLM's "
-                   "SamplingParams and the API's)")
-    g.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus filter; 1, the default, is off")
-    g.add_argument("--top-k", type=int, default=-1,
-                   help="keep the k likeliest; -1, the default, is off")
-    g.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens below min-p x the likeliest's probability; 0, the "
-                   "default, is off")
+    # Unset, a flag takes the model's generation_config.json default (--generation-config),
+    # else SamplingParams'.
+    model = "the model's generation_config.json, else"
+    g.add_argument("--temperature", type=float, default=None,
+                   help=f"sampling temperature; 0 is greedy (default: {model} 1.0, as vLLM)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help=f"nucleus filter; 1 is off (default: {model} 1)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help=f"keep the k likeliest; -1 is off (default: {model} -1)")
+    g.add_argument("--min-p", type=float, default=None,
+                   help=f"drop tokens below min-p x the likeliest's probability; 0 is off "
+                   f"(default: {model} 0)")
     g.add_argument("--presence-penalty", type=float, default=0.0,
                    help="in [-2, 2]; 0, the default, is off")
     g.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="in [-2, 2]; 0, the default, is off")
-    g.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="> 1 discourages repeats; 1, the default, is off")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help=f"> 1 discourages repeats; 1 is off (default: {model} 1)")
     if with_n:
         g.add_argument("--n", type=int, default=1,
                        help="completions per prompt (default: %(default)s)")
@@ -80,24 +86,29 @@ def check_sampling_args(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
-def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
-    """A `SamplingParams` from the flags of `add_sampling_args`."""
+def sampling_params_from_args(args: argparse.Namespace,
+                              defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """A `SamplingParams` from the flags of `add_sampling_args`; a flag left unset takes
+    `defaults` (the model's, `ModelConfig.sampling_defaults`), else SamplingParams' own."""
     from kvfit.engine.sampling_params import SamplingParams
 
-    return SamplingParams(**{field: getattr(args, flag) for flag, field in _SAMPLING_FIELDS.items()
-                             if hasattr(args, flag) and getattr(args, flag) is not None})
+    given = {field: getattr(args, flag) for flag, field in _SAMPLING_FIELDS.items()
+             if hasattr(args, flag) and getattr(args, flag) is not None}
+    return SamplingParams(**{**(defaults or {}), **given})
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The sampling flags that differ from SamplingParams' defaults, as request-body fields
-    (vLLM's names; the OpenAI ones plus vLLM's extras), for a remote server."""
+    """The sampling flags given, as request-body fields (vLLM's names; the OpenAI ones plus
+    vLLM's extras), for a remote server; those left unset take its model's defaults there.
+    A flag with a fixed default is sent where it differs from SamplingParams'."""
     from kvfit.engine.sampling_params import SamplingParams
 
     default = SamplingParams()
-    body: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    body: dict[str, Any] = {"max_tokens": args.max_tokens}
     for flag, field in _SAMPLING_FIELDS.items():
         value = getattr(args, flag, None)
-        if value is not None and field not in body and value != getattr(default, field):
+        if value is not None and field not in body and (
+                field in _MODEL_DEFAULT_FIELDS or value != getattr(default, field)):
             body[field] = value
     return body
 
@@ -117,10 +128,8 @@ VLLM_UNSUPPORTED_FLAGS = {
     **dict.fromkeys(("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"),
                     "LoRA adapters are not supported; merge the adapter into the weights"),
     "--speculative-config": "speculative decoding is not supported",
-    "--generation-config": "kvfit takes only eos_token_id from the model's "
-                           "generation_config.json and never its sampling defaults (as vLLM's "
-                           "--generation-config vllm); set sampling per request",
-    "--override-generation-config": "set sampling per request",
+    "--override-generation-config": "edit generation_config.json, or pass "
+                                    "--generation-config FOLDER holding another",
     "--config": "there is no YAML config file; pass the settings as flags",
     "--enable-log-requests": "kvfit has no request log; the engine's figures are logged every "
                              "10 s (--disable-log-stats turns them off)",
@@ -152,30 +161,13 @@ VLLM_NOOP_FLAGS = {
 }
 
 
-# vLLM flags whose one value asks for what kvfit does: that value is taken, with a note; any
-# other is refused as the flag in VLLM_UNSUPPORTED_FLAGS.
-VLLM_NOOP_VALUES = {
-    "--generation-config": ("vllm", "kvfit never takes sampling defaults from the model's "
-                            "generation_config.json"),
-}
-
-
 def check_vllm_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> list[str]:
     """`unknown` (what `parse_known_args` left) less the vLLM flags kvfit takes as no-ops
     (each noted on stderr); a vLLM flag kvfit does not do is a usage error (exit status 2)
     naming it and what to do instead."""
     rest = []
-    args = iter(unknown)
-    for arg in args:
-        name, equals, value = arg.partition("=")
-        if name in VLLM_NOOP_VALUES:
-            if not equals:
-                value = next(args, "")
-            wanted, why = VLLM_NOOP_VALUES[name]
-            if value == wanted:
-                print(f"{parser.prog}: note: {name} {value} has no effect: {why}",
-                      file=sys.stderr)
-                continue
+    for arg in unknown:
+        name = arg.partition("=")[0]
         if name in VLLM_UNSUPPORTED_FLAGS:
             parser.exit(2, f"{parser.prog}: error: {name} (a vLLM flag) is not supported: "
                         f"{VLLM_UNSUPPORTED_FLAGS[name]}\n")

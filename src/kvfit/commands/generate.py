@@ -124,11 +124,11 @@ def collect_prompts(args: argparse.Namespace) -> list[str | dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     """Generate for every prompt; print each, and write JSONL to --output-file if given."""
     prompts = collect_prompts(args)
-    params = sampling_params_from_args(args)
     # Opened before the model loads: a path that cannot be written fails now, not after
     # every completion has been generated.
     with _open_output(args.output_file) as output_file:
         llm = build_llm(args)
+        params = sampling_params_from_args(args, llm.config.model_config.sampling_defaults)
         tokenizer = llm.get_tokenizer()
         if not prompts:
             prompts = list(DEFAULT_PROMPTS) if tokenizer else [{"prompt_token_ids": [1]}]

@@ -7,7 +7,7 @@ import argparse
 import logging
 import re
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,7 @@ from kvfit.elastic.governor import (
     ElasticConfig,
     MemoryAmount,
 )
+from kvfit.engine.sampling_params import SamplingParams
 from kvfit.kv.spec import LAYOUTS, KVCacheSpec
 from kvfit.kv_quant import KV_CACHE_DTYPES, kv_cache_torch_dtype
 
@@ -98,6 +99,9 @@ class ModelConfig:
     # (chat models list their end-of-turn token there only, e.g. Llama 3 Instruct's <|eot_id|>),
     # and the tokenizer's, which `LLM` adds once it has loaded it.
     eos_token_ids: list[int] = field(default_factory=list)
+    # SamplingParams fields a request that leaves them unset takes from generation_config.json
+    # (`--generation-config`, vLLM's "auto"), e.g. {"temperature": 0.6, "top_p": 0.95}.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
@@ -260,6 +264,7 @@ class EngineArgs:
     enforce_eager: bool = False
     load_format: str = "auto"
     seed: int = 0
+    generation_config: str = "auto"
     max_logprobs: int = 20
     cuda_graph_sizes: list[int] | None = None
     cudagraph_mode: str = "FULL_DECODE_ONLY"
@@ -341,6 +346,12 @@ class EngineArgs:
         p.add_argument("--seed", type=int, default=d.seed,
                        help="engine random seed (dummy weights, unseeded sampling; "
                        "default: %(default)s)")
+        p.add_argument("--generation-config", default=d.generation_config,
+                       metavar="{auto,vllm,FOLDER}",
+                       help="where a request's unset sampling fields (temperature, top_p, "
+                       "top_k, min_p, repetition_penalty, max_tokens) come from: 'auto' the "
+                       "model's generation_config.json, 'vllm' SamplingParams' own defaults, "
+                       "or FOLDER's generation_config.json (default: %(default)s, as vLLM)")
         p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                        help="most logprobs / prompt_logprobs a request may ask for, -1 for "
                        "the whole vocabulary; warmup measures this many (default: %(default)s)")
@@ -493,6 +504,7 @@ class EngineArgs:
             max_logprobs=(hf_config.vocab_size if self.max_logprobs == -1
                           else _at_least("max_logprobs", self.max_logprobs, 0)),
             eos_token_ids=load_eos_token_ids(self.model, hf_config),
+            sampling_defaults=_sampling_defaults(self.model, self.generation_config),
         )
         max_len = model_config.max_model_len
         check_config(hf_config, max_len)  # features the model does not run: refused now
@@ -708,6 +720,28 @@ def _check_seed(seed: int) -> int:
     if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
         raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
     return seed
+
+
+def _sampling_defaults(model: str, source: str) -> dict[str, Any]:
+    """generation_config.json's sampling defaults (`load_sampling_defaults`), checked now: a
+    value SamplingParams refuses would otherwise fail every request that leaves it unset."""
+    from kvfit.models.loader import load_sampling_defaults
+
+    if not isinstance(source, str):
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder; got {source!r}")
+    defaults = load_sampling_defaults(model, source)
+    try:
+        SamplingParams(**defaults)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"the sampling defaults of generation_config.json ({defaults}) are "
+                         f"not valid SamplingParams ({e}); fix the file, or set "
+                         f"generation_config='vllm' (--generation-config vllm) to ignore them"
+                         ) from e
+    if defaults:  # as vLLM warns: outputs differ from SamplingParams' defaults
+        logger.warning("sampling defaults from the model's generation_config.json: %s (a "
+                       "request's unset fields take them; --generation-config vllm to use "
+                       "SamplingParams' own)", defaults)
+    return defaults
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:

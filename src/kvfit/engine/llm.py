@@ -54,16 +54,9 @@ class LLM:
         enforce_eager: bool = False,
         load_format: str = "auto",
         seed: int = 0,
-        generation_config: str = "vllm",
+        generation_config: str = "auto",
         **kwargs: Any,
     ) -> None:
-        if generation_config != "vllm":
-            # vLLM's default ("auto") takes temperature, top_p, ... from generation_config.json
-            # where a request leaves them unset; kvfit never does (`get_default_sampling_params`).
-            raise ValueError(f"generation_config={generation_config!r} is not supported: kvfit "
-                             f"takes only eos_token_id from the model's generation_config.json, "
-                             f"never its sampling defaults (vLLM's generation_config='vllm', "
-                             f"the one value taken); set sampling in SamplingParams")
         kwargs = _without_vllm_noops(kwargs)
         unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
         if unknown:
@@ -72,7 +65,8 @@ class LLM:
             model=model, dtype=dtype, device=device, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=enforce_eager, load_format=load_format, seed=seed, **kwargs,
+            enforce_eager=enforce_eager, load_format=load_format, seed=seed,
+            generation_config=generation_config, **kwargs,
         )
         self.config = args.create_engine_config()
         try:
@@ -191,10 +185,10 @@ class LLM:
         return engine_metrics(self.engine.stats(), self.kv_cache_report)
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What `generate` and `chat` use when given no `sampling_params`: `SamplingParams()`,
-        as vLLM's with `generation_config="vllm"` (the model's generation_config.json sampling
-        defaults are never applied)."""
-        return SamplingParams()
+        """What `generate` and `chat` use when given no `sampling_params`: the sampling fields
+        of the model's generation_config.json over SamplingParams' defaults, as vLLM's
+        `generation_config="auto"`; `SamplingParams()` with `generation_config="vllm"`."""
+        return SamplingParams(**self.config.model_config.sampling_defaults)
 
     def get_tokenizer(self) -> Any | None:
         """The model's tokenizer, or None for a folder without one (token-id prompts only)."""
@@ -208,7 +202,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string, `{"prompt": "text"}` or
         `{"prompt_token_ids": [...]}`, vLLM's forms); results in input order.
-        `sampling_params` is one for all prompts or one per prompt."""
+        `sampling_params` is one for all prompts or one per prompt; None takes
+        `get_default_sampling_params()`."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         prompts, sampling_params = batch_args(prompts, sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(

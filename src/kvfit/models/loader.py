@@ -7,7 +7,7 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -180,6 +180,37 @@ def load_eos_token_ids(model: str, hf_config: PretrainedConfig) -> list[int]:
                        "vocabulary (vocab_size=%d) ignored: the model cannot generate it",
                        outside, vocab_size)
     return [i for i in unique if 0 <= i < vocab_size]
+
+
+# generation_config.json's sampling fields that vLLM takes as defaults, by SamplingParams name.
+_SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                      "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                      "max_new_tokens": "max_tokens"}
+
+
+def load_sampling_defaults(model: str, source: str = "auto") -> dict[str, Any]:
+    """The sampling defaults a request that leaves a field unset takes, as vLLM's
+    `--generation-config`: `"auto"` reads them from the model folder's generation_config.json,
+    `"vllm"` gives none (SamplingParams' own defaults), a folder path reads its file. Only the
+    fields the file sets: transformers' class defaults (top_k 50, ...) are not the model's."""
+    if source == "vllm":
+        return {}
+    folder = resolve_model(model) if source == "auto" else Path(source)
+    if source != "auto" and not folder.is_dir():
+        raise ValueError(f"generation_config={source!r} is neither 'auto', 'vllm' nor a "
+                         f"folder; pass a folder holding generation_config.json")
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if source != "auto":
+            raise ValueError(f"generation_config={source!r}: {path} does not exist")
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+        found = {name: raw[key] for key, name in _SAMPLING_DEFAULTS.items()
+                 if raw.get(key) is not None}
+    except (json.JSONDecodeError, AttributeError, TypeError) as e:
+        raise ValueError(f"{path} is not a JSON object: {e}") from e
+    return found
 
 
 @contextmanager

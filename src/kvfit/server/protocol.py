@@ -127,8 +127,11 @@ class _SamplingFields(_Body):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """The request as `SamplingParams`; an invalid value is an `APIError` naming its field."""
+                        prompt_logprobs: int | None = None,
+                        model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The request as `SamplingParams`; an invalid value is an `APIError` naming its field.
+        A field the request leaves unset takes `model_defaults` (generation_config.json's,
+        vLLM's `--generation-config auto`), else SamplingParams' default."""
         fields: dict[str, Any] = dict(
             n=self.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
@@ -140,6 +143,7 @@ class _SamplingFields(_Body):
         )
         defaults = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, presence_penalty=0.0,
                         frequency_penalty=0.0, repetition_penalty=1.0)
+        defaults.update((k, v) for k, v in (model_defaults or {}).items() if k in defaults)
         for name, default in defaults.items():
             value = getattr(self, name)
             fields[name] = default if value is None else value

@@ -141,6 +141,11 @@ class OpenAIServing:
             raise APIError("a valid API key is needed: send 'Authorization: Bearer <key>'",
                            status_code=401, type="authentication_error", code="invalid_api_key")
 
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """generation_config.json's sampling defaults (`--generation-config`)."""
+        return self.engine.config.model_config.sampling_defaults
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.config.served_model_names:
             # 404, as OpenAI and vLLM answer (the openai client raises NotFoundError).
@@ -151,7 +156,8 @@ class OpenAIServing:
     def check_length(self, num_prompt: int, max_tokens: int | None, where: str,
                      max_field: str, which: str = "") -> int:
         """The request's max_tokens (unset: the rest of the context) after checking that
-        prompt and completion fit in max_model_len. `which` tells one prompt of several."""
+        prompt and completion fit in max_model_len, at most generation_config.json's
+        `max_new_tokens` where it sets one (as vLLM caps). `which` tells one prompt of several."""
         limit = self.engine.max_model_len
         subject = f"the {where}{which}"
         if num_prompt == 0:
@@ -163,15 +169,16 @@ class OpenAIServing:
                            f"{subject} {size}; shorten it to at most {limit - 1} tokens "
                            f"(one is needed for the completion)",
                            param=where, code="context_length_exceeded")
+        cap = self.sampling_defaults.get("max_tokens")
         if max_tokens is None:
-            return limit - num_prompt
+            return min(limit - num_prompt, cap or limit)
         if max_tokens >= 1 and num_prompt + max_tokens > limit:
             raise APIError(f"this model's maximum context length is {limit} tokens; you asked "
                            f"for {num_prompt + max_tokens} ({num_prompt} in {subject}, "
                            f"{max_tokens} in the completion): lower {max_field} to at most "
                            f"{limit - num_prompt}", param=max_field,
                            code="context_length_exceeded")
-        return max_tokens
+        return max_tokens if cap is None or max_tokens < 1 else min(max_tokens, cap)
 
     def check_logprobs(self, n: int | None, param: str) -> None:
         if n is not None and n < 0:  # the API's answers count entries: no -1 (all) here
@@ -372,7 +379,8 @@ class OpenAIServing:
             self.check_length(len(p["prompt_token_ids"]), 1 if scoring else body.max_tokens,
                               "prompt", "max_tokens",
                               f" at index {i}" if len(prompts) > 1 else ""),
-            body.logprobs, num_prompt_logprobs) for i, p in enumerate(prompts)]
+            body.logprobs, num_prompt_logprobs, self.sampling_defaults)
+            for i, p in enumerate(prompts)]
         streams, admission = self.start(body, prompts, params)
         if scoring:
             streams = [_prompt_only(s) for s in streams]
@@ -423,7 +431,8 @@ class OpenAIServing:
         max_tokens, max_field = body.requested_max_tokens()
         max_tokens = self.check_length(len(token_ids), max_tokens, "messages", max_field)
         body._renamed = {"max_tokens": max_field, "logprobs": "top_logprobs"}
-        params = body.sampling_params(max_tokens, num_logprobs, body.prompt_logprobs)
+        params = body.sampling_params(max_tokens, num_logprobs, body.prompt_logprobs,
+                                      self.sampling_defaults)
         streams, admission = self.start(body, [prompt], [params])
         ids = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
