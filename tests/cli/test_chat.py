@@ -188,3 +188,32 @@ def test_the_commands_that_show_text_default_to_the_trained_model(
     with pytest.raises(SystemExit):
         _chat([], "", monkeypatch, capsys)
     assert loaded == [DEFAULT_MODEL]
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--url", "http://127.0.0.1:1/v1", "--max-model-len", "1k", "--dtype", "bf16"],
+     "--dtype, --max-model-len: engine settings"),
+    (["--url", "http://127.0.0.1:1/v1", "--no-enable-prefix-caching"], "--enable-prefix-caching"),
+    (["--api-key", "sk-1"], "--api-key: settings of a server given by --url"),
+    (["--request-timeout", "5"], "--request-timeout: settings of a server"),
+])
+def test_flags_the_chosen_backend_would_ignore_are_usage_errors(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`chat --url` talks to a server started with its own engine settings, and a local chat
+    sends no key or request: such flags were taken and silently did nothing."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["chat", *argv])
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_remote_chat_takes_model_and_sampling_flags(
+    fake_server: Callable, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = fake_server()
+    status, _ = _chat(["--url", server.url, "--model", "fake-model", "--temperature", "0",
+                       "--api-key", "k", "--request-timeout", "9"], "hi\n", monkeypatch, capsys)
+    assert status == 0
+    assert server.bodies[0]["model"] == "fake-model" and server.bodies[0]["temperature"] == 0

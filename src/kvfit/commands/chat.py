@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import urllib.parse
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ from kvfit.commands.common import (
     add_sampling_args,
     auth_headers,
     build_llm,
+    check_sampling_args,
     check_server_url,
     key_refused,
     parse_sse_line,
@@ -53,14 +55,35 @@ def add_parser(sub: Subparsers) -> None:
     c = p.add_argument_group("conversation")
     c.add_argument("--system-prompt", default=None, help="a system message to start with")
     add_sampling_args(p, max_tokens=256, with_n=False)
+    before = list(p._actions)
     EngineArgs.add_cli_args(p)
+    # The engine's flags but --model load a model here: with --url the server's own apply.
+    local_only = [a for a in p._actions if a not in before and a.dest != "model"]
+    remote_only = [a for a in p._actions if a.dest in ("api_key", "request_timeout")]
     # --model also names the served model with --url; unset there, the server's first model.
-    p.set_defaults(model=None, func=run)
+    p.set_defaults(model=None, func=run,
+                   check_args=functools.partial(check_chat_args, p, local_only, remote_only))
     for action in p._actions:
         if action.dest == "model":
             action.help = (f"the model to load (default: {DEFAULT_MODEL}), or with --url the "
                            "served model's name (default: the first of {url}/models)")
     add_logging_args(p)
+
+
+def check_chat_args(parser: argparse.ArgumentParser, local_only: list[argparse.Action],
+                    remote_only: list[argparse.Action], args: argparse.Namespace) -> None:
+    """The sampling flags (`check_sampling_args`), and no flag the chosen backend would
+    ignore: an engine flag with --url (the server was started with its own), or --api-key or
+    --request-timeout without it (no server to send them to). A usage error naming it."""
+    check_sampling_args(parser, args)
+    unused, why = ((local_only, "engine settings of a model loaded here, and --url loads "
+                    "none (the server runs with its own); drop them")
+                   if args.url else
+                   (remote_only, "settings of a server given by --url, and none is given (the "
+                    "model is loaded here); drop them or add --url"))
+    given = [a for a in unused if getattr(args, a.dest) != a.default]
+    if given:
+        parser.error(f"{', '.join(a.option_strings[0] for a in given)}: {why}")
 
 
 def iter_sse_data(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
