@@ -100,12 +100,24 @@ def test_piped_stdin_is_read_when_no_prompt_is_given(engine_flags: list[str]) ->
     ('{"prompt": 5}\n', r"prompts\.txt:1: a JSONL record needs"),
     ('ok\n{"prompt": \n', r"prompts\.txt:2: not valid JSON"),
     ("\n\n", "holds no prompts"),
+    # vLLM-like per-prompt settings were dropped unseen: sampling is the flags' business.
+    ('{"prompt": "a", "max_tokens": 1}\n', r"prompts\.txt:1: unknown key 'max_tokens'"),
+    ('ok\n{"prompt_token_ids": [1], "sampling_params": {}, "n": 2}\n',
+     r"prompts\.txt:2: unknown key 'n', 'sampling_params'.*--max-tokens"),
 ])
 def test_bad_input_file_names_the_line(tmp_path: Path, content: str, match: str) -> None:
     path = tmp_path / "prompts.txt"
     path.write_text(content)
     with pytest.raises(ValueError, match=match):
         main(["generate", "--input-file", str(path)])
+
+
+def test_a_jsonl_record_with_text_and_ids_keeps_the_text(tmp_path: Path) -> None:
+    from kvfit.commands.generate import parse_prompt_lines
+
+    # The text was dropped: the output's "prompt" came out null.
+    assert parse_prompt_lines(['{"prompt": "hi", "prompt_token_ids": [5, 6]}\n'], "f") == [
+        {"prompt_token_ids": [5, 6], "prompt": "hi"}]
 
 
 def test_missing_input_file_names_the_flag(tmp_path: Path) -> None:

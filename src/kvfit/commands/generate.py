@@ -65,8 +65,17 @@ def parse_prompt_lines(lines: Iterable[str], source: str) -> list[str | dict[str
             except json.JSONDecodeError as e:
                 raise ValueError(f"{source}:{number}: not valid JSON ({e.msg}); a JSONL line "
                                  f"is {{\"prompt\": \"...\"}}") from None
+            # A record's other keys (max_tokens, ...) would be dropped unseen: sampling comes
+            # from the flags, for every prompt.
+            if unknown := sorted(set(record) - {"prompt", "prompt_token_ids"}):
+                raise ValueError(f"{source}:{number}: unknown key {', '.join(map(repr, unknown))}"
+                                 f"; a JSONL record holds \"prompt\" and/or "
+                                 f"\"prompt_token_ids\", and sampling is set by the flags "
+                                 f"(--max-tokens, --temperature, ...) for every prompt")
             if "prompt_token_ids" in record:
-                prompts.append({"prompt_token_ids": record["prompt_token_ids"]})
+                # Both keys: the ids are generated from, the text is kept for the output.
+                prompts.append({key: record[key] for key in ("prompt_token_ids", "prompt")
+                                if key in record})
             elif isinstance(record.get("prompt"), str):
                 prompts.append(record["prompt"])
             else:
