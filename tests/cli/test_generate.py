@@ -120,6 +120,16 @@ def test_a_jsonl_record_with_text_and_ids_keeps_the_text(tmp_path: Path) -> None
         {"prompt_token_ids": [5, 6], "prompt": "hi"}]
 
 
+@pytest.mark.parametrize("argv", [["-"], ["--input-file", "-"]])
+def test_stdin_asked_for_but_empty_is_an_error_not_the_examples(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `kvfit generate - < empty` generated for the three built-in example prompts.
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n\n"))
+    with pytest.raises(ValueError, match=r"(prompt .-.|--input-file -): stdin holds no prompts"):
+        main(["generate", *argv])
+
+
 def test_missing_input_file_names_the_flag(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--input-file .*no such file"):
         main(["generate", "--input-file", str(tmp_path / "nope.txt")])

@@ -107,6 +107,9 @@ def collect_prompts(args: argparse.Namespace) -> list[str | dict[str, Any]]:
         args.input_file = "-"
     if args.input_file == "-":
         prompts += parse_prompt_lines(sys.stdin, "<stdin>")
+        if not prompts:  # asked for stdin's prompts: not the built-in examples instead
+            source = "the prompt '-'" if "-" in args.prompts else "--input-file -"
+            raise ValueError(f"{source}: stdin holds no prompts")
     elif args.input_file:
         path = Path(args.input_file)
         if path.is_dir():
