@@ -370,3 +370,18 @@ def test_bench_serve_unreachable_without_model_names_base_url() -> None:
         port = s.getsockname()[1]
     with pytest.raises(SystemExit, match=r"Cannot connect to host.*check --base-url"):
         main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1"])
+
+
+@pytest.mark.parametrize("mode", ["throughput", "latency"])
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_bench_offline_bad_temperature_is_named_before_the_engine_loads(
+        mode: str, value: str, monkeypatch: pytest.MonkeyPatch, engine_flags: list[str]) -> None:
+    # It was found after the model loaded and warmed up, as `SamplingParams.temperature`.
+    from kvfit.commands import bench_offline
+
+    def no_engine(args: object) -> None:
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(bench_offline, "build_llm", no_engine)
+    with pytest.raises(ValueError, match=r"^--temperature must be"):
+        main(["bench", mode, "--temperature", value, *engine_flags])

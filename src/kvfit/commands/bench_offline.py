@@ -93,9 +93,19 @@ def _limits(args: argparse.Namespace) -> dict[str, Any]:
     return in_run_limits(args.device) if args.result_file else {}
 
 
-def _setup(args: argparse.Namespace, num: int) -> tuple[LLM, list[dict], SamplingParams]:
+def _params(args: argparse.Namespace) -> SamplingParams:
+    """The requests' SamplingParams; a bad --temperature is named now, before the engine
+    loads (it was found after, as `SamplingParams.temperature`)."""
     from kvfit.engine.sampling_params import SamplingParams
 
+    try:
+        return SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
+                              ignore_eos=True)
+    except ValueError as e:
+        raise ValueError(str(e).replace("SamplingParams.temperature", "--temperature")) from None
+
+
+def _setup(args: argparse.Namespace, num: int) -> tuple[LLM, list[dict]]:
     llm = build_llm(args)
     max_model_len = llm.config.model_config.max_model_len
     if args.input_len + args.output_len > max_model_len:
@@ -106,17 +116,15 @@ def _setup(args: argparse.Namespace, num: int) -> tuple[LLM, list[dict], Samplin
                          f"more than max_model_len ({max_model_len}); lower them or raise "
                          f"--max-model-len")
     vocab = llm.config.model_config.hf_config.vocab_size
-    prompts = random_prompts(num, args.input_len, vocab, args.seed)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
-                            ignore_eos=True)
-    return llm, prompts, params
+    return llm, random_prompts(num, args.input_len, vocab, args.seed)
 
 
 def run_throughput(args: argparse.Namespace) -> int:
     """One timed LLM.generate over the batch; print and optionally write the rates."""
     _check_positive(args, "num_prompts", "input_len", "output_len")
+    params = _params(args)
     limits = _limits(args)
-    llm, prompts, params = _setup(args, args.num_prompts)
+    llm, prompts = _setup(args, args.num_prompts)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -146,8 +154,9 @@ def run_latency(args: argparse.Namespace) -> int:
     _check_positive(args, "batch_size", "input_len", "output_len", "num_iters")
     if args.num_iters_warmup < 0:
         raise ValueError(f"--num-iters-warmup must be >= 0, got {args.num_iters_warmup}")
+    params = _params(args)
     limits = _limits(args)
-    llm, prompts, params = _setup(args, args.batch_size)
+    llm, prompts = _setup(args, args.batch_size)
     for _ in range(args.num_iters_warmup):
         llm.generate(prompts, params, use_tqdm=False)
     latencies = []
