@@ -385,3 +385,27 @@ def test_bench_offline_bad_temperature_is_named_before_the_engine_loads(
     monkeypatch.setattr(bench_offline, "build_llm", no_engine)
     with pytest.raises(ValueError, match=r"^--temperature must be"):
         main(["bench", mode, "--temperature", value, *engine_flags])
+
+
+@pytest.mark.parametrize("argv", [
+    ["throughput", "--num-prompts", "1"], ["latency", "--batch-size", "1", "--num-iters", "1"],
+    ["serve", "--base-url", "http://127.0.0.1:1", "--model", "m", "--num-prompts", "1"],
+])
+@pytest.mark.parametrize(("where", "match"), [
+    ("missing/r.json", r"--result-file .*r\.json: the folder .*missing.* does not exist"),
+    ("", "--result-file .* is a folder"),
+])
+def test_bench_result_file_that_cannot_be_written_fails_before_the_run(
+        argv: list[str], where: str, match: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, engine_flags: list[str]) -> None:
+    # It failed after the whole run, with a bare "[Errno 2] No such file or directory".
+    from kvfit.commands import bench_offline, bench_serve
+
+    def no_run(*args: object) -> None:
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(bench_offline, "build_llm", no_run)
+    monkeypatch.setattr(bench_serve, "_main", no_run)
+    flags = engine_flags if argv[0] != "serve" else []
+    with pytest.raises(ValueError, match=match):
+        main(["bench", *argv, *flags, "--result-file", str(tmp_path / where)])

@@ -16,6 +16,7 @@ from kvfit.commands.common import (
     add_dataset_name_arg,
     add_logging_args,
     build_llm,
+    check_writable,
     format_table,
     parse_percentiles,
     percentiles,
@@ -122,6 +123,7 @@ def _setup(args: argparse.Namespace, num: int) -> tuple[LLM, list[dict]]:
 def run_throughput(args: argparse.Namespace) -> int:
     """One timed LLM.generate over the batch; print and optionally write the rates."""
     _check_positive(args, "num_prompts", "input_len", "output_len")
+    check_writable("--result-file", args.result_file)
     params = _params(args)
     limits = _limits(args)
     llm, prompts = _setup(args, args.num_prompts)
@@ -154,6 +156,7 @@ def run_latency(args: argparse.Namespace) -> int:
     _check_positive(args, "batch_size", "input_len", "output_len", "num_iters")
     if args.num_iters_warmup < 0:
         raise ValueError(f"--num-iters-warmup must be >= 0, got {args.num_iters_warmup}")
+    check_writable("--result-file", args.result_file)
     params = _params(args)
     limits = _limits(args)
     llm, prompts = _setup(args, args.batch_size)

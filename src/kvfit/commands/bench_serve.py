@@ -40,6 +40,7 @@ from kvfit.commands.common import (
     add_remote_args,
     auth_headers,
     check_server_url,
+    check_writable,
     child_env,
     format_table,
     key_refused,
@@ -380,6 +381,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.num_client_processes is not None and args.num_client_processes < 1:
         raise ValueError(f"--num-client-processes must be >= 1, got {args.num_client_processes}")
+    check_writable("--result-file", getattr(args, "result_file", None))
 
 
 def _session(args: argparse.Namespace, connections: int) -> Any:

@@ -270,6 +270,21 @@ def format_table(title: str, rows: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def check_writable(flag: str, path: str | None) -> None:
+    """ValueError naming `flag` when the file `path` could not be written, so that a run
+    whose results go there stops before it starts, not after (None: no file)."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    folder = target.parent
+    if target.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; pass a file path")
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: the folder {str(folder)!r} does not exist")
+    if not os.access(target if target.exists() else folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: cannot write it (permission denied)")
+
+
 def write_json(path: str, result: dict[str, Any]) -> None:
     """Write a benchmark's result to `--result-file`."""
     import json
