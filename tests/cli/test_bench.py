@@ -409,3 +409,26 @@ def test_bench_result_file_that_cannot_be_written_fails_before_the_run(
     flags = engine_flags if argv[0] != "serve" else []
     with pytest.raises(ValueError, match=match):
         main(["bench", *argv, *flags, "--result-file", str(tmp_path / where)])
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    # Each was taken and did nothing, or failed every request with an obscure reason.
+    (["--base-url", "http://127.0.0.1:1", "--port", "9000"], "--host and --port would be "
+     "ignored"),
+    (["--base-url", "http://127.0.0.1:1", "--host", "10.0.0.1"], "--host and --port"),
+    (["--port", "70000"], r"--port must be in \[1, 65535\], got 70000"),
+    (["--port", "0"], r"--port must be in \[1, 65535\]"),
+    (["--endpoint", "v1/completions"], "--endpoint must be a path starting with '/'"),
+    (["--save-detailed"], "--save-detailed adds to --result-file's record"),
+    (["--limits-device", "cuda"], "--limits-device adds to --result-file's record"),
+])
+def test_bench_serve_flags_that_would_be_ignored_or_misjoined_are_refused(
+        argv: list[str], match: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfit.commands import bench_serve
+
+    def no_run(*args: object) -> None:
+        raise AssertionError("the load ran")
+
+    monkeypatch.setattr(bench_serve, "_main", no_run)
+    with pytest.raises(ValueError, match=match):
+        main(["bench", "serve", "--model", "m", "--num-prompts", "1", *argv])

@@ -59,6 +59,7 @@ _WORDS_TEXT = (
     "power hour game line end member law car city community name president team minute idea"
 )
 _WORDS = _WORDS_TEXT.split()
+_DEFAULT_HOST, _DEFAULT_PORT = "127.0.0.1", 8000
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -72,9 +73,9 @@ def add_parser(sub: Subparsers) -> None:
     s.add_argument("--base-url", default=None, metavar="URL",
                    help="the server's root, e.g. http://localhost:8000 (default: "
                    "http://HOST:PORT of --host and --port)")
-    s.add_argument("--host", default="127.0.0.1",
+    s.add_argument("--host", default=_DEFAULT_HOST,
                    help="the server's host when --base-url is not given (default: %(default)s)")
-    s.add_argument("--port", type=int, default=8000,
+    s.add_argument("--port", type=int, default=_DEFAULT_PORT,
                    help="the server's port when --base-url is not given (default: %(default)s)")
     s.add_argument("--endpoint", default="/v1/completions",
                    help="the completions path (default: %(default)s)")
@@ -366,8 +367,25 @@ def resolve_base_url(args: argparse.Namespace) -> str:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    # Callers that build their own Namespace (bench/serving.py) set base_url, not host/port.
+    host, port = getattr(args, "host", _DEFAULT_HOST), getattr(args, "port", _DEFAULT_PORT)
+    if args.base_url and (host, port) != (_DEFAULT_HOST, _DEFAULT_PORT):
+        raise ValueError(f"--base-url {args.base_url} names the server, so --host and --port "
+                         f"would be ignored; give one or the other")
+    if not args.base_url and not 1 <= port <= 65535:
+        raise ValueError(f"--port must be in [1, 65535], got {port}")
     args.base_url = resolve_base_url(args)
     check_server_url("--base-url", args.base_url)
+    if not args.endpoint.startswith("/"):
+        # Joined to the server's root as written: http://host:8000v1/completions.
+        raise ValueError(f"--endpoint must be a path starting with '/', like /v1/completions; "
+                         f"got {args.endpoint!r}")
+    result_file = getattr(args, "result_file", None)
+    for flag, given in (("--save-detailed", getattr(args, "save_detailed", False)),
+                        ("--limits-device", getattr(args, "limits_device", "none") != "none")):
+        if given and result_file is None:
+            raise ValueError(f"{flag} adds to --result-file's record, and no --result-file "
+                             f"is given; add one or drop {flag}")
     for name in ("num_prompts", "input_len", "output_len", "random_vocab_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
@@ -381,7 +399,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.num_client_processes is not None and args.num_client_processes < 1:
         raise ValueError(f"--num-client-processes must be >= 1, got {args.num_client_processes}")
-    check_writable("--result-file", getattr(args, "result_file", None))
+    check_writable("--result-file", result_file)
 
 
 def _session(args: argparse.Namespace, connections: int) -> Any:
