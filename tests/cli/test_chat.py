@@ -217,3 +217,17 @@ def test_remote_chat_takes_model_and_sampling_flags(
                        "--api-key", "k", "--request-timeout", "9"], "hi\n", monkeypatch, capsys)
     assert status == 0
     assert server.bodies[0]["model"] == "fake-model" and server.bodies[0]["temperature"] == 0
+
+
+@pytest.mark.parametrize("command", [["chat", "--url", "http://127.0.0.1:1"],
+                                     ["bench", "serve", "--model", "m"]])
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "soon"])
+def test_request_timeout_must_be_a_positive_number_of_seconds(
+    command: list[str], value: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 0 timed out every chat request at once, and meant "never" to bench serve's aiohttp.
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--request-timeout", value])
+    assert exit_info.value.code == 2
+    assert f"argument --request-timeout: must be a number of seconds > 0, got {value!r}" in (
+        capsys.readouterr().err)

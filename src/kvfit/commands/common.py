@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import math
 import os
 import sys
 import urllib.parse
@@ -301,8 +302,21 @@ def add_remote_args(group: argparse._ArgumentGroup) -> None:
     """`--api-key` and `--request-timeout`: how a command reaches a running server."""
     group.add_argument("--api-key", default=None,
                        help="sent as a bearer token (default: $OPENAI_API_KEY if set)")
-    group.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+    group.add_argument("--request-timeout", type=positive_seconds, default=600.0,
+                       metavar="SECONDS",
                        help="per-request timeout (default: %(default)s)")
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0 (httpx takes 0 as "time out at once",
+    aiohttp as "never")."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def auth_headers(args: argparse.Namespace) -> dict[str, str]:
