@@ -71,6 +71,8 @@ def test_utilization_given_is_kept_and_fallback_restores_the_estimate_default() 
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
         ({"kv_cache_margin_fraction": -0.1}, "kv_cache_margin_fraction"),
+        ({"kv_cache_margin_fraction": float("nan")}, "kv_cache_margin_fraction"),
+        ({"kv_cache_margin_fraction": float("inf")}, "kv_cache_margin_fraction"),
         ({"kv_cache_margin_floor_bytes": -1}, "kv_cache_margin_floor_bytes"),
         ({"cpu_kv_cache_space_bytes": 0}, "cpu_kv_cache_space_bytes"),
         ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),

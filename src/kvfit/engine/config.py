@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -664,10 +665,11 @@ class EngineArgs:
         utilization = self.gpu_memory_utilization
         if utilization is not None and not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-        if self.kv_cache_margin_fraction < 0:
-            raise ValueError(
-                f"kv_cache_margin_fraction must be >= 0, got {self.kv_cache_margin_fraction}"
-            )
+        if not (math.isfinite(self.kv_cache_margin_fraction)
+                and self.kv_cache_margin_fraction >= 0):
+            # nan and inf got past `< 0` and failed in sizing, as a float -> int conversion.
+            raise ValueError(f"kv_cache_margin_fraction must be a finite number >= 0, got "
+                             f"{self.kv_cache_margin_fraction}")
         _at_least("kv_cache_margin_floor_bytes", self.kv_cache_margin_floor_bytes, 0)
         cpu_space = self.cpu_kv_cache_space_bytes
         if cpu_space is None:
