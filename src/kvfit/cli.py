@@ -45,7 +45,9 @@ def _probe_device(text: str) -> str:
     """`--device` of `probe`: 'auto', 'cpu', 'cuda' or 'cuda:N' (anything else is a usage
     error, not a device whose VMM is "unavailable")."""
     kind, _, index = text.partition(":")
-    if text == "auto" or (kind in ("cpu", "cuda") and (not index or index.isdigit())):
+    # The CPU has no device index (the engine refuses 'cpu:1'; 'cpu:0' is the CPU, as torch's).
+    if text in ("auto", "cpu", "cpu:0") or (
+            kind == "cuda" and (not index or index.isdigit())):
         return text
     raise argparse.ArgumentTypeError(f"must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {text!r}")
 

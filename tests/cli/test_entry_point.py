@@ -86,7 +86,8 @@ def test_probe_exits_non_zero_with_the_reason_where_vmm_is_unusable() -> None:
     assert "vmm:     unavailable (" in result.stdout
 
 
-@pytest.mark.parametrize("device", ["nonsense", "cuda:x", "cpu:0:1"])
+# cpu:1 was probed as the CPU and reported usable, where the engine refuses it.
+@pytest.mark.parametrize("device", ["nonsense", "cuda:x", "cpu:0:1", "cpu:1"])
 def test_probe_with_a_device_that_is_no_device_is_a_usage_error(device: str) -> None:
     # It reported "vmm: unavailable" with torch's parse error and status 1.
     with pytest.raises(SystemExit) as exit_info:
