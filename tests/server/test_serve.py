@@ -196,3 +196,24 @@ def test_vllm_api_key_alone_does_not_leave_the_server_open(
     assert serve.server_api_key(args) == "k"
     monkeypatch.delenv("VLLM_API_KEY")
     assert serve.server_api_key(parser().parse_args(["serve", "m"])) is None
+
+
+@pytest.mark.parametrize(("argv", "env"), [(["--api-key", ""], None), (["--api-key", " "], None),
+                                           ([], "")])
+def test_an_empty_api_key_does_not_leave_the_server_open(
+    argv: list[str], env: str | None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `--api-key "$KEY"` with KEY unset (or KVFIT_API_KEY= ) served without a key, unsaid.
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    if env is None:
+        monkeypatch.delenv("KVFIT_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("KVFIT_API_KEY", env)
+    monkeypatch.setattr(serve, "missing_server_modules", lambda: [])
+
+    def no_engine(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the engine loaded")
+
+    monkeypatch.setattr("kvfit.server.async_llm.AsyncLLM", no_engine)
+    with pytest.raises(ValueError, match=r"--api-key \(else \$KVFIT_API_KEY\) is empty"):
+        serve.run_serve(parser().parse_args(["serve", "m", "--port", "0", *argv]))

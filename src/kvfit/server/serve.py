@@ -192,7 +192,11 @@ def dev_mode() -> bool:
 
 def server_api_key(args: argparse.Namespace) -> str | None:
     """The key clients must send: `--api-key`, else $KVFIT_API_KEY. vLLM's $VLLM_API_KEY
-    is not read, but set alone it means a server its owner expects locked: refused."""
+    is not read, but set alone it means a server its owner expects locked: refused. So is an
+    empty key (`--api-key "$KEY"` of an unset variable), which would serve without one."""
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key (else $KVFIT_API_KEY) is empty, which would serve without "
+                         "a key: pass the key, or leave both unset to serve without one")
     if args.api_key:
         return args.api_key
     if os.environ.get("VLLM_API_KEY"):
