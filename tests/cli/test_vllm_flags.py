@@ -121,6 +121,26 @@ def test_serve_refuses_a_model_swallowed_by_served_model_name(
     assert "--served-model-name" in err and str(tmp_path) in err and "MODEL" in err
 
 
+@pytest.mark.parametrize("model", ["kvfit-tiny", "qwen3-0.6b-shape", "org/cached"])
+def test_serve_refuses_a_builtin_or_cached_model_swallowed_by_served_model_name(
+    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], no_serving: None,
+) -> None:
+    # Only folders were caught: `--served-model-name mine kvfit-tiny` served kvfit-sotu.
+    snapshot = tmp_path / "models--org--cached" / "snapshots" / "0" / "config.json"
+    snapshot.parent.mkdir(parents=True)
+    snapshot.write_text("{}")
+    (tmp_path / "models--org--cached" / "refs").mkdir()
+    (tmp_path / "models--org--cached" / "refs" / "main").write_text("0")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--served-model-name", "mine", model])
+    assert exit_info.value.code == 2
+    assert f"took the model {model!r}" in capsys.readouterr().err
+    # The default model under its own name, or an uncached repo id, is a name.
+    assert main(["serve", "--served-model-name", "kvfit-sotu", "org/elsewhere"]) == 0
+
+
 @pytest.mark.parametrize("argv", [["--served-model-name", ""],
                                   ["m", "--served-model-name", "a", " "]])
 def test_serve_refuses_an_empty_served_model_name(

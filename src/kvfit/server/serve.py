@@ -104,11 +104,28 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} name two models; "
                      f"give one")
     if args.model_tag is None and args.model == default:
-        folders = [n for n in args.served_model_name or () if Path(n).expanduser().is_dir()]
-        if folders:
-            parser.error(f"--served-model-name took the folder {folders[0]!r} as a name (it "
+        models = [n for n in args.served_model_name or () if _names_a_model(n, default)]
+        if models:
+            kind = "folder" if Path(models[0]).expanduser().is_dir() else "model"
+            parser.error(f"--served-model-name took the {kind} {models[0]!r} as a name (it "
                          f"takes every word after it), and no MODEL is given: put MODEL "
                          f"before --served-model-name")
+
+
+def _names_a_model(name: str, default: str) -> bool:
+    """Whether `name` is a model kvfit would load (a folder, another built-in than the
+    default, a repo id in the Hugging Face cache) rather than a name for one."""
+    if Path(name).expanduser().is_dir():
+        return True
+    from kvfit.models.builtins import BUILTIN_MODELS
+
+    if name in BUILTIN_MODELS:
+        return name != default  # the default served under its own name is no mistake
+    if name.count("/") == 1 and all(name.split("/")):
+        from kvfit.models.loader import _cached_snapshot
+
+        return _cached_snapshot(name) is not None
+    return False
 
 
 def at_least_one(what: str) -> Callable[[str], int]:
