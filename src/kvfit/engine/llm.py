@@ -22,6 +22,7 @@ from kvfit.engine.prompts import Prompt, batch_args, describe
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
+from kvfit.engine.vllm_compat import VLLM_NOOP_FLAGS, VLLM_UNSUPPORTED_FLAGS
 from kvfit.kv.report import KVCacheReport
 from kvfit.models.loader import load_tokenizer
 
@@ -334,8 +335,6 @@ def _without_vllm_noops(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` less vLLM's engine arguments that ask for what kvfit does anyway (e.g.
     `trust_remote_code=True`), as the command line takes their flags; one asking for what
     kvfit does not do raises ValueError naming what to do instead."""
-    from kvfit.commands.common import VLLM_NOOP_FLAGS, VLLM_UNSUPPORTED_FLAGS
-
     rest = {}
     for name, value in kwargs.items():
         flag = "--" + name.replace("_", "-")
