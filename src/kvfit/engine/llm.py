@@ -83,11 +83,11 @@ class LLM:
                              f"(tokenizer.json, tokenizer_config.json, ...)")
         mc = self.config.model_config
         # vLLM's first EOS is the tokenizer's, which a chat fine-tune may set to its
-        # end-of-turn token without touching config.json or generation_config.json.
+        # end-of-turn token without touching config.json or generation_config.json. First
+        # here too: the others end a completion as stop tokens, which report their id.
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        if isinstance(eos, int) and 0 <= eos < mc.hf_config.vocab_size \
-                and eos not in mc.eos_token_ids:
-            mc.eos_token_ids.append(eos)
+        if isinstance(eos, int) and 0 <= eos < mc.hf_config.vocab_size:
+            mc.eos_token_ids[:] = [eos, *(i for i in mc.eos_token_ids if i != eos)]
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.engine = EngineCore(self.config, self.tokenizer)
 

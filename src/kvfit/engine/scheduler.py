@@ -68,6 +68,10 @@ class Scheduler:
         elif isinstance(eos_token_id, int):
             eos_token_id = (eos_token_id,)
         self.eos_token_ids = frozenset(eos_token_id)
+        # The first is the model's EOS (stop_reason None); vLLM adds the others (a chat
+        # model's end-of-turn ids in generation_config.json) to a request's stop tokens, so a
+        # completion they end reports the id as its stop_reason.
+        self.primary_eos = next(iter(eos_token_id), None)
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.detokenizer = detokenizer or Detokenizer(None)
         self.waiting: deque[Sequence] = deque()
@@ -328,7 +332,8 @@ class Scheduler:
             # it) is in the output only with include_stop_str_in_output.
             if params.include_stop_str_in_output and (params.detokenize or params.stop):
                 self.detokenizer.step(seq, check_stop=False)
-            seq.finish_reason, seq.stop_reason = "stop", None if eos else token_id
+            seq.finish_reason = "stop"
+            seq.stop_reason = None if eos and token_id == self.primary_eos else token_id
             return True
         stop = None
         if params.detokenize or params.stop:
