@@ -4,6 +4,7 @@ and raw httpx against a real uvicorn server."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -334,6 +335,28 @@ def test_continuous_usage_is_on_every_chat_chunk(client: openai.OpenAI) -> None:
     assert chunks[0].usage.completion_tokens == 0 and chunks[0].usage.prompt_tokens == prompt
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 6
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": MESSAGES})])
+def test_continuous_usage_alone_asks_for_the_usage(http: httpx.Client, path: str,
+                                                   body: dict) -> None:
+    """As vLLM takes it (its include_usage defaults to true): continuous_usage_stats without
+    include_usage puts the usage in every chunk; with include_usage false it is a 400, not
+    an option that does nothing."""
+    r = http.post(path, json={**body, "max_tokens": 3, "stream": True,
+                              "stream_options": {"continuous_usage_stats": True}})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert chunks and all(c["usage"] is not None for c in chunks), r.text
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    r = http.post(path, json={**body, "max_tokens": 3, "stream": True, "stream_options": {
+        "include_usage": False, "continuous_usage_stats": True}})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+    # Neither: no usage, as OpenAI's stream_options without include_usage.
+    r = http.post(path, json={**body, "max_tokens": 3, "stream": True, "stream_options": {}})
+    assert "usage" not in r.text
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])

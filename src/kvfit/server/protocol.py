@@ -64,10 +64,17 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    # Unset: off (OpenAI's), unless continuous_usage_stats asks for the usage (vLLM's, where
+    # include_usage defaults to true whenever stream_options is sent).
+    include_usage: bool | None = None
     # vLLM's extension: every chunk carries the usage so far (how a client counts the tokens
     # of a chunk that holds several).
     continuous_usage_stats: bool = False
+
+    @property
+    def usage(self) -> bool:
+        return bool(self.include_usage or (self.include_usage is None
+                                           and self.continuous_usage_stats))
 
 
 class _SamplingFields(_Body):
@@ -120,7 +127,7 @@ class _SamplingFields(_Body):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and self.stream_options.usage
 
     @property
     def continuous_usage(self) -> bool:
@@ -151,6 +158,13 @@ class _SamplingFields(_Body):
             # As OpenAI and vLLM answer: the options would silently do nothing.
             raise APIError("stream_options is only allowed with stream=true",
                            param="stream_options")
+        options = self.stream_options
+        if options is not None and options.continuous_usage_stats and (
+                options.include_usage is False):
+            # Usage in every chunk but none at all: one of the two is a mistake.
+            raise APIError("stream_options.continuous_usage_stats needs include_usage: leave "
+                           "include_usage unset or true to get the usage in every chunk",
+                           param="stream_options.continuous_usage_stats")
         if self.prompt_logprobs is not None and self.stream:
             # As vLLM answers: the prompt's logprobs would all come in the first chunk.
             raise APIError("prompt_logprobs is not available with stream=true",
