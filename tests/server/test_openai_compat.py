@@ -393,3 +393,41 @@ def test_a_developer_message_is_the_system_message_for_a_template_without_it(
     monkeypatch.setattr(engine.tokenizer, "chat_template",
                         KNOWN_ROLES_TEMPLATE.replace("'assistant')", "'assistant', 'developer')"))
     assert "<|im_start|>developer\nAnswer in French." in _rendered(http, developer)
+
+
+# As Llama 3.1's template writes a call: its arguments with `tojson`.
+TOOL_CALL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.tool_calls %}"
+    "{% for c in m.tool_calls %}{{ c.function.name }}{{ c.function.arguments | tojson }}"
+    "{% endfor %}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _with_call(arguments: Any) -> list[dict]:
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": arguments}}
+    return [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+
+
+def test_tool_call_arguments_reach_the_template_as_an_object(
+        client: openai.OpenAI, http: httpx.Client, engine: AsyncLLM,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenAI's API sends a call's arguments as JSON text; vLLM parses them for the template,
+    which writes them with `tojson`: the text itself would be written as a quoted string."""
+    monkeypatch.setattr(engine.tokenizer, "chat_template", TOOL_CALL_TEMPLATE)
+    rendered = _rendered(http, _with_call('{"city": "Paris"}'))
+    assert '<|im_start|>assistant\nweather{"city": "Paris"}<|im_end|>' in rendered, rendered
+    assert _rendered(http, _with_call("")) == _rendered(http, _with_call("{}"))
+    r = client.chat.completions.create(model=MODEL_NAME, messages=_with_call('{"city": "Paris"}'),
+                                       max_tokens=2)
+    assert r.usage.prompt_tokens == len(http.post("/tokenize", json={
+        "messages": _with_call('{"city": "Paris"}')}).json()["tokens"])
+    # No calls: the template's plain assistant path, with the message's text.
+    plain = [*MESSAGES, {"role": "assistant", "content": "Hello", "tool_calls": []}]
+    assert "<|im_start|>assistant\nHello<|im_end|>" in _rendered(http, plain)
+    r = http.post("/v1/chat/completions", json={"messages": _with_call("{city"),
+                                                 "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages.1.tool_calls"
+    assert "function.arguments is not JSON" in r.json()["error"]["message"]

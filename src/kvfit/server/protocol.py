@@ -13,11 +13,19 @@ OpenAI's error body.
 
 from __future__ import annotations
 
+import json
 import re
 import types
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from kvfit.engine.sampling_params import MAX_N, SamplingParams, truncate_prompt
@@ -256,6 +264,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant message's calls, each `{"id", "type", "function": {"name", "arguments"}}`.
+    tool_calls: list[dict[str, Any]] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -270,6 +280,36 @@ class ChatMessage(BaseModel):
                     "part {index} is of type '{kind}': this server's model takes text only; "
                     "send a string or parts of type 'text'", {"index": i, "kind": kind})
         return content
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _arguments_as_objects(cls, tool_calls: list[dict[str, Any]] | None,
+                              info: ValidationInfo) -> list[dict[str, Any]] | None:
+        """An assistant's tool calls as chat templates take them (and vLLM passes them): each
+        call's `arguments`, a JSON text in OpenAI's API, parsed into its object, which
+        templates write with `tojson` (the text would be written as a quoted string); none
+        at all is no `tool_calls`, so the template takes its plain assistant path."""
+        if info.data.get("role") != "assistant" or tool_calls is None:
+            return tool_calls
+        if not tool_calls:
+            return None
+        for i, call in enumerate(tool_calls):
+            function = call.get("function")
+            if not isinstance(function, dict):
+                continue
+            arguments = function.get("arguments")
+            if not arguments:
+                function["arguments"] = {}
+            elif isinstance(arguments, str):
+                try:
+                    function["arguments"] = json.loads(arguments)
+                except ValueError as e:
+                    raise PydanticCustomError(
+                        "tool_call_arguments",
+                        "call {index}'s function.arguments is not JSON ({error}): send them "
+                        "as the JSON text of an object, as a tool call gives them",
+                        {"index": i, "error": str(e)}) from None
+        return tool_calls
 
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template reads it: text parts joined a line apart, as
