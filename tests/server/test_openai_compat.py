@@ -431,3 +431,41 @@ def test_tool_call_arguments_reach_the_template_as_an_object(
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages.1.tool_calls"
     assert "function.arguments is not JSON" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("path", "field", "value", "why"), [
+    ("/v1/chat/completions", "guided_json", {"type": "object"}, "structured output"),
+    ("/v1/completions", "guided_choice", ["a", "b"], "structured output"),
+    ("/v1/chat/completions", "use_beam_search", True, "beam search"),
+    ("/v1/chat/completions", "priority", 1, "first come, first served"),
+    ("/v1/chat/completions", "chat_template", "{{ messages }}", "--chat-template"),
+    ("/v1/chat/completions", "echo", True, "chat echo"),
+    ("/v1/chat/completions", "reasoning_effort", "low", "enable_thinking"),
+    ("/v1/completions", "max_completion_tokens", 4, "takes max_tokens"),
+    ("/v1/completions", "response_format", {"type": "json_object"}, "chat completions field"),
+    ("/v1/completions", "return_tokens_as_token_ids", True, "as its text"),
+])
+def test_a_vllm_or_openai_field_not_taken_is_refused_with_why(
+        http: httpx.Client, path: str, field: str, value: Any, why: str) -> None:
+    """A field of vLLM's or OpenAI's API the route does not take is a 400 that says why, not
+    'unknown field', which reads as a misspelling of a field the server takes."""
+    body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": MESSAGES}
+    r = http.post(path, json={**body, "max_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and why in error["message"], error
+    assert "unknown field" not in error["message"]
+
+
+def test_vllm_fields_at_values_that_ask_for_nothing_are_taken(http: httpx.Client) -> None:
+    """As OpenAI's tool fields at their no-op values: a client sending vLLM's defaults (or
+    null for a field it leaves unset) is served; a nested unknown field is still unknown."""
+    body = {"messages": MESSAGES, "max_tokens": 2, "priority": 0, "use_beam_search": False,
+            "echo": False, "guided_json": None, "cache_salt": None}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "priority": 0,
+                                           "guided_regex": None})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/chat/completions", json={**body, "stream": True,
+                                                "stream_options": {"priority": 0}})
+    assert r.status_code == 400 and "unknown field" in r.json()["error"]["message"]

@@ -19,7 +19,7 @@ import kvfit
 from kvfit.server.async_llm import AsyncLLM
 from kvfit.server.body_limit import BodyLimit
 from kvfit.server.metrics import ServerMetrics
-from kvfit.server.protocol import APIError
+from kvfit.server.protocol import UNSUPPORTED_FIELDS, APIError
 from kvfit.server.serving import OpenAIServing, ServeConfig
 from kvfit.server.streaming import DirectSendApp
 
@@ -114,7 +114,11 @@ def _validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
     if tag is None:
         param = ".".join(map(str, loc)) or None
         message = f"{param or 'the request body'}: {errors[0].get('msg', 'invalid')}"
-        if errors[0].get("type") == "extra_forbidden":
+        if errors[0].get("type") == "extra_forbidden" and len(loc) == 1 and (
+                loc[0] in UNSUPPORTED_FIELDS):
+            # A field of vLLM's or OpenAI's API this route does not take: why.
+            message = f"{param}: {UNSUPPORTED_FIELDS[loc[0]]}"
+        elif errors[0].get("type") == "extra_forbidden":
             message = (f"{param}: unknown field (this server refuses fields it does not know "
                        "rather than ignoring them)")
         elif not loc and errors[0].get("type") == "missing":

@@ -4,7 +4,8 @@ Field names follow OpenAI's API, plus vLLM's extra sampling fields (`top_k`, `mi
 `repetition_penalty`, `ignore_eos`, `allowed_token_ids`, `bad_words`, ...) and chat-template
 fields (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`). Unknown
 fields are refused (vLLM ignores them), so a misspelt setting is an error naming it rather
-than silently ignored.
+than silently ignored; vLLM's and OpenAI's fields this server does not do are refused with
+the reason (`UNSUPPORTED_FIELDS`), and taken at `null` or a value that asks for nothing.
 OpenAI's tool and format fields are taken at the values that ask for nothing (`tools: []`,
 `tool_choice: "none"`, `response_format: {"type": "text"}`; clients send them so) and refused
 at any other, as unsupported. Every error here is an `APIError`, which the app answers with
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -50,6 +51,48 @@ def error_body(message: str, type: str, param: str | None = None,
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+_NO_STRUCTURED_OUTPUT = "structured output (guided decoding) is not supported by this server"
+_NO_BEAM_SEARCH = "beam search is not supported by this server"
+_TEXT_ONLY = "not supported: this server's models take text only"
+_NO_REASONING = ("reasoning parsers and efforts are not supported by this server (Qwen3's "
+                 "thinking is switched by chat_template_kwargs {\"enable_thinking\": false})")
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
+                     "structured_outputs"), _NO_STRUCTURED_OUTPUT),
+    **dict.fromkeys(("use_beam_search", "length_penalty"), _NO_BEAM_SEARCH),
+    "priority": "not supported: requests are served first come, first served (only priority "
+                "0 is taken)",
+    "cache_salt": "not supported: the prefix cache takes no per-request salt",
+    "kv_transfer_params": "disaggregated serving (KV transfer between servers) is not "
+                          "supported by this server",
+    "return_tokens_as_token_ids": "not supported: logprobs give each token as its text",
+    "chat_template": "a request may not bring its own chat template (as in vLLM without "
+                     "--trust-request-chat-template): start the server with --chat-template",
+    "spaces_between_special_tokens": "not supported: special tokens are decoded as the "
+                                     "tokenizer decodes them",
+    "request_id": "not supported: the server names each request itself",
+    **dict.fromkeys(("mm_processor_kwargs", "media_io_kwargs", "audio"), _TEXT_ONLY),
+    "logits_processors": "custom logits processors are not supported by this server",
+    "vllm_xargs": "not supported: this server has no request extensions to pass them to",
+    **dict.fromkeys(("include_reasoning", "reasoning_effort"), _NO_REASONING),
+    "verbosity": "not supported: a setting of OpenAI's reasoning models",
+    "echo": "vLLM's chat echo is not supported by this server (only echo false is taken)",
+    "best_of": "not supported on chat completions (/v1/completions takes it at the value of n)",
+    "prediction": "predicted outputs are not supported by this server",
+    "web_search_options": "web search is not supported by this server",
+    "max_completion_tokens": "a chat completions field: /v1/completions takes max_tokens",
+    **dict.fromkeys(("tools", "tool_choice", "response_format"), "a chat completions field "
+                    "(there taken only at the value that asks for nothing: tool calling and "
+                    "structured output are not supported by this server)"),
+}
+"""Fields of vLLM's and OpenAI's request bodies that a route does not take, each with why: the
+400 naming one says so, where an unknown field's reads as a misspelling."""
+_NO_OP_VALUES: dict[str, Any] = {"priority": 0, "use_beam_search": False, "echo": False}
+"""`UNSUPPORTED_FIELDS` at the value that asks for nothing (vLLM's default): taken, as `null`
+for any of them is, so that a client sending vLLM's defaults is served."""
+
+
 def _admits_none(annotation: Any) -> bool:
     return get_origin(annotation) in (Union, types.UnionType) and type(None) in get_args(
         annotation)
@@ -57,6 +100,8 @@ def _admits_none(annotation: Any) -> bool:
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # A request body (not a part of one): takes `UNSUPPORTED_FIELDS` that ask for nothing.
+    _request: ClassVar[bool] = False
 
     @model_validator(mode="before")
     @classmethod
@@ -67,8 +112,19 @@ class _Body(BaseModel):
         if not isinstance(data, dict):
             return data
         return {key: value for key, value in data.items()
-                if value is not None or (field := cls.model_fields.get(key)) is None
-                or field.is_required() or _admits_none(field.annotation)}
+                if (field := cls.model_fields.get(key)) is None
+                and not (cls._request and _asks_nothing(key, value))
+                or field is not None and (value is not None or field.is_required()
+                                          or _admits_none(field.annotation))}
+
+
+def _asks_nothing(key: str, value: Any) -> bool:
+    """Whether `key`, a field this server does not take, is sent at a value that asks for
+    nothing (see `_NO_OP_VALUES`)."""
+    if key not in UNSUPPORTED_FIELDS:
+        return False
+    return value is None or (key in _NO_OP_VALUES and value == _NO_OP_VALUES[key]
+                             and type(value) is type(_NO_OP_VALUES[key]))
 
 
 class StreamOptions(_Body):
@@ -87,6 +143,8 @@ class StreamOptions(_Body):
 
 class _SamplingFields(_Body):
     """Fields every generation request shares."""
+
+    _request = True
 
     model: str | None = None
     n: int = 1
@@ -238,6 +296,8 @@ class _ChatTemplateFields(_Body):
     """How the messages are rendered: a new assistant turn's header after them
     (`add_generation_prompt`), or the final message left open for the model to continue
     (vLLM's `continue_final_message`: an assistant prefill)."""
+
+    _request = True
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
