@@ -469,3 +469,27 @@ def test_vllm_fields_at_values_that_ask_for_nothing_are_taken(http: httpx.Client
     r = http.post("/v1/chat/completions", json={**body, "stream": True,
                                                 "stream_options": {"priority": 0}})
     assert r.status_code == 400 and "unknown field" in r.json()["error"]["message"]
+
+
+DOCUMENTS_TEMPLATE = (
+    "{% for d in documents or [] %}[{{ d.title }}] {{ d.text }}\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_documents_reach_the_template(client: openai.OpenAI, http: httpx.Client,
+                                      engine: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's `documents` (retrieval-augmented generation): the template's `documents`, which
+    chat_template_kwargs may not set (an argument of the template call)."""
+    monkeypatch.setattr(engine.tokenizer, "chat_template", DOCUMENTS_TEMPLATE)
+    documents = [{"title": "Paris", "text": "The capital of France."}]
+    r = http.post("/tokenize", json={"messages": MESSAGES, "documents": documents})
+    tokens = r.json()["tokens"]
+    rendered = http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert rendered.startswith("[Paris] The capital of France.\n<|im_start|>user"), rendered
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
+                                       extra_body={"documents": documents})
+    assert r.usage.prompt_tokens == len(tokens)
+    r = http.post("/v1/chat/completions", json={
+        "messages": MESSAGES, "chat_template_kwargs": {"documents": documents}})
+    assert r.status_code == 400 and "the request's own field" in r.json()["error"]["message"]

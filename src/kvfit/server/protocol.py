@@ -304,11 +304,16 @@ class _ChatTemplateFields(_Body):
     # Variables the template reads besides the messages (vLLM's field): Qwen3's
     # `enable_thinking`, a date, ...
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: documents for retrieval-augmented generation, each best {"title", "text"}, which
+    # a template that knows them writes into the prompt (one that does not leaves them out).
+    documents: list[dict[str, str]] | None = None
 
     def template_flags(self) -> dict[str, Any]:
         """The chat template's keyword arguments. A continued final message takes no new
         turn's header, so add_generation_prompt left at its default is false then."""
         flags: dict[str, Any] = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            flags["documents"] = self.documents
         if not self.continue_final_message:
             return {**flags, "add_generation_prompt": self.add_generation_prompt}
         if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:

@@ -250,10 +250,15 @@ class OpenAIServing:
                 name for name, p in inspect.signature(self.tokenizer().apply_chat_template)
                 .parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD)}
             if clash := sorted(call_args & set(body.chat_template_kwargs)):
+                # Those the request has a field of its own for (documents, ...): say so.
+                own = " (send it as the request's own field)" if clash[0] in type(
+                    body).model_fields else ""
                 raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}: an "
-                               "argument of the template call, not a variable of the template",
-                               param=f"chat_template_kwargs.{clash[0]}")
-        if sum(map(_chat_message_size, body.messages)) <= _INLINE_TOKENIZE_CHARS:
+                               "argument of the template call, not a variable of the "
+                               f"template{own}", param=f"chat_template_kwargs.{clash[0]}")
+        size = sum(map(_chat_message_size, body.messages)) + sum(
+            len(key) + len(value) for doc in body.documents or () for key, value in doc.items())
+        if size <= _INLINE_TOKENIZE_CHARS:
             return self.render_chat_now(body.messages, flags)
         return await asyncio.get_running_loop().run_in_executor(
             self.tokenize_pool, self.render_chat_now, body.messages, flags)
