@@ -443,7 +443,7 @@ def test_tool_call_arguments_reach_the_template_as_an_object(
     ("/v1/chat/completions", "reasoning_effort", "low", "enable_thinking"),
     ("/v1/completions", "max_completion_tokens", 4, "takes max_tokens"),
     ("/v1/completions", "response_format", {"type": "json_object"}, "chat completions field"),
-    ("/v1/completions", "return_tokens_as_token_ids", True, "as its text"),
+    ("/v1/chat/completions", "cache_salt", "s3cret", "salt"),
 ])
 def test_a_vllm_or_openai_field_not_taken_is_refused_with_why(
         http: httpx.Client, path: str, field: str, value: Any, why: str) -> None:
@@ -493,3 +493,33 @@ def test_documents_reach_the_template(client: openai.OpenAI, http: httpx.Client,
     r = http.post("/v1/chat/completions", json={
         "messages": MESSAGES, "chat_template_kwargs": {"documents": documents}})
     assert r.status_code == 400 and "the request's own field" in r.json()["error"]["message"]
+
+
+def test_return_tokens_as_token_ids_gives_each_token_s_id(client: openai.OpenAI,
+                                                          http: httpx.Client) -> None:
+    """vLLM's return_tokens_as_token_ids: every token of logprobs as `token_id:N` (a token
+    that is part of a character has no text of its own), streamed or not, echo too."""
+    kwargs = dict(model=MODEL_NAME, prompt="Hi there", max_tokens=4, temperature=0, logprobs=2,
+                  echo=True, extra_body={"return_tokens_as_token_ids": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    lp = whole.logprobs
+    assert all(t.startswith("token_id:") for t in lp.tokens), lp.tokens
+    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == whole.text
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs[1:] for k in top)
+    assert all(top[t] == p for t, p, top in zip(lp.tokens[1:], lp.token_logprobs[1:],
+                                                lp.top_logprobs[1:], strict=True))
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+    for stream in (False, True):
+        r = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True,
+            top_logprobs=2, stream=stream, extra_body={"return_tokens_as_token_ids": True})
+        content = ([e for c in r for e in (c.choices[0].logprobs.content if c.choices and
+                                           c.choices[0].logprobs else [])]
+                   if stream else r.choices[0].logprobs.content)
+        assert len(content) == 3
+        for entry in [*content, *(top for e in content for top in e.top_logprobs)]:
+            assert entry.token.startswith("token_id:") and entry.bytes == list(
+                entry.token.encode())

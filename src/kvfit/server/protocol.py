@@ -66,7 +66,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "cache_salt": "not supported: the prefix cache takes no per-request salt",
     "kv_transfer_params": "disaggregated serving (KV transfer between servers) is not "
                           "supported by this server",
-    "return_tokens_as_token_ids": "not supported: logprobs give each token as its text",
     "chat_template": "a request may not bring its own chat template (as in vLLM without "
                      "--trust-request-chat-template): start the server with --chat-template",
     "spaces_between_special_tokens": "not supported: special tokens are decoded as the "
@@ -169,6 +168,9 @@ class _SamplingFields(_Body):
     prompt_logprobs: int | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).
     truncate_prompt_tokens: int | None = None
+    # vLLM's: logprobs give each token as `token_id:N` (a token that is part of a character
+    # has no text of its own to tell it by).
+    return_tokens_as_token_ids: bool = False
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -47,10 +47,19 @@ def prompt_logprobs(engine: AsyncLLM, out: RequestOutput, num: int
     return result
 
 
+def as_token_id(token_id: int) -> str:
+    """vLLM's `return_tokens_as_token_ids` form of a token in logprobs: one a client can map
+    back to its id, where a token's text may be part of a character (U+FFFD) or ambiguous."""
+    return f"token_id:{token_id}"
+
+
 def completion_logprobs(engine: AsyncLLM, c: CompletionOutput, num: int, out: RequestOutput,
-                         echo: bool, start: int = 0, text_offset: int = 0) -> dict[str, Any]:
+                         echo: bool, start: int = 0, text_offset: int = 0,
+                         as_ids: bool = False) -> dict[str, Any]:
     """OpenAI's completions logprobs of tokens `start:` of `c` (with the prompt's first when
-    `echo`): token texts, their logprobs, each one's top `num` and itself, and text offsets."""
+    `echo`): token texts, their logprobs, each one's top `num` and itself, and text offsets.
+    `as_ids`: tokens as `token_id:N`, their offsets counted as vLLM counts them (each
+    token's string as given)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
@@ -60,7 +69,7 @@ def completion_logprobs(engine: AsyncLLM, c: CompletionOutput, num: int, out: Re
     pairs += list(zip(c.token_ids[start:], c.logprobs[start:], strict=False))
     offsets, offset = [], text_offset
     for token_id, entries in pairs:
-        text = engine.decode_token(token_id) or ""
+        text = as_token_id(token_id) if as_ids else engine.decode_token(token_id) or ""
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
@@ -72,19 +81,28 @@ def completion_logprobs(engine: AsyncLLM, c: CompletionOutput, num: int, out: Re
         token_logprobs.append(None if chosen is None else chosen.logprob)
         # As vLLM and OpenAI's completions: the sampled token first, then the `num` most
         # likely (up to num + 1 entries; logprobs=0 gives the sampled token alone).
-        top = {} if chosen is None else {(chosen.decoded_token or ""): chosen.logprob}
-        top.update({(e.decoded_token or ""): e.logprob for _, e in top_entries(entries, num)})
+        if as_ids:
+            top = {} if chosen is None else {text: chosen.logprob}
+            top.update({as_token_id(t): e.logprob for t, e in top_entries(entries, num)})
+        else:
+            top = {} if chosen is None else {(chosen.decoded_token or ""): chosen.logprob}
+            top.update({(e.decoded_token or ""): e.logprob
+                        for _, e in top_entries(entries, num)})
         top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
 
 
-def chat_logprobs(engine: AsyncLLM, c: CompletionOutput, start: int, num: int
-                   ) -> list[dict[str, Any]]:
+def chat_logprobs(engine: AsyncLLM, c: CompletionOutput, start: int, num: int,
+                  as_ids: bool = False) -> list[dict[str, Any]]:
     """OpenAI's chat logprobs `content` entries of tokens `start:` of `c`. `bytes` are each
     token's own (a token holding part of a character has the part's bytes, not those of its
-    text, U+FFFD), so a client can join them into the characters."""
+    text, U+FFFD), so a client can join them into the characters. `as_ids`: each token as
+    `token_id:N`, its bytes that string's (as vLLM gives them)."""
     def entry(token_id: int, e: Any) -> dict[str, Any]:
+        if as_ids:
+            token = as_token_id(token_id)
+            return {"token": token, "logprob": e.logprob, "bytes": list(token.encode())}
         return {"token": e.decoded_token or "", "logprob": e.logprob,
                 "bytes": list(engine.token_bytes(token_id))}
 

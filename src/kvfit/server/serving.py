@@ -410,7 +410,8 @@ class OpenAIServing:
                 text = c.text if echo is None else echo[i] + c.text
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = completion_logprobs(engine, c, body.logprobs, out, bool(echo))
+                    logprobs = completion_logprobs(engine, c, body.logprobs, out, bool(echo),
+                                                   as_ids=body.return_tokens_as_token_ids)
                 choice = {"index": i * body.n + c.index, "text": text, "logprobs": logprobs,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if body.prompt_logprobs is not None:
@@ -457,7 +458,9 @@ class OpenAIServing:
         choices = [{"index": c.index,
                     "message": {"role": "assistant", "content": c.text},
                     "logprobs": (None if num_logprobs is None
-                                 else {"content": chat_logprobs(engine, c, 0, num_logprobs)}),
+                                 else {"content": chat_logprobs(
+                                     engine, c, 0, num_logprobs,
+                                     body.return_tokens_as_token_ids)}),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                    for c in out.outputs]
         answer = {"id": ids, "object": "chat.completion", "created": created,

@@ -143,6 +143,7 @@ async def stream_completion(streams: list[AsyncIterator[RequestOutput]],
     extra = {"usage": None} if body.include_usage else {}
     # Read once: the loop runs for every token of every stream.
     num_logprobs, n, continuous_usage = body.logprobs, body.n, body.continuous_usage
+    as_ids = body.return_tokens_as_token_ids
     # One prompt (the common request) is read directly: a pass-through generator between
     # the stream and this one would cost every token two more generator switches.
     single = len(streams) == 1
@@ -169,7 +170,7 @@ async def stream_completion(streams: list[AsyncIterator[RequestOutput]],
                         # tokens' text.
                         logprobs = completion_logprobs(engine, c, num_logprobs, out,
                                                         first_echo, tokens,
-                                                        next_offset.get(key, 0))
+                                                        next_offset.get(key, 0), as_ids)
                         if logprobs["tokens"]:
                             next_offset[key] = (logprobs["text_offset"][-1]
                                                 + len(logprobs["tokens"][-1]))
@@ -272,7 +273,8 @@ async def stream_chat(stream: AsyncIterator[RequestOutput], body: ChatCompletion
                         continue
                     logprobs = None
                     if num_logprobs is not None:
-                        logprobs = {"content": chat_logprobs(engine, c, tokens, num_logprobs)}
+                        logprobs = {"content": chat_logprobs(engine, c, tokens, num_logprobs,
+                                                         body.return_tokens_as_token_ids)}
                     choices.append({"index": c.index, "delta": {"content": c.text[chars:]},
                                     "logprobs": logprobs, "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason})
