@@ -292,3 +292,47 @@ def test_cli_flags_reach_the_engine_args(tmp_path) -> None:
          "--kv-cache-layout", "layer_outer"]))
     assert (args.kv_connector, args.kv_connector_path, args.kv_cache_layout) == (
         "shared_storage", str(tmp_path), "layer_outer")
+
+
+def test_a_checkpoint_saved_over_the_folder_does_not_load_the_old_weights_blocks(
+        qwen3, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model, store = Path(shutil.copytree(qwen3, tmp_path / "model")), tmp_path / "store"
+    first = connected(model, store)
+    try:
+        outputs(first)
+    finally:
+        first.shutdown()
+    weights = load_file(model / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    save_file({name: (0.3 * torch.randn(t.shape, generator=generator)
+                      if "k_proj" in name or "v_proj" in name else t)
+               for name, t in weights.items()}, model / "model.safetensors",
+              metadata={"format": "pt"})  # a fine-tune's step, saved in place
+    fresh = LLM(str(model), **SETTINGS)
+    try:
+        expect = outputs(fresh)
+    finally:
+        fresh.shutdown()
+    llm = connected(model, store)  # the store holds the old weights' K/V only
+    try:
+        assert outputs(llm) == expect
+        assert llm.engine.scheduler.num_external_hit_tokens == 0
+    finally:
+        llm.shutdown()
+
+
+def test_an_fp8_store_of_a_float32_model_is_not_a_bfloat16_models(qwen3, tmp_path) -> None:
+    # The cache's dtype (fp8) is the same; the K/V it holds are not.
+    first = connected(qwen3, tmp_path, kv_cache_dtype="fp8")
+    try:
+        outputs(first)
+    finally:
+        first.shutdown()
+    llm = connected(qwen3, tmp_path, kv_cache_dtype="fp8", dtype="bfloat16")
+    try:
+        outputs(llm)
+        assert llm.engine.scheduler.num_external_hit_tokens == 0
+    finally:
+        llm.shutdown()

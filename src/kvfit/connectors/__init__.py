@@ -4,6 +4,13 @@ memory tier."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
 from kvfit.connectors.base import (
     BlockTransfer,
     KVConnector,
@@ -35,13 +42,32 @@ __all__ = [
 ]
 
 
-def model_identity(model: str, load_format: str) -> str:
+def model_identity(model: str, load_format: str, dtype: torch.dtype) -> str:
     """What names the weights a store's K/V were computed with: the model folder's real path
-    (or the built-in name) and whether its weights are the seeded dummy ones."""
+    (or the built-in name), whether its weights are the seeded dummy ones, the dtype the model
+    runs in (an fp8 cache holds K/V of a bf16 and a float32 model alike), and the size and
+    modification time of its config.json and weight files: a checkpoint saved again into the
+    same folder (a fine-tune, an RL step) computes other K/V, which the old ones must not
+    stand in for."""
     from kvfit.models.loader import is_builtin, resolve_load_format, resolve_model
 
     load_format = resolve_load_format(model, load_format)
-    return f"{model if is_builtin(model) else resolve_model(model).resolve()}:{load_format}"
+    folder = resolve_model(model).resolve()
+    files = [folder / "config.json"]
+    if load_format != "dummy":
+        files += sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.safetensors.*"))
+    stats = [(f.name, st.st_size, st.st_mtime_ns)
+             for f in files if (st := _stat(f)) is not None]
+    files_id = hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
+    name = model if is_builtin(model) else str(folder)
+    return f"{name}:{load_format}:{str(dtype).removeprefix('torch.')}:{files_id}"
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except OSError:
+        return None
 
 
 _CONNECTORS: dict[str, type[KVConnector]] = {"shared_storage": SharedStorageConnector,

@@ -124,6 +124,11 @@ class EngineCore:
         self.config = config
         # Seconds per startup stage, in the order they ran, then "total" (see `startup_stages`).
         self.startup_stages: dict[str, float] = {}
+        # What names the weights in a KV connector's store, taken before they load (a
+        # checkpoint saved over the folder later is another model) and given to every side.
+        mc = config.model_config
+        self._kv_store_model_id = (None if config.kv_connector_config is None else
+                                   model_identity(mc.model, mc.load_format, mc.dtype))
         with _stage(self.startup_stages, "start_workers", "starting workers"):
             self.executor = create_executor(config, num_workers)
         self._in_flight: tuple[ScheduledBatch, AsyncModelOutput] | None = None
@@ -246,7 +251,7 @@ class EngineCore:
             if extensible:
                 rpc("extend_kv_cache", num_blocks)
             if self.config.kv_connector_config is not None:  # it sees the final size only
-                rpc("init_kv_connector")
+                rpc("init_kv_connector", self._kv_store_model_id)
         cc.num_gpu_blocks = num_blocks
         report = rpc("kv_cache_report", method, num_blocks, self._max_blocks(method))[0]
         logger.info("KV cache:\n%s", report.format_table())
@@ -254,11 +259,11 @@ class EngineCore:
 
     def _create_kv_connector(self) -> KVConnector | None:
         """The scheduler side of the configured connector (after the workers registered)."""
-        cfg, mc = self.config.kv_connector_config, self.config.model_config
+        cfg = self.config.kv_connector_config
         if cfg is None:
             return None
         return create_kv_connector(cfg, "scheduler", self.config.kv_cache_spec(),
-                                   model_identity(mc.model, mc.load_format))
+                                   self._kv_store_model_id)
 
     def _capacity(self, method: str, estimate: int) -> int:
         """Blocks to allocate: the override when one is set, else the estimate (which the

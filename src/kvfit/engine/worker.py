@@ -14,7 +14,6 @@ from kvfit.connectors import (
     create_kv_connector,
     kv_connector_host_bytes,
     kv_connector_one_chunk,
-    model_identity,
 )
 from kvfit.engine import sampler
 from kvfit.engine.async_output import AsyncModelOutput
@@ -275,12 +274,12 @@ class Worker:
                                   defragment=self._one_chunk_connector(),
                                   elastic=self.config.elastic is not None)
 
-    def init_kv_connector(self) -> None:
-        """Create the worker side of the configured connector and register the cache's backed
-        memory (after the final `extend_kv_cache`, so it sees only the final size)."""
-        cfg, mc = self.config.kv_connector_config, self.config.model_config
-        self.kv_connector = create_kv_connector(cfg, "worker", self.runner.kv_cache_spec,
-                                                model_identity(mc.model, mc.load_format))
+    def init_kv_connector(self, model_id: str) -> None:
+        """Create the worker side of the configured connector, for the store's `model_id`
+        (`model_identity`, the engine's), and register the cache's backed memory (after the
+        final `extend_kv_cache`, so it sees only the final size)."""
+        self.kv_connector = create_kv_connector(self.config.kv_connector_config, "worker",
+                                                self.runner.kv_cache_spec, model_id)
         self.kv_connector.register_kv_caches(self.runner.kv_cache_views())
 
     def kv_connector_failed_saves(self) -> int:
