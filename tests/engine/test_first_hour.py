@@ -5,6 +5,7 @@ and vLLM's `reset_prefix_cache`, `get_metrics` and `tokenizer` work."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import shutil
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvfit import LLM, SamplingParams
+from kvfit.engine.outputs import RequestOutput
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +227,24 @@ def test_get_metrics_counts_the_steps_and_the_tokens_they_computed(llm: LLM) -> 
                  SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     num_steps, num_tokens, num_decode = (a - b for a, b in zip(steps(), before, strict=True))
     assert (num_steps, num_tokens, num_decode) == (1, 100, 0)
+
+
+def test_reset_prefix_cache_with_running_requests_preempts_them_as_vllms_does(llm: LLM) -> None:
+    prompts = [{"prompt_token_ids": list(range(5 + i, 70 + i))} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expect = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.reset_prefix_cache() is True  # cold: the prompts run for several steps
+    requests = [llm.make_request(p, params, f"reset-{i}") for i, p in enumerate(prompts)]
+    for seq in itertools.chain.from_iterable(requests):
+        llm.engine.add_request(seq)
+    llm.engine.step()
+    llm.engine.step()
+    assert llm.reset_prefix_cache() is False  # requests hold blocks: nothing changes
+    preempted = llm.engine.stats().num_preemptions
+    assert llm.reset_prefix_cache(reset_running_requests=True) is True
+    assert llm.engine.stats().num_preemptions > preempted
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert [RequestOutput.from_seqs(r).outputs[0].token_ids for r in requests] == expect
+    with pytest.raises(ValueError, match="reset_connector"):
+        llm.reset_prefix_cache(reset_connector=True)

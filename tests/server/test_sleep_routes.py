@@ -217,3 +217,30 @@ def test_a_resize_while_asleep_is_503_naming_the_state_not_num_blocks(
         assert "asleep" in error["message"] and "/wake_up" in error["message"]
         assert http.post("/wake_up").status_code == 200
         assert http.get("/kv_cache").json()["num_blocks"] == size
+
+
+def test_reset_prefix_cache_is_vllms_development_route(
+        start_server: Callable[..., ServerThread], engine: AsyncLLM) -> None:
+    """vLLM's `POST /reset_prefix_cache`, behind the development flag: reset at once when
+    idle; while a request runs, nothing is reset (saying why) unless
+    `reset_running_requests=true` preempts it, and its text does not change."""
+    with httpx.Client(base_url=start_server().url, timeout=60) as plain:
+        assert plain.post("/reset_prefix_cache").status_code == 404
+    server = start_server(enable_sleep_endpoints=True, enable_kv_cache_endpoints=True)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.post("/reset_prefix_cache").json() == {"reset": True}
+        bad = http.post("/reset_prefix_cache", params={"reset_external": "true"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "reset_external"
+        long = {**COMPLETION, "prompt": "slow", "max_tokens": 100}
+        expect = http.post("/v1/completions", json=long).json()["choices"][0]["text"]
+        in_engine(engine, engine_hooks.slow, "slow", 0.02)
+        try:
+            worker, results = _start_a_long_request(http)
+            busy = http.post("/reset_prefix_cache").json()
+            forced = http.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
+            worker.join(timeout=60)
+        finally:
+            in_engine(engine, engine_hooks.clear)
+        assert busy["reset"] is False and "reset_running_requests" in busy["message"]
+        assert forced.json() == {"reset": True}
+        assert results[0].json()["choices"][0]["text"] == expect

@@ -718,8 +718,14 @@ class EngineCore:
             self.scheduler.abort(request_id)
         return request_ids
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; False (nothing changed) while a request holds blocks."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix; False (nothing changed) while a request holds blocks,
+        unless `reset_running_requests`: the step in flight is applied and every running
+        sequence preempted first (recomputed later, as after any preemption: no output
+        changes), as vLLM's does."""
+        if reset_running_requests and (self.scheduler.running or self._in_flight is not None):
+            self._settle()
+            self.scheduler.preempt_tail_holders(0)
         try:
             self.scheduler.block_manager.reset_prefix_cache()
         except RuntimeError:

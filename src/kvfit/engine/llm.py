@@ -172,12 +172,20 @@ class LLM:
         """
         return self.engine.resize_kv_cache(num_blocks)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prompt prefix (vLLM's name; a KV connector's store keeps its
-        blocks), e.g. to time prefills from cold or after changing what a prefix means; later
-        prompts recompute theirs. Returns False and
-        changes nothing while requests hold blocks (never the case between `generate` calls)."""
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        """Forget every cached prefix (vLLM's name), e.g. to time prefills from cold or after
+        changing what a prefix means; later prompts recompute theirs. Returns False and
+        changes nothing while requests hold blocks (never the case between `generate` calls),
+        unless `reset_running_requests`: they are then preempted and recomputed (no output
+        changes). A KV connector's store keeps its blocks: `reset_connector=True` is
+        refused."""
+        if reset_connector:
+            raise ValueError("reset_prefix_cache(reset_connector=True): a KV connector's store "
+                             "(kv_connector_path's files, the kv_offloading_size host tier) "
+                             "keeps its blocks here; leave reset_connector False (remove the "
+                             "store's files, or restart the engine for the host tier)")
+        return self.engine.reset_prefix_cache(reset_running_requests)
 
     def get_metrics(self) -> list[Metric]:
         """The engine's figures now, vLLM's `get_metrics()` loosely: a list of `Metric`

@@ -396,6 +396,11 @@ class AsyncLLM:
         while it sleeps (a state to leave, not a bad `num_blocks`)."""
         return await self._call(_resize_kv_cache, num_blocks)
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """`LLM.reset_prefix_cache` in the engine, between two steps: False while requests
+        hold blocks, unless `reset_running_requests` (they are preempted and recomputed)."""
+        return await self._call("reset_prefix_cache", reset_running_requests)
+
     async def kv_cache_state(self) -> dict[str, Any]:
         """The KV cache's size, bounds and resize counts, read in the engine."""
         return await self._call(_kv_cache_state)

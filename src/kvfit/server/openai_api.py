@@ -87,6 +87,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     if config.enable_kv_cache_endpoints:
         api.get("/kv_cache")(serving.kv_cache)
         api.post("/kv_cache/resize")(serving.resize_kv_cache)
+        api.post("/reset_prefix_cache")(serving.reset_prefix_cache)
     api.post("/v1/completions")(serving.completions)
     api.post("/v1/chat/completions")(serving.chat_completions)
     app.include_router(api)

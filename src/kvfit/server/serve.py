@@ -36,8 +36,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (a Hugging Face folder or a built-in name) over HTTP: "
         "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
-        "/health, /metrics, /version; with KVFIT_SERVER_DEV_MODE=1 also /kv_cache and "
-        "/kv_cache/resize, and with --enable-sleep-mode /sleep, /wake_up, /is_sleeping.")
+        "/health, /metrics, /version; with KVFIT_SERVER_DEV_MODE=1 also /kv_cache, "
+        "/kv_cache/resize and /reset_prefix_cache, and with --enable-sleep-mode /sleep, "
+        "/wake_up, /is_sleeping.")
     parser.add_argument("model_tag", nargs="?", metavar="MODEL",
                         help=f"model folder or built-in name (the same as --model; default: "
                         f"{DEFAULT_MODEL})")
@@ -186,8 +187,8 @@ def missing_server_modules() -> list[str]:
 
 DEV_MODE_ENV = "KVFIT_SERVER_DEV_MODE"
 """Set to 1 to serve the development routes (`/sleep`, `/wake_up`, `/is_sleeping` with sleep
-mode; `/kv_cache`, `/kv_cache/resize`): any client of them can take the model or its memory
-away from every other, so a flag alone does not turn them on."""
+mode; `/kv_cache`, `/kv_cache/resize`, `/reset_prefix_cache`): any client of them can take
+the model or its memory away from every other, so a flag alone does not turn them on."""
 
 
 def sleep_endpoints(engine_args: EngineArgs) -> bool:

@@ -60,7 +60,8 @@ class ServeConfig:
     they are read whole (None: unbounded). `enable_sleep_endpoints`: serve `/sleep`, `/wake_up` and
     `/is_sleeping` (an engine with sleep mode, behind the development flag: they let any
     client take the model away from every other). `enable_kv_cache_endpoints`: serve
-    `GET /kv_cache` and `POST /kv_cache/resize?num_blocks=N` (behind the development flag too).
+    `GET /kv_cache`, `POST /kv_cache/resize?num_blocks=N` and vLLM's `POST
+    /reset_prefix_cache` (behind the development flag too).
     `multiprocess_metrics`: `/metrics` sums the request figures of every API server process
     (`--api-server-count` > 1; prometheus_client's multiprocess mode, `PROMETHEUS_MULTIPROC_DIR`).
     `chat_template`: a Jinja chat template used instead of the tokenizer's own (None: the
@@ -499,6 +500,24 @@ class OpenAIServing:
 
     async def is_sleeping(self) -> dict[str, bool]:
         return {"is_sleeping": self.engine.is_sleeping}
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False,
+                                 reset_external: bool = False) -> dict[str, Any]:
+        """Forget every cached prefix (vLLM's development route and query parameters);
+        `reset` false, with why, while requests hold blocks and `reset_running_requests` is
+        not set (vLLM answers 200 then too, and only logs it)."""
+        if reset_external:
+            raise APIError("reset_external=true: a KV connector's store keeps its blocks here; "
+                           "leave it false", param="reset_external")
+        try:
+            reset = await self.engine.reset_prefix_cache(reset_running_requests)
+        except UNAVAILABLE as e:
+            raise engine_error(e) from None
+        if reset:
+            return {"reset": True}
+        return {"reset": False, "message": "requests hold KV cache blocks; nothing was reset: "
+                "retry once they finish, or pass reset_running_requests=true to preempt them "
+                "(they are recomputed)"}
 
     async def kv_cache(self) -> dict[str, Any]:
         """The KV cache's size, bounds, resize counts and latest resizes."""
