@@ -205,6 +205,19 @@ def test_level_2_without_reload_refuses_to_generate_until_loaded(llm, reference,
     assert outputs(llm) == reference
 
 
+def test_a_partial_load_while_asleep_names_load_weights_as_the_cause(llm, reference,
+                                                                     qwen3) -> None:
+    weights = load_file(qwen3 / "model.safetensors")
+    llm.sleep(level=2)
+    llm.load_weights({k: v for k, v in weights.items() if "layers.0." in k})
+    llm.wake_up()  # the KV cache; the weights woke for load_weights, empty but for those given
+    # The message had blamed wake_up(reload_weights=False), which this user never called.
+    with pytest.raises(RuntimeError, match=r"or by a load_weights\(\) while they slept"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    llm.load_weights(weights)
+    assert outputs(llm) == reference
+
+
 def _start(llm: LLM) -> list:
     seqs = [s for i, p in enumerate(PROMPTS)
             for s in llm.make_request(p, GREEDY, f"sleep-{i}")]

@@ -97,9 +97,10 @@ class SleepState:
             shown = ", ".join(self.missing_weights[:4])
             more = len(self.missing_weights) - 4
             raise RuntimeError(
-                f"the weights were woken without contents (wake_up(reload_weights=False) after "
-                f"sleep(level=2)) and {len(self.missing_weights)} are still not loaded ({shown}"
-                f"{f', and {more} more' if more > 0 else ''}); pass them to "
+                f"the weights were woken without contents after sleep(level=2) (by "
+                f"wake_up(reload_weights=False), or by a load_weights() while they slept, which "
+                f"reloads nothing from disk) and {len(self.missing_weights)} are still not "
+                f"loaded ({shown}{f', and {more} more' if more > 0 else ''}); pass them to "
                 f"LLM.load_weights() before generating"
             )
 
