@@ -336,3 +336,36 @@ def test_an_fp8_store_of_a_float32_model_is_not_a_bfloat16_models(qwen3, tmp_pat
         assert llm.engine.scheduler.num_external_hit_tokens == 0
     finally:
         llm.shutdown()
+
+
+def test_a_level_2_wake_that_reloads_changed_files_turns_the_connector_off(
+        qwen3, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model, store = Path(shutil.copytree(qwen3, tmp_path / "model")), tmp_path / "store"
+    llm = connected(model, store, enable_sleep_mode=True)
+    try:
+        expect = outputs(llm)
+        llm.sleep(level=2)
+        llm.wake_up()  # the same files: the store still holds these weights' K/V
+        assert outputs(llm) == expect
+        hits = llm.engine.scheduler.num_external_hit_tokens
+        assert hits > 0
+        llm.sleep(level=2)
+        weights = load_file(model / "model.safetensors")
+        generator = torch.Generator().manual_seed(1)
+        save_file({name: (0.3 * torch.randn(t.shape, generator=generator)
+                          if "k_proj" in name or "v_proj" in name else t)
+                   for name, t in weights.items()}, model / "model.safetensors",
+                  metadata={"format": "pt"})  # a trainer's checkpoint, saved while it slept
+        fresh = LLM(str(model), **SETTINGS)
+        try:
+            new = outputs(fresh)
+        finally:
+            fresh.shutdown()
+        llm.wake_up()  # reloads the new files
+        assert outputs(llm) == new
+        assert llm.engine.scheduler.num_external_hit_tokens == hits
+        assert llm.engine.scheduler.kv_connector is None
+    finally:
+        llm.shutdown()

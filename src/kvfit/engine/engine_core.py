@@ -126,9 +126,8 @@ class EngineCore:
         self.startup_stages: dict[str, float] = {}
         # What names the weights in a KV connector's store, taken before they load (a
         # checkpoint saved over the folder later is another model) and given to every side.
-        mc = config.model_config
         self._kv_store_model_id = (None if config.kv_connector_config is None else
-                                   model_identity(mc.model, mc.load_format, mc.dtype))
+                                   self._model_identity())
         with _stage(self.startup_stages, "start_workers", "starting workers"):
             self.executor = create_executor(config, num_workers)
         self._in_flight: tuple[ScheduledBatch, AsyncModelOutput] | None = None
@@ -489,12 +488,16 @@ class EngineCore:
         try:
             if "weights" in tags:  # first: the KV cache takes what memory they leave
                 try:
-                    self.executor.collective_rpc("wake_up_weights", reload_weights)
+                    reloaded = any(self.executor.collective_rpc("wake_up_weights",
+                                                                reload_weights))
                 except VmmOutOfMemoryError as error:
                     raise WakeUpOutOfMemoryError(
                         f"wake_up(): no device memory for the weights ({error}); they stay "
                         f"asleep (the KV cache too): free device memory and call wake_up() "
                         f"again") from error
+                if reloaded and self._kv_store_model_id not in (None, self._model_identity()):
+                    self._disconnect_kv_store("wake_up() reloaded the weights from files that "
+                                              "changed since the engine started")
             if "kv_cache" in tags:
                 self.kv_resizer.wake()
         finally:
@@ -522,12 +525,20 @@ class EngineCore:
             # K/V (and the connector's store) belong to weights the model no longer has.
             self._refresh_sleep_state()
             self.scheduler.block_manager.reset_prefix_cache()
-            if self.scheduler.kv_connector is not None:
-                # The store is keyed by the model's source weights: K/V of these must not
-                # enter it.
-                logger.warning("weights replaced: the KV connector is off for this engine "
-                               "(its store holds K/V of the model's own weights)")
-                self.scheduler.kv_connector = None
+            self._disconnect_kv_store("weights replaced")
+
+    def _model_identity(self) -> str:
+        """What names the model's weights in a KV connector's store, now (`model_identity`)."""
+        mc = self.config.model_config
+        return model_identity(mc.model, mc.load_format, mc.dtype)
+
+    def _disconnect_kv_store(self, why: str) -> None:
+        """Turn the KV connector off: the store is keyed by the weights the engine started
+        with, and K/V of other weights must neither enter it nor be taken from it."""
+        if self.scheduler.kv_connector is not None:
+            logger.warning("%s: the KV connector is off for this engine (its store holds K/V "
+                           "of the weights the engine started with)", why)
+            self.scheduler.kv_connector = None
 
     def _refresh_sleep_state(self) -> None:
         self._sleep_state = SleepState.merge(self.executor.collective_rpc("sleep_state"))

@@ -498,10 +498,11 @@ class Worker:
             released["torch_cache"] = before - torch.cuda.memory_reserved(self.device)
         return SleepReport(level, released, kept, host_bytes)
 
-    def wake_up_weights(self, reload_weights: bool = True) -> None:
+    def wake_up_weights(self, reload_weights: bool = True) -> bool:
         """Recommit asleep weights at the same addresses (nothing is recaptured): from their
         host copy, else reloaded from the model's source (`reload_weights`), else left zeroed
-        and missing until `load_weights`. The KV cache wakes through
+        and missing until `load_weights`. Returns whether they were reloaded from the source
+        (whose files may have changed since startup). The KV cache wakes through
         `recommit_kv_cache` (`KVCacheResizer.wake`), which can back fewer blocks."""
         arena = self.runner.weight_arena
         if arena is not None and arena.is_released:
@@ -510,6 +511,8 @@ class Worker:
                 mc = self.config.model_config
                 fill_weights(self.runner.model, mc.model, self.device, mc.load_format)
                 self.missing_weights = set()
+                return True
+        return False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint-named tensors into the parameters, in place. Asleep weights are
