@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvfit import LLM, SamplingParams
+from kvfit.engine.sampling_params import MAX_N
 
 
 @cache
@@ -298,3 +299,22 @@ def test_n_above_max_num_seqs_queues_the_siblings(qwen3: Path, prefix_caching: b
     assert {tuple(c.token_ids) for c in g.outputs} == {tuple(g_ref.outputs[0].token_ids)}
     assert [c.token_ids for c in s.outputs] == [c.token_ids for c in s_ref.outputs]
     assert len({tuple(c.token_ids) for c in s.outputs}) > 1  # the seeds do differ
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("allowed_token_ids", list(range(512)) * 3),
+    ("stop_token_ids", list(range(512)) * 3),
+    ("bad_words_token_ids", [[t] for t in range(512)] * 3),
+    ("n", MAX_N + 1),
+    ("logprobs", -5),
+])
+def test_a_params_object_changed_after_construction_is_held_to_warmups_bounds(
+    llm: LLM, field: str, value: object,
+) -> None:
+    # The async engine queues a shallow copy of the caller's params (no constructor run):
+    # a list grown past MAX_TOKEN_LIST after construction reached the sampler with more
+    # entries than warmup measured; an n past MAX_N built that many sequences.
+    params = SamplingParams(max_tokens=1)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
+        llm.make_request({"prompt_token_ids": [5, 6]}, params, "changed")

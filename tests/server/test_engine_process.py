@@ -268,3 +268,21 @@ def test_the_front_end_tokenizes_with_the_tokenizer_flag(model_path: Path, tmp_p
         engine.shutdown()
     assert out.prompt_token_ids == ref.prompt_token_ids
     assert out.outputs[0].text == ref.outputs[0].text != ""
+
+
+def test_the_async_engine_holds_a_params_object_changed_after_construction_to_its_bounds(
+        model_path: Path) -> None:
+    # `add_request` queues a shallow copy of the caller's params, no constructor run: a list
+    # grown past MAX_TOKEN_LIST afterwards reached the sampler beyond what warmup measured.
+    engine = AsyncLLM(EngineArgs(**engine_kwargs(model_path)), engine_process=False)
+    params = SamplingParams(max_tokens=1)
+    params.allowed_token_ids = list(range(500)) * 3
+
+    async def run() -> None:
+        engine.add_request({"prompt_token_ids": [5, 6]}, params)
+
+    try:
+        with pytest.raises(ValueError, match="SamplingParams.allowed_token_ids holds at most"):
+            asyncio.run(run())
+    finally:
+        engine.shutdown()

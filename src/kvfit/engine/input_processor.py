@@ -62,6 +62,12 @@ class InputProcessor:
         """Tokenize and validate request number `index`; its `n` sequences, the first the
         parent of the rest. Errors name the request and the setting."""
         where = f"request {index}"
+        try:
+            # Checked at construction, but a caller may have changed the object since (the
+            # async engine passes a shallow copy): no step may hold more than warmup measured.
+            params.check_limits()
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         text, token_ids = parse_prompt(where, prompt, self.tokenizer)
         mc = self.config.model_config
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, mc.max_model_len)

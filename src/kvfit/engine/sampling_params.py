@@ -116,7 +116,6 @@ class SamplingParams:
             _check(all(isinstance(w, str) for w in words), name, "must hold strings", words)
         _check(self.allowed_token_ids != [], "allowed_token_ids",
                "must name at least one token (None: every token)", self.allowed_token_ids)
-        _check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]", self.n)
         _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(self.top_k >= -1, "top_k", "must be -1 (off), 0 (off) or >= 1", self.top_k)
@@ -129,10 +128,6 @@ class SamplingParams:
                "must be >= 1", self.max_tokens)  # or None: up to max_model_len
         _check(0 <= self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens",
                f"must be in [0, max_tokens={self.max_tokens}]", self.min_tokens)
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            _check(value is None or value >= -1, name,
-                   "must be >= 0, -1 (the whole vocabulary) or None", value)
         _check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
                or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
                "must be >= 1, -1 (the last max_model_len) or None", self.truncate_prompt_tokens)
@@ -148,6 +143,23 @@ class SamplingParams:
         if self.logit_bias is not None:
             _check(all(math.isfinite(v) for v in self.logit_bias.values()), "logit_bias",
                    "values must be finite", self.logit_bias)
+        self.check_limits()
+
+    def check_limits(self) -> None:
+        """Raise ValueError naming the field if `n`, `logprobs`, `prompt_logprobs` or a token
+        list is past the bound warmup measured (`MAX_N`, -1, `MAX_TOKEN_LIST`).
+
+        Construction checks them, but a caller may change a params object afterwards and pass
+        it again: a front end that does not copy it through the constructor (the async engine
+        takes a shallow copy) calls this as it queues the request, a few `len`s, so that no
+        step can hold more entries than warmup's worst case.
+        """
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]",
+               self.n)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or _is_int(value) and value >= -1, name,
+                   "must be >= 0, -1 (the whole vocabulary) or None", value)
         for name in ("logit_bias", "stop_token_ids", "allowed_token_ids", "bad_words",
                      "bad_words_token_ids"):
             size = len(getattr(self, name) or ())
