@@ -318,3 +318,18 @@ def test_a_params_object_changed_after_construction_is_held_to_warmups_bounds(
     setattr(params, field, value)
     with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
         llm.make_request({"prompt_token_ids": [5, 6]}, params, "changed")
+
+
+def test_bad_words_past_the_token_sequence_bound_are_refused_naming_bad_words(llm: LLM) -> None:
+    # 600 words pass SamplingParams' bound on their number (MAX_TOKEN_LIST), but each is
+    # banned as written and after a space: 1200 token sequences were refused as
+    # "SamplingParams.bad_words_token_ids holds at most 1024 entries", a field never set.
+    words = [f"w{i}x" for i in range(600)]
+    with pytest.raises(ValueError, match=r"SamplingParams.bad_words: its 600 words tokenize "
+                                         r"to 1200 token sequences .* at most 1024"):
+        llm.generate("hello", SamplingParams(max_tokens=1, bad_words=words), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"1200 token sequences .*\(1201 with "
+                                         r"bad_words_token_ids\)"):
+        llm.make_request("hello", SamplingParams(max_tokens=1, bad_words=words,
+                                                 bad_words_token_ids=[[7, 8, 9]]), "r")
+    assert not llm.engine.has_unfinished()

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvfit.engine.config import EngineConfig
 from kvfit.engine.prompts import Prompt, check_token_ids, parse_prompt
-from kvfit.engine.sampling_params import SamplingParams, truncate_prompt
+from kvfit.engine.sampling_params import MAX_TOKEN_LIST, SamplingParams, truncate_prompt
 from kvfit.engine.sequence import Sequence
 
 __all__ = ["InputProcessor", "Prompt"]
@@ -43,7 +43,10 @@ class InputProcessor:
 
     def resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
         """`params` with its `bad_words` tokenized into `bad_words_token_ids`: each word as
-        written and after a space (a word inside text is usually another token)."""
+        written and after a space (a word inside text is usually another token). Raises
+        ValueError naming bad_words where the sequences, with `bad_words_token_ids`, come to
+        more than `MAX_TOKEN_LIST` (the most warmup bans): a word can give two, so words within
+        `SamplingParams`' own bound on their number can come to more."""
         if not params.bad_words:
             return params
         if self.tokenizer is None:
@@ -55,6 +58,16 @@ class InputProcessor:
                 tokens = self.tokenizer.encode(text, add_special_tokens=False)
                 if tokens and tokens not in ids:
                     ids.append(tokens)
+        if len(ids) > MAX_TOKEN_LIST:
+            # Each token sequence is what warmup bounds (MAX_TOKEN_LIST of them): named here,
+            # as the words the caller gave, not as bad_words_token_ids, which they never set.
+            given = len(params.bad_words_token_ids)
+            with_given = f" ({len(ids)} with bad_words_token_ids)" if given else ""
+            raise ValueError(
+                f"SamplingParams.bad_words: its {len(params.bad_words)} words tokenize to "
+                f"{len(ids) - given} token sequences (each as written and after a space)"
+                f"{with_given}; at most {MAX_TOKEN_LIST} may be banned (warmup measures that "
+                f"many): give fewer words")
         return dataclasses.replace(params, bad_words=[], bad_words_token_ids=ids)
 
     def make_sequences(self, index: int, prompt: Prompt,
