@@ -310,6 +310,42 @@ def test_the_mixed_warmup_step_runs_a_whole_prompt_logprobs_chunk(
     assert max(chunks) == chunk
 
 
+def test_the_estimate_reads_a_step_that_samples_the_most_rows_with_every_feature(
+    make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sizing by estimate reads the profiling steps alone, before warmup runs: the profiling
+    # prefill samples no row, so the sampler's memory at max_num_seqs rows (the logits, the
+    # allowed tokens' undo, the draw's temporaries: 5x the prefill's peak at 64 rows of an 8k
+    # vocabulary, watch_memory) was in no estimate.
+    from kvfit.engine.sampler import SamplingMetadata
+    from kvfit.engine.sampling_features import SAMPLING_FEATURES
+
+    profiling, sampled = [False], []
+    profile, from_seqs = Worker.profile, SamplingMetadata.from_seqs
+
+    def spy_profile(self: Worker, measure_graphs: bool = False) -> int:
+        profiling[0] = True
+        try:
+            return profile(self, measure_graphs)
+        finally:
+            profiling[0] = False
+
+    def spy_from_seqs(seqs: list, *args: object) -> SamplingMetadata:
+        if profiling[0]:
+            sampled.append([seq.sampling_params for seq in seqs])
+        return from_seqs(seqs, *args)
+
+    monkeypatch.setattr(Worker, "profile", spy_profile)
+    monkeypatch.setattr(SamplingMetadata, "from_seqs", staticmethod(spy_from_seqs))
+    make_llm(enable_extensible_kv_cache=False)
+    assert sampled and max(map(len, sampled)) == LIMITS["max_num_seqs"]
+    widest = max(sampled, key=len)
+    assert all(feature.active(params) for params in widest for feature in SAMPLING_FEATURES)
+    sampled.clear()
+    make_llm()  # the measured path: its warmup samples them, measured before sizing
+    assert not sampled
+
+
 @pytest.mark.parametrize(("extensible", "passes"), [(None, 1), (False, 2)])
 def test_measured_sizing_captures_once_the_estimate_adds_a_throwaway_pass(
     make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch, extensible: bool | None,
@@ -506,8 +542,8 @@ def test_estimate_subtracts_what_its_throwaway_capture_took() -> None:
     def drop() -> None:
         monitor.free += graph_bytes
 
-    w = fake_worker(monitor, profile_run=lambda: None, capture_cuda_graphs=capture,
-                    drop_cuda_graphs=drop)
+    w = fake_worker(monitor, profile_run=lambda: None, profile_sampling_run=lambda: None,
+                    capture_cuda_graphs=capture, drop_cuda_graphs=drop)
     without = w.profile(measure_graphs=False)
     with_graphs = w.profile(measure_graphs=True)
     assert monitor.free == monitor.total  # the throwaway graphs are gone

@@ -451,6 +451,18 @@ class ModelRunner:
         self.dummy_run(self.config.scheduler_config.max_num_batched_tokens, 1,
                        params=self.warmup_params)
 
+    @torch.inference_mode()
+    def profile_sampling_run(self) -> None:
+        """The most rows one step samples (`max_num_seqs`, within the token budget), every
+        sampling feature at its worst case, beside a prefill of the rest of the budget, on
+        `profile_run`'s scratch cache (its one block read again for every position): what
+        sizing by estimate reads besides `profile_run`, whose prefills sample no row, since it
+        sizes the cache before warmup samples anything (vLLM's profiling runs its sampler at
+        `max_num_seqs` rows too)."""
+        sc = self.config.scheduler_config
+        self.dummy_run(sc.max_num_batched_tokens, 1,
+                       min(sc.max_num_seqs, sc.max_num_batched_tokens), self.warmup_params)
+
     @_in_kernel_mode  # the graphs keep the kernels chosen at capture
     def capture_cuda_graphs(self) -> None:
         """Capture the graphs `cudagraph_mode` asks for against the current cache views, into

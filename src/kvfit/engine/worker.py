@@ -101,11 +101,15 @@ class Worker:
         """Run the largest step before the cache exists; return the blocks the estimate gives
         within the budget (the capacity to reserve, or the final size without VMM).
 
-        `measure_graphs`: capture the graphs once, against the profiling scratch cache, and
-        subtract what that took. Only the estimate path does this throwaway pass; the measured
-        path captures once, for real, and sees the graphs' memory in its measurement.
+        `measure_graphs` (the estimate path): capture the graphs once, against the profiling
+        scratch cache, and subtract what that took, and profile the largest sampling step too
+        (`ModelRunner.profile_sampling_run`: the profiling prefill samples no row, and the
+        estimate comes before warmup). Only the estimate path does these; the measured path
+        captures once, for real, and its warmup samples the most rows, both measured.
         """
         self._measured_step(self.runner.profile_run)
+        if measure_graphs:
+            self._measured_step(self.runner.profile_sampling_run)
         graph_capture = self._throwaway_capture_bytes() if measure_graphs else 0
         now = self.monitor.snapshot()
         host_bytes = self._connector_host_bytes()
