@@ -161,6 +161,21 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
     return get
 
 
+@pytest.fixture
+def split_tokenizer(tmp_path: Path) -> Callable[[Path], tuple[Path, Path]]:
+    """Factory: `split_tokenizer(model) -> (model copy, tokenizer folder)`, the copy's
+    tokenizer files moved to a folder of their own (a model that needs `--tokenizer`)."""
+    def split(source: Path) -> tuple[Path, Path]:
+        model, tokenizer = tmp_path / "model", tmp_path / "tokenizer"
+        shutil.copytree(source, model)
+        tokenizer.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (model / name).rename(tokenizer / name)
+        return model, tokenizer
+
+    return split
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # A shell starts a background job (`pytest ... &`, nohup, some CI runners) with SIGINT
     # ignored, and an ignored signal stays ignored in every child: the tests that Ctrl-C a

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -153,12 +154,9 @@ def test_get_metrics_reports_the_engine_figures(llm: LLM) -> None:
     assert all(m.name.startswith("kvfit:") and m.help for m in metrics)
 
 
-def test_tokenizer_from_another_folder(qwen3: Path, tmp_path: Path) -> None:
-    model, tokenizer = tmp_path / "model", tmp_path / "tokenizer"
-    shutil.copytree(qwen3, model)
-    tokenizer.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (model / name).rename(tokenizer / name)
+def test_tokenizer_from_another_folder(
+        qwen3: Path, split_tokenizer: Callable[[Path], tuple[Path, Path]]) -> None:
+    model, tokenizer = split_tokenizer(qwen3)
     kwargs = dict(device="cpu", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
     bare = LLM(str(model), **kwargs)
     assert bare.get_tokenizer() is None

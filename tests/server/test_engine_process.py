@@ -8,11 +8,10 @@ import asyncio
 import importlib
 import os
 import re
-import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import engine_hooks
@@ -240,14 +239,11 @@ def test_the_in_thread_engine_serves_the_same(model_path: Path) -> None:
 
 
 
-def test_the_front_end_tokenizes_with_the_tokenizer_flag(model_path: Path, tmp_path: Path) -> None:
+def test_the_front_end_tokenizes_with_the_tokenizer_flag(
+        model_path: Path, split_tokenizer: Callable[[Path], tuple[Path, Path]]) -> None:
     # `--tokenizer FOLDER` for a model folder without tokenizer files: the engine took it, but
     # the front end loaded the model folder's (none), so every text prompt was refused.
-    model, tokenizer = tmp_path / "model", tmp_path / "tokenizer"
-    shutil.copytree(model_path, model)
-    tokenizer.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (model / name).rename(tokenizer / name)
+    model, tokenizer = split_tokenizer(model_path)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm = LLM(**engine_kwargs(model_path))
     [ref] = llm.generate("The sky is", params, use_tqdm=False)
