@@ -162,13 +162,8 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
 def load_eos_token_ids(model: str, hf_config: PretrainedConfig) -> list[int]:
     """The ids that end generation, as vLLM gathers them: config.json's `eos_token_id` and
     generation_config.json's (each an int, a list or absent), in that order, once each."""
-    ids = [getattr(hf_config, "eos_token_id", None)]
-    generation_config = resolve_model(model) / "generation_config.json"
-    if generation_config.is_file():
-        try:
-            ids.append(json.loads(generation_config.read_text()).get("eos_token_id"))
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise ValueError(f"{generation_config} is not a JSON object: {e}") from e
+    ids = [getattr(hf_config, "eos_token_id", None),
+           _generation_config(resolve_model(model)).get("eos_token_id")]
     flat = [i for entry in ids if entry is not None
             for i in ([entry] if isinstance(entry, int) else entry)]
     # An id the model cannot sample never ends anything; kept, the sampler's min_tokens ban
@@ -199,18 +194,26 @@ def load_sampling_defaults(model: str, source: str = "auto") -> dict[str, Any]:
     if source != "auto" and not folder.is_dir():
         raise ValueError(f"generation_config={source!r} is neither 'auto', 'vllm' nor a "
                          f"folder; pass a folder holding generation_config.json")
+    if source != "auto" and not (folder / "generation_config.json").is_file():
+        raise ValueError(f"generation_config={source!r}: {folder} holds no "
+                         f"generation_config.json")
+    raw = _generation_config(folder)
+    return {name: raw[key] for key, name in _SAMPLING_DEFAULTS.items()
+            if raw.get(key) is not None}
+
+
+def _generation_config(folder: Path) -> dict[str, Any]:
+    """`folder`'s generation_config.json as a dict ({} where there is none)."""
     path = folder / "generation_config.json"
     if not path.is_file():
-        if source != "auto":
-            raise ValueError(f"generation_config={source!r}: {path} does not exist")
         return {}
     try:
         raw = json.loads(path.read_text())
-        found = {name: raw[key] for key, name in _SAMPLING_DEFAULTS.items()
-                 if raw.get(key) is not None}
-    except (json.JSONDecodeError, AttributeError, TypeError) as e:
+    except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not a JSON object: {e}") from e
-    return found
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} is not a JSON object: it holds {type(raw).__name__}")
+    return raw
 
 
 @contextmanager
