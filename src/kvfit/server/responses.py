@@ -67,6 +67,9 @@ def completion_logprobs(engine: AsyncLLM, c: CompletionOutput, num: int, out: Re
     if echo and out.prompt_logprobs is not None:
         pairs += list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=False))
     pairs += list(zip(c.token_ids[start:], c.logprobs[start:], strict=False))
+    def key(token_id: int, e: Any) -> str:  # a top_logprobs entry's key
+        return as_token_id(token_id) if as_ids else e.decoded_token or ""
+
     offsets, offset = [], text_offset
     for token_id, entries in pairs:
         text = as_token_id(token_id) if as_ids else engine.decode_token(token_id) or ""
@@ -81,13 +84,8 @@ def completion_logprobs(engine: AsyncLLM, c: CompletionOutput, num: int, out: Re
         token_logprobs.append(None if chosen is None else chosen.logprob)
         # As vLLM and OpenAI's completions: the sampled token first, then the `num` most
         # likely (up to num + 1 entries; logprobs=0 gives the sampled token alone).
-        if as_ids:
-            top = {} if chosen is None else {text: chosen.logprob}
-            top.update({as_token_id(t): e.logprob for t, e in top_entries(entries, num)})
-        else:
-            top = {} if chosen is None else {(chosen.decoded_token or ""): chosen.logprob}
-            top.update({(e.decoded_token or ""): e.logprob
-                        for _, e in top_entries(entries, num)})
+        top = {} if chosen is None else {key(token_id, chosen): chosen.logprob}
+        top.update({key(t, e): e.logprob for t, e in top_entries(entries, num)})
         top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
