@@ -44,7 +44,7 @@ def resolve_model(model: str) -> Path:
     if model in BUILTIN_MODELS:
         return BUILTIN_DIR / model
     if _looks_like_hub_id(model):
-        snapshot = _cached_snapshot(model)
+        snapshot = cached_snapshot(model)
         if snapshot is not None:
             return snapshot
         name = model.rsplit("/", 1)[1]
@@ -72,7 +72,7 @@ def _hub_cache_dir() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def _cached_snapshot(repo_id: str) -> Path | None:
+def cached_snapshot(repo_id: str) -> Path | None:
     """The folder of `repo_id`'s cached snapshot (its main revision) holding a config.json, as
     a vLLM user has after serving it once; None when it is not cached. Never goes online."""
     try:

@@ -123,9 +123,9 @@ def _names_a_model(name: str, default: str) -> bool:
     if name in BUILTIN_MODELS:
         return name != default  # the default served under its own name is no mistake
     if name.count("/") == 1 and all(name.split("/")):
-        from kvfit.models.loader import _cached_snapshot
+        from kvfit.models.loader import cached_snapshot
 
-        return _cached_snapshot(name) is not None
+        return cached_snapshot(name) is not None
     return False
 
 
