@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvfit import LLM, SamplingParams
-from kvfit.elastic import DemandBoard
+from kvfit.elastic import DemandBoard, KVUsage
 
 from .test_elastic_governor import (
     ENGINE,
@@ -238,5 +238,44 @@ def test_a_busy_engine_gives_its_free_tail_to_a_peer_and_preempts_nothing(
             assert gave_at == share.num_blocks_after < start
             assert share.num_blocks_after >= demand + resizer.floor
             assert resizer.num_blocks == gave_at  # nothing taken back while the peer holds it
+    finally:
+        llm.shutdown()
+
+
+def test_a_preemption_between_polls_reaches_the_next_poll(qwen3: Path) -> None:
+    """`KVUsage.short` says sequences were preempted since the governor's last poll: steps
+    between polls (shorter than the poll interval) must not consume the preemption, or a
+    cache short of blocks reads as not short and neither grows nor asks its peers."""
+    import math
+
+    llm = LLM(str(qwen3), device="cpu", **{**ENGINE, "elastic_idle_s": IDLE_S})
+    try:
+        core, resizer = llm.engine, llm.engine.kv_resizer
+        governor = core.kv_cache_governor
+        governor.config = replace(governor.config, poll_interval_s=math.inf)  # no poll due
+        polled: list[KVUsage] = []  # the usage each poll decided on
+        decide = governor.decide
+
+        def spy(free: int, total: int, now: float, usage: KVUsage | None = None) -> int:
+            polled.append(usage)
+            return decide(free, total, now, usage)
+
+        governor.decide = spy  # type: ignore[method-assign]
+        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        for i, prompt in enumerate(make_prompts((200,) * 3)):
+            [seq] = llm.make_request(prompt, params, str(i))
+            core.add_request(seq)
+        for _ in range(4):  # prefilled: they hold more than one max_model_len sequence
+            core.step()  # the first polls; the next poll is never due
+        polled.clear()
+        preemptions = core.scheduler.num_preemptions
+        core.resize_kv_cache(resizer.floor)  # preempts the sequence holding the tail
+        assert core.scheduler.num_preemptions > preemptions
+        core.abort_request("0")  # room for it again: the step between polls readmits it
+        core.step()
+        assert not polled and not core.scheduler.waiting
+        governor.last_poll = -math.inf  # the next step polls
+        core.step()
+        assert len(polled) == 1 and polled[0].short
     finally:
         llm.shutdown()

@@ -564,7 +564,7 @@ class EngineCore:
             self._restore_released(now)
         elif self.kv_cache_governor is not None and not self.is_sleeping:
             self.kv_resizer.govern(self.kv_cache_governor, self._settle, now,
-                                   self._kv_usage(), self.demand_board)
+                                   self._kv_usage, self.demand_board)
         finished, self._finished_early = self._finished_early, []
         if self._kv_released_by_resize:  # still: nothing runs on unmapped memory; requests wait
             self.updated_seqs, self._applied = self._applied, []

@@ -442,17 +442,19 @@ class KVCacheResizer:
     # -- the governor ------------------------------------------------------------------------
 
     def govern(self, governor: KVCacheGovernor, settle: Callable[[], None],
-               now: float, usage: KVUsage | None = None,
+               now: float, read_usage: Callable[[], KVUsage] | None = None,
                board: DemandBoard | None = None) -> KVCacheResize | None:
         """One poll of `governor` (no-op between poll intervals): read device free memory and
-        shrink or grow as it decides, given the cache's `usage`; with a demand `board`, say
-        what this cache lacks there, and let an idle one give back only what its peers lack.
-        `settle` applies the step in flight, called only right before a resize. Never raises
-        for want of memory: a shrink falls back to unmapping whole chunks. A resize that
-        fails is retried after the governor's backoff (`KVCacheGovernor.failed`: a grow's
-        first is its interval), which doubles with each consecutive failure."""
+        shrink or grow as it decides, given the cache's usage (`read_usage`, called only on a
+        poll: what it reports, preemptions included, is since the last poll); with a demand
+        `board`, say what this cache lacks there, and let an idle one give back only what its
+        peers lack. `settle` applies the step in flight, called only right before a resize.
+        Never raises for want of memory: a shrink falls back to unmapping whole chunks. A
+        resize that fails is retried after the governor's backoff (`KVCacheGovernor.failed`: a
+        grow's first is its interval), which doubles with each consecutive failure."""
         if not governor.due(now):
             return None
+        usage = None if read_usage is None else read_usage()
         free, total = self._device_memory()
         peers_keep = None
         if usage is not None and board is not None:
