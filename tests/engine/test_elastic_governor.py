@@ -195,6 +195,11 @@ def test_the_governor_never_shrinks_below_one_max_model_len_sequence(
      "elastic_low_watermark .* must be below elastic_high_watermark"),
     ({"elastic_min_interval": -1.0}, "elastic_min_interval"),
     ({"elastic_idle_s": -1.0}, "elastic_idle_s"),
+    # Not numbers: refused naming the setting, not a bare TypeError, nor a bool taken as 1 s.
+    ({"elastic_idle_s": "5"}, "elastic_idle_s must be a number of seconds"),
+    ({"elastic_idle_s": True}, "elastic_idle_s must be a number of seconds"),
+    ({"elastic_min_interval": None}, "elastic_min_interval must be a number of seconds"),
+    ({"elastic_min_interval": float("nan")}, "elastic_min_interval"),
 ])
 def test_elastic_settings_are_checked_at_config_time(qwen3: Path, kwargs: dict,
                                                      match: str) -> None:

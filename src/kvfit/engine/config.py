@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import numbers
 import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -611,12 +612,14 @@ class EngineArgs:
             setting = manual[0] if manual else "enable_extensible_kv_cache=False"
             raise ValueError(f"elastic_kv_cache=True resizes the extensible KV cache, which "
                              f"{setting} turns off; drop one of the two")
-        if not self.elastic_idle_s >= 0:
-            raise ValueError(f"elastic_idle_s must be >= 0 seconds (0: no idle shrink), got "
-                             f"{self.elastic_idle_s}")
-        if not self.elastic_min_interval >= 0:
-            raise ValueError(f"elastic_min_interval must be >= 0 seconds, got "
-                             f"{self.elastic_min_interval}")
+        # A number of seconds: a string or None would raise a bare TypeError at the
+        # comparison, and a bool would pass as 0 or 1 second.
+        if not _is_seconds(self.elastic_idle_s):
+            raise ValueError(f"elastic_idle_s must be a number of seconds >= 0 (0: no idle "
+                             f"shrink), got {self.elastic_idle_s!r}")
+        if not _is_seconds(self.elastic_min_interval):
+            raise ValueError(f"elastic_min_interval must be a number of seconds >= 0, got "
+                             f"{self.elastic_min_interval!r}")
         low = MemoryAmount.parse(self.elastic_low_watermark, "elastic_low_watermark")
         high = MemoryAmount.parse(self.elastic_high_watermark, "elastic_high_watermark")
         demand_dir = self.elastic_demand_dir
@@ -714,6 +717,11 @@ def _at_least(name: str, value: int, low: int) -> int:
     if not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return value
+
+
+def _is_seconds(value: object) -> bool:
+    """Whether `value` is a real number of seconds >= 0 (not a bool, not NaN)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value >= 0
 
 
 def _check_seed(seed: int) -> int:
