@@ -33,6 +33,19 @@ def test_a_board_reads_its_peers_wants_not_its_own(tmp_path: Path) -> None:
     assert c.peers_short_bytes() == 1
 
 
+def test_the_folders_a_board_makes_are_shared_by_every_user_and_sticky(tmp_path: Path) -> None:
+    """The default folder (/dev/shm/kvfit-elastic) is one for the host: made with the umask's
+    mode, only the first engine's user could publish there, and co-tenant engines of other
+    users would share nothing. Sticky, as /tmp: none removes another's entry."""
+    tmp_path.chmod(0o700)
+    board = DemandBoard(tmp_path / "board", "cuda-GPU-1")
+    for folder in (tmp_path / "board", board.folder):
+        assert folder.stat().st_mode & 0o7777 == 0o1777
+    assert tmp_path.stat().st_mode & 0o7777 == 0o700  # a folder that was there keeps its mode
+    board.publish(GiB)
+    assert DemandBoard(tmp_path / "board", "cuda-GPU-1").peers_short_bytes() == GiB
+
+
 def test_entries_of_dead_or_silent_engines_are_ignored(tmp_path: Path) -> None:
     board = DemandBoard(tmp_path, "cpu")
     dead_pid = 2**22 + 12345  # above the kernel's pid_max: never a live process

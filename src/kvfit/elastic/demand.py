@@ -13,6 +13,7 @@ not rewritten for `STALE_S` (an engine that hangs stops asking).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -44,7 +45,8 @@ class DemandBoard:
         self._published: tuple[int, float] | None = None  # (bytes, when)
         self._broken = False
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            _make_shared(Path(root))
+            _make_shared(self.folder)
         except OSError as error:
             self._fail("create", error)
 
@@ -105,6 +107,19 @@ class DemandBoard:
         logger.warning("elastic KV cache: cannot %s the demand board in %s (%s); engines on "
                        "this device will not share their demand (set elastic_demand_dir to a "
                        "writable folder)", what, self.folder, error)
+
+
+def _make_shared(folder: Path) -> None:
+    """Create `folder` (and its parents) if missing, writable by every user and sticky, as
+    /tmp is: engines of other users on the device meet in it (with the umask's mode, the first
+    engine's user would be the only one able to publish), and none can remove another's
+    entry. A folder that exists keeps its mode: whoever made it chose it."""
+    try:
+        folder.mkdir(parents=True)
+    except FileExistsError:
+        return
+    with contextlib.suppress(OSError):  # sharing across users is a bonus, never a failure
+        folder.chmod(0o1777)
 
 
 def _alive(pid: int) -> bool:
