@@ -60,6 +60,26 @@ def test_entries_of_dead_or_silent_engines_are_ignored(tmp_path: Path) -> None:
     assert board.peers_short_bytes() == 4 * GiB
 
 
+def test_engines_in_other_pid_namespaces_are_peers_even_under_this_engines_pid(
+        tmp_path: Path) -> None:
+    """Containers sharing the device and /dev/shm (`--ipc=host`) number their processes
+    from 1 each: an engine there may have this one's pid, or one no process has here. Its
+    entry is a peer while it is fresh, never taken for this engine's own nor removed as dead."""
+    board = DemandBoard(tmp_path, "cpu")
+    pid, serial, namespace = board.name.split("-")
+    other = int(namespace) + 1
+    dead_pid = 2**22 + 12345  # no process here
+    twin = board.folder / f"{pid}-{serial}-{other}"  # this engine's pid and serial, elsewhere
+    twin.write_text(str(2 * GiB))
+    (board.folder / f"{dead_pid}-0-{other}").write_text(str(GiB))
+    assert board.peers_short_bytes() == 3 * GiB
+    board.publish(5 * GiB)
+    assert twin.read_text() == str(2 * GiB)  # its own entry is another file
+    os.utime(twin, (time.time() - 60, time.time() - 60))
+    assert board.peers_short_bytes() == GiB  # silent: ignored by its age alone
+    assert twin.exists()
+
+
 def test_entries_named_by_no_possible_pid_are_removed_not_a_crash(tmp_path: Path) -> None:
     # The board's folder is shared (/dev/shm): a name no process can have must not fail the
     # engine's poll, and with it every step.

@@ -5,10 +5,15 @@ next burst. Device free memory alone cannot say this: a busy engine that cannot 
 free memory where it was, so nothing tells an idle co-tenant how much it needs.
 
 The board is a folder per device (`<root>/<device key>/`) holding one small file per engine,
-named by its process id and a sequence number, holding the bytes it is short of. Files are
-written whole (a temporary file renamed over the old one) and read by listing the folder: no
-lock, no daemon. An entry is ignored once its process is gone (and removed) or once it was
-not rewritten for `STALE_S` (an engine that hangs stops asking).
+named by its process id, a sequence number and its pid namespace, holding the bytes it is
+short of. Files are written whole (a temporary file renamed over the old one) and read by
+listing the folder: no lock, no daemon. An entry is ignored once its process is gone (and
+removed) or once it was not rewritten for `STALE_S` (an engine that hangs stops asking).
+
+Containers that share the device and /dev/shm (`--ipc=host`) each number their processes from
+1: the namespace in the name keeps two engines with one pid apart, and a process id is
+looked up only for an entry of this namespace (another's pid means nothing here: its entry
+lives by its age alone).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ REFRESH_S = 1.0
 """An unchanged entry is rewritten this often, so that its age says the engine is alive."""
 STALE_S = 5.0
 """An entry older than this is ignored: its engine stopped polling."""
-_ENTRY = re.compile(r"^(\d+)-(\d+)$")
+_ENTRY = re.compile(r"^(\d+)-(\d+)(?:-(\d+))?$")  # pid-serial[-pid namespace]
 _serial = itertools.count()
 
 
@@ -41,7 +46,7 @@ class DemandBoard:
 
     def __init__(self, root: str | Path, device_key: str) -> None:
         self.folder = Path(root) / re.sub(r"[^A-Za-z0-9_.-]", "_", device_key)
-        self.name = f"{os.getpid()}-{next(_serial)}"
+        self.name = f"{os.getpid()}-{next(_serial)}-{_PID_NAMESPACE}"
         self._published: tuple[int, float] | None = None  # (bytes, when)
         self._broken = False
         try:
@@ -82,7 +87,8 @@ class DemandBoard:
             if match is None or entry.name == self.name:
                 continue
             try:
-                if not _alive(int(match[1])):
+                here = match[3] is None or int(match[3]) == _PID_NAMESPACE
+                if here and not _alive(int(match[1])):
                     os.unlink(entry.path)  # its engine died without closing
                     continue
                 if wall - entry.stat().st_mtime > STALE_S:
@@ -107,6 +113,17 @@ class DemandBoard:
         logger.warning("elastic KV cache: cannot %s the demand board in %s (%s); engines on "
                        "this device will not share their demand (set elastic_demand_dir to a "
                        "writable folder)", what, self.folder, error)
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (its inode), 0 where /proc does not say."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+_PID_NAMESPACE = _pid_namespace()
 
 
 def _make_shared(folder: Path) -> None:
