@@ -3,6 +3,7 @@ once, grows at most once per interval (after any resize, and after a failed grow
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvfit.elastic import ElasticConfig, KVCacheGovernor, MemoryAmount
@@ -21,13 +22,18 @@ TOTAL = 100 * GiB
     ("512MiB", MemoryAmount(nbytes=512 * MiB)),
     ("1", MemoryAmount(nbytes=1)),  # a whole number is bytes, even 1
     (1e-05, MemoryAmount(fraction=1e-05)),  # a float that str() writes with an exponent
+    # numpy's: repr np.float64(0.05), a float32 no float; an integer is bytes.
+    (np.float64(0.05), MemoryAmount(fraction=0.05)),
+    (np.float32(1e-05), MemoryAmount(fraction=float(np.float32(1e-05)))),
+    (np.int64(GiB), MemoryAmount(nbytes=GiB)),
 ])
 def test_watermarks_are_fractions_or_bytes(text: str | float, amount: MemoryAmount) -> None:
     assert MemoryAmount.parse(text, "elastic_low_watermark") == amount
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "2GB", "2 gigabytes", "1.5", "", "0.0", "1.0", 1.0,
-                                  "2147483648.0", float("nan"), float("inf"), -0.05])
+                                  "2147483648.0", float("nan"), float("inf"), -0.05,
+                                  np.float64("nan"), True])
 def test_bad_watermarks_name_the_setting(text: str) -> None:
     with pytest.raises(ValueError, match="elastic_high_watermark"):
         MemoryAmount.parse(text, "elastic_high_watermark")

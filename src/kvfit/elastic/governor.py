@@ -8,6 +8,7 @@ tests drive it with a scripted clock and free-memory figures.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass
 from decimal import Decimal
@@ -44,8 +45,10 @@ class MemoryAmount:
         (`2147483648`) or one with a binary unit (`2GiB`, `512MiB`, `1.5GiB`). Raises
         `ValueError` naming `setting`."""
         # str() writes a float under 1e-4 with an exponent (1e-05), which the pattern refuses:
-        # its shortest exact digits are written out instead (0.00001).
-        text = format(Decimal(repr(value)), "f") if isinstance(value, float) else str(value)
+        # its shortest exact digits are written out instead (0.00001). Through float(): numpy's
+        # repr is np.float64(0.05), and its float32 is no float at all.
+        is_float = isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
+        text = format(Decimal(repr(float(value))), "f") if is_float else str(value)
         match = _AMOUNT.match(text)
         if match is None:
             raise ValueError(f"{setting} must be a fraction of device memory in (0, 1) such "
