@@ -96,3 +96,15 @@ def test_every_flag_with_a_default_names_it() -> None:
                 wrong.append(f"{name}: says {stated.group(1)}, is {action.default}")
     assert not silent, f"flags whose help does not name the default: {silent}"
     assert not wrong, wrong
+
+
+def test_seed_help_says_what_the_engine_seed_seeds() -> None:
+    # Dummy weights are the same at every seed (`init_dummy`'s fixed seed, as vLLM's); the
+    # help once listed them among what --seed seeds, so a user asking for other random weights
+    # got the same model.
+    for path, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            if "--seed" in action.option_strings and path != "kvfit bench serve":
+                text = _help_text(action)
+                assert "requests without a seed" in text, (path, text)
+                assert "dummy weights are the same at every seed" in text, (path, text)

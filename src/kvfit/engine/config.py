@@ -346,8 +346,9 @@ class EngineArgs:
                        help="auto (dummy for built-in shapes without weights, else "
                        "safetensors), safetensors or dummy (default: %(default)s)")
         p.add_argument("--seed", type=int, default=d.seed,
-                       help="engine random seed (dummy weights, unseeded sampling; "
-                       "default: %(default)s)")
+                       help="engine random seed: the sampling noise of requests without a "
+                       "seed of their own (dummy weights are the same at every seed, as "
+                       "vLLM's; default: %(default)s)")
         p.add_argument("--generation-config", default=d.generation_config,
                        metavar="{auto,vllm,FOLDER}",
                        help="where a request's unset sampling fields (temperature, top_p, "
