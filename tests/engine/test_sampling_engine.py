@@ -333,3 +333,20 @@ def test_bad_words_past_the_token_sequence_bound_are_refused_naming_bad_words(ll
         llm.make_request("hello", SamplingParams(max_tokens=1, bad_words=words,
                                                  bad_words_token_ids=[[7, 8, 9]]), "r")
     assert not llm.engine.has_unfinished()
+
+
+def test_seed_minus_one_is_no_seed_as_in_vllm(llm: LLM) -> None:
+    # vLLM (and OpenAI's API) take seed -1 as "no seed"; chat front ends send it for "random".
+    # As a seed of its own, every regenerate of such a client gave the same completion.
+    assert SamplingParams(seed=-1).seed is None
+    prompt = {"prompt_token_ids": prompts(9, seed=8)[0]}
+
+    def twice(seed: int) -> list[list[int]]:
+        params = SamplingParams(temperature=1.5, seed=seed, max_tokens=12, ignore_eos=True)
+        return [llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+                for _ in range(2)]
+
+    first, second = twice(-1)
+    assert first != second  # the engine's generator draws anew at each try
+    first, second = twice(-2)
+    assert first == second  # any other negative seed is a seed

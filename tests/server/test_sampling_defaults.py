@@ -51,3 +51,9 @@ def test_max_new_tokens_caps_the_completion_length() -> None:
     assert capped.check_length(10, 5, "prompt", "max_tokens") == 5
     assert capped.check_length(120, None, "prompt", "max_tokens") == 8
     assert serving({}).check_length(10, None, "prompt", "max_tokens") == 118
+
+
+def test_seed_minus_one_is_no_seed_as_in_vllm() -> None:
+    # vLLM's and OpenAI's "random": the request samples from the engine's generator.
+    assert CompletionRequest(prompt="x", seed=-1).sampling_params(16, None).seed is None
+    assert CompletionRequest(prompt="x", seed=-2).sampling_params(16, None).seed == -2

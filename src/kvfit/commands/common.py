@@ -67,7 +67,8 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 32,
     g.add_argument("--stop", action="append", metavar="STRING",
                    help="a stop string (repeatable)")
     g.add_argument("--sampling-seed", type=int, default=None,
-                   help="per-request sampling seed (default: none, the engine's generator)")
+                   help="per-request sampling seed; -1 is none, as in vLLM (default: none, the "
+                   "engine's generator)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token")
     parser.set_defaults(check_args=functools.partial(check_sampling_args, parser))

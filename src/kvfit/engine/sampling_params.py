@@ -35,6 +35,10 @@ class SamplingParams:
     one when the output ends with all but its last token (`bad_words_token_ids` holds them
     tokenized; the `LLM` front end fills it).
 
+    `seed` makes the request's samples depend on it alone (not on the engine's generator, its
+    batch or its position); -1 means no seed, as in vLLM and OpenAI's API (clients send it for
+    "random"), so `seed` reads None.
+
     `max_tokens=None` generates until the context is full (`max_model_len`) or a stop.
     `n` completions share the prompt (and, with prefix caching, its KV blocks). `stop` strings
     end generation and are cut from the text unless `include_stop_str_in_output`; so is the
@@ -92,6 +96,10 @@ class SamplingParams:
             except (AttributeError, TypeError, ValueError):
                 _check(False, "logit_bias", "must map token ids to numbers", self.logit_bias)
         self._validate()
+        if self.seed == -1:
+            # vLLM's (and OpenAI's) "no seed": a client sending -1 for "random" would otherwise
+            # get the same completion at every try.
+            self.seed = None
 
     def _validate(self) -> None:
         # Types first: a NaN passes no range check by failing, an inf passes some, a float
