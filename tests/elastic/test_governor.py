@@ -138,3 +138,12 @@ def test_failed_resizes_back_off_doubling_per_direction_up_to_a_cap() -> None:
     assert g.decide(20 * GiB, TOTAL, now=140.0) == -14 * GiB
     g.resized(140.0, grew=True)
     assert g.backoff_s == 0 and g.grow_due(140.0)
+
+
+def test_a_failing_grow_backs_off_even_without_a_min_interval() -> None:
+    """With `min_interval_s` 0 a failed grow still waits two poll intervals, then doubles: a
+    zero first wait would double to zero and retry the grow at every poll."""
+    g = governor(min_interval_s=0.0)
+    assert [g.failed(0.0, grow=True) for _ in range(3)] == [0.2, 0.4, 0.8]
+    assert g.decide(20 * GiB, TOTAL, now=0.7) == 0
+    assert g.decide(20 * GiB, TOTAL, now=0.8) < 0

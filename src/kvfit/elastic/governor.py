@@ -273,13 +273,16 @@ class KVCacheGovernor:
 
     def backoff_wait_s(self, num_failed: int, grow: bool) -> float:
         """The wait after `num_failed` consecutive failed shrinks (`grow`: grows): two poll
-        intervals after a shrink's first failure, `min_interval_s` after a grow's, doubling
-        with each further one up to `MAX_BACKOFF_S` (or `min_interval_s`, if longer); 0 for
-        none."""
+        intervals after a shrink's first failure, `min_interval_s` after a grow's (two poll
+        intervals at least: with `min_interval_s` 0 a failing grow would otherwise be retried
+        at every poll, its wait never doubling), doubling with each further one up to
+        `MAX_BACKOFF_S` (or `min_interval_s`, if longer); 0 for none."""
         if num_failed == 0:
             return 0.0
         c = self.config
-        first = c.min_interval_s if grow else 2 * c.poll_interval_s
+        first = 2 * c.poll_interval_s
+        if grow:
+            first = max(first, c.min_interval_s)
         return min(first * 2.0 ** min(num_failed - 1, 64), max(MAX_BACKOFF_S, c.min_interval_s))
 
     @property
