@@ -46,6 +46,10 @@ def test_bad_counts_are_usage_errors_naming_the_flag(
     (["serve", "m", "--config", "serve.yaml"], "--config", "flags"),
     (["serve", "m", "--enable-log-requests"], "--enable-log-requests", "request"),
     (["generate", "--revision", "main"], "--revision", "local folder"),
+    (["serve", "m", "--scheduling-policy", "priority"], "--scheduling-policy",
+     "first come, first served"),
+    (["serve", "m", "--scheduling-policy=priority"], "--scheduling-policy",
+     "first come, first served"),
 ])
 def test_vllm_flags_kvfit_does_not_do_are_refused_by_name(
     argv: list[str], flag: str, reason: str, capsys: pytest.CaptureFixture[str],
@@ -73,6 +77,12 @@ def test_vllm_flags_that_ask_for_what_kvfit_does_run_with_a_note(
     assert ran == ["m"]
     err = capsys.readouterr().err
     assert flag in err and why in err
+
+
+@pytest.mark.parametrize("argv", [["--scheduling-policy", "fcfs"], ["--scheduling-policy=fcfs"]])
+def test_scheduling_policy_fcfs_is_taken(argv: list[str], no_serving: None) -> None:
+    # vLLM's default policy is what kvfit does; the flag was an unrecognized argument.
+    assert main(["serve", "m", *argv, "--port", "0"]) == 0
 
 
 @pytest.mark.parametrize("value", ["vllm", "auto", "/some/folder"])

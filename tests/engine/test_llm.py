@@ -344,6 +344,29 @@ def test_vllm_arguments_kvfit_does_anyway_are_taken_and_others_say_why(qwen3: Pa
         LLM(str(qwen3), device="cpu", quantization="awq")
     with pytest.raises(ValueError, match="enable_chunked_prefill=False .*always chunks"):
         LLM(str(qwen3), device="cpu", enable_chunked_prefill=False)
+    # vLLM's scheduling_policy was an unknown engine argument (a TypeError saying nothing of
+    # why); its default is what kvfit does, and priority scheduling is refused by name.
+    make_llm(qwen3, scheduling_policy="fcfs").shutdown()
+    with pytest.raises(ValueError, match="scheduling_policy='priority' .*first come, first"):
+        LLM(str(qwen3), device="cpu", scheduling_policy="priority")
+
+
+def test_generate_takes_vllms_priority_at_zero_only(qwen3_llm: LLM) -> None:
+    # vLLM's generate(..., priority=[...]) was a TypeError (unexpected keyword argument);
+    # under first-come-first-served scheduling vLLM takes only 0 too.
+    prompts = token_prompts(make_prompts((5, 9)))
+    expected = qwen3_llm.generate(prompts, greedy(3), use_tqdm=False)
+    for priority in (None, [0, 0]):
+        outputs = qwen3_llm.generate(prompts, greedy(3), use_tqdm=False, priority=priority)
+        assert [o.outputs[0].token_ids for o in outputs] == [
+            o.outputs[0].token_ids for o in expected]
+    with pytest.raises(ValueError, match=r"priority=1: .*first come, first served"):
+        qwen3_llm.generate(prompts, greedy(3), use_tqdm=False, priority=[0, 1])
+    with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+        qwen3_llm.generate(prompts, greedy(3), use_tqdm=False, priority=[0])
+    with pytest.raises(TypeError, match="priority must be a list of ints"):
+        qwen3_llm.generate(prompts, greedy(3), use_tqdm=False, priority=0)  # type: ignore[arg-type]
+    assert not qwen3_llm.engine.has_unfinished()  # nothing was queued by the refused calls
 
 
 def test_use_tqdm_takes_a_bar_factory(qwen3_llm: LLM) -> None:

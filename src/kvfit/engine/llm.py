@@ -18,11 +18,15 @@ from kvfit.engine.input_processor import InputProcessor
 from kvfit.engine.kv_resize import KVCacheResize
 from kvfit.engine.metrics import Metric, engine_metrics
 from kvfit.engine.outputs import RequestOutput
-from kvfit.engine.prompts import Prompt, batch_args, describe
+from kvfit.engine.prompts import Prompt, batch_args, check_priority, describe
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
-from kvfit.engine.vllm_compat import VLLM_NOOP_FLAGS, VLLM_UNSUPPORTED_FLAGS
+from kvfit.engine.vllm_compat import (
+    VLLM_DEFAULT_VALUES,
+    VLLM_NOOP_FLAGS,
+    VLLM_UNSUPPORTED_FLAGS,
+)
 from kvfit.kv.report import KVCacheReport
 from kvfit.models.loader import load_tokenizer
 
@@ -208,11 +212,13 @@ class LLM:
         prompts: Prompt | SequenceOf[Prompt],
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         use_tqdm: UseTqdm = True,
+        priority: SequenceOf[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string, `{"prompt": "text"}` or
         `{"prompt_token_ids": [...]}`, vLLM's forms); results in input order.
         `sampling_params` is one for all prompts or one per prompt; None takes
-        `get_default_sampling_params()`."""
+        `get_default_sampling_params()`. `priority` (vLLM's, one per prompt) may only be 0:
+        requests are served first come, first served."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         prompts, sampling_params = batch_args(prompts, sampling_params)
@@ -221,6 +227,7 @@ class LLM:
                 f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
                 f"pass one SamplingParams or one per prompt"
             )
+        check_priority(priority, len(prompts))
         resolved: dict[int, SamplingParams] = {}  # one tokenization per distinct params
         for sp in sampling_params:
             if id(sp) not in resolved:
@@ -355,8 +362,10 @@ def _without_vllm_noops(kwargs: dict[str, Any]) -> dict[str, Any]:
             if value or f"--no-{flag[2:]}" not in VLLM_UNSUPPORTED_FLAGS:
                 continue
             flag = f"--no-{flag[2:]}"
-        # At a value that asks for nothing (None, 0, "auto", a size of 1): nothing to refuse.
-        elif value in (None, False, 0, "auto") or (value == 1 and name.endswith("_size")):
+        # At a value that asks for nothing (None, 0, "auto", a size of 1) or for what kvfit
+        # does (scheduling_policy="fcfs"): nothing to refuse.
+        elif value in (None, False, 0, "auto") or (value == 1 and name.endswith("_size")) or (
+                flag in VLLM_DEFAULT_VALUES and value == VLLM_DEFAULT_VALUES[flag]):
             continue
         raise ValueError(f"{name}={value!r} (a vLLM argument) is not supported: "
                          f"{VLLM_UNSUPPORTED_FLAGS[flag]}")

@@ -20,6 +20,7 @@ from kvfit.engine.engine_core import EngineStats
 from kvfit.engine.input_processor import InputProcessor, Prompt
 from kvfit.engine.kv_resize import KVCacheResize
 from kvfit.engine.outputs import CompletionOutput, RequestOutput
+from kvfit.engine.prompts import check_priority
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
@@ -440,9 +441,11 @@ class AsyncLLM:
         return self._detokenizer.token_bytes(token_id)
 
     def add_request(self, prompt: Prompt, params: SamplingParams,
-                    request_id: str | None = None) -> RequestStream:
+                    request_id: str | None = None, priority: int = 0) -> RequestStream:
         """Queue one request (call from a running event loop); iterate the returned stream
-        for its outputs. Raises ValueError for a request the engine would refuse."""
+        for its outputs. Raises ValueError for a request the engine would refuse; `priority`
+        (vLLM's) may only be 0: requests are served first come, first served."""
+        check_priority(priority)
         self._check_alive()
         if self._is_sleeping or self._sleeps_underway:
             raise EngineSleepingError(ASLEEP)
@@ -468,9 +471,10 @@ class AsyncLLM:
         return stream
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """`add_request` and iterate its stream; leaving early aborts the request."""
-        async for output in self.add_request(prompt, params, request_id):
+        async for output in self.add_request(prompt, params, request_id, priority):
             yield output
 
     def abort(self, request_id: str) -> None:
