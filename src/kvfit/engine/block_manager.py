@@ -50,7 +50,8 @@ class BlockManager:
         # the heaps at most once, so together they never outgrow num_blocks.
         self._free_heaps: tuple[list[int], list[int]] = (list(range(num_blocks)), [])
         self._in_heap = [True] * num_blocks
-        # Prefix-cache lookups, in tokens, for metrics: what allocations asked for and hit.
+        # Prefix-cache lookups, in tokens, for metrics: what started sequences asked for and
+        # hit (`record_prefix_lookup`).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -82,9 +83,15 @@ class BlockManager:
         seq.num_computed_tokens = num_hit = len(seq.block_table) * self.block_size
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = num_hit
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count a started sequence's prefix-cache lookup in the metrics. The scheduler calls
+        it once per sequence, when it first starts: not for an attempt that found too few free
+        blocks (it looks up again next step), nor for a preempted sequence hitting its own
+        blocks as it is recomputed (no saving), as vLLM counts them."""
         if self.enable_prefix_caching:
-            self.num_queried_tokens += len(seq)
-            self.num_hit_tokens += num_hit
+            self.num_queried_tokens += num_tokens
+            self.num_hit_tokens += num_hit_tokens
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow `seq.block_table` to hold `num_computed_tokens + num_new_tokens` tokens.

@@ -136,6 +136,7 @@ class Scheduler:
                     continue
                 first_start = seq.num_cached_tokens < 0
                 self.block_manager.allocate(seq)
+                num_local_hits = seq.num_computed_tokens
                 num_external = self._take_external_hits(seq)
                 num_new = self._chunk_size(seq, budget)
                 if not self.block_manager.append_slots(seq, num_new):
@@ -145,6 +146,7 @@ class Scheduler:
                     break
                 if first_start:
                     seq.num_cached_tokens += num_external
+                    self.block_manager.record_prefix_lookup(len(seq), num_local_hits)
                 if num_external:
                     self.kv_connector.update_state_after_alloc(seq, num_external)
                     self.num_external_hit_tokens += num_external
