@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvfit.cli import build_parser, main
+from kvfit.engine.config import EngineArgs
 
 
 @pytest.mark.parametrize(("text", "value"), [
@@ -46,10 +47,6 @@ def test_bad_counts_are_usage_errors_naming_the_flag(
     (["serve", "m", "--config", "serve.yaml"], "--config", "flags"),
     (["serve", "m", "--enable-log-requests"], "--enable-log-requests", "request"),
     (["generate", "--revision", "main"], "--revision", "local folder"),
-    (["serve", "m", "--scheduling-policy", "priority"], "--scheduling-policy",
-     "first come, first served"),
-    (["serve", "m", "--scheduling-policy=priority"], "--scheduling-policy",
-     "first come, first served"),
 ])
 def test_vllm_flags_kvfit_does_not_do_are_refused_by_name(
     argv: list[str], flag: str, reason: str, capsys: pytest.CaptureFixture[str],
@@ -79,10 +76,20 @@ def test_vllm_flags_that_ask_for_what_kvfit_does_run_with_a_note(
     assert flag in err and why in err
 
 
-@pytest.mark.parametrize("argv", [["--scheduling-policy", "fcfs"], ["--scheduling-policy=fcfs"]])
-def test_scheduling_policy_fcfs_is_taken(argv: list[str], no_serving: None) -> None:
-    # vLLM's default policy is what kvfit does; the flag was an unrecognized argument.
-    assert main(["serve", "m", *argv, "--port", "0"]) == 0
+@pytest.mark.parametrize(("argv", "policy"), [
+    ([], "fcfs"), (["--scheduling-policy", "priority"], "priority"),
+    (["--scheduling-policy=fcfs"], "fcfs")])
+def test_scheduling_policy_is_an_engine_flag(argv: list[str], policy: str) -> None:
+    """vLLM's `--scheduling-policy`: the flag was an unrecognized argument."""
+    args = build_parser().parse_args(["serve", "m", *argv])
+    assert EngineArgs.from_cli_args(args).scheduling_policy == policy
+
+
+def test_an_unknown_scheduling_policy_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "m", "--scheduling-policy", "lifo"])
+    assert e.value.code == 2 and "fcfs" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["vllm", "auto", "/some/folder"])

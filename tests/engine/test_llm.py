@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvfit import LLM, SamplingParams
-from kvfit.engine.sequence import Sequence
+from kvfit.engine.sequence import ScheduledBatch, Sequence
 
 MAX_TOKENS = 12
 # Lengths cross block boundaries (block_size 16) and include a one-token prompt.
@@ -344,14 +344,16 @@ def test_vllm_arguments_kvfit_does_anyway_are_taken_and_others_say_why(qwen3: Pa
         LLM(str(qwen3), device="cpu", quantization="awq")
     with pytest.raises(ValueError, match="enable_chunked_prefill=False .*always chunks"):
         LLM(str(qwen3), device="cpu", enable_chunked_prefill=False)
-    # vLLM's scheduling_policy was an unknown engine argument (a TypeError saying nothing of
-    # why); its default is what kvfit does, and priority scheduling is refused by name.
-    make_llm(qwen3, scheduling_policy="fcfs").shutdown()
-    with pytest.raises(ValueError, match="scheduling_policy='priority' .*first come, first"):
-        LLM(str(qwen3), device="cpu", scheduling_policy="priority")
+    # vLLM's scheduling_policy: its two values, and a clear error for any other.
+    for policy in ("fcfs", "priority"):
+        llm = make_llm(qwen3, scheduling_policy=policy)
+        assert llm.config.scheduler_config.scheduling_policy == policy
+        llm.shutdown()
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
+        LLM(str(qwen3), device="cpu", scheduling_policy="lifo")
 
 
-def test_generate_takes_vllms_priority_at_zero_only(qwen3_llm: LLM) -> None:
+def test_generate_takes_vllms_priority_at_zero_only_under_fcfs(qwen3_llm: LLM) -> None:
     # vLLM's generate(..., priority=[...]) was a TypeError (unexpected keyword argument);
     # under first-come-first-served scheduling vLLM takes only 0 too.
     prompts = token_prompts(make_prompts((5, 9)))
@@ -360,13 +362,43 @@ def test_generate_takes_vllms_priority_at_zero_only(qwen3_llm: LLM) -> None:
         outputs = qwen3_llm.generate(prompts, greedy(3), use_tqdm=False, priority=priority)
         assert [o.outputs[0].token_ids for o in outputs] == [
             o.outputs[0].token_ids for o in expected]
-    with pytest.raises(ValueError, match=r"priority=1: .*first come, first served"):
+    with pytest.raises(ValueError, match=r"request 1: priority=1 needs .*--scheduling-policy "
+                                         r"priority"):
         qwen3_llm.generate(prompts, greedy(3), use_tqdm=False, priority=[0, 1])
     with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
         qwen3_llm.generate(prompts, greedy(3), use_tqdm=False, priority=[0])
     with pytest.raises(TypeError, match="priority must be a list of ints"):
         qwen3_llm.generate(prompts, greedy(3), use_tqdm=False, priority=0)  # type: ignore[arg-type]
     assert not qwen3_llm.engine.has_unfinished()  # nothing was queued by the refused calls
+
+
+def test_priority_scheduling_runs_lower_values_first(qwen3: Path) -> None:
+    """One sequence at a time: the requests start in priority order (ties by arrival), each
+    with the output it has alone; `priority` reaches every completion of an n > 1 request."""
+    llm = make_llm(qwen3, scheduling_policy="priority", max_num_seqs=1)
+    try:
+        prompts = token_prompts(make_prompts((5, 9, 7)))
+        alone = [llm.generate([p], greedy(3), use_tqdm=False)[0] for p in prompts]
+        started: list[str] = []
+        schedule = llm.engine.scheduler.schedule
+
+        def schedule_and_record() -> ScheduledBatch | None:
+            batch = schedule()
+            for seq in batch.seqs if batch is not None else ():
+                if seq.request_id not in started:
+                    started.append(seq.request_id)
+            return batch
+
+        llm.engine.scheduler.schedule = schedule_and_record  # type: ignore[method-assign]
+        outputs = llm.generate(prompts, greedy(3), use_tqdm=False, priority=[1, -1, 0])
+        assert [o.outputs[0].token_ids for o in outputs] == [
+            o.outputs[0].token_ids for o in alone]
+        order = [o.request_id for o in outputs]
+        assert started == [order[1], order[2], order[0]]
+        seqs = llm.make_request(prompts[0], SamplingParams(n=2, max_tokens=2), "x", 5)
+        assert [s.priority for s in seqs] == [5, 5]
+    finally:
+        llm.shutdown()
 
 
 def test_use_tqdm_takes_a_bar_factory(qwen3_llm: LLM) -> None:

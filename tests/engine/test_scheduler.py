@@ -125,8 +125,14 @@ def run(
             continue
         assert batch is not None, "work is queued but nothing was scheduled"
         if scheduler.num_preemptions > num_preemptions:
-            # Victims wait at the front of the queue, and nothing new starts in that step.
-            assert scheduler.waiting[0] in was_running
+            # Victims wait at the front of the queue (by priority, in its order), and nothing
+            # new starts in that step.
+            if scheduler.by_priority:
+                assert any(seq in was_running for seq in scheduler.waiting)
+                keys = [(s.priority, s.seq_id) for s in scheduler.waiting]
+                assert keys == sorted(keys)
+            else:
+                assert scheduler.waiting[0] in was_running
             assert all(seq in was_running for seq in batch.seqs)
         assert batch.num_tokens <= scheduler.max_num_batched_tokens
         assert len(scheduler.running) <= scheduler.max_num_seqs
@@ -311,6 +317,68 @@ def test_preempted_sequence_is_recomputed_with_its_generated_tokens() -> None:
     assert recompute.num_new_tokens[recompute.seqs.index(new)] > 6
     for seq in (old, new):
         assert seq.output_token_ids == expected_output(seq.prompt_token_ids, params, 128)
+
+
+def test_priority_policy_admits_lower_priority_values_first_ties_by_arrival() -> None:
+    scheduler = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    seqs = [Sequence([i + 1] * 3, params, request_id=str(i), priority=p)
+            for i, p in enumerate([2, 0, 1, 0])]
+    for seq in seqs:
+        scheduler.add(seq)
+    batches = run(scheduler)
+    first_runs = list(dict.fromkeys(b.seqs[0].request_id for b in batches))
+    assert first_runs == ["1", "3", "2", "0"]
+    fcfs = make_scheduler(max_num_seqs=1)
+    for seq in [Sequence([i + 1] * 3, params, request_id=str(i), priority=0) for i in range(4)]:
+        fcfs.add(seq)
+    assert list(dict.fromkeys(b.seqs[0].request_id for b in run(fcfs))) == ["0", "1", "2", "3"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_victim_is_the_newest_or_under_priority_the_lowest_priority(policy: str) -> None:
+    # As test_preempted_sequence_is_recomputed_with_its_generated_tokens: two sequences that
+    # cannot both stay; the older one has the lower priority (a higher value).
+    scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=32, prefix_caching=False,
+                               scheduling_policy=policy)
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    old = Sequence([1] * 6, params, request_id="old", priority=1)
+    new = Sequence([2] * 6, params, request_id="new", priority=0)
+    for seq in (old, new):
+        scheduler.add(seq)
+    model = FakeModel(scheduler.block_manager)
+    victims: list[str] = []
+    while scheduler.has_unfinished():
+        running = list(scheduler.running)
+        batch = scheduler.schedule()
+        assert batch is not None
+        victims += [s.request_id for s in running if s.status is SequenceStatus.WAITING]
+        scheduler.postprocess(batch, model(batch))
+    assert victims and set(victims) == {"new" if policy == "fcfs" else "old"}
+    for seq in (old, new):
+        assert seq.output_token_ids == expected_output(seq.prompt_token_ids, params, 128)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_priority_policy_finishes_every_request_with_the_uncontended_output(
+        overlap: bool) -> None:
+    rng = random.Random(7)
+    scheduler = make_scheduler(num_blocks=12, max_num_batched_tokens=16, max_num_seqs=8,
+                               scheduling_policy="priority")
+    seqs = random_requests(rng, 24, shared_prefix=[rng.randrange(1, VOCAB) for _ in range(14)])
+    for seq in seqs:
+        seq.priority = rng.randint(-2, 2)
+        scheduler.add(seq)
+    run(scheduler, overlap=overlap)
+    for seq in seqs:
+        assert seq.output_token_ids == expected_output(
+            seq.prompt_token_ids, seq.sampling_params, 128)
+    assert scheduler.block_manager.num_free_blocks == 12 and scheduler.num_preemptions > 0
+
+
+def test_an_unknown_scheduling_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority'"):
+        make_scheduler(scheduling_policy="lifo")
 
 
 def test_stop_conditions() -> None:

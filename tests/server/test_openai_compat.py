@@ -437,7 +437,6 @@ def test_tool_call_arguments_reach_the_template_as_an_object(
     ("/v1/chat/completions", "guided_json", {"type": "object"}, "structured output"),
     ("/v1/completions", "guided_choice", ["a", "b"], "structured output"),
     ("/v1/chat/completions", "use_beam_search", True, "beam search"),
-    ("/v1/chat/completions", "priority", 1, "first come, first served"),
     ("/v1/chat/completions", "chat_template", "{{ messages }}", "--chat-template"),
     ("/v1/chat/completions", "echo", True, "chat echo"),
     ("/v1/chat/completions", "reasoning_effort", "low", "enable_thinking"),

@@ -175,14 +175,16 @@ def test_an_old_stream_closed_late_leaves_a_new_request_of_its_id(engine: AsyncL
     assert out.finish_reason == "length" and len(out.token_ids) == 8
 
 
-def test_vllms_priority_is_taken_at_zero_only(engine: AsyncLLM) -> None:
+def test_vllms_priority_is_taken_at_zero_only_under_fcfs(engine: AsyncLLM) -> None:
     # vLLM's AsyncLLM.generate(..., priority=0) was a TypeError (unexpected keyword argument);
     # under first-come-first-served scheduling vLLM takes only 0 too.
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
     async def run() -> Any:
-        with pytest.raises(ValueError, match=r"priority=3: .*first come, first served"):
+        with pytest.raises(ValueError, match=r"priority=3 needs .*--scheduling-policy priority"):
             engine.add_request(PROMPT, params, priority=3)
+        with pytest.raises(TypeError, match="priority must be an int"):
+            engine.add_request(PROMPT, params, priority="3")  # type: ignore[arg-type]
         assert engine.num_requests == 0  # the refused request was never queued
         return [out async for out in engine.generate(PROMPT, params, priority=0)][-1]
 

@@ -12,11 +12,7 @@ import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvfit.engine.vllm_compat import (
-    VLLM_DEFAULT_VALUES,
-    VLLM_NOOP_FLAGS,
-    VLLM_UNSUPPORTED_FLAGS,
-)
+from kvfit.engine.vllm_compat import VLLM_NOOP_FLAGS, VLLM_UNSUPPORTED_FLAGS
 
 if TYPE_CHECKING:
     from kvfit.engine.llm import LLM
@@ -123,18 +119,11 @@ def sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def check_vllm_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> list[str]:
     """`unknown` (what `parse_known_args` left) less the vLLM flags kvfit takes as no-ops
-    (each noted on stderr) and those given vLLM's default, which kvfit does
-    (`--scheduling-policy fcfs`); a vLLM flag kvfit does not do is a usage error (exit
-    status 2) naming it and what to do instead."""
+    (each noted on stderr); a vLLM flag kvfit does not do is a usage error (exit status 2)
+    naming it and what to do instead."""
     rest = []
-    args = iter(unknown)
-    for arg in args:
-        name, eq, value = arg.partition("=")
-        if name in VLLM_DEFAULT_VALUES:
-            if not eq:  # `--flag value`: the value is the next argument
-                value = next(args, "")
-            if value == VLLM_DEFAULT_VALUES[name]:  # what kvfit does: taken
-                continue
+    for arg in unknown:
+        name = arg.partition("=")[0]
         if name in VLLM_UNSUPPORTED_FLAGS:
             parser.exit(2, f"{parser.prog}: error: {name} (a vLLM flag) is not supported: "
                         f"{VLLM_UNSUPPORTED_FLAGS[name]}\n")

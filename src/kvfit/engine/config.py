@@ -170,8 +170,12 @@ class SchedulerConfig:
     # Most tokens of one prompt computed in a step (0 = off): vLLM's cap that keeps one long
     # prompt from taking a whole step's budget while other prompts wait.
     long_prefill_token_threshold: int = 0
+    # vLLM's: "fcfs" serves requests in arrival order; "priority" by each request's
+    # `priority` (lower first, ties by arrival), and preempts the lowest first.
+    scheduling_policy: str = "fcfs"
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
 # vLLM's CUDAGraphMode names: FULL = decode steps whole from a graph (`cuda_graph_sizes`),
 # PIECEWISE = any step's dense pieces from graphs at token buckets, attention eager between.
@@ -261,6 +265,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
     block_size: int = 16
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -334,6 +339,12 @@ class EngineArgs:
                        help="most tokens of one prompt computed in a step, so a long prompt "
                        "is cut into chunks that leave room for others; 0 = off (default: "
                        "%(default)s)")
+        p.add_argument("--scheduling-policy", default=d.scheduling_policy,
+                       choices=SCHEDULING_POLICIES,
+                       help="fcfs: requests run in the order they arrive; priority: by each "
+                       "request's priority (lower first, ties by arrival), and when the cache "
+                       "runs out the lowest-priority running request is preempted first "
+                       "(default: %(default)s)")
         p.add_argument("--block-size", type=int, default=d.block_size,
                        help=f"tokens per KV cache block, a power of two up to {MAX_BLOCK_SIZE} "
                        "(default: %(default)s)")
@@ -543,6 +554,7 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(
                 max_num_seqs, max_batched, max_len,
                 _at_least("long_prefill_token_threshold", self.long_prefill_token_threshold, 0),
+                _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES),
             ),
             device=device,
             enforce_eager=self.enforce_eager or device.type != "cuda",

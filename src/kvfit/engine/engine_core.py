@@ -167,6 +167,7 @@ class EngineCore:
             max_num_batched_tokens=sc.max_num_batched_tokens,
             max_model_len=sc.max_model_len,
             long_prefill_token_threshold=sc.long_prefill_token_threshold,
+            scheduling_policy=sc.scheduling_policy,
             block_manager=BlockManager(cc.num_gpu_blocks, cc.block_size, cc.enable_prefix_caching),
             eos_token_id=config.model_config.eos_token_ids,
             detokenizer=Detokenizer(tokenizer),

@@ -29,12 +29,12 @@ class InputProcessor:
         self._request_counter = itertools.count()
 
     def make_request(self, prompt: Prompt, params: SamplingParams,
-                     request_id: str) -> list[Sequence]:
+                     request_id: str, priority: int = 0) -> list[Sequence]:
         """Tokenize and validate one request without queueing it: its `n` sequences, named
         `request_id` (front ends that queue requests themselves, e.g. the async engine).
         Raises ValueError naming the setting, like `LLM.generate`."""
         try:
-            seqs = self.make_sequences(0, prompt, self.resolve_bad_words(params))
+            seqs = self.make_sequences(0, prompt, self.resolve_bad_words(params), priority)
         except ValueError as e:
             raise ValueError(str(e).removeprefix("request 0: ")) from None
         for seq in seqs:
@@ -70,11 +70,16 @@ class InputProcessor:
                 f"many): give fewer words")
         return dataclasses.replace(params, bad_words=[], bad_words_token_ids=ids)
 
-    def make_sequences(self, index: int, prompt: Prompt,
-                       params: SamplingParams) -> list[Sequence]:
+    def make_sequences(self, index: int, prompt: Prompt, params: SamplingParams,
+                       priority: int = 0) -> list[Sequence]:
         """Tokenize and validate request number `index`; its `n` sequences, the first the
         parent of the rest. Errors name the request and the setting."""
         where = f"request {index}"
+        if priority and self.config.scheduler_config.scheduling_policy != "priority":
+            # As vLLM refuses it: taken, it would promise an order that never happens.
+            raise ValueError(f"{where}: priority={priority} needs the priority scheduling "
+                             f"policy (--scheduling-policy priority); under 'fcfs' requests "
+                             f"run in arrival order and take priority 0")
         try:
             # Checked at construction, but a caller may have changed the object since (the
             # async engine passes a shallow copy): no step may hold more than warmup measured.
@@ -117,7 +122,9 @@ class InputProcessor:
             params = dataclasses.replace(params, max_tokens=room,
                                          min_tokens=min(params.min_tokens, room))
         request_id = str(next(self._request_counter))
-        parent = Sequence(token_ids, params, request_id=request_id, prompt=text)
+        parent = Sequence(token_ids, params, request_id=request_id, prompt=text,
+                          priority=priority)
         siblings = [Sequence(token_ids, params, request_id=request_id, prompt=text,
-                             sibling_index=i, parent=parent) for i in range(1, params.n)]
+                             sibling_index=i, parent=parent, priority=priority)
+                    for i in range(1, params.n)]
         return [parent, *siblings]

@@ -18,15 +18,11 @@ from kvfit.engine.input_processor import InputProcessor
 from kvfit.engine.kv_resize import KVCacheResize
 from kvfit.engine.metrics import Metric, engine_metrics
 from kvfit.engine.outputs import RequestOutput
-from kvfit.engine.prompts import Prompt, batch_args, check_priority, describe
+from kvfit.engine.prompts import Prompt, batch_args, describe, priorities
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
-from kvfit.engine.vllm_compat import (
-    VLLM_DEFAULT_VALUES,
-    VLLM_NOOP_FLAGS,
-    VLLM_UNSUPPORTED_FLAGS,
-)
+from kvfit.engine.vllm_compat import VLLM_NOOP_FLAGS, VLLM_UNSUPPORTED_FLAGS
 from kvfit.kv.report import KVCacheReport
 from kvfit.models.loader import load_tokenizer
 
@@ -217,8 +213,8 @@ class LLM:
         """Generate for each prompt (a string, `{"prompt": "text"}` or
         `{"prompt_token_ids": [...]}`, vLLM's forms); results in input order.
         `sampling_params` is one for all prompts or one per prompt; None takes
-        `get_default_sampling_params()`. `priority` (vLLM's, one per prompt) may only be 0:
-        requests are served first come, first served."""
+        `get_default_sampling_params()`. `priority` (vLLM's, one int per prompt; lower
+        runs first) needs `scheduling_policy="priority"` unless every value is 0."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         prompts, sampling_params = batch_args(prompts, sampling_params)
@@ -227,7 +223,7 @@ class LLM:
                 f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
                 f"pass one SamplingParams or one per prompt"
             )
-        check_priority(priority, len(prompts))
+        priority = priorities(priority, len(prompts))
         resolved: dict[int, SamplingParams] = {}  # one tokenization per distinct params
         for sp in sampling_params:
             if id(sp) not in resolved:
@@ -235,7 +231,7 @@ class LLM:
                 # caches on a params object (`logit_bias_arrays`, the bad words' sets) must not
                 # outlive a caller's changes to one it passes again.
                 resolved[id(sp)] = self.input_processor.resolve_bad_words(dataclasses.replace(sp))
-        requests = [self.input_processor.make_sequences(i, p, resolved[id(sp)])
+        requests = [self.input_processor.make_sequences(i, p, resolved[id(sp)], priority[i])
                     for i, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True))]
         return self._run(requests, use_tqdm)
 
@@ -290,11 +286,11 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def make_request(self, prompt: Prompt, params: SamplingParams,
-                     request_id: str) -> list[Sequence]:
+                     request_id: str, priority: int = 0) -> list[Sequence]:
         """Tokenize and validate one request without queueing it: its `n` sequences, named
         `request_id` (front ends that queue requests themselves, e.g. the async engine).
         Raises ValueError naming the setting, like `generate`."""
-        return self.input_processor.make_request(prompt, params, request_id)
+        return self.input_processor.make_request(prompt, params, request_id, priority)
 
     def _run(self, requests: list[list[Sequence]], use_tqdm: UseTqdm) -> list[RequestOutput]:
         self.engine.check_can_run()
@@ -362,10 +358,8 @@ def _without_vllm_noops(kwargs: dict[str, Any]) -> dict[str, Any]:
             if value or f"--no-{flag[2:]}" not in VLLM_UNSUPPORTED_FLAGS:
                 continue
             flag = f"--no-{flag[2:]}"
-        # At a value that asks for nothing (None, 0, "auto", a size of 1) or for what kvfit
-        # does (scheduling_policy="fcfs"): nothing to refuse.
-        elif value in (None, False, 0, "auto") or (value == 1 and name.endswith("_size")) or (
-                flag in VLLM_DEFAULT_VALUES and value == VLLM_DEFAULT_VALUES[flag]):
+        # At a value that asks for nothing (None, 0, "auto", a size of 1): nothing to refuse.
+        elif value in (None, False, 0, "auto") or (value == 1 and name.endswith("_size")):
             continue
         raise ValueError(f"{name}={value!r} (a vLLM argument) is not supported: "
                          f"{VLLM_UNSUPPORTED_FLAGS[flag]}")

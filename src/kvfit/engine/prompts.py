@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 
 from kvfit.engine.sampling_params import SamplingParams
-from kvfit.engine.vllm_compat import NO_PRIORITY_SCHEDULING
 
 Prompt = str | dict[str, Any]
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
@@ -87,24 +86,22 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
-def check_priority(priority: Any, num_prompts: int | None = None) -> None:
-    """vLLM's `priority` argument: one int per prompt (`num_prompts`; None: one int for one
-    request). Only 0, vLLM's default, is taken: under first-come-first-served scheduling
-    vLLM refuses any other value too, and taking it silently would promise an order that
-    never happens."""
-    values = [priority] if num_prompts is None else priority
-    if num_prompts is not None:
-        if priority is None:
-            return
-        if isinstance(priority, str) or not isinstance(priority, Sequence):
-            raise TypeError(f"priority must be a list of ints, one per prompt; got "
-                            f"{describe(priority)}")
-        if len(priority) != num_prompts:
-            raise ValueError(f"got {len(priority)} priorities for {num_prompts} prompts; pass "
-                             f"one per prompt (or None)")
-    for value in values:
-        if isinstance(value, bool) or not isinstance(value, int | np.integer):
-            raise TypeError(f"priority must be an int; got {describe(value)}")
-        if value != 0:
-            raise ValueError(f"priority={value}: {NO_PRIORITY_SCHEDULING}; pass priority 0 "
-                             f"(or None)")
+def priorities(priority: Any, num_prompts: int) -> list[int]:
+    """vLLM's `priority` argument of `generate`: None (every request at 0) or one int per
+    prompt."""
+    if priority is None:
+        return [0] * num_prompts
+    if isinstance(priority, str) or not isinstance(priority, Sequence):
+        raise TypeError(f"priority must be a list of ints, one per prompt; got "
+                        f"{describe(priority)}")
+    if len(priority) != num_prompts:
+        raise ValueError(f"got {len(priority)} priorities for {num_prompts} prompts; pass "
+                         f"one per prompt (or None)")
+    return [check_priority(value) for value in priority]
+
+
+def check_priority(value: Any) -> int:
+    """One request's priority, an int (lower runs first under scheduling_policy='priority')."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"priority must be an int; got {describe(value)}")
+    return int(value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Iterable
 
@@ -27,6 +28,12 @@ class Scheduler:
     goes back to the front of the waiting queue, to be recomputed with its generated tokens as
     prompt (its full blocks usually come back as prefix-cache hits).
 
+    `scheduling_policy="priority"` (vLLM's) orders by `(priority, seq_id)` instead of arrival
+    alone: the waiting queue is kept in that order, running sequences are scheduled in it
+    (decodes before prefills within a priority), and the preempted one is the last in it.
+    A waiting request never preempts a running one, whatever their priorities, as in vLLM:
+    preemption only makes room for sequences already running.
+
     A step's results are applied in two parts, so the next step can be scheduled while this one
     runs: `advance` when it is launched (tokens computed, a `PENDING_TOKEN` per sampled
     sequence), `update` when its output arrives (tokens, logprobs, stop checks).
@@ -44,6 +51,7 @@ class Scheduler:
         block_manager: BlockManager,
         eos_token_id: int | Iterable[int] | None,
         long_prefill_token_threshold: int = 0,
+        scheduling_policy: str = "fcfs",
         detokenizer: Detokenizer | None = None,
         kv_connector: KVConnector | None = None,
     ) -> None:
@@ -72,7 +80,11 @@ class Scheduler:
         # model's end-of-turn ids in generation_config.json) to a request's stop tokens, so a
         # completion they end reports the id as its stop_reason.
         self.primary_eos = next(iter(eos_token_id), None)
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got "
+                             f"{scheduling_policy!r}")
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.by_priority = scheduling_policy == "priority"
         self.detokenizer = detokenizer or Detokenizer(None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is last
@@ -89,7 +101,10 @@ class Scheduler:
         """Queue `seq`; a request that could never run raises ValueError and changes nothing."""
         self._check_fits(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=_priority_order)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -106,8 +121,9 @@ class Scheduler:
         block_size, max_model_len = self.block_manager.block_size, self.max_model_len
         threshold = self.long_prefill_token_threshold
         seqs, num_new_tokens = batch.seqs, batch.num_new_tokens
-        # Stable sort: decodes first, each group in admission order.
-        for seq in sorted(self.running, key=_is_prefill):
+        # Stable sort: decodes first, each group in admission order (by priority, first).
+        for seq in sorted(self.running, key=_priority_then_kind if self.by_priority
+                          else _is_prefill):
             if budget == 0:
                 break
             if seq.status is not RUNNING:  # preempted earlier in this loop
@@ -304,9 +320,12 @@ class Scheduler:
         return num_new
 
     def _reserve_slots(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
-        """Make room for `seq`'s chunk, preempting the newest sequences not in `batch`."""
+        """Make room for `seq`'s chunk, preempting the newest sequences not in `batch` (by
+        priority, the last in `(priority, seq_id)` order)."""
         while not self.block_manager.append_slots(seq, num_new):
-            victim = next(s for s in reversed(self.running) if s not in batch.seqs)
+            unscheduled = (s for s in reversed(self.running) if s not in batch.seqs)
+            victim = (max(unscheduled, key=_priority_order) if self.by_priority
+                      else next(unscheduled))
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -316,7 +335,10 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.by_priority:  # before every later arrival of its priority
+            bisect.insort(self.waiting, seq, key=_priority_order)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def _release(self, seq: Sequence) -> None:
@@ -364,3 +386,11 @@ class Scheduler:
 def _is_prefill(seq: Sequence) -> bool:
     """Whether `seq` computes more than one token next (`schedule` orders decodes first)."""
     return len(seq.token_ids) - seq.num_computed_tokens > 1
+
+
+def _priority_order(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.seq_id
+
+
+def _priority_then_kind(seq: Sequence) -> tuple[int, bool, int]:
+    return seq.priority, _is_prefill(seq), seq.seq_id

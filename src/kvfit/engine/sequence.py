@@ -59,6 +59,9 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     sibling_index: int = 0
     parent: Sequence | None = None
+    # Under the "priority" scheduling policy, lower runs first (vLLM's); ties go by seq_id,
+    # the order of arrival.
+    priority: int = 0
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     # The prompt tokens whose K/V came from a cache (the prefix cache or the KV connector)

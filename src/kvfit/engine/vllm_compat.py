@@ -5,8 +5,6 @@ what to do instead, so that a vLLM command line or script stops with the reason.
 _LOCAL_ONLY = ("kvfit loads a local folder and downloads nothing: fetch that revision into a "
                "folder and pass it as the model")
 _NO_TOOLS = "tool calling and reasoning parsers are not supported"
-NO_PRIORITY_SCHEDULING = ("requests are served first come, first served (vLLM's default "
-                          "scheduling_policy 'fcfs'); priority scheduling is not supported")
 # vLLM flags kvfit does not do, each with what to do instead: a vLLM command line pasted here
 # stops with the reason, not argparse's bare 'unrecognized arguments'.
 VLLM_UNSUPPORTED_FLAGS = {
@@ -41,10 +39,7 @@ VLLM_UNSUPPORTED_FLAGS = {
     "--limit-mm-per-prompt": "kvfit serves text-only models",
     "--no-enable-chunked-prefill": "kvfit always chunks long prefills under "
                                    "--max-num-batched-tokens",
-    "--scheduling-policy": NO_PRIORITY_SCHEDULING,
 }
-# Values of `VLLM_UNSUPPORTED_FLAGS` that ask for what kvfit does (vLLM's default): taken.
-VLLM_DEFAULT_VALUES = {"--scheduling-policy": "fcfs"}
 # vLLM flags (without a value) that ask for what kvfit does anyway: taken, with a note.
 VLLM_NOOP_FLAGS = {
     "--trust-remote-code": "kvfit runs its own code for the architectures it knows, never a "

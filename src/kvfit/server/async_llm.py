@@ -444,8 +444,9 @@ class AsyncLLM:
                     request_id: str | None = None, priority: int = 0) -> RequestStream:
         """Queue one request (call from a running event loop); iterate the returned stream
         for its outputs. Raises ValueError for a request the engine would refuse; `priority`
-        (vLLM's) may only be 0: requests are served first come, first served."""
-        check_priority(priority)
+        (vLLM's; lower runs first) needs the engine's `scheduling_policy="priority"` unless
+        it is 0."""
+        priority = check_priority(priority)
         self._check_alive()
         if self._is_sleeping or self._sleeps_underway:
             raise EngineSleepingError(ASLEEP)
@@ -457,14 +458,14 @@ class AsyncLLM:
         # a request on the API process's one core); the engine never changes the lists.
         engine_params = copy.copy(params)
         engine_params.detokenize = False
-        seqs = self._input_processor.make_request(prompt, engine_params, request_id)
+        seqs = self._input_processor.make_request(prompt, engine_params, request_id, priority)
         stream = RequestStream(self, request_id, seqs, params)
         self._streams[request_id] = stream._stream
         first = seqs[0]
         try:
             self._check_alive()  # `_on_dead` may have run since: it failed the streams it saw
             self._client.send(("add", request_id, first.prompt_token_ids, first.prompt,
-                               first.sampling_params))
+                               first.sampling_params, priority))
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -208,10 +208,10 @@ class EngineCoreLoop:
         return True
 
     def _add(self, request_id: str, prompt_token_ids: list[int], prompt: str | None,
-             params: Any) -> None:
+             params: Any, priority: int) -> None:
         try:
             seqs = self.llm.make_request({"prompt_token_ids": prompt_token_ids,
-                                          "prompt": prompt}, params, request_id)
+                                          "prompt": prompt}, params, request_id, priority)
             for seq in seqs:
                 self.core.add_request(seq)
         except (ValueError, RuntimeError) as error:

@@ -2,7 +2,7 @@
 in a process of its own: plain tuples and small dataclasses, so a message pickles compactly.
 
 Front end -> engine, commands (tuples, applied in order between two steps):
-  `("add", request_id, prompt_token_ids, prompt_text, params)`, `("abort", request_id)`,
+  `("add", request_id, prompt_token_ids, prompt_text, params, priority)`, `("abort", request_id)`,
   `("call", call_id, fn, args)` (`fn`: an `LLM` method name, or a function run as
   `fn(llm, *args)`), `("stop",)`; with several API server processes (`ChannelRouter`) also
   `("attach",)`, answered with `EngineReady`, from each process but the first.

@@ -61,8 +61,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
                      "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
                      "structured_outputs"), _NO_STRUCTURED_OUTPUT),
     **dict.fromkeys(("use_beam_search", "length_penalty"), _NO_BEAM_SEARCH),
-    "priority": "not supported: requests are served first come, first served (only priority "
-                "0 is taken)",
     "cache_salt": "not supported: the prefix cache takes no per-request salt",
     "kv_transfer_params": "disaggregated serving (KV transfer between servers) is not "
                           "supported by this server",
@@ -87,7 +85,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 }
 """Fields of vLLM's and OpenAI's request bodies that a route does not take, each with why: the
 400 naming one says so, where an unknown field's reads as a misspelling."""
-_NO_OP_VALUES: dict[str, Any] = {"priority": 0, "use_beam_search": False, "echo": False}
+_NO_OP_VALUES: dict[str, Any] = {"use_beam_search": False, "echo": False}
 """`UNSUPPORTED_FIELDS` at the value that asks for nothing (vLLM's default): taken, as `null`
 for any of them is, so that a client sending vLLM's defaults is served."""
 
@@ -178,6 +176,9 @@ class _SamplingFields(_Body):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: lower runs first under `--scheduling-policy priority`; anything but 0 is a 400
+    # under fcfs, as vLLM answers.
+    priority: int = 0
 
     # Request field -> SamplingParams field, where the names differ.
     _renamed: dict[str, str] = {}
@@ -249,6 +250,8 @@ class _SamplingFields(_Body):
         message = str(error)
         match = re.search(r"SamplingParams\.(\w+)", message)
         param = "prompt" if "prompt" in message else None
+        if message.startswith("priority="):
+            param = "priority"
         if match:
             param = self._renamed.get(match.group(1), match.group(1))
             message = message.replace(f"SamplingParams.{match.group(1)}", param)

@@ -291,7 +291,8 @@ class OpenAIServing:
         request_id = uuid.uuid4().hex
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-                stream = self.engine.add_request(prompt, sp, f"{request_id}-{i}")
+                stream = self.engine.add_request(prompt, sp, f"{request_id}-{i}",
+                                                 body.priority)
                 admission.request_ids.append(stream.request_id)
                 streams.append(self.metrics.track(stream, len(prompt["prompt_token_ids"])))
         except BaseException as e:
