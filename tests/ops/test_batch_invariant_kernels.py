@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfit.batch_invariant.logsumexp import logsumexp_torch
+from kvfit.kv_quant import dequantize_fp8, quantize_fp8
 from kvfit.ops.attention import paged_attention
 
 MIXED = [(0, 5), (13, 1), (0, 1), (17, 20), (70, 1), (3, 40), (31, 33)]
@@ -40,6 +41,17 @@ def test_fixed_tile_attention_ignores_garbage_past_the_context(paged_batch, naiv
     out = paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.2,
                           batch_invariant=True)  # fmt: skip
     torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_fixed_tile_attention_reads_an_fp8_cache_with_its_scales(paged_batch, naive):
+    batch = paged_batch(MIXED, num_heads=8, num_kv_heads=2, head_dim=32)
+    k_scale, v_scale = torch.tensor([0.02]), torch.tensor([0.05])
+    k8, v8 = quantize_fp8(batch.k_cache, k_scale), quantize_fp8(batch.v_cache, v_scale)
+    out = paged_attention(batch.query, k8, v8, batch.metadata, 0.2, batch_invariant=True,
+                          k_scale=k_scale, v_scale=v_scale)
+    batch.k_cache.copy_(dequantize_fp8(k8, k_scale, torch.float32))
+    batch.v_cache.copy_(dequantize_fp8(v8, v_scale, torch.float32))
+    torch.testing.assert_close(out.double(), naive(batch, 0.2), rtol=1e-5, atol=1e-5)
 
 
 def test_logsumexp_torch_matches_torch() -> None:

@@ -106,11 +106,8 @@ def paged_attention(
                                       k_scale=k_scale, v_scale=v_scale,
                                       fp8_compute_dtype=compute)
     if batch_invariant:
-        if is_fp8(k_cache.dtype):
-            raise ValueError("the deterministic mode's CPU attention reads a cache in the "
-                             "model's dtype: set --kv-cache-dtype auto, or leave "
-                             "--deterministic off")
-        return paged_attention_fixed_tiles(query, k_cache, v_cache, metadata, scale, out)
+        return paged_attention_fixed_tiles(query, k_cache, v_cache, metadata, scale, out,
+                                           k_scale, v_scale)
     return paged_attention_reference(query, k_cache, v_cache, metadata, scale, out,
                                      k_scale, v_scale)
 

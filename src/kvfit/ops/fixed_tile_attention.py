@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvfit.kv_quant import dequantize_fp8, is_fp8
 from kvfit.ops.reference import _gather_context
 
 if TYPE_CHECKING:
@@ -34,12 +35,16 @@ def paged_attention_fixed_tiles(
     metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with each row reduced over key tiles at fixed positions (see module).
 
     Sequence by sequence, rows in blocks of at most `ROWS_BYTES` of products per tile. Extra
     memory: the sequence's gathered K and V (float32) plus about 3 x `ROWS_BYTES`. Reads the
-    metadata on the host: the CPU path, not CUDA-graph safe.
+    metadata on the host: the CPU path, not CUDA-graph safe. An FP8 cache's pages are read
+    as `value * scale` in float32 (`k_scale`, `v_scale`: its [1] float32 scales), elementwise,
+    so the mode's invariance holds for it too.
     """
     starts = metadata.query_start_loc.long().tolist()
     seq_lens = metadata.seq_lens.long().tolist()
@@ -51,8 +56,8 @@ def paged_attention_fixed_tiles(
             continue
         tiles = -(-seq_len // KV_TILE)
         table = metadata.block_table[seq : seq + 1]
-        k = _padded_context(k_cache, table, seq_len, tiles * KV_TILE)
-        v = _padded_context(v_cache, table, seq_len, tiles * KV_TILE)
+        k = _padded_context(k_cache, table, seq_len, tiles * KV_TILE, k_scale)
+        v = _padded_context(v_cache, table, seq_len, tiles * KV_TILE, v_scale)
         first_pos = seq_len - (q_end - q_start)
         for a in range(q_start, q_end, step):
             b = min(a + step, q_end)
@@ -62,10 +67,13 @@ def paged_attention_fixed_tiles(
 
 
 def _padded_context(cache: torch.Tensor, table: torch.Tensor, seq_len: int,
-                    padded_len: int) -> torch.Tensor:
-    """[kv_heads, padded_len, head_dim] float32 keys (or values) of one sequence; zeros past
-    seq_len (slots never written may hold anything, and 0 x NaN is NaN)."""
-    tokens = _gather_context(cache, table, seq_len)[0].float()
+                    padded_len: int, scale: torch.Tensor | None) -> torch.Tensor:
+    """[kv_heads, padded_len, head_dim] float32 keys (or values) of one sequence, an FP8
+    cache's dequantised with `scale`; zeros past seq_len (slots never written may hold
+    anything, and 0 x NaN is NaN)."""
+    tokens = _gather_context(cache, table, seq_len)[0]
+    tokens = (dequantize_fp8(tokens, scale, torch.float32) if is_fp8(cache.dtype)
+              else tokens.float())
     return torch.nn.functional.pad(tokens, (0, 0, 0, padded_len - seq_len))
 
 
