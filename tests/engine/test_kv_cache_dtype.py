@@ -5,11 +5,13 @@ shared-storage connector."""
 from __future__ import annotations
 
 import argparse
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import kvfit.engine.worker as worker_module
 import kvfit.models.llama as llama
@@ -45,8 +47,8 @@ def runner(llm: LLM):
 def make_llm(qwen3: Path) -> Iterator[Callable[..., LLM]]:
     made: list[LLM] = []
 
-    def make(**kwargs: object) -> LLM:
-        llm = LLM(str(qwen3), **{**SETTINGS, **kwargs})
+    def make(model: Path = qwen3, **kwargs: object) -> LLM:
+        llm = LLM(str(model), **{**SETTINGS, **kwargs})
         made.append(llm)
         return llm
 
@@ -199,3 +201,73 @@ def test_connector_stores_fp8_blocks_in_a_namespace_of_their_own(
     other = make_llm(**store)  # a float32 cache: the fp8 files are not its blocks
     outputs(other)
     assert other.engine.scheduler.num_external_hit_tokens == 0
+
+
+def scales(llm: LLM) -> list[float]:
+    """Every layer's k and v scale, in order."""
+    return [s for pair in runner(llm).kv_scales() for s in pair]
+
+
+def with_scales(qwen3: Path, folder: Path, scales: dict[str, torch.Tensor]) -> Path:
+    """A copy of the tiny model whose checkpoint also holds `scales` (names after each layer's
+    `self_attn.`, as vLLM reads them)."""
+    shutil.copytree(qwen3, folder)
+    weights = load_file(folder / "model.safetensors")
+    for layer in range(2):
+        for name, value in scales.items():
+            weights[f"model.layers.{layer}.self_attn.{name}"] = value * (layer + 1)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("names", [("k_scale", "v_scale"),
+                                   ("k_proj.output_scale", "v_proj.output_scale")], ids=str)
+def test_checkpoint_kv_scales_are_the_fp8_cache_scales(
+    make_llm: Callable[..., LLM], qwen3: Path, tmp_path: Path, float32_logprobs: torch.Tensor,
+    names: tuple[str, str],
+) -> None:
+    # A calibrated checkpoint (llm-compressor's) carries them, beside a q scale kvfit does not
+    # use: such a checkpoint did not load at all ("has no place in Qwen3ForCausalLM").
+    folder = with_scales(qwen3, tmp_path / "calibrated", {
+        names[0]: torch.tensor(0.01), names[1]: torch.tensor([0.02]),
+        "q_scale": torch.tensor(0.5)})
+    llm = make_llm(folder, kv_cache_dtype="fp8")
+    assert scales(llm) == pytest.approx([0.01, 0.02, 0.02, 0.04])
+    diff = (prompt_logprobs(llm) - float32_logprobs).abs()
+    assert 0 < diff.mean() < 0.06 and diff.max() < 0.3  # read with the scales written with
+    llm.shutdown()
+    # vLLM's semantics: a 16-bit cache ignores them, calculated scales replace them.
+    assert runner(make_llm(folder)).kv_scales() == [(1.0, 1.0)] * 2
+    calculated = make_llm(folder, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    outputs(calculated)
+    assert all(k != pytest.approx(0.01 * (i + 1))
+               for i, (k, _) in enumerate(runner(calculated).kv_scales()))
+
+
+def test_one_checkpoint_kv_scale_sets_both(make_llm: Callable[..., LLM], qwen3: Path,
+                                           tmp_path: Path) -> None:
+    folder = with_scales(qwen3, tmp_path / "kv", {"kv_scale": torch.tensor(0.03)})
+    llm = make_llm(folder, kv_cache_dtype="fp8")
+    assert scales(llm) == pytest.approx([0.03, 0.03, 0.06, 0.06])
+
+
+def test_per_head_checkpoint_scales_are_refused_by_an_fp8_cache_only(
+    make_llm: Callable[..., LLM], qwen3: Path, tmp_path: Path
+) -> None:
+    folder = with_scales(qwen3, tmp_path / "per-head", {"k_scale": torch.tensor([0.01, 0.02]),
+                                                        "v_scale": torch.tensor([0.03, 0.03])})
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_scale' holds 2 "
+                                         r"different k/v scales .* --kv-cache-dtype auto"):
+        make_llm(folder, kv_cache_dtype="fp8")
+    outputs(make_llm(folder))  # a 16-bit cache has no use for them
+
+
+def test_load_weights_takes_new_checkpoint_kv_scales(make_llm: Callable[..., LLM]) -> None:
+    llm = make_llm(kv_cache_dtype="fp8")
+    assert runner(llm).kv_scales() == [(1.0, 1.0)] * 2
+    llm.load_weights([("model.layers.1.self_attn.k_scale", torch.tensor(0.5)),
+                      ("model.layers.1.self_attn.v_scale", torch.tensor(0.25))])
+    assert runner(llm).kv_scales() == [(1.0, 1.0), (0.5, 0.25)]
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.v_scale' is 0.0, not a "
+                                         r"positive k/v scale"):
+        llm.load_weights([("model.layers.0.self_attn.v_scale", torch.tensor(0.0))])

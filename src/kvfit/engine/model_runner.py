@@ -27,6 +27,7 @@ from kvfit.engine.transfer import to_device, to_device_packed, to_host
 from kvfit.graphs.buckets import default_buckets
 from kvfit.graphs.piecewise import PiecewiseGraphRunner
 from kvfit.kv.cache import ExtensibleKVCache
+from kvfit.kv_quant import is_fp8
 from kvfit.models.loader import load_model
 from kvfit.models.weight_arena import WeightArena
 from kvfit.ops import small_batch
@@ -97,6 +98,7 @@ class ModelRunner:
         # `calculate_kv_scales`: the first real step sets the FP8 cache's scales (warmup's
         # dummy steps calculate too, so their memory is measured, then restore 1.0).
         self.kv_scales_pending = config.cache_config.calculate_kv_scales
+        self.use_checkpoint_kv_scales()
 
     def _split_tickets(self, config: EngineConfig) -> torch.Tensor | None:
         """`AttentionMetadata.split_tickets` for the fused decode on CUDA (else None): one
@@ -340,6 +342,13 @@ class ModelRunner:
             self.model.set_calculate_kv_scales(False)
         self.kv_scales_pending = False
         return hidden
+
+    def use_checkpoint_kv_scales(self) -> None:
+        """Make the k/v scales the checkpoint gave (`checkpoint_kv_scales`, as last loaded)
+        the FP8 cache's, unless `calculate_kv_scales` sets them: vLLM's semantics (a 16-bit
+        cache has no scales)."""
+        if is_fp8(self.kv_cache_spec.dtype) and not self.config.cache_config.calculate_kv_scales:
+            self.model.use_checkpoint_kv_scales()
 
     def kv_scales(self) -> list[tuple[float, float]]:
         """Per layer `(k_scale, v_scale)` on the host (reads the device)."""

@@ -514,6 +514,7 @@ class Worker:
             if not restored and reload_weights:
                 mc = self.config.model_config
                 fill_weights(self.runner.model, mc.model, self.device, mc.load_format)
+                self.runner.use_checkpoint_kv_scales()  # the files may have changed
                 self.missing_weights = set()
                 return True
         return False
@@ -525,6 +526,7 @@ class Worker:
         if arena is not None and arena.is_released:
             self.wake_up_weights(reload_weights=False)
         self.missing_weights -= load_weights(self.runner.model, weights)
+        self.runner.use_checkpoint_kv_scales()  # scales among them, as a checkpoint's
         self._synchronize()
 
     def sleep_state(self) -> SleepState:

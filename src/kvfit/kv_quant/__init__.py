@@ -7,7 +7,12 @@ engine resolves `kv_cache_dtype` through it.
 
 from kvfit.kv_quant.dtypes import KV_CACHE_DTYPES, is_fp8, kv_cache_torch_dtype
 from kvfit.kv_quant.fp8 import FP8_E4M3_MAX, dequantize_fp8, quantize_fp8
-from kvfit.kv_quant.scales import K_SCALE_CONSTANT, V_SCALE_CONSTANT, calculate_kv_scales_
+from kvfit.kv_quant.scales import (
+    K_SCALE_CONSTANT,
+    V_SCALE_CONSTANT,
+    calculate_kv_scales_,
+    checkpoint_scale,
+)
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -15,6 +20,7 @@ __all__ = [
     "K_SCALE_CONSTANT",
     "V_SCALE_CONSTANT",
     "calculate_kv_scales_",
+    "checkpoint_scale",
     "dequantize_fp8",
     "is_fp8",
     "kv_cache_torch_dtype",

@@ -12,9 +12,15 @@ step's K/V: scale = amax / constant, leaving headroom (448 / 200 for K, 448 / 10
 later activations larger than the first prompt's; after that they are fixed. Under tensor
 parallelism the amax is taken over every rank's heads, so each rank stores with the scale one
 rank would (and TP=2 quantizes as TP=1 does).
+
+A checkpoint's own k/v scales (vLLM's names: `self_attn.k_scale`, `k_proj.output_scale`, ...;
+what llm-compressor calibrates) replace 1.0 when the cache is FP8 and `calculate_kv_scales` is
+off, as in vLLM; one per layer (`checkpoint_scale`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -40,3 +46,19 @@ def calculate_kv_scales_(k_scale: torch.Tensor, v_scale: torch.Tensor, key: torc
                       op="max")
     k_scale.copy_((amax[0] / K_SCALE_CONSTANT).clamp_min(MIN_SCALE).view(1))
     v_scale.copy_((amax[1] / V_SCALE_CONSTANT).clamp_min(MIN_SCALE).view(1))
+
+
+def checkpoint_scale(name: str, value: torch.Tensor) -> float:
+    """The per-layer scale checkpoint tensor `name` gives (a scalar, or per-head values that are
+    all equal); raises, naming what to set instead, where it is per-head or not a scale."""
+    values = value.detach().float().flatten()
+    if values.numel() == 0 or not bool((values == values[0]).all()):
+        raise ValueError(f"checkpoint tensor {name!r} holds {values.numel()} different k/v "
+                         f"scales (per head); kvfit's fp8 KV cache takes one per layer: use "
+                         f"--kv-cache-dtype auto, or --calculate-kv-scales to set them from the "
+                         f"first step")
+    scale = float(values[0])
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"checkpoint tensor {name!r} is {scale}, not a positive k/v scale: fix "
+                         f"the checkpoint, or use --calculate-kv-scales or --kv-cache-dtype auto")
+    return scale

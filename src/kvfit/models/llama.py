@@ -8,7 +8,7 @@ from transformers import PretrainedConfig
 
 from kvfit.batch_invariant.functional import paged_attention, silu_and_mul
 from kvfit.distributed import tp_size
-from kvfit.kv_quant import calculate_kv_scales_
+from kvfit.kv_quant import calculate_kv_scales_, checkpoint_scale
 from kvfit.models.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -144,6 +144,9 @@ class LlamaAttention(nn.Module):
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.calculate_kv_scales = False  # set for the one step that calculates them
+        # The checkpoint's k/v scales, "k"/"v" -> (tensor name, value on the host), as loaded
+        # (`kvfit.models.weights`); `use_checkpoint_kv_scales` makes them the cache's.
+        self.checkpoint_kv_scales: dict[str, tuple[str, torch.Tensor]] = {}
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
@@ -432,6 +435,18 @@ class LlamaForCausalLM(nn.Module):
         """Per layer `(k_scale, v_scale)`, the [1] float32 tensors an FP8 cache is read and
         written with (1.0 unless calculated); the same tensors every step reads."""
         return [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in self.model.layers]
+
+    def use_checkpoint_kv_scales(self) -> None:
+        """Set every layer's scales to those its checkpoint gave (`kvfit.kv_quant.scales`); a
+        layer given only one of the two reads both with it, as in vLLM; a layer given none
+        keeps its own."""
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            given = attn.checkpoint_kv_scales
+            for which, other, scale in (("k", "v", attn.k_scale), ("v", "k", attn.v_scale)):
+                entry = given.get(which) or given.get(other)
+                if entry is not None:
+                    scale.fill_(checkpoint_scale(*entry))
 
     def set_calculate_kv_scales(self, enabled: bool) -> None:
         """While enabled, each forward sets every layer's scales from its own K/V first

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +18,17 @@ DUMMY_SEED = 0
 DUMMY_STD = 0.02  # small enough that logits stay finite at 8B shapes in bf16
 # Buffers some older checkpoints carry; kvfit computes them.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# vLLM's names of an attention layer's FP8 KV cache scales, after the layer's own name (what
+# llm-compressor, ModelOpt and older checkpoints write) -> the scales each sets; `kv_scale`
+# (deprecated) is both. The q and softmax scales of quantised attention set none: kvfit
+# computes attention unquantised.
+_ATTENTION_SCALES = {
+    "k_scale": "k", "attn.k_scale": "k", "k_proj.k_scale": "k", "k_proj.output_scale": "k",
+    "v_scale": "v", "attn.v_scale": "v", "v_proj.v_scale": "v", "v_proj.output_scale": "v",
+    "kv_scale": "kv", "attn.kv_scale": "kv",
+    "q_scale": "", "attn.q_scale": "", "q_proj.output_scale": "", "prob_scale": "",
+    "attn.prob_scale": "",
+}
 # Weights saved with torch.save (pytorch_model.bin and its shards): pickles, which kvfit does not
 # read.
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -124,13 +135,39 @@ def load_weights(
     copied before the bad one stay copied.
     """
     targets = targets if targets is not None else checkpoint_targets(model)
+    attention = _attention_modules(model)
     filled: dict[str, str] = {}
     for name, tensor in weights:
+        if _take_attention_scale(attention, name, lambda t=tensor: t):
+            continue
         target = _target(targets, name, where, model, tuple(tensor.shape))
         if target is None:
             continue
         _fill(target, name, tensor if target.shard is None else target.shard.take(tensor), filled)
     return set(filled)
+
+
+def _attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Module name -> attention module (those that keep a checkpoint's KV cache scales)."""
+    return {name: module for name, module in model.named_modules()
+            if hasattr(module, "checkpoint_kv_scales")}
+
+
+def _take_attention_scale(attention: dict[str, nn.Module], name: str,
+                          read: Callable[[], torch.Tensor]) -> bool:
+    """Whether checkpoint tensor `name` is one of an attention layer's scales (vLLM's names,
+    `_ATTENTION_SCALES`); a k/v one is kept, with its name, in the layer's
+    `checkpoint_kv_scales` (on the host), which an fp8 KV cache then reads (vLLM's semantics:
+    a 16-bit cache and `calculate_kv_scales` ignore them)."""
+    for suffix, scales in _ATTENTION_SCALES.items():
+        module = attention.get(name[: -len(suffix) - 1]) if name.endswith("." + suffix) else None
+        if module is not None:
+            if scales:
+                value = read().detach().to("cpu", torch.float32)
+                for which in scales:
+                    module.checkpoint_kv_scales[which] = (name, value)
+            return True
+    return False
 
 
 def _fill(target: Target, name: str, value: torch.Tensor, filled: dict[str, str]) -> None:
@@ -177,10 +214,13 @@ def load_safetensors(model: nn.Module, folder: Path, device: torch.device) -> No
     Raises if a parameter is left unfilled, a tensor has no place in the model, or shapes differ.
     """
     targets = checkpoint_targets(model)
+    attention = _attention_modules(model)
     filled: dict[str, str] = {}
     for file in safetensors_files(folder):
         with _reading(file), safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118
+                if _take_attention_scale(attention, name, lambda f=f, n=name: f.get_tensor(n)):
+                    continue
                 part = f.get_slice(name)
                 target = _target(targets, name, file.name, model, tuple(part.get_shape()))
                 if target is None:
