@@ -81,14 +81,43 @@ def test_flags_take_vllm_names_and_a_bad_value_names_the_flag(capsys) -> None:
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(kv_cache_dtype="fp8_e5m2"),
-     r"kv_cache_dtype \(--kv-cache-dtype\) must be one of auto, fp8, fp8_e4m3; got 'fp8_e5m2'"),
+     r"kv_cache_dtype \(--kv-cache-dtype\) must be one of auto, bfloat16, fp8, fp8_e4m3; got "
+     r"'fp8_e5m2'"),
     (dict(calculate_kv_scales=True), r"kv_cache_dtype is 'auto'; set --kv-cache-dtype fp8"),
+    (dict(kv_cache_dtype="bfloat16", calculate_kv_scales=True),
+     r"kv_cache_dtype is 'bfloat16'; set --kv-cache-dtype fp8"),
     (dict(kv_cache_dtype="fp8", calculate_kv_scales=True, kv_connector="shared_storage",
           kv_connector_path="x"), r"drop --calculate-kv-scales"),
 ])
 def test_config_errors_name_the_setting(qwen3: Path, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=str(qwen3), device="cpu", **kwargs).create_engine_config()
+
+
+def test_a_bfloat16_cache_halves_a_float32_model_cache(
+    make_llm: Callable[..., LLM], float32_logprobs: torch.Tensor
+) -> None:
+    # vLLM's kv_cache_dtype="bfloat16" was refused; on the CPU, where the model runs in float32,
+    # it holds twice the blocks of the default cache in the same memory.
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
+    llm = make_llm(kv_cache_dtype="bfloat16", num_gpu_blocks_override=64)
+    cache = runner(llm)._allocated_cache
+    assert cache is not None and cache.dtype == torch.bfloat16
+    assert llm.kv_cache_report.dtype == "bfloat16"
+    assert llm.kv_cache_report.committed_bytes == 2 * cache.numel()
+    diff = (prompt_logprobs(llm) - float32_logprobs).abs()
+    assert 0 < diff.mean() < 0.02 and diff.max() < 0.1  # bf16's rounding, finer than e4m3's
+
+
+def test_a_bfloat16_cache_on_cuda_needs_a_bfloat16_model(qwen3: Path) -> None:
+    # The CUDA kernels read a 16-bit cache in the model's dtype.
+    args = EngineArgs(model=str(qwen3), kv_cache_dtype="bfloat16")
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='bfloat16' on CUDA needs the model "
+                                         r"in bfloat16 \(got float16\): set --dtype bfloat16"):
+        args._check_kv_cache_dtype(cuda, torch.float16)
+    assert args._check_kv_cache_dtype(cuda, torch.bfloat16) == "bfloat16"
 
 
 @pytest.mark.parametrize("name", ["fp8", "fp8_e4m3"])

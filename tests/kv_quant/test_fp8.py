@@ -60,8 +60,10 @@ def test_cache_dtype_names_follow_vllm() -> None:
     assert kv_cache_torch_dtype("auto", torch.float32) == torch.float32
     assert kv_cache_torch_dtype("fp8", torch.bfloat16) == torch.float8_e4m3fn
     assert kv_cache_torch_dtype("fp8_e4m3", torch.float16) == torch.float8_e4m3fn
+    assert kv_cache_torch_dtype("bfloat16", torch.float32) == torch.bfloat16
     assert is_fp8(torch.float8_e4m3fn) and not is_fp8(torch.bfloat16)
-    with pytest.raises(ValueError, match=r"--kv-cache-dtype.*auto, fp8, fp8_e4m3.*'fp8_e5m2'"):
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype.*auto, bfloat16, fp8, fp8_e4m3.*"
+                                         r"'fp8_e5m2'"):
         kv_cache_torch_dtype("fp8_e5m2", torch.bfloat16)
 
 

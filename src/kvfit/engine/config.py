@@ -26,7 +26,7 @@ from kvfit.elastic.governor import (
 )
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.kv.spec import LAYOUTS, KVCacheSpec
-from kvfit.kv_quant import KV_CACHE_DTYPES, kv_cache_torch_dtype
+from kvfit.kv_quant import KV_CACHE_DTYPES, is_fp8, kv_cache_torch_dtype
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -137,7 +137,8 @@ class CacheConfig:
     kv_cache_margin_fraction: float = 0.5
     kv_cache_margin_floor_bytes: int = 256 * MiB
     cpu_kv_cache_space_bytes: int | None = None
-    # `kv_cache_dtype` (vLLM's `cache_dtype`): "auto" = the model's dtype, or "fp8"/"fp8_e4m3".
+    # `kv_cache_dtype` (vLLM's `cache_dtype`): "auto" = the model's dtype, "bfloat16", or
+    # "fp8"/"fp8_e4m3".
     cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     # Set by the engine once sizing is done.
@@ -470,9 +471,10 @@ class EngineArgs:
                        "prefix came from the cache (slower GEMMs and attention)")
         p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                        choices=list(KV_CACHE_DTYPES),
-                       help="KV cache storage: auto (the model's dtype) or fp8 / fp8_e4m3 "
-                       "(e4m3 with a per-layer k/v scale, 1.0 unless --calculate-kv-scales: "
-                       "about twice the blocks in the same memory; default: %(default)s)")
+                       help="KV cache storage: auto (the model's dtype), bfloat16, or fp8 / "
+                       "fp8_e4m3 (e4m3 with a per-layer k/v scale, 1.0 unless the checkpoint "
+                       "has its own or --calculate-kv-scales: about twice the blocks of a "
+                       "16-bit cache in the same memory; default: %(default)s)")
         p.add_argument("--calculate-kv-scales", action="store_true",
                        default=d.calculate_kv_scales,
                        help="with --kv-cache-dtype fp8: set each layer's k/v scales once, from "
@@ -550,7 +552,7 @@ class EngineArgs:
             max_batched = fill
         config = EngineConfig(
             model_config=model_config,
-            cache_config=self._cache_config(device, block_size),
+            cache_config=self._cache_config(device, block_size, model_config.dtype),
             scheduler_config=SchedulerConfig(
                 max_num_seqs, max_batched, max_len,
                 _at_least("long_prefill_token_threshold", self.long_prefill_token_threshold, 0),
@@ -660,7 +662,8 @@ class EngineArgs:
                                  f"{device} for the weight arena: {reason}; leave it False")
         return self.enable_sleep_mode
 
-    def _cache_config(self, device: torch.device, block_size: int) -> CacheConfig:
+    def _cache_config(self, device: torch.device, block_size: int,
+                      model_dtype: torch.dtype) -> CacheConfig:
         manual = [
             name for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override")
             if getattr(self, name) is not None
@@ -701,14 +704,20 @@ class EngineArgs:
             kv_cache_margin_fraction=self.kv_cache_margin_fraction,
             kv_cache_margin_floor_bytes=self.kv_cache_margin_floor_bytes,
             cpu_kv_cache_space_bytes=cpu_space,
-            cache_dtype=self._check_kv_cache_dtype(device),
+            cache_dtype=self._check_kv_cache_dtype(device, model_dtype),
             calculate_kv_scales=self.calculate_kv_scales,
         )
 
-    def _check_kv_cache_dtype(self, device: torch.device) -> str:
+    def _check_kv_cache_dtype(self, device: torch.device, model_dtype: torch.dtype) -> str:
         name = _check_choice("kv_cache_dtype (--kv-cache-dtype)", self.kv_cache_dtype,
                              tuple(KV_CACHE_DTYPES))
-        fp8 = KV_CACHE_DTYPES[name] is not None
+        cache_dtype = kv_cache_torch_dtype(name, model_dtype)
+        fp8 = is_fp8(cache_dtype)
+        if device.type == "cuda" and not fp8 and cache_dtype != model_dtype:
+            # The CUDA kernels read a 16-bit cache in the query's dtype, unconverted.
+            raise ValueError(f"kv_cache_dtype={name!r} on CUDA needs the model in {name} "
+                             f"(got {str(model_dtype).removeprefix('torch.')}): set --dtype "
+                             f"{name}, or --kv-cache-dtype auto or fp8")
         if self.calculate_kv_scales and not fp8:
             raise ValueError(f"calculate_kv_scales=True (--calculate-kv-scales) sets the scales "
                              f"of an FP8 KV cache, but kv_cache_dtype is {name!r}; set "

@@ -6,6 +6,7 @@ import torch
 
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,  # the model's dtype
+    "bfloat16": torch.bfloat16,  # vLLM's: half a float32 model's cache, a bf16 model's as is
     "fp8": torch.float8_e4m3fn,  # vLLM's `fp8` is e4m3 on NVIDIA
     "fp8_e4m3": torch.float8_e4m3fn,
 }
