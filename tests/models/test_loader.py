@@ -232,6 +232,21 @@ def test_shape_mismatch_is_named(tiny_model: Callable[[str], Path], tmp_path: Pa
         load_model(load_hf_config(str(folder)), str(folder), torch.float32, CPU, "auto")
 
 
+@pytest.mark.parametrize("suffix", ["weight_scale", "weight_scale_inv", "input_scale"])
+def test_an_fp8_weight_checkpoint_is_named_as_quantised(
+    tiny_model: Callable[[str], Path], tmp_path: Path, suffix: str
+) -> None:
+    # An FP8 checkpoint (Qwen3-8B-FP8, llm-compressor's) was blamed on `architectures`.
+    src = tiny_model("qwen3")
+    folder = copy_config(src, tmp_path / "m")
+    tensors = load_file(src / "model.safetensors")
+    tensors[f"model.layers.0.mlp.up_proj.{suffix}"] = torch.ones(1)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"'model.layers.0.mlp.up_proj.{suffix}' .* quantised "
+                                         rf"weight .* --kv-cache-dtype fp8 for an fp8 KV cache"):
+        load_model(load_hf_config(str(folder)), str(folder), torch.float32, CPU, "auto")
+
+
 def test_folder_without_weights_suggests_dummy(
     tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:

@@ -29,6 +29,13 @@ _ATTENTION_SCALES = {
     "q_scale": "", "attn.q_scale": "", "q_proj.output_scale": "", "prob_scale": "",
     "attn.prob_scale": "",
 }
+# What quantised weights carry beside (or instead of) `weight`: fp8 (compressed-tensors,
+# ModelOpt, block-wise), int4/int8 (GPTQ, AWQ) scales, zero points and packed values.
+_QUANTIZED_WEIGHT_SUFFIXES = (
+    ".weight_scale", ".weight_scale_inv", ".input_scale", ".weight_zero_point",
+    ".weight_packed", ".weight_shape", ".weight_global_scale", ".input_global_scale",
+    ".qweight", ".qzeros", ".scales", ".g_idx",
+)
 # Weights saved with torch.save (pytorch_model.bin and its shards): pickles, which kvfit does not
 # read.
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -193,6 +200,12 @@ def _target(targets: dict[str, Target], name: str, where: str, model: nn.Module,
     """`name`'s target, checked against the checkpoint tensor's `shape`; None to skip it."""
     if name.endswith(_IGNORED_SUFFIXES):
         return None
+    if name not in targets and name.endswith(_QUANTIZED_WEIGHT_SUFFIXES):
+        raise ValueError(
+            f"checkpoint tensor {name!r} in {where} belongs to a quantised weight (config.json "
+            f"quantization_config); kvfit runs unquantised checkpoints (float32, bfloat16, "
+            f"float16): load the unquantised model, and --kv-cache-dtype fp8 for an fp8 KV cache"
+        )
     if name not in targets:
         raise ValueError(
             f"checkpoint tensor {name!r} in {where} has no place in "
