@@ -302,7 +302,8 @@ def test_prompt_logprobs_beside_echo_keep_their_own_counts(client: openai.OpenAI
 @pytest.mark.parametrize(("extra", "message"), [
     (dict(prompt_logprobs=3, stream=True), "not available with stream=true"),
     (dict(prompt_logprobs=10_000), "above the server's max_logprobs"),
-    (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(prompt_logprobs=-1), "-1 (the whole vocabulary, 512) is above"),
+    (dict(prompt_logprobs=-2), "must be >= 0, or -1"),
 ])  # fmt: skip
 def test_prompt_logprobs_the_server_cannot_give_are_refused(http: httpx.Client, extra: dict,
                                                             message: str) -> None:
@@ -313,6 +314,40 @@ def test_prompt_logprobs_the_server_cannot_give_are_refused(http: httpx.Client, 
         error = r.json()["error"]
         assert message in error["message"] and error["param"] == "prompt_logprobs", error
     assert http.get("/health").status_code == 200
+
+
+def test_whole_vocabulary_logprobs_as_vllm_takes_them(model_path: Path, llm: LLM) -> None:
+    """vLLM's -1 for prompt_logprobs (both endpoints) and chat's top_logprobs: every token of
+    the vocabulary, where --max-logprobs -1 allows it; completions' logprobs takes no -1."""
+    from kvfit.engine.config import EngineArgs
+    from kvfit.server.openai_api import ServeConfig, build_app
+
+    engine = AsyncLLM(EngineArgs(**engine_kwargs(model_path), max_logprobs=-1),
+                      engine_process=False)
+    server = ServerThread(build_app(engine, ServeConfig(served_model_names=[MODEL_NAME])))
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            (ref,) = llm.generate(PROMPTS[3], greedy(2), use_tqdm=False)
+            r = http.post("/v1/completions", json={
+                "model": MODEL_NAME, "prompt": PROMPTS[3], "max_tokens": 2, "temperature": 0,
+                "prompt_logprobs": -1})
+            assert r.status_code == 200, r.text
+            prompt = r.json()["choices"][0]["prompt_logprobs"]
+            assert prompt[0] is None and len(prompt) == len(ref.prompt_token_ids)
+            assert all(len(entries) == 512 for entries in prompt[1:])
+            r = http.post("/v1/chat/completions", json={
+                "model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2, "temperature": 0,
+                "logprobs": True, "top_logprobs": -1, "prompt_logprobs": -1})
+            assert r.status_code == 200, r.text
+            content = r.json()["choices"][0]["logprobs"]["content"]
+            assert [len(item["top_logprobs"]) for item in content] == [512, 512]
+            assert all(len(entries) == 512 for entries in r.json()["prompt_logprobs"][1:])
+            r = http.post("/v1/completions", json={
+                "model": MODEL_NAME, "prompt": PROMPTS[3], "max_tokens": 2, "logprobs": -1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    finally:
+        server.stop()
+        engine.shutdown()
 
 
 def test_add_special_tokens_reaches_the_tokenizer(client: openai.OpenAI, http: httpx.Client,

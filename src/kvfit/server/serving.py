@@ -181,12 +181,21 @@ class OpenAIServing:
                            code="context_length_exceeded")
         return max_tokens if cap is None or max_tokens < 1 else min(max_tokens, cap)
 
-    def check_logprobs(self, n: int | None, param: str) -> None:
-        if n is not None and n < 0:  # the API's answers count entries: no -1 (all) here
-            raise APIError(f"{param} must be >= 0, got {n}", param=param)
+    def check_logprobs(self, n: int | None, param: str, whole_vocab: bool = True) -> int | None:
+        """`n` checked against the server's max_logprobs; -1 (vLLM's "the whole vocabulary",
+        where `whole_vocab`: prompt_logprobs and chat's top_logprobs, not completions'
+        logprobs) as the vocabulary's size, the count the answer's entries are cut to."""
+        asked = n
+        if n == -1 and whole_vocab:
+            n = self.engine.config.model_config.hf_config.vocab_size
+            asked = f"-1 (the whole vocabulary, {n})"
+        if n is not None and n < 0:
+            raise APIError(f"{param} must be >= 0{', or -1' if whole_vocab else ''}, got {n}",
+                           param=param)
         if n is not None and n > self.engine.max_logprobs:
-            raise APIError(f"{param}={n} is above the server's max_logprobs="
-                           f"{self.engine.max_logprobs}", param=param)
+            raise APIError(f"{param}={asked} is above the server's max_logprobs="
+                           f"{self.engine.max_logprobs} (--max-logprobs)", param=param)
+        return n
 
     # -- text --------------------------------------------------------------------------------
 
@@ -365,8 +374,9 @@ class OpenAIServing:
         engine = self.engine
         self.check_model(body.model)
         body.check()
-        self.check_logprobs(body.logprobs, "logprobs")
-        self.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
+        # vLLM's completions take no -1 for logprobs (their answers list each entry by text).
+        self.check_logprobs(body.logprobs, "logprobs", whole_vocab=False)
+        body.prompt_logprobs = self.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         given = body.prompts()
         texts = [p for p in given if isinstance(p, str)]
         encoded = iter(await self.encode(texts, "prompt", body.add_special_tokens)
@@ -427,9 +437,8 @@ class OpenAIServing:
         engine = self.engine
         self.check_model(body.model)
         body.check()
-        num_logprobs = body.num_logprobs()
-        self.check_logprobs(num_logprobs, "top_logprobs")
-        self.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
+        num_logprobs = self.check_logprobs(body.num_logprobs(), "top_logprobs")
+        body.prompt_logprobs = self.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         text = await self.render_chat(body)
         (token_ids,) = await self.encode([text], "messages", body.add_special_tokens)
         prompt = self.truncated(body, {"prompt_token_ids": token_ids, "prompt": text})
