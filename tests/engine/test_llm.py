@@ -339,7 +339,7 @@ def test_vllm_arguments_kvfit_does_anyway_are_taken_and_others_say_why(qwen3: Pa
     # LLM(model, trust_remote_code=True), in most vLLM scripts, was a TypeError (unknown engine
     # argument), though the command line takes its flag; the others said nothing of why.
     make_llm(qwen3, trust_remote_code=True, enable_chunked_prefill=True, quantization=None,
-             pipeline_parallel_size=1).shutdown()
+             pipeline_parallel_size=1, logprobs_mode="raw_logprobs").shutdown()
     with pytest.raises(ValueError, match="quantization='awq' .*unquantized checkpoints"):
         LLM(str(qwen3), device="cpu", quantization="awq")
     with pytest.raises(ValueError, match="enable_chunked_prefill=False .*always chunks"):
@@ -351,6 +351,8 @@ def test_vllm_arguments_kvfit_does_anyway_are_taken_and_others_say_why(qwen3: Pa
         llm.shutdown()
     with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
         LLM(str(qwen3), device="cpu", scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="'processed_logprobs' is not supported"):
+        LLM(str(qwen3), device="cpu", logprobs_mode="processed_logprobs")
 
 
 def test_generate_takes_vllms_priority_at_zero_only_under_fcfs(qwen3_llm: LLM) -> None:

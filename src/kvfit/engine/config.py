@@ -97,6 +97,7 @@ class ModelConfig:
     load_format: str = "auto"
     seed: int = 0
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
     # Ids that end generation: config.json's `eos_token_id` and generation_config.json's
     # (chat models list their end-of-turn token there only, e.g. Llama 3 Instruct's <|eot_id|>),
     # and the tokenizer's, which `LLM` adds once it has loaded it.
@@ -181,6 +182,8 @@ EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
 # vLLM's CUDAGraphMode names: FULL = decode steps whole from a graph (`cuda_graph_sizes`),
 # PIECEWISE = any step's dense pieces from graphs at token buckets, attention eager between.
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+# vLLM's `logprobs_mode` names. Only its default runs here: the log-softmax of the raw logits.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass
@@ -274,6 +277,7 @@ class EngineArgs:
     seed: int = 0
     generation_config: str = "auto"
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"  # vLLM's; only its default is supported
     cuda_graph_sizes: list[int] | None = None
     cudagraph_mode: str = "FULL_DECODE_ONLY"
     gpu_memory_utilization: float | None = None
@@ -370,6 +374,10 @@ class EngineArgs:
         p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                        help="most logprobs / prompt_logprobs a request may ask for, -1 for "
                        "the whole vocabulary; warmup measures this many (default: %(default)s)")
+        p.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=LOGPROBS_MODES,
+                       help="what logprobs hold (vLLM's flag); only raw_logprobs, its default, "
+                       "runs: the log-softmax of the model's logits, before logit bias, "
+                       "penalties, temperature and top-k/top-p/min-p (default: %(default)s)")
         p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=d.cuda_graph_sizes,
                        metavar="N", help="decode batch sizes to capture as CUDA graphs "
                        "(default: 1 2 4 8 16..512 by 16; sizes above max-num-seqs or "
@@ -520,6 +528,7 @@ class EngineArgs:
             max_logprobs=(hf_config.vocab_size if self.max_logprobs == -1
                           else _at_least("max_logprobs", self.max_logprobs, 0)),
             eos_token_ids=load_eos_token_ids(self.model, hf_config),
+            logprobs_mode=self._check_logprobs_mode(),
             sampling_defaults=_sampling_defaults(self.model, self.generation_config),
         )
         max_len = model_config.max_model_len
@@ -707,6 +716,18 @@ class EngineArgs:
             cache_dtype=self._check_kv_cache_dtype(device, model_dtype),
             calculate_kv_scales=self.calculate_kv_scales,
         )
+
+    def _check_logprobs_mode(self) -> str:
+        """vLLM's `logprobs_mode`, taken at its default; another mode would change every
+        logprob a request gets, so it is refused rather than ignored."""
+        mode = _check_choice("logprobs_mode (--logprobs-mode)", self.logprobs_mode,
+                             LOGPROBS_MODES)
+        if mode != "raw_logprobs":
+            raise ValueError(f"logprobs_mode (--logprobs-mode) {mode!r} is not supported: "
+                             f"logprobs and prompt_logprobs are always raw_logprobs (vLLM's "
+                             f"default), the log-softmax of the model's logits before logit "
+                             f"bias, penalties, temperature and top-k/top-p/min-p")
+        return mode
 
     def _check_kv_cache_dtype(self, device: torch.device, model_dtype: torch.dtype) -> str:
         name = _check_choice("kv_cache_dtype (--kv-cache-dtype)", self.kv_cache_dtype,
