@@ -45,6 +45,24 @@ def test_null_means_the_default(http: httpx.Client, path: str, body: dict) -> No
     assert choice["logprobs"] is None and r.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize(("logprobs", "top_logprobs", "status"), [
+    (None, 0, 200), (False, 0, 200), (False, 2, 400), (None, -1, 400), (True, 0, 200),
+])  # fmt: skip
+def test_top_logprobs_0_without_logprobs_asks_for_nothing(
+        http: httpx.Client, logprobs: bool | None, top_logprobs: int, status: int) -> None:
+    """As vLLM: only a top_logprobs that asks for entries (> 0, or -1) needs logprobs=true."""
+    body = {"messages": MESSAGES, "max_tokens": 2, "top_logprobs": top_logprobs}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == "top_logprobs"
+    else:
+        content = (r.json()["choices"][0]["logprobs"] or {}).get("content")
+        assert (content is not None) == bool(logprobs)
+
+
 def test_null_for_a_required_field_is_still_an_error(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={"prompt": None})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"

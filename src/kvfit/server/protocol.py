@@ -451,7 +451,8 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         return self.max_tokens, "max_tokens"
 
     def num_logprobs(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
+        # top_logprobs=0 without logprobs asks for nothing: vLLM takes it, as clients send it.
+        if self.top_logprobs and not self.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
