@@ -331,3 +331,74 @@ def test_a_token_budget_no_step_can_fill_is_capped_at_what_one_can(
     # A budget a step can fill is kept.
     assert config(max_num_batched_tokens=384, max_num_seqs=4,
                   max_model_len=128).scheduler_config.max_num_batched_tokens == 384
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    # Found by the hunt: a str where a number is meant raised a bare TypeError from a
+    # comparison, naming no setting ...
+    ({"gpu_memory_utilization": "0.5"}, r"gpu_memory_utilization must be a number, got '0.5'"),
+    ({"kv_cache_margin_fraction": None}, r"kv_cache_margin_fraction must be a number, got None"),
+    ({"kv_offloading_size": "2"}, r"kv_offloading_size must be a number of GiB, got '2'"),
+    ({"tensor_parallel_size": None}, r"tensor_parallel_size must be an integer >= 1, got None"),
+    ({"tensor_parallel_size": "2"}, r"tensor_parallel_size must be an integer >= 1, got '2'"),
+    ({"cuda_graph_sizes": 8}, r"cuda_graph_sizes must be a list of integers >= 1, got 8"),
+    ({"cuda_graph_sizes": "16"}, r"cuda_graph_sizes must be a list of integers >= 1, got '16'"),
+    ({"tokenizer": 5}, r"tokenizer must be a path or name \(a str\), got 5"),
+    ({"kv_connector": "shared_storage", "kv_connector_path": 5}, r"kv_connector_path must be"),
+    # ... a bool passed as the number 1 (one sequence, a 1-token block, the whole device) ...
+    ({"max_num_seqs": True}, r"max_num_seqs must be an integer >= 1, got True"),
+    ({"block_size": True}, r"block_size must be an integer >= 1, got True"),
+    ({"gpu_memory_utilization": True}, r"gpu_memory_utilization must be a number, got True"),
+    ({"max_logprobs": False}, r"max_logprobs must be an integer >= -1, got False"),
+    # ... a string for a switch was read by truthiness: "False" turned it on ...
+    ({"enforce_eager": "False"}, r"enforce_eager must be True or False, got 'False'"),
+    ({"enable_prefix_caching": "no"}, r"enable_prefix_caching must be True or False"),
+    ({"enable_extensible_kv_cache": "false"}, r"enable_extensible_kv_cache must be True or"),
+    ({"calculate_kv_scales": 2}, r"calculate_kv_scales must be True or False, got 2"),
+    # ... and a hook not of the form module:function failed in the worker.
+    ({"worker_init_fn": "tp_hooks"}, r"worker_init_fn must be 'module:function'"),
+    ({"worker_init_fn": 5}, r"worker_init_fn must be 'module:function', got 5"),
+    # Still refused: fractions, NaN, the seed's range.
+    ({"max_model_len": 64.5}, r"max_model_len must be an integer >= 1, got 64.5"),
+    ({"num_gpu_blocks_override": float("nan")}, r"num_gpu_blocks_override must be an integer"),
+    ({"seed": -(2**63) - 1}, r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
+])
+def test_a_setting_of_the_wrong_type_is_refused_naming_it(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        config(**kwargs)
+
+
+def test_numpy_scalars_and_whole_floats_are_taken_as_vllm_takes_them() -> None:
+    """vLLM's configs (pydantic) take np.int64(64) or 64.0 for an int, any real for a float
+    and 0/1 for a switch; kvfit refused the first two with "must be an integer", and they are
+    what a script computing its settings passes."""
+    import pathlib
+
+    import numpy as np
+
+    args = EngineArgs(model=pathlib.Path("kvfit-tiny"), device="cpu",
+                      max_model_len=np.int64(64), max_num_seqs=4.0, seed=np.uint32(7),
+                      block_size=np.int32(16), gpu_memory_utilization=np.float32(0.5),
+                      cuda_graph_sizes=(np.int64(1), 2.0), enforce_eager=np.bool_(True),
+                      enable_prefix_caching=0)
+    c = args.create_engine_config()
+    assert c.model_config.model == "kvfit-tiny"
+    assert c.model_config.max_model_len == 64 and type(c.model_config.max_model_len) is int
+    assert c.scheduler_config.max_num_seqs == 4 and type(c.scheduler_config.max_num_seqs) is int
+    assert c.model_config.seed == 7 and type(c.model_config.seed) is int
+    assert type(c.cache_config.block_size) is int
+    assert c.cache_config.gpu_memory_utilization == 0.5
+    assert type(c.cache_config.gpu_memory_utilization) is float
+    assert c.cuda_graph_sizes == [1, 2]
+    assert c.enforce_eager is True and c.cache_config.enable_prefix_caching is False
+    # The arguments read back as the engine runs them.
+    assert type(args.max_model_len) is int and args.enable_prefix_caching is False
+
+
+def test_every_integer_setting_has_its_range_in_the_table() -> None:
+    from dataclasses import fields
+
+    from kvfit.engine.config import _INTEGER_RANGES
+
+    ints = {f.name for f in fields(EngineArgs) if f.type.removesuffix(" | None") == "int"}
+    assert ints == set(_INTEGER_RANGES)

@@ -7,10 +7,12 @@ import argparse
 import logging
 import math
 import numbers
+import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvfit.connectors import check_kv_connector
@@ -514,6 +516,7 @@ class EngineArgs:
         from kvfit.models.loader import LOAD_FORMATS, load_eos_token_ids, load_hf_config
         from kvfit.models.registry import get_model_class
 
+        _check_types(self)
         device = _resolve_device(self.device)
         hf_config = load_hf_config(self.model)
         get_model_class(hf_config)  # an unknown architecture fails here, before any work
@@ -523,28 +526,27 @@ class EngineArgs:
             dtype=_resolve_dtype(self.dtype, hf_config, device),
             max_model_len=_resolve_max_model_len(self.max_model_len, hf_config, device),
             load_format=_check_choice("load_format", self.load_format, LOAD_FORMATS),
-            seed=_check_seed(self.seed),
+            seed=self.seed,
             # -1: no cap, vLLM's (the whole vocabulary, which warmup then measures).
             max_logprobs=(hf_config.vocab_size if self.max_logprobs == -1
-                          else _at_least("max_logprobs", self.max_logprobs, 0)),
+                          else self.max_logprobs),
             eos_token_ids=load_eos_token_ids(self.model, hf_config),
             logprobs_mode=self._check_logprobs_mode(),
             sampling_defaults=_sampling_defaults(self.model, self.generation_config),
         )
         max_len = model_config.max_model_len
         check_config(hf_config, max_len)  # features the model does not run: refused now
-        block_size = _at_least("block_size", self.block_size, 1)
+        block_size = self.block_size
         if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         if block_size > MAX_BLOCK_SIZE:
             raise ValueError(f"block_size (--block-size) must be at most {MAX_BLOCK_SIZE}, got "
                              f"{block_size}: each sequence holds whole blocks, so a larger one "
                              f"only wastes memory, and warmup runs a step of at least a block")
-        max_num_seqs = _at_least("max_num_seqs", self.max_num_seqs, 1)
+        max_num_seqs = self.max_num_seqs
         max_batched = _DEFAULT_MAX_NUM_BATCHED_TOKENS[device.type]
         if self.max_num_batched_tokens is not None:
-            # 0 is no default: a step of no tokens is no setting anyone means.
-            max_batched = _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+            max_batched = self.max_num_batched_tokens
         # No step can hold more, and profiling and warmup run a step of this size: measured
         # sizing would keep its transient free for nothing.
         fill = max(max_num_seqs * max_len, block_size)
@@ -564,7 +566,7 @@ class EngineArgs:
             cache_config=self._cache_config(device, block_size, model_config.dtype),
             scheduler_config=SchedulerConfig(
                 max_num_seqs, max_batched, max_len,
-                _at_least("long_prefill_token_threshold", self.long_prefill_token_threshold, 0),
+                self.long_prefill_token_threshold,
                 _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES),
             ),
             device=device,
@@ -602,7 +604,7 @@ class EngineArgs:
 
     def _parallel_config(self, hf_config: PretrainedConfig, device: torch.device
                          ) -> ParallelConfig:
-        tp = _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        tp = self.tensor_parallel_size
         backend = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
         _check_choice("distributed_executor_backend", backend, EXECUTOR_BACKENDS)
         if backend == "uni" and tp > 1:
@@ -677,8 +679,6 @@ class EngineArgs:
             name for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override")
             if getattr(self, name) is not None
         ]
-        for name in manual:
-            _at_least(name, getattr(self, name), 1)
         extensible = self.enable_extensible_kv_cache
         if extensible and manual:
             raise ValueError(
@@ -698,11 +698,9 @@ class EngineArgs:
             # nan and inf got past `< 0` and failed in sizing, as a float -> int conversion.
             raise ValueError(f"kv_cache_margin_fraction must be a finite number >= 0, got "
                              f"{self.kv_cache_margin_fraction}")
-        _at_least("kv_cache_margin_floor_bytes", self.kv_cache_margin_floor_bytes, 0)
         cpu_space = self.cpu_kv_cache_space_bytes
         if cpu_space is None:
             cpu_space = min(_DEFAULT_CPU_KV_SPACE_BYTES, _host_memory_bytes() // 3)
-        _at_least("cpu_kv_cache_space_bytes", cpu_space, 1)
         return CacheConfig(
             block_size=block_size,
             enable_prefix_caching=self.enable_prefix_caching,
@@ -756,23 +754,94 @@ class EngineArgs:
         return name
 
 
-def _at_least(name: str, value: int, low: int) -> int:
-    if not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
+# Integer settings and the values they take, [low, high) (high None: no bound): checked
+# before anything else by `_check_types`, which also takes each field's type from its
+# annotation. Integral floats and numpy scalars are taken as vLLM's (pydantic) configs take them.
+_INTEGER_RANGES: dict[str, tuple[int, int | None]] = {
+    "max_model_len": (1, None),
+    "max_num_seqs": (1, None),
+    "max_num_batched_tokens": (1, None),  # 0 is no default: a step of no tokens
+    "long_prefill_token_threshold": (0, None),  # 0 = off
+    "block_size": (1, None),
+    # The range torch's generators take: a float or an overflow failed in a worker with
+    # torch's words, naming no setting.
+    "seed": (-(2**63), 2**64),
+    "max_logprobs": (-1, None),  # -1: the whole vocabulary
+    "kv_cache_memory_bytes": (1, None),
+    "num_gpu_blocks_override": (1, None),
+    "kv_cache_margin_floor_bytes": (0, None),
+    "cpu_kv_cache_space_bytes": (1, None),
+    "tensor_parallel_size": (1, None),
+}
+# What a float setting counts, where "a number" says too little.
+_FLOAT_UNITS = {"elastic_min_interval": "a number of seconds",
+                "elastic_idle_s": "a number of seconds", "kv_offloading_size": "a number of GiB"}
+# String settings naming a file or folder: a `pathlib.Path` is taken, as a str.
+_PATH_SETTINGS = ("model", "tokenizer", "generation_config", "kv_connector_path",
+                  "elastic_demand_dir")
+
+
+def _check_types(args: EngineArgs) -> None:
+    """Check every setting's type against its field's annotation and the integers'
+    ranges, in place: a numpy scalar or an integral float becomes the int or float it stands
+    for. Run first, so that a wrong type fails here naming the setting, not in a comparison
+    or a worker; "True"/"0.5" strings are refused rather than read by truthiness."""
+    for f in fields(args):
+        name, value = f.name, getattr(args, f.name)
+        if value is None and f.type.endswith("| None"):
+            continue
+        kind = f.type.removesuffix(" | None")
+        if kind == "int":
+            value = _as_int(name, value, *_INTEGER_RANGES[name])
+        elif kind == "float":
+            if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{name} must be {_FLOAT_UNITS.get(name, 'a number')}, "
+                                 f"got {value!r}")
+            value = float(value)
+        elif kind == "bool":
+            # 0 and 1 as vLLM takes them; a string is refused: "False" is truthy.
+            if isinstance(value, numbers.Integral) and value in (0, 1):
+                value = bool(value)
+            elif not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+            value = bool(value)
+        elif kind == "list[int]":
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list of integers >= 1, got {value!r}")
+            value = [_as_int(name, size, 1, None) for size in value]
+        elif name in _PATH_SETTINGS:
+            if not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"{name} must be a path or name (a str), got {value!r}")
+            value = os.fspath(value)
+        setattr(args, name, value)
+    hook = args.worker_init_fn
+    if hook is not None and not (isinstance(hook, str)
+                                 and re.fullmatch(r"[\w.]+:\w+", hook)):
+        raise ValueError(f"worker_init_fn must be 'module:function', got {hook!r}")
+
+
+def _as_int(name: str, value: object, low: int, high: int | None) -> int:
+    """`value` as an int in [low, high), or a ValueError naming `name` and the range."""
+    number = None
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and (
+            isinstance(value, numbers.Integral)
+            or math.isfinite(value) and float(value).is_integer()):
+        number = int(value)
+    if number is None or number < low or (high is not None and number >= high):
+        allowed = f">= {low}" if high is None else f"in [{_power(low)}, {_power(high)})"
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+    return number
+
+
+def _power(n: int) -> str:
+    """`n`, as 2**k where it is a large power of two (the seed's bounds)."""
+    k = abs(n).bit_length() - 1
+    return f"{'-' if n < 0 else ''}2**{k}" if abs(n) == 1 << k and k >= 32 else str(n)
 
 
 def _is_seconds(value: object) -> bool:
     """Whether `value` is a real number of seconds >= 0 (not a bool, not NaN)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and value >= 0
-
-
-def _check_seed(seed: int) -> int:
-    """The engine's seed, in the range torch's generators take: checked here, since a float or
-    an overflow would otherwise fail in a worker with torch's words, naming no setting."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
-        raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
-    return seed
 
 
 def _sampling_defaults(model: str, source: str) -> dict[str, Any]:
@@ -881,7 +950,6 @@ def _resolve_max_model_len(max_model_len: int | None, hf_config: PretrainedConfi
     if max_model_len is None:
         cap = _DEFAULT_MAX_MODEL_LEN_CAP[device.type]
         return min(limit, cap) if limit else cap
-    _at_least("max_model_len", max_model_len, 1)
     if limit and max_model_len > limit:
         context = (f"max_position_embeddings ({limit})" if limit == positions else
                    f"context as its rope_scaling extends it ({limit}, max_position_embeddings "
@@ -894,8 +962,6 @@ def _resolve_max_model_len(max_model_len: int | None, hf_config: PretrainedConfi
 def _resolve_graph_sizes(sizes: list[int] | None, max_batch: int) -> list[int]:
     if sizes is None:
         sizes = [1, 2, 4, 8, *range(16, 513, 16)]
-    for s in sizes:
-        _at_least("cuda_graph_sizes", s, 1)
     return sorted({s for s in sizes if s <= max_batch})
 
 
