@@ -402,3 +402,24 @@ def test_every_integer_setting_has_its_range_in_the_table() -> None:
 
     ints = {f.name for f in fields(EngineArgs) if f.type.removesuffix(" | None") == "int"}
     assert ints == set(_INTEGER_RANGES)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    # Found by the hunt: these raised AttributeError ('NoneType' object has no attribute
+    # 'upper'), TypeError (unhashable type: 'list') or torch's own words ...
+    ({"cudagraph_mode": None}, r"cudagraph_mode must be one of NONE, PIECEWISE, .*got None"),
+    ({"cudagraph_mode": 1}, r"cudagraph_mode must be one of .*got 1"),
+    ({"dtype": ["bfloat16"]}, r"dtype must be 'auto' or one of .*got \['bfloat16'\]"),
+    ({"device": None}, r"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got None"),
+    # ... and a falsy backend was taken as unset.
+    ({"distributed_executor_backend": False},
+     r"distributed_executor_backend must be one of uni, mp, external_launcher; got False"),
+    ({"distributed_executor_backend": ""}, r"distributed_executor_backend must be one of"),
+])
+def test_a_choice_of_the_wrong_type_is_refused_naming_its_values(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(**{"model": "kvfit-tiny", "device": "cpu", **kwargs}).create_engine_config()
+    # The choices' other spellings stay: lower case modes and torch's own types.
+    c = config(cudagraph_mode="piecewise", dtype=torch.float16)
+    assert (c.cudagraph_mode, c.model_config.dtype) == ("PIECEWISE", torch.float16)
+    assert EngineArgs(device=torch.device("cpu")).create_engine_config().device.type == "cpu"

@@ -574,7 +574,7 @@ class EngineArgs:
             cuda_graph_sizes=_resolve_graph_sizes(
                 self.cuda_graph_sizes, min(max_num_seqs, max_batched)
             ),
-            cudagraph_mode=_check_choice("cudagraph_mode", self.cudagraph_mode.upper(),
+            cudagraph_mode=_check_choice("cudagraph_mode", _upper(self.cudagraph_mode),
                                          CUDAGRAPH_MODES),
             enable_sleep_mode=self._check_sleep_mode(device),
             kv_cache_layout=_check_choice("kv_cache_layout", self.kv_cache_layout,
@@ -605,7 +605,9 @@ class EngineArgs:
     def _parallel_config(self, hf_config: PretrainedConfig, device: torch.device
                          ) -> ParallelConfig:
         tp = self.tensor_parallel_size
-        backend = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
+        backend = self.distributed_executor_backend
+        if backend is None:
+            backend = "uni" if tp == 1 else "mp"
         _check_choice("distributed_executor_backend", backend, EXECUTOR_BACKENDS)
         if backend == "uni" and tp > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker, but "
@@ -866,6 +868,12 @@ def _sampling_defaults(model: str, source: str) -> dict[str, Any]:
     return defaults
 
 
+def _upper(value: object) -> object:
+    """A mode name in upper case (vLLM's spelling), anything else as it is, for
+    `_check_choice` to refuse."""
+    return value.upper() if isinstance(value, str) else value
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
@@ -898,7 +906,9 @@ def _check_vmm_usable(device: torch.device) -> None:
         )
 
 
-def _resolve_device(device: str) -> torch.device:
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {device!r}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -927,7 +937,7 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig,
                    device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
+    if isinstance(dtype, str) and dtype == "auto":
         if device.type == "cpu":
             return torch.float32
         native = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -935,7 +945,7 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig,
             native = _DTYPES.get(native)
         # A float32 checkpoint would halve throughput on the GPU; serve it in bf16 like vLLM.
         return native if native in (torch.bfloat16, torch.float16) else torch.bfloat16
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[dtype]
 
