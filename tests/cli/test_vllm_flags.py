@@ -194,3 +194,17 @@ def test_bench_takes_vllms_random_dataset_name(mode: str,
         build_parser().parse_args(["bench", mode, "--dataset-name", "sharegpt"])
     assert exit_info.value.code == 2
     assert "--dataset-name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--enforce-eager", "--enable-sleep-mode", "--elastic-kv-cache",
+                                  "--deterministic", "--batch-invariant",
+                                  "--calculate-kv-scales"])
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_every_engine_switch_takes_vllms_no_form(command: str, flag: str) -> None:
+    # vLLM makes every bool field --x / --no-x; these were store_true here, so a vLLM command
+    # line with --no-enforce-eager stopped at "unrecognized arguments".
+    dest = "deterministic" if flag == "--batch-invariant" else flag[2:].replace("-", "_")
+    parser = build_parser()
+    assert getattr(parser.parse_args([command, flag]), dest) is True
+    assert getattr(parser.parse_args([command, flag, f"--no-{flag[2:]}"]), dest) is False
+    assert getattr(parser.parse_args([command]), dest) is False

@@ -358,8 +358,11 @@ class EngineArgs:
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d.enable_prefix_caching,
                        help="reuse the KV blocks of shared prompt prefixes (default: on)")
-        p.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
-                       help="no CUDA graphs (always so on the CPU)")
+        # Switches are --x / --no-x, as vLLM makes every bool field: a vLLM command line
+        # with --no-enforce-eager was an argparse error here.
+        p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
+                       default=d.enforce_eager,
+                       help="no CUDA graphs (always so on the CPU; default: off)")
         p.add_argument("--load-format", default=d.load_format,
                        help="auto (dummy for built-in shapes without weights, else "
                        "safetensors), safetensors or dummy (default: %(default)s)")
@@ -421,9 +424,10 @@ class EngineArgs:
                        "8G (8 GiB) (default: "
                        "8 GiB, at most a third of the host; the KV cache takes no more than "
                        "max-num-seqs sequences of max-model-len)")
-        p.add_argument("--enable-sleep-mode", action="store_true", default=d.enable_sleep_mode,
+        p.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction,
+                       default=d.enable_sleep_mode,
                        help="place the weights in a VMM arena so LLM.sleep() can release them "
-                       "and the KV cache without recapturing graphs")
+                       "and the KV cache without recapturing graphs (default: off)")
         p.add_argument("--kv-cache-layout", default=d.kv_cache_layout, choices=sorted(LAYOUTS),
                        help="dimension order of the KV cache (default: %(default)s, one "
                        "contiguous region per block)")
@@ -446,10 +450,12 @@ class EngineArgs:
                        help="how workers run: uni (in this process), mp (one spawned process "
                        "per rank) or external_launcher (each rank started by torchrun); "
                        "default: uni for one rank, mp for more")
-        p.add_argument("--elastic-kv-cache", action="store_true", default=d.elastic_kv_cache,
+        p.add_argument("--elastic-kv-cache", action=argparse.BooleanOptionalAction,
+                       default=d.elastic_kv_cache,
                        help="share the device with other processes: shrink the KV cache when "
                        "device free memory falls under --elastic-low-watermark, grow it back "
-                       "(up to the sizing budget) when it is above --elastic-high-watermark")
+                       "(up to the sizing budget) when it is above --elastic-high-watermark "
+                       "(default: off)")
         amount = ("a fraction of device memory in (0, 1) (on the CPU: of "
                   "--cpu-kv-cache-space-bytes), or bytes: 2147483648, 2GiB, 512MiB")
         p.add_argument("--elastic-low-watermark", default=d.elastic_low_watermark,
@@ -474,21 +480,22 @@ class EngineArgs:
                        "caches lack, so that an idle one (--elastic-idle-s) gives back only "
                        "that and keeps the rest, its prefix cache with it; 'none' turns it off "
                        "(default: %(default)s)")
-        p.add_argument("--deterministic", "--batch-invariant", action="store_true",
-                       default=d.deterministic,
+        p.add_argument("--deterministic", "--batch-invariant",
+                       action=argparse.BooleanOptionalAction, default=d.deterministic,
                        help="batch-invariant kernels: a request gets the same token ids and "
                        "logprobs whatever else is in the batch, where it sits, and whether its "
-                       "prefix came from the cache (slower GEMMs and attention)")
+                       "prefix came from the cache (slower GEMMs and attention; default: off)")
         p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                        choices=list(KV_CACHE_DTYPES),
                        help="KV cache storage: auto (the model's dtype), bfloat16, or fp8 / "
                        "fp8_e4m3 (e4m3 with a per-layer k/v scale, 1.0 unless the checkpoint "
                        "has its own or --calculate-kv-scales: about twice the blocks of a "
                        "16-bit cache in the same memory; default: %(default)s)")
-        p.add_argument("--calculate-kv-scales", action="store_true",
+        p.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction,
                        default=d.calculate_kv_scales,
                        help="with --kv-cache-dtype fp8: set each layer's k/v scales once, from "
-                       "the first step's K/V (amax / 200 for K, / 100 for V), instead of 1.0")
+                       "the first step's K/V (amax / 200 for K, / 100 for V), instead of 1.0 "
+                       "(default: off)")
         p.add_argument("--small-batch-kernels", action=argparse.BooleanOptionalAction,
                        default=d.small_batch_kernels,
                        help="on CUDA, run steps of at most 16 tokens (small decode batches) "
