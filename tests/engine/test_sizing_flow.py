@@ -724,3 +724,18 @@ def test_gpu_max_model_len_error_and_engines_in_sequence_do_not_accumulate(
         free_after.append(torch.cuda.mem_get_info()[0])
     # The first round loads kernels for good; later rounds must give back all they take.
     assert free_after[2] >= free_after[1] - 64 * MiB
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("num_gpu_blocks_override", 10**12),  # 32 PB: "DefaultCPUAllocator: can't allocate memory"
+    ("kv_cache_memory_bytes", 10**20),  # "Storage size calculation overflowed"
+])
+def test_a_manual_cache_size_beyond_free_memory_names_the_setting(
+    qwen3: Path, name: str, value: int,
+) -> None:
+    # Found by the hunt: the allocation failed with torch's words, naming no setting.
+    with pytest.raises(ValueError, match=rf"{name} asks for a KV cache of \d+ blocks \(\d+ "
+                                         rf"bytes\), but \d+ bytes are free on cpu; lower {name}"):
+        LLM(str(qwen3), device="cpu", **{name: value}, **LIMITS)
+    gc.collect()
+    assert mapped_kv_bytes() == 0

@@ -156,11 +156,27 @@ class Worker:
             step = self.runner.kv_cache_spec.granule_block_step(
                 commit_granule(get_driver(self.device).granularity(self.device.index or 0)))
             num_blocks = -(-num_blocks // step) * step
+        if self.config.cache_config.sizing_method == "override":
+            self._check_override_fits(num_blocks)
         self.runner.initialize_kv_cache(num_blocks, extensible)
         if extensible:
             profile = self.memory_profile()
             num_blocks = self.runner.kv_cache.blocks_that_fit(profile.free + profile.committed_kv)
         return num_blocks
+
+    def _check_override_fits(self, num_blocks: int) -> None:
+        """A manual size is taken as given, but not past the memory free now: the allocation
+        failed with the allocator's words ("can't allocate memory", or an overflowed size for
+        kv_cache_memory_bytes=1e20), naming no setting."""
+        cc = self.config.cache_config
+        need = num_blocks * self.runner.kv_cache_spec.block_bytes
+        free = self.memory_profile().free
+        if need > free:
+            setting = ("num_gpu_blocks_override" if cc.num_gpu_blocks_override is not None
+                       else "kv_cache_memory_bytes")
+            raise ValueError(f"{setting} asks for a KV cache of {num_blocks} blocks "
+                             f"({need} bytes), but {free} bytes are free on {self.device}; "
+                             f"lower {setting}, or leave it unset to size from free memory")
 
     def kv_cache_commit_granule(self) -> int:
         """Bytes of this rank's commit granule (0 without the extensible cache)."""
