@@ -45,6 +45,21 @@ def test_max_model_len_default_is_capped_and_larger_is_an_error() -> None:
         config(max_model_len=hf.max_position_embeddings * 8)
 
 
+def test_max_model_len_auto_is_the_models_whole_context() -> None:
+    hf = load_hf_config("qwen3-0.6b-shape")
+    for auto in ("auto", "AUTO", -1):
+        c = EngineArgs(model="qwen3-0.6b-shape", device="cpu",
+                       max_model_len=auto).create_engine_config()
+        assert c.model_config.max_model_len == hf.max_position_embeddings  # not capped
+        assert c.model_config.max_model_len_auto
+    assert not config(max_model_len=100).model_config.max_model_len_auto
+    with pytest.raises(ValueError, match="max_model_len must be an integer >= 1, or -1"):
+        config(max_model_len=0)
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--max-model-len", "auto"]).max_model_len == -1
+    assert parser.parse_args(["--max-model-len", "32K"]).max_model_len == 32768
+
+
 @pytest.mark.parametrize("name", ["kv_cache_memory_bytes", "num_gpu_blocks_override"])
 def test_manual_cache_size_turns_the_extensible_default_off(name: str) -> None:
     cc = config(**{name: 1 << 20}).cache_config
@@ -359,7 +374,8 @@ def test_a_token_budget_no_step_can_fill_is_capped_at_what_one_can(
     ({"worker_init_fn": "tp_hooks"}, r"worker_init_fn must be 'module:function'"),
     ({"worker_init_fn": 5}, r"worker_init_fn must be 'module:function', got 5"),
     # Still refused: fractions, NaN, the seed's range.
-    ({"max_model_len": 64.5}, r"max_model_len must be an integer >= 1, got 64.5"),
+    ({"max_model_len": 64.5}, r"max_model_len must be an integer >= 1, or -1 \('auto'"),
+    ({"max_model_len": -2}, r"max_model_len must be an integer >= 1, or -1 \('auto'"),
     ({"num_gpu_blocks_override": float("nan")}, r"num_gpu_blocks_override must be an integer"),
     ({"seed": -(2**63) - 1}, r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
 ])

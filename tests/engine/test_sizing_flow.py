@@ -4,8 +4,10 @@ and the report, on the CPU through the host VMM driver; the GPU essentials under
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import re
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -408,6 +410,49 @@ def test_max_model_len_that_does_not_fit_points_at_max_model_len_and_max_num_seq
     assert "gpu_memory_utilization" not in message
     gc.collect()
     assert mapped_kv_bytes() == 0  # the failed startup released what warmup committed
+
+
+@pytest.mark.parametrize("auto", ["auto", -1])
+def test_max_model_len_auto_is_lowered_to_what_the_measured_cache_holds(
+    qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture, auto: str | int,
+) -> None:
+    """vLLM's `--max-model-len auto`: where one sequence of the model's whole context does not
+    fit what sizing measured, the engine serves the longest that does (with a warning) rather
+    than refusing to start; requests are then held to it."""
+    model = tmp_path / "long-context"
+    shutil.copytree(qwen3, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    # One granule is all that is measured free: 2,048 tokens of this model.
+    monkeypatch.setattr(worker_module, "available_kv_bytes", lambda profile, *args: 2 * MiB)
+    with caplog.at_level(logging.WARNING, logger="kvfit.engine.engine_core"):
+        llm = LLM(str(model), device="cpu", max_model_len=auto, **LIMITS)
+    try:
+        fits = llm.kv_cache_report.num_blocks * llm.config.cache_config.block_size
+        assert fits < 8192
+        assert llm.config.model_config.max_model_len == llm.engine.scheduler.max_model_len == fits
+        assert f"serving with max_model_len={fits}" in caplog.text
+        out = llm.generate([{"prompt_token_ids": [5] * (fits - 4)}],
+                           SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 4
+        with pytest.raises(ValueError, match=f"max_model_len is {fits}"):
+            llm.generate([{"prompt_token_ids": [5] * fits}], use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_max_model_len_auto_under_a_fixed_cache_size(make_llm: Callable[..., LLM]) -> None:
+    """The model's whole context where it fits; else what `num_gpu_blocks_override` holds,
+    known before warmup."""
+    llm = make_llm(max_model_len="auto", num_gpu_blocks_override=4096)
+    hf = llm.config.model_config.hf_config
+    assert llm.engine.scheduler.max_model_len == hf.max_position_embeddings
+    llm = make_llm(max_model_len="auto", num_gpu_blocks_override=8)
+    assert llm.engine.scheduler.max_model_len == llm.config.model_config.max_model_len == 128
+    out = llm.generate([{"prompt_token_ids": [5] * 120}],
+                       SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
 
 
 def test_engine_takes_the_minimum_over_workers(

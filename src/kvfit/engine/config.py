@@ -63,6 +63,11 @@ _DTYPES = {
 _SUFFIX_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
 
 
+def _max_model_len_arg(text: str) -> int:
+    """`--max-model-len`: a token count as `human_readable_int` reads it, or "auto" (-1)."""
+    return -1 if text.strip().lower() == "auto" else human_readable_int(text)
+
+
 def human_readable_int(text: str) -> int:
     """An argparse type for token and byte counts, as vLLM reads them: an integer, or one with
     a suffix, k/m/g/t for powers of 1000 (`32k` = 32000, `25.6k` = 25600) and K/M/G/T for
@@ -96,6 +101,9 @@ class ModelConfig:
     hf_config: PretrainedConfig
     dtype: torch.dtype
     max_model_len: int
+    # `max_model_len` "auto" / -1 (vLLM's): the model's whole context, lowered at sizing to
+    # what the KV cache holds where one sequence of it would not fit.
+    max_model_len_auto: bool = False
     load_format: str = "auto"
     seed: int = 0
     max_logprobs: int = 20
@@ -327,10 +335,11 @@ class EngineArgs:
         p.add_argument("--device", default=d.device,
                        help="'auto' (cuda where there is one, else cpu), 'cpu', 'cuda' or "
                        "'cuda:N' (default: %(default)s)")
-        p.add_argument("--max-model-len", type=human_readable_int, default=d.max_model_len,
-                       help="context window in tokens, e.g. 4096, 32k (32000) or 32K (32768) "
-                       "(default: the model's, capped at "
-                       f"{_DEFAULT_MAX_MODEL_LEN_CAP['cuda']} on a GPU and "
+        p.add_argument("--max-model-len", type=_max_model_len_arg, default=d.max_model_len,
+                       help="context window in tokens, e.g. 4096, 32k (32000) or 32K (32768); "
+                       "auto (or -1): the model's whole context, lowered to what the measured "
+                       "KV cache holds where one sequence of it would not fit (default: the "
+                       f"model's, capped at {_DEFAULT_MAX_MODEL_LEN_CAP['cuda']} on a GPU and "
                        f"{_DEFAULT_MAX_MODEL_LEN_CAP['cpu']} on the CPU)")
         p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                        help="most sequences in one batch (default: %(default)s)")
@@ -523,6 +532,8 @@ class EngineArgs:
         from kvfit.models.loader import LOAD_FORMATS, load_eos_token_ids, load_hf_config
         from kvfit.models.registry import get_model_class
 
+        if isinstance(self.max_model_len, str) and self.max_model_len.strip().lower() == "auto":
+            self.max_model_len = -1
         _check_types(self)
         device = _resolve_device(self.device)
         hf_config = load_hf_config(self.model)
@@ -532,6 +543,7 @@ class EngineArgs:
             hf_config=hf_config,
             dtype=_resolve_dtype(self.dtype, hf_config, device),
             max_model_len=_resolve_max_model_len(self.max_model_len, hf_config, device),
+            max_model_len_auto=self.max_model_len == -1,
             load_format=_check_choice("load_format", self.load_format, LOAD_FORMATS),
             seed=self.seed,
             # -1: no cap, vLLM's (the whole vocabulary, which warmup then measures).
@@ -767,7 +779,7 @@ class EngineArgs:
 # before anything else by `_check_types`, which also takes each field's type from its
 # annotation. Integral floats and numpy scalars are taken as vLLM's (pydantic) configs take them.
 _INTEGER_RANGES: dict[str, tuple[int, int | None]] = {
-    "max_model_len": (1, None),
+    "max_model_len": (-1, None),  # -1: "auto" (0 is refused too, by _as_int)
     "max_num_seqs": (1, None),
     "max_num_batched_tokens": (1, None),  # 0 is no default: a step of no tokens
     "long_prefill_token_threshold": (0, None),  # 0 = off
@@ -782,6 +794,9 @@ _INTEGER_RANGES: dict[str, tuple[int, int | None]] = {
     "cpu_kv_cache_space_bytes": (1, None),
     "tensor_parallel_size": (1, None),
 }
+# How an integer's range reads, where [low, high) says it wrong.
+_RANGE_WORDS = {"max_model_len": ">= 1, or -1 ('auto': the model's context within what the KV "
+                                 "cache holds)"}
 # What a float setting counts, where "a number" says too little.
 _FLOAT_UNITS = {"elastic_min_interval": "a number of seconds",
                 "elastic_idle_s": "a number of seconds", "kv_offloading_size": "a number of GiB"}
@@ -836,8 +851,11 @@ def _as_int(name: str, value: object, low: int, high: int | None) -> int:
             isinstance(value, numbers.Integral)
             or math.isfinite(value) and float(value).is_integer()):
         number = int(value)
+    if name == "max_model_len" and number == 0:
+        number = None  # the range's one hole
     if number is None or number < low or (high is not None and number >= high):
-        allowed = f">= {low}" if high is None else f"in [{_power(low)}, {_power(high)})"
+        allowed = _RANGE_WORDS.get(name) or (
+            f">= {low}" if high is None else f"in [{_power(low)}, {_power(high)})")
         raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
     return number
 
@@ -964,9 +982,11 @@ def _resolve_max_model_len(max_model_len: int | None, hf_config: PretrainedConfi
     positions = getattr(hf_config, "max_position_embeddings", None)
     # A scaled rope runs past max_position_embeddings, to the context it was extended to.
     limit = max_positions(hf_config) if positions else None
+    cap = _DEFAULT_MAX_MODEL_LEN_CAP[device.type]
     if max_model_len is None:
-        cap = _DEFAULT_MAX_MODEL_LEN_CAP[device.type]
         return min(limit, cap) if limit else cap
+    if max_model_len == -1:  # "auto": the whole context; sizing lowers it if need be
+        return limit or cap
     if limit and max_model_len > limit:
         context = (f"max_position_embeddings ({limit})" if limit == positions else
                    f"context as its rope_scaling extends it ({limit}, max_position_embeddings "

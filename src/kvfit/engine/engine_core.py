@@ -293,8 +293,19 @@ class EngineCore:
         return cap
 
     def _check_max_model_len_fits(self, num_blocks: int) -> None:
+        """Refuse a cache that cannot hold one `max_model_len` sequence, naming what to
+        change; under `max_model_len` "auto", lower it to what the cache holds instead."""
         cc, sc = self.config.cache_config, self.config.scheduler_config
-        if num_blocks * cc.block_size >= sc.max_model_len:
+        mc = self.config.model_config
+        fits = num_blocks * cc.block_size
+        if fits >= sc.max_model_len:
+            return
+        if mc.max_model_len_auto and fits >= 2:  # a prompt token and one generated
+            logger.warning("max_model_len auto: the model's context of %d tokens does not fit "
+                           "the KV cache (%d blocks of %d tokens); serving with "
+                           "max_model_len=%d", sc.max_model_len, num_blocks, cc.block_size, fits)
+            # Warmup ran at the longer length: every step at the shorter one is within it.
+            mc.max_model_len = sc.max_model_len = fits
             return
         if cc.enable_extensible_kv_cache:
             # Measured sizing already takes all that is free (utilization 1.0): what is left
