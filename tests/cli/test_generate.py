@@ -169,3 +169,37 @@ def test_an_output_file_that_cannot_be_written_fails_before_the_model_loads(
     with pytest.raises(ValueError, match=r"--output-file .*missing.*No such file"):
         main(["generate", "hi", "--output-file", str(tmp_path / "missing" / "out.jsonl"),
               *engine_flags])
+
+
+def test_max_tokens_left_unset_takes_the_models_max_new_tokens(
+    tmp_path: Path, engine_flags: list[str],
+) -> None:
+    # --max-tokens' fixed default (32) used to win over generation_config.json's
+    # max_new_tokens, which --generation-config says an unset field takes.
+    (tmp_path / "generation_config.json").write_text('{"max_new_tokens": 3}')
+    result = tmp_path / "out.jsonl"
+
+    def tokens(*flags: str) -> int:
+        assert main(["generate", "--prompt-token-ids", "5,6", "--ignore-eos",
+                     "--generation-config", str(tmp_path), "--output-file", str(result),
+                     *engine_flags, "--log-level", "error", *flags]) == 0
+        (record,) = [json.loads(line) for line in result.read_text().splitlines()]
+        return len(record["outputs"][0]["token_ids"])
+
+    assert tokens() == 3
+    assert tokens("--max-tokens", "5") == 5  # given, the flag wins
+    assert tokens("--generation-config", "vllm") == 32  # no model default: the command's
+
+
+def test_max_tokens_fallback_is_each_commands_own() -> None:
+    from kvfit.cli import build_parser
+    from kvfit.commands.common import sampling_overrides, sampling_params_from_args
+
+    for command, fallback in (("generate", 32), ("chat", 256)):
+        args = build_parser().parse_args([command])
+        assert sampling_params_from_args(args).max_tokens == fallback
+        assert sampling_params_from_args(args, {"max_tokens": 7}).max_tokens == 7
+        args = build_parser().parse_args([command, "--max-tokens", "9"])
+        assert sampling_params_from_args(args, {"max_tokens": 7}).max_tokens == 9
+    # A server's model's file is not read from here: --url sends the command's cap.
+    assert sampling_overrides(build_parser().parse_args(["chat"]))["max_tokens"] == 256

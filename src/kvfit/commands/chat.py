@@ -67,6 +67,9 @@ def add_parser(sub: Subparsers) -> None:
         if action.dest == "model":
             action.help = (f"the model to load (default: {DEFAULT_MODEL}), or with --url the "
                            "served model's name (default: the first of {url}/models)")
+        if action.dest == "max_tokens":  # a server's model's file is not read from here
+            action.help = ("most tokens to generate per reply (default: the model's "
+                           "generation_config.json max_new_tokens, else 256; with --url 256)")
     add_logging_args(p)
 
 

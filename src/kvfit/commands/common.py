@@ -41,11 +41,12 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 32,
     """The `sampling` group: SamplingParams fields under vLLM's flag names and defaults.
     The flags are checked together, before any model loads (`check_args`)."""
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens,
-                   help="most tokens to generate per completion (default: %(default)s)")
     # Unset, a flag takes the model's generation_config.json default (--generation-config),
-    # else SamplingParams'.
+    # else SamplingParams' (--max-tokens: else the command's own, `default_max_tokens`).
     model = "the model's generation_config.json, else"
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help=f"most tokens to generate per completion (default: the model's "
+                   f"generation_config.json max_new_tokens, else {max_tokens})")
     g.add_argument("--temperature", type=float, default=None,
                    help=f"sampling temperature; 0 is greedy (default: {model} 1.0, as vLLM)")
     g.add_argument("--top-p", type=float, default=None,
@@ -71,7 +72,8 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 32,
                    "engine's generator)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token")
-    parser.set_defaults(check_args=functools.partial(check_sampling_args, parser))
+    parser.set_defaults(check_args=functools.partial(check_sampling_args, parser),
+                        default_max_tokens=max_tokens)
 
 
 def check_sampling_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -98,17 +100,24 @@ def sampling_params_from_args(args: argparse.Namespace,
 
     given = {field: getattr(args, flag) for flag, field in _SAMPLING_FIELDS.items()
              if hasattr(args, flag) and getattr(args, flag) is not None}
-    return SamplingParams(**{**(defaults or {}), **given})
+    # The command's own cap, under the model's max_new_tokens: vLLM's None (up to
+    # max_model_len) is no default for a terminal.
+    fallback = ({"max_tokens": args.default_max_tokens}
+                if getattr(args, "default_max_tokens", None) is not None else {})
+    return SamplingParams(**{**fallback, **(defaults or {}), **given})
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling flags given, as request-body fields (vLLM's names; the OpenAI ones plus
     vLLM's extras), for a remote server; those left unset take its model's defaults there.
-    A flag with a fixed default is sent where it differs from SamplingParams'."""
+    A flag with a fixed default is sent where it differs from SamplingParams'. `max_tokens`
+    is always sent (unset: the command's own cap): a chat request without it runs to the
+    server's context length."""
     from kvfit.engine.sampling_params import SamplingParams
 
     default = SamplingParams()
-    body: dict[str, Any] = {"max_tokens": args.max_tokens}
+    body: dict[str, Any] = {"max_tokens": args.max_tokens if args.max_tokens is not None
+                            else args.default_max_tokens}
     for flag, field in _SAMPLING_FIELDS.items():
         value = getattr(args, flag, None)
         if value is not None and field not in body and (
