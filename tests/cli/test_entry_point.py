@@ -129,7 +129,7 @@ def test_a_setting_error_is_one_line_not_a_traceback() -> None:
     assert result.returncode == 1
     (line,) = result.stderr.splitlines()
     assert line.startswith("kvfit: error: model 'Qwen/Qwen3-0.6B' is not a local folder")
-    assert "huggingface-cli download Qwen/Qwen3-0.6B" in line
+    assert "hf download Qwen/Qwen3-0.6B" in line
 
 
 def test_the_traceback_is_there_when_asked_for() -> None:

@@ -183,7 +183,7 @@ def test_truncated_checkpoint_names_the_file(qwen3: Path, tmp_path: Path) -> Non
 
 def test_a_hub_id_says_how_to_get_a_local_folder() -> None:
     with pytest.raises(FileNotFoundError, match=r"kvfit loads local Hugging Face folders .*"
-                       r"huggingface-cli download Qwen/Qwen3-0\.6B --local-dir \./Qwen3-0\.6B"):
+                       r"hf download Qwen/Qwen3-0\.6B --local-dir \./Qwen3-0\.6B"):
         LLM("Qwen/Qwen3-0.6B", device="cpu")
 
 

@@ -44,5 +44,24 @@ def test_a_repo_id_not_in_the_cache_says_how_to_fetch_it(
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="not in the Hugging Face cache .*hub.*"
-                       "huggingface-cli download org/absent"):
+                       "hf download org/absent"):
         resolve_model("org/absent")
+
+
+def test_the_fetch_hint_names_a_program_huggingface_hub_installs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It named `huggingface-cli`, which huggingface_hub 1.0 dropped for `hf`: a user who
+    # followed the hint (and the README's) got "command not found".
+    from importlib.metadata import distribution
+
+    scripts = {ep.name for ep in distribution("huggingface_hub").entry_points
+               if ep.group == "console_scripts"}
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as error:
+        resolve_model("org/absent")
+    command = str(error.value).split("e.g. `", 1)[1].split()[0]
+    assert command in scripts
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert f"`{command} download Qwen/Qwen3-0.6B" in readme

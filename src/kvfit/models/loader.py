@@ -52,13 +52,26 @@ def resolve_model(model: str) -> Path:
             f"model {model!r} is not a local folder, and not in the Hugging Face cache "
             f"({_hub_cache_dir()}): kvfit loads local Hugging Face folders "
             f"(config.json, *.safetensors, tokenizer files) and downloads nothing. Fetch it "
-            f"first, e.g. `huggingface-cli download {model} --local-dir ./{name}`, then pass "
+            f"first, e.g. `{hub_download_command()} {model} --local-dir ./{name}`, then pass "
             f"--model ./{name}"
         )
     raise FileNotFoundError(
         f"model {model!r} is neither a local folder with config.json nor a built-in model "
         f"({', '.join(BUILTIN_MODELS)}); set `model` to one of them"
     )
+
+
+def hub_download_command() -> str:
+    """The installed huggingface_hub's download command: `hf download` from 0.34 on (1.0
+    dropped `huggingface-cli`, so naming it sends a user to a program that is not there),
+    `huggingface-cli download` before."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(part) for part in version("huggingface_hub").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return "hf download"
+    return "hf download" if (major, minor) >= (0, 34) else "huggingface-cli download"
 
 
 def _hub_cache_dir() -> Path:
