@@ -107,6 +107,18 @@ def test_perplexity_far_below_chance_and_random_weights(llm: LLM) -> None:
     assert trained < vocab / 20 and trained < untrained / 20
 
 
+def test_the_docs_figures_are_the_training_reports() -> None:
+    # docs/tiny-model.md scored "the first 131,072 held-out tokens" (the --val-tokens cap) of
+    # a split that holds 117,070: its figures are the report's, over the whole split.
+    report = json.loads((FOLDER / "training_report.json").read_text())
+    doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "tiny-model.md")
+                   .read_text().split())
+    assert report["val_tokens"] < report["train"]["val_tokens"]
+    assert (f"**{report['val_perplexity']:.1f}** (loss {report['best_val_loss']:.3f} nats/token)"
+            f" on the whole held-out split ({report['val_tokens']:,} tokens;") in doc
+    assert f"{report['parameters']:,}" in doc and f"{report['steps']:,} steps" in doc
+
+
 def looks_english(text: str) -> bool:
     """Most words are corpus words; as in any English prose, a good share of them are its most
     frequent ones (the, of, and, to...); and at least 3 in 10 words are distinct. Word
