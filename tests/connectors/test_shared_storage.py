@@ -4,6 +4,7 @@ save warns once with the cause, then at most once per interval with a count."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,16 @@ def test_failed_saves_and_store_hits_are_metrics_only_with_a_connector() -> None
                         kv_connector_hit_tokens=48)
     assert {m.name: (m.kind, m.value) for m in engine_metrics(stats, report)
             if m.name in names} == {name: ("counter", v) for name, v in names.items()}
+
+
+def test_the_metric_names_architecture_md_gives_are_those_metrics_exposes() -> None:
+    # It named the connector's counters without the `_total` that /metrics gives a counter.
+    report = KVCacheReport(method="measured", total=1, budget=1, weights=0, non_torch=0,
+                           transient=0, margin=0, committed_bytes=0, num_blocks=1)
+    stats = EngineStats(0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, kv_connector_failed_saves=0,
+                        kv_connector_hit_tokens=0)
+    exposed = {m.name + ("_total" if m.kind == "counter" else "")
+               for m in engine_metrics(stats, report)}
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`(kvfit:\w+)", doc))
+    assert named and named <= exposed, named - exposed
