@@ -67,6 +67,15 @@ def test_api_server_count_is_at_least_one_and_needs_the_engine_process(
     assert "--api-server-count N" in help_text
 
 
+def test_the_help_says_the_sleep_routes_need_the_development_flag_too() -> None:
+    # It read "with --enable-sleep-mode /sleep, /wake_up, /is_sleeping", routes that sleep
+    # mode alone never serves (`sleep_endpoints` wants KVFIT_SERVER_DEV_MODE=1 as well).
+    text = " ".join(parser().parse_args(["serve", "m"]).serve_parser.format_help().split())
+    dev_mode = text.index(f"with {serve.DEV_MODE_ENV}=1 also")
+    assert text.index("/sleep, /wake_up, /is_sleeping where --enable-sleep-mode is given "
+                      "too") > dev_mode
+
+
 def test_port_is_a_port_number(capsys: pytest.CaptureFixture[str]) -> None:
     assert parser().parse_args(["serve", "m", "--port", "0"]).port == 0
     for bad in ("70000", "-1", "http"):
