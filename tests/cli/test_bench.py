@@ -419,6 +419,8 @@ def test_bench_result_file_that_cannot_be_written_fails_before_the_run(
     (["--port", "70000"], r"--port must be in \[1, 65535\], got 70000"),
     (["--port", "0"], r"--port must be in \[1, 65535\]"),
     (["--endpoint", "v1/completions"], "--endpoint must be a path starting with '/'"),
+    # vLLM's chat endpoint: every request failed with "messages: Field required".
+    (["--endpoint", "/v1/chat/completions"], "a chat route refuses; use a completions path"),
     (["--save-detailed"], "--save-detailed adds to --result-file's record"),
     (["--limits-device", "cuda"], "--limits-device adds to --result-file's record"),
 ])

@@ -380,6 +380,12 @@ def _check_args(args: argparse.Namespace) -> None:
         # Joined to the server's root as written: http://host:8000v1/completions.
         raise ValueError(f"--endpoint must be a path starting with '/', like /v1/completions; "
                          f"got {args.endpoint!r}")
+    if args.endpoint.rstrip("/").endswith("chat/completions"):
+        # vLLM's bench takes it with --backend openai-chat; these requests hold a `prompt`,
+        # which a chat route refuses: every request would fail with a 400.
+        raise ValueError(f"--endpoint {args.endpoint}: bench serve sends completions requests "
+                         f"(a prompt, not chat messages), which a chat route refuses; use a "
+                         f"completions path such as /v1/completions")
     result_file = getattr(args, "result_file", None)
     for flag, given in (("--save-detailed", getattr(args, "save_detailed", False)),
                         ("--limits-device", getattr(args, "limits_device", "none") != "none")):
