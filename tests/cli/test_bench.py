@@ -284,6 +284,30 @@ def test_bench_serve_merges_client_processes(fake_server: Callable, tmp_path: Pa
     assert result["output_throughput"] == pytest.approx(4 * 3 / result["duration_s"])
 
 
+def test_bench_serve_client_processes_each_keep_a_share_of_max_concurrency(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # `--max-concurrency 1` on a 2-CPU machine ran two processes, the second with a share of
+    # 0, which it took as no limit: all its requests at once.
+    from kvfit.cli import build_parser
+    from kvfit.commands import bench_serve
+
+    monkeypatch.setattr(bench_serve.os, "cpu_count", lambda: 8)
+    for limit in (1, 2, 3, 5, None):
+        flags = ["--max-concurrency", str(limit)] if limit else []
+        args = build_parser().parse_args(["bench", "serve", "--num-prompts", "20", *flags])
+        n = bench_serve.num_client_processes(args)
+        assert n == min(4, limit or 4)
+        shares = bench_serve._shares(limit, n)
+        if limit is None:
+            assert shares == [None] * n
+        else:  # every process a slot at least, all of them the limit
+            assert min(shares) >= 1 and sum(shares) == limit
+    with pytest.raises(ValueError, match="--num-client-processes 3 is more than "
+                       "--max-concurrency 2"):
+        main(["bench", "serve", "--base-url", "http://x", "--max-concurrency", "2",
+              "--num-client-processes", "3"])
+
+
 def test_bench_serve_clients_never_import_the_callers_main_module(fake_server: Callable,
                                                                  tmp_path: Path) -> None:
     """A client process imports the load generator alone: a caller whose main module is heavy

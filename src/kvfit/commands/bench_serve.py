@@ -116,7 +116,8 @@ def add_parser(sub: Subparsers) -> None:
                         "to count the tokens of each); --no-continuous-usage for servers that "
                         "refuse the field (default: on)")
     w.add_argument("--num-client-processes", type=int, default=None, metavar="N",
-                   help="processes sending the load (default: min(4, CPUs, --num-prompts))")
+                   help="processes sending the load, at most --max-concurrency (default: "
+                        "min(4, CPUs, --num-prompts, --max-concurrency))")
     o = p.add_argument_group("output")
     o.add_argument("--percentiles", "--metric-percentiles", type=parse_percentiles,
                    default=[50.0, 99.0], metavar="P,P",
@@ -405,6 +406,13 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.num_client_processes is not None and args.num_client_processes < 1:
         raise ValueError(f"--num-client-processes must be >= 1, got {args.num_client_processes}")
+    if (args.num_client_processes or 0) > (args.max_concurrency or math.inf):
+        # Each process takes a share of --max-concurrency: one with none would send its
+        # requests with no limit at all.
+        raise ValueError(f"--num-client-processes {args.num_client_processes} is more than "
+                         f"--max-concurrency {args.max_concurrency}, which each process takes "
+                         f"a share of; lower --num-client-processes to at most "
+                         f"{args.max_concurrency}")
     check_writable("--result-file", result_file)
 
 
@@ -422,8 +430,11 @@ def _session(args: argparse.Namespace, connections: int) -> Any:
 
 
 def num_client_processes(args: argparse.Namespace) -> int:
+    """`--num-client-processes`, else as many as help: at most 4, the CPUs, the requests and
+    `--max-concurrency` (each process takes a share of it, at least one slot)."""
     n = getattr(args, "num_client_processes", None)
-    return n if n is not None else min(4, os.cpu_count() or 1, args.num_prompts)
+    return n if n is not None else min(4, os.cpu_count() or 1, args.num_prompts,
+                                       args.max_concurrency or args.num_prompts)
 
 
 def _shares(total: int | None, n: int) -> list[int | None]:
