@@ -217,6 +217,9 @@ def test_remote_chat_takes_model_and_sampling_flags(
                        "--api-key", "k", "--request-timeout", "9"], "hi\n", monkeypatch, capsys)
     assert status == 0
     assert server.bodies[0]["model"] == "fake-model" and server.bodies[0]["temperature"] == 0
+    # No --max-tokens: none sent, the server's default (a cap of 256 sent by the client made
+    # every turn a 400 on a server whose context had less room left).
+    assert "max_tokens" not in server.bodies[0]
 
 
 @pytest.mark.parametrize("command", [["chat", "--url", "http://127.0.0.1:1"],

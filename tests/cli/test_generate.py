@@ -201,5 +201,9 @@ def test_max_tokens_fallback_is_each_commands_own() -> None:
         assert sampling_params_from_args(args, {"max_tokens": 7}).max_tokens == 7
         args = build_parser().parse_args([command, "--max-tokens", "9"])
         assert sampling_params_from_args(args, {"max_tokens": 7}).max_tokens == 9
-    # A server's model's file is not read from here: --url sends the command's cap.
-    assert sampling_overrides(build_parser().parse_args(["chat"]))["max_tokens"] == 256
+    # --url sends none unless given (vLLM's chat client sends none): a cap of 256 failed
+    # every turn on a server whose context had less room left.
+    assert "max_tokens" not in sampling_overrides(build_parser().parse_args(["chat"]))
+    for given in ("16", "300"):  # 16, SamplingParams' default, is sent as well
+        args = build_parser().parse_args(["chat", "--max-tokens", given])
+        assert sampling_overrides(args)["max_tokens"] == int(given)

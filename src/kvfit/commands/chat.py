@@ -69,7 +69,8 @@ def add_parser(sub: Subparsers) -> None:
                            "served model's name (default: the first of {url}/models)")
         if action.dest == "max_tokens":  # a server's model's file is not read from here
             action.help = ("most tokens to generate per reply (default: the model's "
-                           "generation_config.json max_new_tokens, else 256; with --url 256)")
+                           "generation_config.json max_new_tokens, else 256; with --url the "
+                           "server's default, what its context has left)")
     add_logging_args(p)
 
 

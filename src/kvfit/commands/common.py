@@ -33,7 +33,8 @@ _SAMPLING_FIELDS = {
 
 # The fields generation_config.json may set (`load_sampling_defaults`): their flags are unset
 # unless given, so that the model's defaults apply.
-_MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                         "max_tokens")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 32,
@@ -111,16 +112,15 @@ def sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling flags given, as request-body fields (vLLM's names; the OpenAI ones plus
     vLLM's extras), for a remote server; those left unset take its model's defaults there.
     A flag with a fixed default is sent where it differs from SamplingParams'. `max_tokens`
-    is always sent (unset: the command's own cap): a chat request without it runs to the
-    server's context length."""
+    unset is not sent, as `vllm chat` sends none: the server's default is the room its
+    context has left, where a cap of the client's own would fail every turn that has less."""
     from kvfit.engine.sampling_params import SamplingParams
 
     default = SamplingParams()
-    body: dict[str, Any] = {"max_tokens": args.max_tokens if args.max_tokens is not None
-                            else args.default_max_tokens}
+    body: dict[str, Any] = {}
     for flag, field in _SAMPLING_FIELDS.items():
         value = getattr(args, flag, None)
-        if value is not None and field not in body and (
+        if value is not None and (
                 field in _MODEL_DEFAULT_FIELDS or value != getattr(default, field)):
             body[field] = value
     return body
