@@ -63,6 +63,15 @@ def test_top_logprobs_0_without_logprobs_asks_for_nothing(
         assert (content is not None) == bool(logprobs)
 
 
+def test_null_max_tokens_is_the_rest_of_the_context_as_vllm_takes_it(
+        http: httpx.Client) -> None:
+    # docs/architecture.md said every null meant the field's default (16 for a completion).
+    body = {"prompt": "Hi", "temperature": 0, "ignore_eos": True}
+    usage = http.post("/v1/completions", json={**body, "max_tokens": None}).json()["usage"]
+    assert usage["total_tokens"] == MAX_MODEL_LEN
+    assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 16
+
+
 def test_null_for_a_required_field_is_still_an_error(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={"prompt": None})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
