@@ -131,6 +131,18 @@ def test_spec_stores_e4m3_in_half_the_bytes_of_bf16(qwen3: Path, name: str) -> N
     assert auto.block_bytes == 2 * fp8.block_bytes
 
 
+def test_the_help_says_what_e4m3_saves_on_the_cpu_too(qwen3: Path) -> None:
+    # It said "about twice the blocks", which the CPU's float32 cache (four times) belies.
+    def spec(kv_cache_dtype: str):
+        return EngineArgs(model=str(qwen3), device="cpu",
+                          kv_cache_dtype=kv_cache_dtype).create_engine_config().kv_cache_spec()
+
+    assert spec("auto").dtype == torch.float32
+    assert spec("auto").block_bytes == 4 * spec("fp8").block_bytes
+    text = " ".join(EngineArgs.add_cli_args(argparse.ArgumentParser()).format_help().split())
+    assert "twice the blocks of a 16-bit cache in the same memory, four times a float32" in text
+
+
 def test_measured_sizing_gives_twice_the_blocks_of_bf16(
     make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -499,7 +499,8 @@ class EngineArgs:
                        help="KV cache storage: auto (the model's dtype), bfloat16, or fp8 / "
                        "fp8_e4m3 (e4m3 with a per-layer k/v scale, 1.0 unless the checkpoint "
                        "has its own or --calculate-kv-scales: about twice the blocks of a "
-                       "16-bit cache in the same memory; default: %(default)s)")
+                       "16-bit cache in the same memory, four times a float32 one's, the "
+                       "CPU's; default: %(default)s)")
         p.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction,
                        default=d.calculate_kv_scales,
                        help="with --kv-cache-dtype fp8: set each layer's k/v scales once, from "
