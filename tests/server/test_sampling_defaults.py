@@ -57,3 +57,16 @@ def test_seed_minus_one_is_no_seed_as_in_vllm() -> None:
     # vLLM's and OpenAI's "random": the request samples from the engine's generator.
     assert CompletionRequest(prompt="x", seed=-1).sampling_params(16, None).seed is None
     assert CompletionRequest(prompt="x", seed=-2).sampling_params(16, None).seed == -2
+
+
+def test_the_help_and_readme_say_max_new_tokens_caps_a_served_request() -> None:
+    # They said only that an unset max_tokens takes it; the server caps a set one too.
+    import argparse
+    from pathlib import Path
+
+    from kvfit.engine.config import EngineArgs
+
+    text = " ".join(EngineArgs.add_cli_args(argparse.ArgumentParser()).format_help().split())
+    assert "its max_new_tokens also caps every served request's max_tokens" in text
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    assert "holds every request's max_tokens to max_new_tokens" in readme

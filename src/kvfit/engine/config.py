@@ -384,7 +384,8 @@ class EngineArgs:
                        help="where a request's unset sampling fields (temperature, top_p, "
                        "top_k, min_p, repetition_penalty, max_tokens) come from: 'auto' the "
                        "model's generation_config.json, 'vllm' SamplingParams' own defaults, "
-                       "or FOLDER's generation_config.json (default: %(default)s, as vLLM)")
+                       "or FOLDER's generation_config.json; its max_new_tokens also caps every "
+                       "served request's max_tokens, as vLLM's (default: %(default)s, as vLLM)")
         p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                        help="most logprobs / prompt_logprobs a request may ask for, -1 for "
                        "the whole vocabulary; warmup measures this many (default: %(default)s)")
