@@ -589,6 +589,11 @@ def test_a_shut_down_llm_refuses_every_call_naming_shutdown(qwen3: Path) -> None
         "generate": lambda: llm.generate(token_prompts([[3, 4, 5]]), greedy(), use_tqdm=False),
         "sleep": llm.sleep,
         "resize_kv_cache": lambda: llm.resize_kv_cache(64),
+        # These three still failed so ('weight_arena', 'kv_cache'), or wake_up() said the
+        # engine was not asleep.
+        "load_weights": lambda: llm.load_weights({"model.norm.weight": torch.ones(64)}),
+        "wake_up": llm.wake_up,
+        "get_metrics": llm.get_metrics,
     }
     for name, call in calls.items():
         with pytest.raises(RuntimeError, match=rf"{name}\(\) after shutdown\(\).*new LLM"):

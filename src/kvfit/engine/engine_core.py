@@ -489,6 +489,7 @@ class EngineCore:
         (`KVCacheResizer.wake`). Raises if a tag is not asleep; a failed recommit leaves that
         part asleep. A KV cache the sleep kept (a fixed size) wakes as a no-op.
         """
+        self._check_not_shut_down("wake_up()")
         if self._kv_cache_kept and tags is not None:
             tags = [tags] if isinstance(tags, str) else list(tags)
             if "kv_cache" in tags and self.is_sleeping:
@@ -525,6 +526,7 @@ class EngineCore:
         """Copy checkpoint-named tensors into the weights in place (asleep weights are woken
         for it, the KV cache stays as it is); invalidates the prefix cache, whose K/V the old
         weights computed. No request may be unfinished."""
+        self._check_not_shut_down("load_weights()")
         if self.scheduler.has_unfinished() or self._in_flight is not None:
             raise RuntimeError("load_weights() while requests are unfinished; finish or abort "
                                "them first (or sleep(mode='abort'))")
@@ -758,6 +760,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         """The scheduler's, block manager's and KV cache's figures now; call it between steps
         (from the thread that steps)."""
+        self._check_not_shut_down("get_metrics()")
         bm = self.scheduler.block_manager
         rpc = self.executor.collective_rpc
         committed, reserved = rpc("kv_cache_bytes")[0]
