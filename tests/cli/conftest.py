@@ -35,6 +35,7 @@ class FakeOpenAIServer(ThreadingHTTPServer):
       character, which a server holds back) while its continuous usage counts the tokens.
 
     With `api_key` set, a request without `Authorization: Bearer <api_key>` gets HTTP 401.
+    `most_in_flight` is the most completions it was answering at once.
     """
 
     daemon_threads = True
@@ -44,6 +45,7 @@ class FakeOpenAIServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.behaviors, self.ttft, self.itl, self.api_key = behaviors, ttft, itl, api_key
         self.bodies: list[dict[str, Any]] = []
+        self.in_flight = self.most_in_flight = 0
         self._counter = itertools.count()
         self._lock = threading.Lock()
 
@@ -55,6 +57,11 @@ class FakeOpenAIServer(ThreadingHTTPServer):
         with self._lock:
             self.bodies.append(body)
             return self.behaviors[next(self._counter) % len(self.behaviors)]
+
+    def count_in_flight(self, change: int) -> None:
+        with self._lock:
+            self.in_flight += change
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -94,6 +101,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(404, {"error": {"message": f"no route {self.path}"}})
 
     def do_POST(self) -> None:
+        self.server.count_in_flight(1)
+        try:
+            self._post()
+        finally:
+            self.server.count_in_flight(-1)
+
+    def _post(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self._refused():
             return

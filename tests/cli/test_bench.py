@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from kvfit.commands.bench_serve import (
     RequestResult,
     failure_lines,
     make_workload,
+    num_client_processes,
     per_token_itl,
     summarize,
 )
@@ -306,6 +308,24 @@ def test_bench_serve_client_processes_each_keep_a_share_of_max_concurrency(
                        "--max-concurrency 2"):
         main(["bench", "serve", "--base-url", "http://x", "--max-concurrency", "2",
               "--num-client-processes", "3"])
+
+
+@pytest.mark.parametrize("processes", [None, "2"])
+def test_bench_serve_max_concurrency_holds_over_client_processes(
+    fake_server: Callable, processes: str | None,
+) -> None:
+    """--max-concurrency 1 is one request in flight, however many client processes the load
+    is spread over by default (each took a share of the cap, and a share of 0 was no cap)."""
+    server = fake_server(ttft=0.05)
+    argv = ["bench", "serve", "--base-url", server.url, "--model", "m", "--num-prompts", "4",
+            "--max-concurrency", "1", "--input-len", "3", "--output-len", "2"]
+    if processes is None:  # the default: min(4, CPUs, --num-prompts) processes, here 1
+        assert main(argv) == 0
+        assert server.most_in_flight == 1
+    else:  # more processes than requests may be in flight: refused, naming both flags
+        with pytest.raises(ValueError, match="--num-client-processes 2 is more than "
+                           "--max-concurrency 1"):
+            main([*argv, "--num-client-processes", processes])
 
 
 def test_bench_serve_clients_never_import_the_callers_main_module(fake_server: Callable,
