@@ -53,7 +53,7 @@ from kvfit.benchmarks.limits import in_run_limits
 from kvfit.benchmarks.profiling import FAMILY_NAMES, KernelProfile, comparison_text
 from kvfit.benchmarks.record import write_record
 from kvfit.ops.compiles import triton_compiles
-from throughput import offline_workload, profile_offline
+from throughput import check_lengths, count, offline_workload, profile_offline
 
 MODES = {"default": False, "deterministic": True}
 
@@ -186,21 +186,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSON record path")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--model", default="qwen3-0.6b-shape", help="the cost's model")
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=100)
-    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--num-seqs", type=count, default=256)
+    parser.add_argument("--min-len", type=count, default=100)
+    parser.add_argument("--max-len", type=count, default=1024)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeat", type=int, default=1,
+    parser.add_argument("--repeat", type=count, default=1,
                         help="timed offline runs per mode; the median is reported")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="an untimed run of the offline workload first, in each mode")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--check-models", nargs="*",
                         default=["qwen3-0.6b-shape", "qwen3-8b-shape"])
-    parser.add_argument("--check-prompts", type=int, default=48)
+    parser.add_argument("--check-prompts", type=count, default=48)
     parser.add_argument("--check-others", type=int, default=255,
                         help="sequences beside each checked one in the batch cases")
-    parser.add_argument("--check-max-tokens", type=int, default=32,
+    parser.add_argument("--check-max-tokens", type=count, default=32,
                         help=f"tokens generated per checked prompt (at most "
                         f"{CHECK_MAX_MODEL_LEN - 256})")
     parser.add_argument("--skip-throughput", action="store_true")
@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile the offline workload once more in each mode and write "
                              "both kernel tables, grouped by family, side by side to PATH")
     args = parser.parse_args(argv)
+    check_lengths(parser, args)
     if args.profile and args.skip_throughput:
         parser.error("--profile profiles the cost's workload: drop --skip-throughput")
     if args.device == "auto":

@@ -74,6 +74,8 @@ from kvfit.models.loader import is_builtin, resolve_model
 from throughput import (  # the same workload, loop, step shapes and limit
     StepRecorder,
     _sync,
+    check_lengths,
+    count,
     engine_decode_step,
     limit_of,
     offline_workload,
@@ -97,14 +99,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cache dtypes of the engine runs, the first the baseline")
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="engine runs of fp8 dtypes calculate their scales")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--num-seqs", type=int, default=256)
-    p.add_argument("--min-len", type=int, default=100)
-    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=count, default=256)
+    p.add_argument("--num-seqs", type=count, default=256)
+    p.add_argument("--min-len", type=count, default=100)
+    p.add_argument("--max-len", type=count, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--decode-batches", type=int, nargs="*", default=[64, 256])
-    p.add_argument("--decode-context", type=int, default=2048)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--decode-batches", type=count, nargs="*", default=[64, 256])
+    p.add_argument("--decode-context", type=count, default=2048)
+    p.add_argument("--iters", type=count, default=20)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--skip-engine", action="store_true", help="accuracy only")
     p.add_argument("--profile", metavar="PREFIX",
@@ -112,8 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(torch.profiler: kernels by family and step kind) into "
                         "PREFIX.<dtype>.txt, and its split into the record")
     p.add_argument("--accuracy-model", help="model of the accuracy runs (default: --model)")
-    p.add_argument("--accuracy-prompts", type=int, default=32)
-    p.add_argument("--accuracy-len", type=int, default=512)
+    p.add_argument("--accuracy-prompts", type=count, default=32)
+    p.add_argument("--accuracy-len", type=count, default=512)
     p.add_argument("--prompts-file", help="one prompt per line (default: random token ids)")
     p.add_argument("--accuracy-dtype", default="auto",
                    help="dtype of the accuracy engines (auto: the model's on a GPU, float32 on "
@@ -127,6 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--error-split", action="store_true",
                    help="also e4m3 K alone, V alone, and both in a Hadamard-rotated basis")
     args = p.parse_args(argv)
+    check_lengths(p, args)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return args

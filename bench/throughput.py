@@ -118,6 +118,25 @@ def limit_of(llm: LLM, steps: list[StepShape], limits: DeviceLimits) -> RunLimit
     return RunLimit(limit.seconds / tp, limit.work, limit.num_steps, limit.memory_bound_steps)
 
 
+def count(text: str) -> int:
+    """An argparse type: an integer >= 1, for the counts of requests, tokens, runs and steps
+    (0 left a median of no runs, an IndexError, or a rate over no work, a ZeroDivisionError,
+    after the engines had run)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def check_lengths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--min-len` at most `--max-len`: the lengths are drawn from between them."""
+    if args.min_len > args.max_len:
+        parser.error(f"--min-len {args.min_len} is more than --max-len {args.max_len}")
+
+
 def offline_workload(args: argparse.Namespace, vocab: int, seed: int) -> tuple[list, list]:
     """`--num-seqs` requests of random token ids, prompt and output lengths uniform in
     [`--min-len`, `--max-len`], ignore_eos, temperature 1."""
@@ -461,26 +480,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="JSON output path")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--model", default="qwen3-0.6b-shape")
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=100)
-    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--num-seqs", type=count, default=256)
+    parser.add_argument("--min-len", type=count, default=100)
+    parser.add_argument("--max-len", type=count, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--decode-models", nargs="*",
                         default=["qwen3-0.6b-shape", "qwen3-8b-shape"])
-    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--decode-context", type=int, default=1024)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--decode-repeat", type=int, default=3,
+    parser.add_argument("--decode-batches", type=count, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--decode-context", type=count, default=1024)
+    parser.add_argument("--iters", type=count, default=20)
+    parser.add_argument("--decode-repeat", type=count, default=3,
                         help="timed runs of --iters steps per decode row; the median is "
                              "reported, every run kept in the record (a slow host or one "
                              "hiccup moves a 20-step run of a 1 ms step by 10%%)")
     parser.add_argument("--ttft-models", nargs="*", default=["qwen3-8b-shape"],
                         help="models whose time to first token is measured (none: skip)")
-    parser.add_argument("--ttft-len", type=int, default=8192, help="TTFT prompt length")
-    parser.add_argument("--ttft-repeat", type=int, default=3,
+    parser.add_argument("--ttft-len", type=count, default=8192, help="TTFT prompt length")
+    parser.add_argument("--ttft-repeat", type=count, default=3,
                         help="timed TTFT runs (after one untimed); the median is reported")
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--repeat", type=int, default=1,
+    parser.add_argument("--repeat", type=count, default=1,
                         help="timed offline runs; the median (lower middle) is reported")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -527,6 +546,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="an untimed run of the offline workload's shape first (kernel "
                              "compilation)")
     args = parser.parse_args(argv)
+    check_lengths(parser, args)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)

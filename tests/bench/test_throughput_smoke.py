@@ -10,7 +10,7 @@ import pytest
 
 from kvfit import LLM, SamplingParams
 
-from .scripts import load_bench
+from .scripts import BENCH_DIR, load_bench
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +158,39 @@ def test_decode_rows_side_by_side_with_and_without_the_qkv_epilogue(
         assert f"decode.kvfit-tiny.{name}.step_ms" in record["figures"]
     assert small_batch.QKV_EPILOGUE_DEFAULT is default
 
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--repeat", "0"), "argument --repeat: must be an integer >= 1, got '0'"),
+    (("--ttft-repeat", "0"), "argument --ttft-repeat: must be an integer >= 1"),
+    (("--num-seqs", "0"), "argument --num-seqs: must be an integer >= 1"),
+    (("--min-len", "0"), "argument --min-len: must be an integer >= 1"),
+    (("--iters", "x"), "argument --iters: must be an integer >= 1, got 'x'"),
+    (("--min-len", "5", "--max-len", "2"), "--min-len 5 is more than --max-len 2"),
+])  # fmt: skip
+def test_counts_that_would_crash_after_the_run_are_refused_first(
+        bench, flags: tuple[str, ...], message: str, tmp_path: Path,  # noqa: ANN001
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A count of 0 (or lengths drawn from an empty range) failed after the engines had run:
+    an IndexError for no runs, a ZeroDivisionError for no requests, a StatisticsError for no
+    TTFT runs. Each is a usage error now, before anything is measured."""
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--device", "cpu", "--out", str(tmp_path / "t.json"), *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize(("script", "flags", "message"), [
+    ("kv_dtype", ("--iters", "0"), "argument --iters: must be an integer >= 1"),
+    ("kv_dtype", ("--min-len", "9", "--max-len", "8"), "--min-len 9 is more than --max-len 8"),
+    ("determinism", ("--repeat", "0"), "argument --repeat: must be an integer >= 1"),
+    ("determinism", ("--min-len", "9", "--max-len", "8"), "--min-len 9 is more than"),
+])  # fmt: skip
+def test_scripts_sharing_the_workload_refuse_the_same_counts(
+        script: str, flags: tuple[str, ...], message: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.syspath_prepend(str(BENCH_DIR))  # they import bench/throughput.py
+    module = load_bench(script)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--device", "cpu", "--out", str(tmp_path / "t.json"), *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
