@@ -79,7 +79,8 @@ def mismatches(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 # Config keys that name where a run wrote its output, not what it ran.
-_OUTPUT_KEYS = frozenset({"out", "result_file", "out_dir"})
+_OUTPUT_KEYS = frozenset({"out", "result_file", "out_dir", "save_result", "result_dir",
+                          "result_filename"})
 
 
 def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:

@@ -7,22 +7,21 @@ import argparse
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import kvfit
-from kvfit.cli import main
+from kvfit.cli import build_parser, main
 from kvfit.commands.bench_serve import (
     RequestResult,
     failure_lines,
     make_workload,
-    num_client_processes,
     per_token_itl,
     summarize,
 )
@@ -326,6 +325,45 @@ def test_bench_serve_max_concurrency_holds_over_client_processes(
         with pytest.raises(ValueError, match="--num-client-processes 2 is more than "
                            "--max-concurrency 1"):
             main([*argv, "--num-client-processes", processes])
+
+
+def test_bench_serve_save_result_writes_where_vllms_flags_say(fake_server: Callable,
+                                                              tmp_path: Path) -> None:
+    """vLLM's --save-result, --result-dir (made if missing) and --result-filename; the
+    default name is vLLM's pattern, rate, concurrency and model."""
+    server = fake_server()
+    folder = tmp_path / "new" / "results"
+    argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "2", "--input-len",
+            "3", "--output-len", "2", "--max-concurrency", "2", "--save-result",
+            "--result-dir", str(folder), "--save-detailed"]
+    assert main(argv) == 0
+    (path,) = folder.iterdir()
+    assert re.fullmatch(r"kvfit-infqps-concurrency2-fake-model-\d{8}-\d{6}\.json", path.name)
+    result = json.loads(path.read_text())["results"]
+    assert result["completed"] == 2 and len(result["requests"]) == 2
+    assert main([*argv, "--result-filename", "mine.json"]) == 0
+    assert json.loads((folder / "mine.json").read_text())["results"]["completed"] == 2
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--result-dir", "d"), "--result-dir names where --save-result writes the record"),
+    (("--result-filename", "f.json"), "--result-filename names where --save-result"),
+    (("--save-result", "--result-file", "f.json"), "--save-result and --result-file both"),
+    (("--save-result", "--result-filename", "a/b.json"), "--result-filename must be a file "
+     "name"),
+])  # fmt: skip
+def test_bench_serve_save_result_flags_that_would_go_nowhere_are_refused(
+        flags: tuple[str, ...], message: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--model", "m", *flags])
+
+
+def test_bench_offline_takes_vllms_output_json() -> None:
+    for mode in ("throughput", "latency"):
+        args = build_parser().parse_args(["bench", mode, "--output-json", "r.json"])
+        assert args.result_file == "r.json"
 
 
 def test_bench_serve_clients_never_import_the_callers_main_module(fake_server: Callable,

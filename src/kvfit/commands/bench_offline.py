@@ -37,7 +37,8 @@ def _add_common(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="generated tokens per request, EOS ignored (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (default: %(default)s)")
-    g.add_argument("--result-file", metavar="PATH", help="write the results as JSON")
+    g.add_argument("--result-file", "--output-json", metavar="PATH",
+                   help="write the results as a JSON record (--output-json: vLLM's name)")
     add_dataset_name_arg(g)
     EngineArgs.add_cli_args(p)
     add_logging_args(p)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import math
 import os
 import pickle
@@ -29,6 +30,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvfit.benchmarks.figures import record_of
@@ -124,9 +126,18 @@ def add_parser(sub: Subparsers) -> None:
                    help="percentiles of TTFT, TPOT, ITL and E2E to report (default: 50,99)")
     o.add_argument("--result-file", metavar="PATH",
                    help="write the metrics as a JSON record (kvfit.benchmarks)")
+    o.add_argument("--save-result", action="store_true",
+                   help="write the record to --result-dir/--result-filename, as vLLM's bench "
+                        "does (or name the file with --result-file)")
+    o.add_argument("--result-dir", metavar="DIR",
+                   help="with --save-result, the folder of the record, made if missing "
+                        "(default: the current folder)")
+    o.add_argument("--result-filename", metavar="NAME",
+                   help="with --save-result, the record's file name (default: as vLLM's, "
+                        "kvfit-{RATE}qps[-concurrency{N}]-{MODEL}-{YYYYmmdd-HHMMSS}.json)")
     o.add_argument("--save-detailed", action="store_true",
-                   help="with --result-file, also each request's figures (TTFT, inter-token "
-                        "latencies, tokens, error): ~3 KB a request")
+                   help="with --result-file or --save-result, also each request's figures "
+                        "(TTFT, inter-token latencies, tokens, error): ~3 KB a request")
     o.add_argument("--limits-device", default="none", metavar="DEVICE",
                    help="for --result-file's record, measure the copy bandwidth and GEMM "
                         "throughput of this machine's DEVICE (cuda, or auto: CUDA where there "
@@ -388,11 +399,21 @@ def _check_args(args: argparse.Namespace) -> None:
                          f"(a prompt, not chat messages), which a chat route refuses; use a "
                          f"completions path such as /v1/completions")
     result_file = getattr(args, "result_file", None)
+    save = getattr(args, "save_result", False)
+    if save and result_file is not None:
+        raise ValueError("--save-result and --result-file both name where the record goes; "
+                         "give one")
+    for flag, value in (("--result-dir", getattr(args, "result_dir", None)),
+                        ("--result-filename", getattr(args, "result_filename", None))):
+        if value is not None and not save:
+            # vLLM ignores them without --save-result: a run whose record went nowhere.
+            raise ValueError(f"{flag} names where --save-result writes the record, and "
+                             f"--save-result is not given; add it (or pass --result-file PATH)")
     for flag, given in (("--save-detailed", getattr(args, "save_detailed", False)),
                         ("--limits-device", getattr(args, "limits_device", "none") != "none")):
-        if given and result_file is None:
+        if given and result_file is None and not save:
             raise ValueError(f"{flag} adds to --result-file's record, and no --result-file "
-                             f"is given; add one or drop {flag}")
+                             f"(or --save-result) is given; add one or drop {flag}")
     for name in ("num_prompts", "input_len", "output_len", "random_vocab_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
@@ -414,6 +435,41 @@ def _check_args(args: argparse.Namespace) -> None:
                          f"a share of; lower --num-client-processes to at most "
                          f"{args.max_concurrency}")
     check_writable("--result-file", result_file)
+    if save:
+        _check_result_dir(args)
+
+
+def _check_result_dir(args: argparse.Namespace) -> None:
+    """`--save-result`'s folder made (as vLLM's bench makes it) and writable, and a named
+    `--result-filename` writable there, before the load rather than after it."""
+    folder = Path(args.result_dir or ".").expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--result-dir {args.result_dir}: cannot make it ({e.strerror})") from None
+    if args.result_filename is not None:
+        if Path(args.result_filename).name != args.result_filename:
+            raise ValueError(f"--result-filename must be a file name, got "
+                             f"{args.result_filename!r}; put the folder in --result-dir")
+        check_writable("--result-filename", str(folder / args.result_filename))
+    elif not os.access(folder, os.W_OK):
+        raise ValueError(f"--result-dir {folder}: cannot write it (permission denied)")
+
+
+def result_path(args: argparse.Namespace, model: str) -> str | None:
+    """Where the record goes: `--result-file`, else with `--save-result` `--result-dir` /
+    `--result-filename`, by default named as vLLM's bench names it (its backend label is
+    kvfit here); None for no record."""
+    if args.result_file or not getattr(args, "save_result", False):
+        return args.result_file
+    name = args.result_filename
+    if name is None:
+        concurrency = (f"-concurrency{args.max_concurrency}"
+                       if args.max_concurrency is not None else "")
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        name = (f"kvfit-{args.request_rate:g}qps{concurrency}-{model.split('/')[-1]}-"
+                f"{stamp}.json")
+    return str(Path(args.result_dir or ".").expanduser() / name)
 
 
 def _session(args: argparse.Namespace, connections: int) -> Any:
@@ -593,7 +649,7 @@ def _limits(args: argparse.Namespace) -> dict[str, Any]:
     """`--limits-device`'s limits for `--result-file`'s record; {} without CUDA, without a
     record, or where the measurement fails (a server that holds all the memory leaves none):
     the load's figures matter more than the machine's."""
-    if not args.result_file or args.limits_device == "none":
+    if not (args.result_file or args.save_result) or args.limits_device == "none":
         return {}
     from kvfit.benchmarks.limits import in_run_limits
 
@@ -614,7 +670,7 @@ def run(args: argparse.Namespace) -> int:
     limits = _limits(args)  # before the load: the server is idle
     result = asyncio.run(_main(args))
     print(format_metrics(result, args.percentiles))
-    if args.result_file:
+    if path := result_path(args, result["model"]):
         # JSON has no infinity: an unlimited rate is written as null.
         rate = result["request_rate"]
         payload = {**result, "request_rate": rate if math.isfinite(rate) else None, **limits}
@@ -622,5 +678,7 @@ def run(args: argparse.Namespace) -> int:
             del payload["requests"]
         # Records get published (docs/results): whether a key was given, never the key.
         config = {**vars(args), "api_key": "<set>" if args.api_key else None}
-        write_record(args.result_file, record_of("bench-serve", payload, config))
+        write_record(path, record_of("bench-serve", payload, config))
+        if path != args.result_file:
+            print(f"record written to {path}")
     return 0 if result["completed"] else 1
