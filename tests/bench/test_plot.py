@@ -148,3 +148,20 @@ def test_elastic_pair_plots_each_engines_tokens_where_samples_carry_them() -> No
     assert tokens.get_ylabel() == "output tokens so far (thousands)"
     assert len(tokens.get_lines()) - 3 == len(cache.get_lines()) - 3 == 4  # 3 phase lines
     assert max(max(line.get_ydata(), default=0) for line in tokens.get_lines()[:4]) == 1.5
+
+
+def test_a_record_no_picture_draws_from_is_named(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvfit bench serve`'s record has no picture: plot.py said nothing and exited 0."""
+    serve = tmp_path / "serve.json"
+    write_record(serve, record_of("bench-serve", {
+        "request_throughput": 1.0, "output_throughput": 2.0, "failed": 0, "completed": 1,
+        "total_output_tokens": 2, "p50_ttft_ms": 3.0}, {}))
+    assert plot.main([str(serve), "--out-dir", str(tmp_path / "img")]) == 1
+    err = capsys.readouterr().err
+    assert f"{serve}: no picture draws from this bench-serve record" in err
+    sampling = tmp_path / "sampling.json"
+    write_record(sampling, record_of("sampling", payloads.sampling(), {}))
+    assert plot.main([str(serve), str(sampling), "--out-dir", str(tmp_path / "img")]) == 0
+    out, err = capsys.readouterr()
+    assert "filters.png" in out and str(serve) in err and str(sampling) not in err
