@@ -20,6 +20,7 @@ them, with SIGTERM), and exit when their engine pipe closes or the first process
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -181,7 +182,7 @@ def run_api_server(index: int, conn: Connection, sock: socket.socket, spec: ApiS
     died: list[BaseException] = []
     try:
         app = build_app(engine, spec.config)
-        server = _sigterm_server(uvicorn_config(app, spec.uvicorn_log_level))
+        server = uvicorn_server(app, spec.uvicorn_log_level, sigterm_only=True)
 
         def stop(error: BaseException | None = None) -> None:
             if error is not None:
@@ -209,26 +210,56 @@ def run_api_server(index: int, conn: Connection, sock: socket.socket, spec: ApiS
         sys.exit(1)
 
 
-def uvicorn_config(app: Any, log_level: str) -> Any:
-    """uvicorn's settings for an API server process (`kvfit serve` and each of
-    `--api-server-count`): its "auto" takes uvloop and httptools where they are installed."""
+SHUTDOWN_CLOSE_S = 5.0
+"""How long a stopping server waits, once it has aborted the requests left, for its
+connections to close before it drops them: a client that stopped reading its stream, or never
+sent the rest of its request, would otherwise keep the process from exiting."""
+
+
+def uvicorn_server(app: Any, log_level: str, sigterm_only: bool = False) -> Any:
+    """The uvicorn server of an API server process (`kvfit serve` and each of
+    `--api-server-count`); its "auto" takes uvloop and httptools where they are installed.
+
+    Stopped by SIGINT or SIGTERM (SIGTERM only with `sigterm_only`: the first process sends
+    it to stop the others), or by `should_exit`, it takes no more connections and answers new
+    generation requests with 503, gives those in progress the app's `shutdown_timeout`
+    (`--shutdown-timeout`) to finish, aborts what is left, and `SHUTDOWN_CLOSE_S` later drops
+    the connections still open, so the process always exits. uvicorn alone would wait for
+    every connection to close, however long a client holds one."""
     import uvicorn
 
-    return uvicorn.Config(app, log_level=log_level)
+    serving = app.state.serving
+    timeout = app.state.config.shutdown_timeout
 
-
-def _sigterm_server(config: Any) -> Any:
-    """A uvicorn server stopped by SIGTERM only: SIGINT stays ignored (the first process
-    sends SIGTERM to stop this one)."""
-    import uvicorn
-
-    class SigtermServer(uvicorn.Server):
+    class ApiServer(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
+            if not sigterm_only:
+                with super().capture_signals():
+                    yield
+                return
             previous = signal.signal(signal.SIGTERM, self.handle_exit)
             try:
                 yield
             finally:
                 signal.signal(signal.SIGTERM, previous)
 
-    return SigtermServer(config)
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            serving.stop_admitting()
+            stopping = asyncio.ensure_future(super().shutdown(sockets))
+            for wait_s, then in ((timeout, serving.abort_all),
+                                 (SHUTDOWN_CLOSE_S, self.drop_connections)):
+                if (await asyncio.wait({stopping}, timeout=wait_s))[0]:
+                    break
+                then()
+            await stopping
+
+        def drop_connections(self) -> None:
+            """Close every connection left at once: its request sees the client leave."""
+            for connection in list(self.server_state.connections):
+                if connection.transport is not None:
+                    connection.transport.abort()
+
+    # uvicorn's own bound: should a request ignore its dropped connection, it is cancelled.
+    return ApiServer(uvicorn.Config(app, log_level=log_level,
+                                    timeout_graceful_shutdown=timeout + 2 * SHUTDOWN_CLOSE_S))

@@ -33,6 +33,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     metrics = ServerMetrics(engine, multiprocess=config.multiprocess_metrics)
     serving = OpenAIServing(engine, config, metrics)
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
+    app.state.serving = serving  # the server stops its requests (`api_servers.uvicorn_server`)
 
     def error(e: APIError) -> JSONResponse:
         metrics.failure(e.status_code)

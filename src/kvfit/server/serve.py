@@ -79,6 +79,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     server.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="a Jinja chat template, as a file or inline, used for chat "
                         "requests instead of the tokenizer's own (default: the tokenizer's)")
+    server.add_argument("--shutdown-timeout", type=seconds, default=0.0, metavar="SECONDS",
+                        help="on SIGINT or SIGTERM, how long the generation requests in "
+                        "progress may take to finish before they are aborted (new ones get "
+                        "HTTP 503 meanwhile; 0: aborted at once; default: %(default)s)")
     server.add_argument("--disable-log-stats", action="store_true",
                         help="do not print the engine's figures (queues, KV cache use, prefix "
                         "cache hits) every 10 s while it works")
@@ -142,6 +146,17 @@ def at_least_one(what: str) -> Callable[[str], int]:
         return n
 
     return parse
+
+
+def seconds(value: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value!r}")
+    return number
 
 
 def port_number(value: str) -> int:
@@ -248,10 +263,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     if num_api_servers > 1:
         return _run_api_servers(args, num_api_servers)
-    import uvicorn
-
     from kvfit.engine.config import EngineArgs
-    from kvfit.server.api_servers import bind_sockets, uvicorn_config
+    from kvfit.server.api_servers import bind_sockets, uvicorn_server
     from kvfit.server.async_llm import AsyncLLM
     from kvfit.server.openai_api import build_app
 
@@ -279,7 +292,7 @@ def run_serve(args: argparse.Namespace) -> int:
             return 1
         config = _serve_config(args, engine_args, chat_template)
         app = build_app(engine, config)
-        server = uvicorn.Server(uvicorn_config(app, args.uvicorn_log_level))
+        server = uvicorn_server(app, args.uvicorn_log_level)
         died: list[BaseException] = []
 
         def engine_died(error: BaseException) -> None:
@@ -329,14 +342,13 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
     import functools
     import signal
 
-    import uvicorn
-
     from kvfit.engine.config import EngineArgs
     from kvfit.server.api_servers import (
+        SHUTDOWN_CLOSE_S,
         ApiServerProcesses,
         ApiServerSpec,
         bind_sockets,
-        uvicorn_config,
+        uvicorn_server,
     )
     from kvfit.server.async_llm import AsyncLLM
     from kvfit.server.engine_client import EngineProcess
@@ -375,10 +387,12 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
                              args.uvicorn_log_level)
         conns = engine.engine_client.api_server_conns
         engine.engine_client.api_server_conns = []  # theirs now
-        others = ApiServerProcesses(conns, other_sockets, spec)
+        # They drain as this one does (`uvicorn_server`), then are killed.
+        others = ApiServerProcesses(conns, other_sockets, spec, stop_timeout_s=30.0 + (
+            config.shutdown_timeout + 2 * SHUTDOWN_CLOSE_S))
         others.wait_ready()
         app = build_app(engine, config)
-        server = uvicorn.Server(uvicorn_config(app, args.uvicorn_log_level))
+        server = uvicorn_server(app, args.uvicorn_log_level)
 
         def engine_died(error: BaseException) -> None:
             died.append(error)
@@ -432,6 +446,7 @@ def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
         enable_kv_cache_endpoints=dev_mode(),
         multiprocess_metrics=multiprocess_metrics,
         chat_template=chat_template,
+        shutdown_timeout=args.shutdown_timeout,
     )
 
 

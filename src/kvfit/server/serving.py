@@ -65,7 +65,9 @@ class ServeConfig:
     `multiprocess_metrics`: `/metrics` sums the request figures of every API server process
     (`--api-server-count` > 1; prometheus_client's multiprocess mode, `PROMETHEUS_MULTIPROC_DIR`).
     `chat_template`: a Jinja chat template used instead of the tokenizer's own (None: the
-    tokenizer's).
+    tokenizer's). `shutdown_timeout`: seconds a stopping server (SIGINT, SIGTERM) gives the
+    generation requests in progress to finish before it aborts them (0: at once, as vLLM's
+    `--shutdown-timeout` default); new ones get 503 meanwhile.
     """
 
     served_model_names: list[str]
@@ -77,27 +79,34 @@ class ServeConfig:
     max_request_body_bytes: int | None = 64 << 20
     multiprocess_metrics: bool = False
     chat_template: str | None = None
+    shutdown_timeout: float = 0.0
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 class _Slots:
-    """Counts generation requests in progress against the bound (one event loop: no lock)."""
+    """The generation requests in progress, counted against the bound (one event loop: no
+    lock); none is taken once the server is stopping."""
 
     def __init__(self, limit: int | None) -> None:
-        self.limit, self.in_use = limit, 0
+        self.limit = limit
+        self.held: set[_Admission] = set()
+        self.stopping = False
 
-    def take(self) -> None:
-        if self.limit is not None and self.in_use >= self.limit:
+    def take(self, admission: _Admission) -> None:
+        if self.stopping:
+            raise APIError("the server is shutting down; send the request to another",
+                           status_code=503, type="service_unavailable")
+        if self.limit is not None and len(self.held) >= self.limit:
             raise APIError(f"the server has {self.limit} generation requests in progress, its "
                            f"limit (--max-concurrent-requests); retry later",
                            status_code=503, type="service_unavailable")
-        self.in_use += 1
+        self.held.add(admission)
 
-    def give(self) -> None:
-        self.in_use -= 1
+    def give(self, admission: _Admission) -> None:
+        self.held.discard(admission)
 
 
-@dataclass
+@dataclass(eq=False)  # held in a set, by identity
 class _Admission:
     """A generation request's slot and engine requests, released once however the HTTP
     request ends: the slot given back and every engine request aborted (a no-op for those
@@ -108,12 +117,15 @@ class _Admission:
     request_ids: list[str] = field(default_factory=list)
     released: bool = False
 
+    def abort(self) -> None:
+        for request_id in self.request_ids:
+            self.engine.abort(request_id)
+
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.slots.give()
-            for request_id in self.request_ids:
-                self.engine.abort(request_id)
+            self.slots.give(self)
+            self.abort()
 
 
 class OpenAIServing:
@@ -294,8 +306,8 @@ class OpenAIServing:
               params: list[SamplingParams]
               ) -> tuple[list[AsyncIterator[RequestOutput]], _Admission]:
         """Take a slot and queue every prompt of a request: all or none."""
-        self.slots.take()
         admission = _Admission(self.slots, self.engine)
+        self.slots.take(admission)
         streams: list[AsyncIterator[RequestOutput]] = []
         request_id = uuid.uuid4().hex
         try:
@@ -312,6 +324,16 @@ class OpenAIServing:
                 raise engine_error(e) from None
             raise
         return streams, admission
+
+    def stop_admitting(self) -> None:
+        """The server is stopping: generation requests from now on get 503."""
+        self.slots.stopping = True
+
+    def abort_all(self) -> None:
+        """Abort every generation request in progress (a stopping server's drain is over):
+        streams end with finish_reason "abort", unstreamed requests answer with it."""
+        for admission in list(self.slots.held):
+            admission.abort()
 
     def stream_error(self, e: Exception) -> APIError:
         """An engine error met after a stream's headers went out: sent as an event."""
