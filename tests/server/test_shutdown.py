@@ -84,3 +84,19 @@ def test_a_stopping_app_refuses_new_generation_requests(
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a", "max_tokens": 2})
     assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_sigterm_shuts_the_engine_down_and_exits_0() -> None:
+    """uvicorn re-raises the SIGTERM it stopped on: its default action killed the process
+    (status -15) before it shut its engine down, where --api-server-count exits 0."""
+    server = ServeProcess()
+    try:
+        (engine,) = server.engine_processes()
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(timeout=60)
+    finally:
+        output = server.stop()
+    assert server.proc.returncode == 0, output
+    engine.wait(timeout=10)

@@ -468,8 +468,17 @@ def _serve_logging_stats(args: argparse.Namespace, engine: AsyncLLM,
 
 
 def _until_interrupted(run: Callable[[], object]) -> None:
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled
-        run()
+    """`run()` until it returns or a SIGINT or SIGTERM ends it. uvicorn re-raises the signal
+    it stopped on once it has; a SIGTERM with its default action would then kill this process
+    before it shuts the engine down: made a KeyboardInterrupt meanwhile, as SIGINT is."""
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _exit_status(died: list[BaseException]) -> int:
