@@ -123,6 +123,26 @@ def test_special_tokens_follow_skip_special_tokens(byte_level: Tokenizer) -> Non
     assert kept.output_text == "moon<eos>"
 
 
+def test_spaces_between_special_tokens_follow_vllm() -> None:
+    """vLLM's `spaces_between_special_tokens=False` (with special tokens kept): an added token
+    after another comes without the space a WordPiece decoder puts before it; the first of a
+    run keeps it, as in vLLM. The field was refused (SamplingParams took no such argument)."""
+    tok = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens([AddedToken("<x>", special=True), AddedToken("<y>", special=True)])
+    output = [1, 2, 3, 4, 3, 1, 4]  # a ##b <x> <y> <x> a <y>
+
+    def text(**params: object) -> str:
+        seq, _, _ = generate(Detokenizer(tok), [1], output, **params)
+        return seq.output_text
+
+    assert text(skip_special_tokens=False) == " ab <x> <y> <x> a <y>"
+    assert text(skip_special_tokens=False, spaces_between_special_tokens=False) == \
+        " ab <x><y><x> a <y>"
+    # Skipped special tokens leave no space to drop: the setting changes nothing (vLLM's).
+    assert text(spaces_between_special_tokens=False) == text() == " ab a"
+
+
 def test_transformers_fast_tokenizer_and_no_tokenizer(byte_level: Tokenizer) -> None:
     output = byte_level.encode("hello 日本").ids
     wrapped = PreTrainedTokenizerFast(tokenizer_object=byte_level)

@@ -497,6 +497,24 @@ def test_vllm_fields_at_values_that_ask_for_nothing_are_taken(http: httpx.Client
     assert r.status_code == 400 and "unknown field" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_spaces_between_special_tokens_is_taken(http: httpx.Client, path: str) -> None:
+    """vLLM's `spaces_between_special_tokens` (default true) was a 400 even at true; it is a
+    sampling setting now (kvfit-tiny's byte-level decoder puts no spaces between special
+    tokens, so the text is the same either way)."""
+    body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": MESSAGES}
+    body = {**body, "max_tokens": 4, "temperature": 0, "skip_special_tokens": False}
+    texts = []
+    for value in (True, False):
+        r = http.post(path, json={**body, "spaces_between_special_tokens": value})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        texts.append(choice["text"] if "text" in choice else choice["message"]["content"])
+    assert texts[0] == texts[1]
+    r = http.post(path, json={**body, "spaces_between_special_tokens": "maybe"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "spaces_between_special_tokens"
+
+
 DOCUMENTS_TEMPLATE = (
     "{% for d in documents or [] %}[{{ d.title }}] {{ d.text }}\n{% endfor %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -53,10 +53,12 @@ class Detokenizer:
                 )
             tokenizer = backend
         self.tokenizer: Tokenizer | None = tokenizer
-        # seq_id -> [stream, number of the sequence's tokens (prompt included) fed to it]
-        self._streams: dict[int, list[DecodeStream | int]] = {}
+        # seq_id -> [stream, number of the sequence's tokens (prompt included) fed to it,
+        # whether its last output token was an added one (None: spaces between them kept)]
+        self._streams: dict[int, list[DecodeStream | int | bool | None]] = {}
         self._token_texts: dict[int, str] = {}
         self._byte_level: bool | None = None  # whether the decoder is byte-level (lazily)
+        self._added_tokens: dict[int, str] | None = None  # id -> text (lazily)
 
     def decode_token(self, token_id: int) -> str | None:
         """The text of one token on its own (cached; None without a tokenizer)."""
@@ -110,11 +112,18 @@ class Detokenizer:
         # place, no copy of the tokens before the new ones.
         state = self._streams.get(seq.seq_id)
         if state is None:
-            state = self._streams[seq.seq_id] = [self._new_stream(seq), seq.num_prompt_tokens]
+            params = seq.sampling_params
+            # vLLM's: only where special tokens are kept (skipped, there is no space to drop).
+            joined = not (params.spaces_between_special_tokens or params.skip_special_tokens)
+            state = self._streams[seq.seq_id] = [self._new_stream(seq), seq.num_prompt_tokens,
+                                                 False if joined else None]
         num_fed = state[1]
         tokens = seq.token_ids
         end = state[1] = len(tokens)
-        if end - num_fed == 1:
+        if state[2] is not None:
+            new_text = "".join(filter(None, (self._joined_step(state, seq, token_id)
+                                             for token_id in tokens[num_fed:end])))
+        elif end - num_fed == 1:
             new_text = self._protected_step(state, seq, tokens[num_fed])
         else:
             new_text = "".join(filter(None, (self._protected_step(state, seq, token_id)
@@ -124,6 +133,20 @@ class Detokenizer:
         start = len(seq.output_text)
         seq.output_text += new_text
         return self._truncate_at_stop(seq, start) if check_stop else None
+
+    def _joined_step(self, state: list, seq: Sequence, token_id: int) -> str | None:
+        """`_protected_step` without spaces between special tokens (vLLM's
+        `spaces_between_special_tokens=False`): an added token right after another is its
+        bare text, without the space a decoder (WordPiece's, or none) puts before it."""
+        text = self._protected_step(state, seq, token_id)
+        if self._added_tokens is None:
+            self._added_tokens = {token_id: added.content for token_id, added
+                                  in self.tokenizer.get_added_tokens_decoder().items()}
+        added = self._added_tokens.get(token_id)
+        if added is not None and state[2]:
+            text = added
+        state[2] = added is not None
+        return text
 
     def _protected_step(self, state: list, seq: Sequence, token_id: int) -> str | None:
         """`state`'s stream stepped with `token_id`; where the stream cannot go on (text it

@@ -201,7 +201,8 @@ SAMPLING_FEATURES: tuple[type[SamplingFeature], ...] = (
 )
 
 HOST_ONLY_FIELDS = frozenset({"max_tokens", "stop", "include_stop_str_in_output",
-                              "skip_special_tokens", "detokenize", "truncate_prompt_tokens"})
+                              "skip_special_tokens", "spaces_between_special_tokens",
+                              "detokenize", "truncate_prompt_tokens"})
 """Fields that never reach the device: they only decide when a request stops and its text,
 or (`truncate_prompt_tokens`) cut the prompt before it is queued, within max_model_len."""
 

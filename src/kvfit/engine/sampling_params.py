@@ -47,6 +47,9 @@ class SamplingParams:
     one; `prompt_logprobs=n` the same for every prompt token after the first; -1 asks for the
     whole vocabulary (within the engine's `max_logprobs`, as vLLM's). They are computed
     from the raw logits (vLLM's default), before penalties, temperature and filters.
+    `spaces_between_special_tokens=False` (with `skip_special_tokens=False`) gives an added
+    token that follows another as its bare text, without the space a decoder (WordPiece's, or
+    none) puts before it, as vLLM's does.
     `detokenize=False` leaves `output_text` empty unless stop strings need the text (a front
     end that decodes text itself keeps that work off the engine's step).
     `truncate_prompt_tokens=k` keeps only the prompt's last k tokens (-1: the last
@@ -75,6 +78,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
 

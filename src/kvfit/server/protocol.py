@@ -66,8 +66,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
                           "supported by this server",
     "chat_template": "a request may not bring its own chat template (as in vLLM without "
                      "--trust-request-chat-template): start the server with --chat-template",
-    "spaces_between_special_tokens": "not supported: special tokens are decoded as the "
-                                     "tokenizer decodes them",
     "request_id": "not supported: the server names each request itself",
     **dict.fromkeys(("mm_processor_kwargs", "media_io_kwargs", "audio"), _TEXT_ONLY),
     "logits_processors": "custom logits processors are not supported by this server",
@@ -176,6 +174,7 @@ class _SamplingFields(_Body):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # vLLM's: lower runs first under `--scheduling-policy priority`; anything but 0 is a 400
     # under fcfs, as vLLM answers.
     priority: int = 0
@@ -216,6 +215,7 @@ class _SamplingFields(_Body):
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
         defaults = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, presence_penalty=0.0,
                         frequency_penalty=0.0, repetition_penalty=1.0)
