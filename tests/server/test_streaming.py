@@ -4,6 +4,7 @@ it missed in one output / one SSE event, with every token exactly once, in order
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from kvfit import LLM, SamplingParams
+from kvfit.engine.sampling_params import RequestOutputKind
 from kvfit.server.async_llm import AsyncLLM
 
 from .conftest import MODEL_NAME, ServerThread, engine_kwargs
@@ -189,3 +191,40 @@ def test_vllms_priority_is_taken_at_zero_only_under_fcfs(engine: AsyncLLM) -> No
         return [out async for out in engine.generate(PROMPT, params, priority=0)][-1]
 
     assert len(asyncio.run(run()).outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("extra", [{}, {"n": 2, "logprobs": 1, "stop": ["ritt"]}],
+                         ids=["plain", "n=2 logprobs stop"])
+def test_output_kind_delta_and_final_only_as_vllm(engine: AsyncLLM, extra: dict[str, Any]
+                                                  ) -> None:
+    """vLLM's SamplingParams.output_kind was a TypeError (no such argument): a stream is
+    cumulative (the default), DELTA (each output holds only what each completion added since
+    the last) or FINAL_ONLY (one output, at the end)."""
+    def params(kind: RequestOutputKind) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                              output_kind=kind, **extra)
+
+    async def read(kind: RequestOutputKind) -> list[Any]:
+        return [copy.deepcopy(out) async for out in engine.generate(PROMPT, params(kind))]
+
+    (*_, want) = asyncio.run(read(RequestOutputKind.CUMULATIVE))
+    assert {c.finish_reason for c in want.outputs} == {"stop" if extra else "length"}
+    deltas = asyncio.run(read(RequestOutputKind.DELTA))
+    assert len(deltas) > 1 and [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [
+        True]
+    for w in want.outputs:
+        mine = [c for d in deltas for c in d.outputs if c.index == w.index]
+        assert "".join(c.text for c in mine) == w.text
+        assert [t for c in mine for t in c.token_ids] == w.token_ids
+        assert sum(len(c.token_ids) for c in mine) == len(w.token_ids)
+        if w.logprobs is not None:
+            assert [lp for c in mine for lp in c.logprobs] == w.logprobs
+            assert mine[-1].cumulative_logprob == pytest.approx(w.cumulative_logprob)
+        # Its end comes once, in its last delta; nothing comes after it.
+        assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + [w.finish_reason]
+    (final,) = asyncio.run(read(RequestOutputKind.FINAL_ONLY))
+    assert final.finished
+    assert [(c.text, c.token_ids) for c in final.outputs] == [
+        (c.text, c.token_ids) for c in want.outputs]
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="delta")  # type: ignore[arg-type]

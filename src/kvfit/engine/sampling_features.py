@@ -202,9 +202,10 @@ SAMPLING_FEATURES: tuple[type[SamplingFeature], ...] = (
 
 HOST_ONLY_FIELDS = frozenset({"max_tokens", "stop", "include_stop_str_in_output",
                               "skip_special_tokens", "spaces_between_special_tokens",
-                              "detokenize", "truncate_prompt_tokens"})
+                              "detokenize", "truncate_prompt_tokens", "output_kind"})
 """Fields that never reach the device: they only decide when a request stops and its text,
-or (`truncate_prompt_tokens`) cut the prompt before it is queued, within max_model_len."""
+(`truncate_prompt_tokens`) cut the prompt before it is queued, within max_model_len, or
+(`output_kind`) shape a stream's outputs."""
 
 
 def worst_case_params(limits: WarmupLimits) -> SamplingParams:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import IntEnum
 from functools import cached_property
 
 import numpy as np
@@ -18,6 +19,17 @@ MAX_N = 16384
 (`VLLM_MAX_N_SEQUENCES`). Each is a sequence built as the request is queued, so an unbounded
 `n` (a 30-byte request asking for 10**20) would fill the front end's memory before any check
 on the engine's side ran."""
+
+
+class RequestOutputKind(IntEnum):
+    """What each output of a streamed request (`AsyncLLM.generate`) holds, vLLM's values:
+    everything so far (`CUMULATIVE`), only what is new since the last output (`DELTA`), or
+    one output at the end (`FINAL_ONLY`). `LLM.generate` returns final outputs whatever it
+    says, as vLLM's."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -52,6 +64,7 @@ class SamplingParams:
     none) puts before it, as vLLM's does.
     `detokenize=False` leaves `output_text` empty unless stop strings need the text (a front
     end that decodes text itself keeps that work off the engine's step).
+    `output_kind` (`RequestOutputKind`): what each output of a streamed request holds.
     `truncate_prompt_tokens=k` keeps only the prompt's last k tokens (-1: the last
     `max_model_len`), as vLLM's does; `RequestOutput.prompt` stays the text given.
     """
@@ -81,6 +94,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):
@@ -99,6 +113,10 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (AttributeError, TypeError, ValueError):
                 _check(False, "logit_bias", "must map token ids to numbers", self.logit_bias)
+        # vLLM's enum, or its value; anything else would stream as CUMULATIVE, unasked.
+        _check(_is_int(self.output_kind) and self.output_kind in tuple(RequestOutputKind),
+               "output_kind", "must be a RequestOutputKind", self.output_kind)
+        self.output_kind = RequestOutputKind(self.output_kind)
         self._validate()
         if self.seed == -1:
             # vLLM's (and OpenAI's) "no seed": a client sending -1 for "random" would otherwise

@@ -21,7 +21,7 @@ from kvfit.engine.input_processor import InputProcessor, Prompt
 from kvfit.engine.kv_resize import KVCacheResize
 from kvfit.engine.outputs import CompletionOutput, RequestOutput
 from kvfit.engine.prompts import check_priority
-from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
 from kvfit.kv.report import KVCacheReport
@@ -147,6 +147,11 @@ class RequestStream:
     steps it missed (never a timer: what is ready is yielded at once). With the engine's
     `stream_interval` N > 1 an output comes once N new tokens are ready (the first token and
     the end at once). Closing the iterator before the end aborts the request.
+
+    `SamplingParams.output_kind` as vLLM's: `DELTA` yields new `RequestOutput`s holding only
+    what each completion added since the last (completions that added nothing left out;
+    `cumulative_logprob` still the whole completion's; the prompt's logprobs in the first),
+    `FINAL_ONLY` the last output alone.
     """
 
     def __init__(self, engine: AsyncLLM, request_id: str, seqs: list[Sequence],
@@ -171,6 +176,11 @@ class RequestStream:
         # `detokenize=False` leaves the text empty, as `LLM.generate` does (only stop strings
         # make the engine decode, and then its text comes as it does there).
         self._decode = params.detokenize
+        self._kind = params.output_kind
+        # DELTA: per completion, the characters and tokens already yielded, and whether its end
+        # was; whether the prompt's logprobs were.
+        self._yielded = [(0, 0, False)] * len(seqs)
+        self._prompt_logprobs_yielded = False
         self._closed = False
         # Told of every output and of the end (the server's request metrics): a call here
         # rather than a generator around the stream, which would cost two more switches a
@@ -196,7 +206,13 @@ class RequestStream:
                 self._apply(deltas)
                 if observer is not None:
                     observer.output(self.output)
-                yield self.output
+                if self._kind is RequestOutputKind.CUMULATIVE:
+                    yield self.output
+                elif self._kind is RequestOutputKind.DELTA:
+                    if (delta := self._delta()) is not None:
+                        yield delta
+                elif self.output.finished:
+                    yield self.output
         except Exception:
             failed = True
             raise
@@ -204,6 +220,30 @@ class RequestStream:
             self._close()
             if observer is not None:
                 observer.end(failed)
+
+    def _delta(self) -> RequestOutput | None:
+        """What the output added since the last `_delta` (None: nothing)."""
+        out, outputs = self.output, []
+        for c in out.outputs:
+            chars, tokens, ended = self._yielded[c.index]
+            if ended or (len(c.text) == chars and len(c.token_ids) == tokens
+                         and c.finish_reason is None):
+                continue
+            outputs.append(CompletionOutput(
+                index=c.index, text=c.text[chars:], token_ids=c.token_ids[tokens:],
+                cumulative_logprob=c.cumulative_logprob,
+                logprobs=None if c.logprobs is None else c.logprobs[tokens:],
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            self._yielded[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None and not self._prompt_logprobs_yielded:
+            prompt_logprobs, self._prompt_logprobs_yielded = out.prompt_logprobs, True
+        if not outputs and prompt_logprobs is None and not out.finished:
+            return None
+        return RequestOutput(
+            request_id=out.request_id, prompt=out.prompt, prompt_token_ids=out.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs, outputs=outputs, finished=out.finished,
+            num_cached_tokens=out.num_cached_tokens)
 
     def _close(self) -> None:
         if not self._closed:
