@@ -212,18 +212,14 @@ def test_long_prefill_token_threshold_flag_reaches_the_scheduler_config() -> Non
     assert config().scheduler_config.long_prefill_token_threshold == 0
 
 
-def test_logprobs_mode_takes_vllms_default_and_refuses_the_modes_it_does_not_run() -> None:
+def test_logprobs_mode_takes_vllms_four_modes() -> None:
     # vLLM's engine argument: LLM(logprobs_mode="raw_logprobs") was a TypeError (unknown
-    # engine argument) and --logprobs-mode an unrecognized flag, whatever the mode.
+    # engine argument) and --logprobs-mode an unrecognized flag; then only the default ran.
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
-    args = EngineArgs.from_cli_args(parser.parse_args(["--logprobs-mode", "raw_logprobs"]))
-    assert config(logprobs_mode=args.logprobs_mode).model_config.logprobs_mode == "raw_logprobs"
     assert config().model_config.logprobs_mode == "raw_logprobs"
-    for mode in ("processed_logprobs", "raw_logits", "processed_logits"):
-        # Taken and ignored, every logprob would be other than the one asked for.
-        with pytest.raises(ValueError, match=f"--logprobs-mode.*{mode!r} is not supported.*"
-                                             f"always raw_logprobs"):
-            config(logprobs_mode=mode)
+    for mode in ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"):
+        args = EngineArgs.from_cli_args(parser.parse_args(["--logprobs-mode", mode]))
+        assert config(logprobs_mode=args.logprobs_mode).model_config.logprobs_mode == mode
     with pytest.raises(ValueError, match="logprobs_mode .*must be one of raw_logprobs"):
         config(logprobs_mode="raw")
 

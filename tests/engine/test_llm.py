@@ -351,8 +351,6 @@ def test_vllm_arguments_kvfit_does_anyway_are_taken_and_others_say_why(qwen3: Pa
         llm.shutdown()
     with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
         LLM(str(qwen3), device="cpu", scheduling_policy="lifo")
-    with pytest.raises(ValueError, match="'processed_logprobs' is not supported"):
-        LLM(str(qwen3), device="cpu", logprobs_mode="processed_logprobs")
 
 
 def test_generate_takes_vllms_priority_at_zero_only_under_fcfs(qwen3_llm: LLM) -> None:

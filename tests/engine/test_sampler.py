@@ -1,4 +1,5 @@
-"""Sampler: greedy is argmax, filters keep the right tokens, seeds reproduce, logprobs are raw."""
+"""Sampler: greedy is argmax, filters keep the right tokens, seeds reproduce, logprobs are raw
+(or as the engine's logprobs_mode asks)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 import kvfit.engine.sampler as sampler
+from kvfit.engine.config import LOGPROBS_MODES
 from kvfit.engine.sampler import (
     PROMPT_LOGPROBS_CHUNK,
     Sampler,
@@ -73,8 +75,15 @@ def test_sampling_frequencies_follow_the_tempered_distribution() -> None:
 
 def vllm_probs(row: torch.Tensor, prompt: list[int], output: list[int],
                p: SamplingParams) -> torch.Tensor:
-    """vLLM's sampling distribution written out densely, in its order: logit bias, penalties,
-    temperature, min-p, top-k, then top-p over what is left (sorted, as vLLM does)."""
+    """vLLM's sampling distribution written out densely (`vllm_processed_logits`)."""
+    return vllm_processed_logits(row, prompt, output, p).softmax(-1)
+
+
+def vllm_processed_logits(row: torch.Tensor, prompt: list[int], output: list[int],
+                          p: SamplingParams) -> torch.Tensor:
+    """vLLM's processed logits written out densely, in its order: logit bias, penalties,
+    temperature, min-p, top-k, then top-p over what is left (sorted, as vLLM does); a greedy
+    request stops after the penalties (vLLM turns its temperature and filters off)."""
     x = row.double().clone()
     vocab = x.shape[0]
     for token, bias in (p.logit_bias or {}).items():
@@ -83,7 +92,10 @@ def vllm_probs(row: torch.Tensor, prompt: list[int], output: list[int],
     seen = torch.bincount(torch.tensor(prompt + output), minlength=vocab) > 0
     rp = p.repetition_penalty
     x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
-    x = (x - p.frequency_penalty * out - p.presence_penalty * (out > 0)) / p.temperature
+    x = x - p.frequency_penalty * out - p.presence_penalty * (out > 0)
+    if p.temperature == 0:
+        return x
+    x = x / p.temperature
     if p.min_p > 0:
         probs = x.softmax(-1)
         x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
@@ -94,7 +106,7 @@ def vllm_probs(row: torch.Tensor, prompt: list[int], output: list[int],
         drop = ascending.softmax(-1).cumsum(-1) <= 1 - p.top_p
         drop[-1] = False
         ascending = ascending.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).index_put_((order,), ascending).softmax(-1)
+    return torch.empty_like(x).index_put_((order,), ascending)
 
 
 @pytest.mark.parametrize("params", [
@@ -120,6 +132,52 @@ def test_the_sampler_draws_from_vllms_distribution(params: SamplingParams) -> No
     chi2 = ((counts[probs > 0] - expected) ** 2 / expected).sum()
     df = torch.tensor(len(expected) - 1, dtype=torch.float64)
     assert float(torch.special.gammaincc(df / 2, chi2 / 2)) > 1e-3
+
+
+@pytest.mark.parametrize("block_rows", [None, 1])
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+def test_logprobs_modes_give_vllms_values(mode: str, block_rows: int | None,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each logprobs_mode against a hand computation on the same float32 logits: raw ones
+    (before bias, penalties, temperature, filters), or the processed ones vLLM samples from
+    (filtered tokens -inf; a greedy row's with no temperature or filters), alone or beside
+    other rows, in one block of rows or one block a row."""
+    if block_rows:
+        monkeypatch.setattr(sampler, "_LOGSUMEXP_BYTES", block_rows * 4 * VOCAB)
+    prompt, output = [1, 6, 19, 5], [5, 6, 6]
+    params = [
+        SamplingParams(temperature=0.8, top_k=10, top_p=0.85, min_p=0.05, repetition_penalty=1.5,
+                       presence_penalty=0.4, frequency_penalty=0.3, logit_bias={6: 1.5},
+                       logprobs=VOCAB),
+        SamplingParams(temperature=0, top_k=2, logit_bias={3: 4.0}, repetition_penalty=1.5,
+                       logprobs=VOCAB),
+        SamplingParams(temperature=1.7, top_p=0.7, logprobs=5),
+        SamplingParams(temperature=0.5, top_k=3),  # no logprobs: gathered rows around it
+        SamplingParams(temperature=0.5, min_p=0.2, seed=4, logprobs=VOCAB),
+    ]
+    logits = random_logits(len(params), seed=2)
+    for rows in (range(len(params)), [1]):  # [1]: an all-greedy step, the argmax's path
+        seqs = [Sequence(list(prompt), params[r]) for r in rows]
+        for seq in seqs:
+            seq.token_ids += output
+        given = logits[list(rows)].clone()
+        ids, dicts = sample(given, seqs, Sampler(seed=1, logprobs_mode=mode))
+        assert torch.equal(given, logits[list(rows)])  # the processors' changes undone
+        for i, r in enumerate(rows):
+            p = params[r]
+            raw = mode.startswith("raw")
+            x = logits[r].double() if raw else vllm_processed_logits(logits[r], prompt, output, p)
+            expected = x.log_softmax(-1) if mode.endswith("logprobs") else x
+            if p.logprobs is None:
+                assert dicts[i] is None
+                continue
+            assert expected[ids[i]] > float("-inf")  # the sampled token passed the filters
+            top = expected.topk(p.logprobs).indices.tolist()
+            assert set(dicts[i]) == {ids[i], *top} or expected[top[-1]] == float("-inf")
+            for token, entry in dicts[i].items():
+                assert entry.logprob == pytest.approx(expected[token].item(), abs=1e-5)
+                if expected[token] > float("-inf"):
+                    assert entry.rank == 1 + int((expected > expected[token]).sum())
 
 
 def test_seeded_requests_reproduce_regardless_of_batch_mates() -> None:

@@ -350,3 +350,73 @@ def test_seed_minus_one_is_no_seed_as_in_vllm(llm: LLM) -> None:
     assert first != second  # the engine's generator draws anew at each try
     first, second = twice(-2)
     assert first == second  # any other negative seed is a seed
+
+
+@pytest.fixture(scope="module")
+def logprobs_by_mode(qwen3: Path) -> dict[str, list]:
+    """Per logprobs_mode, one step's outputs of a batch of a filtered sampled request and a
+    greedy one, both with logit bias and a repetition penalty, every token's logprob asked."""
+    prompt = {"prompt_token_ids": prompts(7, seed=3)[0]}
+    common = dict(max_tokens=1, logprobs=-1, prompt_logprobs=3, logit_bias={7: 3.0},
+                  repetition_penalty=1.3)
+    params = [SamplingParams(temperature=0.7, top_k=20, min_p=0.05, seed=5, **common),
+              SamplingParams(temperature=0, top_k=2, **common)]
+    outputs = {}
+    for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
+        llm = LLM(str(qwen3), device="cpu", num_gpu_blocks_override=16, max_model_len=64,
+                  max_num_batched_tokens=64, max_num_seqs=4, max_logprobs=-1,
+                  logprobs_mode=mode)
+        try:
+            outputs[mode] = llm.generate([prompt, prompt], params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+    return outputs
+
+
+def values(entries: dict) -> torch.Tensor:
+    """A whole-vocabulary logprobs dict as a [512] float64 tensor."""
+    assert sorted(entries) == list(range(512))
+    return torch.tensor([entries[t].logprob for t in range(512)], dtype=torch.float64)
+
+
+def test_each_logprobs_mode_gives_vllms_values(logprobs_by_mode: dict[str, list],
+                                               qwen3: Path) -> None:
+    # vLLM's logprobs_mode was refused but for its default: raw_logits, processed_logprobs
+    # and processed_logits each checked against torch on the model's logits.
+    outs = {mode: [o.outputs[0] for o in outputs] for mode, outputs in logprobs_by_mode.items()}
+    prompt = logprobs_by_mode["raw_logits"][0].prompt_token_ids
+    logits = values(outs["raw_logits"][0].logprobs[0])
+    assert torch.allclose(logits, hf_model(qwen3)(torch.tensor([prompt])).logits[0, -1].double(),
+                          atol=1e-4)
+    for mode, (sampled, greedy) in outs.items():
+        assert sampled.token_ids == outs["raw_logprobs"][0].token_ids  # the mode draws alike
+        assert greedy.token_ids == outs["raw_logprobs"][1].token_ids
+        if mode.startswith("raw"):  # the same prompt: the same raw values, however sampled
+            assert values(greedy.logprobs[0]).tolist() == values(sampled.logprobs[0]).tolist()
+    assert torch.allclose(values(outs["raw_logprobs"][0].logprobs[0]), logits.log_softmax(-1),
+                          atol=1e-5)
+    # vLLM's order: bias, penalties; a sampled request then temperature, min-p, top-k; a
+    # greedy one stops there (vLLM turns its temperature and filters off).
+    x = logits.clone()
+    x[7] += 3.0
+    seen = torch.tensor(sorted(set(prompt)))
+    x[seen] = torch.where(x[seen] > 0, x[seen] / 1.3, x[seen] * 1.3)
+    tempered = x / 0.7
+    tempered[tempered.softmax(-1) < 0.05 * tempered.softmax(-1).max()] = float("-inf")
+    tempered[tempered < tempered.topk(20).values[-1]] = float("-inf")
+    assert 1 < tempered.isfinite().sum() < 512  # the filters cut
+    for got, expected in ((outs["processed_logits"][0], tempered),
+                          (outs["processed_logits"][1], x),
+                          (outs["processed_logprobs"][0], tempered.log_softmax(-1)),
+                          (outs["processed_logprobs"][1], x.log_softmax(-1))):
+        entries, token = got.logprobs[0], got.token_ids[0]
+        assert values(entries).isinf().tolist() == expected.isinf().tolist()
+        assert torch.allclose(values(entries), expected, atol=1e-4)
+        assert expected[token] > float("-inf")
+        assert entries[token].rank == 1 + int((expected > expected[token]).sum())
+    # prompt_logprobs stay raw_logprobs in every mode, as vLLM's.
+    raw_prompt = logprobs_by_mode["raw_logprobs"][0].prompt_logprobs
+    for outputs in logprobs_by_mode.values():
+        for got, want in zip(outputs[0].prompt_logprobs[1:], raw_prompt[1:], strict=True):
+            assert {t: e.logprob for t, e in got.items()} == pytest.approx(
+                {t: e.logprob for t, e in want.items()}, abs=1e-6)

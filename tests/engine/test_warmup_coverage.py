@@ -197,3 +197,59 @@ def test_warmup_runs_the_fused_decode_input(narrow_vocab: Path,
               small_batch_kernels=False, max_model_len=256)
     llm.shutdown()
     assert calls and set(calls) == {1}  # one decode row, in every layer
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs",
+                                  "processed_logits"])
+def test_warmup_samples_in_the_engines_logprobs_mode(
+    narrow_vocab: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """The processed modes score a float32 copy of each filtered, tempered block of rows
+    (`processed_block`): warmup's sampling step, every row asking max_logprobs with every
+    filter and a temperature, must run it, so its memory is measured."""
+    from kvfit.engine import sampler
+
+    steps: list[tuple[str, int, int]] = []  # (mode, rows, rows asking logprobs)
+    blocks: list[tuple[int, bool, bool]] = []  # (rows, filtered, tempered)
+    call, block = sampler.Sampler.__call__, sampler.processed_block
+
+    def sample(self: sampler.Sampler, logits: torch.Tensor, meta: object) -> object:
+        steps.append((self.logprobs_mode, logits.shape[0],
+                      sum(n is not None for n in meta.num_logprobs)))
+        return call(self, logits, meta)
+
+    def processed(part: torch.Tensor, rows: slice, divisor: object,
+                  thresholds: object) -> torch.Tensor:
+        blocks.append((part.shape[0], thresholds is not None, divisor is not None))
+        return block(part, rows, divisor, thresholds)
+
+    monkeypatch.setattr(sampler.Sampler, "__call__", sample)
+    monkeypatch.setattr(sampler, "processed_block", processed)
+    LLM(str(narrow_vocab), device="cpu", max_num_seqs=8, max_model_len=256,
+        logprobs_mode=mode).shutdown()
+    assert (mode, 8, 8) in steps
+    if mode.startswith("processed"):
+        assert (8, True, True) in blocks
+    else:
+        assert not blocks
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logits"])
+def test_steps_in_other_logprobs_modes_are_no_larger_than_warmup(
+    wide_vocab: Path, peaks: StepPeaks, mode: str
+) -> None:
+    # Some rows greedy, some filtered, some without logprobs: no step outgrows warmup's.
+    llm = LLM(str(wide_vocab), device="cpu", max_num_seqs=8, max_num_batched_tokens=128,
+              max_model_len=256, logprobs_mode=mode)
+    try:
+        peaks.started = True
+        params = [SamplingParams(temperature=0, max_tokens=4, logprobs=20),
+                  SamplingParams(temperature=0.9, top_k=5, max_tokens=4, logprobs=3),
+                  SamplingParams(temperature=0.9, top_p=0.5, max_tokens=4),
+                  SamplingParams(temperature=0, max_tokens=4, logit_bias={5: 2.0},
+                                 logprobs=0)] * 2
+        llm.generate([prompt(20, i) for i in range(8)], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    worst = max(peaks.real)
+    assert worst[0] <= max(peaks.warmup), (worst, peaks.warmup)

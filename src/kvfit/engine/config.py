@@ -192,7 +192,7 @@ EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
 # vLLM's CUDAGraphMode names: FULL = decode steps whole from a graph (`cuda_graph_sizes`),
 # PIECEWISE = any step's dense pieces from graphs at token buckets, attention eager between.
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
-# vLLM's `logprobs_mode` names. Only its default runs here: the log-softmax of the raw logits.
+# vLLM's `logprobs_mode` names: what sample logprobs hold (`kvfit.engine.sampler.Sampler`).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
@@ -287,7 +287,7 @@ class EngineArgs:
     seed: int = 0
     generation_config: str = "auto"
     max_logprobs: int = 20
-    logprobs_mode: str = "raw_logprobs"  # vLLM's; only its default is supported
+    logprobs_mode: str = "raw_logprobs"  # vLLM's; one of LOGPROBS_MODES
     cuda_graph_sizes: list[int] | None = None
     cudagraph_mode: str = "FULL_DECODE_ONLY"
     gpu_memory_utilization: float | None = None
@@ -390,9 +390,11 @@ class EngineArgs:
                        help="most logprobs / prompt_logprobs a request may ask for, -1 for "
                        "the whole vocabulary; warmup measures this many (default: %(default)s)")
         p.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=LOGPROBS_MODES,
-                       help="what logprobs hold (vLLM's flag); only raw_logprobs, its default, "
-                       "runs: the log-softmax of the model's logits, before logit bias, "
-                       "penalties, temperature and top-k/top-p/min-p (default: %(default)s)")
+                       help="what sampled tokens' logprobs hold (vLLM's flag): raw_ = the "
+                       "model's logits, processed_ = after logit bias, bans, penalties, "
+                       "temperature and top-k/top-p/min-p (filtered tokens -inf); _logprobs "
+                       "= their log-softmax; prompt_logprobs stay raw_logprobs "
+                       "(default: %(default)s)")
         p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=d.cuda_graph_sizes,
                        metavar="N", help="decode batch sizes to capture as CUDA graphs "
                        "(default: 1 2 4 8 16..512 by 16; sizes above max-num-seqs or "
@@ -739,16 +741,9 @@ class EngineArgs:
         )
 
     def _check_logprobs_mode(self) -> str:
-        """vLLM's `logprobs_mode`, taken at its default; another mode would change every
-        logprob a request gets, so it is refused rather than ignored."""
-        mode = _check_choice("logprobs_mode (--logprobs-mode)", self.logprobs_mode,
+        """vLLM's `logprobs_mode`, one of `LOGPROBS_MODES`."""
+        return _check_choice("logprobs_mode (--logprobs-mode)", self.logprobs_mode,
                              LOGPROBS_MODES)
-        if mode != "raw_logprobs":
-            raise ValueError(f"logprobs_mode (--logprobs-mode) {mode!r} is not supported: "
-                             f"logprobs and prompt_logprobs are always raw_logprobs (vLLM's "
-                             f"default), the log-softmax of the model's logits before logit "
-                             f"bias, penalties, temperature and top-k/top-p/min-p")
-        return mode
 
     def _check_kv_cache_dtype(self, device: torch.device, model_dtype: torch.dtype) -> str:
         name = _check_choice("kv_cache_dtype (--kv-cache-dtype)", self.kv_cache_dtype,

@@ -82,7 +82,7 @@ class ModelRunner:
         self.weight_arena = (WeightArena(self.model, self.device) if config.enable_sleep_mode
                              else None)
         self.sampler = Sampler(self.device, mc.seed, config.scheduler_config.max_num_seqs
-                               if sampler_module.GREEDY_ARGMAX_KERNEL else 0)
+                               if sampler_module.GREEDY_ARGMAX_KERNEL else 0, mc.logprobs_mode)
         self.eos_token_ids = mc.eos_token_ids
         self.kv_cache: ExtensibleKVCache | None = None
         self.kv_cache_spec = config.kv_cache_spec()
@@ -393,7 +393,9 @@ class ModelRunner:
 
     @property
     def warmup_params(self) -> SamplingParams:
-        """Every sampling feature at its worst case (`worst_case_params`) for this model."""
+        """Every sampling feature at its worst case (`worst_case_params`) for this model;
+        warmup samples them with `self.sampler`, so in the engine's `logprobs_mode` (the
+        processed modes' temporaries are largest with every filter on, as here)."""
         mc = self.config.model_config
         return worst_case_params(WarmupLimits(mc.hf_config.vocab_size, self.max_model_len,
                                               mc.max_logprobs))

@@ -7,8 +7,9 @@ memory of sampling is the logits plus O(rows + entries) (see `Sampler`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from kvfit.engine.logits_processors import AllowedTokens, BannedTokens, LogitBia
 from kvfit.engine.sequence import Logprob, Logprobs, Sequence
 from kvfit.engine.transfer import to_device, to_host
 from kvfit.ops import argmax_scratch, filter_thresholds, greedy_argmax, gumbel_sample
+from kvfit.ops.sampling import temperature_divisor
 
 # Rows of prompt positions pushed through the logits head and the top-n scorer at once; warmup
 # runs one chunk of exactly this width so its memory is measured before the cache is sized.
@@ -170,41 +172,60 @@ class Sampler:
     over the tokens that pass their top-k / top-p / min-p threshold
     (`kvfit.ops.filter_thresholds`, no sort). Each row's noise comes from its own 64-bit seed:
     the engine's generator for unseeded rows, `token_seed` for seeded ones. The changes are
-    then undone, and logprobs are the log-softmax of the raw logits, as vLLM returns by default.
+    then undone.
+
+    Logprobs follow the engine's `logprobs_mode` (vLLM's): "raw_logprobs" (the default) is the
+    log-softmax of the raw logits, "raw_logits" those logits; "processed_logits" are the logits
+    as sampled: after the processors, divided by the temperature, tokens below the row's
+    top-k / top-p / min-p threshold -inf (greedy rows: the processors only, as vLLM's, whose
+    greedy requests take no temperature or filters), read before the undo;
+    "processed_logprobs" their log-softmax. Ranks and top-n are of the values returned.
 
     Device memory beyond the `[N, V]` logits: the processors' entries (see each), the filter
-    thresholds' O(N) and one `_LOGSUMEXP_BYTES` block of float32 for logprobs; on CUDA with
-    `max_num_seqs`, the greedy argmax's scratch (`kvfit.ops.argmax_scratch`, ~9 KB at 256 rows),
-    allocated here, once.
+    thresholds' O(N) and one `_LOGSUMEXP_BYTES` block of float32 for logprobs (the processed
+    modes: `processed_block`'s float32 block and mask besides); on CUDA with `max_num_seqs`,
+    the greedy argmax's scratch (`kvfit.ops.argmax_scratch`, ~9 KB at 256 rows), allocated
+    here, once. The mode is the engine's, so warmup's sampling step runs it at its largest.
     """
 
     def __init__(self, device: torch.device | str = "cpu", seed: int = 0,
-                 max_num_seqs: int = 0) -> None:
+                 max_num_seqs: int = 0, logprobs_mode: str = "raw_logprobs") -> None:
         self.device = torch.device(device)
         self.generator = torch.Generator(self.device).manual_seed(seed)
         # Steps of up to `max_num_seqs` all-greedy rows take the one-launch argmax.
         self.argmax_scratch = argmax_scratch(max_num_seqs, self.device)
+        self.logprobs_mode = logprobs_mode
+        self.processed = logprobs_mode.startswith("processed")
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from `logits` `[N, V]` (any float dtype; changed and restored in place) with
         `meta` built for the same N rows."""
         logits = logits.contiguous()
         undo = [processor.apply(logits) for processor in meta.processors]
+        thresholds = None
         if meta.all_greedy:
             token_ids = greedy_argmax(logits, self.argmax_scratch)
         else:
-            token_ids = self._sample(logits, meta)
+            token_ids, thresholds = self._sample(logits, meta)
+        if self.processed:  # the logits as sampled: before the undo
+            output = self._with_logprobs(logits, token_ids, meta.num_logprobs,
+                                         self.logprobs_mode, meta.temperature, thresholds)
         for change in reversed(undo):
             change.restore(logits)
-        return self._with_logprobs(logits, token_ids, meta.num_logprobs)
+        if not self.processed:
+            output = self._with_logprobs(logits, token_ids, meta.num_logprobs,
+                                         self.logprobs_mode)
+        return output
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor,
+                meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled ids and the filters' thresholds (None when no row filters)."""
         thresholds = None
         if meta.filters:
             thresholds = filter_thresholds(logits, meta.temperature, meta.top_k, meta.top_p,
                                            meta.min_p)
         return gumbel_sample(logits, meta.temperature, self._seeds(meta, logits.shape[0]),
-                             thresholds)
+                             thresholds), thresholds
 
     def _seeds(self, meta: SamplingMetadata, num_rows: int) -> torch.Tensor:
         """One int64 seed per row: the generator's, or the row's `token_seed`."""
@@ -218,8 +239,12 @@ class Sampler:
 
     @staticmethod
     def _with_logprobs(
-        logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
+        logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None],
+        mode: str = "raw_logprobs", temperature: torch.Tensor | None = None,
+        thresholds: torch.Tensor | None = None,
     ) -> SamplerOutput:
+        """Logprobs in `mode` of the rows that ask; the processed modes read `logits` as
+        sampled, with each row's `temperature` and filter `thresholds` (None: none)."""
         rows = [row for row, n in enumerate(num_logprobs) if n is not None]
         if not rows:
             return SamplerOutput(token_ids, rows, None, None)
@@ -228,12 +253,39 @@ class Sampler:
         # (at most `_LOGSUMEXP_BYTES` / 4 x the logits' element size), and warmup, where
         # every row asks, must make that copy at its largest.
         index = to_device(torch.tensor(rows), logits.device)
-        ids, values, ranks = logprobs_at(logits, token_ids[index], max_n, index)
+        process = None
+        if mode.startswith("processed"):
+            process = functools.partial(
+                processed_block,
+                divisor=None if temperature is None else temperature_divisor(temperature)[index],
+                thresholds=None if thresholds is None else thresholds[index])
+        ids, values, ranks = logprobs_at(logits, token_ids[index], max_n, index,
+                                         normalize=mode.endswith("logprobs"), process=process)
         return SamplerOutput(token_ids, rows, ids, values, ranks)
 
 
+def processed_block(part: torch.Tensor, block: slice, divisor: torch.Tensor | None,
+                    thresholds: torch.Tensor | None) -> torch.Tensor:
+    """Rows `block` of the logprob rows, `part` `[B, V]` (a gathered copy, changed in place
+    where float32), as the sampler draws from them, in float32: -inf below each row's filter
+    threshold (`thresholds` `[R]`, compared before the temperature, as `gumbel_sample` does),
+    then divided by its `divisor` (`[R]`, `temperature_divisor`); None skips either. Extra
+    memory: the float32 copy of a 16-bit block and a `[B, V]` bool mask, at most 1.25 x
+    `_LOGSUMEXP_BYTES` at `logprobs_at`'s block size (and in the batch-invariant mode,
+    `topk_indices` sorts float32 values, not 16-bit ones: 2 bytes more per logit of a block).
+    Warmup's sampling step runs this at every row with every filter (its largest)."""
+    x = part.to(torch.float32)
+    if thresholds is not None:
+        x.masked_fill_(x < thresholds[block, None], float("-inf"))
+    if divisor is not None:
+        x.div_(divisor[block, None])
+    return x
+
+
 def logprobs_at(
-    logits: torch.Tensor, token_ids: torch.Tensor, n: int, rows: torch.Tensor | None = None
+    logits: torch.Tensor, token_ids: torch.Tensor, n: int, rows: torch.Tensor | None = None,
+    normalize: bool = True,
+    process: Callable[[torch.Tensor, slice], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(ids, logprobs, ranks)` for rows `rows` of `logits` `[N, V]` (all rows when None), left
     on the device: `ids` and `logprobs` `[R, 1 + n]` hold the log-softmax at `token_ids[r]`
@@ -248,6 +300,10 @@ def logprobs_at(
     top-n of the logits are the top-n of the logprobs (one shift per row). With `rows`, each
     block is a gathered copy: at most `_LOGSUMEXP_BYTES` / 4 x the logits' element size bytes
     (16 MiB for float32 logits) beyond the path without it.
+
+    `normalize` False gives the logits themselves (no log-sum-exp). `process` (only with
+    `rows`, whose blocks are copies it may change) maps each block and the slice of `rows`
+    it holds to the values to score instead (`processed_block`).
     """
     num_rows = logits.shape[0] if rows is None else rows.shape[0]
     n = min(n, logits.shape[-1])
@@ -257,13 +313,18 @@ def logprobs_at(
     for start in range(0, num_rows, block):
         end = min(start + block, num_rows)
         part = logits[start:end] if rows is None else logits[rows[start:end]]
+        if process is not None:
+            part = process(part, slice(start, end))
         ids = token_ids[start:end, None]
         if n:
             ids = torch.cat([ids, topk_indices(part, n)], dim=1)
         picked = part.gather(1, ids)
         rank = 1 + (part > picked[:, :1]).sum(dim=-1)
-        lse = logsumexp(part)
-        parts.append((ids, picked.float() - lse[:, None], rank))
+        if normalize:
+            lse = logsumexp(part)
+            parts.append((ids, picked.float() - lse[:, None], rank))
+        else:
+            parts.append((ids, picked.float(), rank))
     ids, values, ranks = (torch.cat(t) for t in zip(*parts, strict=True))
     return ids, values, ranks
 
