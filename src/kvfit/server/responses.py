@@ -17,6 +17,16 @@ def usage_of(outputs: list[RequestOutput]) -> dict[str, int]:
                  sum(len(c.token_ids) for o in outputs for c in o.outputs))
 
 
+# What a -inf logprob (a token the processed logprobs modes filtered out) is sent as: JSON has
+# no infinity, and this is vLLM's (and OpenAI's) stand-in.
+MIN_JSON_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    """`value`, at least `MIN_JSON_LOGPROB`."""
+    return max(value, MIN_JSON_LOGPROB)
+
+
 def top_entries(entries: Logprobs, num: int) -> list[tuple[int, Any]]:
     """The `num` most likely entries, most likely first."""
     ranked = sorted(entries.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
@@ -40,7 +50,7 @@ def prompt_logprobs(engine: AsyncLLM, out: RequestOutput, num: int
             result.append(None)
             continue
         own = [(token_id, entries[token_id])] if token_id in entries else []
-        result.append({str(t): {"logprob": e.logprob, "rank": e.rank,
+        result.append({str(t): {"logprob": json_logprob(e.logprob), "rank": e.rank,
                                 "decoded_token": (e.decoded_token if e.decoded_token is not None
                                                   else engine.decode_token(t))}
                        for t, e in [*own, *top_entries(entries, num)]})
@@ -81,11 +91,11 @@ def completion_logprobs(engine: AsyncLLM, c: CompletionOutput, num: int, out: Re
             top_logprobs.append(None)
             continue
         chosen = entries.get(token_id)
-        token_logprobs.append(None if chosen is None else chosen.logprob)
+        token_logprobs.append(None if chosen is None else json_logprob(chosen.logprob))
         # As vLLM and OpenAI's completions: the sampled token first, then the `num` most
         # likely (up to num + 1 entries; logprobs=0 gives the sampled token alone).
-        top = {} if chosen is None else {key(token_id, chosen): chosen.logprob}
-        top.update({key(t, e): e.logprob for t, e in top_entries(entries, num)})
+        top = {} if chosen is None else {key(token_id, chosen): json_logprob(chosen.logprob)}
+        top.update({key(t, e): json_logprob(e.logprob) for t, e in top_entries(entries, num)})
         top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
@@ -100,8 +110,9 @@ def chat_logprobs(engine: AsyncLLM, c: CompletionOutput, start: int, num: int,
     def entry(token_id: int, e: Any) -> dict[str, Any]:
         if as_ids:
             token = as_token_id(token_id)
-            return {"token": token, "logprob": e.logprob, "bytes": list(token.encode())}
-        return {"token": e.decoded_token or "", "logprob": e.logprob,
+            return {"token": token, "logprob": json_logprob(e.logprob),
+                    "bytes": list(token.encode())}
+        return {"token": e.decoded_token or "", "logprob": json_logprob(e.logprob),
                 "bytes": list(engine.token_bytes(token_id))}
 
     content = []
