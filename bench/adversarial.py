@@ -72,6 +72,7 @@ from kvfit import LLM, SamplingParams
 from kvfit.benchmarks.figures import record_of
 from kvfit.benchmarks.limits import bench_device, in_run_limits
 from kvfit.benchmarks.record import write_record
+from kvfit.engine.config import LOGPROBS_MODES
 from kvfit.engine.sampling_params import MAX_TOKEN_LIST
 from kvfit.kv.monitor import CudaMemoryMonitor, HostMemoryMonitor, MemoryMonitor
 from kvfit.kv.report import format_bytes
@@ -374,7 +375,8 @@ def start_engine(args: argparse.Namespace, sweep: Sweep) -> LLM | None:
         max_model_len=sweep.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
         cpu_kv_cache_space_bytes=args.cpu_kv_cache_space_bytes,
-        kv_cache_dtype=args.kv_cache_dtype, **MARGINS[sweep.margin])
+        kv_cache_dtype=args.kv_cache_dtype, logprobs_mode=args.logprobs_mode,
+        **MARGINS[sweep.margin])
     for name in ("small_batch_kernels", "fused_decode_input"):
         if getattr(args, name) is not None:  # else the engine's default
             kwargs[name] = getattr(args, name)
@@ -566,6 +568,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
                         help="the engines' KV cache dtype: fp8 sizes and runs the e4m3 cache's "
                              "kernels under the same sweep")
+    parser.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs",
+                        help="the engines' logprobs_mode: the processed modes score the "
+                             "logits as sampled, which warmup measures in the engine's mode")
     parser.add_argument("--small-batch-kernels", action=argparse.BooleanOptionalAction,
                         default=None, help="the engines' small_batch_kernels (unset: the "
                                            "engine's default)")

@@ -77,3 +77,27 @@ def test_adversarial_engines_take_the_kv_cache_dtype_and_small_batch_flags(
     assert off["small_batch_kernels"] is False and config_off.small_batch_kernels is False
     assert "small_batch_kernels" not in default and "fused_decode_input" not in default
     assert config_default.fused_decode_input is False and config_fused.fused_decode_input
+
+
+def test_adversarial_engines_take_the_logprobs_mode(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--logprobs-mode processed_logprobs` runs the sweep's logprob requests in that mode (the
+    mode warmup measures): every run done, nothing out of memory."""
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    bench = load_bench("adversarial")
+    made: list = []
+
+    class Recorded(bench.LLM):  # type: ignore[name-defined]
+        def __init__(self, **kwargs: object) -> None:
+            super().__init__(**kwargs)
+            made.append(self.config)
+
+    monkeypatch.setattr(bench, "LLM", Recorded)
+    out = tmp_path / "adversarial.json"
+    monkeypatch.setattr(sys, "argv", ["adversarial.py", *ARGV["adversarial"], "--margins",
+                                      "default", "--features", "logprobs", "all",
+                                      "--logprobs-mode", "processed_logprobs", "--out", str(out)])
+    bench.main()
+    (summary,) = load_record(out)["results"]["summaries"]
+    assert summary["all_completed"] and summary["ooms"] == summary["errors"] == 0
+    assert [c.model_config.logprobs_mode for c in made] == ["processed_logprobs"]
