@@ -54,3 +54,24 @@ def test_n_completions_each_count_their_own_tokens(metrics: ServerMetrics,
     # Each completion's gap is the whole interval, never a share of it split between the n:
     # one token each at 2 s (1 s apart), then two each at 3 s (0.5 s apart).
     assert _sample(metrics.itl, "_sum") == pytest.approx(2 * 1.0 + 4 * 0.5)
+
+
+def _bucket_count(metric: object, le: str) -> float:
+    (family,) = metric.collect()  # type: ignore[attr-defined]
+    return next(s.value for s in family.samples
+                if s.name.endswith("_bucket") and s.labels["le"] == le)
+
+
+def test_long_requests_land_in_finite_buckets(metrics: ServerMetrics,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 5-minute answer after a 3-minute wait has finite buckets (vLLM's), so a quantile of
+    them reads its size rather than the last bound (80 s, whatever the latency)."""
+    clock = iter([0.0, 180.0, 300.0, 300.0])
+    monkeypatch.setattr("kvfit.server.metrics.time.perf_counter", lambda: next(clock))
+    timing = _RequestTiming(metrics, num_prompt_tokens=2)
+    timing.output(_output(1))  # the first token at 180 s
+    timing.output(_output(2, finished=True))  # the last at 300 s
+    timing.end(failed=False)
+    assert _bucket_count(metrics.ttft, "160.0") == 0 and _bucket_count(metrics.ttft, "640.0") == 1
+    assert _bucket_count(metrics.e2e, "240.0") == 0 and _bucket_count(metrics.e2e, "480.0") == 1
+    assert _bucket_count(metrics.itl, "80.0") == 0  # 120 s between the two tokens: past vLLM's too

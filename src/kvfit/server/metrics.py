@@ -24,8 +24,14 @@ from kvfit.engine.outputs import RequestOutput
 from kvfit.server.api_servers import PROMETHEUS_MULTIPROC_ENV
 from kvfit.server.async_llm import AsyncLLM, RequestStream
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's buckets, so a dashboard's quantiles read alike. A request's latency runs to hours (a
+# long answer, a long queue): past the last bound histogram_quantile can only answer that bound.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # Status code -> failure reason label.
 # `error` is the server's fault (5xx); other client errors are `invalid`. A client that left
 # before its answer (499) is counted apart: nothing went wrong on this side.
@@ -82,11 +88,11 @@ class ServerMetrics:
         self.request_failure = Counter("kvfit:request_failure", "Requests answered with an "
                                        "error, by reason.", ["reason"], registry=r)
         self.ttft = Histogram("kvfit:time_to_first_token_seconds", "Time to the first token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+                              buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("kvfit:inter_token_latency_seconds", "Time between tokens.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+                             buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("kvfit:e2e_request_latency_seconds", "Time from arrival to the "
-                             "last token.", buckets=_LATENCY_BUCKETS, registry=r)
+                             "last token.", buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
 
     def render(self) -> bytes:
         """The exposition text of every collector."""
