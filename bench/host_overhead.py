@@ -326,7 +326,7 @@ async def api_replay(args: argparse.Namespace, prompts: list[Any], messages: lis
 
     engine = AsyncLLM(EngineArgs(model=args.model, device="cpu"),
                       client=lambda *_: _RecordingClient(ready))
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(engine, args.model)
     bodies = [json.dumps({"model": args.model, "prompt": p["prompt_token_ids"],
                           "max_tokens": args.output_len, "temperature": 0.0, "stream": True,
                           "ignore_eos": True}).encode() for p in prompts]

@@ -40,13 +40,14 @@ def greedy(max_tokens: int = 8, **kwargs: object) -> SamplingParams:
 
 
 def metrics(http: httpx.Client) -> dict[str, float]:
-    """Every sample of /metrics by name (labels joined into the name), parsed by
-    prometheus_client's parser."""
+    """Every sample of /metrics by name (labels joined into the name, but `model_name`, which
+    every one carries), parsed by prometheus_client's parser."""
     r = http.get("/metrics")
     assert r.status_code == 200
     samples = {}
     for family in text_string_to_metric_families(r.text):
         for s in family.samples:
+            assert s.labels.pop("model_name") == MODEL_NAME, s
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return samples
@@ -780,6 +781,20 @@ def test_metrics(http: httpx.Client, engine: AsyncLLM) -> None:
     m = metrics(http)
     assert m["kvfit:prefix_cache_hits_total"] >= hits + 32
     assert 0 < m["kvfit:prefix_cache_hit_rate"] <= 1
+
+
+def test_every_metric_carries_the_model_name(http: httpx.Client) -> None:
+    """vLLM labels every series with `model_name` (its dashboards select by it), and its
+    request_success has each finish reason from the start, so a rate() of one is 0, not absent."""
+    text = http.get("/metrics").text
+    families = list(text_string_to_metric_families(text))
+    assert len(families) > 20
+    for family in families:
+        for s in family.samples:
+            assert s.labels.get("model_name") == MODEL_NAME, s
+    success = {s.labels["finished_reason"] for f in families for s in f.samples
+               if s.name == "kvfit:request_success_total"}
+    assert {"stop", "length", "abort"} <= success
 
 
 def test_models_tokenize_detokenize_version(http: httpx.Client, client: openai.OpenAI,

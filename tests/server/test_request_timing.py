@@ -27,7 +27,7 @@ def _sample(metric: object, suffix: str) -> float:
 
 @pytest.fixture
 def metrics() -> ServerMetrics:
-    return ServerMetrics(engine=None)  # type: ignore[arg-type]  # the engine's collector is not read
+    return ServerMetrics(engine=None, model_name="tiny")  # type: ignore[arg-type]  # the engine's collector is not read
 
 
 @pytest.mark.parametrize("deliveries", [[1, 2, 3], [2, 3], [3], [1, 3]])

@@ -106,7 +106,8 @@ def test_sleep_twice_or_wake_awake_name_the_route_to_call(http: httpx.Client) ->
 
 
 def _running(http: httpx.Client) -> bool:
-    return "kvfit:num_requests_running 1.0" in http.get("/metrics").text
+    running = f'kvfit:num_requests_running{{model_name="{MODEL_NAME}"}} 1.0'
+    return running in http.get("/metrics").text
 
 
 def _start_a_long_request(http: httpx.Client) -> tuple[threading.Thread, list[httpx.Response]]:

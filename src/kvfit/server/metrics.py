@@ -42,8 +42,8 @@ _FAILURE_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 503: 
 class _EngineCollector(Collector):
     """Reads the engine's stats snapshot and KV sizing report when scraped."""
 
-    def __init__(self, engine: AsyncLLM) -> None:
-        self.engine = engine
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
@@ -51,18 +51,21 @@ class _EngineCollector(Collector):
             family = families.get(m.name)
             if family is None:  # one family per name: metrics of a name differ by labels
                 kind = GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily
-                family = families[m.name] = kind(m.name, m.help, labels=list(m.labels))
-            family.add_metric(list(m.labels.values()), m.value)
+                family = families[m.name] = kind(m.name, m.help,
+                                                 labels=["model_name", *m.labels])
+            family.add_metric([self.model_name, *m.labels.values()], m.value)
         yield from families.values()
 
 
 class ServerMetrics:
-    """The collectors of one app and the hooks that feed them."""
+    """The collectors of one app and the hooks that feed them. Every series carries
+    `model_name` (the first served name), as vLLM's do: its dashboards select by it."""
 
-    def __init__(self, engine: AsyncLLM, multiprocess: bool = False) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, multiprocess: bool = False) -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         r = self.registry
-        r.register(_EngineCollector(engine))
+        r.register(_EngineCollector(engine, model_name))
         self._scrape = r
         if multiprocess:
             # Counts go to files only where the variable was set before prometheus_client's
@@ -77,22 +80,27 @@ class ServerMetrics:
             # `Gauge`s (a gauge added here needs an explicit `multiprocess_mode`).
             self._scrape = CollectorRegistry()
             MultiProcessCollector(self._scrape)
-            self._scrape.register(_EngineCollector(engine))
+            self._scrape.register(_EngineCollector(engine, model_name))
+        # The hot path feeds each figure's one child (labelled once, here).
+        model = ["model_name"]
         self.prompt_tokens = Counter("kvfit:prompt_tokens", "Prompt tokens of finished and "
-                                     "aborted requests.", registry=r)
-        self.generation_tokens = Counter("kvfit:generation_tokens", "Generated tokens.",
-                                         registry=r)
+                                     "aborted requests.", model, registry=r).labels(model_name)
+        self.generation_tokens = Counter("kvfit:generation_tokens", "Generated tokens.", model,
+                                         registry=r).labels(model_name)
         self.request_success = Counter("kvfit:request_success", "Requests that ran to the "
                                        "end, by finish reason of each completion.",
-                                       ["finished_reason"], registry=r)
+                                       [*model, "finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort"):  # at 0 from the start, as vLLM's
+            self.request_success.labels(model_name, reason)
         self.request_failure = Counter("kvfit:request_failure", "Requests answered with an "
-                                       "error, by reason.", ["reason"], registry=r)
+                                       "error, by reason.", [*model, "reason"], registry=r)
         self.ttft = Histogram("kvfit:time_to_first_token_seconds", "Time to the first token.",
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("kvfit:inter_token_latency_seconds", "Time between tokens.",
-                             buckets=_ITL_BUCKETS, registry=r)
+                              model, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("kvfit:inter_token_latency_seconds", "Time between tokens.", model,
+                             buckets=_ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("kvfit:e2e_request_latency_seconds", "Time from arrival to the "
-                             "last token.", buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
+                             "last token.", model, buckets=_REQUEST_LATENCY_BUCKETS,
+                             registry=r).labels(model_name)
 
     def render(self) -> bytes:
         """The exposition text of every collector."""
@@ -103,7 +111,7 @@ class ServerMetrics:
         reason = _FAILURE_REASONS.get(status_code)
         if reason is None:
             reason = "invalid" if 400 <= status_code < 500 else "error"
-        self.request_failure.labels(reason).inc()
+        self.request_failure.labels(self.model_name, reason).inc()
 
     def track(self, stream: RequestStream, num_prompt_tokens: int
               ) -> AsyncIterator[RequestOutput]:
@@ -157,6 +165,6 @@ class _RequestTiming:
         if output is not None and output.finished:
             m.e2e.observe(time.perf_counter() - self.start)
             for completion in output.outputs:
-                m.request_success.labels(completion.finish_reason).inc()
+                m.request_success.labels(m.model_name, completion.finish_reason).inc()
         elif not failed:  # a failure is counted by the error handler that answers it
-            m.request_success.labels("abort").inc()
+            m.request_success.labels(m.model_name, "abort").inc()

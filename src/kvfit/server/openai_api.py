@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     """A FastAPI app serving `engine` (which it does not own: shut it down after the app)."""
     app = DirectSendApp(title="kvfit", version=kvfit.__version__)
-    metrics = ServerMetrics(engine, multiprocess=config.multiprocess_metrics)
+    metrics = ServerMetrics(engine, config.served_model_names[0],
+                            multiprocess=config.multiprocess_metrics)
     serving = OpenAIServing(engine, config, metrics)
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
     app.state.serving = serving  # the server stops its requests (`api_servers.uvicorn_server`)
