@@ -783,6 +783,26 @@ def test_metrics(http: httpx.Client, engine: AsyncLLM) -> None:
     assert 0 < m["kvfit:prefix_cache_hit_rate"] <= 1
 
 
+def test_metrics_count_n_completions_as_vllm_and_agree_with_the_usage(
+        http: httpx.Client, client: openai.OpenAI) -> None:
+    """A request with n=3 is three requests to the request figures (vLLM's child requests),
+    and the token histograms add up to the response's usage."""
+    before = metrics(http)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=4, n=3,
+                                  temperature=1.0, seed=1)
+    m = metrics(http)
+    grew = {k: m[k] - before.get(k, 0) for k in m}
+    assert grew["kvfit:request_success_total{finished_reason=length}"] == 3
+    for key in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                "request_prompt_tokens", "request_generation_tokens"):
+        assert grew[f"kvfit:{key}_count"] == 3, key
+    assert grew["kvfit:request_generation_tokens_sum"] == r.usage.completion_tokens == 12
+    assert grew["kvfit:generation_tokens_total"] == r.usage.completion_tokens
+    assert grew["kvfit:request_prompt_tokens_sum"] == 3 * r.usage.prompt_tokens
+    assert grew["kvfit:prompt_tokens_total"] == r.usage.prompt_tokens
+    assert grew["kvfit:inter_token_latency_seconds_count"] == 3 * 3
+
+
 def test_every_metric_carries_the_model_name(http: httpx.Client) -> None:
     """vLLM labels every series with `model_name` (its dashboards select by it), and its
     request_success has each finish reason from the start, so a rate() of one is 0, not absent."""

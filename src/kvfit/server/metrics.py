@@ -32,6 +32,17 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 10.0, 20.0, 40.0, 80.0)
 _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                             50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_model_len` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return buckets
+            buckets.append(float(mantissa * scale))
+        scale *= 10
 # Status code -> failure reason label.
 # `error` is the server's fault (5xx); other client errors are `invalid`. A client that left
 # before its answer (499) is counted apart: nothing went wrong on this side.
@@ -61,8 +72,11 @@ class ServerMetrics:
     """The collectors of one app and the hooks that feed them. Every series carries
     `model_name` (the first served name), as vLLM's do: its dashboards select by it."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, multiprocess: bool = False) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, multiprocess: bool = False,
+                 max_model_len: int | None = None) -> None:
         self.registry = CollectorRegistry()
+        if max_model_len is None:
+            max_model_len = engine.max_model_len
         self.model_name = model_name
         r = self.registry
         r.register(_EngineCollector(engine, model_name))
@@ -101,6 +115,12 @@ class ServerMetrics:
         self.e2e = Histogram("kvfit:e2e_request_latency_seconds", "Time from arrival to the "
                              "last token.", model, buckets=_REQUEST_LATENCY_BUCKETS,
                              registry=r).labels(model_name)
+        self.request_prompt_tokens = Histogram(
+            "kvfit:request_prompt_tokens", "Prompt tokens of each finished request.", model,
+            buckets=_token_buckets(max_model_len), registry=r).labels(model_name)
+        self.request_generation_tokens = Histogram(
+            "kvfit:request_generation_tokens", "Generated tokens of each finished request.",
+            model, buckets=_token_buckets(max_model_len), registry=r).labels(model_name)
 
     def render(self) -> bytes:
         """The exposition text of every collector."""
@@ -115,56 +135,72 @@ class ServerMetrics:
 
     def track(self, stream: RequestStream, num_prompt_tokens: int
               ) -> AsyncIterator[RequestOutput]:
-        """`stream`'s outputs, its tokens timed as they pass; its tokens and outcome are
-        counted when it ends (one left early counts as aborted)."""
-        stream.observer = _RequestTiming(self, num_prompt_tokens)
+        """`stream`'s outputs, its tokens timed as they pass; its tokens are counted when it
+        ends, each completion's outcome as it finishes (one left early counts as aborted)."""
+        stream.observer = _RequestTiming(self, num_prompt_tokens, len(stream.output.outputs))
         return aiter(stream)
 
 
 class _RequestTiming:
-    """One request's figures, fed by its stream (`StreamObserver`)."""
+    """One request's figures, fed by its stream (`StreamObserver`). Each of its `n`
+    completions is a request to the request figures (success, time to first token, e2e
+    latency, token histograms), as vLLM's n child requests are, so their counts agree."""
 
-    __slots__ = ("metrics", "num_prompt_tokens", "start", "last", "counts", "last_output")
+    __slots__ = ("metrics", "num_prompt_tokens", "num_completions", "start", "last", "counts",
+                 "done")
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int,
+                 num_completions: int = 1) -> None:
         self.metrics, self.num_prompt_tokens = metrics, num_prompt_tokens
+        self.num_completions = num_completions
         self.start = self.last = time.perf_counter()
         self.counts: dict[int, int] = {}  # tokens seen so far, by completion index
-        self.last_output: RequestOutput | None = None
+        self.done: set[int] = set()  # completions counted as finished
 
     @property
     def num_tokens(self) -> int:
         return sum(self.counts.values())
 
     def output(self, output: RequestOutput) -> None:
-        self.last_output = output
         new = {o.index: len(o.token_ids) - self.counts.get(o.index, 0) for o in output.outputs}
         new = {i: k for i, k in new.items() if k > 0}
-        if not new:
-            return
+        now = self._tokens(new) if new else None
+        for o in output.outputs:
+            if o.finish_reason is not None and o.index not in self.done:
+                self._finished(o.index, o.finish_reason,
+                               time.perf_counter() if now is None else now)
+
+    def _tokens(self, new: dict[int, int]) -> float:
+        """Time the new tokens (by completion index); the time now."""
         # One inter-token sample per token after a completion's first, as vLLM counts them,
         # however the outputs were coalesced on their way here. A completion's tokens that
         # came together share the gap since its last ones; those that came with its first
         # token came at once (a gap of 0). The n completions advance side by side, so each
         # one's gap is the whole interval, not a share of it.
         now = time.perf_counter()
-        if not self.counts:
-            self.metrics.ttft.observe(now - self.start)
         for i, k in new.items():
             first = i not in self.counts
+            if first:
+                self.metrics.ttft.observe(now - self.start)
             gap = 0.0 if first else (now - self.last) / k
             for _ in range(k - 1 if first else k):
                 self.metrics.itl.observe(gap)
             self.counts[i] = self.counts.get(i, 0) + k
         self.last = now
+        return now
+
+    def _finished(self, index: int, finish_reason: str, now: float) -> None:
+        m = self.metrics
+        self.done.add(index)
+        m.e2e.observe(now - self.start)
+        m.request_success.labels(m.model_name, finish_reason).inc()
+        m.request_prompt_tokens.observe(self.num_prompt_tokens)
+        m.request_generation_tokens.observe(self.counts.get(index, 0))
 
     def end(self, failed: bool) -> None:
-        m, output = self.metrics, self.last_output
+        m = self.metrics
         m.prompt_tokens.inc(self.num_prompt_tokens)
         m.generation_tokens.inc(self.num_tokens)
-        if output is not None and output.finished:
-            m.e2e.observe(time.perf_counter() - self.start)
-            for completion in output.outputs:
-                m.request_success.labels(m.model_name, completion.finish_reason).inc()
-        elif not failed:  # a failure is counted by the error handler that answers it
-            m.request_success.labels(m.model_name, "abort").inc()
+        aborted = self.num_completions - len(self.done)
+        if aborted and not failed:  # a failure is counted by the error handler that answers it
+            m.request_success.labels(m.model_name, "abort").inc(aborted)
