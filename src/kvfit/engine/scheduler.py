@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -101,6 +102,7 @@ class Scheduler:
         """Queue `seq`; a request that could never run raises ValueError and changes nothing."""
         self._check_fits(seq)
         seq.status = SequenceStatus.WAITING
+        seq.queued_time = time.monotonic()
         if self.by_priority:
             bisect.insort(self.waiting, seq, key=_priority_order)
         else:
@@ -162,6 +164,7 @@ class Scheduler:
                     break
                 if first_start:
                     seq.num_cached_tokens += num_external
+                    seq.scheduled_time = time.monotonic()
                     self.block_manager.record_prefix_lookup(len(seq), num_local_hits)
                 if num_external:
                     self.kv_connector.update_state_after_alloc(seq, num_external)

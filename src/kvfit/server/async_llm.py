@@ -186,6 +186,8 @@ class RequestStream:
         # rather than a generator around the stream, which would cost two more switches a
         # token.
         self.observer: StreamObserver | None = None
+        # Each ended completion's time waiting to be first scheduled (the engine's clock).
+        self.queue_times: dict[int, float] = {}
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -278,7 +280,9 @@ class RequestStream:
                 continue
             _, seqs, _, prompt_logprobs, num_cached_tokens = delta
             self.output.num_cached_tokens = max(num_cached_tokens, 0)
-            for index, token_ids, logprobs, finish_reason, stop_reason, text in seqs:
+            for index, token_ids, logprobs, finish_reason, stop_reason, text, queued in seqs:
+                if queued is not None:
+                    self.queue_times[index] = queued
                 out = self.output.outputs[index]
                 out.token_ids.extend(token_ids)
                 if out.logprobs is not None:

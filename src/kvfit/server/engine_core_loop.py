@@ -78,10 +78,13 @@ class _Tracked:
             if end == first and (reported[i] or not done):
                 continue
             start, num_ready = sent[i], end - seq.num_prompt_tokens
+            queue_time = None
+            if done and seq.scheduled_time:
+                queue_time = seq.scheduled_time - seq.queued_time
             parts.append((seq.sibling_index, tokens[first:end],
                           seq.logprobs[start:num_ready] if self.logprobs else None,
                           seq.finish_reason if done else None, seq.stop_reason,
-                          seq.output_text if self.text else None))
+                          seq.output_text if self.text else None, queue_time))
             sent[i], reported[i] = num_ready, done
         if not parts:
             return None

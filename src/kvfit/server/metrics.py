@@ -115,6 +115,10 @@ class ServerMetrics:
         self.e2e = Histogram("kvfit:e2e_request_latency_seconds", "Time from arrival to the "
                              "last token.", model, buckets=_REQUEST_LATENCY_BUCKETS,
                              registry=r).labels(model_name)
+        self.queue_time = Histogram(
+            "kvfit:request_queue_time_seconds", "Time each finished request waited in the "
+            "engine's queue before it was first scheduled.", model,
+            buckets=_REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
         self.request_prompt_tokens = Histogram(
             "kvfit:request_prompt_tokens", "Prompt tokens of each finished request.", model,
             buckets=_token_buckets(max_model_len), registry=r).labels(model_name)
@@ -137,7 +141,8 @@ class ServerMetrics:
               ) -> AsyncIterator[RequestOutput]:
         """`stream`'s outputs, its tokens timed as they pass; its tokens are counted when it
         ends, each completion's outcome as it finishes (one left early counts as aborted)."""
-        stream.observer = _RequestTiming(self, num_prompt_tokens, len(stream.output.outputs))
+        stream.observer = _RequestTiming(self, num_prompt_tokens, len(stream.output.outputs),
+                                         stream.queue_times)
         return aiter(stream)
 
 
@@ -146,13 +151,15 @@ class _RequestTiming:
     completions is a request to the request figures (success, time to first token, e2e
     latency, token histograms), as vLLM's n child requests are, so their counts agree."""
 
-    __slots__ = ("metrics", "num_prompt_tokens", "num_completions", "start", "last", "counts",
-                 "done")
+    __slots__ = ("metrics", "num_prompt_tokens", "num_completions", "queue_times", "start",
+                 "last", "counts", "done")
 
     def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int,
-                 num_completions: int = 1) -> None:
+                 num_completions: int = 1, queue_times: dict[int, float] | None = None) -> None:
         self.metrics, self.num_prompt_tokens = metrics, num_prompt_tokens
         self.num_completions = num_completions
+        # The stream's: each completion's time in the engine's queue, in by its end.
+        self.queue_times = {} if queue_times is None else queue_times
         self.start = self.last = time.perf_counter()
         self.counts: dict[int, int] = {}  # tokens seen so far, by completion index
         self.done: set[int] = set()  # completions counted as finished
@@ -196,6 +203,8 @@ class _RequestTiming:
         m.request_success.labels(m.model_name, finish_reason).inc()
         m.request_prompt_tokens.observe(self.num_prompt_tokens)
         m.request_generation_tokens.observe(self.counts.get(index, 0))
+        if (queue_time := self.queue_times.get(index)) is not None:
+            m.queue_time.observe(queue_time)
 
     def end(self, failed: bool) -> None:
         m = self.metrics
