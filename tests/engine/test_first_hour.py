@@ -227,6 +227,27 @@ def test_get_metrics_counts_the_steps_and_the_tokens_they_computed(llm: LLM) -> 
     assert (num_steps, num_tokens, num_decode) == (1, 100, 0)
 
 
+def test_get_metrics_counts_the_requests_as_the_servers_metrics_do(llm: LLM) -> None:
+    """vLLM's offline get_metrics() has the request counters /metrics has: prompt and
+    generated tokens, and each completion by its finish reason."""
+    def counts() -> dict[str, float]:
+        return {m.name + "".join(m.labels.values()): m.value for m in llm.get_metrics()
+                if m.name in ("kvfit:prompt_tokens", "kvfit:generation_tokens",
+                              "kvfit:request_success")}
+
+    before = counts()
+    assert {"kvfit:request_successstop", "kvfit:request_successlength"} <= set(before)
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}],
+                        SamplingParams(temperature=1.0, max_tokens=3, n=2, ignore_eos=True),
+                        use_tqdm=False)
+    grew = {k: v - before.get(k, 0) for k, v in counts().items()}
+    assert grew["kvfit:prompt_tokens"] == sum(len(o.prompt_token_ids) for o in outs) == 5
+    assert grew["kvfit:generation_tokens"] == 2 * 2 * 3
+    assert grew["kvfit:request_successlength"] == 2 * 2
+    assert all(m.kind == "counter" for m in llm.get_metrics()
+               if m.name == "kvfit:request_success")
+
+
 def test_reset_prefix_cache_with_running_requests_preempts_them_as_vllms_does(llm: LLM) -> None:
     prompts = [{"prompt_token_ids": list(range(5 + i, 70 + i))} for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -16,7 +16,7 @@ from kvfit.engine.config import EngineArgs
 from kvfit.engine.engine_core import EngineCore
 from kvfit.engine.input_processor import InputProcessor
 from kvfit.engine.kv_resize import KVCacheResize
-from kvfit.engine.metrics import Metric, engine_metrics
+from kvfit.engine.metrics import Metric, RequestCounts, engine_metrics
 from kvfit.engine.outputs import RequestOutput
 from kvfit.engine.prompts import Prompt, batch_args, describe, priorities
 from kvfit.engine.sampling_params import SamplingParams
@@ -90,6 +90,7 @@ class LLM:
             mc.eos_token_ids[:] = [eos, *(i for i in mc.eos_token_ids if i != eos)]
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.engine = EngineCore(self.config, self.tokenizer)
+        self._request_counts = RequestCounts()
 
     @property
     def kv_cache_report(self) -> KVCacheReport:
@@ -190,8 +191,11 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         """The engine's figures now, vLLM's `get_metrics()` loosely: a list of `Metric`
         (`name`, `kind` "gauge" or "counter", `value`, `labels`, `help`), the same figures the
-        server exposes at `/metrics` (see `kvfit.engine.metrics`)."""
-        return engine_metrics(self.engine.stats(), self.kv_cache_report)
+        server exposes at `/metrics` (see `kvfit.engine.metrics`), and the request counters
+        of this object's `generate` and `chat` calls (prompt and generated tokens, completions
+        by finish reason; the server's latency histograms have no offline counterpart)."""
+        return [*engine_metrics(self.engine.stats(), self.kv_cache_report),
+                *self._request_counts.metrics()]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no `sampling_params`: the sampling fields
@@ -317,10 +321,12 @@ class LLM:
             self.engine.fail_step()
             for seqs in requests:
                 self.engine.abort_request(seqs[0].request_id)
+            self._request_counts.count(requests)
             raise
         finally:
             if bar is not None:
                 bar.close()
+        self._request_counts.count(requests)
         return [RequestOutput.from_seqs(seqs) for seqs in requests]
 
 

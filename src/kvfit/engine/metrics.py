@@ -8,11 +8,13 @@ a total since startup, exposed with a `_total` suffix), a `value`, `labels` and 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from kvfit.engine.engine_core import EngineStats
+    from kvfit.engine.sequence import Sequence
     from kvfit.kv.report import KVCacheReport
 
 
@@ -106,3 +108,36 @@ def engine_metrics(s: EngineStats, report: KVCacheReport) -> list[Metric]:
                                "connector's store gave (loaded rather than computed).",
                                s.kv_connector_hit_tokens))
     return metrics
+
+
+@dataclass
+class RequestCounts:
+    """The request figures of offline `LLM` calls, named as the server's (which counts them as
+    requests stream): prompt and generated tokens, and each completion by finish reason."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finish_reasons: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("stop", "length", "abort"), 0))
+
+    def count(self, requests: Iterable[list[Sequence]]) -> None:
+        """Count requests that ended (each a list of its `n` sequences); one not finished
+        (an interrupted call aborts it) counts as aborted."""
+        for seqs in requests:
+            self.prompt_tokens += seqs[0].num_prompt_tokens
+            for seq in seqs:
+                self.generation_tokens += seq.num_output_tokens
+                reason = seq.finish_reason or "abort"
+                self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+
+    def metrics(self) -> list[Metric]:
+        return [
+            Metric("kvfit:prompt_tokens", "counter", float(self.prompt_tokens),
+                   "Prompt tokens of finished and aborted requests."),
+            Metric("kvfit:generation_tokens", "counter", float(self.generation_tokens),
+                   "Generated tokens."),
+            *(Metric("kvfit:request_success", "counter", float(value), "Requests that ran to "
+                     "the end, by finish reason of each completion.",
+                     {"finished_reason": reason})
+              for reason, value in self.finish_reasons.items()),
+        ]
