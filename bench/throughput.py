@@ -52,6 +52,7 @@ from kvfit.benchmarks.limits import (
 )
 from kvfit.benchmarks.profiling import KernelProfile, per_step_text, profile_run, profile_text
 from kvfit.benchmarks.record import write_record
+from kvfit.engine.config import at_least_one
 from kvfit.engine.sequence import ScheduledBatch, Sequence
 from kvfit.ops import small_batch as small_batch_ops
 from kvfit.ops.compiles import triton_compiles
@@ -118,17 +119,9 @@ def limit_of(llm: LLM, steps: list[StepShape], limits: DeviceLimits) -> RunLimit
     return RunLimit(limit.seconds / tp, limit.work, limit.num_steps, limit.memory_bound_steps)
 
 
-def count(text: str) -> int:
-    """An argparse type: an integer >= 1, for the counts of requests, tokens, runs and steps
-    (0 left a median of no runs, an IndexError, or a rate over no work, a ZeroDivisionError,
-    after the engines had run)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
+# Counts of requests, tokens, runs and steps: 0 left a median of no runs (an IndexError) or a
+# rate over no work (a ZeroDivisionError), after the engines had run.
+count = at_least_one("a count")
 
 
 def check_lengths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -161,11 +161,11 @@ def test_decode_rows_side_by_side_with_and_without_the_qkv_epilogue(
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (("--repeat", "0"), "argument --repeat: must be an integer >= 1, got '0'"),
+    (("--repeat", "0"), "argument --repeat: must be an integer >= 1 (a count), got '0'"),
     (("--ttft-repeat", "0"), "argument --ttft-repeat: must be an integer >= 1"),
     (("--num-seqs", "0"), "argument --num-seqs: must be an integer >= 1"),
     (("--min-len", "0"), "argument --min-len: must be an integer >= 1"),
-    (("--iters", "x"), "argument --iters: must be an integer >= 1, got 'x'"),
+    (("--iters", "x"), "argument --iters: must be an integer >= 1 (a count), got 'x'"),
     (("--min-len", "5", "--max-len", "2"), "--min-len 5 is more than --max-len 2"),
 ])  # fmt: skip
 def test_counts_that_would_crash_after_the_run_are_refused_first(

@@ -9,6 +9,7 @@ import math
 import numbers
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,21 @@ _DTYPES = {
 
 
 _SUFFIX_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def at_least_one(what: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= 1 counting `what` (argparse names the flag on error)."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"must be an integer >= 1 ({what}), got {value!r}")
+        return n
+
+    return parse
 
 
 def _max_model_len_arg(text: str) -> int:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvfit.engine.config import at_least_one
 from kvfit.models.builtins import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -131,21 +132,6 @@ def _names_a_model(name: str, default: str) -> bool:
 
         return cached_snapshot(name) is not None
     return False
-
-
-def at_least_one(what: str) -> Callable[[str], int]:
-    """An argparse type: an integer >= 1 counting `what` (argparse names the flag on error)."""
-
-    def parse(value: str) -> int:
-        try:
-            n = int(value)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"must be an integer >= 1 ({what}), got {value!r}")
-        return n
-
-    return parse
 
 
 def seconds(value: str) -> float:
