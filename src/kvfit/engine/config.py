@@ -679,12 +679,11 @@ class EngineArgs:
             setting = manual[0] if manual else "enable_extensible_kv_cache=False"
             raise ValueError(f"elastic_kv_cache=True resizes the extensible KV cache, which "
                              f"{setting} turns off; drop one of the two")
-        # A number of seconds: a string or None would raise a bare TypeError at the
-        # comparison, and a bool would pass as 0 or 1 second.
-        if not _is_seconds(self.elastic_idle_s):
+        # Floats by now (`_check_types`); `not >=` refuses NaN too.
+        if not self.elastic_idle_s >= 0:
             raise ValueError(f"elastic_idle_s must be a number of seconds >= 0 (0: no idle "
                              f"shrink), got {self.elastic_idle_s!r}")
-        if not _is_seconds(self.elastic_min_interval):
+        if not self.elastic_min_interval >= 0:
             raise ValueError(f"elastic_min_interval must be a number of seconds >= 0, got "
                              f"{self.elastic_min_interval!r}")
         low = MemoryAmount.parse(self.elastic_low_watermark, "elastic_low_watermark")
@@ -877,11 +876,6 @@ def _power(n: int) -> str:
     """`n`, as 2**k where it is a large power of two (the seed's bounds)."""
     k = abs(n).bit_length() - 1
     return f"{'-' if n < 0 else ''}2**{k}" if abs(n) == 1 << k and k >= 32 else str(n)
-
-
-def _is_seconds(value: object) -> bool:
-    """Whether `value` is a real number of seconds >= 0 (not a bool, not NaN)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value >= 0
 
 
 def _sampling_defaults(model: str, source: str) -> dict[str, Any]:
