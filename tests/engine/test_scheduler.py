@@ -377,7 +377,7 @@ def test_priority_policy_finishes_every_request_with_the_uncontended_output(
 
 
 def test_an_unknown_scheduling_policy_is_refused() -> None:
-    with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority'"):
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
         make_scheduler(scheduling_policy="lifo")
 
 

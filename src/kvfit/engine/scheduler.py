@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from kvfit.connectors import KVConnector, KVLoadError
 from kvfit.engine.block_manager import BlockManager
+from kvfit.engine.config import SCHEDULING_POLICIES
 from kvfit.engine.detokenizer import Detokenizer
 from kvfit.engine.sequence import (
     PENDING_TOKEN,
@@ -81,9 +82,9 @@ class Scheduler:
         # model's end-of-turn ids in generation_config.json) to a request's stop tokens, so a
         # completion they end reports the id as its stop_reason.
         self.primary_eos = next(iter(eos_token_id), None)
-        if scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got "
-                             f"{scheduling_policy!r}")
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}; got {scheduling_policy!r}")
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.by_priority = scheduling_policy == "priority"
         self.detokenizer = detokenizer or Detokenizer(None)
