@@ -57,8 +57,9 @@ class SamplingParams:
     text of the token that ends it (`stop_token_ids`, EOS), which `token_ids` always hold.
     `logprobs=n` returns the top-n log-probabilities of every generated token plus the sampled
     one; `prompt_logprobs=n` the same for every prompt token after the first; -1 asks for the
-    whole vocabulary (within the engine's `max_logprobs`, as vLLM's). They are computed
-    from the raw logits (vLLM's default), before penalties, temperature and filters.
+    whole vocabulary (within the engine's `max_logprobs`, as vLLM's). They hold what the
+    engine's `logprobs_mode` says: by default (vLLM's) the log-softmax of the raw logits,
+    before penalties, temperature and filters; prompt logprobs always so.
     `spaces_between_special_tokens=False` (with `skip_special_tokens=False`) gives an added
     token that follows another as its bare text, without the space a decoder (WordPiece's, or
     none) puts before it, as vLLM's does.
