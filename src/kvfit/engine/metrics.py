@@ -110,6 +110,16 @@ def engine_metrics(s: EngineStats, report: KVCacheReport) -> list[Metric]:
     return metrics
 
 
+REQUEST_COUNTERS = {
+    "kvfit:prompt_tokens": "Prompt tokens of finished and aborted requests.",
+    "kvfit:generation_tokens": "Generated tokens.",
+    "kvfit:request_success": "Requests that ran to the end, by finish reason of each completion.",
+}
+"""The request counters `RequestCounts` and the server's `/metrics` both expose: name -> help."""
+FINISH_REASONS = ("stop", "length", "abort")
+"""`request_success`'s `finished_reason` values, each a series from the start, as vLLM's."""
+
+
 @dataclass
 class RequestCounts:
     """The request figures of offline `LLM` calls, named as the server's (which counts them as
@@ -118,7 +128,7 @@ class RequestCounts:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finish_reasons: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(("stop", "length", "abort"), 0))
+        default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
 
     def count(self, requests: Iterable[list[Sequence]]) -> None:
         """Count requests that ended (each a list of its `n` sequences); one not finished
@@ -131,13 +141,14 @@ class RequestCounts:
                 self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
 
     def metrics(self) -> list[Metric]:
+        """The counts as `Metric`s, named and labelled as the server's (less `model_name`)."""
+        help_of = REQUEST_COUNTERS
         return [
             Metric("kvfit:prompt_tokens", "counter", float(self.prompt_tokens),
-                   "Prompt tokens of finished and aborted requests."),
+                   help_of["kvfit:prompt_tokens"]),
             Metric("kvfit:generation_tokens", "counter", float(self.generation_tokens),
-                   "Generated tokens."),
-            *(Metric("kvfit:request_success", "counter", float(value), "Requests that ran to "
-                     "the end, by finish reason of each completion.",
-                     {"finished_reason": reason})
+                   help_of["kvfit:generation_tokens"]),
+            *(Metric("kvfit:request_success", "counter", float(value),
+                     help_of["kvfit:request_success"], {"finished_reason": reason})
               for reason, value in self.finish_reasons.items()),
         ]

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from kvfit.engine.metrics import engine_metrics
+from kvfit.engine.metrics import FINISH_REASONS, REQUEST_COUNTERS, engine_metrics
 from kvfit.engine.outputs import RequestOutput
 from kvfit.server.api_servers import PROMETHEUS_MULTIPROC_ENV
 from kvfit.server.async_llm import AsyncLLM, RequestStream
@@ -43,6 +43,8 @@ def _token_buckets(max_model_len: int) -> list[float]:
                 return buckets
             buckets.append(float(mantissa * scale))
         scale *= 10
+
+
 # Status code -> failure reason label.
 # `error` is the server's fault (5xx); other client errors are `invalid`. A client that left
 # before its answer (499) is counted apart: nothing went wrong on this side.
@@ -97,14 +99,16 @@ class ServerMetrics:
             self._scrape.register(_EngineCollector(engine, model_name))
         # The hot path feeds each figure's one child (labelled once, here).
         model = ["model_name"]
-        self.prompt_tokens = Counter("kvfit:prompt_tokens", "Prompt tokens of finished and "
-                                     "aborted requests.", model, registry=r).labels(model_name)
-        self.generation_tokens = Counter("kvfit:generation_tokens", "Generated tokens.", model,
+        help_of = REQUEST_COUNTERS  # named and described as `LLM.get_metrics()`'s
+        self.prompt_tokens = Counter("kvfit:prompt_tokens", help_of["kvfit:prompt_tokens"],
+                                     model, registry=r).labels(model_name)
+        self.generation_tokens = Counter("kvfit:generation_tokens",
+                                         help_of["kvfit:generation_tokens"], model,
                                          registry=r).labels(model_name)
-        self.request_success = Counter("kvfit:request_success", "Requests that ran to the "
-                                       "end, by finish reason of each completion.",
+        self.request_success = Counter("kvfit:request_success",
+                                       help_of["kvfit:request_success"],
                                        [*model, "finished_reason"], registry=r)
-        for reason in ("stop", "length", "abort"):  # at 0 from the start, as vLLM's
+        for reason in FINISH_REASONS:  # at 0 from the start, as vLLM's
             self.request_success.labels(model_name, reason)
         self.request_failure = Counter("kvfit:request_failure", "Requests answered with an "
                                        "error, by reason.", [*model, "reason"], registry=r)
