@@ -166,6 +166,13 @@ def test_engine_seed_and_token_budget_are_checked_at_config_time(
         config(**kwargs)
 
 
+def test_no_engine_seed_is_seed_0_as_in_vllm() -> None:
+    # Found by the hunt: vLLM's seed is `int | None` (None its V1 default, made 0 there: every
+    # worker must sample alike), so LLM(model, seed=None) from a vLLM script was refused here
+    # as "seed must be an integer".
+    assert config(seed=None).model_config.seed == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("device", ["auto", "cuda"])
 def test_cuda_device_resolves_to_an_index(device: str) -> None:

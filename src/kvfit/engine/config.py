@@ -300,7 +300,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     load_format: str = "auto"
-    seed: int = 0
+    # None is vLLM's V1 default too, and means 0 there (every worker must sample alike).
+    seed: int | None = 0
     generation_config: str = "auto"
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"  # vLLM's; one of LOGPROBS_MODES
@@ -555,6 +556,8 @@ class EngineArgs:
         if isinstance(self.max_model_len, str) and self.max_model_len.strip().lower() == "auto":
             self.max_model_len = -1
         _check_types(self)
+        if self.seed is None:  # vLLM V1's: no seed is seed 0
+            self.seed = 0
         device = _resolve_device(self.device)
         hf_config = load_hf_config(self.model)
         get_model_class(hf_config)  # an unknown architecture fails here, before any work

@@ -54,7 +54,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
         load_format: str = "auto",
-        seed: int = 0,
+        seed: int | None = 0,
         generation_config: str = "auto",
         **kwargs: Any,
     ) -> None:
