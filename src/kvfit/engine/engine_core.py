@@ -98,6 +98,8 @@ class EngineStats:
     num_steps: int = 0  # steps launched since startup
     num_step_tokens: int = 0  # tokens those steps computed, prompt and output
     num_decode_steps: int = 0  # of the steps: one token per sequence (no prompt chunk)
+    # The steps by tokens computed: a count per `ITERATION_TOKENS_BUCKETS` bound, then +Inf's.
+    step_token_counts: tuple[int, ...] = ()
     kv_connector_failed_saves: int | None = None  # blocks not saved; None: no connector
     # Prompt tokens whose K/V the connector's store gave (loaded, not computed); None: none.
     kv_connector_hit_tokens: int | None = None
@@ -790,6 +792,7 @@ class EngineCore:
             num_steps=self.scheduler.num_steps,
             num_step_tokens=self.scheduler.num_step_tokens,
             num_decode_steps=self.scheduler.num_decode_steps,
+            step_token_counts=tuple(self.scheduler.step_token_counts),
             kv_connector_failed_saves=failed_saves,
             kv_connector_hit_tokens=(None if self.config.kv_connector_config is None
                                      else self.scheduler.num_external_hit_tokens),

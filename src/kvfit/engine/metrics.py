@@ -110,6 +110,10 @@ def engine_metrics(s: EngineStats, report: KVCacheReport) -> list[Metric]:
     return metrics
 
 
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+"""vLLM's bucket bounds of `iteration_tokens_total`, the tokens of each engine step."""
+
+
 REQUEST_COUNTERS = {
     "kvfit:prompt_tokens": "Prompt tokens of finished and aborted requests.",
     "kvfit:generation_tokens": "Generated tokens.",

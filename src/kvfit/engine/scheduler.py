@@ -11,6 +11,7 @@ from kvfit.connectors import KVConnector, KVLoadError
 from kvfit.engine.block_manager import BlockManager
 from kvfit.engine.config import SCHEDULING_POLICIES
 from kvfit.engine.detokenizer import Detokenizer
+from kvfit.engine.metrics import ITERATION_TOKENS_BUCKETS
 from kvfit.engine.sequence import (
     PENDING_TOKEN,
     ModelOutput,
@@ -95,6 +96,9 @@ class Scheduler:
         # sequence: what a decode graph runs): the batch's shape over a run, e.g. a served
         # load's against offline `generate`'s.
         self.num_steps = self.num_step_tokens = self.num_decode_steps = 0
+        # Steps by the tokens they computed: one count per `ITERATION_TOKENS_BUCKETS` bound
+        # (a step counts in the first that holds it), then those past the last.
+        self.step_token_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
         self.kv_connector = kv_connector
         # Prompt tokens whose K/V came from the connector's store (not the local prefix cache).
         self.num_external_hit_tokens = 0
@@ -216,6 +220,7 @@ class Scheduler:
         num_tokens = batch.num_tokens
         self.num_steps += 1
         self.num_step_tokens += num_tokens
+        self.step_token_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
         self.num_decode_steps += num_tokens == len(batch)  # no sequence computed more
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.status is not SequenceStatus.RUNNING:  # finished or aborted meanwhile
@@ -241,6 +246,8 @@ class Scheduler:
                 continue
             # A sequence preempted while this step ran is waiting: it keeps the token.
             seq.resolve_pending_token(token_id)
+            if not seq.first_token_time:  # one clock read per sequence, not per token
+                seq.first_token_time = time.monotonic()
             if logprobs is not None:
                 seq.logprobs.append(self.detokenizer.annotate(logprobs))
             if self._check_stop(seq, token_id):
@@ -385,6 +392,7 @@ class Scheduler:
         self.block_manager.free(seq)
         self.detokenizer.free(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.finished_time = time.monotonic()
 
 
 def _is_prefill(seq: Sequence) -> bool:

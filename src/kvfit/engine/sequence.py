@@ -68,10 +68,13 @@ class Sequence:
     # when the sequence was first scheduled, as vLLM reports them; -1 until then. Kept across
     # preemption: hits on its own earlier blocks after one are no saving to report.
     num_cached_tokens: int = -1
-    # When the scheduler queued it and first scheduled it (time.monotonic(); 0.0 until then;
-    # a preemption changes neither, as vLLM's queue time ignores them): its queue time.
+    # When the scheduler queued it, first scheduled it, resolved its first sampled token and
+    # finished it (time.monotonic(); 0.0 until then; a preemption changes none, so vLLM's
+    # prefill, decode and inference times include it as its queue time does not).
     queued_time: float = 0.0
     scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    finished_time: float = 0.0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

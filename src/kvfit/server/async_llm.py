@@ -38,6 +38,7 @@ from kvfit.server.engine_messages import (
     EngineDeadError,
     EngineOutputs,
     EngineSleepingError,
+    PhaseTimes,
     PlainDelta,
     RequestDelta,
     RequestFailedError,
@@ -186,8 +187,9 @@ class RequestStream:
         # rather than a generator around the stream, which would cost two more switches a
         # token.
         self.observer: StreamObserver | None = None
-        # Each ended completion's time waiting to be first scheduled (the engine's clock).
-        self.queue_times: dict[int, float] = {}
+        # Each ended completion's queue, prefill, decode and inference times (the engine's
+        # clock), by index.
+        self.phase_times: dict[int, PhaseTimes] = {}
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -280,9 +282,9 @@ class RequestStream:
                 continue
             _, seqs, _, prompt_logprobs, num_cached_tokens = delta
             self.output.num_cached_tokens = max(num_cached_tokens, 0)
-            for index, token_ids, logprobs, finish_reason, stop_reason, text, queued in seqs:
-                if queued is not None:
-                    self.queue_times[index] = queued
+            for index, token_ids, logprobs, finish_reason, stop_reason, text, times in seqs:
+                if times is not None:
+                    self.phase_times[index] = times
                 out = self.output.outputs[index]
                 out.token_ids.extend(token_ids)
                 if out.logprobs is not None:

@@ -27,6 +27,7 @@ from kvfit.server.engine_messages import (
     EngineOutputs,
     EngineReady,
     EngineSleepingError,
+    PhaseTimes,
     PlainDelta,
     RequestDelta,
     RequestFailedError,
@@ -78,13 +79,11 @@ class _Tracked:
             if end == first and (reported[i] or not done):
                 continue
             start, num_ready = sent[i], end - seq.num_prompt_tokens
-            queue_time = None
-            if done and seq.scheduled_time:
-                queue_time = seq.scheduled_time - seq.queued_time
             parts.append((seq.sibling_index, tokens[first:end],
                           seq.logprobs[start:num_ready] if self.logprobs else None,
                           seq.finish_reason if done else None, seq.stop_reason,
-                          seq.output_text if self.text else None, queue_time))
+                          seq.output_text if self.text else None,
+                          _phase_times(seq) if done else None))
             sent[i], reported[i] = num_ready, done
         if not parts:
             return None
@@ -96,6 +95,17 @@ class _Tracked:
             self.prompt_logprobs = False
             prompt_logprobs = list(self.seqs[0].prompt_logprobs)
         return self.request_id, parts, finished, prompt_logprobs, self.seqs[0].num_cached_tokens
+
+
+def _phase_times(seq: Sequence) -> PhaseTimes | None:
+    """A finished sequence's queue, prefill, decode and inference times, as vLLM's intervals
+    (first scheduled -> first token -> finish); None for one never scheduled."""
+    if not seq.scheduled_time:
+        return None
+    end = seq.finished_time or time.monotonic()
+    first_token = seq.first_token_time or end  # ended with no token: all of it was prefill
+    return (seq.scheduled_time - seq.queued_time, first_token - seq.scheduled_time,
+            end - first_token, end - seq.scheduled_time)
 
 
 class EngineCoreLoop:

@@ -40,13 +40,17 @@ class RequestFailedError(RuntimeError):
 
 # Outputs are plain tuples: pickle builds and reads a tuple in C, a class instance (even a
 # NamedTuple) through Python calls, 20 times slower per object at hundreds per step.
+PhaseTimes = tuple[float, float, float, float]
+"""`(queue, prefill, decode, inference)` seconds of one completion, vLLM's intervals on the
+engine's clock: queued -> first scheduled -> first token -> finished (inference: first
+scheduled -> finished)."""
+
 SeqDelta = tuple[int, list[int], "list[Logprobs] | None", "str | None", "int | str | None",
-                 "str | None", "float | None"]
-"""`(index, token_ids, logprobs, finish_reason, stop_reason, text, queue_time)`: what
-completion `index` gained since its last delta; `logprobs` None unless asked for;
-`finish_reason` None until it ends; `text` is the engine's (None unless it detokenizes: stop
-strings); `queue_time`, with its end, the seconds it waited to be first scheduled (None
-otherwise, and for one never scheduled)."""
+                 "str | None", "PhaseTimes | None"]
+"""`(index, token_ids, logprobs, finish_reason, stop_reason, text, times)`: what completion
+`index` gained since its last delta; `logprobs` None unless asked for; `finish_reason` None
+until it ends; `text` is the engine's (None unless it detokenizes: stop strings); `times`,
+with its end, its `PhaseTimes` (None otherwise, and for one never scheduled)."""
 
 RequestDelta = tuple[str, list[SeqDelta], bool, "list[Logprobs | None] | None", int]
 """`(request_id, seqs, finished, prompt_logprobs, num_cached_tokens)`: what one request gained;

@@ -13,16 +13,31 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from kvfit.engine.metrics import FINISH_REASONS, REQUEST_COUNTERS, engine_metrics
+from kvfit.engine.metrics import (
+    FINISH_REASONS,
+    ITERATION_TOKENS_BUCKETS,
+    REQUEST_COUNTERS,
+    engine_metrics,
+)
 from kvfit.engine.outputs import RequestOutput
 from kvfit.server.api_servers import PROMETHEUS_MULTIPROC_ENV
 from kvfit.server.async_llm import AsyncLLM, RequestStream
+
+if TYPE_CHECKING:
+    from kvfit.engine.engine_core import EngineStats
+    from kvfit.server.engine_messages import PhaseTimes
 
 # vLLM's buckets, so a dashboard's quantiles read alike. A request's latency runs to hours (a
 # long answer, a long queue): past the last bound histogram_quantile can only answer that bound.
@@ -32,6 +47,7 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 10.0, 20.0, 40.0, 80.0)
 _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                             50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 def _token_buckets(max_model_len: int) -> list[float]:
@@ -60,7 +76,8 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
-        for m in engine_metrics(self.engine.stats(), self.engine.kv_cache_report):
+        stats = self.engine.stats()
+        for m in engine_metrics(stats, self.engine.kv_cache_report):
             family = families.get(m.name)
             if family is None:  # one family per name: metrics of a name differ by labels
                 kind = GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily
@@ -68,6 +85,22 @@ class _EngineCollector(Collector):
                                                  labels=["model_name", *m.labels])
             family.add_metric([self.model_name, *m.labels.values()], m.value)
         yield from families.values()
+        yield self._iteration_tokens(stats)
+
+    def _iteration_tokens(self, s: EngineStats) -> HistogramMetricFamily:
+        """vLLM's histogram of the tokens each engine step computed (prompt chunks and
+        decodes), from the engine's counts: every process of the server reads the same."""
+        family = HistogramMetricFamily("kvfit:iteration_tokens_total", "Histogram of the "
+                                       "number of tokens per engine step.",
+                                       labels=["model_name"])
+        counts = s.step_token_counts or (0,) * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        buckets, total = [], 0
+        for bound, count in zip((*map(float, ITERATION_TOKENS_BUCKETS), "+Inf"), counts,
+                                strict=True):
+            total += count
+            buckets.append((str(bound), total))
+        family.add_metric([self.model_name], buckets, float(s.num_step_tokens))
+        return family
 
 
 class ServerMetrics:
@@ -123,6 +156,28 @@ class ServerMetrics:
             "kvfit:request_queue_time_seconds", "Time each finished request waited in the "
             "engine's queue before it was first scheduled.", model,
             buckets=_REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+        # vLLM's phases of a request on the engine's clock: first scheduled -> first token
+        # (prefill), first token -> finished (decode), first scheduled -> finished (inference).
+        self.prefill_time = Histogram(
+            "kvfit:request_prefill_time_seconds", "Time each finished request spent from its "
+            "first scheduling to its first token.", model, buckets=_REQUEST_LATENCY_BUCKETS,
+            registry=r).labels(model_name)
+        self.decode_time = Histogram(
+            "kvfit:request_decode_time_seconds", "Time each finished request spent from its "
+            "first token to its end.", model, buckets=_REQUEST_LATENCY_BUCKETS,
+            registry=r).labels(model_name)
+        self.inference_time = Histogram(
+            "kvfit:request_inference_time_seconds", "Time each finished request spent from "
+            "its first scheduling to its end.", model, buckets=_REQUEST_LATENCY_BUCKETS,
+            registry=r).labels(model_name)
+        self.request_params_n = Histogram(
+            "kvfit:request_params_n", "Histogram of the n request parameter (one per request "
+            "once all its completions finished).", model, buckets=_N_BUCKETS,
+            registry=r).labels(model_name)
+        self.request_params_max_tokens = Histogram(
+            "kvfit:request_params_max_tokens", "Histogram of the max_tokens request parameter "
+            "(as the engine ran it), one per finished completion.", model,
+            buckets=_token_buckets(max_model_len), registry=r).labels(model_name)
         self.request_prompt_tokens = Histogram(
             "kvfit:request_prompt_tokens", "Prompt tokens of each finished request.", model,
             buckets=_token_buckets(max_model_len), registry=r).labels(model_name)
@@ -141,12 +196,12 @@ class ServerMetrics:
             reason = "invalid" if 400 <= status_code < 500 else "error"
         self.request_failure.labels(self.model_name, reason).inc()
 
-    def track(self, stream: RequestStream, num_prompt_tokens: int
-              ) -> AsyncIterator[RequestOutput]:
+    def track(self, stream: RequestStream, num_prompt_tokens: int,
+              max_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
         """`stream`'s outputs, its tokens timed as they pass; its tokens are counted when it
         ends, each completion's outcome as it finishes (one left early counts as aborted)."""
         stream.observer = _RequestTiming(self, num_prompt_tokens, len(stream.output.outputs),
-                                         stream.queue_times)
+                                         stream.phase_times, max_tokens)
         return aiter(stream)
 
 
@@ -155,15 +210,17 @@ class _RequestTiming:
     completions is a request to the request figures (success, time to first token, e2e
     latency, token histograms), as vLLM's n child requests are, so their counts agree."""
 
-    __slots__ = ("metrics", "num_prompt_tokens", "num_completions", "queue_times", "start",
-                 "last", "counts", "done")
+    __slots__ = ("metrics", "num_prompt_tokens", "num_completions", "phase_times",
+                 "max_tokens", "start", "last", "counts", "done")
 
     def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int,
-                 num_completions: int = 1, queue_times: dict[int, float] | None = None) -> None:
+                 num_completions: int = 1, phase_times: dict[int, PhaseTimes] | None = None,
+                 max_tokens: int | None = None) -> None:
         self.metrics, self.num_prompt_tokens = metrics, num_prompt_tokens
-        self.num_completions = num_completions
-        # The stream's: each completion's time in the engine's queue, in by its end.
-        self.queue_times = {} if queue_times is None else queue_times
+        self.num_completions, self.max_tokens = num_completions, max_tokens
+        # The stream's: each completion's queue, prefill, decode and inference times, in by
+        # its end.
+        self.phase_times = {} if phase_times is None else phase_times
         self.start = self.last = time.perf_counter()
         self.counts: dict[int, int] = {}  # tokens seen so far, by completion index
         self.done: set[int] = set()  # completions counted as finished
@@ -207,8 +264,16 @@ class _RequestTiming:
         m.request_success.labels(m.model_name, finish_reason).inc()
         m.request_prompt_tokens.observe(self.num_prompt_tokens)
         m.request_generation_tokens.observe(self.counts.get(index, 0))
-        if (queue_time := self.queue_times.get(index)) is not None:
-            m.queue_time.observe(queue_time)
+        if self.max_tokens:  # as vLLM: an unset max_tokens is no observation
+            m.request_params_max_tokens.observe(self.max_tokens)
+        if (times := self.phase_times.get(index)) is not None:
+            queue, prefill, decode, inference = times
+            m.queue_time.observe(queue)
+            m.prefill_time.observe(prefill)
+            m.decode_time.observe(decode)
+            m.inference_time.observe(inference)
+        if len(self.done) == self.num_completions:  # vLLM's parent request: once, at its end
+            m.request_params_n.observe(self.num_completions)
 
     def end(self, failed: bool) -> None:
         m = self.metrics

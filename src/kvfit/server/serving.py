@@ -315,7 +315,8 @@ class OpenAIServing:
                 stream = self.engine.add_request(prompt, sp, f"{request_id}-{i}",
                                                  body.priority)
                 admission.request_ids.append(stream.request_id)
-                streams.append(self.metrics.track(stream, len(prompt["prompt_token_ids"])))
+                streams.append(self.metrics.track(stream, len(prompt["prompt_token_ids"]),
+                                                  sp.max_tokens))
         except BaseException as e:
             admission.release()
             if isinstance(e, ValueError):
