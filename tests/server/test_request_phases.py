@@ -88,7 +88,7 @@ def test_iteration_tokens_count_each_step_and_its_tokens(
         start_server: object, engine: AsyncLLM) -> None:
     server: ServerThread = start_server()  # type: ignore[operator]
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-    before = _samples(server.url)
+    before, stats_before = _samples(server.url), engine.stats()
     # A prompt no earlier request shares a block with: every prompt token is computed.
     out = client.completions.create(model=MODEL_NAME, prompt="tokens of every step counted",
                                     max_tokens=5, extra_body={"ignore_eos": True})
@@ -110,3 +110,7 @@ def test_iteration_tokens_count_each_step_and_its_tokens(
     # The engine's step counters say the same.
     assert d("engine_steps_total") == 5
     assert d("engine_step_tokens_total") == num_prompt + 4
+    # The stats line's throughputs count the prompt once prefilled, and each sampled token.
+    stats = engine.stats()
+    assert stats.num_prefilled_tokens - stats_before.num_prefilled_tokens == num_prompt
+    assert stats.num_generated_tokens - stats_before.num_generated_tokens == 5

@@ -100,6 +100,9 @@ class EngineStats:
     num_decode_steps: int = 0  # of the steps: one token per sequence (no prompt chunk)
     # The steps by tokens computed: a count per `ITERATION_TOKENS_BUCKETS` bound, then +Inf's.
     step_token_counts: tuple[int, ...] = ()
+    # Tokens sampled, and prompt tokens of the sequences prefilled (at their first token).
+    num_generated_tokens: int = 0
+    num_prefilled_tokens: int = 0
     kv_connector_failed_saves: int | None = None  # blocks not saved; None: no connector
     # Prompt tokens whose K/V the connector's store gave (loaded, not computed); None: none.
     kv_connector_hit_tokens: int | None = None
@@ -793,6 +796,8 @@ class EngineCore:
             num_step_tokens=self.scheduler.num_step_tokens,
             num_decode_steps=self.scheduler.num_decode_steps,
             step_token_counts=tuple(self.scheduler.step_token_counts),
+            num_generated_tokens=self.scheduler.num_generated_tokens,
+            num_prefilled_tokens=self.scheduler.num_prefilled_tokens,
             kv_connector_failed_saves=failed_saves,
             kv_connector_hit_tokens=(None if self.config.kv_connector_config is None
                                      else self.scheduler.num_external_hit_tokens),

@@ -99,6 +99,9 @@ class Scheduler:
         # Steps by the tokens they computed: one count per `ITERATION_TOKENS_BUCKETS` bound
         # (a step counts in the first that holds it), then those past the last.
         self.step_token_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        # Tokens sampled, and prompt tokens of sequences that got their first (vLLM's prompt
+        # and generation throughput: a prompt counts once it is prefilled, cached or not).
+        self.num_generated_tokens = self.num_prefilled_tokens = 0
         self.kv_connector = kv_connector
         # Prompt tokens whose K/V came from the connector's store (not the local prefix cache).
         self.num_external_hit_tokens = 0
@@ -234,6 +237,7 @@ class Scheduler:
         """Apply an advanced step's output: sampled tokens in place of the pending ones,
         logprobs, stop checks. Returns the sequences that finished."""
         finished = []
+        num_sampled = 0
         FINISHED = SequenceStatus.FINISHED  # noqa: N806
         for i, (seq, token_id, logprobs, prompt_logprobs) in enumerate(zip(
                 batch.seqs, output.sampled_token_ids, output.logprobs, output.prompt_logprobs,
@@ -246,13 +250,16 @@ class Scheduler:
                 continue
             # A sequence preempted while this step ran is waiting: it keeps the token.
             seq.resolve_pending_token(token_id)
+            num_sampled += 1
             if not seq.first_token_time:  # one clock read per sequence, not per token
                 seq.first_token_time = time.monotonic()
+                self.num_prefilled_tokens += seq.num_prompt_tokens
             if logprobs is not None:
                 seq.logprobs.append(self.detokenizer.annotate(logprobs))
             if self._check_stop(seq, token_id):
                 self._finish(seq)
                 finished.append(seq)
+        self.num_generated_tokens += num_sampled
         if finished:
             self.running = [seq for seq in self.running if not seq.is_finished]
             if any(seq.is_finished for seq in self.waiting):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -14,11 +15,15 @@ if TYPE_CHECKING:
 LOG_STATS_INTERVAL_S = 10.0
 
 
-def stats_line(s: EngineStats) -> str:
-    """One line of queues, KV cache use, prefix cache hit rate and preemptions."""
+def stats_line(s: EngineStats, throughput: tuple[float, float] | None = None) -> str:
+    """One line of queues, KV cache use, prefix cache hit rate and preemptions, after
+    `throughput` (prompt, generation tokens/s) in vLLM's words where given."""
     in_use = s.num_blocks - s.num_free_blocks
     hit_rate = s.prefix_cache_hit_tokens / max(s.prefix_cache_queried_tokens, 1)
-    return (f"kvfit serve: running {s.num_running} seqs, waiting {s.num_waiting}, KV cache "
+    rates = "" if throughput is None else (
+        f"Avg prompt throughput: {throughput[0]:.1f} tokens/s, Avg generation throughput: "
+        f"{throughput[1]:.1f} tokens/s, ")
+    return (f"kvfit serve: {rates}running {s.num_running} seqs, waiting {s.num_waiting}, KV cache "
             f"{in_use / s.num_blocks:.1%} of {s.num_blocks:,} blocks, prefix cache hit rate "
             f"{hit_rate:.1%}, preemptions {s.num_preemptions}")
 
@@ -42,9 +47,15 @@ class StatsLogger:
         self._thread.join()
 
     def _run(self) -> None:
-        last = None
+        last, last_time = self.engine.stats(), time.monotonic()
+        first = True
         while not self._stop.wait(self.interval_s):
-            s = self.engine.stats()
-            if s != last or s.num_running or s.num_waiting:
-                print(stats_line(s), file=self.out or sys.stdout, flush=True)
-            last = s
+            s, now = self.engine.stats(), time.monotonic()
+            if first or s != last or s.num_running or s.num_waiting:
+                # Tokens per second since the last look, as vLLM's line averages its interval.
+                elapsed = max(now - last_time, 1e-9)
+                throughput = ((s.num_prefilled_tokens - last.num_prefilled_tokens) / elapsed,
+                              (s.num_generated_tokens - last.num_generated_tokens) / elapsed)
+                print(stats_line(s, throughput), file=self.out or sys.stdout, flush=True)
+            first = False
+            last, last_time = s, now
