@@ -567,3 +567,43 @@ def test_return_tokens_as_token_ids_gives_each_token_s_id(client: openai.OpenAI,
         for entry in [*content, *(top for e in content for top in e.top_logprobs)]:
             assert entry.token.startswith("token_id:") and entry.bytes == list(
                 entry.token.encode())
+
+
+def _final_usage(r: httpx.Response) -> dict:
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert chunks[-1]["choices"] == [], r.text
+    return chunks[-1]["usage"]
+
+
+def test_prompt_tokens_details_reports_the_cached_prompt_tokens(
+        start_server: Any, http: httpx.Client) -> None:
+    """vLLM's --enable-prompt-tokens-details: the usage's prompt_tokens_details.cached_tokens
+    counts the prompt tokens the prefix cache served (whole blocks of 16), summed over the
+    prompts, streamed or not; off (the default), the usage has no such field."""
+    prompt = list(range(100, 140))  # 40 tokens: 2 whole blocks can come from the cache
+    messages = [{"role": "user", "content": "tell me a story about a cat " * 6}]
+    with httpx.Client(base_url=start_server(enable_prompt_tokens_details=True).url,
+                      timeout=60) as details:
+        first = details.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        # Nothing cached yet: left out, as vLLM leaves a 0 out.
+        assert "prompt_tokens_details" not in first.json()["usage"]
+        usage = details.post("/v1/completions", json={
+            "prompt": [prompt, prompt], "max_tokens": 2, "n": 2}).json()["usage"]
+        assert usage["prompt_tokens"] == 80
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 64}
+        stream = {"max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+        for body, cached in (({"prompt": prompt}, 32), ({"prompt": [prompt, prompt]}, 64),
+                             ({"prompt": prompt, "n": 2}, 32)):
+            r = details.post("/v1/completions", json={**body, **stream})
+            assert _final_usage(r)["prompt_tokens_details"] == {"cached_tokens": cached}
+        details.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        usage = details.post("/v1/chat/completions", json={
+            "messages": messages, "max_tokens": 2}).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 16
+        r = details.post("/v1/chat/completions", json={"messages": messages, **stream})
+        assert _final_usage(r)["prompt_tokens_details"] == usage["prompt_tokens_details"]
+    usage = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()
+    assert "prompt_tokens_details" not in usage["usage"]
+    r = http.post("/v1/chat/completions", json={"messages": messages, **stream})
+    assert "prompt_tokens_details" not in _final_usage(r)

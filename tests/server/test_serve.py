@@ -36,6 +36,16 @@ def test_serve_takes_the_engine_and_server_flags() -> None:
     assert {"engine", "server"} <= {g.title for g in serve.add_serve_parser(sub)._action_groups}
 
 
+def test_enable_prompt_tokens_details_reaches_the_serve_config() -> None:
+    """vLLM's --enable-prompt-tokens-details, off by default as there."""
+    from kvfit.engine.config import EngineArgs
+
+    for flags, on in (([], False), (["--enable-prompt-tokens-details"], True)):
+        args = parser().parse_args(["serve", "m", *flags])
+        config = serve._serve_config(args, EngineArgs(model="m"))
+        assert config.enable_prompt_tokens_details is on
+
+
 def test_stream_interval_is_a_count_of_at_least_one(capsys: pytest.CaptureFixture[str]) -> None:
     assert parser().parse_args(["serve", "m"]).stream_interval == 1
     assert parser().parse_args(["serve", "m", "--stream-interval", "8"]).stream_interval == 8

@@ -11,10 +11,18 @@ from kvfit.server.async_llm import AsyncLLM
 from kvfit.server.protocol import usage
 
 
-def usage_of(outputs: list[RequestOutput]) -> dict[str, int]:
-    """The usage of a request's outputs: every prompt's tokens and every completion's."""
-    return usage(sum(len(o.prompt_token_ids) for o in outputs),
-                 sum(len(c.token_ids) for o in outputs for c in o.outputs))
+def usage_of(outputs: list[RequestOutput], prompt_details: bool = False) -> dict[str, Any]:
+    """The usage of a request's outputs: every prompt's tokens and every completion's. With
+    `prompt_details` (`--enable-prompt-tokens-details`), also `prompt_tokens_details`'s
+    `cached_tokens`: the prompt tokens served from the prefix cache or the KV connector,
+    summed over the prompts as `prompt_tokens` is (vLLM reports one prompt's), and left out
+    at 0 as vLLM does."""
+    answer: dict[str, Any] = usage(sum(len(o.prompt_token_ids) for o in outputs),
+                                   sum(len(c.token_ids) for o in outputs for c in o.outputs))
+    cached = sum(o.num_cached_tokens for o in outputs) if prompt_details else 0
+    if cached:
+        answer["prompt_tokens_details"] = {"cached_tokens": cached}
+    return answer
 
 
 # What a -inf logprob (a token the processed logprobs modes filtered out) is sent as: JSON has

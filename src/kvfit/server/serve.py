@@ -84,6 +84,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="on SIGINT or SIGTERM, how long the generation requests in "
                         "progress may take to finish before they are aborted (new ones get "
                         "HTTP 503 meanwhile; 0: aborted at once; default: %(default)s)")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="report the prompt tokens served from the prefix cache or the KV "
+                        "connector in the usage, as prompt_tokens_details.cached_tokens")
     server.add_argument("--disable-log-stats", action="store_true",
                         help="do not print the engine's figures (queues, KV cache use, prefix "
                         "cache hits) every 10 s while it works")
@@ -433,6 +436,7 @@ def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
         multiprocess_metrics=multiprocess_metrics,
         chat_template=chat_template,
         shutdown_timeout=args.shutdown_timeout,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
 
 

@@ -68,6 +68,8 @@ class ServeConfig:
     tokenizer's). `shutdown_timeout`: seconds a stopping server (SIGINT, SIGTERM) gives the
     generation requests in progress to finish before it aborts them (0: at once, as vLLM's
     `--shutdown-timeout` default); new ones get 503 meanwhile.
+    `enable_prompt_tokens_details`: the usage carries `prompt_tokens_details.cached_tokens`
+    (vLLM's `--enable-prompt-tokens-details`, off by default as there).
     """
 
     served_model_names: list[str]
@@ -80,6 +82,7 @@ class ServeConfig:
     multiprocess_metrics: bool = False
     chat_template: str | None = None
     shutdown_timeout: float = 0.0
+    enable_prompt_tokens_details: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -432,7 +435,8 @@ class OpenAIServing:
             if body.stream:
                 response = EventStream(completion_events(
                     streams, body, ids, created, self.model_name, engine, echo,
-                    self.stream_error), admission.release)
+                    self.stream_error, self.config.enable_prompt_tokens_details),
+                    admission.release)
                 streaming = True
                 return response
             outputs = await _run_all(request, streams)
@@ -454,7 +458,8 @@ class OpenAIServing:
                                                                 body.prompt_logprobs)
                 choices.append(choice)
         return {"id": ids, "object": "text_completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": usage_of(outputs)}
+                "model": self.model_name, "choices": choices,
+                "usage": usage_of(outputs, self.config.enable_prompt_tokens_details)}
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         engine = self.engine
@@ -480,7 +485,8 @@ class OpenAIServing:
             try:
                 return EventStream(stream_chat(streams[0], body, ids, created, self.model_name,
                                                engine, num_logprobs, self.stream_error,
-                                               len(token_ids)),
+                                               len(token_ids),
+                                               self.config.enable_prompt_tokens_details),
                                    admission.release)
             except BaseException:
                 admission.release()
@@ -498,7 +504,8 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                    for c in out.outputs]
         answer = {"id": ids, "object": "chat.completion", "created": created,
-                  "model": self.model_name, "choices": choices, "usage": usage_of([out])}
+                  "model": self.model_name, "choices": choices,
+                  "usage": usage_of([out], self.config.enable_prompt_tokens_details)}
         if body.prompt_logprobs is not None:  # vLLM's place for them: beside the choices
             answer["prompt_logprobs"] = prompt_logprobs(engine, out, body.prompt_logprobs)
         return answer

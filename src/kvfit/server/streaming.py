@@ -127,8 +127,8 @@ async def merged(streams: list[AsyncIterator[RequestOutput]]
 async def stream_completion(streams: list[AsyncIterator[RequestOutput]],
                              body: CompletionRequest, ids: str, created: int, model: str,
                              engine: AsyncLLM, echo: list[str] | None,
-                             engine_error: Callable[[Exception], APIError]
-                             ) -> AsyncIterator[dict[str, Any]]:
+                             engine_error: Callable[[Exception], APIError],
+                             prompt_details: bool = False) -> AsyncIterator[dict[str, Any]]:
     """A streamed completion's chunks, any number of prompts, choices and logprobs: each
     chunk carries what every choice added since the last, an engine error ends the stream as
     an error event."""
@@ -188,24 +188,28 @@ async def stream_completion(streams: list[AsyncIterator[RequestOutput]],
         yield engine_error(e).body()
         return
     if body.include_usage:
-        yield {**base, "choices": [], "usage": usage_of(list(outputs.values()))}
+        yield {**base, "choices": [],
+               "usage": usage_of(list(outputs.values()), prompt_details)}
 
 
 def completion_events(streams: list[AsyncIterator[RequestOutput]], body: CompletionRequest,
                        ids: str, created: int, model: str, engine: AsyncLLM,
-                       echo: list[str] | None, engine_error: Callable[[Exception], APIError]
-                       ) -> AsyncIterator[dict[str, Any] | bytes]:
+                       echo: list[str] | None, engine_error: Callable[[Exception], APIError],
+                       prompt_details: bool = False) -> AsyncIterator[dict[str, Any] | bytes]:
     """A streamed completion's events: `stream_plain_completion` for the common request,
     else `stream_completion`."""
     if len(streams) == 1 and body.n == 1 and body.logprobs is None and echo is None and (
             not body.continuous_usage):
-        return stream_plain_completion(streams[0], body, ids, created, model, engine_error)
-    return stream_completion(streams, body, ids, created, model, engine, echo, engine_error)
+        return stream_plain_completion(streams[0], body, ids, created, model, engine_error,
+                                       prompt_details)
+    return stream_completion(streams, body, ids, created, model, engine, echo, engine_error,
+                             prompt_details)
 
 
 async def stream_plain_completion(stream: AsyncIterator[RequestOutput],
                                    body: CompletionRequest, ids: str, created: int, model: str,
-                                   engine_error: Callable[[Exception], APIError]
+                                   engine_error: Callable[[Exception], APIError],
+                                   prompt_details: bool = False
                                    ) -> AsyncIterator[dict[str, Any] | bytes]:
     """`stream_completion` of the common request (one prompt, one completion, no logprobs,
     no echo, no usage in every chunk), its events' lines the same bytes, built from parts
@@ -243,13 +247,14 @@ async def stream_plain_completion(stream: AsyncIterator[RequestOutput],
         yield engine_error(e).body()
         return
     if body.include_usage and out is not None:
-        yield {**base, "choices": [], "usage": usage_of([out])}
+        yield {**base, "choices": [], "usage": usage_of([out], prompt_details)}
 
 
 async def stream_chat(stream: AsyncIterator[RequestOutput], body: ChatCompletionRequest,
                        ids: str, created: int, model: str, engine: AsyncLLM,
                        num_logprobs: int | None, engine_error: Callable[[Exception], APIError],
-                       num_prompt_tokens: int) -> AsyncIterator[dict[str, Any]]:
+                       num_prompt_tokens: int, prompt_details: bool = False
+                       ) -> AsyncIterator[dict[str, Any]]:
     """A streamed chat completion's chunks: the assistant role for every choice first, then
     each choice's new text (and logprobs), an engine error ending the stream as an error
     event."""
@@ -287,4 +292,4 @@ async def stream_chat(stream: AsyncIterator[RequestOutput], body: ChatCompletion
         yield engine_error(e).body()
         return
     if body.include_usage and out is not None:
-        yield {**base, "choices": [], "usage": usage_of([out])}
+        yield {**base, "choices": [], "usage": usage_of([out], prompt_details)}
