@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Callable
 from functools import cache
@@ -344,6 +345,22 @@ def test_vllm_arguments_kvfit_does_anyway_are_taken_and_others_say_why(qwen3: Pa
         LLM(str(qwen3), device="cpu", quantization="awq")
     with pytest.raises(ValueError, match="enable_chunked_prefill=False .*always chunks"):
         LLM(str(qwen3), device="cpu", enable_chunked_prefill=False)
+
+
+def test_vllm_s_disable_log_stats_and_default_swap_space_are_taken(
+        qwen3: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # LLM(model, disable_log_stats=False) (vLLM's way to get get_metrics()) was a TypeError,
+    # and swap_space=4 (vLLM's default, in many scripts) was refused as CPU offloading.
+    make_llm(qwen3, disable_log_stats=True, swap_space=4).shutdown()
+    assert "disable_log_stats" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="kvfit"):
+        llm = make_llm(qwen3, disable_log_stats=False)
+    assert "disable_log_stats=False: kvfit's LLM logs no periodic" in caplog.text
+    assert llm.get_metrics()
+    llm.shutdown()
+    with pytest.raises(ValueError, match=r"swap_space=8 .*recomputing.*\(swap_space=4, "
+                                         r"vLLM's default, is taken\)"):
+        LLM(str(qwen3), device="cpu", swap_space=8)
     # vLLM's scheduling_policy: its two values, and a clear error for any other.
     for policy in ("fcfs", "priority"):
         llm = make_llm(qwen3, scheduling_policy=policy)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any
@@ -22,9 +23,11 @@ from kvfit.engine.prompts import Prompt, batch_args, describe, priorities
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
-from kvfit.engine.vllm_compat import VLLM_NOOP_FLAGS, VLLM_UNSUPPORTED_FLAGS
+from kvfit.engine.vllm_compat import VLLM_DEFAULT_VALUES, VLLM_NOOP_FLAGS, VLLM_UNSUPPORTED_FLAGS
 from kvfit.kv.report import KVCacheReport
 from kvfit.models.loader import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 Message = dict[str, str]
 # Whether to show a progress bar, or (vLLM's) a tqdm class or factory that makes it.
@@ -354,6 +357,15 @@ def _without_vllm_noops(kwargs: dict[str, Any]) -> dict[str, Any]:
     kvfit does not do raises ValueError naming what to do instead."""
     rest = {}
     for name, value in kwargs.items():
+        if name == "disable_log_stats":
+            # vLLM's LLM defaults it to True; False there logs the engine's figures every 10 s
+            # and lets get_metrics() answer. kvfit's get_metrics() always answers and its LLM
+            # logs no figures (`kvfit serve` does), so False is taken, saying so.
+            if not value:
+                logger.warning("disable_log_stats=False: kvfit's LLM logs no periodic engine "
+                               "figures (kvfit serve does); LLM.get_metrics() returns them at "
+                               "any time")
+            continue
         flag = "--" + name.replace("_", "-")
         if name in EngineArgs.__dataclass_fields__ or (
                 flag not in VLLM_NOOP_FLAGS and flag not in VLLM_UNSUPPORTED_FLAGS):
@@ -365,8 +377,11 @@ def _without_vllm_noops(kwargs: dict[str, Any]) -> dict[str, Any]:
                 continue
             flag = f"--no-{flag[2:]}"
         # At a value that asks for nothing (None, 0, "auto", a size of 1): nothing to refuse.
-        elif value in (None, False, 0, "auto") or (value == 1 and name.endswith("_size")):
+        elif value in (None, False, 0, "auto") or (value == 1 and name.endswith("_size")) or (
+                name in VLLM_DEFAULT_VALUES and value == VLLM_DEFAULT_VALUES[name]):
             continue
+        taken = (f" ({name}={VLLM_DEFAULT_VALUES[name]!r}, vLLM's default, is taken)"
+                 if name in VLLM_DEFAULT_VALUES else "")
         raise ValueError(f"{name}={value!r} (a vLLM argument) is not supported: "
-                         f"{VLLM_UNSUPPORTED_FLAGS[flag]}")
+                         f"{VLLM_UNSUPPORTED_FLAGS[flag]}{taken}")
     return rest

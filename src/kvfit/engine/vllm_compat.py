@@ -26,8 +26,10 @@ VLLM_UNSUPPORTED_FLAGS = {
                      "--hf-token"), _LOCAL_ONLY),
     "--tokenizer-mode": "kvfit uses the fast tokenizer (tokenizer.json) of --tokenizer or the "
                         "model folder",
-    **dict.fromkeys(("--cpu-offload-gb", "--swap-space"), "weights and the KV cache stay on "
-                    "the device; lower --max-model-len or --max-num-seqs to fit"),
+    "--cpu-offload-gb": "weights and the KV cache stay on the device; lower --max-model-len "
+                        "or --max-num-seqs to fit",
+    "--swap-space": "kvfit preempts a request by recomputing its KV cache, never by swapping "
+                    "it to CPU memory; lower --max-num-seqs to preempt less",
     **dict.fromkeys(("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser"),
                     _NO_TOOLS),
     **dict.fromkeys(("--ssl-keyfile", "--ssl-certfile"), "serve plain HTTP behind a proxy that "
@@ -40,6 +42,9 @@ VLLM_UNSUPPORTED_FLAGS = {
     "--no-enable-chunked-prefill": "kvfit always chunks long prefills under "
                                    "--max-num-batched-tokens",
 }
+# `LLM(...)` keyword arguments of VLLM_UNSUPPORTED_FLAGS taken at vLLM's default value, which
+# scripts pass explicitly: it asks for nothing kvfit would have to do.
+VLLM_DEFAULT_VALUES = {"swap_space": 4}
 # vLLM flags (without a value) that ask for what kvfit does anyway: taken, with a note.
 VLLM_NOOP_FLAGS = {
     "--trust-remote-code": "kvfit runs its own code for the architectures it knows, never a "
