@@ -831,6 +831,14 @@ def test_models_tokenize_detokenize_version(http: httpx.Client, client: openai.O
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
     text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
     assert text == "Hello world"
+    # vLLM's return_token_strs (refused as an unknown field before): each token's string.
+    assert tokens["token_strs"] is None
+    strs = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+    assert strs.json()["token_strs"] == engine.tokenizer.convert_ids_to_tokens(tokens["tokens"])
+    assert strs.json()["tokens"] == tokens["tokens"]
+    assert len(http.post("/tokenize", json={"messages": MESSAGES, "return_token_strs": True})
+               .json()["token_strs"]) == http.post("/tokenize", json={
+                   "messages": MESSAGES}).json()["count"]
     chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
     r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1)
     assert chat["count"] == r.usage.prompt_tokens

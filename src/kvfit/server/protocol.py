@@ -465,6 +465,8 @@ class TokenizeRequest(_ChatTemplateFields):
     messages: list[ChatMessage] | None = None
     # Unset: on for a prompt, off for messages (as in a completion and a chat completion).
     add_special_tokens: bool = True
+    # vLLM's: the answer's `token_strs` lists each token's vocabulary string too.
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Body):

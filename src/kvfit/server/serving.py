@@ -386,8 +386,11 @@ class OpenAIServing:
             (tokens,) = await self.encode([text], "messages", add_special_tokens=add)
         else:
             (tokens,) = await self.encode([body.prompt], "prompt", body.add_special_tokens)
+        # vLLM's answer has token_strs always, null unless asked for.
+        token_strs = (self.tokenizer().convert_ids_to_tokens(tokens)
+                      if body.return_token_strs else None)
         return {"count": len(tokens), "max_model_len": self.engine.max_model_len,
-                "tokens": tokens}
+                "tokens": tokens, "token_strs": token_strs}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         self.check_model(body.model)
