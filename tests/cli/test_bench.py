@@ -201,6 +201,19 @@ def test_bench_serve_record_keeps_no_api_key(fake_server: Callable, tmp_path: Pa
     assert json.loads(path.read_text())["config"]["api_key"] == "<set>"
 
 
+def test_bench_serve_takes_vllms_ignore_eos_and_openai_backends(
+        fake_server: Callable, capsys: pytest.CaptureFixture[str]) -> None:
+    # vLLM's `bench serve --backend vllm --ignore-eos` was "unrecognized arguments".
+    server = fake_server()
+    for flags in (["--backend", "vllm", "--ignore-eos"], ["--backend", "openai"]):
+        argv = ["bench", "serve", "--base-url", server.url, "--model", "m", "--num-prompts",
+                "1", "--output-len", "2", "--input-len", "3", *flags]
+        assert main(argv) == 0
+        note = "note: --ignore-eos has no effect: ignore_eos is always sent"
+        assert (note in capsys.readouterr().err) == ("--ignore-eos" in flags)
+    assert all(b["ignore_eos"] is True for b in server.bodies)
+
+
 def test_bench_serve_unreachable_server_fails_every_request_without_crashing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -503,6 +516,10 @@ def test_bench_result_file_that_cannot_be_written_fails_before_the_run(
     (["--endpoint", "v1/completions"], "--endpoint must be a path starting with '/'"),
     # vLLM's chat endpoint: every request failed with "messages: Field required".
     (["--endpoint", "/v1/chat/completions"], "a chat route refuses; use a completions path"),
+    # vLLM's other backends speak other protocols (unrecognized arguments before).
+    (["--backend", "tgi"], r"--backend tgi: kvfit's bench serve sends streamed OpenAI "
+     r"completions requests only \(vllm or openai"),
+    (["--backend", "openai-chat"], "pass --backend openai"),
     (["--save-detailed"], "--save-detailed adds to --result-file's record"),
     (["--limits-device", "cuda"], "--limits-device adds to --result-file's record"),
 ])

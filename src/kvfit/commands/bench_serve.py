@@ -62,6 +62,8 @@ _WORDS_TEXT = (
 )
 _WORDS = _WORDS_TEXT.split()
 _DEFAULT_HOST, _DEFAULT_PORT = "127.0.0.1", 8000
+# vLLM's bench serve backends that send streamed OpenAI completions, the requests sent here.
+_BACKENDS = ("vllm", "openai")
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -83,6 +85,10 @@ def add_parser(sub: Subparsers) -> None:
                    help="the completions path (default: %(default)s)")
     s.add_argument("--model", default=None,
                    help="the served model's name (default: the first of /v1/models)")
+    s.add_argument("--backend", default="openai",
+                   help="the protocol spoken: vLLM's vllm and openai backends (streamed OpenAI "
+                   "completions) are the only one kvfit's bench sends; others are refused "
+                   "(default: %(default)s)")
     add_remote_args(s)
     w = p.add_argument_group("workload")
     add_dataset_name_arg(w)
@@ -99,6 +105,8 @@ def add_parser(sub: Subparsers) -> None:
     w.add_argument("--output-len", "--random-output-len", type=int, default=128,
                    help="max_tokens per request; ignore_eos is sent so outputs have this length "
                         "(default: %(default)s)")
+    w.add_argument("--ignore-eos", action="store_true",
+                   help="taken for vLLM's command lines: ignore_eos is always sent")
     w.add_argument("--random-range-ratio", type=float, default=0.0, metavar="R",
                    help="draw each request's input and output length uniformly from "
                         "[len x (1 - R), len x (1 + R)], so requests end at different steps "
@@ -392,6 +400,14 @@ def _check_args(args: argparse.Namespace) -> None:
         # Joined to the server's root as written: http://host:8000v1/completions.
         raise ValueError(f"--endpoint must be a path starting with '/', like /v1/completions; "
                          f"got {args.endpoint!r}")
+    backend = getattr(args, "backend", "openai")
+    if backend not in _BACKENDS:
+        # vLLM's others speak chat, TGI's, TensorRT-LLM's or DeepSpeed-MII's protocols; a
+        # server that also speaks OpenAI completions is measured with --backend openai.
+        raise ValueError(f"--backend {backend}: kvfit's bench serve sends streamed OpenAI "
+                         f"completions requests only ({' or '.join(_BACKENDS)}, as vLLM's "
+                         f"backends of that protocol); for a server that takes them, pass "
+                         f"--backend openai")
     if args.endpoint.rstrip("/").endswith("chat/completions"):
         # vLLM's bench takes it with --backend openai-chat; these requests hold a `prompt`,
         # which a chat route refuses: every request would fail with a 400.
@@ -663,6 +679,9 @@ def _limits(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Run the load, print the table, write `--result-file`; exit 1 if nothing succeeded."""
     _check_args(args)
+    if args.ignore_eos:
+        print("kvfit bench serve: note: --ignore-eos has no effect: ignore_eos is always sent, "
+              "so outputs have --output-len tokens", file=sys.stderr)
     try:
         import aiohttp  # noqa: F401
     except ImportError:
