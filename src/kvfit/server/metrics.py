@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
@@ -145,45 +145,42 @@ class ServerMetrics:
             self.request_success.labels(model_name, reason)
         self.request_failure = Counter("kvfit:request_failure", "Requests answered with an "
                                        "error, by reason.", [*model, "reason"], registry=r)
-        self.ttft = Histogram("kvfit:time_to_first_token_seconds", "Time to the first token.",
-                              model, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("kvfit:inter_token_latency_seconds", "Time between tokens.", model,
-                             buckets=_ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("kvfit:e2e_request_latency_seconds", "Time from arrival to the "
-                             "last token.", model, buckets=_REQUEST_LATENCY_BUCKETS,
-                             registry=r).labels(model_name)
-        self.queue_time = Histogram(
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, model, buckets=buckets, registry=r).labels(model_name)
+
+        tokens = _token_buckets(max_model_len)
+        self.ttft = histogram("kvfit:time_to_first_token_seconds", "Time to the first token.",
+                              _TTFT_BUCKETS)
+        self.itl = histogram("kvfit:inter_token_latency_seconds", "Time between tokens.",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("kvfit:e2e_request_latency_seconds", "Time from arrival to the "
+                             "last token.", _REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram(
             "kvfit:request_queue_time_seconds", "Time each finished request waited in the "
-            "engine's queue before it was first scheduled.", model,
-            buckets=_REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+            "engine's queue before it was first scheduled.", _REQUEST_LATENCY_BUCKETS)
         # vLLM's phases of a request on the engine's clock: first scheduled -> first token
         # (prefill), first token -> finished (decode), first scheduled -> finished (inference).
-        self.prefill_time = Histogram(
+        self.prefill_time = histogram(
             "kvfit:request_prefill_time_seconds", "Time each finished request spent from its "
-            "first scheduling to its first token.", model, buckets=_REQUEST_LATENCY_BUCKETS,
-            registry=r).labels(model_name)
-        self.decode_time = Histogram(
+            "first scheduling to its first token.", _REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram(
             "kvfit:request_decode_time_seconds", "Time each finished request spent from its "
-            "first token to its end.", model, buckets=_REQUEST_LATENCY_BUCKETS,
-            registry=r).labels(model_name)
-        self.inference_time = Histogram(
+            "first token to its end.", _REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram(
             "kvfit:request_inference_time_seconds", "Time each finished request spent from "
-            "its first scheduling to its end.", model, buckets=_REQUEST_LATENCY_BUCKETS,
-            registry=r).labels(model_name)
-        self.request_params_n = Histogram(
+            "its first scheduling to its end.", _REQUEST_LATENCY_BUCKETS)
+        self.request_params_n = histogram(
             "kvfit:request_params_n", "Histogram of the n request parameter (one per request "
-            "once all its completions finished).", model, buckets=_N_BUCKETS,
-            registry=r).labels(model_name)
-        self.request_params_max_tokens = Histogram(
+            "once all its completions finished).", _N_BUCKETS)
+        self.request_params_max_tokens = histogram(
             "kvfit:request_params_max_tokens", "Histogram of the max_tokens request parameter "
-            "(as the engine ran it), one per finished completion.", model,
-            buckets=_token_buckets(max_model_len), registry=r).labels(model_name)
-        self.request_prompt_tokens = Histogram(
-            "kvfit:request_prompt_tokens", "Prompt tokens of each finished request.", model,
-            buckets=_token_buckets(max_model_len), registry=r).labels(model_name)
-        self.request_generation_tokens = Histogram(
+            "(as the engine ran it), one per finished completion.", tokens)
+        self.request_prompt_tokens = histogram(
+            "kvfit:request_prompt_tokens", "Prompt tokens of each finished request.", tokens)
+        self.request_generation_tokens = histogram(
             "kvfit:request_generation_tokens", "Generated tokens of each finished request.",
-            model, buckets=_token_buckets(max_model_len), registry=r).labels(model_name)
+            tokens)
 
     def render(self) -> bytes:
         """The exposition text of every collector."""
