@@ -275,7 +275,7 @@ def engine_loop(args: argparse.Namespace, llm: LLM, prompts: list[Any],
     # As `AsyncLLM.add_request` sends them: text is the API process's (no stop strings here).
     engine_params = dataclasses.replace(params, detokenize=False)
     for i, prompt in enumerate(prompts):
-        loop.submit(("add", f"r{i}", prompt["prompt_token_ids"], None, engine_params))
+        loop.submit(("add", f"r{i}", prompt["prompt_token_ids"], None, engine_params, 0))
     steps = llm.engine.scheduler.num_steps
     start = CLOCK()
     try:
@@ -490,10 +490,8 @@ async def http_pass(args: argparse.Namespace, prompts: list[Any], messages: list
     import json
     import socket
 
-    import uvicorn
-
     from kvfit.engine.config import EngineArgs
-    from kvfit.server.api_servers import uvicorn_config
+    from kvfit.server.api_servers import uvicorn_server
     from kvfit.server.async_llm import AsyncLLM
     from kvfit.server.openai_api import ServeConfig, build_app
 
@@ -512,7 +510,7 @@ async def http_pass(args: argparse.Namespace, prompts: list[Any], messages: list
 
     client.send = send
     app = build_app(engine, ServeConfig(served_model_names=[args.model]))
-    server = uvicorn.Server(uvicorn_config(app, args.uvicorn_log_level))
+    server = uvicorn_server(app, args.uvicorn_log_level)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(len(prompts))

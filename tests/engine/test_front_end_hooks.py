@@ -118,10 +118,10 @@ def test_a_failed_step_reports_what_it_applied_before_it_raised(
         loop._publish(scan=loop._stepped())
 
     penalized = SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.2)
-    loop.submit(("add", "long", [5, 6, 7, 8], None, penalized))
+    loop.submit(("add", "long", [5, 6, 7, 8], None, penalized, 0))
     turn()
     turn()
-    loop.submit(("add", "one", [9, 10, 11], None, SamplingParams(max_tokens=1)))
+    loop.submit(("add", "one", [9, 10, 11], None, SamplingParams(max_tokens=1), 0))
     turn()  # launches the prefill that gives "one" its only token
     monkeypatch.setattr(llm.engine.executor, "launch", lambda batch: 1 / 0)
     turn()  # applies it ("one" finishes), then the launch raises
