@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.sampling_params import SamplingParams, is_int
 
 Prompt = str | dict[str, Any]
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
@@ -102,6 +102,6 @@ def priorities(priority: Any, num_prompts: int) -> list[int]:
 
 def check_priority(value: Any) -> int:
     """One request's priority, an int (lower runs first under scheduling_policy='priority')."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    if not is_int(value):
         raise TypeError(f"priority must be an int; got {describe(value)}")
     return int(value)

@@ -115,7 +115,7 @@ class SamplingParams:
             except (AttributeError, TypeError, ValueError):
                 _check(False, "logit_bias", "must map token ids to numbers", self.logit_bias)
         # vLLM's enum, or its value; anything else would stream as CUMULATIVE, unasked.
-        _check(_is_int(self.output_kind) and self.output_kind in tuple(RequestOutputKind),
+        _check(is_int(self.output_kind) and self.output_kind in tuple(RequestOutputKind),
                "output_kind", "must be a RequestOutputKind", self.output_kind)
         self.output_kind = RequestOutputKind(self.output_kind)
         self._validate()
@@ -129,7 +129,7 @@ class SamplingParams:
         # max_tokens or a bool seed would run with a meaning nobody asked for.
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            _check(value is None and name in _OPTIONAL_FIELDS or _is_int(value), name,
+            _check(value is None and name in _OPTIONAL_FIELDS or is_int(value), name,
                    "must be an integer", value)
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
@@ -137,8 +137,8 @@ class SamplingParams:
                    value)
         for name in ("stop_token_ids", "allowed_token_ids"):
             ids = getattr(self, name) or ()
-            _check(all(_is_int(t) for t in ids), name, "must hold integers", ids)
-        _check(all(_is_int(t) for ids in self.bad_words_token_ids for t in ids),
+            _check(all(is_int(t) for t in ids), name, "must hold integers", ids)
+        _check(all(is_int(t) for ids in self.bad_words_token_ids for t in ids),
                "bad_words_token_ids", "must hold lists of integers", self.bad_words_token_ids)
         # Stop strings are first read by the detokenizer inside a step, where an int or bytes
         # would fail the step and with it every request of the batch.
@@ -185,11 +185,11 @@ class SamplingParams:
         takes a shallow copy) calls this as it queues the request, a few `len`s, so that no
         step can hold more entries than warmup's worst case.
         """
-        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]",
+        _check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]",
                self.n)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or _is_int(value) and value >= -1, name,
+            _check(value is None or is_int(value) and value >= -1, name,
                    "must be >= 0, -1 (the whole vocabulary) or None", value)
         for name in ("logit_bias", "stop_token_ids", "allowed_token_ids", "bad_words",
                      "bad_words_token_ids"):
@@ -250,7 +250,7 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
                  "repetition_penalty")
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     """An integer, numpy's included; not a bool (True is no token id or count)."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
 
