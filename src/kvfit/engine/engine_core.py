@@ -765,7 +765,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         """The scheduler's, block manager's and KV cache's figures now; call it between steps
         (from the thread that steps)."""
-        self._check_not_shut_down("get_metrics()")
+        self._check_not_shut_down("stats() / get_metrics()")
         bm = self.scheduler.block_manager
         rpc = self.executor.collective_rpc
         committed, reserved = rpc("kv_cache_bytes")[0]
