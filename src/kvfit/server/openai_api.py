@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -96,6 +97,13 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     app.add_middleware(_InternalErrors, answer=internal)
     if config.max_request_body_bytes is not None:
         app.add_middleware(BodyLimit, limit=config.max_request_body_bytes)
+    # Outermost (added last): a preflight is answered before the API key is asked for, and
+    # the errors of the layers below (413, 500, 401) carry the headers too, so a browser's
+    # script can read them. A streamed answer's start goes through it (`EventStream`).
+    app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
+                       allow_methods=config.allowed_methods,
+                       allow_headers=config.allowed_headers,
+                       allow_credentials=config.allow_credentials)
     return app
 
 

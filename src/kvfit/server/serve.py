@@ -11,6 +11,7 @@ import contextlib
 import functools
 import gc
 import importlib.util
+import json
 import os
 import socket
 import sys
@@ -56,6 +57,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     server.add_argument("--api-key", default=os.environ.get("KVFIT_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $KVFIT_API_KEY; vLLM's $VLLM_API_KEY is not read)")
+    for flag, what in (("--allowed-origins", "origins (e.g. '[\"http://localhost:3000\"]')"),
+                       ("--allowed-methods", "HTTP methods"),
+                       ("--allowed-headers", "request headers")):
+        server.add_argument(flag, type=json_strings, default=["*"], metavar="JSON_LIST",
+                            help=f"CORS: the {what} browsers may send cross-origin requests "
+                            f"with, as a JSON list, as vLLM takes it (default: '[\"*\"]', any)")
+    server.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: let browsers send cookies and credentials cross-origin")
     server.add_argument("--max-concurrent-requests", type=int, default=1024,
                         help="generation requests in progress at once; more get HTTP 503 "
                         "(0: unbounded; default: %(default)s)")
@@ -146,6 +155,19 @@ def seconds(value: str) -> float:
     if not 0 <= number < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value!r}")
     return number
+
+
+def json_strings(value: str) -> list[str]:
+    """An argparse type: a JSON list of strings (vLLM's CORS flags take them so)."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON list of strings, e.g. '[\"http://localhost:3000\"]', got "
+            f"{value!r}")
+    return parsed
 
 
 def port_number(value: str) -> int:
@@ -437,6 +459,10 @@ def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
         chat_template=chat_template,
         shutdown_timeout=args.shutdown_timeout,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
     )
 
 

@@ -70,6 +70,10 @@ class ServeConfig:
     `--shutdown-timeout` default); new ones get 503 meanwhile.
     `enable_prompt_tokens_details`: the usage carries `prompt_tokens_details.cached_tokens`
     (vLLM's `--enable-prompt-tokens-details`, off by default as there).
+    `allowed_origins`, `allowed_methods`, `allowed_headers`, `allow_credentials`: the CORS
+    policy (vLLM's flags and defaults: every origin, method and header, no credentials); the
+    server answers browsers' preflight requests and puts the headers on every answer, streamed
+    ones included.
     """
 
     served_model_names: list[str]
@@ -83,6 +87,10 @@ class ServeConfig:
     chat_template: str | None = None
     shutdown_timeout: float = 0.0
     enable_prompt_tokens_details: bool = False
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 

@@ -27,11 +27,12 @@ _SERVER_SEND = "kvfit.server_send"
 
 class DirectSendApp(FastAPI):
     """The app, which puts the server's own `send` in each request's scope: a streamed
-    response's events go straight to it, not through a send wrapper per middleware (four:
-    Starlette's error and exception middlewares, `_InternalErrors`, the route's), each an
+    response's events go straight to it, not through a send wrapper per middleware (five:
+    Starlette's error and exception middlewares, CORS, `_InternalErrors`, the route's), each an
     await an event at one event per token per stream. Those wrappers only note that the
-    response started, which its start, sent through them, tells them; a middleware that
-    changed response bodies would have to go without this."""
+    response started, which its start, sent through them, tells them (CORS adds its headers
+    to the start, so streamed answers carry them); a middleware that changed response bodies
+    would have to go without this."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         scope[_SERVER_SEND] = send
