@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import cache
 from pathlib import Path
 
@@ -420,3 +421,59 @@ def test_each_logprobs_mode_gives_vllms_values(logprobs_by_mode: dict[str, list]
         for got, want in zip(outputs[0].prompt_logprobs[1:], raw_prompt[1:], strict=True):
             assert {t: e.logprob for t, e in got.items()} == pytest.approx(
                 {t: e.logprob for t, e in want.items()}, abs=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-6, 1e-3, 0.0099])
+def test_a_temperature_below_a_hundredth_is_raised_to_it_with_a_warning_as_vllm(
+    temperature: float, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # vLLM raises (0, 0.01) to 0.01: smaller ones overflow logits / temperature.
+    with caplog.at_level("WARNING", logger="kvfit.engine.sampling_params"):
+        assert SamplingParams(temperature=temperature).temperature == 0.01
+    assert "temperature" in caplog.text and "0.01" in caplog.text
+
+
+@pytest.mark.parametrize("temperature", [0, 0.0, 0.01, 0.5, 1e6])
+def test_greedy_and_temperatures_from_a_hundredth_are_kept_without_a_warning(
+    temperature: float, caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="kvfit.engine.sampling_params"):
+        assert SamplingParams(temperature=temperature).temperature == temperature
+    assert not caplog.text
+
+
+def test_tiny_and_huge_temperatures_sample_without_nan_beside_filters(qwen3: Path) -> None:
+    """A temperature of 1e-6 samples as 0.01 does (the processed logits it reports are the
+    logits over 0.01, not over 1e-6: 1e4 times larger); 1e6 and either with top-p / min-p /
+    top-k give finite logprobs and no error."""
+    llm = LLM(str(qwen3), device="cpu", num_gpu_blocks_override=32, max_model_len=64,
+              max_num_batched_tokens=64, max_num_seqs=8, logprobs_mode="processed_logits")
+    try:
+        batch = [{"prompt_token_ids": p} for p in prompts(5, 9, 3, seed=11)]
+
+        def run(temperature: float, **filters: float) -> list:
+            params = SamplingParams(temperature=temperature, seed=3, max_tokens=8,
+                                    ignore_eos=True, logprobs=4, **filters)
+            return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
+
+        def logprobs(outs: list) -> list[list[float]]:
+            return [[lp.logprob for step in out.logprobs for lp in step.values()]
+                    for out in outs]
+
+        hundredth = run(0.01)
+        tiny = run(1e-6)
+        assert [o.token_ids for o in tiny] == [o.token_ids for o in hundredth]
+        assert logprobs(tiny) == logprobs(hundredth)
+        for temperature in (1e-30, 1e-6, 1e-3, 1e6):
+            for filters in ({"top_p": 0.5}, {"min_p": 0.5}, {"top_k": 3, "top_p": 0.9,
+                                                            "min_p": 0.1}):
+                outs = run(temperature, **filters)
+                values = [v for row in logprobs(outs) for v in row]
+                assert all(len(o.token_ids) == 8 for o in outs)
+                assert not any(math.isnan(v) for v in values), (temperature, filters)
+                # The sampled tokens' processed logits (a filtered one is -inf, never drawn).
+                sampled = [o.logprobs[i][t].logprob for o in outs
+                           for i, t in enumerate(o.token_ids)]
+                assert all(math.isfinite(v) for v in sampled), (temperature, filters)
+    finally:
+        llm.shutdown()

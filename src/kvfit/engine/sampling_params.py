@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
+
+MIN_TEMPERATURE = 0.01
+"""Temperatures in (0, 0.01) are raised to this, with a warning, as vLLM does (its `_MAX_TEMP`):
+a logit divided by a smaller one overflows, or all but overflows, and sampling at one is the
+argmax's anyway; 0 is greedy."""
 
 MAX_TOKEN_LIST = 1024
 """Most entries of `logit_bias`, of `stop_token_ids`, of `allowed_token_ids` and of `bad_words`
@@ -36,7 +44,8 @@ class RequestOutputKind(IntEnum):
 class SamplingParams:
     """How to sample one request.
 
-    `temperature=0` is greedy. `top_k` of 0 or -1, `top_p=1` and `min_p=0` disable those
+    `temperature=0` is greedy; one in (0, 0.01) is raised to 0.01 with a warning, as vLLM's
+    is (`MIN_TEMPERATURE`). `top_k` of 0 or -1, `top_p=1` and `min_p=0` disable those
     filters, which act on the tempered distribution in vLLM's order: min-p, top-k, then top-p
     over what is left. Penalties act on the logits before them, after `logit_bias` (vLLM's
     order): `repetition_penalty` (> 1 discourages) on every token of the prompt and output,
@@ -119,6 +128,11 @@ class SamplingParams:
                "output_kind", "must be a RequestOutputKind", self.output_kind)
         self.output_kind = RequestOutputKind(self.output_kind)
         self._validate()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("SamplingParams.temperature %s is below %s, where logits / "
+                           "temperature overflow: raised to %s, as vLLM does (0 is greedy)",
+                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         if self.seed == -1:
             # vLLM's (and OpenAI's) "no seed": a client sending -1 for "random" would otherwise
             # get the same completion at every try.
