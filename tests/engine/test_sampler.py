@@ -289,3 +289,23 @@ def test_prompt_logprobs_over_many_row_blocks_match_log_softmax(
         assert set(entry) == {targets[row].item(), *reference[row].topk(3).indices.tolist()}
         for token, value in entry.items():
             assert value.logprob == pytest.approx(reference[row, token].item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1e39, 1e300])
+def test_a_temperature_past_float32s_range_keeps_filters_and_gives_no_nan(
+    temperature: float,
+) -> None:
+    """A finite temperature float32 cannot hold (it became inf): min_p=1 kept every token (inf
+    x ln 1 is NaN) and a filtered token's processed logprob was -inf / inf = NaN. As at 3e38,
+    min_p=1 keeps only the top token, and the processed logprobs are finite or -inf."""
+    logits = random_logits(4, seed=7)
+    ids, _ = sample(logits, seqs_for(*[SamplingParams(temperature=temperature, min_p=1.0)] * 4))
+    assert ids == logits.argmax(dim=-1).tolist()
+    params = [SamplingParams(temperature=temperature, logprobs=VOCAB, **f)
+              for f in ({"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.5}, {})]
+    for mode in ("processed_logprobs", "processed_logits"):
+        ids, dicts = sample(logits, seqs_for(*params), Sampler(seed=1, logprobs_mode=mode))
+        values = torch.tensor([[d[t].logprob for t in range(VOCAB)] for d in dicts])
+        assert not values.isnan().any(), mode
+        assert (values[0] > float("-inf")).sum() == 3  # top-k's three, the rest -inf
+        assert all(values[row, token] > float("-inf") for row, token in enumerate(ids))

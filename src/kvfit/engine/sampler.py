@@ -28,6 +28,7 @@ PROMPT_LOGPROBS_CHUNK = 1024
 # Bytes of float32 logits normalised at once: bounds log-sum-exp's and the rank count's
 # [rows, V] temporaries (26 rows of a 152k vocabulary), small next to one chunk's logits.
 _LOGSUMEXP_BYTES = 16 << 20
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 LogitsProcessor = AllowedTokens | BannedTokens | LogitBias | Penalties
 
@@ -100,8 +101,11 @@ class SamplingMetadata:
         return cls(
             # An all-greedy step takes the argmax: no copy to make (a pinned staging buffer
             # and a host-to-device copy, at every decode step of a greedy batch).
+            # Clamped to float32's largest: a temperature past it (1e39 is a finite float)
+            # would be inf, whose T x ln(min_p) = inf x 0 (NaN) turned min_p=1 off and whose
+            # -inf / T made a filtered token's processed logprob NaN.
             temperature=None if all_greedy else to_device(
-                torch.tensor(temperature, dtype=torch.float32), device),
+                torch.tensor(temperature, dtype=torch.float32).clamp_(max=_FLOAT32_MAX), device),
             all_greedy=all_greedy,
             top_k=tensor(top_k, torch.int32, vocab_size),
             top_p=tensor(top_p, torch.float32, 1.0),
