@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -309,3 +311,23 @@ def test_a_temperature_past_float32s_range_keeps_filters_and_gives_no_nan(
         assert not values.isnan().any(), mode
         assert (values[0] > float("-inf")).sum() == 3  # top-k's three, the rest -inf
         assert all(values[row, token] > float("-inf") for row, token in enumerate(ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bias_and_penalties_on_16_bit_logits_are_computed_in_float32(dtype: torch.dtype) -> None:
+    # +100 on a set of tokens (forcing a choice among labels): stored back in 16 bits the
+    # biased logits step by 0.5 (bf16) and near ones tie, so greedy took the lowest id where
+    # vLLM, which samples in float32, takes the largest.
+    logits = torch.tensor([[1.1, 1.0, 1.05, 1.2, 66.0, 70.0] + [0.0] * (VOCAB - 6)]).to(dtype)
+    biased = SamplingParams(temperature=0, logit_bias={t: 100.0 for t in range(4)}, logprobs=2)
+    ids, logprobs = sample(logits.clone(), seqs_for(biased))
+    assert ids == [int((logits[0, :4].float() + 100).argmax())] == [3]
+    assert all(math.isfinite(e.logprob) for e in logprobs[0].values())
+    # Repetition penalty 1e-3 scales seen positive logits by 1000: 66 and 70 (seen: the
+    # output's 4 and 5) past float16's range, where both were inf and the lower id won.
+    penalized = SamplingParams(temperature=0, repetition_penalty=1e-3, logprobs=2)
+    [seq] = seqs_for(penalized, num_output_tokens=1)
+    seq.token_ids.append(5)
+    ids, logprobs = sample(logits.clone(), [seq])
+    assert ids == [5]
+    assert all(math.isfinite(e.logprob) for e in logprobs[0].values())

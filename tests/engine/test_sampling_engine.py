@@ -477,3 +477,22 @@ def test_tiny_and_huge_temperatures_sample_without_nan_beside_filters(qwen3: Pat
                 assert all(math.isfinite(v) for v in sampled), (temperature, filters)
     finally:
         llm.shutdown()
+
+
+def test_logit_bias_on_a_bf16_model_keeps_the_logits_order_as_vllm(qwen3: Path) -> None:
+    # +100 on every token but the specials (a forced choice among many): in bf16, 100 + x
+    # steps by 0.5, and the biased logits stored back in bf16 tied, so greedy took the lowest
+    # tied id, not the largest logit. vLLM's sampler adds the bias in float32.
+    llm = LLM(str(qwen3), device="cpu", dtype="bfloat16", num_gpu_blocks_override=32,
+              max_model_len=64, max_num_batched_tokens=64, max_num_seqs=2, max_logprobs=-1,
+              logprobs_mode="raw_logits")
+    prompt = {"prompt_token_ids": [5, 17, 99, 200, 33, 7]}
+    [raw] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=-1),
+                         use_tqdm=False)[0].outputs[0].logprobs
+    logits = {t: entry.logprob for t, entry in raw.items()}  # kvfit's own bf16 logits
+    bias = {t: 100.0 for t in range(3, 512)}
+    expected = max(bias, key=lambda t: (logits[t], -t))
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, logit_bias=bias),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [expected]
+    llm.shutdown()

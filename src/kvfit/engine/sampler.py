@@ -185,11 +185,13 @@ class Sampler:
     greedy requests take no temperature or filters), read before the undo;
     "processed_logprobs" their log-softmax. Ranks and top-n are of the values returned.
 
-    Device memory beyond the `[N, V]` logits: the processors' entries (see each), the filter
-    thresholds' O(N) and one `_LOGSUMEXP_BYTES` block of float32 for logprobs (the processed
-    modes: `processed_block`'s float32 block and mask besides); on CUDA with `max_num_seqs`,
-    the greedy argmax's scratch (`kvfit.ops.argmax_scratch`, ~9 KB at 256 rows), allocated
-    here, once. The mode is the engine's, so warmup's sampling step runs it at its largest.
+    Device memory beyond the `[N, V]` logits: a float32 copy of 16-bit logits in a step with
+    logit bias or penalties (vLLM's float32 arithmetic), the processors' entries (see each),
+    the filter thresholds' O(N) and one `_LOGSUMEXP_BYTES` block of float32 for logprobs (the
+    processed modes: `processed_block`'s float32 block and mask besides); on CUDA with
+    `max_num_seqs`, the greedy argmax's scratch (`kvfit.ops.argmax_scratch`, ~9 KB at 256
+    rows), allocated here, once. The mode is the engine's, so warmup's sampling step runs it
+    at its largest.
     """
 
     def __init__(self, device: torch.device | str = "cpu", seed: int = 0,
@@ -202,9 +204,17 @@ class Sampler:
         self.processed = logprobs_mode.startswith("processed")
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample from `logits` `[N, V]` (any float dtype; changed and restored in place) with
-        `meta` built for the same N rows."""
+        """Sample from `logits` `[N, V]` (any float dtype; changed and restored in place, or
+        not touched where a float32 copy is sampled) with `meta` built for the same N rows."""
         logits = logits.contiguous()
+        if logits.element_size() < 4 and any(isinstance(p, LogitBias | Penalties)
+                                             for p in meta.processors):
+            # Bias and penalties are arithmetic, and their results stored back in 16 bits lose
+            # the logits' differences (at 100 + x, bf16 steps by 0.5: `logit_bias` of +100 on
+            # a set of tokens made near ones tie, and greedy took the lowest id). vLLM's sampler
+            # works in float32; so does a step that carries them. Warmup's step carries both,
+            # so this [N, V] float32 copy is measured.
+            logits = logits.float()
         undo = [processor.apply(logits) for processor in meta.processors]
         thresholds = None
         if meta.all_greedy:
