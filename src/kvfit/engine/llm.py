@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any
@@ -43,6 +44,12 @@ class LLM:
     A batch is validated as a whole before any request is queued: one bad request raises a
     `ValueError` naming it and the setting to change, and nothing runs, so no other request is
     disturbed (vLLM raises at add time too).
+
+    Thread-safe: calls from several threads take turns between engine steps, so `generate`
+    calls on two threads share steps, and `sleep`, `resize_kv_cache`, `reset_prefix_cache`,
+    `load_weights` or `shutdown` from another thread act between two steps of a running
+    `generate` as they would between two calls (its requests finish first, are aborted or
+    preempted as each call says; after `shutdown` it raises).
     """
 
     def __init__(
@@ -94,6 +101,12 @@ class LLM:
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.engine = EngineCore(self.config, self.tokenizer)
         self._request_counts = RequestCounts()
+        # Held around every engine call, a step at a time: the engine is not thread-safe (two
+        # threads stepping it corrupt its batches; a shutdown or sleep under a running step
+        # unmaps the memory it reads, a segfault). Reentrant: `chat` calls `generate`, and a
+        # front end's loop calls `sleep` from the thread that steps.
+        self._lock = threading.RLock()
+        self._num_runs = 0  # `_run` calls in progress, on any thread
 
     @property
     def kv_cache_report(self) -> KVCacheReport:
@@ -112,7 +125,8 @@ class LLM:
     def shutdown(self) -> None:
         """Free the model and the KV cache now rather than at garbage collection (to start
         another engine in the same process)."""
-        self.engine.shutdown()
+        with self._lock:
+            self.engine.shutdown()
 
     # -- sleep mode (needs enable_sleep_mode=True) ---------------------------------------------
 
@@ -127,7 +141,8 @@ class LLM:
         by kind (`SleepReport`, summed over the tensor-parallel ranks). Generating while
         asleep raises `RuntimeError`.
         """
-        return self.engine.sleep(level, mode)
+        with self._lock:
+            return self.engine.sleep(level, mode)
 
     def wake_up(self, tags: list[str] | None = None, reload_weights: bool = True) -> None:
         """Restore what `tags` names (`"weights"`, `"kv_cache"`; None: everything asleep), each
@@ -139,7 +154,8 @@ class LLM:
         generating, which refuses to run until it has. Raises `RuntimeError` when a tag is not
         asleep, `KVCacheResizeError` when not even one max_model_len sequence's KV cache fits
         (it stays asleep: free memory and call it again)."""
-        self.engine.wake_up(tags, reload_weights)
+        with self._lock:
+            self.engine.wake_up(tags, reload_weights)
 
     @property
     def is_sleeping(self) -> bool:
@@ -155,7 +171,8 @@ class LLM:
         reloaded from disk. Graphs stay valid; the prefix cache is invalidated."""
         if isinstance(weights, Mapping):
             weights = weights.items()
-        self.engine.load_weights(weights)
+        with self._lock:
+            self.engine.load_weights(weights)
 
     update_weights = load_weights
 
@@ -166,15 +183,16 @@ class LLM:
         the same addresses (captured graphs stay valid); returns what changed.
 
         A shrink evicts the tail's prefix-cache entries, then preempts the sequences holding
-        tail blocks: they are recomputed later, no output changes. Call it between
-        `generate` calls or from the thread that steps (`AsyncLLM.resize_kv_cache` runs it on
-        the engine thread). Raises `ValueError` below one `max_model_len` sequence or above
+        tail blocks: they are recomputed later, no output changes. From another thread while a
+        `generate` runs, it acts between two of its steps (`AsyncLLM.resize_kv_cache` runs it
+        on the engine thread). Raises `ValueError` below one `max_model_len` sequence or above
         the capacity reserved at startup or the memory budget, `KVCacheResizeError` when a
         grow finds no memory (the cache stays as it was) or while a failed resize left the
         cache released (until the engine backs it again by itself). With `elastic_kv_cache` the
         governor may change the size again later.
         """
-        return self.engine.resize_kv_cache(num_blocks)
+        with self._lock:
+            return self.engine.resize_kv_cache(num_blocks)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False,
                            reset_connector: bool = False) -> bool:
@@ -189,7 +207,8 @@ class LLM:
                              "(kv_connector_path's files, the kv_offloading_size host tier) "
                              "keeps its blocks here; leave reset_connector False (remove the "
                              "store's files, or restart the engine for the host tier)")
-        return self.engine.reset_prefix_cache(reset_running_requests)
+        with self._lock:
+            return self.engine.reset_prefix_cache(reset_running_requests)
 
     def get_metrics(self) -> list[Metric]:
         """The engine's figures now, vLLM's `get_metrics()` loosely: a list of `Metric`
@@ -197,8 +216,9 @@ class LLM:
         server exposes at `/metrics` (see `kvfit.engine.metrics`), and the request counters
         of this object's `generate` and `chat` calls (prompt and generated tokens, completions
         by finish reason; the server's latency histograms have no offline counterpart)."""
-        return [*engine_metrics(self.engine.stats(), self.kv_cache_report),
-                *self._request_counts.metrics()]
+        with self._lock:
+            return [*engine_metrics(self.engine.stats(), self.kv_cache_report),
+                    *self._request_counts.metrics()]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no `sampling_params`: the sampling fields
@@ -300,15 +320,20 @@ class LLM:
         return self.input_processor.make_request(prompt, params, request_id, priority)
 
     def _run(self, requests: list[list[Sequence]], use_tqdm: UseTqdm) -> list[RequestOutput]:
-        self.engine.check_can_run()
-        try:
-            for seq in itertools.chain.from_iterable(requests):
-                self.engine.add_request(seq)
-        except ValueError:
-            for seqs in requests:
-                self.engine.abort_request(seqs[0].request_id)
-            raise
-        total, bar = sum(map(len, requests)), None
+        with self._lock:
+            self.engine.check_can_run()
+            try:
+                for seq in itertools.chain.from_iterable(requests):
+                    self.engine.add_request(seq)
+            except ValueError:
+                for seqs in requests:
+                    self.engine.abort_request(seqs[0].request_id)
+                raise
+            self._num_runs += 1
+        # This call's sequences not yet returned finished by a step (by anyone's: another
+        # thread's `generate` steps them too).
+        own = {id(seq) for seq in itertools.chain.from_iterable(requests)}
+        total, bar, stepping = len(own), None, False
         try:
             if callable(use_tqdm):  # vLLM's: the caller's tqdm class or factory makes the bar
                 bar = use_tqdm(total=total, desc="Generating")
@@ -316,20 +341,36 @@ class LLM:
                 # None: no bar where stderr is not a terminal (a log file gets no line per
                 # update).
                 bar = tqdm(total=total, desc="Generating", disable=None if use_tqdm else True)
-            while self.engine.has_unfinished():
-                bar.update(len(self.engine.step()))
+            while True:
+                with self._lock:  # a step at a time: other threads' calls go in between
+                    # Until this call's sequences finished; the last call running also drains
+                    # the engine (the step in flight), as one call alone always has.
+                    if not self.engine.has_unfinished() or not (own or self._num_runs == 1):
+                        break
+                    stepping = True
+                    done = [seq for seq in self.engine.step() if id(seq) in own]
+                    stepping = False
+                own.difference_update(map(id, done))
+                bar.update(len(done))
         except BaseException:
             # Interrupted (Ctrl-C) or failed: drop this call's requests, or they would keep
-            # their KV blocks and run to their end inside the next call.
-            self.engine.fail_step()
-            for seqs in requests:
-                self.engine.abort_request(seqs[0].request_id)
-            self._request_counts.count(requests)
+            # their KV blocks and run to their end inside the next call. A step that raised
+            # left its batch's state unknown: every request it held goes (`fail_step`); else
+            # the requests of other threads' calls run on.
+            with self._lock:
+                if stepping or self._num_runs == 1:
+                    self.engine.fail_step()
+                for seqs in requests:
+                    self.engine.abort_request(seqs[0].request_id)
+                self._request_counts.count(requests)
             raise
         finally:
+            with self._lock:
+                self._num_runs -= 1
             if bar is not None:
                 bar.close()
-        self._request_counts.count(requests)
+        with self._lock:
+            self._request_counts.count(requests)
         return [RequestOutput.from_seqs(seqs) for seqs in requests]
 
 
