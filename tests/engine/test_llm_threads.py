@@ -152,4 +152,20 @@ def test_a_generate_interrupted_between_steps_leaves_another_threads_requests_ru
         outputs(llm, use_tqdm=lambda **kw: FailingBar(stepped, **kw))
     thread.join(120)
     assert result["out"] == reference
+def test_a_request_aborted_with_a_step_in_flight_ends_with_no_placeholder(llm,
+                                                                        reference) -> None:
+    core = llm.engine
+    seqs = [llm.make_request(p, GREEDY, f"in-flight-{i}")[0] for i, p in enumerate(PROMPTS)]
+    for seq in seqs:
+        core.add_request(seq)
+    for _ in range(4):  # prefill, then decodes: each step leaves the next one in flight
+        core.step()
+    assert any(seq.has_pending_token for seq in seqs)
+    for seq in seqs:
+        core.abort_request(seq.request_id)
+    while core.has_unfinished():
+        core.step()
+    for seq, ref in zip(seqs, reference, strict=True):
+        out = seq.output_token_ids
+        assert seq.finish_reason == "abort" and out and out == ref[:len(out)], (out, ref)
     _no_leak(llm)

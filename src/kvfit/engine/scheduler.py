@@ -273,6 +273,8 @@ class Scheduler:
                    if seq.request_id == request_id]
         for seq in aborted:
             (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
+            if seq.has_pending_token:  # the step in flight samples it, and `update` skips it:
+                seq.token_ids.pop()  # the output would end with the placeholder
             seq.finish_reason = "abort"
             self._finish(seq)
         return aborted
