@@ -169,6 +169,40 @@ def test_a_request_sent_while_a_sleep_drains_is_refused_at_once(
         in_engine(engine, engine_hooks.clear)
 
 
+def test_a_wake_sent_while_a_sleep_drains_runs_after_it(http: httpx.Client,
+                                                        engine: AsyncLLM) -> None:
+    """The engine takes commands in order, as vLLM's does: a wake sent while a sleep (mode
+    wait) still drains is not refused as "not asleep" (the engine would then fall asleep
+    after the caller had asked it to wake) but runs once the sleep is done; so is a second
+    sleep refused naming the route, not in the engine's words."""
+    before = _text(http)
+    in_engine(engine, engine_hooks.slow, "slow", 0.02)  # 100 steps: seconds of drain
+    try:
+        worker, results = _start_a_long_request(http)
+        slept: list[httpx.Response] = []
+        sleeper = threading.Thread(target=lambda: slept.append(http.post("/sleep")))
+        sleeper.start()
+        deadline = time.monotonic() + 30
+        while http.post("/v1/completions", json={**COMPLETION, "max_tokens": 1}
+                        ).status_code == 200:  # sent before the sleep was
+            assert time.monotonic() < deadline, "the sleep never reached the front end"
+        draining = worker.is_alive()
+        again = http.post("/sleep")
+        woke = http.post("/wake_up")  # answered once the sleep, then the wake, ran
+        sleeper.join(timeout=60)
+        worker.join(timeout=60)
+        assert draining, "the drain ended before the wake was sent"
+        assert slept[0].status_code == 200, slept[0].text
+        assert woke.status_code == 200, woke.text
+        assert woke.json() == {"is_sleeping": False}
+        assert again.status_code == 400 and "POST /wake_up" in again.json()["error"]["message"]
+        assert results[0].json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        in_engine(engine, engine_hooks.clear)
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert _text(http) == before
+
+
 def test_the_routes_need_sleep_mode_and_the_development_flag(
         monkeypatch: pytest.MonkeyPatch, start_server: Callable[..., ServerThread],
         model_path: Path) -> None:

@@ -412,6 +412,12 @@ class AsyncLLM:
         message; read from any thread)."""
         return self._is_sleeping
 
+    @property
+    def is_going_to_sleep(self) -> bool:
+        """Whether a `sleep` was sent and not answered yet (it may be draining requests): the
+        engine takes commands in order, so a `wake_up` sent now runs after it."""
+        return self._sleeps_underway > 0
+
     def add_dead_callback(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback(error)` (from an engine thread) if the engine stops other than by
         `shutdown`: a server exits on it. Called at once (here) if it has stopped already:

@@ -525,7 +525,8 @@ class OpenAIServing:
 
     async def sleep(self, level: int = 1, mode: str = "wait") -> dict[str, Any]:
         """Release the KV cache and weights (`LLM.sleep`); what went and what stays."""
-        if self.engine.is_sleeping:  # the engine's own error names LLM calls, not routes
+        # The engine's own error names LLM calls, not routes; a sleep still draining counts.
+        if self.engine.is_sleeping or self.engine.is_going_to_sleep:
             raise APIError("the engine is asleep already: POST /wake_up first")
         try:
             report = await self.engine.sleep(level, mode)
@@ -539,7 +540,9 @@ class OpenAIServing:
                       ) -> dict[str, Any]:
         """Restore `tags` (`weights`, `kv_cache`; none: everything asleep): 503 when the
         device has no memory for them (they stay asleep: retry once it has)."""
-        if not self.engine.is_sleeping:  # not the tags' fault: nothing is asleep
+        # Not the tags' fault: nothing is asleep. A sleep still draining is: the engine takes
+        # this wake after it (refused here, the engine would end up asleep), as vLLM orders them.
+        if not (self.engine.is_sleeping or self.engine.is_going_to_sleep):
             raise APIError("the engine is not asleep: POST /sleep first")
         try:
             await self.engine.wake_up(tags)
