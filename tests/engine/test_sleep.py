@@ -289,6 +289,28 @@ def test_a_fixed_size_kv_cache_is_kept_and_reported(qwen3, reference) -> None:
         fixed.shutdown()
 
 
+def test_vllms_wake_order_weights_then_kv_cache_runs_on_a_kept_cache(qwen3, reference) -> None:
+    """vLLM's RLHF pattern wakes the weights, then the KV cache: with a fixed-size cache (an
+    override, or a device without VMM) the weights' wake leaves nothing asleep, and the KV
+    cache's wake that follows is the kept cache's no-op, not "not asleep"."""
+    fixed = LLM(str(qwen3), **{**SETTINGS, "num_gpu_blocks_override": 64})
+    try:
+        for level in (1, 2):
+            fixed.sleep(level=level)
+            fixed.wake_up(tags=["weights"])
+            assert not fixed.is_sleeping
+            fixed.wake_up(tags=["kv_cache"])
+            assert not fixed.is_sleeping and outputs(fixed) == reference
+            with pytest.raises(RuntimeError, match="not asleep"):
+                fixed.wake_up(tags=["kv_cache"])  # once per sleep
+        fixed.sleep(level=1)
+        fixed.wake_up()
+        with pytest.raises(RuntimeError, match="not asleep"):
+            fixed.wake_up(tags=["kv_cache"])  # everything was woken
+    finally:
+        fixed.shutdown()
+
+
 def test_a_wake_short_of_memory_backs_a_smaller_cache_and_one_at_none_stays_asleep(
     qwen3, monkeypatch
 ) -> None:

@@ -495,12 +495,18 @@ class EngineCore:
         part asleep. A KV cache the sleep kept (a fixed size) wakes as a no-op.
         """
         self._check_not_shut_down("wake_up()")
+        wake_all = tags is None
         if self._kv_cache_kept and tags is not None:
             tags = [tags] if isinstance(tags, str) else list(tags)
-            if "kv_cache" in tags and self.is_sleeping:
+            if "kv_cache" in tags:
                 logger.info("wake_up(tags=%s): the KV cache was kept through the sleep (a "
                             "fixed size): nothing to wake there", tags)
                 tags = [t for t in tags if t != "kv_cache"]
+                # Once per sleep, before the weights or after them (vLLM's order: the
+                # engine is then awake already, and the kept cache's wake is still a no-op).
+                self._kv_cache_kept = False
+                if not tags and not self.is_sleeping:
+                    return
         tags = resolve_tags(tags, self._sleep_state)
         by_resize = self._kv_released_by_resize  # a failed wake leaves the cause as it was
         try:
@@ -521,7 +527,7 @@ class EngineCore:
         finally:
             self._refresh_sleep_state()
             self._kv_released_by_resize = by_resize and self._sleep_state.kv_cache_asleep
-            self._kv_cache_kept = self._kv_cache_kept and self.is_sleeping
+            self._kv_cache_kept &= not wake_all  # until its tag is named (above)
         if self._sleep_state.missing_weights and not self._sleep_state.weights_asleep:
             logger.warning("weights woken without contents: %d not loaded; generating refuses "
                            "to run until LLM.load_weights() fills them",
