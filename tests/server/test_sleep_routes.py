@@ -17,6 +17,7 @@ import pytest
 from kvfit.engine.config import EngineArgs
 from kvfit.server import serve
 from kvfit.server.async_llm import AsyncLLM
+from kvfit.server.openai_api import ServeConfig, build_app
 
 from .conftest import MODEL_NAME, ServerThread, engine_kwargs, in_engine
 
@@ -216,6 +217,32 @@ def test_the_routes_need_sleep_mode_and_the_development_flag(
     assert serve.sleep_endpoints(args)
     args.enable_sleep_mode = False
     assert not serve.sleep_endpoints(args)
+
+
+def test_vllms_wake_order_runs_on_a_kept_kv_cache(model_path: Path) -> None:
+    """vLLM's RLHF order over HTTP, the weights then the KV cache, on a fixed-size cache (an
+    override, or a device without VMM), which the sleep keeps: the weights' wake leaves
+    nothing asleep, and the KV cache's that follows is its no-op, not a 400."""
+    engine = AsyncLLM(EngineArgs(**{**engine_kwargs(model_path), "enable_sleep_mode": True}),
+                      engine_process=False)
+    server = ServerThread(build_app(engine, ServeConfig(served_model_names=[MODEL_NAME],
+                                                        enable_sleep_endpoints=True)))
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as fixed:
+            before = _text(fixed)
+            slept = fixed.post("/sleep").json()
+            assert slept["kept"]["kv_cache"] > 0 and "kv_cache" not in slept["released"]
+            woke = fixed.post("/wake_up", params={"tags": "weights"})
+            assert woke.json() == {"is_sleeping": False}, woke.text
+            woke = fixed.post("/wake_up", params={"tags": "kv_cache"})
+            assert woke.status_code == 200 and woke.json() == {"is_sleeping": False}, woke.text
+            assert _text(fixed) == before
+            again = fixed.post("/wake_up", params={"tags": "kv_cache"})  # once per sleep
+            assert again.status_code == 400
+            assert again.json()["error"]["message"] == "the engine is not asleep: POST /sleep first"
+    finally:
+        server.stop()
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("what", ["weights", "kv_cache"])

@@ -542,13 +542,18 @@ class OpenAIServing:
         device has no memory for them (they stay asleep: retry once it has)."""
         # Not the tags' fault: nothing is asleep. A sleep still draining is: the engine takes
         # this wake after it (refused here, the engine would end up asleep), as vLLM orders them.
-        if not (self.engine.is_sleeping or self.engine.is_going_to_sleep):
-            raise APIError("the engine is not asleep: POST /sleep first")
+        # Named tags go to the engine awake too: a KV cache the sleep kept (a fixed size) wakes
+        # as a no-op after the weights (vLLM's order), which left nothing asleep.
+        not_asleep = APIError("the engine is not asleep: POST /sleep first")
+        if not (self.engine.is_sleeping or self.engine.is_going_to_sleep or tags):
+            raise not_asleep
         try:
             await self.engine.wake_up(tags)
         except (KVCacheResizeError, WakeUpOutOfMemoryError) as e:
             raise APIError(str(e), status_code=503, type="service_unavailable") from None
         except (ValueError, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and not self.engine.is_sleeping:
+                raise not_asleep from None  # the engine's own words name LLM calls
             raise APIError(str(e), param="tags") from None
         return {"is_sleeping": self.engine.is_sleeping}
 
