@@ -607,3 +607,19 @@ def test_prompt_tokens_details_reports_the_cached_prompt_tokens(
     assert "prompt_tokens_details" not in usage["usage"]
     r = http.post("/v1/chat/completions", json={"messages": messages, **stream})
     assert "prompt_tokens_details" not in _final_usage(r)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}),
+    ("/tokenize", {"prompt": "Hi"}),
+    ("/detokenize", {"tokens": [1, 2]}),
+])
+def test_an_empty_model_name_asks_for_the_served_model(http: httpx.Client, path: str,
+                                                        body: dict) -> None:
+    """As vLLM takes it: clients and UIs with the model left blank send `"model": ""` (it
+    was a 404, "the model '' does not exist")."""
+    r = http.post(path, json={**body, "model": ""})
+    assert r.status_code == 200, r.text
+    if path.startswith("/v1"):
+        assert r.json()["model"] == MODEL_NAME

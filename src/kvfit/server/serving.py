@@ -171,7 +171,9 @@ class OpenAIServing:
         return self.engine.config.model_config.sampling_defaults
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.config.served_model_names:
+        # No name, or an empty one, asks for the served model, as vLLM takes it: clients and
+        # UIs that leave the model blank send `"model": ""`.
+        if name and name not in self.config.served_model_names:
             # 404, as OpenAI and vLLM answer (the openai client raises NotFoundError).
             raise APIError(f"the model {name!r} does not exist; this server serves "
                            f"{', '.join(self.config.served_model_names)}", status_code=404,
