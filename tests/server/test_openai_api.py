@@ -940,6 +940,8 @@ def test_a_stopped_engine_answers_503(model_path: Path) -> None:
     try:
         with httpx.Client(base_url=server.url) as http:
             assert http.get("/health").status_code == 503
+            # vLLM's /ping answers as /health (a load balancer probing it routes elsewhere).
+            assert http.get("/ping").status_code == http.post("/ping").status_code == 503
             r = http.post("/v1/completions", json={"prompt": "x"})
             assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
             assert http.get("/metrics").status_code == 200

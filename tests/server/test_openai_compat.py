@@ -623,3 +623,14 @@ def test_an_empty_model_name_asks_for_the_served_model(http: httpx.Client, path:
     assert r.status_code == 200, r.text
     if path.startswith("/v1"):
         assert r.json()["model"] == MODEL_NAME
+
+
+def test_ping_answers_as_health_without_a_key(start_server: Any) -> None:
+    """vLLM's /ping (SageMaker's health check, by GET or POST) was a 404: a load balancer or
+    SageMaker probing it took a healthy server for a dead one."""
+    server = start_server(api_key="sekret")
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for method in ("GET", "POST"):
+            r = http.request(method, "/ping")
+            assert r.status_code == 200 and r.content == b"", r.text
+        assert http.get("/version").status_code == 401  # the key is still needed elsewhere

@@ -76,6 +76,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         return error(APIError(f"internal error: {e}", 500, "internal_server_error"))
 
     app.get("/health")(serving.health)
+    # vLLM's /ping (SageMaker's health check, by GET or POST): /health's answer, no key needed.
+    app.api_route("/ping", methods=["GET", "POST"])(serving.health)
     api = APIRouter(dependencies=[Depends(serving.check_api_key)])
     api.get("/version")(serving.version)
     api.get("/metrics")(serving.metrics_route)

@@ -38,7 +38,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (a Hugging Face folder or a built-in name) over HTTP: "
         "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
-        "/health, /metrics, /version; with KVFIT_SERVER_DEV_MODE=1 also /kv_cache, "
+        "/health, /ping, /metrics, /version; with KVFIT_SERVER_DEV_MODE=1 also /kv_cache, "
         "/kv_cache/resize and /reset_prefix_cache, and /sleep, /wake_up, /is_sleeping "
         "where --enable-sleep-mode is given too.")
     parser.add_argument("model_tag", nargs="?", metavar="MODEL",
@@ -56,7 +56,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "is the one reported")
     server.add_argument("--api-key", default=os.environ.get("KVFIT_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: $KVFIT_API_KEY; vLLM's $VLLM_API_KEY is not read)")
+                        "and /ping (default: $KVFIT_API_KEY; vLLM's $VLLM_API_KEY is not read)")
     for flag, what in (("--allowed-origins", "origins (e.g. '[\"http://localhost:3000\"]')"),
                        ("--allowed-methods", "HTTP methods"),
                        ("--allowed-headers", "request headers")):

@@ -54,7 +54,7 @@ class ServeConfig:
     """Server settings (the engine's are `EngineArgs`).
 
     `served_model_names`: the names clients may ask for (the first is reported); `api_key`:
-    when set, every route but `/health` needs `Authorization: Bearer <key>`;
+    when set, every route but `/health` and `/ping` needs `Authorization: Bearer <key>`;
     `max_concurrent_requests`: generation requests in progress at once, beyond which new ones
     get 503 (None: unbounded). `max_request_body_bytes`: larger request bodies get 413 before
     they are read whole (None: unbounded). `enable_sleep_endpoints`: serve `/sleep`, `/wake_up` and
@@ -154,7 +154,7 @@ class OpenAIServing:
     # -- checks ------------------------------------------------------------------------------
 
     async def check_api_key(self, request: Request) -> None:
-        """The dependency of every route but /health when the server has an API key."""
+        """The dependency of every route but /health and /ping when the server has an API key."""
         if self.config.api_key is None:
             return
         # The scheme is case-insensitive (RFC 9110); the key is compared in constant time, so
