@@ -634,3 +634,25 @@ def test_ping_answers_as_health_without_a_key(start_server: Any) -> None:
             r = http.request(method, "/ping")
             assert r.status_code == 200 and r.content == b"", r.text
         assert http.get("/version").status_code == 401  # the key is still needed elsewhere
+
+
+@pytest.mark.parametrize("path", ["/health", "/ping", "/version", "/v1/models", "/metrics"])
+def test_head_on_a_get_route_answers_as_get_does(http: httpx.Client, path: str) -> None:
+    """HTTP asks every GET resource to take HEAD (RFC 9110 9.1): it was a 405, so a monitor
+    probing /health with HEAD took the server for broken."""
+    r = http.head(path)
+    assert r.status_code == 200 and r.content == b""
+    assert r.headers.get("content-type") == http.get(path).headers.get("content-type")
+
+
+@pytest.mark.parametrize(("method", "path", "allow"), [
+    ("DELETE", "/v1/completions", {"POST"}), ("GET", "/v1/chat/completions", {"POST"}),
+    ("POST", "/health", {"GET", "HEAD"}), ("PUT", "/ping", {"GET", "HEAD", "POST"}),
+])
+def test_a_405_names_the_allowed_methods(http: httpx.Client, method: str, path: str,
+                                         allow: set[str]) -> None:
+    """HTTP requires an Allow header on a 405; the server's error body had replaced the one
+    the router gave with none."""
+    r = http.request(method, path)
+    assert r.status_code == 405 and r.json()["error"]["message"].startswith(f"{method} {path}")
+    assert set(r.headers["allow"].split(", ")) == allow

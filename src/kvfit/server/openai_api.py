@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -37,9 +37,9 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
     app.state.serving = serving  # the server stops its requests (`api_servers.uvicorn_server`)
 
-    def error(e: APIError) -> JSONResponse:
+    def error(e: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
         metrics.failure(e.status_code)
-        return JSONResponse(e.body(), status_code=e.status_code)
+        return JSONResponse(e.body(), status_code=e.status_code, headers=headers)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -66,31 +66,39 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             # No route matched: say which there are (an OpenAI client calling
             # /v1/embeddings or /v1/responses learns this server does not serve them).
             routes = [f"{method} {route.path}" for route in (*app.routes, *api.routes)
-                      if isinstance(route, APIRoute) for method in sorted(route.methods)]
+                      if isinstance(route, APIRoute)
+                      for method in sorted(route.methods - {"HEAD"})]
             message = (f"{request.method} {request.url.path} is not served here; this server "
                        f"serves {', '.join(routes)}")
-        return error(APIError(message, status_code=e.status_code, type=kind))
+        # A 405's `Allow` (the route's methods), which HTTP requires of one.
+        return error(APIError(message, status_code=e.status_code, type=kind), e.headers)
 
     def internal(e: Exception) -> JSONResponse:
         logger.exception("request failed", exc_info=e)
         return error(APIError(f"internal error: {e}", 500, "internal_server_error"))
 
-    app.get("/health")(serving.health)
+    def get(router: FastAPI | APIRouter, path: str, route: Callable[..., Any],
+            *methods: str) -> None:
+        # HEAD too, as HTTP asks of every GET resource (RFC 9110 9.1): a monitor probing
+        # /health with HEAD gets GET's status and headers (no body), not a 405.
+        router.api_route(path, methods=["GET", "HEAD", *methods])(route)
+
+    get(app, "/health", serving.health)
     # vLLM's /ping (SageMaker's health check, by GET or POST): /health's answer, no key needed.
-    app.api_route("/ping", methods=["GET", "POST"])(serving.health)
+    get(app, "/ping", serving.health, "POST")
     api = APIRouter(dependencies=[Depends(serving.check_api_key)])
-    api.get("/version")(serving.version)
-    api.get("/metrics")(serving.metrics_route)
-    api.get("/v1/models")(serving.models)
-    api.get("/v1/models/{name:path}")(serving.model)
+    get(api, "/version", serving.version)
+    get(api, "/metrics", serving.metrics_route)
+    get(api, "/v1/models", serving.models)
+    get(api, "/v1/models/{name:path}", serving.model)
     api.post("/tokenize")(serving.tokenize)
     api.post("/detokenize")(serving.detokenize)
     if config.enable_sleep_endpoints:
         api.post("/sleep")(serving.sleep)
         api.post("/wake_up")(serving.wake_up)
-        api.get("/is_sleeping")(serving.is_sleeping)
+        get(api, "/is_sleeping", serving.is_sleeping)
     if config.enable_kv_cache_endpoints:
-        api.get("/kv_cache")(serving.kv_cache)
+        get(api, "/kv_cache", serving.kv_cache)
         api.post("/kv_cache/resize")(serving.resize_kv_cache)
         api.post("/reset_prefix_cache")(serving.reset_prefix_cache)
     api.post("/v1/completions")(serving.completions)
