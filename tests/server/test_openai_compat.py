@@ -656,3 +656,30 @@ def test_a_405_names_the_allowed_methods(http: httpx.Client, method: str, path: 
     r = http.request(method, path)
     assert r.status_code == 405 and r.json()["error"]["message"].startswith(f"{method} {path}")
     assert set(r.headers["allow"].split(", ")) == allow
+
+
+def test_invocations_serves_chat_and_completions_as_vllm(client: openai.OpenAI,
+                                                         http: httpx.Client) -> None:
+    """SageMaker's inference route, beside /ping (it was a 404): as vLLM routes it, a body
+    with messages is a chat completion, any other a completion; a bad body is the 400 the
+    route's own would get."""
+    chat = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    r = http.post("/invocations", json=chat)
+    assert r.status_code == 200, r.text
+    ref = client.chat.completions.create(model=MODEL_NAME, **chat)
+    assert r.json()["object"] == "chat.completion"
+    assert r.json()["choices"][0]["message"]["content"] == ref.choices[0].message.content
+    completion = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
+    r = http.post("/invocations", json={**completion, "stream": True})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                   if line.startswith("data: {"))
+    assert text == client.completions.create(model=MODEL_NAME, **completion).choices[0].text
+    for body, param in (({"max_tokens": 2}, "prompt"), ({"messages": [], "n": 1}, "messages"),
+                        ({"prompt": "x", "top_kk": 1}, "top_kk")):
+        r = http.post("/invocations", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    for content in (b"{", b"[1]", b"\xff"):
+        r = http.post("/invocations", content=content,
+                      headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "error" in r.json(), r.text

@@ -103,6 +103,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         api.post("/reset_prefix_cache")(serving.reset_prefix_cache)
     api.post("/v1/completions")(serving.completions)
     api.post("/v1/chat/completions")(serving.chat_completions)
+    api.post("/invocations")(serving.invocations)  # SageMaker's, beside /ping
     app.include_router(api)
     app.add_middleware(_InternalErrors, answer=internal)
     if config.max_request_body_bytes is not None:
@@ -144,7 +145,8 @@ def _validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
                        "rather than ignoring them)")
         elif not loc and errors[0].get("type") == "missing":
             message = "the request body is empty: send a JSON object"
-        elif not loc and errors[0].get("type") in ("model_attributes_type", "dict_type"):
+        elif not loc and errors[0].get("type") in ("model_attributes_type", "dict_type",
+                                                   "model_type"):
             # No JSON object: often a body sent without `Content-Type: application/json`.
             message = ("the request body must be a JSON object, sent with "
                        "'Content-Type: application/json'")

@@ -38,9 +38,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (a Hugging Face folder or a built-in name) over HTTP: "
         "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
-        "/health, /ping, /metrics, /version; with KVFIT_SERVER_DEV_MODE=1 also /kv_cache, "
-        "/kv_cache/resize and /reset_prefix_cache, and /sleep, /wake_up, /is_sleeping "
-        "where --enable-sleep-mode is given too.")
+        "/health, /ping, /invocations, /metrics, /version; with "
+        "KVFIT_SERVER_DEV_MODE=1 also /kv_cache, /kv_cache/resize and /reset_prefix_cache, "
+        "and /sleep, /wake_up, /is_sleeping where --enable-sleep-mode is given too.")
     parser.add_argument("model_tag", nargs="?", metavar="MODEL",
                         help=f"model folder or built-in name (the same as --model; default: "
                         f"{DEFAULT_MODEL})")

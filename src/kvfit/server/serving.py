@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 import kvfit
 from kvfit.engine.kv_resize import KVCacheResizeError
@@ -522,6 +524,23 @@ class OpenAIServing:
         if body.prompt_logprobs is not None:  # vLLM's place for them: beside the choices
             answer["prompt_logprobs"] = prompt_logprobs(engine, out, body.prompt_logprobs)
         return answer
+
+    async def invocations(self, request: Request) -> Any:
+        """SageMaker's inference route, as vLLM serves it: a body with `messages` is a chat
+        completion, any other a completion (whose errors then name what it lacks)."""
+        try:
+            body = await request.json()
+        except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deep
+            raise APIError(f"the request body is not valid JSON ({e})") from None
+        chat = isinstance(body, dict) and "messages" in body
+        kind = ChatCompletionRequest if chat else CompletionRequest
+        try:
+            parsed = kind.model_validate(body)
+        except ValidationError as e:  # answered as the other routes answer a bad body
+            raise RequestValidationError(e.errors(include_url=False)) from None
+        if chat:
+            return await self.chat_completions(parsed, request)
+        return await self.completions(parsed, request)
 
     # -- development routes (`enable_sleep_endpoints`, `enable_kv_cache_endpoints`) ----------
 
