@@ -683,3 +683,32 @@ def test_invocations_serves_chat_and_completions_as_vllm(client: openai.OpenAI,
         r = http.post("/invocations", content=content,
                       headers={"content-type": "application/json"})
         assert r.status_code == 400 and "error" in r.json(), r.text
+
+
+def test_long_token_lists_are_decoded_off_the_event_loop(
+        http: httpx.Client, engine: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/detokenize (and /tokenize's token_strs) of many ids ran on the event loop: a million
+    ids held it most of a second, every stream and /health waiting. Now on the tokenizer's
+    thread, as long prompts are encoded; a short list stays inline (a thread costs more)."""
+    threads: list[str] = []
+    for name in ("decode", "convert_ids_to_tokens"):
+        method = getattr(engine.tokenizer, name)
+
+        def recording(*args: Any, method: Any = method, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            return method(*args, **kwargs)
+
+        monkeypatch.setattr(engine.tokenizer, name, recording)
+    ids = engine.tokenizer.encode("hello world " * 5000)
+    assert len(ids) > 8192
+    r = http.post("/detokenize", json={"tokens": ids})
+    assert r.status_code == 200 and r.json()["prompt"] == "hello world " * 5000
+    r = http.post("/tokenize", json={"prompt": "hello world " * 5000, "return_token_strs": True})
+    assert r.status_code == 200 and len(r.json()["token_strs"]) == len(ids)
+    assert len(threads) == 2 and all(t.startswith("kvfit-tokenize") for t in threads), threads
+    threads.clear()
+    assert http.post("/detokenize", json={"tokens": ids[:8]}).status_code == 200
+    assert len(threads) == 1 and not threads[0].startswith("kvfit-tokenize"), threads
+    # An id out of range is still a 400 naming the field, from the thread too.
+    r = http.post("/detokenize", json={"tokens": [*ids, 10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"

@@ -9,7 +9,7 @@ import hmac
 import inspect
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
@@ -49,6 +49,8 @@ from kvfit.server.streaming import EventStream, completion_events, stream_chat
 T = TypeVar("T")
 # Characters of a request's texts tokenized on the event loop (a few ms); more go to a thread.
 _INLINE_TOKENIZE_CHARS = 1 << 14
+# Token ids decoded (or looked up) on the event loop, a few ms; more go to the same thread.
+_INLINE_DETOKENIZE_TOKENS = 1 << 12
 
 
 @dataclass
@@ -254,6 +256,21 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(
             self.tokenize_pool, self.encode_now, texts, param, add_special_tokens)
 
+    async def token_work(self, num_tokens: int, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)`, tokenizer work over `num_tokens` token ids: on the tokenizer's
+        thread when they are many, as `encode` does (a million ids decode in most of a second,
+        which on the event loop would stall every stream and /health)."""
+        if num_tokens <= _INLINE_DETOKENIZE_TOKENS:
+            return work(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work,
+                                                                 *args)
+
+    def decode_now(self, tokens: list[int]) -> str:
+        vocab = len(self.tokenizer())
+        if any(not 0 <= t < vocab for t in tokens):
+            raise APIError(f"tokens must be ids in [0, {vocab})", param="tokens")
+        return self.tokenizer().decode(tokens)
+
     def render_chat_now(self, messages: list[ChatMessage], flags: dict[str, Any]) -> str:
         dicts = [m.template_dict() for m in messages]
         # OpenAI's `developer` role is its `system` role renamed. A template that never names
@@ -399,17 +416,16 @@ class OpenAIServing:
         else:
             (tokens,) = await self.encode([body.prompt], "prompt", body.add_special_tokens)
         # vLLM's answer has token_strs always, null unless asked for.
-        token_strs = (self.tokenizer().convert_ids_to_tokens(tokens)
+        token_strs = (await self.token_work(len(tokens),
+                                            self.tokenizer().convert_ids_to_tokens, tokens)
                       if body.return_token_strs else None)
         return {"count": len(tokens), "max_model_len": self.engine.max_model_len,
                 "tokens": tokens, "token_strs": token_strs}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         self.check_model(body.model)
-        vocab = len(self.tokenizer())
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(f"tokens must be ids in [0, {vocab})", param="tokens")
-        return {"prompt": self.tokenizer().decode(body.tokens)}
+        return {"prompt": await self.token_work(len(body.tokens), self.decode_now,
+                                                body.tokens)}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         engine = self.engine
