@@ -712,3 +712,60 @@ def test_long_token_lists_are_decoded_off_the_event_loop(
     # An id out of range is still a 400 naming the field, from the thread too.
     r = http.post("/detokenize", json={"tokens": [*ids, 10**6]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+def _chunks(r: httpx.Response) -> list[dict]:
+    assert r.status_code == 200, r.text
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"n": 2, "prompt": ["Hi there", "Once upon"]}, {"prompt": [5, 6]},
+    {"echo": True, "logprobs": 1},
+])
+def test_return_token_ids_gives_the_prompt_and_completion_ids(
+        http: httpx.Client, engine: AsyncLLM, extra: dict) -> None:
+    """vLLM's return_token_ids (RL and evaluation clients send it) was a 400, "unknown field":
+    each choice carries its prompt's ids and its own, streamed as vLLM streams them (the
+    prompt's once, in a choice's first chunk; each chunk's new ids)."""
+    body = {"prompt": "Hi there", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
+    given = body["prompt"]
+    prompts = ([given] if isinstance(given, str) or isinstance(given[0], int) else given)
+    prompts = [p if isinstance(p, list) else engine.tokenizer.encode(p) for p in prompts]
+    n = body.get("n", 1)
+    whole = http.post("/v1/completions", json=body).json()
+    assert len(whole["choices"]) == len(prompts) * n
+    for choice in whole["choices"]:
+        assert choice["prompt_token_ids"] == prompts[choice["index"] // n]
+        assert len(choice["token_ids"]) == 6
+    streamed: dict[int, list[int]] = {}
+    for chunk in _chunks(http.post("/v1/completions", json={**body, "stream": True})):
+        for choice in chunk["choices"]:
+            i = choice["index"]
+            assert ("prompt_token_ids" in choice) == (i not in streamed), chunk
+            if i not in streamed:
+                assert choice["prompt_token_ids"] == prompts[i // n]
+            streamed.setdefault(i, []).extend(choice["token_ids"])
+    assert streamed == {c["index"]: c["token_ids"] for c in whole["choices"]}
+    plain = http.post("/v1/completions", json={**body, "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0]
+
+
+def test_return_token_ids_in_a_chat(http: httpx.Client) -> None:
+    """vLLM's shape: the prompt's ids beside the choices (streamed: with the role chunk), each
+    choice's ids in it (streamed: each chunk's new ones)."""
+    body = {"messages": MESSAGES, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "n": 2, "return_token_ids": True}
+    prompt = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    whole = http.post("/v1/chat/completions", json=body).json()
+    assert whole["prompt_token_ids"] == prompt
+    assert [len(c["token_ids"]) for c in whole["choices"]] == [5, 5]
+    chunks = _chunks(http.post("/v1/chat/completions", json={**body, "stream": True}))
+    assert chunks[0]["prompt_token_ids"] == prompt
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in chunks[1:]:
+        for choice in chunk["choices"]:
+            streamed[choice["index"]].extend(choice["token_ids"])
+    assert streamed == {c["index"]: c["token_ids"] for c in whole["choices"]}

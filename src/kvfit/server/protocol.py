@@ -167,6 +167,9 @@ class _SamplingFields(_Body):
     # vLLM's: logprobs give each token as `token_id:N` (a token that is part of a character
     # has no text of its own to tell it by).
     return_tokens_as_token_ids: bool = False
+    # vLLM's: the answer carries the prompt's token ids and each completion's (streamed: the
+    # prompt's once, in a choice's first chunk, and each chunk's new ids).
+    return_token_ids: bool = False
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -484,6 +484,9 @@ class OpenAIServing:
                                                    as_ids=body.return_tokens_as_token_ids)
                 choice = {"index": i * body.n + c.index, "text": text, "logprobs": logprobs,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if body.return_token_ids:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                    choice["token_ids"] = list(c.token_ids)
                 if body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs(engine, out,
                                                                 body.prompt_logprobs)
@@ -517,7 +520,8 @@ class OpenAIServing:
                 return EventStream(stream_chat(streams[0], body, ids, created, self.model_name,
                                                engine, num_logprobs, self.stream_error,
                                                len(token_ids),
-                                               self.config.enable_prompt_tokens_details),
+                                               self.config.enable_prompt_tokens_details,
+                                               token_ids if body.return_token_ids else None),
                                    admission.release)
             except BaseException:
                 admission.release()
@@ -532,11 +536,14 @@ class OpenAIServing:
                                  else {"content": chat_logprobs(
                                      engine, c, 0, num_logprobs,
                                      body.return_tokens_as_token_ids)}),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    **({"token_ids": list(c.token_ids)} if body.return_token_ids else {})}
                    for c in out.outputs]
         answer = {"id": ids, "object": "chat.completion", "created": created,
                   "model": self.model_name, "choices": choices,
                   "usage": usage_of([out], self.config.enable_prompt_tokens_details)}
+        if body.return_token_ids:  # vLLM's place for them: beside the choices
+            answer["prompt_token_ids"] = list(out.prompt_token_ids)
         if body.prompt_logprobs is not None:  # vLLM's place for them: beside the choices
             answer["prompt_logprobs"] = prompt_logprobs(engine, out, body.prompt_logprobs)
         return answer

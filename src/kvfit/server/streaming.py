@@ -144,7 +144,7 @@ async def stream_completion(streams: list[AsyncIterator[RequestOutput]],
     extra = {"usage": None} if body.include_usage else {}
     # Read once: the loop runs for every token of every stream.
     num_logprobs, n, continuous_usage = body.logprobs, body.n, body.continuous_usage
-    as_ids = body.return_tokens_as_token_ids
+    as_ids, return_ids = body.return_tokens_as_token_ids, body.return_token_ids
     # One prompt (the common request) is read directly: a pass-through generator between
     # the stream and this one would cost every token two more generator switches.
     single = len(streams) == 1
@@ -162,7 +162,8 @@ async def stream_completion(streams: list[AsyncIterator[RequestOutput]],
                                        and c.finish_reason is None):
                         continue
                     text = c.text[chars:]
-                    first_echo = echo is not None and key not in sent
+                    first = key not in sent
+                    first_echo = echo is not None and first
                     if first_echo:
                         text = echo[i] + text
                     logprobs = None
@@ -178,9 +179,13 @@ async def stream_completion(streams: list[AsyncIterator[RequestOutput]],
                     sent[key] = (len(c.text), len(c.token_ids))
                     if c.finish_reason is not None:
                         done.add(key)
-                    choices.append({"index": i * n + c.index, "text": text,
-                                    "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason})
+                    choice = {"index": i * n + c.index, "text": text, "logprobs": logprobs,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    if return_ids:  # as vLLM: the prompt's ids in a choice's first chunk
+                        if first:
+                            choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                        choice["token_ids"] = list(c.token_ids[tokens:])
+                    choices.append(choice)
                 if choices:
                     if continuous_usage:
                         extra = {"usage": usage_of(list(outputs.values()))}
@@ -200,7 +205,7 @@ def completion_events(streams: list[AsyncIterator[RequestOutput]], body: Complet
     """A streamed completion's events: `stream_plain_completion` for the common request,
     else `stream_completion`."""
     if len(streams) == 1 and body.n == 1 and body.logprobs is None and echo is None and (
-            not body.continuous_usage):
+            not body.continuous_usage and not body.return_token_ids):
         return stream_plain_completion(streams[0], body, ids, created, model, engine_error,
                                        prompt_details)
     return stream_completion(streams, body, ids, created, model, engine, echo, engine_error,
@@ -213,10 +218,10 @@ async def stream_plain_completion(stream: AsyncIterator[RequestOutput],
                                    prompt_details: bool = False
                                    ) -> AsyncIterator[dict[str, Any] | bytes]:
     """`stream_completion` of the common request (one prompt, one completion, no logprobs,
-    no echo, no usage in every chunk), its events' lines the same bytes, built from parts
-    encoded once: the request's fields and those of a chunk that does not end it. A chunk is
-    then its text's JSON and two joins, not three dicts, a list and their encoding, at one
-    chunk per token per stream."""
+    no echo, no usage in every chunk, no token ids), its events' lines the same bytes, built
+    from parts encoded once: the request's fields and those of a chunk that does not end it.
+    A chunk is then its text's JSON and two joins, not three dicts, a list and their
+    encoding, at one chunk per token per stream."""
     base = {"id": ids, "object": "text_completion", "created": created, "model": model}
     usage_field = b',"usage":null' if body.include_usage else b""
     # orjson writes keys in insertion order, without spaces: the parts of the dict below.
@@ -254,15 +259,19 @@ async def stream_plain_completion(stream: AsyncIterator[RequestOutput],
 async def stream_chat(stream: AsyncIterator[RequestOutput], body: ChatCompletionRequest,
                        ids: str, created: int, model: str, engine: AsyncLLM,
                        num_logprobs: int | None, engine_error: Callable[[Exception], APIError],
-                       num_prompt_tokens: int, prompt_details: bool = False
+                       num_prompt_tokens: int, prompt_details: bool = False,
+                       prompt_token_ids: list[int] | None = None
                        ) -> AsyncIterator[dict[str, Any]]:
     """A streamed chat completion's chunks: the assistant role for every choice first, then
     each choice's new text (and logprobs), an engine error ending the stream as an error
-    event."""
+    event. `prompt_token_ids` (vLLM's return_token_ids): sent with the role, and each
+    chunk's new token ids with its text."""
     base = {"id": ids, "object": "chat.completion.chunk", "created": created, "model": model}
     extra = {"usage": None} if body.include_usage else {}
     # With continuous usage every chunk carries it, the role chunk too (nothing generated yet).
     first = {"usage": usage(num_prompt_tokens, 0)} if body.continuous_usage else extra
+    if prompt_token_ids is not None:
+        first = {**first, "prompt_token_ids": prompt_token_ids}
     yield {**base, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}
                                for j in range(body.n)], **first}
@@ -281,9 +290,12 @@ async def stream_chat(stream: AsyncIterator[RequestOutput], body: ChatCompletion
                     if num_logprobs is not None:
                         logprobs = {"content": chat_logprobs(engine, c, tokens, num_logprobs,
                                                          body.return_tokens_as_token_ids)}
-                    choices.append({"index": c.index, "delta": {"content": c.text[chars:]},
-                                    "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason})
+                    choice = {"index": c.index, "delta": {"content": c.text[chars:]},
+                              "logprobs": logprobs, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}
+                    if prompt_token_ids is not None:
+                        choice["token_ids"] = list(c.token_ids[tokens:])
+                    choices.append(choice)
                     sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
                 if choices:
                     if body.continuous_usage:
