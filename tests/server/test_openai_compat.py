@@ -489,6 +489,15 @@ def test_vllm_fields_at_values_that_ask_for_nothing_are_taken(http: httpx.Client
     body = {"messages": MESSAGES, "max_tokens": 2, "priority": 0, "use_beam_search": False,
             "echo": False, "guided_json": None, "cache_salt": None}
     assert http.post("/v1/chat/completions", json=body).status_code == 200
+    # vLLM's defaults of length_penalty and include_reasoning (a client dumping every field
+    # of vLLM's request sends them) were refused as beam search and reasoning asked for.
+    for extra in ({"length_penalty": 1.0}, {"length_penalty": 1}, {"include_reasoning": True}):
+        r = http.post("/v1/chat/completions", json={**body, **extra})
+        assert r.status_code == 200, r.text
+    for extra in ({"length_penalty": 0.5}, {"length_penalty": True},
+                  {"include_reasoning": False}, {"include_reasoning": 1}, {"echo": 0}):
+        r = http.post("/v1/chat/completions", json={**body, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra))
     r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "priority": 0,
                                            "guided_regex": None})
     assert r.status_code == 200, r.text

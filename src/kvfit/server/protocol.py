@@ -83,7 +83,8 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 }
 """Fields of vLLM's and OpenAI's request bodies that a route does not take, each with why: the
 400 naming one says so, where an unknown field's reads as a misspelling."""
-_NO_OP_VALUES: dict[str, Any] = {"use_beam_search": False, "echo": False}
+_NO_OP_VALUES: dict[str, Any] = {"use_beam_search": False, "echo": False,
+                                 "length_penalty": 1.0, "include_reasoning": True}
 """`UNSUPPORTED_FIELDS` at the value that asks for nothing (vLLM's default): taken, as `null`
 for any of them is, so that a client sending vLLM's defaults is served."""
 
@@ -118,8 +119,10 @@ def _asks_nothing(key: str, value: Any) -> bool:
     nothing (see `_NO_OP_VALUES`)."""
     if key not in UNSUPPORTED_FIELDS:
         return False
-    return value is None or (key in _NO_OP_VALUES and value == _NO_OP_VALUES[key]
-                             and type(value) is type(_NO_OP_VALUES[key]))
+    default = _NO_OP_VALUES.get(key)
+    # A number as JSON gives it (1 for 1.0), but no bool for a number nor a number for one.
+    return value is None or (key in _NO_OP_VALUES and value == default
+                             and isinstance(value, bool) == isinstance(default, bool))
 
 
 class StreamOptions(_Body):
