@@ -778,3 +778,26 @@ def test_return_token_ids_in_a_chat(http: httpx.Client) -> None:
         for choice in chunk["choices"]:
             streamed[choice["index"]].extend(choice["token_ids"])
     assert streamed == {c["index"]: c["token_ids"] for c in whole["choices"]}
+
+
+def test_responses_text_parts_and_refusals_are_text(http: httpx.Client) -> None:
+    """vLLM takes the Responses API's input_text and output_text parts in a chat, and an
+    assistant's refusal part as its words: each was a 400 saying the model "takes text
+    only"."""
+    def rendered(messages: list[dict]) -> list[int]:
+        r = http.post("/tokenize", json={"messages": messages})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    plain = [{"role": "user", "content": "Describe\nthis"},
+             {"role": "assistant", "content": "I can't"}, {"role": "user", "content": "Why"}]
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "Describe"},
+                                          {"type": "text", "text": "this"}]},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't"}]},
+             {"role": "user", "content": [{"type": "output_text", "text": "Why"}]}]
+    assert rendered(parts) == rendered(plain)
+    r = http.post("/v1/chat/completions", json={"messages": parts, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    for bad in ({"type": "refusal", "text": "x"}, {"type": "input_text", "refusal": "x"}):
+        r = http.post("/tokenize", json={"messages": [{"role": "user", "content": [bad]}]})
+        assert r.status_code == 400 and "takes its words as" in r.json()["error"]["message"]

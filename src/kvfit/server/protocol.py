@@ -298,9 +298,23 @@ class CompletionRequest(_SamplingFields):
             raise APIError("best_of other than n is not supported", param="best_of")
 
 
+# Parts whose `text` is text: OpenAI's chat's, and its Responses API's two, which vLLM takes in
+# a chat too (clients moving between the two APIs send them).
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
 class ContentPart(_Body):
-    type: Literal["text"]
-    text: str
+    """A part of a message's text: one of `_TEXT_PARTS`, or an assistant's `refusal` (OpenAI's
+    API replays it in a conversation), whose words are its text, as vLLM renders it."""
+
+    type: Literal["text", "input_text", "output_text", "refusal"]
+    # The one its type names (`ChatMessage` checks): `refusal` for a refusal, else `text`.
+    text: str | None = None
+    refusal: str | None = None
+
+    @property
+    def words(self) -> str:
+        return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
 class _ChatTemplateFields(_Body):
@@ -347,14 +361,22 @@ class ChatMessage(BaseModel):
     @classmethod
     def _text_parts_only(cls, content: Any) -> Any:
         """A part of another kind (image_url, input_audio, file, ...) is named as such rather
-        than reported as a mismatch with every type `content` could have."""
+        than reported as a mismatch with every type `content` could have, as is a part
+        without the words its type names (`text`, or a refusal's `refusal`)."""
         for i, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
+            if isinstance(kind, str) and kind not in (*_TEXT_PARTS, "refusal"):
                 raise PydanticCustomError(
                     "content_part_unsupported",
                     "part {index} is of type '{kind}': this server's model takes text only; "
                     "send a string or parts of type 'text'", {"index": i, "kind": kind})
+            words, other = ("refusal", "text") if kind == "refusal" else ("text", "refusal")
+            if isinstance(kind, str) and (not isinstance(part.get(words), str)
+                                          or part.get(other) is not None):
+                raise PydanticCustomError(
+                    "content_part_words", "part {index} is of type '{kind}': it takes its "
+                    "words as a string '{words}' (and no '{other}')",
+                    {"index": i, "kind": kind, "words": words, "other": other})
         return content
 
     @field_validator("tool_calls")
@@ -393,7 +415,7 @@ class ChatMessage(BaseModel):
         not run together into one word)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            message["content"] = "\n".join(part.text for part in self.content)
+            message["content"] = "\n".join(part.words for part in self.content)
         message.setdefault("content", "")
         return message
 

@@ -650,7 +650,7 @@ def _chat_message_size(message: ChatMessage) -> int:
     """About how many characters `message` adds to a rendered chat: its text and a header."""
     content = message.content
     if isinstance(content, list):
-        return 64 + sum(len(part.text) for part in content)
+        return 64 + sum(len(part.words) for part in content)
     return 64 + len(content or "")
 
 
