@@ -470,6 +470,8 @@ def test_tool_call_arguments_reach_the_template_as_an_object(
     ("/v1/completions", "max_completion_tokens", 4, "takes max_tokens"),
     ("/v1/completions", "response_format", {"type": "json_object"}, "chat completions field"),
     ("/v1/chat/completions", "cache_salt", "s3cret", "salt"),
+    # vLLM's completions field: it was "unknown field", as if misspelt.
+    ("/v1/completions", "prompt_embeds", "AAAA", "prompt embeddings"),
 ])
 def test_a_vllm_or_openai_field_not_taken_is_refused_with_why(
         http: httpx.Client, path: str, field: str, value: Any, why: str) -> None:

@@ -68,6 +68,8 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
                      "--trust-request-chat-template): start the server with --chat-template",
     "request_id": "not supported: the server names each request itself",
     **dict.fromkeys(("mm_processor_kwargs", "media_io_kwargs", "audio"), _TEXT_ONLY),
+    "prompt_embeds": "prompt embeddings are not supported by this server: send the prompt as "
+                     "text or token ids",
     "logits_processors": "custom logits processors are not supported by this server",
     "vllm_xargs": "not supported: this server has no request extensions to pass them to",
     **dict.fromkeys(("include_reasoning", "reasoning_effort"), _NO_REASONING),
