@@ -204,6 +204,34 @@ def test_bad_files_are_skipped_with_a_warning_and_recomputed(
         read_block(conn.path(key), conn.format, key, out)
 
 
+def test_the_store_works_across_processes_with_the_multiprocess_executor(
+        qwen3, tmp_path, reference) -> None:
+    # The worker side runs in the worker's process: each step's loads and saves must cross
+    # the pipe with it, and a load the worker could not do (KVLoadError) must come back as
+    # itself, to be recomputed, not fail the step.
+    store = tmp_path / "store"
+    llm = connected(qwen3, store, distributed_executor_backend="mp")
+    try:
+        assert outputs(llm) == reference
+    finally:
+        llm.shutdown()
+    assert len(list(store.glob("*.safetensors"))) >= sum(FULL_PREFIX_BLOCKS)
+    llm = connected(qwen3, store, distributed_executor_backend="mp")
+    try:
+        hits = sum(FULL_PREFIX_BLOCKS) * BLOCK_SIZE
+        assert outputs(llm) == reference  # a fresh cache: only the loads give these blocks
+        assert llm.engine.stats().kv_connector_hit_tokens == hits
+        conn = llm.engine.scheduler.kv_connector
+        for p in PROMPTS:  # each prompt's 2nd block: its first one loads, the rest recompute
+            key = conn.keys_for(p["prompt_token_ids"])[1]
+            _damage("corrupt", conn.path(key), key, conn.format)
+        assert llm.reset_prefix_cache()
+        assert outputs(llm) == reference
+        assert llm.engine.stats().kv_connector_hit_tokens == hits + len(PROMPTS) * BLOCK_SIZE
+    finally:
+        llm.shutdown()
+
+
 def test_load_weights_turns_the_connector_off(second, qwen3) -> None:
     from safetensors.torch import load_file
 

@@ -76,6 +76,11 @@ class KVLoadError(RuntimeError):
         self.first_lost_token = first_lost_token
         self.bad_keys = bad_keys
 
+    def __reduce__(self) -> tuple[type[KVLoadError], tuple[dict[int, int], set[str]]]:
+        # Rebuilt from its fields where it crosses a pipe (the multiprocess executor's worker
+        # raises it), not from the message its args hold: the engine reads the fields.
+        return type(self), (self.first_lost_token, self.bad_keys)
+
 
 def checked_caches(kv_caches: list[torch.Tensor], shape: tuple[int, ...],
                    dtype: torch.dtype) -> list[torch.Tensor]:

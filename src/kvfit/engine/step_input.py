@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvfit.connectors import KVConnectorMetadata
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import PENDING_TOKEN, ScheduledBatch, Sequence
 
@@ -35,7 +36,8 @@ class StepInput:
     mirror's from there: a token sent while pending is sent again once known), and its block
     ids from `block_starts` on (0: the whole table, after a preemption freed it). `new`: the
     sequences the workers have not seen; `num_prompt_logprobs`: entries recorded so far of
-    those that ask; `finished`: sequences to drop from the mirrors."""
+    those that ask; `finished`: sequences to drop from the mirrors; `kv_connector_meta`: the
+    KV connector's loads and saves for the worker side, which runs in the worker's process."""
 
     seq_ids: list[int]
     num_new_tokens: list[int]
@@ -47,6 +49,7 @@ class StepInput:
     new: dict[int, NewSequence]
     num_prompt_logprobs: dict[int, int]
     finished: list[int]
+    kv_connector_meta: KVConnectorMetadata | None = None
 
 
 class StepEncoder:
@@ -57,7 +60,8 @@ class StepEncoder:
         self._sent: dict[int, tuple[Sequence, int, list[int], int]] = {}
 
     def encode(self, batch: ScheduledBatch) -> StepInput:
-        step = StepInput([], list(batch.num_new_tokens), [], [], [], [], [], {}, {}, [])
+        step = StepInput([], list(batch.num_new_tokens), [], [], [], [], [], {}, {}, [],
+                         batch.kv_connector_meta)
         sent = self._sent
         for seq in batch.seqs:
             sid, tokens, table = seq.seq_id, seq.token_ids, seq.block_table
@@ -115,4 +119,4 @@ class StepDecoder:
             seqs.append(seq)
         for sid, n in step.num_prompt_logprobs.items():
             mirrors[sid].prompt_logprobs = [None] * n  # the runner reads only how many
-        return ScheduledBatch(seqs, step.num_new_tokens)
+        return ScheduledBatch(seqs, step.num_new_tokens, kv_connector_meta=step.kv_connector_meta)
