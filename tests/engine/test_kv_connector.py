@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import shutil
+import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -230,6 +233,21 @@ def test_the_store_works_across_processes_with_the_multiprocess_executor(
         assert llm.engine.stats().kv_connector_hit_tokens == hits + len(PROMPTS) * BLOCK_SIZE
     finally:
         llm.shutdown()
+
+
+def test_shutdown_ends_the_io_threads_and_frees_the_staging_buffer(qwen3, tmp_path) -> None:
+    def io_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("kvfit-kv-store")]
+
+    before = io_threads()
+    llm = connected(qwen3, tmp_path / "store")
+    outputs(llm)  # saves: the staging buffer and the I/O threads exist
+    staging = weakref.ref(connector(llm)._staging)
+    assert len(io_threads()) > len(before)
+    llm.shutdown()
+    gc.collect()
+    assert staging() is None
+    assert io_threads() == before
 
 
 def test_load_weights_turns_the_connector_off(second, qwen3) -> None:

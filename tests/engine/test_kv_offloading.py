@@ -6,6 +6,8 @@ tier follows them; the settings' errors name the setting."""
 from __future__ import annotations
 
 import argparse
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,18 @@ def test_resizes_keep_the_caches_chunks_and_the_tier_follows_them(
     offloading.reset_prefix_cache()
     assert outputs(offloading) == reference
     assert worker_side.stats.loaded_blocks == FULL_PREFIX_BLOCKS
+
+
+def test_shutdown_frees_the_host_pool(qwen3) -> None:
+    # LLM.shutdown() is how another engine starts in the same process: the pool's
+    # kv_offloading_size of (pinned) host memory must go with it, not with the LLM object.
+    llm = LLM(str(qwen3), kv_offloading_size=0.01, **SETTINGS)
+    _, worker_side = tier(llm)
+    pieces = [weakref.ref(piece) for piece in worker_side._pieces]
+    assert pieces
+    llm.shutdown()
+    gc.collect()
+    assert all(piece() is None for piece in pieces)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -177,6 +177,12 @@ class KVConnector(ABC):
     def unregister_kv_caches(self) -> None:
         """Let go of the registered memory (before sleep releases the pages)."""
 
+    def close(self) -> None:
+        """Let go of the registered memory and free what the worker side allocated (host
+        buffers, threads): the engine shut down, and another may start in this process and
+        need that memory. Idempotent."""
+        self.unregister_kv_caches()
+
     @abstractmethod
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         """Load `meta.loads` into the registered cache before the step's forward reads them;

@@ -248,6 +248,10 @@ class HostConnector(KVConnector):
         self._save_events.clear()
         self._caches = None
 
+    def close(self) -> None:
+        self.unregister_kv_caches()  # waits for the saves still reading the cache
+        self._pieces, self._stream = [], None  # the pool: kv_offloading_size of host memory
+
     def start_load_kv(self, meta: HostConnectorMetadata) -> None:
         caches = registered(self._caches)
         wait = meta.wait_save_id

@@ -175,6 +175,12 @@ class SharedStorageConnector(KVConnector):
     def unregister_kv_caches(self) -> None:
         self._caches = None
 
+    def close(self) -> None:
+        self._caches = self._staging = None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
     @property
     def registered_caches(self) -> list[torch.Tensor] | None:
         """The registered per-segment caches (None while unregistered)."""

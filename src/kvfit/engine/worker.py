@@ -567,9 +567,10 @@ class Worker:
         return output
 
     def shutdown(self) -> None:
-        """Release the model, graphs and KV cache, and return cached device memory."""
+        """Release the model, graphs and KV cache, the KV connector's host memory and threads,
+        and return cached device memory."""
         if self.kv_connector is not None:
-            self.kv_connector.unregister_kv_caches()
+            self.kv_connector.close()
         if self.runner is not None:
             self.runner.shutdown()
             self.runner = None
