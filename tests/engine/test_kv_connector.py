@@ -250,6 +250,78 @@ def test_shutdown_ends_the_io_threads_and_frees_the_staging_buffer(qwen3, tmp_pa
     assert io_threads() == before
 
 
+def test_loads_that_fail_while_a_step_is_in_flight_recompute_under_preemption_and_aborts(
+        qwen3, store) -> None:
+    # A cache of 10 blocks for up to 4 sequences of 7-8 blocks each, in chunks of 16 tokens:
+    # sequences are preempted and come back, and store hits load while the step before
+    # (other sequences' decodes) is in flight. Of each prompt's blocks, the 2nd file is
+    # corrupt and the 3rd is deleted between the hit and its load: those launches raise
+    # KVLoadError and are scheduled again. Greedy outputs must be the connector-less ones,
+    # and every block and per-sequence entry must be given back.
+    params = dataclasses.replace(GREEDY, max_tokens=40)  # decodes that need more blocks
+    llm = LLM(str(qwen3), **SETTINGS)
+    try:
+        reference = [o.outputs[0].token_ids
+                     for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    llm = connected(qwen3, store, num_gpu_blocks_override=10, max_model_len=128,
+                    max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        engine, conn = llm.engine, connector(llm)
+        scheduler = engine.scheduler
+        for p in PROMPTS:
+            key = conn.keys_for(p["prompt_token_ids"])[1]
+            _damage("corrupt", conn.path(key), key, conn.format)
+        deleted = {conn.keys_for(p["prompt_token_ids"])[2] for p in PROMPTS}
+        load = conn.start_load_kv
+
+        def load_after_deleting(meta) -> None:
+            for t in meta.loads:
+                if t.key in deleted:
+                    conn.path(t.key).unlink(missing_ok=True)
+            load(meta)
+
+        conn.start_load_kv = load_after_deleting
+        recomputes_in_flight = []
+        recompute = scheduler.recompute_lost_blocks
+
+        def recording(error) -> None:
+            recomputes_in_flight.append(engine._in_flight is not None)
+            recompute(error)
+
+        scheduler.recompute_lost_blocks = recording
+        requests = [(i, llm.make_request(PROMPTS[i % len(PROMPTS)], params, f"r{i}"))
+                    for i in range(2 * len(PROMPTS))]
+        waiting, aborted, steps = list(requests), set(), 0
+        while waiting or engine.has_unfinished():
+            if waiting:  # one request a step: the others' steps are in flight as it starts
+                for seq in waiting.pop(0)[1]:
+                    engine.add_request(seq)
+            if steps == 6:  # one request mid-decode, with a step of its in flight
+                i, seqs = next((i, s) for i, s in requests if s[0].output_token_ids
+                               and not s[0].is_finished)
+                engine.abort_request(f"r{i}")
+                aborted.add(i)
+            engine.step()
+            steps += 1
+            assert steps < 500
+        for i, seqs in requests:
+            if i not in aborted:
+                assert seqs[0].output_token_ids == reference[i % len(PROMPTS)], i
+        assert scheduler.num_preemptions > 0 and aborted
+        assert conn.stats.failed_loads > 0 and any(recomputes_in_flight)
+        assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+        assert not scheduler.kv_connector.chains._chains  # each sequence's keys forgotten
+        # The bad blocks were recomputed and saved again.
+        out = torch.empty(conn.format.shape, dtype=conn.format.dtype)
+        for p in PROMPTS:
+            for key in conn.keys_for(p["prompt_token_ids"])[1:3]:
+                read_block(conn.path(key), conn.format, key, out)
+    finally:
+        llm.shutdown()
+
+
 def test_load_weights_turns_the_connector_off(second, qwen3) -> None:
     from safetensors.torch import load_file
 
