@@ -112,6 +112,8 @@ def test_shutdown_frees_the_host_pool(qwen3) -> None:
      r"kv_offloading_size=1.0 .* does not support tensor_parallel_size > 1"),
     (dict(kv_offloading_size=1.0, kv_cache_layout="head_major"),
      "KV connector cannot register"),
+    (dict(kv_offloading_size=1.0, kv_offloading_backend="lmcache"),
+     r"kv_offloading_backend='lmcache' is not supported: .* pass kv_offloading_backend='native'"),
 ])
 def test_bad_offloading_settings_name_the_setting(qwen3, kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
@@ -139,6 +141,17 @@ def test_the_cli_flag_reaches_the_engine_args() -> None:
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = EngineArgs.from_cli_args(parser.parse_args(["--kv-offloading-size", "2.5"]))
     assert (args.kv_offloading_size, args.kv_connector) == (2.5, None)
+
+
+def test_vllms_offloading_command_line_is_taken() -> None:
+    # vLLM's documented pair: --kv-offloading-backend native (its default) with the size.
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--kv-offloading-backend", "native", "--kv-offloading-size", "2.5"]))
+    assert (args.kv_offloading_backend, args.kv_offloading_size) == ("native", 2.5)
+    config = EngineArgs(model="kvfit-tiny", device="cpu", kv_offloading_size=0.01,
+                        kv_offloading_backend="native").create_engine_config()
+    assert config.kv_connector_config.kv_connector == "host"
 
 
 def test_after_sleep_and_wake_prefixes_load_from_host_memory(qwen3, reference) -> None:  # noqa: F811

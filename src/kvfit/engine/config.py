@@ -319,6 +319,7 @@ class EngineArgs:
     kv_connector: str | None = None
     kv_connector_path: str | None = None
     kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     worker_init_fn: str | None = None
@@ -472,6 +473,10 @@ class EngineArgs:
                        help="keep every full KV block in this many GiB of pinned host memory "
                        "as well (the host connector), so a prompt whose prefix left the KV "
                        "cache loads it rather than computing it again (default: none)")
+        p.add_argument("--kv-offloading-backend", default=d.kv_offloading_backend,
+                       metavar="{native}",
+                       help="what keeps the blocks --kv-offloading-size asks for: native, "
+                       "kvfit's own host tier, as vLLM's default (LMCache is not supported)")
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="devices (ranks) one model is split over (default: %(default)s)")
         p.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
@@ -634,6 +639,11 @@ class EngineArgs:
         return config
 
     def _kv_connector_config(self) -> KVConnectorConfig | None:
+        if self.kv_offloading_backend != "native":
+            # vLLM's other backend is LMCache, which kvfit does not integrate.
+            raise ValueError(f"kv_offloading_backend={self.kv_offloading_backend!r} is not "
+                             f"supported: kvfit's host tier is the 'native' backend; pass "
+                             f"kv_offloading_backend='native' (the default) or drop it")
         # Each rank holds only its share of the KV heads, while a store's keys name the model
         # and the tokens alone: ranks would overwrite each other's blocks.
         if self.tensor_parallel_size > 1 and (self.kv_connector or self.kv_offloading_size):
