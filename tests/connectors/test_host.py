@@ -160,6 +160,30 @@ def test_a_load_from_a_slot_still_being_written_waits_for_that_save() -> None:
     assert [t.slot for t in meta.loads] == [0, 1] and meta.wait_save_id == 0
 
 
+def test_a_block_a_decode_fills_with_a_pending_token_is_saved_by_the_next_step() -> None:
+    # With a step in flight, a decode computes the token that step samples (read on the
+    # device; -1 on the host): its block's key is known one step later, and so is its save.
+    conn = scheduler_side(8)
+    seq = Seq(0, list(range(BS - 1)), [3, 4])
+    prefill(conn, seq)
+    seq.token_ids.append(-1)  # the prefill's sample, pending
+    meta = conn.build_connector_meta([seq], [1])  # fills block 0 with it
+    conn.launched(meta)
+    assert meta.saves == []
+    seq.num_computed_tokens += 1
+    seq.token_ids[-1] = 7  # the prefill's output arrived
+    seq.token_ids.append(-1)  # the decode's sample, pending
+    meta = conn.build_connector_meta([seq], [1])
+    conn.launched(meta)
+    assert [(t.block_id, t.slot) for t in meta.saves] == [(3, 0)]
+    assert conn.get_num_new_matched_tokens(Seq(1, [*range(BS - 1), 7, 9])) == BS
+    # Saved once: the step after does not save it again.
+    seq.num_computed_tokens += 1
+    seq.token_ids[-1] = 8
+    seq.token_ids.append(-1)
+    assert conn.build_connector_meta([seq], [1]).saves == []
+
+
 def worker_side(num_slots: int, num_blocks: int = 16, spec: KVCacheSpec = SPEC,
                 ) -> tuple[HostConnector, list[torch.Tensor]]:
     conn = HostConnector("worker", config(num_slots, spec), spec, "model")

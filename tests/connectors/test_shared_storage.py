@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,29 @@ def test_the_metric_names_architecture_md_gives_are_those_metrics_exposes() -> N
     doc = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
     named = set(re.findall(r"`(kvfit:\w+)", doc))
     assert named and named <= exposed, named - exposed
+
+
+def test_a_block_a_decode_fills_with_a_pending_token_is_saved_by_the_next_step(
+        tmp_path: Path) -> None:
+    # With a step in flight, a decode computes the token that step samples (read on the
+    # device; -1 on the host): its block's key is known one step later, and so is its save.
+    @dataclass
+    class Seq:
+        seq_id: int
+        token_ids: list[int]
+        block_table: list[int]
+        num_computed_tokens: int = 0
+
+    bs = SPEC.block_size
+    conn = SharedStorageConnector("scheduler", KVConnectorConfig("shared_storage",
+                                                                 str(tmp_path)), SPEC, "model")
+    seq = Seq(0, list(range(bs - 1)), [3, 4])
+    assert conn.build_connector_meta([seq], [bs - 1]).saves == []  # the prefill: no full block
+    seq.num_computed_tokens = bs - 1
+    seq.token_ids.append(-1)  # the prefill's sample, pending
+    assert conn.build_connector_meta([seq], [1]).saves == []  # fills block 0 with it
+    seq.num_computed_tokens += 1
+    seq.token_ids[-1] = 7  # the prefill's output arrived
+    seq.token_ids.append(-1)  # the decode's sample, pending
+    [save] = conn.build_connector_meta([seq], [1]).saves
+    assert (save.block_id, save.key) == (3, conn.keys_for([*range(bs - 1), 7])[0])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfit import LLM
+from kvfit import LLM, SamplingParams
 from kvfit.connectors import HostConnector
 from kvfit.engine.config import EngineArgs
 
@@ -54,6 +54,32 @@ def test_prefixes_the_cache_lost_load_from_host_memory_with_identical_outputs(
     # Loaded blocks are local prefix hits from then on: a repeat loads nothing more.
     assert outputs(offloading) == reference
     assert worker_side.stats.loaded_blocks == FULL_PREFIX_BLOCKS
+
+
+def test_a_conversations_next_turn_loads_the_replies_blocks_too(
+        qwen3, offloading) -> None:
+    # The tier's case: the history of a conversation, replies included, left the cache. The
+    # blocks a decode fills end with a token still pending on the host (the step before is
+    # in flight): they must be saved once it is known, not skipped.
+    turn = [3, *range(20, 76)]  # 57 tokens, 40 more generated: 96 computed
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    reply = offloading.generate([{"prompt_token_ids": turn}], params,
+                                use_tqdm=False)[0].outputs[0].token_ids
+    history = [*turn, *reply]
+    offloading.reset_prefix_cache()
+    follow_up = [*history, *range(100, 120)]
+    answer = offloading.generate([{"prompt_token_ids": follow_up}], params,
+                                 use_tqdm=False)[0].outputs[0].token_ids
+    # Every full block of the history but the last (filled by the reply's final decode,
+    # which no later step of its follows).
+    hits = offloading.engine.stats().kv_connector_hit_tokens
+    assert hits == (len(history) - 1) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE
+    plain = LLM(str(qwen3), **SETTINGS)
+    try:
+        assert plain.generate([{"prompt_token_ids": follow_up}], params,
+                              use_tqdm=False)[0].outputs[0].token_ids == answer
+    finally:
+        plain.shutdown()
 
 
 def test_a_cache_too_small_for_the_batch_reloads_what_it_evicted(

@@ -39,6 +39,16 @@ class BlockChains:
         keys = self._chains.setdefault(seq.seq_id, [])
         return self._extend(keys, seq.token_ids, num_blocks)[:num_blocks]
 
+    def fill_keys(self, seq: ScheduledSeq, num_new: int) -> tuple[int, list[str]]:
+        """`(first, keys)`: the keys of `seq`'s blocks `first`, `first + 1`, ... that a step
+        computing its next `num_new` tokens leaves full and computed, for a store to save.
+        They start one block early where `seq` starts the step at a block's end: the step
+        before filled that block with the token it read pending on the device (a decode with
+        a step in flight), whose key only now is known."""
+        bs, start = self.block_size, seq.num_computed_tokens
+        first = start // bs - (start % bs == 0 and start > 0)
+        return first, self.block_keys(seq, (start + num_new) // bs)[first:]
+
     def num_hit_tokens(self, seq: ScheduledSeq, holds: Callable[[str], bool]) -> int:
         """Tokens past `seq.num_computed_tokens` (block aligned) in the leading whole blocks
         whose keys a store `holds`; never the last token (it is sampled from)."""

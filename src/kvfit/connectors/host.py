@@ -149,13 +149,15 @@ class HostConnector(KVConnector):
         for seq, num_new in zip(seqs, num_new_tokens, strict=True):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             written.update(seq.block_table[start // bs : -(-end // bs)])
-            first, filled = start // bs, end // bs
-            if filled == first:  # most decode steps: no block fills
+            if start // bs == end // bs and start % bs:  # most decode steps: no block to save
                 continue
-            keys = self.chains.block_keys(seq, filled)[first:]
+            first, keys = self.chains.fill_keys(seq, num_new)
             # Blocks the pool holds already are used now, before any slot is taken for the
-            # others: the pool makes room from what this step does not touch.
-            self._touch([key for key in keys if key in self._index])
+            # others: the pool makes room from what this step does not touch. (Not the block
+            # before the step's, when `fill_keys` starts there: a hit, it was touched with its
+            # chain, and touched alone it would outlive its parent.)
+            lookback = first < start // bs
+            self._touch([key for key in keys[lookback:] if key in self._index])
             for i, key in enumerate(keys, first):
                 if key not in self._index and key not in planned and (
                         slot := self._take_slot(loading)) is not None:

@@ -140,11 +140,10 @@ class SharedStorageConnector(KVConnector):
                              num_new_tokens: Sequence[int]) -> KVConnectorMetadata:
         meta = KVConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
-        bs = self.block_size
         planned: set[str] = set()  # two sequences may fill the same block in one step
         for seq, num_new in zip(seqs, num_new_tokens, strict=True):
-            first, filled = seq.num_computed_tokens // bs, (seq.num_computed_tokens + num_new) // bs
-            for i, key in enumerate(self.chains.block_keys(seq, filled)[first:], first):
+            first, keys = self.chains.fill_keys(seq, num_new)
+            for i, key in enumerate(keys, first):
                 if key not in planned and self._needs_save(key):
                     planned.add(key)
                     meta.saves.append(BlockTransfer(seq.block_table[i], key))
