@@ -325,11 +325,19 @@ def test_loads_that_fail_while_a_step_is_in_flight_recompute_under_preemption_an
 def test_load_weights_turns_the_connector_off(second, qwen3) -> None:
     from safetensors.torch import load_file
 
+    conn = connector(second)
+    outputs(second)  # loads and saves: the staging buffer and I/O threads exist
+    loaded, staging = conn.stats.loaded_blocks, weakref.ref(conn._staging)
+    hits = second.engine.scheduler.num_external_hit_tokens
     second.load_weights(load_file(qwen3 / "model.safetensors"))
     assert second.engine.scheduler.kv_connector is None
+    # The worker side is gone too, with its host memory and threads (the host tier's pool).
+    assert connector(second) is None
+    gc.collect()
+    assert staging() is None and conn._pool is None
     outputs(second)
-    assert connector(second).stats.loaded_blocks == 0
-    assert second.engine.scheduler.num_external_hit_tokens == 0
+    assert conn.stats.loaded_blocks == loaded
+    assert second.engine.scheduler.num_external_hit_tokens == hits
 
 
 def test_a_store_that_stops_taking_saves_is_counted_and_requests_go_on(

@@ -125,6 +125,22 @@ def test_shutdown_frees_the_host_pool(qwen3) -> None:
     assert all(piece() is None for piece in pieces)
 
 
+def test_load_weights_frees_the_pool_of_the_tier_it_turns_off(qwen3, reference) -> None:  # noqa: F811
+    from safetensors.torch import load_file
+
+    llm = LLM(str(qwen3), kv_offloading_size=0.01, **SETTINGS)
+    try:
+        pieces = [weakref.ref(piece) for piece in tier(llm)[1]._pieces]
+        llm.load_weights(load_file(qwen3 / "model.safetensors"))  # an RL trainer's update
+        assert llm.engine.scheduler.kv_connector is None and worker(llm).kv_connector is None
+        gc.collect()
+        assert all(piece() is None for piece in pieces)  # not kv_offloading_size held for good
+        assert outputs(llm) == reference
+        assert llm.engine.stats().kv_connector_failed_saves == 0
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(kv_connector="host"), r"needs the host memory .* set kv_offloading_size"),
     (dict(kv_connector="host", kv_offloading_size=1.0, kv_connector_path="x"),

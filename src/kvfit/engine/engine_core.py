@@ -564,6 +564,7 @@ class EngineCore:
             logger.warning("%s: the KV connector is off for this engine (its store holds K/V "
                            "of the weights the engine started with)", why)
             self.scheduler.kv_connector = None
+            self.executor.collective_rpc("close_kv_connector")  # its host memory, threads
 
     def _refresh_sleep_state(self) -> None:
         self._sleep_state = SleepState.merge(self.executor.collective_rpc("sleep_state"))
