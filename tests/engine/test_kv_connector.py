@@ -358,6 +358,21 @@ def test_a_store_that_stops_taking_saves_is_counted_and_requests_go_on(
         llm.shutdown()
 
 
+def test_a_store_whose_directory_was_removed_takes_saves_again(
+        qwen3, tmp_path, reference) -> None:
+    # Clearing the store (reset_prefix_cache's advice) by removing its directory must not
+    # leave every later save failing.
+    store = tmp_path / "store"
+    llm = connected(qwen3, store)
+    try:
+        shutil.rmtree(store)
+        assert outputs(llm) == reference
+        assert llm.engine.stats().kv_connector_failed_saves == 0
+        assert len(list(store.glob("*.safetensors"))) >= sum(FULL_PREFIX_BLOCKS)
+    finally:
+        llm.shutdown()
+
+
 def test_cpu_sizing_keeps_the_staging_buffer_free(qwen3, tmp_path, monkeypatch) -> None:
     # Allocated after sizing, the staging buffer comes out of the host budget the cache was
     # sized in: sizing keeps its bound free on the CPU, and not on a GPU (host memory there).

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,6 +219,11 @@ class SharedStorageConnector(KVConnector):
             return
         caches, start = registered(self._caches), time.perf_counter()
         saved = failed = 0
+        # The directory itself may have gone (a user clearing the store removes it, as
+        # `reset_prefix_cache` suggests; a tmp cleaner): made again, as at startup, or every
+        # save fails from then on. A failure here is the writes' to report.
+        with suppress(OSError):
+            self.root.mkdir(parents=True, exist_ok=True)
         for group, staging in self._rounds(meta.saves):
             for t, buffer in zip(group, staging, strict=True):
                 for cache, part in zip(caches, buffer, strict=True):
