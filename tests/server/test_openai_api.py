@@ -546,6 +546,28 @@ def test_async_llm_abort_by_id(engine: AsyncLLM) -> None:
     assert len(output.outputs[0].token_ids) < 100
 
 
+def test_async_llm_abort_takes_several_ids_as_vllms(engine: AsyncLLM) -> None:
+    # Found by the hunt: vLLM's AsyncLLM.abort takes a str or an iterable of them; a list was
+    # a TypeError (unhashable type) here, and aborted nothing.
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def run() -> list[RequestOutput]:
+        streams = [aiter(engine.add_request({"prompt_token_ids": [5, 6, 7]}, params, rid))
+                   for rid in ("several-0", "several-1", "several-2")]
+        for stream in streams:  # each one is running
+            while not (await anext(stream)).outputs[0].token_ids:
+                pass
+        engine.abort(["several-0", "several-2", "unknown"])
+        return [[out async for out in stream][-1] for stream in streams]
+
+    outputs = asyncio.run(run())
+    assert [o.outputs[0].finish_reason for o in outputs] == ["abort", "length", "abort"]
+    deadline = time.monotonic() + 10
+    while engine.stats().num_free_blocks < engine.stats().num_blocks:
+        assert time.monotonic() < deadline, "the aborted requests kept their blocks"
+        time.sleep(0.05)
+
+
 BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),

@@ -11,7 +11,7 @@ import itertools
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvfit.engine.config import EngineArgs, EngineConfig
@@ -530,12 +530,17 @@ class AsyncLLM:
         async for output in self.add_request(prompt, params, request_id, priority):
             yield output
 
-    def abort(self, request_id: str) -> None:
-        """End a request now (finish_reason "abort") and free its blocks; unknown and ended
-        ids are ignored (nothing is sent for them). Thread-safe."""
-        if self._dead is None and request_id in self._streams:
-            with contextlib.suppress(EngineDeadError):
-                self._client.send(("abort", request_id))
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """End requests now (finish_reason "abort") and free their blocks: one id or, as vLLM's
+        `abort` takes them, several; unknown and ended ids are ignored (nothing is sent for
+        them). Thread-safe."""
+        # A str is iterable too (by character): only another iterable is several ids.
+        ids = (request_id,) if isinstance(request_id, str) or not isinstance(
+            request_id, Iterable) else request_id
+        for one in ids:
+            if self._dead is None and one in self._streams:
+                with contextlib.suppress(EngineDeadError):
+                    self._client.send(("abort", one))
 
     def shutdown(self) -> None:
         """Stop the engine and free the model and KV cache (in-flight requests fail with
