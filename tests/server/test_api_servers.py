@@ -293,6 +293,42 @@ def test_sigterm_stops_what_is_left(served: tuple[ServeProcess, Path]) -> None:
     assert not list(tmp.glob("kvfit-metrics-*"))
 
 
+def test_max_concurrent_requests_bounds_every_api_server_together() -> None:
+    # Found by the hunt: each API process counted its own requests against the bound, so
+    # --max-concurrent-requests 2 with --api-server-count 2 let 4 run at once.
+    server = ServeProcess(*FLAGS, "--max-concurrent-requests", "2")
+    body = {"prompt": "go on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    clients, answers = [], []
+    try:
+        for _ in range(16):
+            # A client of its own per request: a new connection, hashed to either process.
+            client = httpx.Client(base_url=server.url, timeout=60)
+            clients.append(client)
+            response = client.send(client.build_request("POST", "/v1/completions", json=body),
+                                   stream=True)
+            if response.status_code == 200:
+                lines = response.iter_lines()  # kept: a dropped iterator closes the response
+                next(lines)  # it runs: its slot is held until the stream ends
+                answers.append((response, lines))
+            else:
+                assert response.status_code == 503, response.read()
+                assert "--max-concurrent-requests" in response.read().decode()
+        assert len(answers) == 2
+        for response, _ in answers:  # the slots are given back as the streams end
+            response.close()
+        deadline = time.monotonic() + 30
+        while (r := httpx.post(f"{server.url}/v1/completions",
+                               json={"prompt": "a", "max_tokens": 2})).status_code == 503:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.1)
+        assert r.status_code == 200
+    finally:
+        for client in clients:
+            client.close()
+        output = server.stop()
+    assert server.proc.returncode == 0, output
+
+
 def test_sigint_stops_every_process_and_removes_the_metrics_folder(tmp_path: Path) -> None:
     server = ServeProcess("--api-server-count", "3", env={"TMPDIR": str(tmp_path)})
     try:

@@ -117,6 +117,7 @@ class ApiServerProcesses:
             self._status.append(status)
         # Only the watcher reaps (joins) them: two threads waiting on one child would race.
         self._exited = [threading.Event() for _ in self.processes]
+        self._admission_counts = spec.config.admission_counts
         self._stopping = False
         threading.Thread(target=self._watch, name="kvfit-api-servers", daemon=True).start()
 
@@ -129,6 +130,9 @@ class ApiServerProcesses:
                 i = pending.pop(sentinel)
                 process = self.processes[i]
                 process.join()
+                if self._admission_counts is not None:
+                    # A process that died with requests in progress holds no slot any more.
+                    self._admission_counts[i + 1] = 0
                 self._exited[i].set()
                 if not self._stopping:
                     print(f"kvfit serve: {process.name} exited (exit code {process.exitcode});"
@@ -178,6 +182,7 @@ def run_api_server(index: int, conn: Connection, sock: socket.socket, spec: ApiS
     def attach(_: Any, on_outputs: Any, on_dead: Any) -> AttachedEngine:
         return AttachedEngine(conn, on_outputs, on_dead, spec.engine_pid)
 
+    spec.config.api_server_index = index  # its entry of the shared admission counts
     engine = AsyncLLM(spec.engine_args, stream_interval=spec.stream_interval, client=attach)
     died: list[BaseException] = []
     try:

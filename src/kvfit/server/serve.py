@@ -351,6 +351,7 @@ def _run_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
 
 def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
     import functools
+    import multiprocessing
     import signal
 
     from kvfit.engine.config import EngineArgs
@@ -394,6 +395,11 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
         if not _listen(args, [sock, *other_sockets]):
             return 1
         config = _serve_config(args, engine_args, chat_template, multiprocess_metrics=True)
+        if config.max_concurrent_requests is not None:
+            # The bound is the server's: every API process counts its requests in progress
+            # in this shared array (each its own entry), and checks their sum.
+            config.admission_counts = multiprocessing.get_context("spawn").RawArray(
+                "q", num_api_servers)
         spec = ApiServerSpec(engine_args, config, engine.engine_pid, args.stream_interval,
                              args.uvicorn_log_level)
         conns = engine.engine_client.api_server_conns

@@ -78,6 +78,10 @@ class ServeConfig:
     policy (vLLM's flags and defaults: every origin, method and header, no credentials); the
     server answers browsers' preflight requests and puts the headers on every answer, streamed
     ones included.
+    `admission_counts`: with several API server processes (`--api-server-count`), each one's
+    generation requests in progress, in shared memory (a `RawArray`, one entry a process,
+    this one's at `api_server_index`), so that `max_concurrent_requests` bounds the server's
+    total rather than each process's.
     """
 
     served_model_names: list[str]
@@ -95,30 +99,46 @@ class ServeConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    admission_counts: Any = None
+    api_server_index: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 class _Slots:
     """The generation requests in progress, counted against the bound (one event loop: no
-    lock); none is taken once the server is stopping."""
+    lock); none is taken once the server is stopping. With `counts` (one entry per API server
+    process in shared memory, this one's at `index`) the bound is on their sum: each process
+    writes only its own entry, and takes a slot first and checks the sum after, so two
+    processes taking the last slot at once both see the other and both refuse (a retry gets
+    it) rather than both pass."""
 
-    def __init__(self, limit: int | None) -> None:
+    def __init__(self, limit: int | None, counts: Any = None, index: int = 0) -> None:
         self.limit = limit
         self.held: set[_Admission] = set()
         self.stopping = False
+        self._counts, self._index = counts, index
 
     def take(self, admission: _Admission) -> None:
         if self.stopping:
             raise APIError("the server is shutting down; send the request to another",
                            status_code=503, type="service_unavailable")
-        if self.limit is not None and len(self.held) >= self.limit:
+        self.held.add(admission)
+        if self.limit is None:
+            return
+        self._publish()
+        if (len(self.held) if self._counts is None else sum(self._counts)) > self.limit:
+            self.give(admission)
             raise APIError(f"the server has {self.limit} generation requests in progress, its "
                            f"limit (--max-concurrent-requests); retry later",
                            status_code=503, type="service_unavailable")
-        self.held.add(admission)
 
     def give(self, admission: _Admission) -> None:
         self.held.discard(admission)
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._counts is not None:
+            self._counts[self._index] = len(self.held)
 
 
 @dataclass(eq=False)  # held in a set, by identity
@@ -150,7 +170,8 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> None:
         self.engine, self.config, self.metrics = engine, config, metrics
-        self.slots = _Slots(config.max_concurrent_requests)
+        self.slots = _Slots(config.max_concurrent_requests, config.admission_counts,
+                            config.api_server_index)
         self.model_name = config.served_model_names[0]
         # One thread: requests' large texts are tokenized one at a time, off the event loop.
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfit-tokenize")
