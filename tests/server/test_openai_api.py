@@ -546,6 +546,43 @@ def test_async_llm_abort_by_id(engine: AsyncLLM) -> None:
     assert len(output.outputs[0].token_ids) < 100
 
 
+def test_x_request_id_names_the_answer_and_clients_sending_the_same_one_never_clash(
+        server: ServerThread, http: httpx.Client) -> None:
+    # Found by the hunt: vLLM's answer ids are cmpl-/chatcmpl-<X-Request-Id>; the header was
+    # ignored here. Several clients sending the same one at once must each get their own answer.
+    headers = {"X-Request-Id": "trace-7"}
+    paths = {"/v1/completions": ({"prompt": PROMPTS[3]}, "cmpl-trace-7"),
+             "/v1/chat/completions": ({"messages": MESSAGES}, "chatcmpl-trace-7")}
+
+    async def send(path: str, stream: bool, n: int) -> tuple[str, int]:
+        body = {**paths[path][0], "max_tokens": 20, "ignore_eos": True, "stream": stream,
+                "n": n}
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            if not stream:
+                r = await client.post(path, json=body, headers=headers)
+                assert r.status_code == 200, r.text
+                return r.json()["id"], sum(c["index"] >= 0 for c in r.json()["choices"])
+            ids, ended = set(), 0
+            async with client.stream("POST", path, json=body, headers=headers) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        ids.add(chunk["id"])
+                        ended += sum(c["finish_reason"] == "length" for c in chunk["choices"])
+            (only,) = ids
+            return only, ended
+
+    async def run() -> list[tuple[str, int]]:
+        return await asyncio.gather(*(send(path, stream, n) for path in paths
+                                      for stream in (False, True) for n in (1, 2, 1)))
+
+    answers = asyncio.run(run())
+    assert answers == [(paths[path][1], n) for path in paths for _ in (False, True)
+                       for n in (1, 2, 1)]
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.json()["id"].startswith("cmpl-") and r.json()["id"] != "cmpl-trace-7"
+
+
 def test_async_llm_abort_takes_several_ids_as_vllms(engine: AsyncLLM) -> None:
     # Found by the hunt: vLLM's AsyncLLM.abort takes a str or an iterable of them; a list was
     # a TypeError (unhashable type) here, and aborted nothing.

@@ -479,7 +479,7 @@ class OpenAIServing:
         streams, admission = self.start(body, prompts, params)
         if scoring:
             streams = [_prompt_only(s) for s in streams]
-        ids = f"cmpl-{uuid.uuid4().hex}"
+        ids = f"cmpl-{_response_id(request)}"
         created = int(time.time())
         streaming = False
         try:
@@ -534,7 +534,7 @@ class OpenAIServing:
         params = body.sampling_params(max_tokens, num_logprobs, body.prompt_logprobs,
                                       self.sampling_defaults)
         streams, admission = self.start(body, [prompt], [params])
-        ids = f"chatcmpl-{uuid.uuid4().hex}"
+        ids = f"chatcmpl-{_response_id(request)}"
         created = int(time.time())
         if body.stream:
             try:
@@ -665,6 +665,14 @@ class OpenAIServing:
                 raise engine_error(e) from None
             raise APIError(str(e), param="num_blocks") from None
         return dataclasses.asdict(event)
+
+
+def _response_id(request: Request) -> str:
+    """An answer's id (after its `cmpl-` or `chatcmpl-`): the client's `X-Request-Id` header
+    where it sends one, as vLLM's, so that a gateway's logs and the answers tie up; else a new
+    one. Only a label: the engine's requests are named apart, so clients that send the same
+    header never clash."""
+    return request.headers.get("x-request-id") or uuid.uuid4().hex
 
 
 def _chat_message_size(message: ChatMessage) -> int:
