@@ -585,7 +585,8 @@ def test_x_request_id_names_the_answer_and_clients_sending_the_same_one_never_cl
 
 def test_async_llm_abort_takes_several_ids_as_vllms(engine: AsyncLLM) -> None:
     # Found by the hunt: vLLM's AsyncLLM.abort takes a str or an iterable of them; a list was
-    # a TypeError (unhashable type) here, and aborted nothing.
+    # a TypeError (unhashable type) here, and aborted nothing. It is a coroutine there:
+    # `await engine.abort(id)` was a TypeError too (None is not awaitable).
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
 
     async def run() -> list[RequestOutput]:
@@ -594,7 +595,8 @@ def test_async_llm_abort_takes_several_ids_as_vllms(engine: AsyncLLM) -> None:
         for stream in streams:  # each one is running
             while not (await anext(stream)).outputs[0].token_ids:
                 pass
-        engine.abort(["several-0", "several-2", "unknown"])
+        engine.abort(["several-0", "unknown"])
+        await engine.abort("several-2")  # vLLM's abort is a coroutine: code awaits it
         return [[out async for out in stream][-1] for stream in streams]
 
     outputs = asyncio.run(run())

@@ -11,7 +11,7 @@ import itertools
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvfit.engine.config import EngineArgs, EngineConfig
@@ -530,10 +530,11 @@ class AsyncLLM:
         async for output in self.add_request(prompt, params, request_id, priority):
             yield output
 
-    def abort(self, request_id: str | Iterable[str]) -> None:
+    def abort(self, request_id: str | Iterable[str]) -> _Done:
         """End requests now (finish_reason "abort") and free their blocks: one id or, as vLLM's
         `abort` takes them, several; unknown and ended ids are ignored (nothing is sent for
-        them). Thread-safe."""
+        them). Thread-safe. Called plainly, or awaited as vLLM's (a coroutine there): the
+        abort is sent by the time it returns either way."""
         # A str is iterable too (by character): only another iterable is several ids.
         ids = (request_id,) if isinstance(request_id, str) or not isinstance(
             request_id, Iterable) else request_id
@@ -541,6 +542,7 @@ class AsyncLLM:
             if self._dead is None and one in self._streams:
                 with contextlib.suppress(EngineDeadError):
                     self._client.send(("abort", one))
+        return _DONE
 
     def shutdown(self) -> None:
         """Stop the engine and free the model and KV cache (in-flight requests fail with
@@ -597,6 +599,19 @@ class AsyncLLM:
                 callbacks = list(self._dead_callbacks)
             for callback in callbacks:
                 callback(error)
+
+
+class _Done:
+    """An awaitable with nothing to wait for: what a plain method returns so that code
+    written for vLLM's coroutine of the same name (`await engine.abort(id)`) runs too."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Iterator[None]:
+        return iter(())
+
+
+_DONE = _Done()
 
 
 def _settle_threadsafe(future: asyncio.Future[Any], result: Any,
