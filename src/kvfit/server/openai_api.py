@@ -15,6 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import kvfit
 from kvfit.server.async_llm import AsyncLLM
@@ -57,6 +58,11 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         message = str(e.detail)
+        if isinstance(e.__cause__, ClientDisconnect):
+            # FastAPI's 400 for a body it could not read, here because the client left while
+            # sending it: no invalid request (nobody reads the answer), a client that left.
+            return error(APIError("the client disconnected while sending the request body",
+                                  499, "client_disconnected"))
         if e.status_code == 400 and message == _UNPARSED_BODY and e.__cause__ is not None:
             # FastAPI's words for a body its JSON parser raised on other than with a
             # JSONDecodeError; the cause says what is wrong (bytes that are not UTF-8, nesting
