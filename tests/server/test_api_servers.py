@@ -329,6 +329,37 @@ def test_max_concurrent_requests_bounds_every_api_server_together() -> None:
     assert server.proc.returncode == 0, output
 
 
+def test_every_api_server_stops_taking_requests_as_the_first_begins_to_stop() -> None:
+    # Found by the hunt: the others were sent their SIGTERM only once the first had drained
+    # (--shutdown-timeout), and took new requests all that while, then drained again.
+    server = ServeProcess(*FLAGS, "--shutdown-timeout", "5")
+    body = {"prompt": "go on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    clients, answers = [], []
+    try:
+        for _ in range(8):  # a client of its own each: held streams in both processes
+            client = httpx.Client(base_url=server.url, timeout=60)
+            clients.append(client)
+            response = client.send(client.build_request("POST", "/v1/completions", json=body),
+                                   stream=True)
+            lines = response.iter_lines()  # kept: a dropped iterator closes the response
+            next(lines)
+            answers.append(lines)
+        server.proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)  # the first process drains its streams for up to 5 s
+        for _ in range(6):
+            try:
+                r = httpx.post(f"{server.url}/v1/completions",
+                               json={"prompt": "new", "max_tokens": 2}, timeout=10)
+            except httpx.TransportError:
+                continue  # no process listens any more
+            assert r.status_code == 503, "an API process took a request while stopping"
+    finally:
+        for client in clients:
+            client.close()
+        output = server.stop()
+    assert server.proc.returncode == 0, output
+
+
 def test_sigint_stops_every_process_and_removes_the_metrics_folder(tmp_path: Path) -> None:
     server = ServeProcess("--api-server-count", "3", env={"TMPDIR": str(tmp_path)})
     try:

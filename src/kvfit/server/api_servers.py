@@ -32,7 +32,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -152,14 +152,23 @@ class ApiServerProcesses:
             finally:
                 status.close()
 
-    def stop(self) -> None:
-        """SIGTERM every process (uvicorn finishes what it serves), then wait; SIGKILL what
-        is left after `stop_timeout_s`. Idempotent."""
+    def begin_stop(self) -> None:
+        """SIGTERM every process, once: each stops taking requests and drains as the first
+        one does (`uvicorn_server`). The first calls it as its own shutdown begins, so that
+        the others neither take new requests through its drain nor start theirs only after
+        it. Once only: uvicorn takes a second signal as "exit now", skipping the drain."""
+        if self._stopping:
+            return
         self._stopping = True
         for process, exited in zip(self.processes, self._exited, strict=True):
             if not exited.is_set():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGTERM)
+
+    def stop(self) -> None:
+        """`begin_stop` (uvicorn finishes what it serves), then wait; SIGKILL what is left
+        after `stop_timeout_s`. Idempotent."""
+        self.begin_stop()
         deadline = time.monotonic() + self.stop_timeout_s
         for process, exited in zip(self.processes, self._exited, strict=True):
             if not exited.wait(max(0.0, deadline - time.monotonic())):
@@ -221,7 +230,8 @@ connections to close before it drops them: a client that stopped reading its str
 sent the rest of its request, would otherwise keep the process from exiting."""
 
 
-def uvicorn_server(app: Any, log_level: str, sigterm_only: bool = False) -> Any:
+def uvicorn_server(app: Any, log_level: str, sigterm_only: bool = False,
+                   on_shutdown: Callable[[], None] | None = None) -> Any:
     """The uvicorn server of an API server process (`kvfit serve` and each of
     `--api-server-count`); its "auto" takes uvloop and httptools where they are installed.
 
@@ -230,7 +240,8 @@ def uvicorn_server(app: Any, log_level: str, sigterm_only: bool = False) -> Any:
     generation requests with 503, gives those in progress the app's `shutdown_timeout`
     (`--shutdown-timeout`) to finish, aborts what is left, and `SHUTDOWN_CLOSE_S` later drops
     the connections still open, so the process always exits. uvicorn alone would wait for
-    every connection to close, however long a client holds one."""
+    every connection to close, however long a client holds one. `on_shutdown` is called as
+    the shutdown begins (the first process stops the others with it)."""
     import uvicorn
 
     serving = app.state.serving
@@ -251,6 +262,8 @@ def uvicorn_server(app: Any, log_level: str, sigterm_only: bool = False) -> Any:
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             serving.stop_admitting()
+            if on_shutdown is not None:
+                on_shutdown()
             stopping = asyncio.ensure_future(super().shutdown(sockets))
             for wait_s, then in ((timeout, serving.abort_all),
                                  (SHUTDOWN_CLOSE_S, self.drop_connections)):

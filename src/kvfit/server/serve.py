@@ -409,7 +409,8 @@ def _serve_api_servers(args: argparse.Namespace, num_api_servers: int) -> int:
             config.shutdown_timeout + 2 * SHUTDOWN_CLOSE_S))
         others.wait_ready()
         app = build_app(engine, config)
-        server = uvicorn_server(app, args.uvicorn_log_level)
+        # The others stop taking requests and drain as this one begins to, not after it.
+        server = uvicorn_server(app, args.uvicorn_log_level, on_shutdown=others.begin_stop)
 
         def engine_died(error: BaseException) -> None:
             died.append(error)
