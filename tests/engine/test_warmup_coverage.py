@@ -95,6 +95,32 @@ def test_a_middle_prompt_logprobs_chunk_is_no_larger_than_warmup(
     assert worst[0] <= max(peaks.warmup), (worst, peaks.warmup)
 
 
+def test_a_whole_prompt_logprobs_chunk_after_another_prompts_is_no_larger_than_warmup(
+    wide_vocab: Path, peaks: StepPeaks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A step's prompt logprobs stay in device memory (on the CPU) until it ends, so its peak is
+    # a whole chunk's logits made after every other row's results. Warmup's prefill of the
+    # budget cut its one prompt into a whole chunk, then the short rest: a real step of a short
+    # prompt and then a whole chunk of a long one held more (46 MB more at 1500 tokens of an
+    # 8k vocabulary and the chunk of 1024). The same at a chunk of 64.
+    from kvfit.engine import sampler
+
+    monkeypatch.setattr(sampler, "PROMPT_LOGPROBS_CHUNK", 64)
+    llm = LLM(str(wide_vocab), device="cpu", max_num_seqs=2, max_num_batched_tokens=100,
+              max_model_len=256, max_logprobs=-1)
+    try:
+        peaks.started = True
+        # 37 tokens (36 scored), then 63 of the long prompt's (63 scored): one step.
+        llm.generate([prompt(37), prompt(200, 100)],
+                     SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=-1),
+                     use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [37, 63] in [tokens for _, tokens in peaks.real]
+    worst = max(peaks.real)
+    assert worst[0] <= max(peaks.warmup), (worst, peaks.warmup)
+
+
 
 def test_logprobs_of_some_rows_take_no_more_memory_than_of_every_row() -> None:
     # Warmup asks logprobs of every row; a real batch may ask them of some rows only, whose

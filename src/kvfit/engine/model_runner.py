@@ -381,11 +381,10 @@ class ModelRunner:
             if first <= last:
                 rows = hidden[starts[i] + first - 1 - start : starts[i] + last - start]
                 targets = to_device(torch.tensor(seq.token_ids[first : last + 1]), hidden.device)
-                chunk = sampler_module.PROMPT_LOGPROBS_CHUNK
-                for c in range(0, len(rows), chunk):
+                for c, end in _chunks(len(rows), sampler_module.PROMPT_LOGPROBS_CHUNK):
                     # Logits inline, so a chunk's are freed before the next chunk's exist.
-                    result = logprobs_at(self.model.compute_logits(rows[c : c + chunk]),
-                                         targets[c : c + chunk], num)
+                    result = logprobs_at(self.model.compute_logits(rows[c:end]),
+                                         targets[c:end], num)
                     part.chunks.append(tuple(to_host(t) for t in result))
         return out
 
@@ -425,7 +424,9 @@ class ModelRunner:
         longest = self.max_model_len if max_context is None else min(max_context,
                                                                      self.max_model_len)
         longest_chunk = max(1, longest - 1)
-        lengths = [1] * num_decodes + _split(num_tokens - num_decodes, longest_chunk)
+        # Prefills shortest first: the step's last prompt-logprobs chunk is a whole one, made
+        # while every other row's results are held, as a real step's can be (`_chunks`).
+        lengths = [1] * num_decodes + sorted(_split(num_tokens - num_decodes, longest_chunk))
         contexts = [longest] * num_decodes + [longest_chunk] * (len(lengths) - num_decodes)
         prefill_blocks = sum(-(-c // self.block_size) for c in contexts[num_decodes:])
         num_blocks = min(max_blocks, max(1, prefill_blocks))
@@ -509,6 +510,17 @@ def _items(batch: ScheduledBatch) -> zip[tuple[Sequence, int]]:
 
 def _reaches_end(seq: Sequence, num_new_tokens: int) -> bool:
     return seq.num_computed_tokens + num_new_tokens == len(seq)
+
+
+def _chunks(total: int, most: int) -> list[tuple[int, int]]:
+    """`[start, end)` parts of `total` rows, at most `most` each, the short one first: a
+    sequence's largest chunk is its last, computed while the rows before it hold their
+    results (device memory on the CPU, where `to_host` copies nothing), which is the order
+    warmup's prefills (shortest first) measure; a short chunk last let a real step of two
+    prompts hold more than warmup's step of the same tokens."""
+    first = total % most or most
+    starts = [0, *range(first, total, most)]
+    return list(zip(starts, [*starts[1:], total], strict=True))
 
 
 def _split(total: int, most: int) -> list[int]:
