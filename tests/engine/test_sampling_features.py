@@ -138,7 +138,9 @@ def test_warmup_token_lists_are_as_long_as_any_request_may_name(vocab_size: int)
     most = min(MAX_TOKEN_LIST, vocab_size)
     ids = list(range(vocab_size))
     largest = SamplingParams(
-        logit_bias={t: 1.0 for t in ids[:most]}, allowed_token_ids=ids[-most:],
+        # Ids named twice: a small vocabulary's request may name MAX_TOKEN_LIST all the same.
+        logit_bias={t: 1.0 for t in ids[:most]},
+        allowed_token_ids=(ids[-most:] * MAX_TOKEN_LIST)[:MAX_TOKEN_LIST],
         min_tokens=1, max_tokens=1, stop_token_ids=ids[:most],
         bad_words_token_ids=[[t] for t in ids[most:2 * most]])
     limits = features.WarmupLimits(vocab_size, max_model_len=64, max_logprobs=20)

@@ -133,6 +133,11 @@ class SamplingParams:
                            "temperature overflow: raised to %s, as vLLM does (0 is greedy)",
                            self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
             self.temperature = MIN_TEMPERATURE
+        if self.allowed_token_ids is not None:
+            # Each entry is device memory at every step (an index and the value it keeps),
+            # and warmup measures distinct ids, at most the vocabulary: a small vocabulary's
+            # request naming ids twice would hold more. The same set of tokens, first order.
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if self.seed == -1:
             # vLLM's (and OpenAI's) "no seed": a client sending -1 for "random" would otherwise
             # get the same completion at every try.
