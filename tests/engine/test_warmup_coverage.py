@@ -160,6 +160,25 @@ def test_many_chunks_behind_a_cached_prefix_are_no_larger_than_warmup(
     assert worst[0] <= max(peaks.warmup), (worst, peaks.warmup)
 
 
+def test_a_whole_prefill_that_ends_its_prompt_is_no_larger_than_warmup(
+    narrow_vocab: Path, peaks: StepPeaks
+) -> None:
+    # The profiling step's prefills (the token budget as chunks of max_model_len - 1) sample
+    # no row; a real step of the same chunks ends its prompts, and its inputs held one logits
+    # index more per row sampled (16 bytes over, at the peak of the forward).
+    llm = LLM(str(narrow_vocab), device="cpu", max_num_seqs=8, max_num_batched_tokens=2048,
+              max_model_len=2048, enable_prefix_caching=False)
+    try:
+        peaks.started = True
+        llm.generate([prompt(2047), prompt(2032, 7)],
+                     SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [2047, 1] in [tokens for _, tokens in peaks.real]
+    worst = max(peaks.real)
+    assert worst[0] <= max(peaks.warmup), (worst, peaks.warmup)
+
+
 def test_warmup_launches_every_small_batch_kernel_a_decode_launches(
     narrow_vocab: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -241,13 +241,20 @@ class ModelRunner:
         pending_src = self._pending_token_rows(
             [batch.seqs[i] for i in np.searchsorted(query_start_loc, pending, side="right") - 1])
         ends = np.fromiter(map(len, token_lists), np.int64, num_seqs)
-        logits_indices = query_start_loc[1:][seq_lens == ends] - 1
+        sampled = seq_lens == ends
+        num_sampled = int(sampled.sum())
+        # Packed at one entry per sequence whatever samples, so that the inputs' size does not
+        # depend on it: warmup's largest prefill samples no row, and a real step of the same
+        # chunks whose prompts end there held one entry more per row it sampled.
+        logits_indices = np.zeros(num_seqs, np.int64)
+        logits_indices[:num_sampled] = query_start_loc[1:][sampled] - 1
         order = self._decode_order(seq_lens, num_new)
         (input_ids_t, positions_t, slot_mapping_t, logits_indices_t, pending_t, pending_src_t,
          query_start_loc_t, seq_lens_t, block_table_t, *order_t) = to_device_packed(
             self.device, input_ids, positions, slot_mapping, logits_indices, pending, pending_src,
             query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_table,
             *([] if order is None else [order]))
+        logits_indices_t = logits_indices_t[:num_sampled]
         if len(pending) == num_tokens and np.array_equal(pending_src, np.arange(num_tokens)):
             # Every row pending, in the last step's order (a decode step of the same batch):
             # its sampled ids are the inputs as they lie, without a gather and a scatter.
