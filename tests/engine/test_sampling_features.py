@@ -141,9 +141,11 @@ def test_warmup_token_lists_are_as_long_as_any_request_may_name(vocab_size: int)
         # Ids named twice: a small vocabulary's request may name MAX_TOKEN_LIST all the same.
         logit_bias={t: 1.0 for t in ids[:most]},
         allowed_token_ids=(ids[-most:] * MAX_TOKEN_LIST)[:MAX_TOKEN_LIST],
-        min_tokens=1, max_tokens=1, stop_token_ids=ids[:most],
-        bad_words_token_ids=[[t] for t in ids[most:2 * most]])
-    limits = features.WarmupLimits(vocab_size, max_model_len=64, max_logprobs=20)
+        # Stop ids that miss EOS (2), which min_tokens bans besides them.
+        min_tokens=1, max_tokens=1, stop_token_ids=ids[3:most + 3],
+        bad_words_token_ids=[[t] for t in ids[most + 3:2 * most + 3]])
+    limits = features.WarmupLimits(vocab_size, max_model_len=64, max_logprobs=20,
+                                   eos_token_ids=(2,))
 
     def entries(params: SamplingParams) -> dict[type, int]:
         meta = SamplingMetadata.from_seqs([Sequence([0], params)], vocab_size, "cpu", [2])

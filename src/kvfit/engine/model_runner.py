@@ -404,7 +404,7 @@ class ModelRunner:
         processed modes' temporaries are largest with every filter on, as here)."""
         mc = self.config.model_config
         return worst_case_params(WarmupLimits(mc.hf_config.vocab_size, self.max_model_len,
-                                              mc.max_logprobs))
+                                              mc.max_logprobs, tuple(self.eos_token_ids)))
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, max_blocks: int, num_decodes: int = 0,

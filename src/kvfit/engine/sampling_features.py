@@ -21,6 +21,7 @@ class WarmupLimits:
     vocab_size: int
     max_model_len: int
     max_logprobs: int
+    eos_token_ids: tuple[int, ...] = ()  # banned below min_tokens besides the stop ids
 
 
 class SamplingFeature:
@@ -180,13 +181,16 @@ class BannedTokens(SamplingFeature):
 
     @classmethod
     def worst_case(cls, limits: WarmupLimits) -> dict[str, Any]:
-        # Disjoint lists, so every ban is an entry of its own, up to every id but the last
-        # (allowed above, so no row is left without a token: one entry short of a request
-        # that bans the whole vocabulary: its index and value, about 16 bytes a row).
-        bannable = limits.vocab_size - 1
-        size = min(MAX_TOKEN_LIST, bannable)
-        return {"min_tokens": limits.max_model_len, "stop_token_ids": list(range(size)),
-                "bad_words_token_ids": [[t] for t in range(size, min(2 * size, bannable))]}
+        # Disjoint lists, so every ban is an entry of its own, and none an EOS id, which
+        # `min_tokens` bans besides them (a request whose lists miss EOS bans that many more),
+        # up to every id but the last that is no EOS (allowed above, so no row is left without
+        # a token: one entry short of a request that bans the whole vocabulary: its index and
+        # value, about 16 bytes a row).
+        eos = set(limits.eos_token_ids)
+        ids = [t for t in range(limits.vocab_size) if t not in eos][:-1]
+        size = min(MAX_TOKEN_LIST, len(ids))
+        return {"min_tokens": limits.max_model_len, "stop_token_ids": ids[:size],
+                "bad_words_token_ids": [[t] for t in ids[size : 2 * size]]}
 
 
 def _list_size(limits: WarmupLimits) -> int:
