@@ -155,3 +155,16 @@ def test_warmup_token_lists_are_as_long_as_any_request_may_name(vocab_size: int)
     assert warm[LogitBias] == real[LogitBias] and warm[AllowedTokens] == real[AllowedTokens]
     # One token stays unbanned so that no warmup row is left without a token to sample.
     assert warm[BannedTokens] >= min(real[BannedTokens], vocab_size - 1)
+
+
+def test_allowed_token_ids_changed_after_construction_are_queued_distinct(
+    warmup_steps: tuple[LLM, list[Step]],
+) -> None:
+    # Each allowed id is device memory at every step and warmup measures distinct ones; the
+    # constructor makes the list distinct, but a front end may queue a params object changed
+    # since (the async engine queues a shallow copy).
+    llm, _ = warmup_steps
+    params = SamplingParams(max_tokens=1)
+    params.allowed_token_ids = [7, 5, 7, 5, 9]
+    [seq] = llm.input_processor.make_request({"prompt_token_ids": [5, 6]}, params, "r")
+    assert seq.sampling_params.allowed_token_ids == [7, 5, 9]

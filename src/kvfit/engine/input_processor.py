@@ -86,6 +86,11 @@ class InputProcessor:
             params.check_limits()
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
+        allowed = params.allowed_token_ids
+        if allowed is not None and len(set(allowed)) < len(allowed):
+            # Made distinct at construction (each entry is device memory at every step), but
+            # not where the list was changed since: the constructor makes it so again.
+            params = dataclasses.replace(params, allowed_token_ids=allowed)
         text, token_ids = parse_prompt(where, prompt, self.tokenizer)
         mc = self.config.model_config
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, mc.max_model_len)
