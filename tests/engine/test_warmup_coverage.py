@@ -298,3 +298,22 @@ def test_steps_in_other_logprobs_modes_are_no_larger_than_warmup(
         llm.shutdown()
     worst = max(peaks.real)
     assert worst[0] <= max(peaks.warmup), (worst, peaks.warmup)
+
+
+def test_a_deterministic_step_off_the_row_tile_is_no_larger_than_warmup(
+    narrow_vocab: Path, peaks: StepPeaks
+) -> None:
+    # The deterministic mode's CPU GEMMs run in 16-row tiles; a step of any other token count
+    # than a multiple padded a copy of each layer's input (237 KB over warmup's steps of the
+    # whole budget, 1024 tokens, at these 1020).
+    llm = LLM(str(narrow_vocab), device="cpu", max_num_seqs=4, max_model_len=256,
+              deterministic=True, enable_prefix_caching=False)
+    try:
+        peaks.started = True
+        llm.generate([prompt(255, 60 * i) for i in range(4)],
+                     SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [255] * 4 in [tokens for _, tokens in peaks.real]
+    worst = max(peaks.real)
+    assert worst[0] <= max(peaks.warmup), (worst, peaks.warmup)

@@ -21,7 +21,8 @@ def batch_invariant_linear(
     """`F.linear(x, weight, bias)` with each output row a function of its input row alone.
 
     `x` is `[..., K]`, `weight` `[N, K]`; returns `[..., N]` in x's dtype. Extra memory: on
-    the torch path one padded copy of x when M is not a multiple of `ROW_TILE`; on CUDA none.
+    the torch path one padded tile of x and its product when M is not a multiple of
+    `ROW_TILE`; on CUDA none.
     """
     rows = x.reshape(-1, x.shape[-1])
     if x.is_cuda:
@@ -37,14 +38,20 @@ def row_tiled_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     tile: int = ROW_TILE,
 ) -> torch.Tensor:  # fmt: skip
-    """The torch path: `x` `[M, K]` times `weight^T` in `tile`-row GEMM calls of one shape."""
+    """The torch path: `x` `[M, K]` times `weight^T` in `tile`-row GEMM calls of one shape.
+
+    The last rows, short of a tile, are padded in a tile of their own (`[tile, K]` and its
+    `[tile, N]` product), not in a padded copy of `x`: that copy, `[M, K]` at a step of any
+    token count but a multiple of `tile`, was more than a step of the whole token budget
+    (commonly a multiple) allocates, which is all warmup measured."""
     num_rows = x.shape[0]
-    pad = -num_rows % tile
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    out = x.new_empty(x.shape[0], weight.shape[0])
-    for start in range(0, x.shape[0], tile):
+    whole = num_rows - num_rows % tile
+    out = x.new_empty(num_rows, weight.shape[0])
+    for start in range(0, whole, tile):
         torch.mm(x[start : start + tile], weight.t(), out=out[start : start + tile])
-    out = out[:num_rows]
+    if whole < num_rows:
+        last = x.new_zeros(tile, x.shape[1])
+        last[: num_rows - whole] = x[whole:]
+        out[whole:] = torch.mm(last, weight.t())[: num_rows - whole]
     return out if bias is None else out.add_(bias)
 
