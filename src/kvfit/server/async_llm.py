@@ -523,11 +523,13 @@ class AsyncLLM:
             raise
         return stream
 
-    async def generate(self, prompt: Prompt, params: SamplingParams,
+    async def generate(self, prompt: Prompt, sampling_params: SamplingParams,
                        request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """`add_request` and iterate its stream; leaving early aborts the request."""
-        async for output in self.add_request(prompt, params, request_id, priority):
+        """`add_request` and iterate its stream; leaving early aborts the request. The
+        arguments are named as vLLM's (`generate(prompt=..., sampling_params=...,
+        request_id=...)`, as its examples call it)."""
+        async for output in self.add_request(prompt, sampling_params, request_id, priority):
             yield output
 
     def abort(self, request_id: str | Iterable[str]) -> _Done:
