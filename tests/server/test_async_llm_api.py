@@ -4,10 +4,16 @@ trainer) runs against kvfit's, under vLLM's names and calling conventions."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+
+import pytest
 
 from kvfit import SamplingParams
+from kvfit.engine.config import EngineArgs
 from kvfit.engine.outputs import RequestOutput
-from kvfit.server.async_llm import AsyncLLM
+from kvfit.server.async_llm import AsyncLLM, EngineDeadError
+
+from .conftest import engine_kwargs
 
 
 def test_generate_takes_vllms_keywords(engine: AsyncLLM) -> None:
@@ -25,3 +31,17 @@ def test_generate_takes_vllms_keywords(engine: AsyncLLM) -> None:
     assert by_keyword.request_id == "keywords" and by_keyword.finished
     assert by_keyword.outputs[0].token_ids == by_position.outputs[0].token_ids
     assert len(by_keyword.outputs[0].token_ids) == 6
+
+
+def test_the_engines_state_under_vllms_names(engine: AsyncLLM, model_path: Path) -> None:
+    # vLLM's servers and frameworks read `errored`, `is_running`, `is_stopped` and
+    # `dead_error`, and await `check_health()`: each was an AttributeError.
+    assert engine.is_running and not engine.errored and not engine.is_stopped
+    assert asyncio.run(engine.check_health()) is None
+
+    stopped = AsyncLLM(EngineArgs(**engine_kwargs(model_path)), engine_process=False)
+    stopped.shutdown()
+    assert stopped.errored and stopped.is_stopped and not stopped.is_running
+    assert isinstance(stopped.dead_error, EngineDeadError)
+    with pytest.raises(EngineDeadError, match="not running"):
+        asyncio.run(stopped.check_health())

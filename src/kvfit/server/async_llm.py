@@ -399,6 +399,35 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         return self._dead is None and self._client.is_alive()
 
+    # vLLM's names for the engine's state (its server and frameworks built on it read them).
+    @property
+    def is_running(self) -> bool:
+        """vLLM's: whether the engine runs (`is_alive`)."""
+        return self.is_alive
+
+    @property
+    def errored(self) -> bool:
+        """vLLM's: whether the engine has stopped (died or shut down); requests then fail with
+        `dead_error`."""
+        return not self.is_alive
+
+    @property
+    def is_stopped(self) -> bool:
+        """vLLM's: `errored`."""
+        return self.errored
+
+    @property
+    def dead_error(self) -> BaseException:
+        """vLLM's: what a stopped engine raises, caused by what stopped it (where known)."""
+        error = EngineDeadError("the engine is not running")
+        error.__cause__ = self._dead
+        return error
+
+    async def check_health(self) -> None:
+        """vLLM's: raise `dead_error` once the engine has stopped; return while it runs."""
+        if self.errored:
+            raise self.dead_error
+
     @property
     def kv_cache_released(self) -> bool:
         """Whether a failed resize left the engine's KV cache released (as of its latest
