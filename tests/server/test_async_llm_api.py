@@ -45,3 +45,13 @@ def test_the_engines_state_under_vllms_names(engine: AsyncLLM, model_path: Path)
     assert isinstance(stopped.dead_error, EngineDeadError)
     with pytest.raises(EngineDeadError, match="not running"):
         asyncio.run(stopped.check_health())
+
+
+def test_the_tokenizer_and_configs_under_vllms_names(engine: AsyncLLM) -> None:
+    # vLLM's `get_tokenizer()`, `model_config` and `vllm_config` were AttributeErrors.
+    tokenizer = engine.get_tokenizer()
+    assert tokenizer is engine.tokenizer and tokenizer.decode(tokenizer.encode("hi")) == "hi"
+    assert engine.model_config is engine.config.model_config
+    assert engine.model_config.max_model_len == engine.max_model_len == 128
+    assert engine.vllm_config is engine.config
+    assert engine.vllm_config.scheduler_config.max_num_seqs == 64

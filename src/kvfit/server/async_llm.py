@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvfit.engine.config import EngineArgs, EngineConfig
+from kvfit.engine.config import EngineArgs, EngineConfig, ModelConfig
 from kvfit.engine.detokenizer import Detokenizer
 from kvfit.engine.engine_core import EngineStats
 from kvfit.engine.input_processor import InputProcessor, Prompt
@@ -366,6 +366,23 @@ class AsyncLLM:
         self.tokenizer: Any | None = load_tokenizer(engine_args.tokenizer or engine_args.model)
         self._input_processor = InputProcessor(self.config, self.tokenizer)
         self._detokenizer = Detokenizer(self.tokenizer)
+
+    @property
+    def vllm_config(self) -> EngineConfig:
+        """vLLM's name for the engine's configuration (`config`; the same sub-configs:
+        `model_config`, `cache_config`, `scheduler_config`, `parallel_config`)."""
+        return self.config
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """vLLM's: the model's configuration (`max_model_len`, `hf_config`, `dtype`, ...)."""
+        return self.config.model_config
+
+    def get_tokenizer(self) -> Any | None:
+        """vLLM's: the tokenizer prompts are tokenized and text decoded with (`--tokenizer`,
+        else the model's), or None for a model folder without one (token-id prompts only),
+        as `LLM.get_tokenizer`."""
+        return self.tokenizer
 
     @property
     def max_model_len(self) -> int:
