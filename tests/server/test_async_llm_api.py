@@ -55,3 +55,13 @@ def test_the_tokenizer_and_configs_under_vllms_names(engine: AsyncLLM) -> None:
     assert engine.model_config.max_model_len == engine.max_model_len == 128
     assert engine.vllm_config is engine.config
     assert engine.vllm_config.scheduler_config.max_num_seqs == 64
+
+
+def test_reset_prefix_cache_takes_vllms_arguments(engine: AsyncLLM) -> None:
+    # vLLM's `reset_prefix_cache(reset_running_requests, reset_connector)`: `reset_connector`
+    # was a TypeError; False resets, True is refused as `LLM.reset_prefix_cache` refuses it.
+    assert asyncio.run(engine.reset_prefix_cache(reset_running_requests=False,
+                                                 reset_connector=False)) is True
+    with pytest.raises(ValueError, match="reset_connector"):
+        asyncio.run(engine.reset_prefix_cache(reset_connector=True))
+    assert engine.is_running  # a refused call leaves the engine serving

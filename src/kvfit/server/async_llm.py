@@ -495,10 +495,13 @@ class AsyncLLM:
         while it sleeps (a state to leave, not a bad `num_blocks`)."""
         return await self._call(_resize_kv_cache, num_blocks)
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False,
+                                 reset_connector: bool = False) -> bool:
         """`LLM.reset_prefix_cache` in the engine, between two steps: False while requests
-        hold blocks, unless `reset_running_requests` (they are preempted and recomputed)."""
-        return await self._call("reset_prefix_cache", reset_running_requests)
+        hold blocks, unless `reset_running_requests` (they are preempted and recomputed).
+        vLLM's `reset_connector=True` is refused there (a KV connector's store keeps its
+        blocks), with ValueError raised here."""
+        return await self._call("reset_prefix_cache", reset_running_requests, reset_connector)
 
     async def kv_cache_state(self) -> dict[str, Any]:
         """The KV cache's size, bounds and resize counts, read in the engine."""
