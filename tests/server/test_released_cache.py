@@ -79,7 +79,7 @@ def test_health_is_503_while_a_failure_released_the_cache_and_requests_wait(
             assert before.status_code == 200, before.text
             in_engine(engine, release_cache)
             _wait_for(http, 503)
-            assert engine.kv_cache_released and not engine.is_sleeping
+            assert engine.kv_cache_released and not engine.sleeping
             results: list[httpx.Response] = []
             waiting = threading.Thread(
                 target=lambda: results.append(http.post("/v1/completions", json=COMPLETION)))

@@ -4,6 +4,7 @@ and finishes (or aborts) what ran when it went to sleep."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,7 +49,7 @@ def http(start_server: Callable[..., ServerThread]) -> Iterator[httpx.Client]:
 @pytest.fixture(autouse=True)
 def awake(http: httpx.Client, engine: AsyncLLM) -> Iterator[None]:
     yield
-    if engine.is_sleeping:
+    if engine.sleeping:
         assert http.post("/wake_up").status_code == 200
 
 
@@ -306,3 +307,22 @@ def test_reset_prefix_cache_is_vllms_development_route(
         assert busy["reset"] is False and "reset_running_requests" in busy["message"]
         assert forced.json() == {"reset": True}
         assert results[0].json()["choices"][0]["text"] == expect
+
+
+def test_is_sleeping_is_vllms_coroutine_after_the_commands_sent_before(engine: AsyncLLM) -> None:
+    # vLLM's `await engine.is_sleeping()` was a TypeError ('bool' object is not callable): it
+    # was a property here (now `sleeping`). As vLLM's, it answers after the commands sent
+    # before it: asked while a sleep is on its way, it says asleep.
+    async def run() -> list[bool]:
+        seen = [await engine.is_sleeping()]
+        sleep = asyncio.create_task(engine.sleep(level=1))
+        await asyncio.sleep(0)  # the sleep is sent
+        seen.append(await engine.is_sleeping())
+        await sleep
+        seen.append(engine.sleeping)
+        await engine.wake_up()
+        seen.append(await engine.is_sleeping())
+        return seen
+
+    assert asyncio.run(run()) == [False, True, True, False]
+    assert not engine.sleeping

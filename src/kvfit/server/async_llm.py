@@ -453,10 +453,16 @@ class AsyncLLM:
         return self._stats.kv_cache_released
 
     @property
-    def is_sleeping(self) -> bool:
+    def sleeping(self) -> bool:
         """Whether `sleep` released the weights or the KV cache (as of the engine's latest
-        message; read from any thread)."""
+        message; read from any thread, without waiting). `await is_sleeping()` is vLLM's."""
         return self._is_sleeping
+
+    async def is_sleeping(self) -> bool:
+        """vLLM's coroutine: whether the engine is asleep, asked of the engine after the
+        commands sent before (a `sleep` still draining answers True once it is done, as in
+        vLLM); `sleeping` is the latest message's answer at once."""
+        return await self._call(_is_sleeping)
 
     @property
     def is_going_to_sleep(self) -> bool:
@@ -687,6 +693,10 @@ def _resize_kv_cache(llm: LLM, num_blocks: int) -> KVCacheResize:
         raise EngineSleepingError("resize_kv_cache() while the engine is asleep (its KV cache "
                                   "or weights released): wake it up first (POST /wake_up)")
     return llm.resize_kv_cache(num_blocks)
+
+
+def _is_sleeping(llm: LLM) -> bool:
+    return llm.is_sleeping
 
 
 def _kv_cache_state(llm: LLM) -> dict[str, Any]:

@@ -591,7 +591,7 @@ class OpenAIServing:
     async def sleep(self, level: int = 1, mode: str = "wait") -> dict[str, Any]:
         """Release the KV cache and weights (`LLM.sleep`); what went and what stays."""
         # The engine's own error names LLM calls, not routes; a sleep still draining counts.
-        if self.engine.is_sleeping or self.engine.is_going_to_sleep:
+        if self.engine.sleeping or self.engine.is_going_to_sleep:
             raise APIError("the engine is asleep already: POST /wake_up first")
         try:
             report = await self.engine.sleep(level, mode)
@@ -610,20 +610,20 @@ class OpenAIServing:
         # Named tags go to the engine awake too: a KV cache the sleep kept (a fixed size) wakes
         # as a no-op after the weights (vLLM's order), which left nothing asleep.
         not_asleep = APIError("the engine is not asleep: POST /sleep first")
-        if not (self.engine.is_sleeping or self.engine.is_going_to_sleep or tags):
+        if not (self.engine.sleeping or self.engine.is_going_to_sleep or tags):
             raise not_asleep
         try:
             await self.engine.wake_up(tags)
         except (KVCacheResizeError, WakeUpOutOfMemoryError) as e:
             raise APIError(str(e), status_code=503, type="service_unavailable") from None
         except (ValueError, RuntimeError) as e:
-            if isinstance(e, RuntimeError) and not self.engine.is_sleeping:
+            if isinstance(e, RuntimeError) and not self.engine.sleeping:
                 raise not_asleep from None  # the engine's own words name LLM calls
             raise APIError(str(e), param="tags") from None
-        return {"is_sleeping": self.engine.is_sleeping}
+        return {"is_sleeping": self.engine.sleeping}
 
     async def is_sleeping(self) -> dict[str, bool]:
-        return {"is_sleeping": self.engine.is_sleeping}
+        return {"is_sleeping": self.engine.sleeping}
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False,
                                  reset_external: bool = False) -> dict[str, Any]:
