@@ -609,6 +609,8 @@ def test_a_shut_down_llm_refuses_every_call_naming_shutdown(qwen3: Path) -> None
         "load_weights": lambda: llm.load_weights({"model.norm.weight": torch.ones(64)}),
         "wake_up": llm.wake_up,
         "get_metrics": llm.get_metrics,
+        "apply_model": lambda: llm.apply_model(lambda model: None),
+        "collective_rpc": lambda: llm.collective_rpc("sleep_state"),
     }
     for name, call in calls.items():
         with pytest.raises(RuntimeError, match=rf"{name}\(\) after shutdown\(\).*new LLM"):
@@ -648,3 +650,29 @@ def test_fused_decode_input_takes_the_decode_steps_to_the_same_outputs(
         assert bool(steps) is fused
         llm.shutdown()
     assert outputs[True] == outputs[False]
+
+
+def _num_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_apply_model_and_collective_rpc_as_vllms(qwen3: Path) -> None:
+    # vLLM's `LLM.apply_model(func)` and `LLM.collective_rpc(method, timeout, args, kwargs)`
+    # were AttributeErrors. Each answers per worker; the model is not read while asleep.
+    llm = make_llm(qwen3, enable_sleep_mode=True)
+    try:
+        [count] = llm.apply_model(_num_parameters)
+        assert count == _num_parameters(hf_model(qwen3)) > 0
+        [state] = llm.collective_rpc("sleep_state")
+        assert not state.is_sleeping
+        assert llm.collective_rpc(lambda worker, a, b=0: (worker.rank, a, b), args=(1,),
+                                  kwargs={"b": 2}) == [(0, 1, 2)]
+        with pytest.raises(ValueError, match="timeout"):
+            llm.collective_rpc("sleep_state", timeout=5.0)
+        llm.sleep(level=1)
+        with pytest.raises(RuntimeError, match=r"apply_model\(\) while the weights are asleep"):
+            llm.apply_model(_num_parameters)
+        llm.wake_up()
+        assert llm.apply_model(_num_parameters) == [count]
+    finally:
+        llm.shutdown()

@@ -355,6 +355,12 @@ class EngineCore:
             state = replace(state, kv_cache_asleep=False)
         state.check_can_run()
 
+    def worker_rpc(self, call: str, method: str, *args: Any) -> list[Any]:
+        """`Worker.method(*args)` on every worker, answers in rank order, for `call` (the
+        `LLM` method asking: named in the error after `shutdown`)."""
+        self._check_not_shut_down(call)
+        return self.executor.collective_rpc(method, *args)
+
     def _check_not_shut_down(self, call: str) -> None:
         if self._shut_down:
             raise RuntimeError(f"{call} after shutdown(): the engine freed its model and KV "

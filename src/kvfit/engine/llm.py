@@ -210,6 +210,29 @@ class LLM:
         with self._lock:
             return self.engine.reset_prefix_cache(reset_running_requests)
 
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
+                       args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's: call a `Worker` method by name, or `method(worker, *args, **kwargs)`, on
+        every worker (tensor-parallel ranks); their answers in rank order, between two steps.
+        With worker processes (`distributed_executor_backend="mp"`) a callable, its arguments
+        and its answer must pickle (a module-level function). `timeout` is refused: a call
+        runs to its end here."""
+        if timeout is not None:
+            raise ValueError(f"collective_rpc(timeout={timeout!r}) is not supported: a call "
+                             f"runs to its end; leave timeout None")
+        with self._lock:
+            return self.engine.worker_rpc("collective_rpc()", "run_rpc", method, tuple(args),
+                                          dict(kwargs or {}))
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        """vLLM's: `func(model)` on each worker's model (kvfit's modules, Hugging Face names
+        for the weights), between two steps; the answers in rank order. A `func` that changes
+        weights in place should be followed by `reset_prefix_cache()` (`load_weights` does
+        that itself). `RuntimeError` while the weights are asleep."""
+        with self._lock:
+            return self.engine.worker_rpc("apply_model()", "apply_model", func)
+
     def get_metrics(self) -> list[Metric]:
         """The engine's figures now, vLLM's `get_metrics()` loosely: a list of `Metric`
         (`name`, `kind` "gauge" or "counter", `value`, `labels`, `help`), the same figures the

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -556,6 +557,23 @@ class Worker:
         self.missing_weights -= load_weights(self.runner.model, weights)
         self.runner.use_checkpoint_kv_scales()  # scales among them, as a checkpoint's
         self._synchronize()
+
+    def run_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        """`self.method(*args, **kwargs)`, or `method(self, *args, **kwargs)` for a callable
+        (`LLM.collective_rpc`, vLLM's convention: executors pass positional arguments only)."""
+        if isinstance(method, str):
+            return getattr(self, method)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> Any:
+        """`func(model)` on this worker's model (`LLM.apply_model`)."""
+        state = self.sleep_state()
+        if state.weights_asleep or state.missing_weights:
+            # Asleep, their pages are unmapped: reading them would fault.
+            raise RuntimeError("apply_model() while the weights are asleep or not loaded "
+                               "since a level 2 sleep: call wake_up() (or load_weights) first")
+        return func(self.runner.model)
 
     def sleep_state(self) -> SleepState:
         """What is asleep on this worker now."""
