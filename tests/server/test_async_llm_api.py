@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvfit import SamplingParams
 from kvfit.engine.config import EngineArgs
@@ -65,3 +66,19 @@ def test_reset_prefix_cache_takes_vllms_arguments(engine: AsyncLLM) -> None:
     with pytest.raises(ValueError, match="reset_connector"):
         asyncio.run(engine.reset_prefix_cache(reset_connector=True))
     assert engine.is_running  # a refused call leaves the engine serving
+
+
+def test_collective_rpc_as_vllms(engine: AsyncLLM) -> None:
+    # vLLM's `await engine.collective_rpc(method, timeout, args, kwargs)` was an
+    # AttributeError. A worker method by name or a callable taking the worker; one answer per
+    # worker (the engine here runs in a process: what is sent must pickle).
+    async def run() -> tuple[list, list, list]:
+        return (await engine.collective_rpc(getattr, args=("rank",)),
+                await engine.collective_rpc("apply_model", kwargs={"func": type}),
+                await engine.collective_rpc("sleep_state"))
+
+    ranks, [model_type], [state] = asyncio.run(run())
+    assert ranks == [0] and issubclass(model_type, torch.nn.Module)
+    assert not state.is_sleeping
+    with pytest.raises(ValueError, match="timeout"):
+        asyncio.run(engine.collective_rpc("sleep_state", timeout=1.0))

@@ -513,6 +513,15 @@ class AsyncLLM:
         """The KV cache's size, bounds and resize counts, read in the engine."""
         return await self._call(_kv_cache_state)
 
+    async def collective_rpc(self, method: str | Callable[..., Any],
+                             timeout: float | None = None, args: tuple[Any, ...] = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's: `LLM.collective_rpc` in the engine, between two steps: a `Worker` method by
+        name, or `method(worker, *args, **kwargs)`, on every worker; answers in rank order.
+        In an engine process a callable (a module-level function), its arguments and the
+        answers must pickle. `timeout` is refused (ValueError): a call runs to its end."""
+        return await self._call("collective_rpc", method, timeout, tuple(args), kwargs)
+
     async def call_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(llm, *args)` in the engine between two steps and return its result (its
         error is raised here). In an engine process `fn` (a module-level function), its
