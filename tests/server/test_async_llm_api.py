@@ -82,3 +82,20 @@ def test_collective_rpc_as_vllms(engine: AsyncLLM) -> None:
     assert not state.is_sleeping
     with pytest.raises(ValueError, match="timeout"):
         asyncio.run(engine.collective_rpc("sleep_state", timeout=1.0))
+
+
+def test_from_engine_args_is_vllms_constructor(model_path: Path) -> None:
+    # vLLM's scripts start with `AsyncLLM.from_engine_args(engine_args)`: an AttributeError.
+    args = EngineArgs(**engine_kwargs(model_path))
+    with pytest.raises(ValueError, match="stat_loggers"):
+        AsyncLLM.from_engine_args(args, stat_loggers=[object])
+    engine = AsyncLLM.from_engine_args(args, start_engine_loop=True, engine_process=False)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=3)
+
+        async def run() -> RequestOutput:
+            return [out async for out in engine.generate("The sky is", params, "a")][-1]
+
+        assert len(asyncio.run(run()).outputs[0].token_ids) == 3
+    finally:
+        engine.shutdown()

@@ -367,6 +367,20 @@ class AsyncLLM:
         self._input_processor = InputProcessor(self.config, self.tokenizer)
         self._detokenizer = Detokenizer(self.tokenizer)
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, start_engine_loop: bool = True,
+                         usage_context: Any = None, stat_loggers: list[Any] | None = None,
+                         *, engine_process: bool = True, stream_interval: int = 1) -> AsyncLLM:
+        """vLLM's constructor, `AsyncLLM.from_engine_args(engine_args)` (kvfit's `EngineArgs`
+        are its `AsyncEngineArgs`). `start_engine_loop` and `usage_context` ask for nothing
+        here (the engine starts here; nothing is reported anywhere, as vLLM's v1 engine starts
+        regardless too); custom `stat_loggers` are refused."""
+        if stat_loggers:
+            raise ValueError("AsyncLLM.from_engine_args(stat_loggers=...): custom stat loggers "
+                             "are not supported; read AsyncLLM.stats() or the server's "
+                             "/metrics instead")
+        return cls(engine_args, engine_process=engine_process, stream_interval=stream_interval)
+
     @property
     def vllm_config(self) -> EngineConfig:
         """vLLM's name for the engine's configuration (`config`; the same sub-configs:
