@@ -99,3 +99,22 @@ def test_from_engine_args_is_vllms_constructor(model_path: Path) -> None:
         assert len(asyncio.run(run()).outputs[0].token_ids) == 3
     finally:
         engine.shutdown()
+
+
+def test_generate_takes_vllms_keywords_that_ask_for_nothing(engine: AsyncLLM) -> None:
+    # Frameworks on vLLM pass `lora_request=None` (and `trace_headers`, ...) to `generate`:
+    # each was a TypeError. Those asking for nothing are taken; the rest refused by name.
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+
+    async def run(**kwargs: object) -> RequestOutput:
+        return [out async for out in engine.generate("The sky is", params, **kwargs)][-1]
+
+    taken = asyncio.run(run(lora_request=None, tokenization_kwargs={}, data_parallel_rank=0,
+                            trace_headers={"traceparent": "00-0-0-01"}))
+    assert taken.outputs[0].token_ids == asyncio.run(run()).outputs[0].token_ids
+    for refused, name in [({"lora_request": object()}, "lora_request"),
+                          ({"tokenization_kwargs": {"truncation": True}}, "tokenization_kwargs"),
+                          ({"data_parallel_rank": 1}, "data_parallel_rank")]:
+        with pytest.raises(ValueError, match=name):
+            asyncio.run(run(**refused))
+    assert engine.num_requests == 0  # nothing was queued for a refused call

@@ -602,11 +602,26 @@ class AsyncLLM:
         return stream
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams,
-                       request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0, *,
+                       lora_request: Any = None, tokenization_kwargs: dict[str, Any] | None = None,
+                       trace_headers: Any = None, data_parallel_rank: int | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """`add_request` and iterate its stream; leaving early aborts the request. The
         arguments are named as vLLM's (`generate(prompt=..., sampling_params=...,
-        request_id=...)`, as its examples call it)."""
+        request_id=...)`, as its examples call it). Of vLLM's other keywords, those that ask
+        for nothing are taken (`lora_request=None`, `tokenization_kwargs` None or empty,
+        `data_parallel_rank` None or 0, `trace_headers`: there is no tracing to carry them
+        to); a LoRA adapter, tokenizer arguments or another rank are refused (ValueError)."""
+        if lora_request is not None:
+            raise ValueError("generate(lora_request=...): LoRA adapters are not supported; "
+                             "pass lora_request=None (serve a merged model instead)")
+        if tokenization_kwargs:
+            raise ValueError(f"generate(tokenization_kwargs={tokenization_kwargs!r}) is not "
+                             f"supported: tokenize the prompt yourself and pass "
+                             f"{{'prompt_token_ids': [...]}}")
+        if data_parallel_rank not in (None, 0):
+            raise ValueError(f"generate(data_parallel_rank={data_parallel_rank!r}): there is one "
+                             f"engine (no data parallelism); pass None or 0")
         async for output in self.add_request(prompt, sampling_params, request_id, priority):
             yield output
 
