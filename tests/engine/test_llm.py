@@ -676,3 +676,27 @@ def test_apply_model_and_collective_rpc_as_vllms(qwen3: Path) -> None:
         assert llm.apply_model(_num_parameters) == [count]
     finally:
         llm.shutdown()
+
+
+def test_vllms_lora_and_tokenization_keywords_that_ask_for_nothing(qwen3_llm: LLM) -> None:
+    # vLLM scripts pass `lora_request=None` to `generate` and `chat`: a TypeError. Taken when
+    # it asks for nothing (None, or None per prompt); an adapter or tokenizer arguments are
+    # refused by name, before anything is queued.
+    prompts = token_prompts([[3, 4, 5], [6, 7]])
+    expected = [o.outputs[0].token_ids for o in qwen3_llm.generate(prompts, greedy(),
+                                                                     use_tqdm=False)]
+    for kwargs in ({"lora_request": None, "tokenization_kwargs": None},
+                   {"lora_request": [None, None], "tokenization_kwargs": {}}):
+        outputs = qwen3_llm.generate(prompts, greedy(), use_tqdm=False, **kwargs)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    conversation = [{"role": "user", "content": "Hi"}]
+    [chat] = qwen3_llm.chat(conversation, greedy(2), use_tqdm=False, lora_request=None)
+    assert len(chat.outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match=r"generate\(lora_request=...\): LoRA"):
+        qwen3_llm.generate(prompts, greedy(), use_tqdm=False, lora_request=object())
+    with pytest.raises(ValueError, match="tokenization_kwargs"):
+        qwen3_llm.generate(prompts, greedy(), use_tqdm=False,
+                           tokenization_kwargs={"truncation": True})
+    with pytest.raises(ValueError, match=r"chat\(lora_request=...\): LoRA"):
+        qwen3_llm.chat(conversation, greedy(), use_tqdm=False, lora_request=object())
+    assert not qwen3_llm.engine.has_unfinished()

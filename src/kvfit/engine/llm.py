@@ -20,7 +20,13 @@ from kvfit.engine.input_processor import InputProcessor
 from kvfit.engine.kv_resize import KVCacheResize
 from kvfit.engine.metrics import Metric, RequestCounts, engine_metrics
 from kvfit.engine.outputs import RequestOutput
-from kvfit.engine.prompts import Prompt, batch_args, describe, priorities
+from kvfit.engine.prompts import (
+    Prompt,
+    batch_args,
+    check_vllm_request_args,
+    describe,
+    priorities,
+)
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
@@ -259,12 +265,18 @@ class LLM:
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         use_tqdm: UseTqdm = True,
         priority: SequenceOf[int] | None = None,
+        *,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string, `{"prompt": "text"}` or
         `{"prompt_token_ids": [...]}`, vLLM's forms); results in input order.
         `sampling_params` is one for all prompts or one per prompt; None takes
         `get_default_sampling_params()`. `priority` (vLLM's, one int per prompt; lower
-        runs first) needs `scheduling_policy="priority"` unless every value is 0."""
+        runs first) needs `scheduling_policy="priority"` unless every value is 0. vLLM's
+        `lora_request` and `tokenization_kwargs` are taken where they ask for nothing (None),
+        else refused (ValueError)."""
+        check_vllm_request_args("generate", lora_request, tokenization_kwargs)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         prompts, sampling_params = batch_args(prompts, sampling_params)
@@ -295,6 +307,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of `{"role", "content"}` messages) or
         a list of conversations, rendered with the tokenizer's chat template (or
@@ -303,7 +316,8 @@ class LLM:
         them); `continue_final_message` leaves the last message open for the model to continue
         (an assistant prefill; with `add_generation_prompt=False`); `chat_template_kwargs` are
         the template's own variables (e.g. Qwen3's `enable_thinking`); `tools` are passed to
-        the template as they are."""
+        the template as they are. vLLM's `lora_request` is taken as None, else refused."""
+        check_vllm_request_args("chat", lora_request)
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer and the model folder has none")
         if continue_final_message and add_generation_prompt:

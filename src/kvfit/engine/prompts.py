@@ -105,3 +105,17 @@ def check_priority(value: Any) -> int:
     if not is_int(value):
         raise TypeError(f"priority must be an int; got {describe(value)}")
     return int(value)
+
+
+def check_vllm_request_args(call: str, lora_request: Any = None,
+                            tokenization_kwargs: dict[str, Any] | None = None) -> None:
+    """vLLM's per-request keywords of `generate` and `chat`: taken where they ask for nothing
+    (`lora_request=None`, no `tokenization_kwargs`), else ValueError naming the argument."""
+    if lora_request is not None and not (isinstance(lora_request, Sequence)
+                                         and all(r is None for r in lora_request)):
+        raise ValueError(f"{call}(lora_request=...): LoRA adapters are not supported; pass "
+                         f"lora_request=None (serve a merged model instead)")
+    if tokenization_kwargs:
+        raise ValueError(f"{call}(tokenization_kwargs={tokenization_kwargs!r}) is not "
+                         f"supported: tokenize the prompt yourself and pass "
+                         f"{{'prompt_token_ids': [...]}}")

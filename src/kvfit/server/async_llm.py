@@ -20,7 +20,7 @@ from kvfit.engine.engine_core import EngineStats
 from kvfit.engine.input_processor import InputProcessor, Prompt
 from kvfit.engine.kv_resize import KVCacheResize
 from kvfit.engine.outputs import CompletionOutput, RequestOutput
-from kvfit.engine.prompts import check_priority
+from kvfit.engine.prompts import check_priority, check_vllm_request_args
 from kvfit.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
@@ -612,13 +612,7 @@ class AsyncLLM:
         for nothing are taken (`lora_request=None`, `tokenization_kwargs` None or empty,
         `data_parallel_rank` None or 0, `trace_headers`: there is no tracing to carry them
         to); a LoRA adapter, tokenizer arguments or another rank are refused (ValueError)."""
-        if lora_request is not None:
-            raise ValueError("generate(lora_request=...): LoRA adapters are not supported; "
-                             "pass lora_request=None (serve a merged model instead)")
-        if tokenization_kwargs:
-            raise ValueError(f"generate(tokenization_kwargs={tokenization_kwargs!r}) is not "
-                             f"supported: tokenize the prompt yourself and pass "
-                             f"{{'prompt_token_ids': [...]}}")
+        check_vllm_request_args("generate", lora_request, tokenization_kwargs)
         if data_parallel_rank not in (None, 0):
             raise ValueError(f"generate(data_parallel_rank={data_parallel_rank!r}): there is one "
                              f"engine (no data parallelism); pass None or 0")
