@@ -700,3 +700,10 @@ def test_vllms_lora_and_tokenization_keywords_that_ask_for_nothing(qwen3_llm: LL
     with pytest.raises(ValueError, match=r"chat\(lora_request=...\): LoRA"):
         qwen3_llm.chat(conversation, greedy(), use_tqdm=False, lora_request=object())
     assert not qwen3_llm.engine.has_unfinished()
+
+
+def test_profiling_calls_say_how_to_profile(qwen3_llm: LLM) -> None:
+    # vLLM's `LLM.start_profile()` / `stop_profile()` were AttributeErrors.
+    for call in (qwen3_llm.start_profile, qwen3_llm.stop_profile):
+        with pytest.raises(NotImplementedError, match="profile_run"):
+            call()

@@ -118,3 +118,11 @@ def test_generate_takes_vllms_keywords_that_ask_for_nothing(engine: AsyncLLM) ->
         with pytest.raises(ValueError, match=name):
             asyncio.run(run(**refused))
     assert engine.num_requests == 0  # nothing was queued for a refused call
+
+
+def test_profiling_calls_say_how_to_profile(engine: AsyncLLM) -> None:
+    # vLLM's `await engine.start_profile()` / `stop_profile()` were AttributeErrors; there is
+    # no engine profiler here: the error says how to profile instead.
+    for call in (engine.start_profile(), engine.stop_profile()):
+        with pytest.raises(NotImplementedError, match="torch.profiler"):
+            asyncio.run(call)

@@ -37,6 +37,10 @@ from kvfit.models.loader import load_tokenizer
 logger = logging.getLogger(__name__)
 
 Message = dict[str, str]
+_NO_PROFILER = ("{call}: kvfit's engine has no profiler to start or stop; run LLM.generate "
+                "under torch.profiler.profile() in your process, or "
+                "kvfit.benchmarks.profiling.profile_run(run, llm, device), which annotates each "
+                "engine step")
 # Whether to show a progress bar, or (vLLM's) a tqdm class or factory that makes it.
 UseTqdm = bool | Callable[..., tqdm]
 
@@ -238,6 +242,16 @@ class LLM:
         that itself). `RuntimeError` while the weights are asleep."""
         with self._lock:
             return self.engine.worker_rpc("apply_model()", "apply_model", func)
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """vLLM's: refused (NotImplementedError): the engine has no profiler of its own. Its
+        steps run in this process: wrap the calls in `torch.profiler.profile()`, or use
+        `kvfit.benchmarks.profiling.profile_run(run, llm, device)` (steps annotated)."""
+        raise NotImplementedError(_NO_PROFILER.format(call="LLM.start_profile()"))
+
+    def stop_profile(self) -> None:
+        """vLLM's: refused, as `start_profile`."""
+        raise NotImplementedError(_NO_PROFILER.format(call="LLM.stop_profile()"))
 
     def get_metrics(self) -> list[Metric]:
         """The engine's figures now, vLLM's `get_metrics()` loosely: a list of `Metric`

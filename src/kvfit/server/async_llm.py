@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 EngineClientFactory = Callable[[EngineArgs, OnOutputs, OnDead],
                                "EngineProcess | InThreadEngine | AttachedEngine"]
 _Item = RequestDelta | PlainDelta | BaseException  # what a stream carries
+_NO_PROFILER = ("AsyncLLM.{call}: kvfit's engine has no profiler to start or stop; profile it "
+                "in your process: AsyncLLM(engine_args, engine_process=False) under "
+                "torch.profiler.profile(), or LLM.generate with "
+                "kvfit.benchmarks.profiling.profile_run(run, llm, device)")
 
 
 class _Stream:
@@ -535,6 +539,14 @@ class AsyncLLM:
         In an engine process a callable (a module-level function), its arguments and the
         answers must pickle. `timeout` is refused (ValueError): a call runs to its end."""
         return await self._call("collective_rpc", method, timeout, tuple(args), kwargs)
+
+    async def start_profile(self, profile_prefix: str | None = None) -> None:
+        """vLLM's: refused (NotImplementedError): the engine has no profiler of its own."""
+        raise NotImplementedError(_NO_PROFILER.format(call="start_profile()"))
+
+    async def stop_profile(self) -> None:
+        """vLLM's: refused, as `start_profile`."""
+        raise NotImplementedError(_NO_PROFILER.format(call="stop_profile()"))
 
     async def call_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(llm, *args)` in the engine between two steps and return its result (its
