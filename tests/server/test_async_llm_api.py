@@ -126,3 +126,18 @@ def test_profiling_calls_say_how_to_profile(engine: AsyncLLM) -> None:
     for call in (engine.start_profile(), engine.stop_profile()):
         with pytest.raises(NotImplementedError, match="torch.profiler"):
             asyncio.run(call)
+
+
+@pytest.mark.parametrize(("params", "hint"), [(None, "got None"),
+                                              ({"max_tokens": 3}, r"SamplingParams\(\*\*params\)")])
+def test_sampling_params_of_another_type_are_named(engine: AsyncLLM, params: object,
+                                                   hint: str) -> None:
+    # `generate(prompt, None)` or a dict of params was an AttributeError ('NoneType' object has
+    # no attribute 'detokenize') from deep inside; it names the argument, and nothing is queued.
+    async def run() -> None:
+        async for _ in engine.generate("The sky is", params):  # type: ignore[arg-type]
+            pass
+
+    with pytest.raises(TypeError, match=f"sampling_params must be a SamplingParams; .*{hint}"):
+        asyncio.run(run())
+    assert engine.num_requests == 0

@@ -20,7 +20,7 @@ from kvfit.engine.engine_core import EngineStats
 from kvfit.engine.input_processor import InputProcessor, Prompt
 from kvfit.engine.kv_resize import KVCacheResize
 from kvfit.engine.outputs import CompletionOutput, RequestOutput
-from kvfit.engine.prompts import check_priority, check_vllm_request_args
+from kvfit.engine.prompts import check_priority, check_vllm_request_args, describe
 from kvfit.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
@@ -588,6 +588,10 @@ class AsyncLLM:
         for its outputs. Raises ValueError for a request the engine would refuse; `priority`
         (vLLM's; lower runs first) needs the engine's `scheduling_policy="priority"` unless
         it is 0."""
+        if not isinstance(params, SamplingParams):  # else an AttributeError deep inside
+            hint = " (build one: SamplingParams(**params))" if isinstance(params, dict) else ""
+            raise TypeError(f"sampling_params must be a SamplingParams; got "
+                            f"{describe(params)}{hint}")
         priority = check_priority(priority)
         self._check_alive()
         if self._is_sleeping or self._sleeps_underway:
