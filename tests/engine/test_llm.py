@@ -707,3 +707,19 @@ def test_profiling_calls_say_how_to_profile(qwen3_llm: LLM) -> None:
     for call in (qwen3_llm.start_profile, qwen3_llm.stop_profile):
         with pytest.raises(NotImplementedError, match="profile_run"):
             call()
+
+
+def test_chat_takes_vllms_chat_template_content_format(qwen3_llm: LLM) -> None:
+    # vLLM's `chat(..., chat_template_content_format=...)` was a TypeError. Text parts reach
+    # the template joined ("string", what "auto" picks for a text template); "openai" refused.
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                 {"type": "text", "text": "there"}]}]
+    [chat] = qwen3_llm.chat(conversation, greedy(2), use_tqdm=False)
+    for content_format in ("auto", "string"):
+        [same] = qwen3_llm.chat(conversation, greedy(2), use_tqdm=False,
+                                chat_template_content_format=content_format)
+        assert same.outputs[0].token_ids == chat.outputs[0].token_ids
+        assert same.prompt == chat.prompt and "Hi\nthere" in same.prompt
+    with pytest.raises(ValueError, match="chat_template_content_format='openai'"):
+        qwen3_llm.chat(conversation, greedy(), use_tqdm=False,
+                       chat_template_content_format="openai")

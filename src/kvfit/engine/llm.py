@@ -322,6 +322,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         lora_request: Any = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of `{"role", "content"}` messages) or
         a list of conversations, rendered with the tokenizer's chat template (or
@@ -330,8 +331,14 @@ class LLM:
         them); `continue_final_message` leaves the last message open for the model to continue
         (an assistant prefill; with `add_generation_prompt=False`); `chat_template_kwargs` are
         the template's own variables (e.g. Qwen3's `enable_thinking`); `tools` are passed to
-        the template as they are. vLLM's `lora_request` is taken as None, else refused."""
+        the template as they are. vLLM's `lora_request` is taken as None, else refused.
+        `chat_template_content_format` (vLLM's): "auto" and "string" render text parts
+        joined, as above; "openai" (the parts as a list) is refused."""
         check_vllm_request_args("chat", lora_request)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r} "
+                             f"is not supported: a message's text parts reach the template "
+                             f"joined into one string; pass 'auto' or 'string'")
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer and the model folder has none")
         if continue_final_message and add_generation_prompt:
