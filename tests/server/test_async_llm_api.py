@@ -4,8 +4,10 @@ trainer) runs against kvfit's, under vLLM's names and calling conventions."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
+import engine_hooks
 import pytest
 import torch
 
@@ -141,3 +143,25 @@ def test_sampling_params_of_another_type_are_named(engine: AsyncLLM, params: obj
     with pytest.raises(TypeError, match=f"sampling_params must be a SamplingParams; .*{hint}"):
         asyncio.run(run())
     assert engine.num_requests == 0
+
+
+def test_shutdown_takes_vllms_timeout(model_path: Path) -> None:
+    # vLLM's `shutdown(timeout=...)` was a TypeError. An engine process busy past it (here
+    # held between two steps for a minute) is terminated instead of waited for.
+    engine = AsyncLLM(EngineArgs(**engine_kwargs(model_path)))
+
+    async def hold_and_shut_down() -> float:
+        held = asyncio.ensure_future(engine.call_engine(engine_hooks.pause, 60.0))
+        await asyncio.sleep(0.5)  # the engine is inside the call
+        start = time.monotonic()
+        engine.shutdown(timeout=1.0)
+        elapsed = time.monotonic() - start
+        with pytest.raises(EngineDeadError):
+            await held
+        return elapsed
+
+    try:
+        assert asyncio.run(hold_and_shut_down()) < 20
+        assert engine.errored
+    finally:
+        engine.shutdown()

@@ -649,10 +649,15 @@ class AsyncLLM:
                     self._client.send(("abort", one))
         return _DONE
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine and free the model and KV cache (in-flight requests fail with
-        `EngineDeadError`)."""
-        self._client.shutdown()
+        `EngineDeadError`). `timeout` (vLLM's): how long an engine process may take to stop
+        before it is terminated (None: the client's own bound, 60 s); an engine on a thread
+        stops between two steps regardless."""
+        if timeout is None:
+            self._client.shutdown()  # a client from a `client` factory may take no timeout
+        else:
+            self._client.shutdown(timeout)
 
     # --- Called from the engine's thread (in-thread) or the output reader (process) ---
 

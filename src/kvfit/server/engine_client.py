@@ -214,11 +214,13 @@ class InThreadEngine:
             raise EngineDeadError("the engine is not running")
         self._loop.submit(command)
 
-    def shutdown(self) -> None:
-        """Stop the loop and free the model and KV cache."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the loop and free the model and KV cache. `timeout` bounds the wait for the
+        loop; the model is freed only between two steps all the same (a thread cannot be
+        stopped in one)."""
         if self._thread.is_alive():
             self._loop.submit(("stop",))
-            self._thread.join()
+            self._thread.join(timeout)
         self._llm.shutdown()
 
 
@@ -309,17 +311,19 @@ class EngineProcess:
         except OSError as e:  # shut down, or the process died
             raise EngineDeadError("the engine process is gone") from e
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Ask the engine to stop (it frees its model and cache) and wait for it; terminate
-        it after `stop_timeout_s`, kill it if that fails. Idempotent."""
+        it after `timeout` seconds (None: `stop_timeout_s`), kill it if that fails.
+        Idempotent."""
         if self._stopping:
             return
         self._stopping = True
         atexit.unregister(self.shutdown)
         with contextlib.suppress(EngineDeadError):
             self.send(("stop",))
-        deadline = time.monotonic() + self._stop_timeout_s  # for the write and the exit both
-        self._outbox.close(timeout=self._stop_timeout_s)
+        stop_timeout_s = self._stop_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + stop_timeout_s  # for the write and the exit both
+        self._outbox.close(timeout=stop_timeout_s)
         self._process.join(timeout=max(0.0, deadline - time.monotonic()))
         for end in (self._process.terminate, self._process.kill):
             if self._process.exitcode is not None:
@@ -394,13 +398,13 @@ class AttachedEngine:
         except OSError as e:
             raise EngineDeadError("the engine process is gone") from e
 
-    def shutdown(self) -> None:
-        """Detach from the engine: send what is queued, then close the pipe (the engine aborts
-        this process's requests). Idempotent."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Detach from the engine: send what is queued (for at most `timeout` seconds, None:
+        5), then close the pipe (the engine aborts this process's requests). Idempotent."""
         if self._stopping:
             return
         self._stopping = True
-        self._outbox.close(timeout=5)
+        self._outbox.close(timeout=5 if timeout is None else timeout)
         # Shut the socket down rather than only closing it: that wakes the reader blocked
         # on it (a close under a blocked read does not) and is the engine's EOF.
         with contextlib.suppress(OSError), socket.socket(fileno=os.dup(self._conn.fileno())) as s:
