@@ -145,6 +145,13 @@ def test_sampling_params_of_another_type_are_named(engine: AsyncLLM, params: obj
     assert engine.num_requests == 0
 
 
+def test_vllms_add_request_order_is_named(engine: AsyncLLM) -> None:
+    # vLLM's `add_request(request_id, prompt, params)` put the id where the prompt goes here.
+    with pytest.raises(TypeError, match=r"vLLM's add_request\(request_id, prompt, params\)"):
+        engine.add_request("req-1", "The sky is", SamplingParams())  # type: ignore[arg-type]
+    assert engine.num_requests == 0
+
+
 def test_shutdown_takes_vllms_timeout(model_path: Path) -> None:
     # vLLM's `shutdown(timeout=...)` was a TypeError. An engine process busy past it (here
     # held between two steps for a minute) is terminated instead of waited for.

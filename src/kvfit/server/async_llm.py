@@ -590,6 +590,9 @@ class AsyncLLM:
         it is 0."""
         if not isinstance(params, SamplingParams):  # else an AttributeError deep inside
             hint = " (build one: SamplingParams(**params))" if isinstance(params, dict) else ""
+            if isinstance(request_id, SamplingParams):
+                hint = (" (the arguments are in vLLM's add_request(request_id, prompt, params) "
+                        "order: here it is add_request(prompt, sampling_params, request_id))")
             raise TypeError(f"sampling_params must be a SamplingParams; got "
                             f"{describe(params)}{hint}")
         priority = check_priority(priority)
