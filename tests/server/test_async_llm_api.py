@@ -60,6 +60,16 @@ def test_the_tokenizer_and_configs_under_vllms_names(engine: AsyncLLM) -> None:
     assert engine.vllm_config.scheduler_config.max_num_seqs == 64
 
 
+def test_vllms_engine_client_coroutines(engine: AsyncLLM) -> None:
+    # vLLM's EngineClient coroutines that code written for its older releases, or for its
+    # serving layer, awaits: each was an AttributeError.
+    async def run() -> tuple:
+        return (await engine.get_model_config(), await engine.get_vllm_config(),
+                await engine.get_supported_tasks(), await engine.is_tracing_enabled())
+
+    assert asyncio.run(run()) == (engine.model_config, engine.config, ("generate",), False)
+
+
 def test_reset_prefix_cache_takes_vllms_arguments(engine: AsyncLLM) -> None:
     # vLLM's `reset_prefix_cache(reset_running_requests, reset_connector)`: `reset_connector`
     # was a TypeError; False resets, True is refused as `LLM.reset_prefix_cache` refuses it.

@@ -396,6 +396,22 @@ class AsyncLLM:
         """vLLM's: the model's configuration (`max_model_len`, `hf_config`, `dtype`, ...)."""
         return self.config.model_config
 
+    async def get_vllm_config(self) -> EngineConfig:
+        """vLLM's older coroutine for `vllm_config`."""
+        return self.config
+
+    async def get_model_config(self) -> ModelConfig:
+        """vLLM's older coroutine for `model_config`."""
+        return self.config.model_config
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: what the engine serves, text generation alone."""
+        return ("generate",)
+
+    async def is_tracing_enabled(self) -> bool:
+        """vLLM's: False, there is no OpenTelemetry tracing here."""
+        return False
+
     def get_tokenizer(self) -> Any | None:
         """vLLM's: the tokenizer prompts are tokenized and text decoded with (`--tokenizer`,
         else the model's), or None for a model folder without one (token-id prompts only),
