@@ -4,6 +4,7 @@ trainer) runs against kvfit's, under vLLM's names and calling conventions."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
@@ -182,3 +183,11 @@ def test_shutdown_takes_vllms_timeout(model_path: Path) -> None:
         assert engine.errored
     finally:
         engine.shutdown()
+
+
+def test_do_log_stats_logs_the_engines_figures(engine: AsyncLLM,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    # vLLM's servers await `engine.do_log_stats()` every few seconds: an AttributeError.
+    with caplog.at_level(logging.INFO, logger="kvfit.server.async_llm"):
+        asyncio.run(engine.do_log_stats())
+    assert any(r.getMessage().startswith("AsyncLLM: running 0 seqs") for r in caplog.records)

@@ -43,6 +43,7 @@ from kvfit.server.engine_messages import (
     RequestDelta,
     RequestFailedError,
 )
+from kvfit.server.stats_logger import stats_line
 
 if TYPE_CHECKING:
     from kvfit.engine.llm import LLM
@@ -407,6 +408,11 @@ class AsyncLLM:
     async def get_supported_tasks(self) -> tuple[str, ...]:
         """vLLM's: what the engine serves, text generation alone."""
         return ("generate",)
+
+    async def do_log_stats(self) -> None:
+        """vLLM's: log the engine's figures now (INFO), one line as `kvfit serve` prints:
+        queues, KV cache use, prefix cache hit rate, preemptions."""
+        logger.info(stats_line(self._stats, source="AsyncLLM"))
 
     async def is_tracing_enabled(self) -> bool:
         """vLLM's: False, there is no OpenTelemetry tracing here."""

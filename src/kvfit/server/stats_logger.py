@@ -15,15 +15,17 @@ if TYPE_CHECKING:
 LOG_STATS_INTERVAL_S = 10.0
 
 
-def stats_line(s: EngineStats, throughput: tuple[float, float] | None = None) -> str:
+def stats_line(s: EngineStats, throughput: tuple[float, float] | None = None,
+               source: str = "kvfit serve") -> str:
     """One line of queues, KV cache use, prefix cache hit rate and preemptions, after
-    `throughput` (prompt, generation tokens/s) in vLLM's words where given."""
+    `throughput` (prompt, generation tokens/s) in vLLM's words where given, led by
+    `source`."""
     in_use = s.num_blocks - s.num_free_blocks
     hit_rate = s.prefix_cache_hit_tokens / max(s.prefix_cache_queried_tokens, 1)
     rates = "" if throughput is None else (
         f"Avg prompt throughput: {throughput[0]:.1f} tokens/s, Avg generation throughput: "
         f"{throughput[1]:.1f} tokens/s, ")
-    return (f"kvfit serve: {rates}running {s.num_running} seqs, waiting {s.num_waiting}, KV cache "
+    return (f"{source}: {rates}running {s.num_running} seqs, waiting {s.num_waiting}, KV cache "
             f"{in_use / s.num_blocks:.1%} of {s.num_blocks:,} blocks, prefix cache hit rate "
             f"{hit_rate:.1%}, preemptions {s.num_preemptions}")
 
