@@ -459,3 +459,23 @@ def test_a_rank_whose_engine_died_mid_call_exits_quietly(method: str) -> None:
             raise BrokenPipeError(32, "Broken pipe")
 
     _serve(Worker(), 1, GonePipe())  # returns: nobody to answer
+
+
+def _num_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_apply_model_and_collective_rpc_reach_every_rank() -> None:
+    # vLLM's `LLM.apply_model` / `collective_rpc` over worker processes: the function and its
+    # arguments pickle to each rank (a module-level one), answers come in rank order.
+    llm = LLM("kvfit-tiny", load_format="dummy", tensor_parallel_size=2,
+              num_gpu_blocks_override=64, **LIMITS)
+    try:
+        assert llm.collective_rpc(getattr, args=("rank",)) == [0, 1]
+        sharded = llm.apply_model(_num_parameters)
+        assert len(sharded) == 2 and sharded[0] == sharded[1] > 0
+        with pytest.raises(Exception, match="pickle"):
+            llm.apply_model(lambda model: None)
+        assert generate(llm)  # a refused call leaves the engine serving
+    finally:
+        llm.shutdown()
