@@ -280,4 +280,5 @@ def uvicorn_server(app: Any, log_level: str, sigterm_only: bool = False,
 
     # uvicorn's own bound: should a request ignore its dropped connection, it is cancelled.
     return ApiServer(uvicorn.Config(app, log_level=log_level,
+                                    access_log=not app.state.config.disable_uvicorn_access_log,
                                     timeout_graceful_shutdown=timeout + 2 * SHUTDOWN_CLOSE_S))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from kvfit.server.async_llm import AsyncLLM
 from kvfit.server.body_limit import BodyLimit
 from kvfit.server.metrics import ServerMetrics
 from kvfit.server.protocol import UNSUPPORTED_FIELDS, APIError
-from kvfit.server.serving import OpenAIServing, ServeConfig
+from kvfit.server.serving import REQUEST_ID_STATE, OpenAIServing, ServeConfig
 from kvfit.server.streaming import DirectSendApp
 
 __all__ = ["ServeConfig", "build_app"]
@@ -31,7 +32,10 @@ logger = logging.getLogger(__name__)
 
 def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     """A FastAPI app serving `engine` (which it does not own: shut it down after the app)."""
-    app = DirectSendApp(title="kvfit", version=kvfit.__version__)
+    docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} \
+        if config.disable_fastapi_docs else {}
+    app = DirectSendApp(title="kvfit", version=kvfit.__version__, **docs)
+    app.served_root_path = config.root_path
     metrics = ServerMetrics(engine, config.served_model_names[0],
                             multiprocess=config.multiprocess_metrics)
     serving = OpenAIServing(engine, config, metrics)
@@ -121,6 +125,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                        allow_methods=config.allowed_methods,
                        allow_headers=config.allowed_headers,
                        allow_credentials=config.allow_credentials)
+    if config.enable_request_id_headers:
+        app.add_middleware(_RequestIdHeader)
     return app
 
 
@@ -197,3 +203,31 @@ class _InternalErrors:
             if started:  # too late for an error body: the connection has to go
                 raise
             await self.answer(e)(scope, receive, send)
+
+
+class _RequestIdHeader:
+    """ASGI middleware (`--enable-request-id-headers`): every answer carries `X-Request-Id`,
+    the id its body is named by (`cmpl-<id>`), else the client's header, else a new one, as
+    vLLM's. Outermost, so errors of the layers below carry it too."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        # The route names the answer in this dict (`serving._response_id`); one the routing's
+        # copies of the scope share.
+        state = scope.setdefault("state", {})
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                answer_id = state.get(REQUEST_ID_STATE) or next(
+                    (value.decode("latin-1") for name, value in scope["headers"]
+                     if name == b"x-request-id" and value), None) or uuid.uuid4().hex
+                message["headers"] = [*message.get("headers", ()),
+                                      (b"x-request-id", answer_id.encode("latin-1"))]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

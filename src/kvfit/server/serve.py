@@ -76,7 +76,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="run the engine core in a process of its own, fed over a pipe, so "
                         "its steps never wait on HTTP work for the GIL (--no-engine-process: "
                         "on a thread of the server's process; default: --engine-process)")
-    server.add_argument("--api-server-count", type=at_least_one("API server processes"),
+    server.add_argument("--api-server-count", "-asc", type=at_least_one("API server processes"),
                         default=1, metavar="N",
                         help="HTTP API server processes sharing the port in front of the one "
                         "engine process, so HTTP, SSE and text decoding use N GILs (needs "
@@ -103,6 +103,23 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's own log level (access and server logs; default: "
                         "%(default)s)")
+    server.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction,
+                        default=False, help="no uvicorn log line per request (default: off)")
+    server.add_argument("--root-path", type=root_path, default="", metavar="PATH",
+                        help="the path prefix a proxy serves this server under, e.g. /llm "
+                        "(FastAPI's root_path: the docs' URLs carry it, and requests are "
+                        "answered with the prefix or without it; default: none)")
+    server.add_argument("--response-role", default="assistant", metavar="ROLE",
+                        help="the role of a chat answer to a request with "
+                        "add_generation_prompt (default: %(default)s)")
+    server.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="do not serve /docs, /redoc and /openapi.json (default: off)")
+    server.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="send an X-Request-Id header with every answer: the id its body "
+                        "is named by (the client's X-Request-Id where it sends one; "
+                        "default: off)")
     parser.set_defaults(func=run_serve, serve_parser=parser, model=DEFAULT_MODEL,
                         check_args=functools.partial(check_serve_args, parser))
     return parser
@@ -155,6 +172,15 @@ def seconds(value: str) -> float:
     if not 0 <= number < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value!r}")
     return number
+
+
+def root_path(value: str) -> str:
+    """An argparse type: a URL path prefix, '' or '/...' without a trailing '/' (FastAPI
+    would otherwise match no request under it)."""
+    if value and not value.startswith("/"):
+        raise argparse.ArgumentTypeError(f"must be a path starting with '/', e.g. '/llm', got "
+                                         f"{value!r}")
+    return value.rstrip("/")
 
 
 def json_strings(value: str) -> list[str]:
@@ -470,6 +496,11 @@ def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
         allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers,
         allow_credentials=args.allow_credentials,
+        root_path=args.root_path,
+        response_role=args.response_role,
+        disable_fastapi_docs=args.disable_fastapi_docs,
+        enable_request_id_headers=args.enable_request_id_headers,
+        disable_uvicorn_access_log=args.disable_uvicorn_access_log,
     )
 
 

@@ -78,6 +78,12 @@ class ServeConfig:
     policy (vLLM's flags and defaults: every origin, method and header, no credentials); the
     server answers browsers' preflight requests and puts the headers on every answer, streamed
     ones included.
+    `root_path`: the path prefix a proxy serves the app under (FastAPI's `root_path`, vLLM's
+    `--root-path`). `response_role`: a chat answer's role where the request asks for a new
+    turn (`add_generation_prompt`; else the last message's role, as vLLM answers).
+    `disable_fastapi_docs`: no `/docs`, `/redoc` nor `/openapi.json`. `enable_request_id_headers`:
+    every answer carries an `X-Request-Id` header, the id its body is named by.
+    `disable_uvicorn_access_log`: uvicorn logs no line per request.
     `admission_counts`: with several API server processes (`--api-server-count`), each one's
     generation requests in progress, in shared memory (a `RawArray`, one entry a process,
     this one's at `api_server_index`), so that `max_concurrent_requests` bounds the server's
@@ -99,6 +105,11 @@ class ServeConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    root_path: str = ""
+    response_role: str = "assistant"
+    disable_fastapi_docs: bool = False
+    enable_request_id_headers: bool = False
+    disable_uvicorn_access_log: bool = False
     admission_counts: Any = None
     api_server_index: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
@@ -536,13 +547,17 @@ class OpenAIServing:
         streams, admission = self.start(body, [prompt], [params])
         ids = f"chatcmpl-{_response_id(request)}"
         created = int(time.time())
+        # vLLM's: the configured role answers a new turn; a continued message keeps its own.
+        role = (self.config.response_role if body.template_flags()["add_generation_prompt"]
+                else body.messages[-1].role)
         if body.stream:
             try:
                 return EventStream(stream_chat(streams[0], body, ids, created, self.model_name,
                                                engine, num_logprobs, self.stream_error,
                                                len(token_ids),
                                                self.config.enable_prompt_tokens_details,
-                                               token_ids if body.return_token_ids else None),
+                                               token_ids if body.return_token_ids else None,
+                                               role),
                                    admission.release)
             except BaseException:
                 admission.release()
@@ -552,7 +567,7 @@ class OpenAIServing:
         finally:
             admission.release()
         choices = [{"index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": {"role": role, "content": c.text},
                     "logprobs": (None if num_logprobs is None
                                  else {"content": chat_logprobs(
                                      engine, c, 0, num_logprobs,
@@ -667,12 +682,19 @@ class OpenAIServing:
         return dataclasses.asdict(event)
 
 
+REQUEST_ID_STATE = "kvfit_request_id"
+"""Where an answer's id is left in the request's scope state, for `--enable-request-id-headers`
+to send back as the `X-Request-Id` header."""
+
+
 def _response_id(request: Request) -> str:
     """An answer's id (after its `cmpl-` or `chatcmpl-`): the client's `X-Request-Id` header
     where it sends one, as vLLM's, so that a gateway's logs and the answers tie up; else a new
     one. Only a label: the engine's requests are named apart, so clients that send the same
-    header never clash."""
-    return request.headers.get("x-request-id") or uuid.uuid4().hex
+    header never clash. Left in the request's state for the response's header."""
+    answer_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    setattr(request.state, REQUEST_ID_STATE, answer_id)
+    return answer_id
 
 
 def _chat_message_size(message: ChatMessage) -> int:

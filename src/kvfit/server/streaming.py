@@ -32,10 +32,18 @@ class DirectSendApp(FastAPI):
     await an event at one event per token per stream. Those wrappers only note that the
     response started, which its start, sent through them, tells them (CORS adds its headers
     to the start, so streamed answers carry them); a middleware that changed response bodies
-    would have to go without this."""
+    would have to go without this.
+
+    `served_root_path` (`--root-path`): the prefix a proxy serves the app under, put in each
+    request's scope as FastAPI's deprecated `root_path` argument did: the docs' URLs carry
+    it, and requests are routed with the prefix or without it."""
+
+    served_root_path = ""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         scope[_SERVER_SEND] = send
+        if self.served_root_path:
+            scope["root_path"] = self.served_root_path
         await super().__call__(scope, receive, send)
 
 
@@ -260,9 +268,9 @@ async def stream_chat(stream: AsyncIterator[RequestOutput], body: ChatCompletion
                        ids: str, created: int, model: str, engine: AsyncLLM,
                        num_logprobs: int | None, engine_error: Callable[[Exception], APIError],
                        num_prompt_tokens: int, prompt_details: bool = False,
-                       prompt_token_ids: list[int] | None = None
+                       prompt_token_ids: list[int] | None = None, role: str = "assistant"
                        ) -> AsyncIterator[dict[str, Any]]:
-    """A streamed chat completion's chunks: the assistant role for every choice first, then
+    """A streamed chat completion's chunks: the `role` for every choice first, then
     each choice's new text (and logprobs), an engine error ending the stream as an error
     event. `prompt_token_ids` (vLLM's return_token_ids): sent with the role, and each
     chunk's new token ids with its text."""
@@ -272,7 +280,7 @@ async def stream_chat(stream: AsyncIterator[RequestOutput], body: ChatCompletion
     first = {"usage": usage(num_prompt_tokens, 0)} if body.continuous_usage else extra
     if prompt_token_ids is not None:
         first = {**first, "prompt_token_ids": prompt_token_ids}
-    yield {**base, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+    yield {**base, "choices": [{"index": j, "delta": {"role": role, "content": ""},
                                 "logprobs": None, "finish_reason": None}
                                for j in range(body.n)], **first}
     sent = [(0, 0, False)] * body.n  # chars, tokens, finished

@@ -1,0 +1,111 @@
+"""vLLM's frontend flags of `vllm serve` that were argparse's 'unrecognized arguments' here:
+`--root-path`, `--response-role`, `--disable-fastapi-docs`, `--enable-request-id-headers`,
+`--disable-uvicorn-access-log` and `-asc`, each doing what vLLM's does."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from kvfit.engine.config import EngineArgs
+from kvfit.server import serve
+from kvfit.server.api_servers import uvicorn_server
+
+from .conftest import ServerThread
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+
+
+def _args(*flags: str) -> argparse.Namespace:
+    root = argparse.ArgumentParser(prog="kvfit")
+    serve.add_serve_parser(root.add_subparsers(dest="command", required=True))
+    return root.parse_args(["serve", "m", *flags])
+
+
+def test_the_flags_reach_the_serve_config() -> None:
+    config = serve._serve_config(_args(), EngineArgs(model="m"))
+    assert (config.root_path, config.response_role, config.disable_fastapi_docs,
+            config.enable_request_id_headers, config.disable_uvicorn_access_log) == (
+        "", "assistant", False, False, False)
+    args = _args("--root-path", "/llm/", "--response-role", "bot", "--disable-fastapi-docs",
+                 "--enable-request-id-headers", "--disable-uvicorn-access-log", "-asc", "3")
+    config = serve._serve_config(args, EngineArgs(model="m"))
+    assert (config.root_path, config.response_role, config.disable_fastapi_docs,
+            config.enable_request_id_headers, config.disable_uvicorn_access_log) == (
+        "/llm", "bot", True, True, True)
+    assert args.api_server_count == 3
+
+
+def test_a_root_path_without_its_slash_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _args("--root-path", "llm")
+    assert "--root-path" in capsys.readouterr().err
+
+
+def test_root_path_serves_under_the_prefix_and_the_docs_carry_it(
+        start_server: Callable[..., ServerThread]) -> None:
+    url = start_server(root_path="/llm").url
+    # A proxy that strips the prefix, and one that passes it on: both answered.
+    for path in ("/v1/models", "/llm/v1/models"):
+        assert httpx.get(url + path).status_code == 200, path
+    spec = httpx.get(f"{url}/openapi.json").json()
+    assert spec["servers"] == [{"url": "/llm"}]
+
+
+def test_disable_fastapi_docs(start_server: Callable[..., ServerThread]) -> None:
+    url = start_server().url
+    assert httpx.get(f"{url}/docs").status_code == 200
+    url = start_server(disable_fastapi_docs=True).url
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(url + path).status_code == 404, path
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_response_role_names_the_chat_answers_role(
+        start_server: Callable[..., ServerThread]) -> None:
+    url = start_server(response_role="bot").url
+    r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "bot"
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**CHAT, "stream": True},
+                      timeout=60) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line.startswith("data:"))[6:])
+    assert first["choices"][0]["delta"]["role"] == "bot"
+    # A continued final message keeps its own role, as vLLM answers it.
+    body = {**CHAT, "messages": [*CHAT["messages"], {"role": "assistant", "content": "Well"}],
+            "continue_final_message": True, "add_generation_prompt": False}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_request_id_headers_name_the_answer(start_server: Callable[..., ServerThread]) -> None:
+    plain = start_server().url
+    r = httpx.post(f"{plain}/v1/chat/completions", json=CHAT, timeout=60)
+    assert "x-request-id" not in r.headers  # off by default, as in vLLM
+    url = start_server(enable_request_id_headers=True).url
+    r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60)
+    assert r.json()["id"] == f"chatcmpl-{r.headers['x-request-id']}"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                   headers={"X-Request-Id": "trace-9"}, timeout=60)
+    assert (r.headers["x-request-id"], r.json()["id"]) == ("trace-9", "cmpl-trace-9")
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                      json={"prompt": "x", "max_tokens": 2, "stream": True}) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line.startswith("data:"))[6:])
+        assert first["id"] == f"cmpl-{r.headers['x-request-id']}"
+    # Errors and other routes carry one too.
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": -5},
+                   headers={"X-Request-Id": "bad-1"})
+    assert r.status_code == 400 and r.headers["x-request-id"] == "bad-1"
+    assert httpx.get(f"{url}/health").headers["x-request-id"]
+
+
+@pytest.mark.parametrize("off", [False, True])
+def test_disable_uvicorn_access_log(start_server: Callable[..., ServerThread],
+                                    off: bool) -> None:
+    app = start_server(disable_uvicorn_access_log=off).server.config.app
+    assert uvicorn_server(app, "info").config.access_log is not off
