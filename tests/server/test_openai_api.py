@@ -1045,3 +1045,25 @@ def test_a_route_not_served_says_which_are(http: httpx.Client, method: str, path
 def test_the_official_client_gets_not_found_for_embeddings(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="/v1/embeddings is not served here"):
         client.embeddings.create(model=MODEL_NAME, input="x")
+
+
+def test_the_body_request_id_names_the_answer(start_server: Callable[..., ServerThread]) -> None:
+    # vLLM's request_id field names the answer where no X-Request-Id header does; it was
+    # refused here ("the server names each request itself").
+    url = start_server(enable_request_id_headers=True).url
+    for path, body, prefix in (("/v1/completions", {"prompt": "x"}, "cmpl-"),
+                               ("/v1/chat/completions", {"messages": MESSAGES}, "chatcmpl-")):
+        for stream in (False, True):
+            request = {**body, "max_tokens": 2, "stream": stream, "request_id": "job 7\n"}
+            r = httpx.post(url + path, json=request, timeout=60)
+            assert r.status_code == 200, r.text
+            first = json.loads(r.text.split("\n")[0][6:]) if stream else r.json()
+            assert first["id"] == f"{prefix}job 7\n"
+            # Sent back as a header may carry it: percent-encoded where it may not.
+            assert r.headers["x-request-id"] == "job 7%0A"
+            # The header, where both come, names it, as vLLM's.
+            r = httpx.post(url + path, json={**request, "stream": False}, timeout=60,
+                           headers={"X-Request-Id": "hdr"})
+            assert r.json()["id"] == f"{prefix}hdr"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "request_id": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"

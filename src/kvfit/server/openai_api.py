@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import re
+import string
+import urllib.parse
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -205,6 +207,9 @@ class _InternalErrors:
             await self.answer(e)(scope, receive, send)
 
 
+_HEADER_SAFE = "".join(sorted(set(string.printable) - set(string.whitespace) - {"%"})) + " "
+
+
 class _RequestIdHeader:
     """ASGI middleware (`--enable-request-id-headers`): every answer carries `X-Request-Id`,
     the id its body is named by (`cmpl-<id>`), else the client's header, else a new one, as
@@ -226,8 +231,10 @@ class _RequestIdHeader:
                 answer_id = state.get(REQUEST_ID_STATE) or next(
                     (value.decode("latin-1") for name, value in scope["headers"]
                      if name == b"x-request-id" and value), None) or uuid.uuid4().hex
-                message["headers"] = [*message.get("headers", ()),
-                                      (b"x-request-id", answer_id.encode("latin-1"))]
+                # A body's request_id may hold what a header may not (a line break, non-ASCII
+                # text): percent-encoded there, never a broken answer.
+                value = urllib.parse.quote(answer_id, safe=_HEADER_SAFE).encode()
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", value)]
             await send(message)
 
         await self.app(scope, receive, send_with_id)

@@ -66,7 +66,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
                           "supported by this server",
     "chat_template": "a request may not bring its own chat template (as in vLLM without "
                      "--trust-request-chat-template): start the server with --chat-template",
-    "request_id": "not supported: the server names each request itself",
     **dict.fromkeys(("mm_processor_kwargs", "media_io_kwargs", "audio"), _TEXT_ONLY),
     "prompt_embeds": "prompt embeddings are not supported by this server: send the prompt as "
                      "text or token ids",
@@ -186,6 +185,9 @@ class _SamplingFields(_Body):
     # vLLM's: lower runs first under `--scheduling-policy priority`; anything but 0 is a 400
     # under fcfs, as vLLM answers.
     priority: int = 0
+    # vLLM's: names the answer (`cmpl-<id>`) where no X-Request-Id header does. Only a label:
+    # the engine's requests are named apart, so clients sending the same one never clash.
+    request_id: str | None = None
 
     # Request field -> SamplingParams field, where the names differ.
     _renamed: dict[str, str] = {}

@@ -490,7 +490,7 @@ class OpenAIServing:
         streams, admission = self.start(body, prompts, params)
         if scoring:
             streams = [_prompt_only(s) for s in streams]
-        ids = f"cmpl-{_response_id(request)}"
+        ids = f"cmpl-{_response_id(request, body.request_id)}"
         created = int(time.time())
         streaming = False
         try:
@@ -545,7 +545,7 @@ class OpenAIServing:
         params = body.sampling_params(max_tokens, num_logprobs, body.prompt_logprobs,
                                       self.sampling_defaults)
         streams, admission = self.start(body, [prompt], [params])
-        ids = f"chatcmpl-{_response_id(request)}"
+        ids = f"chatcmpl-{_response_id(request, body.request_id)}"
         created = int(time.time())
         # vLLM's: the configured role answers a new turn; a continued message keeps its own.
         role = (self.config.response_role if body.template_flags()["add_generation_prompt"]
@@ -687,12 +687,13 @@ REQUEST_ID_STATE = "kvfit_request_id"
 to send back as the `X-Request-Id` header."""
 
 
-def _response_id(request: Request) -> str:
+def _response_id(request: Request, body_id: str | None = None) -> str:
     """An answer's id (after its `cmpl-` or `chatcmpl-`): the client's `X-Request-Id` header
-    where it sends one, as vLLM's, so that a gateway's logs and the answers tie up; else a new
-    one. Only a label: the engine's requests are named apart, so clients that send the same
-    header never clash. Left in the request's state for the response's header."""
-    answer_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    where it sends one, else the body's `request_id`, as vLLM's, so that a gateway's logs and
+    the answers tie up; else a new one. Only a label: the engine's requests are named apart,
+    so clients that send the same id never clash. Left in the request's state for the
+    response's header."""
+    answer_id = request.headers.get("x-request-id") or body_id or uuid.uuid4().hex
     setattr(request.state, REQUEST_ID_STATE, answer_id)
     return answer_id
 
