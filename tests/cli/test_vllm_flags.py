@@ -47,6 +47,28 @@ def test_bad_counts_are_usage_errors_naming_the_flag(
     (["serve", "m", "--config", "serve.yaml"], "--config", "flags"),
     (["serve", "m", "--enable-log-requests"], "--enable-log-requests", "request"),
     (["generate", "--revision", "main"], "--revision", "local folder"),
+    # Found by the hunt: these were argparse's bare 'unrecognized arguments'.
+    (["serve", "m", "--hf-overrides", '{"a": 1}'], "--hf-overrides", "config.json"),
+    (["serve", "m", "--structured-outputs-config", "{}"], "--structured-outputs-config",
+     "structured output"),
+    (["serve", "m", "--guided-decoding-backend", "xgrammar"], "--guided-decoding-backend",
+     "structured output"),
+    (["serve", "m", "--uds", "/tmp/s"], "--uds", "--host and --port"),
+    (["serve", "m", "--middleware", "a.b"], "--middleware", "proxy"),
+    (["serve", "m", "--ssl-ca-certs", "ca.pem"], "--ssl-ca-certs", "TLS"),
+    (["serve", "m", "--headless"], "--headless", "load balancer"),
+    (["serve", "m", "-dpa", "10.0.0.1"], "-dpa", "load balancer"),
+    (["serve", "m", "--enable-expert-parallel"], "--enable-expert-parallel", "expert"),
+    (["serve", "m", "--max-cpu-loras", "2"], "--max-cpu-loras", "LoRA"),
+    (["serve", "m", "--task", "embed"], "--task", "generative"),
+    (["serve", "m", "--no-disable-log-requests"], "--no-disable-log-requests", "request log"),
+    (["serve", "m", "--enable-log-outputs"], "--enable-log-outputs", "request log"),
+    (["serve", "m", "--trust-request-chat-template"], "--trust-request-chat-template",
+     "--chat-template"),
+    (["serve", "m", "--tool-parser-plugin", "p.py"], "--tool-parser-plugin", "tool calling"),
+    (["serve", "m", "--mm-processor-kwargs", "{}"], "--mm-processor-kwargs", "text-only"),
+    (["serve", "m", "--otlp-traces-endpoint", "x:4317"], "--otlp-traces-endpoint", "/metrics"),
+    (["generate", "--rope-scaling", "{}"], "--rope-scaling", "config.json"),
 ])
 def test_vllm_flags_kvfit_does_not_do_are_refused_by_name(
     argv: list[str], flag: str, reason: str, capsys: pytest.CaptureFixture[str],
@@ -61,7 +83,9 @@ def test_vllm_flags_kvfit_does_not_do_are_refused_by_name(
 
 @pytest.mark.parametrize(("flag", "why"), [
     ("--trust-remote-code", "own code"), ("--disable-log-requests", "no request log"),
-    ("--enable-chunked-prefill", "chunks"),
+    ("--enable-chunked-prefill", "chunks"), ("--no-enable-log-requests", "no request log"),
+    ("--no-trust-remote-code", "never runs"), ("--async-scheduling", "outputs are the same"),
+    ("--aggregate-engine-logging", "one engine"), ("--max-log-len 100", "no request log"),
 ])
 def test_vllm_flags_that_ask_for_what_kvfit_does_run_with_a_note(
     flag: str, why: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
@@ -70,10 +94,30 @@ def test_vllm_flags_that_ask_for_what_kvfit_does_run_with_a_note(
 
     ran = []
     monkeypatch.setattr(serve, "run_serve", lambda args: ran.append(args.model_tag) or 0)
-    assert main(["serve", "m", flag, "--port", "0"]) == 0
-    assert ran == ["m"]
+    assert main(["serve", "m", *flag.split(), "--port", "0"]) == 0
+    # Before MODEL too: a flag's value is not taken for the model.
+    assert main(["serve", *flag.split(), "m"]) == 0
+    assert ran == ["m", "m"]
     err = capsys.readouterr().err
-    assert flag in err and why in err
+    assert flag.split()[0] in err and why in err
+
+
+def test_vllm_spellings_of_kvfit_flags(no_serving: None) -> None:
+    """`--disable-frontend-multiprocessing` (the engine in the server's process),
+    `--cudagraph-capture-sizes` (vLLM's newer name for --cuda-graph-sizes) and
+    `--chat-template-content-format string` (what kvfit does) were unrecognized."""
+    args = build_parser().parse_args(["serve", "m", "--disable-frontend-multiprocessing",
+                                      "--cudagraph-capture-sizes", "1", "2",
+                                      "--chat-template-content-format", "string"])
+    assert (args.engine_process, args.cuda_graph_sizes) == (False, [1, 2])
+    assert build_parser().parse_args(["serve", "m"]).engine_process is True
+
+
+def test_chat_template_content_format_openai_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--chat-template-content-format", "openai"])
+    assert "--chat-template-content-format" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "policy"), [

@@ -413,7 +413,8 @@ class EngineArgs:
                        "temperature and top-k/top-p/min-p (filtered tokens -inf); _logprobs "
                        "= their log-softmax; prompt_logprobs stay raw_logprobs "
                        "(default: %(default)s)")
-        p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=d.cuda_graph_sizes,
+        p.add_argument("--cuda-graph-sizes", "--cudagraph-capture-sizes", type=int, nargs="+",
+                       default=d.cuda_graph_sizes,
                        metavar="N", help="decode batch sizes to capture as CUDA graphs "
                        "(default: 1 2 4 8 16..512 by 16; sizes above max-num-seqs or "
                        "max-num-batched-tokens are dropped)")

@@ -5,6 +5,18 @@ what to do instead, so that a vLLM command line or script stops with the reason.
 _LOCAL_ONLY = ("kvfit loads a local folder and downloads nothing: fetch that revision into a "
                "folder and pass it as the model")
 _NO_TOOLS = "tool calling and reasoning parsers are not supported"
+_NO_STRUCTURED_OUTPUT = "structured output (guided decoding) is not built in kvfit"
+_ONE_DATA_PARALLEL = "run one kvfit per device group behind a load balancer"
+_ONE_HOST = "kvfit runs on one host: --tensor-parallel-size splits the model over its devices"
+_NO_LORA = "LoRA adapters are not supported; merge the adapter into the weights"
+_TEXT_ONLY = "kvfit serves text-only models"
+_MODEL_CONFIG = ("kvfit reads the model folder's config.json as it is: edit it (or a copy of "
+                 "the folder) instead")
+_OWN_LOADER = ("kvfit loads the model folder's safetensors itself; --load-format picks "
+               "safetensors or dummy weights")
+_NO_REQUEST_LOG = ("kvfit has no request log; the engine's figures are logged every 10 s "
+                   "(--disable-log-stats turns them off)")
+_NO_TLS = "serve plain HTTP behind a proxy that terminates TLS"
 # vLLM flags kvfit does not do, each with what to do instead: a vLLM command line pasted here
 # stops with the reason, not argparse's bare 'unrecognized arguments'.
 VLLM_UNSUPPORTED_FLAGS = {
@@ -12,16 +24,75 @@ VLLM_UNSUPPORTED_FLAGS = {
                     "bfloat16, float16); only the KV cache can be fp8 (--kv-cache-dtype fp8)"),
     **dict.fromkeys(("--pipeline-parallel-size", "-pp"), "the model splits over devices by "
                     "tensor parallelism only: --tensor-parallel-size"),
-    **dict.fromkeys(("--data-parallel-size", "-dp"), "run one kvfit per device group behind a "
-                    "load balancer"),
-    **dict.fromkeys(("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"),
-                    "LoRA adapters are not supported; merge the adapter into the weights"),
+    **dict.fromkeys(("--data-parallel-size", "-dp", "--data-parallel-size-local", "-dpl",
+                     "--data-parallel-rank", "-dpn", "--data-parallel-start-rank", "-dpr",
+                     "--data-parallel-address", "-dpa", "--data-parallel-rpc-port", "-dpp",
+                     "--data-parallel-backend", "-dpb", "--data-parallel-hybrid-lb",
+                     "--data-parallel-external-lb", "--headless"), _ONE_DATA_PARALLEL),
+    **dict.fromkeys(("--nnodes", "--node-rank", "--master-addr", "--master-port"), _ONE_HOST),
+    **dict.fromkeys(("--enable-expert-parallel", "-ep", "--enable-eplb", "--eplb-config"),
+                    "expert parallelism is not supported: --tensor-parallel-size splits the "
+                    "model"),
+    **dict.fromkeys(("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank",
+                     "--max-cpu-loras", "--lora-dtype", "--fully-sharded-loras",
+                     "--enable-lora-bias", "--lora-extra-vocab-size", "--default-mm-loras"),
+                    _NO_LORA),
+    **dict.fromkeys(("--structured-outputs-config", "--guided-decoding-backend",
+                     "--guided-decoding-disable-fallback",
+                     "--guided-decoding-disable-any-whitespace"), _NO_STRUCTURED_OUTPUT),
+    **dict.fromkeys(("--hf-overrides", "--rope-scaling", "--rope-theta", "--hf-config-path",
+                     "--config-format"), _MODEL_CONFIG),
+    **dict.fromkeys(("--model-loader-extra-config", "--ignore-patterns",
+                     "--safetensors-load-strategy", "--pt-load-map-location",
+                     "--max-parallel-loading-workers"), _OWN_LOADER),
+    **dict.fromkeys(("--task", "--runner", "--convert", "--pooler-config",
+                     "--override-pooler-config"), "kvfit runs generative text models only "
+                    "(no pooling or embedding runners): drop the flag"),
+    "--model-impl": "kvfit runs its own implementation of each architecture it knows: drop "
+                    "the flag",
+    **dict.fromkeys(("--worker-cls", "--worker-extension-cls", "--scheduler-cls"),
+                    "kvfit's workers and scheduler are its own (--scheduling-policy picks "
+                    "the order requests run in)"),
+    "--skip-tokenizer-init": "kvfit needs the model's tokenizer (answers are text, stop "
+                             "strings are matched on it): drop the flag",
+    "--enable-prompt-embeds": "prompt embeddings are not supported: send text or token ids",
+    **dict.fromkeys(("--logits-processors", "--logits-processor-pattern"),
+                    "custom logits processors are not supported"),
+    "--num-lookahead-slots": "speculative decoding is not supported",
+    **dict.fromkeys(("--otlp-traces-endpoint", "--collect-detailed-traces"),
+                    "OpenTelemetry tracing is not supported; /metrics serves the Prometheus "
+                    "figures"),
+    "--kv-events-config": "KV cache events are not published",
+    "--additional-config": "kvfit has no platform plug-ins to configure",
+    "--show-hidden-metrics-for-version": "kvfit hides no metrics: drop the flag",
+    "--uds": "kvfit listens on TCP only: --host and --port",
+    "--grpc": "kvfit serves HTTP only",
+    "--middleware": "kvfit adds no ASGI middleware of the user's; put it in a proxy in front",
+    "--enable-tokenizer-info-endpoint": "there is no /tokenizer_info route (/tokenize and "
+                                        "/detokenize are served)",
+    "--enable-server-load-tracking": "there is no server load figure; /metrics has the "
+                                     "running and waiting requests",
+    "--log-config-file": "kvfit takes no logging config file; --uvicorn-log-level sets "
+                         "uvicorn's level",
+    **dict.fromkeys(("--enable-log-outputs", "--no-disable-log-requests"), _NO_REQUEST_LOG),
+    "--trust-request-chat-template": "a request may not bring its own chat template: start "
+                                     "the server with --chat-template",
+    **dict.fromkeys(("--tool-parser-plugin", "--tool-server",
+                     "--exclude-tools-when-tool-choice-none", "--reasoning-parser-plugin"),
+                    _NO_TOOLS),
+    **dict.fromkeys(("--limit-mm-per-prompt", "--mm-processor-kwargs", "--media-io-kwargs",
+                     "--mm-processor-cache-gb", "--disable-mm-preprocessor-cache",
+                     "--mm-processor-cache-type", "--mm-encoder-tp-mode",
+                     "--interleave-mm-strings", "--skip-mm-profiling",
+                     "--allowed-local-media-path", "--allowed-media-domains"), _TEXT_ONLY),
+    **dict.fromkeys(("--h11-max-incomplete-event-size", "--h11-max-header-count"),
+                    "kvfit runs uvicorn at h11's own limits; --max-request-body-bytes bounds "
+                    "request bodies"),
     "--speculative-config": "speculative decoding is not supported",
     "--override-generation-config": "edit generation_config.json, or pass "
                                     "--generation-config FOLDER holding another",
     "--config": "there is no YAML config file; pass the settings as flags",
-    "--enable-log-requests": "kvfit has no request log; the engine's figures are logged every "
-                             "10 s (--disable-log-stats turns them off)",
+    "--enable-log-requests": _NO_REQUEST_LOG,
     **dict.fromkeys(("--revision", "--tokenizer-revision", "--code-revision", "--download-dir",
                      "--hf-token"), _LOCAL_ONLY),
     "--tokenizer-mode": "kvfit uses the fast tokenizer (tokenizer.json) of --tokenizer or the "
@@ -32,13 +103,12 @@ VLLM_UNSUPPORTED_FLAGS = {
                     "it to CPU memory; lower --max-num-seqs to preempt less",
     **dict.fromkeys(("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser"),
                     _NO_TOOLS),
-    **dict.fromkeys(("--ssl-keyfile", "--ssl-certfile"), "serve plain HTTP behind a proxy that "
-                    "terminates TLS"),
+    **dict.fromkeys(("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs",
+                     "--ssl-ciphers", "--enable-ssl-refresh"), _NO_TLS),
     "--max-seq-len-to-capture": "--cuda-graph-sizes sets the batch sizes captured",
     **dict.fromkeys(("--compilation-config", "-O"), "kvfit does not use torch.compile; "
                     "--cudagraph-mode picks the CUDA graphs"),
     "--kv-transfer-config": "--kv-connector and --kv-connector-path",
-    "--limit-mm-per-prompt": "kvfit serves text-only models",
     "--no-enable-chunked-prefill": "kvfit always chunks long prefills under "
                                    "--max-num-batched-tokens",
 }
@@ -52,4 +122,14 @@ VLLM_NOOP_FLAGS = {
     "--disable-log-requests": "kvfit has no request log",
     "--enable-chunked-prefill": "kvfit always chunks long prefills under "
                                 "--max-num-batched-tokens",
+    "--no-enable-log-requests": "kvfit has no request log",
+    "--no-trust-remote-code": "kvfit never runs a model folder's code",
+    "--async-scheduling": "kvfit schedules each step once the last one's tokens are in; the "
+                          "outputs are the same",
+    "--aggregate-engine-logging": "kvfit runs one engine: its figures are the aggregate",
+}
+# vLLM server flags with a value that ask for nothing kvfit would do: `kvfit serve` takes
+# them (value and all, so that a MODEL after them is not taken for their value), with a note.
+VLLM_NOOP_VALUE_FLAGS = {
+    "--max-log-len": "kvfit has no request log to shorten",
 }

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvfit.engine.config import at_least_one
+from kvfit.engine.vllm_compat import VLLM_NOOP_VALUE_FLAGS
 from kvfit.models.builtins import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -76,6 +77,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="run the engine core in a process of its own, fed over a pipe, so "
                         "its steps never wait on HTTP work for the GIL (--no-engine-process: "
                         "on a thread of the server's process; default: --engine-process)")
+    # vLLM's name for it: the engine in the API server's process.
+    server.add_argument("--disable-frontend-multiprocessing", dest="engine_process",
+                        action="store_false",
+                        help="vLLM's spelling of --no-engine-process")
     server.add_argument("--api-server-count", "-asc", type=at_least_one("API server processes"),
                         default=1, metavar="N",
                         help="HTTP API server processes sharing the port in front of the one "
@@ -120,6 +125,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="send an X-Request-Id header with every answer: the id its body "
                         "is named by (the client's X-Request-Id where it sends one; "
                         "default: off)")
+    server.add_argument("--chat-template-content-format", choices=("auto", "string"),
+                        default="auto",
+                        help="how a message's content reaches the chat template: kvfit gives "
+                        "it as one string (vLLM's 'string'; 'openai', a list of parts, is not "
+                        "built; default: %(default)s, which is 'string' here)")
+    for flag, why in VLLM_NOOP_VALUE_FLAGS.items():
+        # Taken with its value (a MODEL after it is no value of it), noted in check_serve_args.
+        server.add_argument(flag, dest=_noop_dest(flag), default=argparse.SUPPRESS,
+                            metavar="VALUE", help=f"no effect, taken for vLLM's sake: {why}")
     parser.set_defaults(func=run_serve, serve_parser=parser, model=DEFAULT_MODEL,
                         check_args=functools.partial(check_serve_args, parser))
     return parser
@@ -130,6 +144,9 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     or a model folder taken in by --served-model-name (it takes every word after it, so
     `--served-model-name NAME FOLDER` would serve the default model), is a usage error."""
     default = parser.get_default("model")
+    for flag, why in VLLM_NOOP_VALUE_FLAGS.items():
+        if hasattr(args, _noop_dest(flag)):
+            print(f"kvfit serve: note: {flag} has no effect: {why}", file=sys.stderr)
     if any(not name.strip() for name in args.served_model_name or ()):
         # An empty name reads as a folder ('' is the working directory) below, and served, it
         # is a model no client can name.
@@ -145,6 +162,10 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             parser.error(f"--served-model-name took the {kind} {models[0]!r} as a name (it "
                          f"takes every word after it), and no MODEL is given: put MODEL "
                          f"before --served-model-name")
+
+
+def _noop_dest(flag: str) -> str:
+    return "vllm_noop_" + flag.lstrip("-").replace("-", "_")
 
 
 def _names_a_model(name: str, default: str) -> bool:
