@@ -252,3 +252,17 @@ def test_every_engine_switch_takes_vllms_no_form(command: str, flag: str) -> Non
     assert getattr(parser.parse_args([command, flag]), dest) is True
     assert getattr(parser.parse_args([command, flag, f"--no-{flag[2:]}"]), dest) is False
     assert getattr(parser.parse_args([command]), dest) is False
+
+
+@pytest.mark.parametrize("value", ["pt", "gguf", "bitsandbytes"])
+def test_a_vllm_load_format_kvfit_cannot_load_is_a_usage_error(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # It failed only after the port was bound and the engine began to load, without a word
+    # of what to do.
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "m", "--load-format", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--load-format" in err and repr(value) in err and "safetensors" in err
+    assert build_parser().parse_args(["serve", "m", "--load-format", "dummy"]).load_format == \
+        "dummy"

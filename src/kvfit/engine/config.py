@@ -390,7 +390,7 @@ class EngineArgs:
         p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
                        default=d.enforce_eager,
                        help="no CUDA graphs (always so on the CPU; default: off)")
-        p.add_argument("--load-format", default=d.load_format,
+        p.add_argument("--load-format", default=d.load_format, type=_load_format_arg,
                        help="auto (dummy for built-in shapes without weights, else "
                        "safetensors), safetensors or dummy (default: %(default)s)")
         p.add_argument("--seed", type=int, default=d.seed,
@@ -918,6 +918,18 @@ def _upper(value: object) -> object:
     """A mode name in upper case (vLLM's spelling), anything else as it is, for
     `_check_choice` to refuse."""
     return value.upper() if isinstance(value, str) else value
+
+
+def _load_format_arg(value: str) -> str:
+    """An argparse type: `--load-format`, checked as it is parsed (vLLM's other formats, `pt`,
+    `gguf`, ..., failed only once the engine started loading), saying what to do instead."""
+    from kvfit.models.loader import LOAD_FORMATS
+
+    if value not in LOAD_FORMATS:
+        raise argparse.ArgumentTypeError(
+            f"must be one of {', '.join(LOAD_FORMATS)}, got {value!r}: kvfit loads safetensors "
+            f"weights only (convert other checkpoints to safetensors)")
+    return value
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
