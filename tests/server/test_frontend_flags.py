@@ -109,3 +109,22 @@ def test_disable_uvicorn_access_log(start_server: Callable[..., ServerThread],
                                     off: bool) -> None:
     app = start_server(disable_uvicorn_access_log=off).server.config.app
     assert uvicorn_server(app, "info").config.access_log is not off
+
+
+def test_return_tokens_as_token_ids_is_the_requests_default(
+        start_server: Callable[..., ServerThread]) -> None:
+    # vLLM's --return-tokens-as-token-ids was unrecognized.
+    assert serve._serve_config(_args("--return-tokens-as-token-ids"),
+                               EngineArgs(model="m")).return_tokens_as_token_ids
+    url = start_server(return_tokens_as_token_ids=True).url
+    body = {"prompt": "x", "max_tokens": 2, "logprobs": 1}
+    tokens = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()[
+        "choices"][0]["logprobs"]["tokens"]
+    assert all(t.startswith("token_id:") for t in tokens)
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                   json={**CHAT, "logprobs": True})
+    assert r.json()["choices"][0]["logprobs"]["content"][0]["token"].startswith("token_id:")
+    # A request's own false wins.
+    tokens = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        **body, "return_tokens_as_token_ids": False}).json()["choices"][0]["logprobs"]["tokens"]
+    assert not any(t.startswith("token_id:") for t in tokens)

@@ -130,6 +130,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="how a message's content reaches the chat template: kvfit gives "
                         "it as one string (vLLM's 'string'; 'openai', a list of parts, is not "
                         "built; default: %(default)s, which is 'string' here)")
+    server.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="logprobs give each token as 'token_id:N' unless a request's "
+                        "return_tokens_as_token_ids says otherwise (default: off)")
     for flag, why in VLLM_NOOP_VALUE_FLAGS.items():
         # Taken with its value (a MODEL after it is no value of it), noted in check_serve_args.
         server.add_argument(flag, dest=_noop_dest(flag), default=argparse.SUPPRESS,
@@ -522,6 +526,7 @@ def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
         disable_fastapi_docs=args.disable_fastapi_docs,
         enable_request_id_headers=args.enable_request_id_headers,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
     )
 
 

@@ -84,6 +84,8 @@ class ServeConfig:
     `disable_fastapi_docs`: no `/docs`, `/redoc` nor `/openapi.json`. `enable_request_id_headers`:
     every answer carries an `X-Request-Id` header, the id its body is named by.
     `disable_uvicorn_access_log`: uvicorn logs no line per request.
+    `return_tokens_as_token_ids`: the default of the requests' field of that name (vLLM's
+    `--return-tokens-as-token-ids`).
     `admission_counts`: with several API server processes (`--api-server-count`), each one's
     generation requests in progress, in shared memory (a `RawArray`, one entry a process,
     this one's at `api_server_index`), so that `max_concurrent_requests` bounds the server's
@@ -110,6 +112,7 @@ class ServeConfig:
     disable_fastapi_docs: bool = False
     enable_request_id_headers: bool = False
     disable_uvicorn_access_log: bool = False
+    return_tokens_as_token_ids: bool = False
     admission_counts: Any = None
     api_server_index: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
@@ -205,6 +208,12 @@ class OpenAIServing:
     def sampling_defaults(self) -> dict[str, Any]:
         """generation_config.json's sampling defaults (`--generation-config`)."""
         return self.engine.config.model_config.sampling_defaults
+
+    def server_defaults(self, body: _SamplingFields) -> None:
+        """The server's defaults of a generation request's fields it leaves unset."""
+        if self.config.return_tokens_as_token_ids and (
+                "return_tokens_as_token_ids" not in body.model_fields_set):
+            body.return_tokens_as_token_ids = True
 
     def check_model(self, name: str | None) -> None:
         # No name, or an empty one, asks for the served model, as vLLM takes it: clients and
@@ -462,6 +471,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         engine = self.engine
         self.check_model(body.model)
+        self.server_defaults(body)
         body.check()
         # vLLM's completions take no -1 for logprobs (their answers list each entry by text).
         self.check_logprobs(body.logprobs, "logprobs", whole_vocab=False)
@@ -530,6 +540,7 @@ class OpenAIServing:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         engine = self.engine
         self.check_model(body.model)
+        self.server_defaults(body)
         body.check()
         num_logprobs = self.check_logprobs(body.num_logprobs(), "top_logprobs")
         body.prompt_logprobs = self.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
