@@ -128,3 +128,50 @@ def test_return_tokens_as_token_ids_is_the_requests_default(
     tokens = httpx.post(f"{url}/v1/completions", timeout=60, json={
         **body, "return_tokens_as_token_ids": False}).json()["choices"][0]["logprobs"]["tokens"]
     assert not any(t.startswith("token_id:") for t in tokens)
+
+
+def test_enable_force_include_usage(start_server: Callable[..., ServerThread]) -> None:
+    # vLLM's --enable-force-include-usage was unrecognized.
+    assert serve._serve_config(_args("--enable-force-include-usage"),
+                               EngineArgs(model="m")).enable_force_include_usage
+    url = start_server(enable_force_include_usage=True).url
+    for options in (None, {"include_usage": False}):
+        body = {"prompt": "x", "max_tokens": 2, "stream": True, "stream_options": options}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_default_chat_template_kwargs(start_server: Callable[..., ServerThread],
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # vLLM's --default-chat-template-kwargs was unrecognized.
+    args = _args("--default-chat-template-kwargs", '{"enable_thinking": false}')
+    assert serve._serve_config(args, EngineArgs(model="m")).default_chat_template_kwargs == {
+        "enable_thinking": False}
+    for bad in ("[1]", "nope"):
+        with pytest.raises(SystemExit):
+            _args("--default-chat-template-kwargs", bad)
+        assert "--default-chat-template-kwargs" in capsys.readouterr().err
+    template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    url = start_server(chat_template=template,
+                       default_chat_template_kwargs={"greeting": "Hello "}).url
+
+    def prompt(**extra: object) -> str:
+        r = httpx.post(f"{url}/tokenize", json={"messages": CHAT["messages"], **extra})
+        assert r.status_code == 200, r.text
+        tokens = r.json()["tokens"]
+        return httpx.post(f"{url}/detokenize", json={"tokens": tokens}).json()["prompt"]
+
+    assert prompt() == "Hello Hi"
+    assert prompt(chat_template_kwargs={"greeting": "Bye "}) == "Bye Hi"  # the request's wins
+
+
+def test_default_chat_template_kwargs_may_not_set_call_arguments(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvfit.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "m", "--default-chat-template-kwargs", '{"tokenize": true}'])
+    assert exit_info.value.code == 2
+    assert "may not set tokenize" in capsys.readouterr().err

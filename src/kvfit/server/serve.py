@@ -134,6 +134,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         default=False,
                         help="logprobs give each token as 'token_id:N' unless a request's "
                         "return_tokens_as_token_ids says otherwise (default: off)")
+    server.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="every streamed answer ends with its usage, whatever its "
+                        "stream_options ask (default: off)")
+    server.add_argument("--default-chat-template-kwargs", type=json_object, default={},
+                        metavar="JSON",
+                        help="chat template variables for every chat request, under its own "
+                        "chat_template_kwargs, e.g. '{\"enable_thinking\": false}' "
+                        "(default: none)")
     for flag, why in VLLM_NOOP_VALUE_FLAGS.items():
         # Taken with its value (a MODEL after it is no value of it), noted in check_serve_args.
         server.add_argument(flag, dest=_noop_dest(flag), default=argparse.SUPPRESS,
@@ -148,6 +157,17 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     or a model folder taken in by --served-model-name (it takes every word after it, so
     `--served-model-name NAME FOLDER` would serve the default model), is a usage error."""
     default = parser.get_default("model")
+    if args.default_chat_template_kwargs:
+        import inspect
+
+        from transformers import PreTrainedTokenizerBase
+
+        # The template call's own arguments (tokenize, documents, ...) are no variables of it:
+        # refused here, not in every chat request's answer.
+        call = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+        if clash := sorted(set(call) - {"self", "kwargs"} & set(args.default_chat_template_kwargs)):
+            parser.error(f"--default-chat-template-kwargs may not set {', '.join(clash)}: an "
+                         f"argument of the template call, not a variable of the template")
     for flag, why in VLLM_NOOP_VALUE_FLAGS.items():
         if hasattr(args, _noop_dest(flag)):
             print(f"kvfit serve: note: {flag} has no effect: {why}", file=sys.stderr)
@@ -218,6 +238,18 @@ def json_strings(value: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"must be a JSON list of strings, e.g. '[\"http://localhost:3000\"]', got "
             f"{value!r}")
+    return parsed
+
+
+def json_object(value: str) -> dict[str, object]:
+    """An argparse type: a JSON object."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object, e.g. '{{\"enable_thinking\": false}}', got {value!r}")
     return parsed
 
 
@@ -527,6 +559,8 @@ def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
         enable_request_id_headers=args.enable_request_id_headers,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_force_include_usage=args.enable_force_include_usage,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
     )
 
 

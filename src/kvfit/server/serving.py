@@ -34,6 +34,7 @@ from kvfit.server.protocol import (
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
+    StreamOptions,
     TokenizeRequest,
     _SamplingFields,
 )
@@ -85,7 +86,10 @@ class ServeConfig:
     every answer carries an `X-Request-Id` header, the id its body is named by.
     `disable_uvicorn_access_log`: uvicorn logs no line per request.
     `return_tokens_as_token_ids`: the default of the requests' field of that name (vLLM's
-    `--return-tokens-as-token-ids`).
+    `--return-tokens-as-token-ids`). `enable_force_include_usage`: every streamed answer ends
+    with the usage, as though it asked for it (vLLM's `--enable-force-include-usage`).
+    `default_chat_template_kwargs`: chat template variables under each request's own
+    `chat_template_kwargs` (vLLM's `--default-chat-template-kwargs`).
     `admission_counts`: with several API server processes (`--api-server-count`), each one's
     generation requests in progress, in shared memory (a `RawArray`, one entry a process,
     this one's at `api_server_index`), so that `max_concurrent_requests` bounds the server's
@@ -113,6 +117,8 @@ class ServeConfig:
     enable_request_id_headers: bool = False
     disable_uvicorn_access_log: bool = False
     return_tokens_as_token_ids: bool = False
+    enable_force_include_usage: bool = False
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     admission_counts: Any = None
     api_server_index: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
@@ -214,6 +220,11 @@ class OpenAIServing:
         if self.config.return_tokens_as_token_ids and (
                 "return_tokens_as_token_ids" not in body.model_fields_set):
             body.return_tokens_as_token_ids = True
+        if self.config.enable_force_include_usage and body.stream:
+            # vLLM's: the usage comes whatever the request's include_usage says.
+            options = body.stream_options or StreamOptions()
+            options.include_usage = True
+            body.stream_options = options
 
     def check_model(self, name: str | None) -> None:
         # No name, or an empty one, asks for the served model, as vLLM takes it: clients and
@@ -336,7 +347,8 @@ class OpenAIServing:
         """The messages rendered with the chat template; on the tokenizer's thread when they
         are long or many: the template is Python (jinja), seconds for a body of megabytes,
         and on a thread the event loop keeps its turns at the GIL (streams go on)."""
-        flags = body.template_flags()
+        # The server's defaults under the request's own variables (vLLM's order).
+        flags = {**self.config.default_chat_template_kwargs, **body.template_flags()}
         # chat_template_kwargs are the template's variables; the call's own arguments
         # (tokenize, return_tensors, ...) are not for a client to set. The signature is read
         # only for a request that sends some, not for every chat request.
