@@ -175,3 +175,29 @@ def test_default_chat_template_kwargs_may_not_set_call_arguments(
         main(["serve", "m", "--default-chat-template-kwargs", '{"tokenize": true}'])
     assert exit_info.value.code == 2
     assert "may not set tokenize" in capsys.readouterr().err
+
+
+def test_disable_access_log_for_endpoints(start_server: Callable[..., ServerThread]) -> None:
+    # vLLM's --disable-access-log-for-endpoints was unrecognized.
+    import logging
+
+    from kvfit.server.api_servers import QuietPaths
+
+    args = _args("--disable-access-log-for-endpoints", "/health, /metrics")
+    config = serve._serve_config(args, EngineArgs(model="m"))
+    assert config.disable_access_log_for_endpoints == ["/health", "/metrics"]
+    app = start_server(disable_access_log_for_endpoints=["/health"]).server.config.app
+    uvicorn_server(app, "info")
+    uvicorn_server(app, "info")  # one filter, not one a server
+    access = logging.getLogger("uvicorn.access")
+    (quiet,) = [f for f in access.filters if isinstance(f, QuietPaths)]
+
+    def logged(path: str) -> bool:
+        return quiet.filter(logging.LogRecord(
+            "uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+            ("127.0.0.1:1", "GET", path, "1.1", 200), None))
+
+    assert not logged("/health") and not logged("/health?x=1")
+    assert logged("/v1/models") and logged("/metrics")
+    uvicorn_server(start_server().server.config.app, "info")
+    assert not [f for f in access.filters if isinstance(f, QuietPaths)]

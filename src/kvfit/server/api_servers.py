@@ -279,6 +279,29 @@ def uvicorn_server(app: Any, log_level: str, sigterm_only: bool = False,
                     connection.transport.abort()
 
     # uvicorn's own bound: should a request ignore its dropped connection, it is cancelled.
-    return ApiServer(uvicorn.Config(app, log_level=log_level,
-                                    access_log=not app.state.config.disable_uvicorn_access_log,
-                                    timeout_graceful_shutdown=timeout + 2 * SHUTDOWN_CLOSE_S))
+    server = ApiServer(uvicorn.Config(app, log_level=log_level,
+                                      access_log=not app.state.config.disable_uvicorn_access_log,
+                                      timeout_graceful_shutdown=timeout + 2 * SHUTDOWN_CLOSE_S))
+    # After the Config, which sets uvicorn's loggers up; one filter a process, the latest's.
+    access = logging.getLogger("uvicorn.access")
+    for old in [f for f in access.filters if isinstance(f, QuietPaths)]:
+        access.removeFilter(old)
+    if app.state.config.disable_access_log_for_endpoints:
+        access.addFilter(QuietPaths(app.state.config.disable_access_log_for_endpoints))
+    return server
+
+
+class QuietPaths(logging.Filter):
+    """Drops uvicorn's access log lines of requests to `paths` (`--disable-access-log-for-
+    endpoints`: a load balancer's /health probes would drown the rest), whatever their query."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn's access record: (client, method, path with query, HTTP version, status).
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].partition("?")[0] not in self.paths
+        return True

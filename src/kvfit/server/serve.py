@@ -110,6 +110,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "%(default)s)")
     server.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction,
                         default=False, help="no uvicorn log line per request (default: off)")
+    server.add_argument("--disable-access-log-for-endpoints", type=paths, default=[],
+                        metavar="PATHS",
+                        help="no uvicorn log line for requests to these paths, "
+                        "comma-separated, e.g. /health,/metrics,/ping (default: none)")
     server.add_argument("--root-path", type=root_path, default="", metavar="PATH",
                         help="the path prefix a proxy serves this server under, e.g. /llm "
                         "(FastAPI's root_path: the docs' URLs carry it, and requests are "
@@ -226,6 +230,15 @@ def root_path(value: str) -> str:
         raise argparse.ArgumentTypeError(f"must be a path starting with '/', e.g. '/llm', got "
                                          f"{value!r}")
     return value.rstrip("/")
+
+
+def paths(value: str) -> list[str]:
+    """An argparse type: comma-separated URL paths, each starting with '/'."""
+    items = [item.strip() for item in value.split(",") if item.strip()]
+    if not all(item.startswith("/") for item in items):
+        raise argparse.ArgumentTypeError(f"must be paths starting with '/', comma-separated, "
+                                         f"e.g. '/health,/metrics', got {value!r}")
+    return items
 
 
 def json_strings(value: str) -> list[str]:
@@ -559,6 +572,7 @@ def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
         enable_request_id_headers=args.enable_request_id_headers,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        disable_access_log_for_endpoints=args.disable_access_log_for_endpoints,
         enable_force_include_usage=args.enable_force_include_usage,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
     )

@@ -84,7 +84,8 @@ class ServeConfig:
     turn (`add_generation_prompt`; else the last message's role, as vLLM answers).
     `disable_fastapi_docs`: no `/docs`, `/redoc` nor `/openapi.json`. `enable_request_id_headers`:
     every answer carries an `X-Request-Id` header, the id its body is named by.
-    `disable_uvicorn_access_log`: uvicorn logs no line per request.
+    `disable_uvicorn_access_log`: uvicorn logs no line per request;
+    `disable_access_log_for_endpoints`: none for requests to these paths.
     `return_tokens_as_token_ids`: the default of the requests' field of that name (vLLM's
     `--return-tokens-as-token-ids`). `enable_force_include_usage`: every streamed answer ends
     with the usage, as though it asked for it (vLLM's `--enable-force-include-usage`).
@@ -118,6 +119,7 @@ class ServeConfig:
     disable_uvicorn_access_log: bool = False
     return_tokens_as_token_ids: bool = False
     enable_force_include_usage: bool = False
+    disable_access_log_for_endpoints: list[str] = field(default_factory=list)
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     admission_counts: Any = None
     api_server_index: int = 0
