@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -201,3 +202,25 @@ def test_disable_access_log_for_endpoints(start_server: Callable[..., ServerThre
     assert logged("/v1/models") and logged("/metrics")
     uvicorn_server(start_server().server.config.app, "info")
     assert not [f for f in access.filters if isinstance(f, QuietPaths)]
+
+
+def test_api_key_takes_several_keys(start_server: Callable[..., ServerThread],
+                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # vLLM's --api-key takes several keys (any of them unlocks); a second one was an
+    # unrecognized argument here.
+    monkeypatch.delenv("KVFIT_API_KEY", raising=False)
+    assert serve.server_api_key(_args("--api-key", "a", "b")) == ["a", "b"]
+    url = start_server(api_key=["a", "b"]).url
+    for key, status in (("a", 200), ("b", 200), ("c", 401), ("a b", 401)):
+        r = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == status, key
+    # A model folder after the keys is no key, as with --served-model-name.
+    from kvfit.cli import main
+
+    monkeypatch.setattr(serve, "run_serve", lambda args: 0)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--api-key", "k", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "--api-key took the folder" in capsys.readouterr().err

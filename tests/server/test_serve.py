@@ -31,7 +31,7 @@ def test_serve_takes_the_engine_and_server_flags() -> None:
     assert args.func is serve.run_serve
     assert (args.model_tag, args.max_num_seqs, args.gpu_memory_utilization) == ("/models/x", 4, 0.5)
     assert (args.host, args.port, args.served_model_name) == ("0.0.0.0", 9000, ["a", "b"])
-    assert (args.api_key, args.max_concurrent_requests) == ("k", 7)
+    assert (args.api_key, args.max_concurrent_requests) == (["k"], 7)
     sub = argparse.ArgumentParser().add_subparsers()
     assert {"engine", "server"} <= {g.title for g in serve.add_serve_parser(sub)._action_groups}
 
@@ -212,7 +212,7 @@ def test_vllm_api_key_alone_does_not_leave_the_server_open(
         serve.run_serve(parser().parse_args(["serve", "m", "--port", "0"]))
     # With a key of kvfit's, the server is locked and VLLM_API_KEY changes nothing.
     args = parser().parse_args(["serve", "m", "--api-key", "k"])
-    assert serve.server_api_key(args) == "k"
+    assert serve.server_api_key(args) == ["k"]
     monkeypatch.delenv("VLLM_API_KEY")
     assert serve.server_api_key(parser().parse_args(["serve", "m"])) is None
 

@@ -55,9 +55,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="names clients use for the model (default: MODEL); the first "
                         "is the one reported")
-    server.add_argument("--api-key", default=os.environ.get("KVFIT_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "and /ping (default: $KVFIT_API_KEY; vLLM's $VLLM_API_KEY is not read)")
+    env_key = os.environ.get("KVFIT_API_KEY")
+    server.add_argument("--api-key", nargs="+", metavar="KEY",
+                        default=None if env_key is None else [env_key],
+                        help="require 'Authorization: Bearer KEY' (any of the keys given, as "
+                        "vLLM takes several) on every route but /health and /ping (default: "
+                        "$KVFIT_API_KEY; vLLM's $VLLM_API_KEY is not read)")
     for flag, what in (("--allowed-origins", "origins (e.g. '[\"http://localhost:3000\"]')"),
                        ("--allowed-methods", "HTTP methods"),
                        ("--allowed-headers", "request headers")):
@@ -184,12 +187,16 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} name two models; "
                      f"give one")
     if args.model_tag is None and args.model == default:
-        models = [n for n in args.served_model_name or () if _names_a_model(n, default)]
-        if models:
-            kind = "folder" if Path(models[0]).expanduser().is_dir() else "model"
-            parser.error(f"--served-model-name took the {kind} {models[0]!r} as a name (it "
-                         f"takes every word after it), and no MODEL is given: put MODEL "
-                         f"before --served-model-name")
+        # Both take every word after them; a key only past the first (a key may be anything).
+        api_keys = args.api_key[1:] if isinstance(args.api_key, list) else []
+        for flag, what, words in (("--served-model-name", "name", args.served_model_name),
+                                  ("--api-key", "key", api_keys)):
+            models = [n for n in words or () if _names_a_model(n, default)]
+            if models:
+                kind = "folder" if Path(models[0]).expanduser().is_dir() else "model"
+                parser.error(f"{flag} took the {kind} {models[0]!r} as a {what} (it takes "
+                             f"every word after it), and no MODEL is given: put MODEL before "
+                             f"{flag}")
 
 
 def _noop_dest(flag: str) -> str:
@@ -330,15 +337,17 @@ def dev_mode() -> bool:
     return os.environ.get(DEV_MODE_ENV) == "1"
 
 
-def server_api_key(args: argparse.Namespace) -> str | None:
-    """The key clients must send: `--api-key`, else $KVFIT_API_KEY. vLLM's $VLLM_API_KEY
-    is not read, but set alone it means a server its owner expects locked: refused. So is an
-    empty key (`--api-key "$KEY"` of an unset variable), which would serve without one."""
-    if args.api_key is not None and not args.api_key.strip():
+def server_api_key(args: argparse.Namespace) -> list[str] | None:
+    """The keys clients may send (one of): `--api-key`, else $KVFIT_API_KEY. vLLM's
+    $VLLM_API_KEY is not read, but set alone it means a server its owner expects locked:
+    refused. So is an empty key (`--api-key "$KEY"` of an unset variable), which would serve
+    without one."""
+    keys = [args.api_key] if isinstance(args.api_key, str) else args.api_key
+    if keys is not None and not all(key.strip() for key in keys):
         raise ValueError("--api-key (else $KVFIT_API_KEY) is empty, which would serve without "
                          "a key: pass the key, or leave both unset to serve without one")
-    if args.api_key:
-        return args.api_key
+    if keys:
+        return keys
     if os.environ.get("VLLM_API_KEY"):
         raise ValueError("VLLM_API_KEY is set, but kvfit does not read it and would serve "
                          "without a key: pass --api-key or set KVFIT_API_KEY (or unset "

@@ -58,8 +58,9 @@ _INLINE_DETOKENIZE_TOKENS = 1 << 12
 class ServeConfig:
     """Server settings (the engine's are `EngineArgs`).
 
-    `served_model_names`: the names clients may ask for (the first is reported); `api_key`:
-    when set, every route but `/health` and `/ping` needs `Authorization: Bearer <key>`;
+    `served_model_names`: the names clients may ask for (the first is reported); `api_key`
+    (one, or a list of which clients send any): when set, every route but `/health` and
+    `/ping` needs `Authorization: Bearer <key>`;
     `max_concurrent_requests`: generation requests in progress at once, beyond which new ones
     get 503 (None: unbounded). `max_request_body_bytes`: larger request bodies get 413 before
     they are read whole (None: unbounded). `enable_sleep_endpoints`: serve `/sleep`, `/wake_up` and
@@ -98,7 +99,7 @@ class ServeConfig:
     """
 
     served_model_names: list[str]
-    api_key: str | None = None
+    api_key: str | list[str] | None = None
     max_concurrent_requests: int | None = 1024
     root: str | None = None  # the model folder, shown by /v1/models
     enable_sleep_endpoints: bool = False
@@ -204,11 +205,15 @@ class OpenAIServing:
         """The dependency of every route but /health and /ping when the server has an API key."""
         if self.config.api_key is None:
             return
+        keys = [self.config.api_key] if isinstance(self.config.api_key, str) \
+            else self.config.api_key
         # The scheme is case-insensitive (RFC 9110); the key is compared in constant time, so
-        # response times do not tell a guesser how much of it is right.
+        # response times do not tell a guesser how much of it is right (and with every key,
+        # nor which).
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                key.strip().encode(), self.config.api_key.encode()):
+        sent = key.strip().encode()
+        matches = [hmac.compare_digest(sent, k.encode()) for k in keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError("a valid API key is needed: send 'Authorization: Bearer <key>'",
                            status_code=401, type="authentication_error", code="invalid_api_key")
 
