@@ -69,6 +69,17 @@ def test_bad_counts_are_usage_errors_naming_the_flag(
     (["serve", "m", "--mm-processor-kwargs", "{}"], "--mm-processor-kwargs", "text-only"),
     (["serve", "m", "--otlp-traces-endpoint", "x:4317"], "--otlp-traces-endpoint", "/metrics"),
     (["generate", "--rope-scaling", "{}"], "--rope-scaling", "config.json"),
+    (["serve", "m", "--disable-sliding-window"], "--disable-sliding-window", "--max-model-len"),
+    (["serve", "m", "--max-num-partial-prefills", "2"], "--max-num-partial-prefills",
+     "--max-num-batched-tokens"),
+    # vLLM's JSON fields and optimization levels: they were unrecognized, not refused.
+    (["serve", "m", "--hf-overrides.rope_theta", "1"], "--hf-overrides", "config.json"),
+    (["serve", "m", "--speculative-config.method", "ngram"], "--speculative-config",
+     "speculative"),
+    (["serve", "m", "--compilation-config.cudagraph_capture_sizes+", "8"],
+     "--compilation-config", "torch.compile"),
+    (["serve", "m", "-O3"], "-O", "torch.compile"),
+    (["serve", "m", "-O.level=3"], "-O", "torch.compile"),
 ])
 def test_vllm_flags_kvfit_does_not_do_are_refused_by_name(
     argv: list[str], flag: str, reason: str, capsys: pytest.CaptureFixture[str],

@@ -7,6 +7,7 @@ import functools
 import logging
 import math
 import os
+import re
 import sys
 import urllib.parse
 from pathlib import Path
@@ -126,13 +127,23 @@ def sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
+def vllm_flag_name(arg: str) -> str:
+    """The vLLM flag `arg` gives, in any of vLLM's spellings: `--flag=value`, a JSON flag's
+    field (`--hf-overrides.rope_theta 1`, `--compilation-config.cudagraph_capture_sizes+ 8`)
+    and the optimization level run together with `-O` (`-O3`, `-O.level=3`)."""
+    name = arg.partition("=")[0]
+    if name.startswith("--") or name.startswith("-O"):
+        name = name.partition(".")[0]
+    return "-O" if re.fullmatch(r"-O\d*", name) else name
+
+
 def check_vllm_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> list[str]:
     """`unknown` (what `parse_known_args` left) less the vLLM flags kvfit takes as no-ops
     (each noted on stderr); a vLLM flag kvfit does not do is a usage error (exit status 2)
     naming it and what to do instead."""
     rest = []
     for arg in unknown:
-        name = arg.partition("=")[0]
+        name = vllm_flag_name(arg)
         if name in VLLM_UNSUPPORTED_FLAGS:
             parser.exit(2, f"{parser.prog}: error: {name} (a vLLM flag) is not supported: "
                         f"{VLLM_UNSUPPORTED_FLAGS[name]}\n")

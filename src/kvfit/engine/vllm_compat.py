@@ -59,6 +59,19 @@ VLLM_UNSUPPORTED_FLAGS = {
     **dict.fromkeys(("--logits-processors", "--logits-processor-pattern"),
                     "custom logits processors are not supported"),
     "--num-lookahead-slots": "speculative decoding is not supported",
+    "--disable-sliding-window": "kvfit runs full attention only; a model with a sliding "
+                                "window serves up to it: pass --max-model-len WINDOW",
+    **dict.fromkeys(("--max-num-partial-prefills", "--max-long-partial-prefills"),
+                    "kvfit chunks prefills under --max-num-batched-tokens; "
+                    "--long-prefill-token-threshold caps one prefill's chunk"),
+    "--prefix-caching-hash-algo": "kvfit's prefix cache keys blocks by a hash of its own",
+    "--disable-custom-all-reduce": "kvfit's tensor parallelism all-reduces through "
+                                   "torch.distributed, never a custom kernel: drop the flag",
+    "--enable-per-request-metrics": "answers carry no per-request timings; /metrics serves "
+                                    "them as histograms",
+    "--tokens-only": "kvfit serves its whole OpenAI-compatible API",
+    "--enable-offline-docs": "the /docs page loads its assets from a CDN; "
+                             "--disable-fastapi-docs turns it off",
     **dict.fromkeys(("--otlp-traces-endpoint", "--collect-detailed-traces"),
                     "OpenTelemetry tracing is not supported; /metrics serves the Prometheus "
                     "figures"),
