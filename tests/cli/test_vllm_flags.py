@@ -97,6 +97,7 @@ def test_vllm_flags_kvfit_does_not_do_are_refused_by_name(
     ("--enable-chunked-prefill", "chunks"), ("--no-enable-log-requests", "no request log"),
     ("--no-trust-remote-code", "never runs"), ("--async-scheduling", "outputs are the same"),
     ("--aggregate-engine-logging", "one engine"), ("--max-log-len 100", "no request log"),
+    ("--disable-custom-all-reduce", "torch.distributed"),
 ])
 def test_vllm_flags_that_ask_for_what_kvfit_does_run_with_a_note(
     flag: str, why: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
@@ -277,3 +278,18 @@ def test_a_vllm_load_format_kvfit_cannot_load_is_a_usage_error(
     assert "--load-format" in err and repr(value) in err and "safetensors" in err
     assert build_parser().parse_args(["serve", "m", "--load-format", "dummy"]).load_format == \
         "dummy"
+
+
+def test_llm_takes_and_refuses_the_new_vllm_arguments_as_the_command_line() -> None:
+    """`LLM(...)` shares the tables: vLLM scripts' disable_custom_all_reduce=True (what kvfit
+    does) is taken, hf_overrides refused with the reason, and either at a value that asks for
+    nothing (None, False, "auto") is taken."""
+    from kvfit.engine.llm import _without_vllm_noops
+
+    assert _without_vllm_noops({"disable_custom_all_reduce": True, "async_scheduling": False,
+                                "hf_overrides": None, "model_impl": "auto",
+                                "enable_prompt_embeds": False}) == {}
+    with pytest.raises(ValueError, match=r"hf_overrides=.*config\.json"):
+        _without_vllm_noops({"hf_overrides": {"rope_theta": 1}})
+    with pytest.raises(ValueError, match=r"structured_outputs_config=.*structured output"):
+        _without_vllm_noops({"structured_outputs_config": {"backend": "xgrammar"}})

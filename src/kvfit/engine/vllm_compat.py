@@ -65,8 +65,6 @@ VLLM_UNSUPPORTED_FLAGS = {
                     "kvfit chunks prefills under --max-num-batched-tokens; "
                     "--long-prefill-token-threshold caps one prefill's chunk"),
     "--prefix-caching-hash-algo": "kvfit's prefix cache keys blocks by a hash of its own",
-    "--disable-custom-all-reduce": "kvfit's tensor parallelism all-reduces through "
-                                   "torch.distributed, never a custom kernel: drop the flag",
     "--enable-per-request-metrics": "answers carry no per-request timings; /metrics serves "
                                     "them as histograms",
     "--tokens-only": "kvfit serves its whole OpenAI-compatible API",
@@ -140,6 +138,8 @@ VLLM_NOOP_FLAGS = {
     "--async-scheduling": "kvfit schedules each step once the last one's tokens are in; the "
                           "outputs are the same",
     "--aggregate-engine-logging": "kvfit runs one engine: its figures are the aggregate",
+    "--disable-custom-all-reduce": "kvfit's tensor parallelism all-reduces through "
+                                   "torch.distributed, never a custom kernel",
 }
 # vLLM server flags with a value that ask for nothing kvfit would do: `kvfit serve` takes
 # them (value and all, so that a MODEL after them is not taken for their value), with a note.
