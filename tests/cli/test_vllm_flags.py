@@ -125,6 +125,17 @@ def test_vllm_spellings_of_kvfit_flags(no_serving: None) -> None:
     assert build_parser().parse_args(["serve", "m"]).engine_process is True
 
 
+def test_disable_frontend_multiprocessing_with_api_servers_names_it(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfit.server import serve
+
+    monkeypatch.setattr(serve, "missing_server_modules", lambda: [])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "m", "-asc", "2", "--disable-frontend-multiprocessing"])
+    assert exit_info.value.code == 2
+    assert "--disable-frontend-multiprocessing" in capsys.readouterr().err
+
+
 def test_chat_template_content_format_openai_is_a_usage_error(
         capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):

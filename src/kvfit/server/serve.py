@@ -372,7 +372,7 @@ def run_serve(args: argparse.Namespace) -> int:
     num_api_servers = getattr(args, "api_server_count", 1)
     if num_api_servers > 1 and not args.engine_process:
         message = ("--api-server-count above 1 needs the engine in a process of its own: drop "
-                   "--no-engine-process")
+                   "--no-engine-process (vLLM's --disable-frontend-multiprocessing)")
         if getattr(args, "serve_parser", None) is not None:
             args.serve_parser.error(message)  # exits with status 2, as argparse does
         print(message, file=sys.stderr)
