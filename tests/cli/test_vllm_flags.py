@@ -80,6 +80,10 @@ def test_bad_counts_are_usage_errors_naming_the_flag(
      "--compilation-config", "torch.compile"),
     (["serve", "m", "-O3"], "-O", "torch.compile"),
     (["serve", "m", "-O.level=3"], "-O", "torch.compile"),
+    (["serve", "m", "-dcp", "2"], "-dcp", "context parallelism"),
+    (["serve", "m", "--attention-backend", "FLASH_ATTN"], "--attention-backend", "kernels"),
+    (["serve", "m", "--mamba-ssm-cache-dtype", "float32"], "--mamba-ssm-cache-dtype", "Mamba"),
+    (["serve", "m", "--fingerprint-mode", "none"], "--fingerprint-mode", "system_fingerprint"),
 ])
 def test_vllm_flags_kvfit_does_not_do_are_refused_by_name(
     argv: list[str], flag: str, reason: str, capsys: pytest.CaptureFixture[str],
@@ -97,7 +101,9 @@ def test_vllm_flags_kvfit_does_not_do_are_refused_by_name(
     ("--enable-chunked-prefill", "chunks"), ("--no-enable-log-requests", "no request log"),
     ("--no-trust-remote-code", "never runs"), ("--async-scheduling", "outputs are the same"),
     ("--aggregate-engine-logging", "one engine"), ("--max-log-len 100", "no request log"),
-    ("--disable-custom-all-reduce", "torch.distributed"),
+    ("--disable-custom-all-reduce", "torch.distributed"), ("--disable-cascade-attn", "cascade"),
+    ("--disable-hybrid-kv-cache-manager", "one kind"), ("--use-tqdm-on-load", "loading"),
+    ("--no-enable-log-deltas", "no request log"),
 ])
 def test_vllm_flags_that_ask_for_what_kvfit_does_run_with_a_note(
     flag: str, why: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],

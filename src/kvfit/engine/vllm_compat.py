@@ -68,6 +68,30 @@ VLLM_UNSUPPORTED_FLAGS = {
     "--enable-per-request-metrics": "answers carry no per-request timings; /metrics serves "
                                     "them as histograms",
     "--tokens-only": "kvfit serves its whole OpenAI-compatible API",
+    **dict.fromkeys(("--decode-context-parallel-size", "-dcp",
+                     "--prefill-context-parallel-size", "-pcp"),
+                    "context parallelism is not supported: --tensor-parallel-size splits the "
+                    "model"),
+    **dict.fromkeys(("--all2all-backend", "--num-redundant-experts",
+                     "--expert-placement-strategy"), "expert parallelism is not supported: "
+                    "--tensor-parallel-size splits the model"),
+    **dict.fromkeys(("--enable-dbo", "--ubatch-size", "--dbo-decode-token-threshold",
+                     "--dbo-prefill-token-threshold"),
+                    "dual-batch overlap (micro-batching) is not supported"),
+    "--attention-backend": "kvfit runs its own attention kernels: drop the flag",
+    "--override-attention-dtype": "attention runs in the model's --dtype",
+    **dict.fromkeys(("--mamba-cache-dtype", "--mamba-ssm-cache-dtype"),
+                    "kvfit runs attention-only models (no Mamba layers); --kv-cache-dtype "
+                    "sets the KV cache's"),
+    "--kv-sharing-fast-prefill": "kvfit's layers share no KV cache",
+    "--io-processor-plugin": "kvfit runs generative text models only (no pooling or "
+                             "embedding runners): drop the flag",
+    "--ec-transfer-config": _TEXT_ONLY,
+    **dict.fromkeys(("--fingerprint-mode", "--fingerprint-value"),
+                    "kvfit's answers carry no system_fingerprint"),
+    **dict.fromkeys(("--data-parallel-supervisor-port", "--dp-supervisor-probe-interval-s",
+                     "--dp-supervisor-probe-timeout-s",
+                     "--dp-supervisor-probe-failure-threshold"), _ONE_DATA_PARALLEL),
     "--enable-offline-docs": "the /docs page loads its assets from a CDN; "
                              "--disable-fastapi-docs turns it off",
     **dict.fromkeys(("--otlp-traces-endpoint", "--collect-detailed-traces"),
@@ -140,6 +164,13 @@ VLLM_NOOP_FLAGS = {
     "--aggregate-engine-logging": "kvfit runs one engine: its figures are the aggregate",
     "--disable-custom-all-reduce": "kvfit's tensor parallelism all-reduces through "
                                    "torch.distributed, never a custom kernel",
+    "--disable-cascade-attn": "kvfit has no cascade attention",
+    "--disable-hybrid-kv-cache-manager": "kvfit's KV cache is of one kind for every layer",
+    "--disable-chunked-mm-input": "kvfit serves text-only models",
+    **dict.fromkeys(("--use-tqdm-on-load", "--no-use-tqdm-on-load"),
+                    "kvfit logs its loading stages instead"),
+    **dict.fromkeys(("--enable-log-deltas", "--no-enable-log-deltas"),
+                    "kvfit has no request log"),
 }
 # vLLM server flags with a value that ask for nothing kvfit would do: `kvfit serve` takes
 # them (value and all, so that a MODEL after them is not taken for their value), with a note.
