@@ -310,3 +310,17 @@ def test_llm_takes_and_refuses_the_new_vllm_arguments_as_the_command_line() -> N
         _without_vllm_noops({"hf_overrides": {"rope_theta": 1}})
     with pytest.raises(ValueError, match=r"structured_outputs_config=.*structured output"):
         _without_vllm_noops({"structured_outputs_config": {"backend": "xgrammar"}})
+
+
+@pytest.mark.parametrize("flag", ["--allow-credentials", "--enable-prompt-tokens-details",
+                                  "--disable-uvicorn-access-log", "--disable-fastapi-docs",
+                                  "--enable-request-id-headers", "--return-tokens-as-token-ids",
+                                  "--enable-force-include-usage"])
+def test_every_server_switch_takes_vllms_no_form(flag: str) -> None:
+    # vLLM makes its frontend's bool fields --x / --no-x too; --no-allow-credentials and
+    # --no-enable-prompt-tokens-details stopped at "unrecognized arguments".
+    dest = flag[2:].replace("-", "_")
+    parser = build_parser()
+    assert getattr(parser.parse_args(["serve", flag]), dest) is True
+    assert getattr(parser.parse_args(["serve", flag, f"--no-{flag[2:]}"]), dest) is False
+    assert getattr(parser.parse_args(["serve"]), dest) is False

@@ -67,8 +67,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         server.add_argument(flag, type=json_strings, default=["*"], metavar="JSON_LIST",
                             help=f"CORS: the {what} browsers may send cross-origin requests "
                             f"with, as a JSON list, as vLLM takes it (default: '[\"*\"]', any)")
-    server.add_argument("--allow-credentials", action="store_true",
-                        help="CORS: let browsers send cookies and credentials cross-origin")
+    server.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="CORS: let browsers send cookies and credentials cross-origin "
+                        "(default: off)")
     server.add_argument("--max-concurrent-requests", type=int, default=1024,
                         help="generation requests in progress at once; more get HTTP 503 "
                         "(0: unbounded; default: %(default)s)")
@@ -101,9 +103,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="on SIGINT or SIGTERM, how long the generation requests in "
                         "progress may take to finish before they are aborted (new ones get "
                         "HTTP 503 meanwhile; 0: aborted at once; default: %(default)s)")
-    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+    server.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
+                        default=False,
                         help="report the prompt tokens served from the prefix cache or the KV "
-                        "connector in the usage, as prompt_tokens_details.cached_tokens")
+                        "connector in the usage, as prompt_tokens_details.cached_tokens "
+                        "(default: off)")
     server.add_argument("--disable-log-stats", action="store_true",
                         help="do not print the engine's figures (queues, KV cache use, prefix "
                         "cache hits) every 10 s while it works")
