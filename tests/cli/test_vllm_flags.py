@@ -84,6 +84,11 @@ def test_bad_counts_are_usage_errors_naming_the_flag(
     (["serve", "m", "--attention-backend", "FLASH_ATTN"], "--attention-backend", "kernels"),
     (["serve", "m", "--mamba-ssm-cache-dtype", "float32"], "--mamba-ssm-cache-dtype", "Mamba"),
     (["serve", "m", "--fingerprint-mode", "none"], "--fingerprint-mode", "system_fingerprint"),
+    # Older vLLM command lines, still in many guides.
+    (["serve", "m", "--speculative-model", "d"], "--speculative-model", "speculative"),
+    (["serve", "m", "--num-scheduler-steps", "8"], "--num-scheduler-steps", "multi-step"),
+    (["serve", "m", "--preemption-mode", "swap"], "--preemption-mode", "recomputing"),
+    (["serve", "m", "--enable-reasoning"], "--enable-reasoning", "reasoning"),
 ])
 def test_vllm_flags_kvfit_does_not_do_are_refused_by_name(
     argv: list[str], flag: str, reason: str, capsys: pytest.CaptureFixture[str],
@@ -103,7 +108,7 @@ def test_vllm_flags_kvfit_does_not_do_are_refused_by_name(
     ("--aggregate-engine-logging", "one engine"), ("--max-log-len 100", "no request log"),
     ("--disable-custom-all-reduce", "torch.distributed"), ("--disable-cascade-attn", "cascade"),
     ("--disable-hybrid-kv-cache-manager", "one kind"), ("--use-tqdm-on-load", "loading"),
-    ("--no-enable-log-deltas", "no request log"),
+    ("--no-enable-log-deltas", "no request log"), ("--use-v2-block-manager", "one block"),
 ])
 def test_vllm_flags_that_ask_for_what_kvfit_does_run_with_a_note(
     flag: str, why: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],

@@ -123,7 +123,12 @@ VLLM_UNSUPPORTED_FLAGS = {
     **dict.fromkeys(("--h11-max-incomplete-event-size", "--h11-max-header-count"),
                     "kvfit runs uvicorn at h11's own limits; --max-request-body-bytes bounds "
                     "request bodies"),
-    "--speculative-config": "speculative decoding is not supported",
+    **dict.fromkeys(("--speculative-config", "--speculative-model", "--num-speculative-tokens",
+                     "--speculative-draft-tensor-parallel-size", "--ngram-prompt-lookup-max",
+                     "--ngram-prompt-lookup-min"), "speculative decoding is not supported"),
+    "--num-scheduler-steps": "multi-step scheduling is not supported: drop the flag",
+    "--preemption-mode": "kvfit always preempts a request by recomputing its KV cache: drop "
+                         "the flag",
     "--override-generation-config": "edit generation_config.json, or pass "
                                     "--generation-config FOLDER holding another",
     "--config": "there is no YAML config file; pass the settings as flags",
@@ -136,8 +141,8 @@ VLLM_UNSUPPORTED_FLAGS = {
                         "or --max-num-seqs to fit",
     "--swap-space": "kvfit preempts a request by recomputing its KV cache, never by swapping "
                     "it to CPU memory; lower --max-num-seqs to preempt less",
-    **dict.fromkeys(("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser"),
-                    _NO_TOOLS),
+    **dict.fromkeys(("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
+                     "--enable-reasoning"), _NO_TOOLS),
     **dict.fromkeys(("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs",
                      "--ssl-ciphers", "--enable-ssl-refresh"), _NO_TLS),
     "--max-seq-len-to-capture": "--cuda-graph-sizes sets the batch sizes captured",
@@ -167,6 +172,7 @@ VLLM_NOOP_FLAGS = {
     "--disable-cascade-attn": "kvfit has no cascade attention",
     "--disable-hybrid-kv-cache-manager": "kvfit's KV cache is of one kind for every layer",
     "--disable-chunked-mm-input": "kvfit serves text-only models",
+    "--use-v2-block-manager": "kvfit has one block manager",
     **dict.fromkeys(("--use-tqdm-on-load", "--no-use-tqdm-on-load"),
                     "kvfit logs its loading stages instead"),
     **dict.fromkeys(("--enable-log-deltas", "--no-enable-log-deltas"),
