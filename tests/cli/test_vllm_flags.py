@@ -60,7 +60,7 @@ def test_bad_counts_are_usage_errors_naming_the_flag(
     (["serve", "m", "-dpa", "10.0.0.1"], "-dpa", "load balancer"),
     (["serve", "m", "--enable-expert-parallel"], "--enable-expert-parallel", "expert"),
     (["serve", "m", "--max-cpu-loras", "2"], "--max-cpu-loras", "LoRA"),
-    (["serve", "m", "--task", "embed"], "--task", "generative"),
+
     (["serve", "m", "--no-disable-log-requests"], "--no-disable-log-requests", "request log"),
     (["serve", "m", "--enable-log-outputs"], "--enable-log-outputs", "request log"),
     (["serve", "m", "--trust-request-chat-template"], "--trust-request-chat-template",
@@ -87,7 +87,6 @@ def test_bad_counts_are_usage_errors_naming_the_flag(
     # Older vLLM command lines, still in many guides.
     (["serve", "m", "--speculative-model", "d"], "--speculative-model", "speculative"),
     (["serve", "m", "--num-scheduler-steps", "8"], "--num-scheduler-steps", "multi-step"),
-    (["serve", "m", "--preemption-mode", "swap"], "--preemption-mode", "recomputing"),
     (["serve", "m", "--enable-reasoning"], "--enable-reasoning", "reasoning"),
 ])
 def test_vllm_flags_kvfit_does_not_do_are_refused_by_name(
@@ -329,3 +328,38 @@ def test_every_server_switch_takes_vllms_no_form(flag: str) -> None:
     assert getattr(parser.parse_args(["serve", flag]), dest) is True
     assert getattr(parser.parse_args(["serve", flag, f"--no-{flag[2:]}"]), dest) is False
     assert getattr(parser.parse_args(["serve"]), dest) is False
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--tokenizer-mode", "auto"), ("--task", "generate"), ("--runner", "generate"),
+    ("--model-impl", "auto"), ("--preemption-mode", "recompute")])
+def test_vllm_flags_at_values_that_ask_for_what_kvfit_does_are_taken(
+        command: str, flag: str, value: str) -> None:
+    """`--tokenizer-mode auto`, `--task generate`, ... (vLLM's defaults, spelt out in many
+    guides) were refused as though they asked for something; before MODEL, their value was
+    taken for the model."""
+    build_parser().parse_args([command, flag, value])
+    if command == "serve":
+        assert build_parser().parse_args([command, flag, value, "m"]).model_tag == "m"
+
+
+@pytest.mark.parametrize(("flag", "value", "reason"), [
+    ("--tokenizer-mode", "mistral", "fast tokenizer"), ("--task", "embed", "generative"),
+    ("--runner", "pooling", "generative"), ("--preemption-mode", "swap", "recomputing")])
+def test_vllm_flags_at_other_values_are_refused_with_the_reason(
+        flag: str, value: str, reason: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "m", flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and repr(value) in err and "not supported" in err and reason in err
+
+
+def test_llm_takes_vllm_arguments_at_values_that_ask_for_nothing() -> None:
+    from kvfit.engine.llm import _without_vllm_noops
+
+    assert _without_vllm_noops({"task": "generate", "tokenizer_mode": "hf",
+                                "preemption_mode": "recompute"}) == {}
+    with pytest.raises(ValueError, match="task='embed'.*generative"):
+        _without_vllm_noops({"task": "embed"})

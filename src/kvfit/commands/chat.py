@@ -85,7 +85,8 @@ def check_chat_args(parser: argparse.ArgumentParser, local_only: list[argparse.A
                    if args.url else
                    (remote_only, "settings of a server given by --url, and none is given (the "
                     "model is loaded here); drop them or add --url"))
-    given = [a for a in unused if getattr(args, a.dest) != a.default]
+    # A flag without a default (argparse.SUPPRESS) is in the namespace only where given.
+    given = [a for a in unused if getattr(args, a.dest, a.default) != a.default]
     if given:
         parser.error(f"{', '.join(a.option_strings[0] for a in given)}: {why}")
 

@@ -28,6 +28,7 @@ from kvfit.elastic.governor import (
     MemoryAmount,
 )
 from kvfit.engine.sampling_params import SamplingParams
+from kvfit.engine.vllm_compat import VLLM_NOOP_VALUES, VLLM_UNSUPPORTED_FLAGS
 from kvfit.kv.spec import LAYOUTS, KVCacheSpec
 from kvfit.kv_quant import KV_CACHE_DTYPES, is_fp8, kv_cache_torch_dtype
 
@@ -545,6 +546,11 @@ class EngineArgs:
                        "its attention kernel (a launch fewer per layer) instead of a kernel of "
                        "their own; 16-bit KV caches only (an fp8 cache keeps the separate "
                        "kernel); ignored with --deterministic (default: off)")
+        for flag, values in VLLM_NOOP_VALUES.items():
+            p.add_argument(flag, dest="vllm_noop_" + flag[2:].replace("-", "_"),
+                           default=argparse.SUPPRESS, metavar="VALUE",
+                           type=_vllm_noop_value(flag, values),
+                           help=f"vLLM's, taken at {' or '.join(values)} (what kvfit does)")
         return parser
 
     @classmethod
@@ -918,6 +924,19 @@ def _upper(value: object) -> object:
     """A mode name in upper case (vLLM's spelling), anything else as it is, for
     `_check_choice` to refuse."""
     return value.upper() if isinstance(value, str) else value
+
+
+def _vllm_noop_value(flag: str, values: tuple[str, ...]) -> Callable[[str], str]:
+    """An argparse type: `flag`'s value where it asks for what kvfit does, else an error
+    giving the reason kvfit does not do what it asks."""
+
+    def parse(value: str) -> str:
+        if value not in values:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} (vLLM's) is not supported: {VLLM_UNSUPPORTED_FLAGS[flag]}")
+        return value
+
+    return parse
 
 
 def _load_format_arg(value: str) -> str:

@@ -30,7 +30,12 @@ from kvfit.engine.prompts import (
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
-from kvfit.engine.vllm_compat import VLLM_DEFAULT_VALUES, VLLM_NOOP_FLAGS, VLLM_UNSUPPORTED_FLAGS
+from kvfit.engine.vllm_compat import (
+    VLLM_DEFAULT_VALUES,
+    VLLM_NOOP_FLAGS,
+    VLLM_NOOP_VALUES,
+    VLLM_UNSUPPORTED_FLAGS,
+)
 from kvfit.kv.report import KVCacheReport
 from kvfit.models.loader import load_tokenizer
 
@@ -477,7 +482,8 @@ def _without_vllm_noops(kwargs: dict[str, Any]) -> dict[str, Any]:
             flag = f"--no-{flag[2:]}"
         # At a value that asks for nothing (None, 0, "auto", a size of 1): nothing to refuse.
         elif value in (None, False, 0, "auto") or (value == 1 and name.endswith("_size")) or (
-                name in VLLM_DEFAULT_VALUES and value == VLLM_DEFAULT_VALUES[name]):
+                name in VLLM_DEFAULT_VALUES and value == VLLM_DEFAULT_VALUES[name]) or (
+                value in VLLM_NOOP_VALUES.get(flag, ())):
             continue
         taken = (f" ({name}={VLLM_DEFAULT_VALUES[name]!r}, vLLM's default, is taken)"
                  if name in VLLM_DEFAULT_VALUES else "")

@@ -183,3 +183,15 @@ VLLM_NOOP_FLAGS = {
 VLLM_NOOP_VALUE_FLAGS = {
     "--max-log-len": "kvfit has no request log to shorten",
 }
+# VLLM_UNSUPPORTED_FLAGS taking a value, at the values that ask for what kvfit does (vLLM's
+# defaults, often spelt out in guides: `--tokenizer-mode auto`, `--task generate`): taken, as
+# engine flags (value and all, so that a MODEL after them is not taken for their value); any
+# other value is refused with the flag's reason.
+VLLM_NOOP_VALUES: dict[str, tuple[str, ...]] = {
+    "--tokenizer-mode": ("auto", "hf"),
+    "--model-impl": ("auto",),
+    "--task": ("auto", "generate"),
+    "--runner": ("auto", "generate"),
+    "--convert": ("auto", "none"),
+    "--preemption-mode": ("recompute",),
+}
