@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+import kvfit.engine.model_runner as model_runner
+from kvfit.engine.sequence import ScheduledBatch
+from kvfit.ops.memwatch import watch_memory
 
 
 @pytest.fixture(scope="module")
@@ -33,3 +37,49 @@ def gpu_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
     return folder
+
+
+def one_layer_qwen3(folder: Path, vocab_size: int) -> Path:
+    """A one-layer float32 Qwen3 (EOS 2) whose peak step memory is set by `vocab_size`'s
+    logits or by attention: the warmup-coverage tests' model."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
+                         eos_token_id=2, bos_token_id=0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+class StepPeaks:
+    """Peak bytes of every step launched, warmup's (the engine's startup) and real ones."""
+
+    def __init__(self) -> None:
+        self.warmup: list[int] = []
+        self.real: list[tuple[int, list[int]]] = []  # (peak, tokens per sequence)
+        self.started = False
+
+    def record(self, batch: ScheduledBatch, peak: int) -> None:
+        if self.started:
+            self.real.append((peak, list(batch.num_new_tokens)))
+        else:
+            self.warmup.append(peak)
+
+
+@pytest.fixture
+def peaks(monkeypatch: pytest.MonkeyPatch) -> Iterator[StepPeaks]:
+    peaks = StepPeaks()
+    launch = model_runner.ModelRunner.launch
+
+    def watched(self: model_runner.ModelRunner, batch: ScheduledBatch) -> object:
+        with watch_memory("cpu") as watch:
+            output = launch(self, batch)
+            output.result()
+        peaks.record(batch, watch.peak_bytes)
+        return output
+
+    monkeypatch.setattr(model_runner.ModelRunner, "launch", watched)
+    yield peaks

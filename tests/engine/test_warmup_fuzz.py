@@ -7,71 +7,27 @@ every sampling option, with prompts up to max_model_len; every real step's peak
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-import kvfit.engine.model_runner as model_runner
 from kvfit import LLM, SamplingParams
 from kvfit.engine.sampling_params import MAX_TOKEN_LIST
-from kvfit.engine.sequence import ScheduledBatch
-from kvfit.ops.memwatch import watch_memory
+
+from .conftest import StepPeaks, one_layer_qwen3
 
 pytestmark = pytest.mark.slow
-
-EOS = 2
-
-
-def _one_layer_qwen3(folder: Path, vocab_size: int) -> Path:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
-                         eos_token_id=EOS, bos_token_id=0)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """A vocabulary that dwarfs the hidden size (logits set the peak) and a narrow one
     (attention does)."""
-    return {vocab: _one_layer_qwen3(tmp_path_factory.mktemp(f"vocab-{vocab}"), vocab)
+    return {vocab: one_layer_qwen3(tmp_path_factory.mktemp(f"vocab-{vocab}"), vocab)
             for vocab in (512, 8192)}
 
 
-class StepPeaks:
-    """Peak bytes of every step launched: warmup's (the engine's startup), then real ones."""
-
-    def __init__(self) -> None:
-        self.warmup: list[int] = []
-        self.real: list[tuple[int, list[int]]] = []  # (peak, tokens per sequence)
-        self.started = False
-
-
-@pytest.fixture
-def peaks(monkeypatch: pytest.MonkeyPatch) -> Iterator[StepPeaks]:
-    peaks = StepPeaks()
-    launch = model_runner.ModelRunner.launch
-
-    def watched(self: model_runner.ModelRunner, batch: ScheduledBatch) -> object:
-        with watch_memory("cpu") as watch:
-            output = launch(self, batch)
-            output.result()
-        if peaks.started:
-            peaks.real.append((watch.peak_bytes, list(batch.num_new_tokens)))
-        else:
-            peaks.warmup.append(watch.peak_bytes)
-        return output
-
-    monkeypatch.setattr(model_runner.ModelRunner, "launch", watched)
-    yield peaks
 
 
 def _engine(seed: int, r: random.Random) -> dict[str, Any]:
