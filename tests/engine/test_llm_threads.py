@@ -169,3 +169,41 @@ def test_a_request_aborted_with_a_step_in_flight_ends_with_no_placeholder(llm,
         out = seq.output_token_ids
         assert seq.finish_reason == "abort" and out and out == ref[:len(out)], (out, ref)
     _no_leak(llm)
+
+
+def test_a_generate_whose_requests_another_thread_finished_returns_at_once(
+        llm, monkeypatch) -> None:
+    """Thread B's steps finish this thread's short request (added before this thread's first
+    step): this `generate` returns then, not once B's long batch has drained the engine."""
+    short = [{"prompt_token_ids": list(range(5, 30))}]
+    few = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(short, few, use_tqdm=False)]
+    long_run: dict[str, Any] = {}
+    some_finished = threading.Event()
+    step = llm.engine.step
+
+    def counting_step() -> list[Any]:
+        done = step()
+        if done:  # the short request: the long batch's run 150 tokens
+            some_finished.set()
+        return done
+
+    def long_generate() -> None:
+        long = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+        long_run["out"] = llm.generate(PROMPTS, long, use_tqdm=lambda **kw: _Bar(started, **kw))
+
+    def bar_after_b_finished_it(**kw: Any) -> _Bar:  # this call's requests are queued by now
+        assert some_finished.wait(60)
+        return _Bar(threading.Event(), **kw)
+
+    monkeypatch.setattr(llm.engine, "step", counting_step)
+    started = threading.Event()
+    thread = threading.Thread(target=long_generate)
+    thread.start()
+    assert started.wait(60)
+    out = llm.generate(short, few, use_tqdm=bar_after_b_finished_it)
+    assert llm.engine.has_unfinished()  # B's batch is still running
+    assert [o.outputs[0].token_ids for o in out] == expected
+    thread.join(120)
+    assert [len(o.outputs[0].token_ids) for o in long_run["out"]] == [150] * len(PROMPTS)
+    _no_leak(llm)

@@ -393,9 +393,9 @@ class LLM:
                     self.engine.abort_request(seqs[0].request_id)
                 raise
             self._num_runs += 1
-        # This call's sequences not yet returned finished by a step (by anyone's: another
-        # thread's `generate` steps them too).
-        own = {id(seq) for seq in itertools.chain.from_iterable(requests)}
+        # This call's sequences not yet counted finished. Read from their status, not from
+        # what this thread's steps return: another thread's `generate` steps them too.
+        own = list(itertools.chain.from_iterable(requests))
         total, bar, stepping = len(own), None, False
         try:
             if callable(use_tqdm):  # vLLM's: the caller's tqdm class or factory makes the bar
@@ -404,17 +404,19 @@ class LLM:
                 # None: no bar where stderr is not a terminal (a log file gets no line per
                 # update).
                 bar = tqdm(total=total, desc="Generating", disable=None if use_tqdm else True)
-            while True:
+            running = True
+            while running:
                 with self._lock:  # a step at a time: other threads' calls go in between
+                    left = [seq for seq in own if not seq.is_finished]
                     # Until this call's sequences finished; the last call running also drains
                     # the engine (the step in flight), as one call alone always has.
-                    if not self.engine.has_unfinished() or not (own or self._num_runs == 1):
-                        break
-                    stepping = True
-                    done = [seq for seq in self.engine.step() if id(seq) in own]
-                    stepping = False
-                own.difference_update(map(id, done))
-                bar.update(len(done))
+                    running = self.engine.has_unfinished() and bool(left or self._num_runs == 1)
+                    if running:
+                        stepping = True
+                        self.engine.step()
+                        stepping = False
+                bar.update(len(own) - len(left))
+                own = left
         except BaseException:
             # Interrupted (Ctrl-C) or failed: drop this call's requests, or they would keep
             # their KV blocks and run to their end inside the next call. A step that raised
