@@ -4,9 +4,12 @@ trainer) runs against kvfit's, under vLLM's names and calling conventions."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import engine_hooks
 import pytest
@@ -191,3 +194,34 @@ def test_do_log_stats_logs_the_engines_figures(engine: AsyncLLM,
     with caplog.at_level(logging.INFO, logger="kvfit.server.async_llm"):
         asyncio.run(engine.do_log_stats())
     assert any(r.getMessage().startswith("AsyncLLM: running 0 seqs") for r in caplog.records)
+
+
+def test_an_engine_thread_busy_past_the_shutdown_timeout_frees_the_model_as_it_stops(
+        model_path: Path) -> None:
+    # An engine on a thread cannot be stopped inside a step: `shutdown(timeout=...)` freed the
+    # model from the caller's thread once the timeout passed, under the step still running.
+    engine = AsyncLLM(EngineArgs(**engine_kwargs(model_path)), engine_process=False)
+    client = engine._client
+    core = client._llm.engine
+    entered, release = threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def hold(llm: Any) -> None:  # as a long step: the loop thread is busy in the engine
+        entered.set()
+        release.wait(60)
+        seen["shut_down"] = llm.engine._shut_down  # what the step would run on
+
+    async def run() -> None:
+        held = asyncio.ensure_future(engine.call_engine(hold))
+        await asyncio.sleep(0)  # sends the call
+        assert entered.wait(60)
+        engine.shutdown(timeout=0.2)
+        assert not core._shut_down  # the loop is still in the engine
+        release.set()
+        client._thread.join(60)
+        with contextlib.suppress(EngineDeadError):
+            await asyncio.wait_for(held, 10)
+
+    asyncio.run(run())
+    assert seen == {"shut_down": False}
+    assert core._shut_down  # freed by the loop as it stopped

@@ -199,6 +199,9 @@ class InThreadEngine:
         error = None
         try:
             self._loop.run()
+            # Stopped as asked: freed here, between two steps, also where `shutdown` stopped
+            # waiting (its timeout) while a step ran.
+            self._llm.shutdown()
         except BaseException as e:
             logger.exception("the engine thread stopped")
             error = EngineDeadError(f"the engine thread stopped: {e}")
@@ -216,12 +219,13 @@ class InThreadEngine:
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the loop and free the model and KV cache. `timeout` bounds the wait for the
-        loop; the model is freed only between two steps all the same (a thread cannot be
-        stopped in one)."""
+        loop; the loop frees the model as it stops, between two steps all the same (a thread
+        cannot be stopped in one, nor its model freed under a running step)."""
         if self._thread.is_alive():
             self._loop.submit(("stop",))
             self._thread.join(timeout)
-        self._llm.shutdown()
+        if not self._thread.is_alive():  # the loop died before (else a no-op: it freed it)
+            self._llm.shutdown()
 
 
 class EngineProcess:
