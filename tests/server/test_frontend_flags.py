@@ -224,3 +224,15 @@ def test_api_key_takes_several_keys(start_server: Callable[..., ServerThread],
         main(["serve", "--api-key", "k", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "--api-key took the folder" in capsys.readouterr().err
+
+
+def test_default_chat_template_kwargs_may_not_set_the_conversation(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A request's chat_template_kwargs may not set `messages` (the conversation as the
+    # template reads it); the server's defaults were checked against another list.
+    from kvfit.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "m", "--default-chat-template-kwargs", '{"messages": []}'])
+    assert exit_info.value.code == 2
+    assert "may not set messages" in capsys.readouterr().err

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
 import logging
 import threading
@@ -26,6 +25,7 @@ from kvfit.engine.prompts import (
     check_vllm_request_args,
     describe,
     priorities,
+    template_call_args,
 )
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
@@ -353,10 +353,8 @@ class LLM:
         kwargs = dict(chat_template_kwargs or {})
         # The template call's own arguments (tokenize, return_tensors, ...) would change what
         # it returns, not what the template reads.
-        call_args = {"conversation", "messages", *(
-            name for name, p in inspect.signature(self.tokenizer.apply_chat_template)
-            .parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD)}
-        if clash := sorted(call_args & set(kwargs)):
+        if clash := sorted(template_call_args(self.tokenizer.apply_chat_template)
+                           & set(kwargs)):
             raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}: an argument "
                              f"of the template call, not a variable of the template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages

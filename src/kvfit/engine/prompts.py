@@ -5,7 +5,8 @@ argument is named with what was given instead."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -119,3 +120,13 @@ def check_vllm_request_args(call: str, lora_request: Any = None,
         raise ValueError(f"{call}(tokenization_kwargs={tokenization_kwargs!r}) is not "
                          f"supported: tokenize the prompt yourself and pass "
                          f"{{'prompt_token_ids': [...]}}")
+
+
+def template_call_args(apply_chat_template: Callable[..., Any]) -> set[str]:
+    """The names a tokenizer's `apply_chat_template` (bound, or the class's) takes as its own
+    arguments (tokenize, documents, return_tensors, ...), and the conversation's (`messages`,
+    as the template reads it): `chat_template_kwargs` that set one would change the call, not
+    be a variable of the template, and are refused."""
+    return {"conversation", "messages", *(
+        name for name, p in inspect.signature(apply_chat_template).parameters.items()
+        if p.kind is not inspect.Parameter.VAR_KEYWORD and name != "self")}

@@ -169,14 +169,14 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     `--served-model-name NAME FOLDER` would serve the default model), is a usage error."""
     default = parser.get_default("model")
     if args.default_chat_template_kwargs:
-        import inspect
-
         from transformers import PreTrainedTokenizerBase
 
+        from kvfit.engine.prompts import template_call_args
+
         # The template call's own arguments (tokenize, documents, ...) are no variables of it:
-        # refused here, not in every chat request's answer.
-        call = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-        if clash := sorted(set(call) - {"self", "kwargs"} & set(args.default_chat_template_kwargs)):
+        # refused here, as a request's are, not in every chat request's answer.
+        call_args = template_call_args(PreTrainedTokenizerBase.apply_chat_template)
+        if clash := sorted(call_args & set(args.default_chat_template_kwargs)):
             parser.error(f"--default-chat-template-kwargs may not set {', '.join(clash)}: an "
                          f"argument of the template call, not a variable of the template")
     for flag, why in VLLM_NOOP_VALUE_FLAGS.items():

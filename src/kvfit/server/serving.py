@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +22,7 @@ from pydantic import ValidationError
 import kvfit
 from kvfit.engine.kv_resize import KVCacheResizeError
 from kvfit.engine.outputs import CompletionOutput, RequestOutput
+from kvfit.engine.prompts import template_call_args
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sleep import WakeUpOutOfMemoryError
 from kvfit.server.async_llm import AsyncLLM
@@ -360,9 +360,7 @@ class OpenAIServing:
         # (tokenize, return_tensors, ...) are not for a client to set. The signature is read
         # only for a request that sends some, not for every chat request.
         if body.chat_template_kwargs:
-            call_args = {"messages", *(
-                name for name, p in inspect.signature(self.tokenizer().apply_chat_template)
-                .parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD)}
+            call_args = template_call_args(self.tokenizer().apply_chat_template)
             if clash := sorted(call_args & set(body.chat_template_kwargs)):
                 # Those the request has a field of its own for (documents, ...): say so.
                 own = " (send it as the request's own field)" if clash[0] in type(
