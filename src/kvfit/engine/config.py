@@ -28,7 +28,11 @@ from kvfit.elastic.governor import (
     MemoryAmount,
 )
 from kvfit.engine.sampling_params import SamplingParams
-from kvfit.engine.vllm_compat import VLLM_NOOP_VALUES, VLLM_UNSUPPORTED_FLAGS
+from kvfit.engine.vllm_compat import (
+    VLLM_NOOP_VALUES,
+    VLLM_UNSUPPORTED_FLAGS,
+    vllm_noop_dest,
+)
 from kvfit.kv.spec import LAYOUTS, KVCacheSpec
 from kvfit.kv_quant import KV_CACHE_DTYPES, is_fp8, kv_cache_torch_dtype
 
@@ -547,7 +551,7 @@ class EngineArgs:
                        "their own; 16-bit KV caches only (an fp8 cache keeps the separate "
                        "kernel); ignored with --deterministic (default: off)")
         for flag, values in VLLM_NOOP_VALUES.items():
-            p.add_argument(flag, dest="vllm_noop_" + flag[2:].replace("-", "_"),
+            p.add_argument(flag, dest=vllm_noop_dest(flag),
                            default=argparse.SUPPRESS, metavar="VALUE",
                            type=_vllm_noop_value(flag, values),
                            help=f"vLLM's, taken at {' or '.join(values)} (what kvfit does)")

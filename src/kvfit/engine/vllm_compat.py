@@ -195,3 +195,9 @@ VLLM_NOOP_VALUES: dict[str, tuple[str, ...]] = {
     "--convert": ("auto", "none"),
     "--preemption-mode": ("recompute",),
 }
+
+
+def vllm_noop_dest(flag: str) -> str:
+    """The argparse dest of a vLLM flag taken with its value as a no-op (`VLLM_NOOP_VALUES`,
+    `VLLM_NOOP_VALUE_FLAGS`): apart from kvfit's own settings, present only where given."""
+    return "vllm_noop_" + flag.lstrip("-").replace("-", "_")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvfit.engine.config import at_least_one
-from kvfit.engine.vllm_compat import VLLM_NOOP_VALUE_FLAGS
+from kvfit.engine.vllm_compat import VLLM_NOOP_VALUE_FLAGS, vllm_noop_dest
 from kvfit.models.builtins import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "(default: none)")
     for flag, why in VLLM_NOOP_VALUE_FLAGS.items():
         # Taken with its value (a MODEL after it is no value of it), noted in check_serve_args.
-        server.add_argument(flag, dest=_noop_dest(flag), default=argparse.SUPPRESS,
+        server.add_argument(flag, dest=vllm_noop_dest(flag), default=argparse.SUPPRESS,
                             metavar="VALUE", help=f"no effect, taken for vLLM's sake: {why}")
     parser.set_defaults(func=run_serve, serve_parser=parser, model=DEFAULT_MODEL,
                         check_args=functools.partial(check_serve_args, parser))
@@ -180,7 +180,7 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             parser.error(f"--default-chat-template-kwargs may not set {', '.join(clash)}: an "
                          f"argument of the template call, not a variable of the template")
     for flag, why in VLLM_NOOP_VALUE_FLAGS.items():
-        if hasattr(args, _noop_dest(flag)):
+        if hasattr(args, vllm_noop_dest(flag)):
             print(f"kvfit serve: note: {flag} has no effect: {why}", file=sys.stderr)
     if any(not name.strip() for name in args.served_model_name or ()):
         # An empty name reads as a folder ('' is the working directory) below, and served, it
@@ -201,10 +201,6 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
                 parser.error(f"{flag} took the {kind} {models[0]!r} as a {what} (it takes "
                              f"every word after it), and no MODEL is given: put MODEL before "
                              f"{flag}")
-
-
-def _noop_dest(flag: str) -> str:
-    return "vllm_noop_" + flag.lstrip("-").replace("-", "_")
 
 
 def _names_a_model(name: str, default: str) -> bool:
