@@ -307,6 +307,13 @@ def test_vllms_wake_order_weights_then_kv_cache_runs_on_a_kept_cache(qwen3, refe
         fixed.wake_up()
         with pytest.raises(RuntimeError, match="not asleep"):
             fixed.wake_up(tags=["kv_cache"])  # everything was woken
+        # A wake refused for another tag woke nothing: the kept cache's wake is still due.
+        fixed.sleep(level=1)
+        with pytest.raises(ValueError, match="unknown tag"):
+            fixed.wake_up(tags=["kv_cache", "weight"])
+        fixed.wake_up(tags=["weights"])
+        fixed.wake_up(tags=["kv_cache"])
+        assert not fixed.is_sleeping and outputs(fixed) == reference
     finally:
         fixed.shutdown()
 

@@ -501,7 +501,7 @@ class EngineCore:
         part asleep. A KV cache the sleep kept (a fixed size) wakes as a no-op.
         """
         self._check_not_shut_down("wake_up()")
-        wake_all = tags is None
+        wake_all, kept_woken = tags is None, False
         if self._kv_cache_kept and tags is not None:
             tags = [tags] if isinstance(tags, str) else list(tags)
             if "kv_cache" in tags:
@@ -510,10 +510,13 @@ class EngineCore:
                 tags = [t for t in tags if t != "kv_cache"]
                 # Once per sleep, before the weights or after them (vLLM's order: the
                 # engine is then awake already, and the kept cache's wake is still a no-op).
-                self._kv_cache_kept = False
+                kept_woken = True
                 if not tags and not self.is_sleeping:
+                    self._kv_cache_kept = False
                     return
         tags = resolve_tags(tags, self._sleep_state)
+        if kept_woken:  # not before: a call refused for its other tags woke nothing
+            self._kv_cache_kept = False
         by_resize = self._kv_released_by_resize  # a failed wake leaves the cause as it was
         try:
             if "weights" in tags:  # first: the KV cache takes what memory they leave
