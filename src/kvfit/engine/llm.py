@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any
@@ -30,6 +29,7 @@ from kvfit.engine.prompts import (
 from kvfit.engine.sampling_params import SamplingParams
 from kvfit.engine.sequence import Sequence
 from kvfit.engine.sleep import SleepReport
+from kvfit.engine.turn_lock import TurnLock
 from kvfit.engine.vllm_compat import (
     VLLM_DEFAULT_VALUES,
     VLLM_NOOP_FLAGS,
@@ -119,8 +119,9 @@ class LLM:
         # Held around every engine call, a step at a time: the engine is not thread-safe (two
         # threads stepping it corrupt its batches; a shutdown or sleep under a running step
         # unmaps the memory it reads, a segfault). Reentrant: `chat` calls `generate`, and a
-        # front end's loop calls `sleep` from the thread that steps.
-        self._lock = threading.RLock()
+        # front end's loop calls `sleep` from the thread that steps. Granted in turn, so that
+        # a call from another thread does not wait out a whole `generate`.
+        self._lock = TurnLock()
         self._num_runs = 0  # `_run` calls in progress, on any thread
 
     @property
@@ -402,19 +403,22 @@ class LLM:
                 # None: no bar where stderr is not a terminal (a log file gets no line per
                 # update).
                 bar = tqdm(total=total, desc="Generating", disable=None if use_tqdm else True)
+            finished = True  # whether to look again which of this call's sequences are done
             running = True
             while running:
+                num_done = 0
                 with self._lock:  # a step at a time: other threads' calls go in between
-                    left = [seq for seq in own if not seq.is_finished]
+                    if finished or self._num_runs > 1:  # another call's steps finish ours too
+                        left = [seq for seq in own if not seq.is_finished]
+                        num_done, own = len(own) - len(left), left
                     # Until this call's sequences finished; the last call running also drains
                     # the engine (the step in flight), as one call alone always has.
-                    running = self.engine.has_unfinished() and bool(left or self._num_runs == 1)
+                    running = self.engine.has_unfinished() and bool(own or self._num_runs == 1)
                     if running:
                         stepping = True
-                        self.engine.step()
+                        finished = bool(self.engine.step())
                         stepping = False
-                bar.update(len(own) - len(left))
-                own = left
+                bar.update(num_done)
         except BaseException:
             # Interrupted (Ctrl-C) or failed: drop this call's requests, or they would keep
             # their KV blocks and run to their end inside the next call. A step that raised
