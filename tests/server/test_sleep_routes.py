@@ -148,7 +148,9 @@ def test_a_request_sent_while_a_sleep_drains_is_refused_at_once(
     """A sleep (mode wait) runs what was queued to its end, taking no other command meanwhile:
     a request sent after it is refused at once with 503 naming the route, not held for the
     whole drain and refused then (in the engine's words, which name LLM calls)."""
-    in_engine(engine, engine_hooks.slow, "slow", 0.02)  # 100 steps: seconds of drain
+    # 100 steps: 5 s of drain, so that on a loaded machine (CI) the sleep and the refused
+    # request meet it still draining (at 2 s, one CI run saw the drain end first).
+    in_engine(engine, engine_hooks.slow, "slow", 0.05)
     try:
         worker, results = _start_a_long_request(http)
         deadline = time.monotonic() + 30
