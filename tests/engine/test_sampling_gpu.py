@@ -95,12 +95,14 @@ def test_gpu_sampling_memory_beyond_the_logits_is_entries_and_one_block() -> Non
     with watch_memory("cuda") as watch:
         sampler(logits, meta)
     # The processors' working copies, one log-sum-exp block (its float32 copy and the
-    # temporaries of logsumexp and the rank count) and O(rows): no [N, V] temporary (the
-    # logits are 78 MiB here, a float32 copy would be 156) but allowed_token_ids' undo, the
-    # one dense processor (`AllowedTokens`: its rows whole, in the logits' dtype).
+    # temporaries of logsumexp and the rank count) and O(rows), besides two [N, V] terms: the
+    # float32 copy of the bf16 logits that a step with bias or penalties samples (156 MiB
+    # here; the worst case carries both) and allowed_token_ids' undo, the one dense processor
+    # (`AllowedTokens`: its rows whole, in the copy's float32).
+    assert any(isinstance(p, sampler_module.LogitBias) for p in meta.processors)
     allowed_rows = sum(seq.sampling_params.allowed_token_ids is not None for seq in seqs)
     bound = (40 * entries + 4 * sampler_module._LOGSUMEXP_BYTES + 64 * rows * 8
-             + allowed_rows * vocab * logits.element_size())
+             + rows * vocab * 4 + allowed_rows * vocab * 4)
     assert watch.peak_bytes <= bound, (watch.peak_bytes, bound)
 
 
