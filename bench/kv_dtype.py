@@ -42,7 +42,11 @@ The held-out prompts of the trained built-in model: `tools/tiny_model/heldout.py
 on the model-dtype engine with each layer's stored K/V rounded in place after the store: e4m3 K
 alone (`fp8_k_only`), e4m3 V alone (`fp8_v_only`), and both rounded in a Hadamard-rotated basis
 (`fp8_hadamard`: what a cache holding H k and H v would give, since q.k = Hq.Hk and the output
-rotates back; an idea for the format, not an engine feature). Scale 1.0 as the default cache.
+rotates back; an idea for the format, not an engine feature), and both less the prompt's own
+per-channel mean (`fp8_smoothed`: what smoothing K and V could give at most). Scale 1.0 as the
+default cache. `--noise-floor` adds K and V rounded at 4, 5 and 6 mantissa bits (6 is one bit
+short of bf16) and as int8 with a scale per token and head: where agreement with the bf16 cache
+stands for a format of any precision short of bf16's, i.e. the floor under the fp8 target.
 
 Targets (H200): fp8 >= 1.9x the blocks of bf16; offline throughput >= 1.4x bf16's; on the
 trained model next-token agreement >= 99% and mean KL <= 0.01 nats vs the bf16 cache.
@@ -127,7 +131,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--near-tie-nats", type=float, default=0.1,
                    help="auto's top-1 lead under which a position counts as undecided")
     p.add_argument("--error-split", action="store_true",
-                   help="also e4m3 K alone, V alone, and both in a Hadamard-rotated basis")
+                   help="also e4m3 K alone, V alone, both in a Hadamard-rotated basis, and "
+                        "both less the prompt's per-channel mean")
+    p.add_argument("--noise-floor", action="store_true",
+                   help="also K and V at 4, 5 and 6 mantissa bits and as int8 per token and "
+                        "head: the agreement any cache format short of bf16 can reach")
     args = p.parse_args(argv)
     check_lengths(p, args)
     if args.device == "auto":
@@ -294,13 +302,48 @@ def e4m3_rotated(x: torch.Tensor) -> torch.Tensor:
     return e4m3(x.float() @ h.T) @ h
 
 
+def e4m3_smoothed(x: torch.Tensor) -> torch.Tensor:
+    """`x` less its per-channel mean over the store's tokens, rounded to e4m3, the mean added
+    back. A cache could store K - m exactly so (q.m is the same for every key of a query, and
+    softmax ignores it) and V - m (the output adds m back); the mean here is the prompt's own,
+    which no engine has in advance: the most that smoothing could give."""
+    mean = x.float().mean(0, keepdim=True)
+    return e4m3(x.float() - mean) + mean
+
+
+def mantissa_bits(bits: int) -> Rounding:
+    """Rounding to `bits` explicit mantissa bits, range unbounded (e4m3 keeps 3, bf16 7): how
+    agreement falls with the precision alone."""
+    def rounding(x: torch.Tensor) -> torch.Tensor:
+        fraction, exponent = torch.frexp(x.float())  # x = fraction * 2**exponent, |f| in [0.5, 1)
+        steps = 2.0 ** (bits + 1)
+        return torch.ldexp(torch.round(fraction * steps) / steps, exponent)
+    rounding.__name__ = f"mantissa_{bits}"
+    return rounding
+
+
+def int8_per_token_head(x: torch.Tensor) -> torch.Tensor:
+    """`x` as int8 with one absmax scale per token and head (the last dim)."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    return torch.round(x.float() / scale).clamp(-127, 127) * scale
+
+
 def exact(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
 ERROR_SPLIT: dict[str, tuple[Rounding, Rounding]] = {
     "fp8_k_only": (e4m3, exact), "fp8_v_only": (exact, e4m3),
-    "fp8_hadamard": (e4m3_rotated, e4m3_rotated)}
+    "fp8_hadamard": (e4m3_rotated, e4m3_rotated),
+    "fp8_smoothed": (e4m3_smoothed, e4m3_smoothed)}
+
+# K and V both rounded: the model's agreement as a function of the cache's precision. One bit
+# less than bf16 (`bf16_less_1_bit`) is the smallest change a cache format can make; what it
+# gives is the floor under any 8-bit format's agreement with the bf16 cache on this model.
+NOISE_FLOOR: dict[str, tuple[Rounding, Rounding]] = {
+    **{name: (mantissa_bits(bits), mantissa_bits(bits))
+       for name, bits in (("mantissa_4", 4), ("mantissa_5", 5), ("bf16_less_1_bit", 6))},
+    "int8_per_token_head": (int8_per_token_head, int8_per_token_head)}
 
 
 @contextlib.contextmanager
@@ -348,7 +391,8 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
     """Every variant against auto (and against transformers) over the same prompts."""
     model = args.accuracy_model or args.model
     engines = {name: accuracy_engine(model, args, v) for name, v in ACCURACY_VARIANTS.items()}
-    rounded = ERROR_SPLIT if args.error_split else {}
+    rounded = {**(ERROR_SPLIT if args.error_split else {}),
+               **(NOISE_FLOOR if args.noise_floor else {})}
     try:
         prompts = accuracy_prompts(args, engines["auto"])
         mc = engines["auto"].config.model_config

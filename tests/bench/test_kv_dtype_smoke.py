@@ -4,6 +4,7 @@ accuracy comparison on a tiny checkpoint against transformers (float32: exact fo
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -76,10 +77,12 @@ def test_the_rounded_store_is_the_fp8_cache(bench, tiny_model: Callable[[str], P
                "fp8": bench.accuracy_engine(model, args, {"kv_cache_dtype": "fp8"})}
     try:
         prompt = list(range(3, 43))
+        own = -int(math.log2(torch.finfo(engines["auto"].config.model_config.dtype).eps))
         base = bench.prefill_logprobs(engines["auto"], prompt)
         fp8 = bench.prefill_logprobs(engines["fp8"], prompt)
         rounded = {"both": (bench.e4m3, bench.e4m3), "none": (bench.exact, bench.exact),
-                   **bench.ERROR_SPLIT}
+                   "own_bits": (bench.mantissa_bits(own), bench.mantissa_bits(own)),
+                   **bench.ERROR_SPLIT, **bench.NOISE_FLOOR}
         logprobs = {name: bench.variant_logprobs(engines, rounded, name, prompt)
                     for name in rounded}
     finally:
@@ -88,8 +91,19 @@ def test_the_rounded_store_is_the_fp8_cache(bench, tiny_model: Callable[[str], P
     assert not torch.equal(fp8, base)
     torch.testing.assert_close(logprobs["both"], fp8, rtol=0, atol=1e-5)
     assert torch.equal(logprobs["none"], base)
-    for name in bench.ERROR_SPLIT:
+    # Rounding the cache to its own dtype's mantissa changes nothing (7 bits for bf16).
+    assert torch.equal(logprobs["own_bits"], base)
+    for name in [*bench.ERROR_SPLIT, *bench.NOISE_FLOOR]:
         assert not torch.equal(logprobs[name], base), name
     assert bench.llama.attention_input.__name__ == "attention_input"
     h = bench.hadamard(64, torch.device("cpu"))
     torch.testing.assert_close(h @ h.T, torch.eye(64))
+
+
+def test_three_mantissa_bits_are_e4m3_in_its_normal_range(bench) -> None:
+    """`--noise-floor`'s precision series is e4m3 at 3 bits, where e4m3 has no subnormal or
+    saturation: the series and the real format meet at that point."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 40
+    x = x[(x.abs() >= 2**-6) & (x.abs() <= 448)]
+    assert torch.equal(bench.mantissa_bits(3)(x), bench.e4m3(x))
+    assert not torch.equal(bench.mantissa_bits(4)(x), bench.e4m3(x))
