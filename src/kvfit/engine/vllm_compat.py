@@ -14,8 +14,9 @@ _MODEL_CONFIG = ("kvfit reads the model folder's config.json as it is: edit it (
                  "the folder) instead")
 _OWN_LOADER = ("kvfit loads the model folder's safetensors itself; --load-format picks "
                "safetensors or dummy weights")
-_NO_REQUEST_LOG = ("kvfit has no request log; the engine's figures are logged every 10 s "
-                   "(--disable-log-stats turns them off)")
+_SERVE_LOGS_REQUESTS = "only kvfit serve logs requests: pass it --enable-log-requests"
+_NO_OUTPUT_LOG = ("kvfit serve's request log (--enable-log-requests) leaves the outputs' text "
+                  "out; it logs each request's finish reason and output tokens")
 _NO_TLS = "serve plain HTTP behind a proxy that terminates TLS"
 # vLLM flags kvfit does not do, each with what to do instead: a vLLM command line pasted here
 # stops with the reason, not argparse's bare 'unrecognized arguments'.
@@ -109,7 +110,10 @@ VLLM_UNSUPPORTED_FLAGS = {
                                      "running and waiting requests",
     "--log-config-file": "kvfit takes no logging config file; --uvicorn-log-level sets "
                          "uvicorn's level",
-    **dict.fromkeys(("--enable-log-outputs", "--no-disable-log-requests"), _NO_REQUEST_LOG),
+    "--enable-log-outputs": _NO_OUTPUT_LOG,
+    # kvfit serve's flags; refused by the other commands and LLM(...).
+    **dict.fromkeys(("--enable-log-requests", "--no-disable-log-requests"),
+                    _SERVE_LOGS_REQUESTS),
     "--trust-request-chat-template": "a request may not bring its own chat template: start "
                                      "the server with --chat-template",
     **dict.fromkeys(("--tool-parser-plugin", "--tool-server",
@@ -132,7 +136,6 @@ VLLM_UNSUPPORTED_FLAGS = {
     "--override-generation-config": "edit generation_config.json, or pass "
                                     "--generation-config FOLDER holding another",
     "--config": "there is no YAML config file; pass the settings as flags",
-    "--enable-log-requests": _NO_REQUEST_LOG,
     **dict.fromkeys(("--revision", "--tokenizer-revision", "--code-revision", "--download-dir",
                      "--hf-token"), _LOCAL_ONLY),
     "--tokenizer-mode": "kvfit uses the fast tokenizer (tokenizer.json) of --tokenizer or the "
@@ -159,10 +162,11 @@ VLLM_DEFAULT_VALUES = {"swap_space": 4}
 VLLM_NOOP_FLAGS = {
     "--trust-remote-code": "kvfit runs its own code for the architectures it knows, never a "
                            "model folder's",
-    "--disable-log-requests": "kvfit has no request log",
+    # kvfit serve's flags (its default); taken by the other commands and LLM(...).
+    **dict.fromkeys(("--disable-log-requests", "--no-enable-log-requests"),
+                    "only kvfit serve logs requests, with --enable-log-requests"),
     "--enable-chunked-prefill": "kvfit always chunks long prefills under "
                                 "--max-num-batched-tokens",
-    "--no-enable-log-requests": "kvfit has no request log",
     "--no-trust-remote-code": "kvfit never runs a model folder's code",
     "--async-scheduling": "kvfit schedules each step once the last one's tokens are in; the "
                           "outputs are the same",
@@ -176,12 +180,7 @@ VLLM_NOOP_FLAGS = {
     **dict.fromkeys(("--use-tqdm-on-load", "--no-use-tqdm-on-load"),
                     "kvfit logs its loading stages instead"),
     **dict.fromkeys(("--enable-log-deltas", "--no-enable-log-deltas"),
-                    "kvfit has no request log"),
-}
-# vLLM server flags with a value that ask for nothing kvfit would do: `kvfit serve` takes
-# them (value and all, so that a MODEL after them is not taken for their value), with a note.
-VLLM_NOOP_VALUE_FLAGS = {
-    "--max-log-len": "kvfit has no request log to shorten",
+                    "kvfit logs no outputs' text (--enable-log-outputs is not supported)"),
 }
 # VLLM_UNSUPPORTED_FLAGS taking a value, at the values that ask for what kvfit does (vLLM's
 # defaults, often spelt out in guides: `--tokenizer-mode auto`, `--task generate`): taken, as
@@ -198,6 +197,6 @@ VLLM_NOOP_VALUES: dict[str, tuple[str, ...]] = {
 
 
 def vllm_noop_dest(flag: str) -> str:
-    """The argparse dest of a vLLM flag taken with its value as a no-op (`VLLM_NOOP_VALUES`,
-    `VLLM_NOOP_VALUE_FLAGS`): apart from kvfit's own settings, present only where given."""
+    """The argparse dest of a vLLM flag taken with its value as a no-op (`VLLM_NOOP_VALUES`):
+    apart from kvfit's own settings, present only where given."""
     return "vllm_noop_" + flag.lstrip("-").replace("-", "_")

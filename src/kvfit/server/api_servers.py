@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from kvfit.engine.config import EngineArgs
     from kvfit.server.openai_api import ServeConfig
 
+from kvfit.server.request_log import show_request_log
+
 logger = logging.getLogger(__name__)
 
 PROMETHEUS_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -288,6 +290,8 @@ def uvicorn_server(app: Any, log_level: str, sigterm_only: bool = False,
         access.removeFilter(old)
     if app.state.config.disable_access_log_for_endpoints:
         access.addFilter(QuietPaths(app.state.config.disable_access_log_for_endpoints))
+    if app.state.config.enable_log_requests:
+        show_request_log()
     return server
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
@@ -194,12 +194,12 @@ class ServerMetrics:
         self.request_failure.labels(self.model_name, reason).inc()
 
     def track(self, stream: RequestStream, num_prompt_tokens: int,
-              max_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
-        """`stream`'s outputs, its tokens timed as they pass; its tokens are counted when it
-        ends, each completion's outcome as it finishes (one left early counts as aborted)."""
+              max_tokens: int | None = None) -> None:
+        """Time `stream`'s tokens as they pass (before it is iterated); its tokens are
+        counted when it ends, each completion's outcome as it finishes (one left early counts
+        as aborted)."""
         stream.observer = _RequestTiming(self, num_prompt_tokens, len(stream.output.outputs),
                                          stream.phase_times, max_tokens)
-        return aiter(stream)
 
 
 class _RequestTiming:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvfit.engine.config import at_least_one
-from kvfit.engine.vllm_compat import VLLM_NOOP_VALUE_FLAGS, vllm_noop_dest
 from kvfit.models.builtins import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -154,10 +153,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="chat template variables for every chat request, under its own "
                         "chat_template_kwargs, e.g. '{\"enable_thinking\": false}' "
                         "(default: none)")
-    for flag, why in VLLM_NOOP_VALUE_FLAGS.items():
-        # Taken with its value (a MODEL after it is no value of it), noted in check_serve_args.
-        server.add_argument(flag, dest=vllm_noop_dest(flag), default=argparse.SUPPRESS,
-                            metavar="VALUE", help=f"no effect, taken for vLLM's sake: {why}")
+    server.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="log each generation request at INFO as it is queued (its id, "
+                        "prompt tokens, sampling settings, prompt) and as it ends (finish "
+                        "reason, output tokens) (default: off)")
+    # vLLM's older spellings, its default then being on.
+    server.add_argument("--disable-log-requests", dest="enable_log_requests",
+                        action="store_false", help="vLLM's older spelling of "
+                        "--no-enable-log-requests (kvfit's default)")
+    server.add_argument("--no-disable-log-requests", dest="enable_log_requests",
+                        action="store_true", help="vLLM's older spelling of "
+                        "--enable-log-requests")
+    server.add_argument("--max-log-len", type=non_negative_int, default=None, metavar="N",
+                        help="the most characters of a prompt (or token ids of a prompt sent "
+                        "as ids) --enable-log-requests logs (0: none; default: all)")
     parser.set_defaults(func=run_serve, serve_parser=parser, model=DEFAULT_MODEL,
                         check_args=functools.partial(check_serve_args, parser))
     return parser
@@ -179,9 +189,6 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         if clash := sorted(call_args & set(args.default_chat_template_kwargs)):
             parser.error(f"--default-chat-template-kwargs may not set {', '.join(clash)}: an "
                          f"argument of the template call, not a variable of the template")
-    for flag, why in VLLM_NOOP_VALUE_FLAGS.items():
-        if hasattr(args, vllm_noop_dest(flag)):
-            print(f"kvfit serve: note: {flag} has no effect: {why}", file=sys.stderr)
     if any(not name.strip() for name in args.served_model_name or ()):
         # An empty name reads as a folder ('' is the working directory) below, and served, it
         # is a model no client can name.
@@ -217,6 +224,17 @@ def _names_a_model(name: str, default: str) -> bool:
 
         return cached_snapshot(name) is not None
     return False
+
+
+def non_negative_int(value: str) -> int:
+    """An argparse type: a whole number >= 0."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {value!r}")
+    return number
 
 
 def seconds(value: str) -> float:
@@ -584,6 +602,8 @@ def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
         disable_access_log_for_endpoints=args.disable_access_log_for_endpoints,
         enable_force_include_usage=args.enable_force_include_usage,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
+        enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
     )
 
 

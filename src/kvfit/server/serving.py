@@ -38,6 +38,7 @@ from kvfit.server.protocol import (
     TokenizeRequest,
     _SamplingFields,
 )
+from kvfit.server.request_log import RequestLog
 from kvfit.server.responses import (
     chat_logprobs,
     completion_logprobs,
@@ -92,6 +93,9 @@ class ServeConfig:
     with the usage, as though it asked for it (vLLM's `--enable-force-include-usage`).
     `default_chat_template_kwargs`: chat template variables under each request's own
     `chat_template_kwargs` (vLLM's `--default-chat-template-kwargs`).
+    `enable_log_requests`: log each generation request on the `kvfit` logger at INFO as it is
+    queued and as it ends (`request_log`; vLLM's `--enable-log-requests`), its prompt cut to
+    `max_log_len` characters (None: whole; vLLM's `--max-log-len`).
     `admission_counts`: with several API server processes (`--api-server-count`), each one's
     generation requests in progress, in shared memory (a `RawArray`, one entry a process,
     this one's at `api_server_index`), so that `max_concurrent_requests` bounds the server's
@@ -122,6 +126,8 @@ class ServeConfig:
     enable_force_include_usage: bool = False
     disable_access_log_for_endpoints: list[str] = field(default_factory=list)
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
     admission_counts: Any = None
     api_server_index: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
@@ -198,6 +204,8 @@ class OpenAIServing:
         self.model_name = config.served_model_names[0]
         # One thread: requests' large texts are tokenized one at a time, off the event loop.
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfit-tokenize")
+        self.request_log = RequestLog(config.max_log_len) if config.enable_log_requests \
+            else None
 
     # -- checks ------------------------------------------------------------------------------
 
@@ -393,9 +401,10 @@ class OpenAIServing:
     # -- generation --------------------------------------------------------------------------
 
     def start(self, body: _SamplingFields, prompts: list[dict[str, Any]],
-              params: list[SamplingParams]
+              params: list[SamplingParams], answer_id: str
               ) -> tuple[list[AsyncIterator[RequestOutput]], _Admission]:
-        """Take a slot and queue every prompt of a request: all or none."""
+        """Take a slot and queue every prompt of a request (answered as `answer_id`): all or
+        none."""
         admission = _Admission(self.slots, self.engine)
         self.slots.take(admission)
         streams: list[AsyncIterator[RequestOutput]] = []
@@ -405,8 +414,11 @@ class OpenAIServing:
                 stream = self.engine.add_request(prompt, sp, f"{request_id}-{i}",
                                                  body.priority)
                 admission.request_ids.append(stream.request_id)
-                streams.append(self.metrics.track(stream, len(prompt["prompt_token_ids"]),
-                                                  sp.max_tokens))
+                self.metrics.track(stream, len(prompt["prompt_token_ids"]), sp.max_tokens)
+                if self.request_log is not None:
+                    self.request_log.received(stream.request_id, answer_id, prompt, sp)
+                    self.request_log.watch(stream)
+                streams.append(aiter(stream))
         except BaseException as e:
             admission.release()
             if isinstance(e, ValueError):
@@ -514,10 +526,10 @@ class OpenAIServing:
                               f" at index {i}" if len(prompts) > 1 else ""),
             body.logprobs, num_prompt_logprobs, self.sampling_defaults)
             for i, p in enumerate(prompts)]
-        streams, admission = self.start(body, prompts, params)
+        ids = f"cmpl-{_response_id(request, body.request_id)}"
+        streams, admission = self.start(body, prompts, params, ids)
         if scoring:
             streams = [_prompt_only(s) for s in streams]
-        ids = f"cmpl-{_response_id(request, body.request_id)}"
         created = int(time.time())
         streaming = False
         try:
@@ -572,8 +584,8 @@ class OpenAIServing:
         body._renamed = {"max_tokens": max_field, "logprobs": "top_logprobs"}
         params = body.sampling_params(max_tokens, num_logprobs, body.prompt_logprobs,
                                       self.sampling_defaults)
-        streams, admission = self.start(body, [prompt], [params])
         ids = f"chatcmpl-{_response_id(request, body.request_id)}"
+        streams, admission = self.start(body, [prompt], [params], ids)
         created = int(time.time())
         # vLLM's: the configured role answers a new turn; a continued message keeps its own.
         role = (self.config.response_role if body.template_flags()["add_generation_prompt"]
