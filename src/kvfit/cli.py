@@ -14,6 +14,7 @@ import sys
 from kvfit import __version__
 from kvfit.commands import bench_offline, bench_serve, chat, generate
 from kvfit.commands.common import Subparsers, check_vllm_flags
+from kvfit.commands.config_file import apply_config_file
 
 SERVER_EXTRA = "pip install 'kvfit[server]'"
 
@@ -95,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     # Out of the namespace, which commands pickle into the processes they start.
     command_parser = vars(args).pop("command_parser", parser)
+    if getattr(args, "config_file", None) is not None:
+        # Its values become the command's defaults, so that the command line wins over them.
+        apply_config_file(command_parser, args.config_file)
+        args, unknown = parser.parse_known_args(argv)
+        vars(args).pop("command_parser", None)
     # serve without its extra takes any flag: its message is the install hint.
     if not getattr(args, "accepts_unknown_args", False) and (
             unknown := check_vllm_flags(parser, unknown)):

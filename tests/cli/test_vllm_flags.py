@@ -44,7 +44,7 @@ def test_bad_counts_are_usage_errors_naming_the_flag(
     (["serve", "m", "--enable-lora"], "--enable-lora", "LoRA"),
     (["serve", "m", "--override-generation-config", "{}"], "--override-generation-config",
      "--generation-config FOLDER"),
-    (["serve", "m", "--config", "serve.yaml"], "--config", "flags"),
+    (["generate", "--config", "serve.yaml"], "--config", "only kvfit serve"),
     # kvfit serve's request log flags, which the other commands refuse.
     (["generate", "--enable-log-requests"], "--enable-log-requests", "only kvfit serve"),
     (["generate", "--no-disable-log-requests"], "--no-disable-log-requests", "kvfit serve"),

@@ -137,18 +137,21 @@ def vllm_flag_name(arg: str) -> str:
     return "-O" if re.fullmatch(r"-O\d*", name) else name
 
 
-def check_vllm_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> list[str]:
+def check_vllm_flags(parser: argparse.ArgumentParser, unknown: list[str],
+                     source: str | None = None) -> list[str]:
     """`unknown` (what `parse_known_args` left) less the vLLM flags kvfit takes as no-ops
     (each noted on stderr); a vLLM flag kvfit does not do is a usage error (exit status 2)
-    naming it and what to do instead."""
+    naming it and what to do instead. `source` says where the flags came from (a --config
+    file), before the words."""
     rest = []
+    where = "" if source is None else f"{source}: "
     for arg in unknown:
         name = vllm_flag_name(arg)
         if name in VLLM_UNSUPPORTED_FLAGS:
-            parser.exit(2, f"{parser.prog}: error: {name} (a vLLM flag) is not supported: "
-                        f"{VLLM_UNSUPPORTED_FLAGS[name]}\n")
+            parser.exit(2, f"{parser.prog}: error: {where}{name} (a vLLM flag) is not "
+                        f"supported: {VLLM_UNSUPPORTED_FLAGS[name]}\n")
         if arg in VLLM_NOOP_FLAGS:
-            print(f"{parser.prog}: note: {arg} has no effect: {VLLM_NOOP_FLAGS[arg]}",
+            print(f"{parser.prog}: note: {where}{arg} has no effect: {VLLM_NOOP_FLAGS[arg]}",
                   file=sys.stderr)
         else:
             rest.append(arg)

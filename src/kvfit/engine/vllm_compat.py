@@ -135,7 +135,7 @@ VLLM_UNSUPPORTED_FLAGS = {
                          "the flag",
     "--override-generation-config": "edit generation_config.json, or pass "
                                     "--generation-config FOLDER holding another",
-    "--config": "there is no YAML config file; pass the settings as flags",
+    "--config": "only kvfit serve reads a YAML --config file; pass the settings as flags",
     **dict.fromkeys(("--revision", "--tokenizer-revision", "--code-revision", "--download-dir",
                      "--hf-token"), _LOCAL_ONLY),
     "--tokenizer-mode": "kvfit uses the fast tokenizer (tokenizer.json) of --tokenizer or the "

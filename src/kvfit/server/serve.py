@@ -44,6 +44,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("model_tag", nargs="?", metavar="MODEL",
                         help=f"model folder or built-in name (the same as --model; default: "
                         f"{DEFAULT_MODEL})")
+    parser.add_argument("--config", dest="config_file", metavar="FILE.yaml",
+                        help="read flags from a YAML file mapping their long names to values "
+                        "(e.g. 'max-model-len: 4096', 'enable-prefix-caching: true', the model "
+                        "as 'model: FOLDER'), as vLLM's; flags on the command line win over it")
     EngineArgs.add_cli_args(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",
