@@ -30,6 +30,7 @@ from kvfit.engine.oom_guard import KVCacheOutOfMemoryError, OOMGuard, is_device_
 from kvfit.engine.scheduler import Scheduler
 from kvfit.engine.sequence import ScheduledBatch, Sequence
 from kvfit.engine.sleep import (
+    MODES,
     SleepReport,
     SleepState,
     WakeUpOutOfMemoryError,
@@ -109,6 +110,8 @@ class EngineStats:
     # A failed resize left the KV cache released: requests wait until the engine backs it
     # again (a server's /health answers 503 meanwhile).
     kv_cache_released: bool = False
+    # `pause` holds new requests back (counted in `num_waiting`) until `resume`.
+    paused: bool = False
 
 
 class EngineCore:
@@ -448,7 +451,7 @@ class EngineCore:
             raise RuntimeError(f"sleep() but the engine is already asleep "
                                f"({', '.join(self._sleep_state.asleep_tags())}); call "
                                f"wake_up() first")
-        self._drain(mode)
+        self._drain(mode, "sleep")
         self.scheduler.block_manager.reset_prefix_cache()
         self._kv_released_by_resize = False  # the user's sleep holds it now: wake_up backs it
         try:
@@ -461,12 +464,14 @@ class EngineCore:
                     report.kept)
         return report
 
-    def _drain(self, mode: str) -> None:
+    def _drain(self, mode: str, call: str) -> None:
+        """Finish (`mode="wait"`: step them to the end) or abort every request queued or
+        running, for `call`; the next `step` returns them. Held requests (`pause`) stay."""
         finished: list[Sequence] = []
         try:
             if mode == "wait":
                 while self.scheduler.has_unfinished() or self._in_flight is not None:
-                    self._check_can_drain()
+                    self._check_can_drain(call)
                     finished += self.step()  # also takes what an earlier sleep left to return
             else:
                 if self._in_flight is not None:
@@ -477,7 +482,7 @@ class EngineCore:
         finally:
             self._finished_early += finished
 
-    def _check_can_drain(self) -> None:
+    def _check_can_drain(self, call: str) -> None:
         """Refuse to wait for requests that wait on a cache a failed resize released: they
         finish only once the device has the memory again, maybe never (the co-tenant that took
         it may be the one waiting for this sleep), and the wait would hold the engine's
@@ -485,10 +490,49 @@ class EngineCore:
         if self._kv_released_by_resize and self.scheduler.has_unfinished():
             num_requests = len({seq.request_id for seq in self.scheduler.waiting})
             raise RuntimeError(
-                f"sleep(mode='wait'): a failed resize left the KV cache released and "
+                f"{call}(mode='wait'): a failed resize left the KV cache released and "
                 f"{num_requests} requests wait for it, which cannot finish until the engine "
-                f"backs it again (once the device has the memory); call sleep(mode='abort') "
-                f"to end them, or sleep again once they finished")
+                f"backs it again (once the device has the memory); call {call}(mode='abort') "
+                f"to end them, or {call}() again once they finished")
+
+    # -- pausing generation ------------------------------------------------------------------
+
+    @property
+    def is_paused(self) -> bool:
+        """Whether `pause` holds new requests back from scheduling."""
+        return self.scheduler.paused
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop taking requests into steps until `resume`, e.g. to replace the weights between
+        two steps (vLLM's `pause_generation`). The requests queued or running now are aborted
+        (`mode="abort"`) or run to their end (`"wait"`), as `sleep` drains them, and the next
+        `step` returns them; `clear_cache` then forgets the prefix cache, whose K/V the
+        current weights computed. Requests added while paused are held, not refused, and
+        queued by `resume`. Pausing again drains nothing (held requests stay held). Raises
+        `ValueError` for another mode (vLLM's `"keep"`, which freezes running requests in
+        place, is not supported) and, in mode `"wait"`, `RuntimeError` while requests wait on
+        a KV cache a failed resize released (as `sleep`)."""
+        if mode not in MODES:
+            raise ValueError(f"pause_generation(mode={mode!r}): mode is 'abort' (abort the "
+                             f"requests in flight) or 'wait' (finish them first); vLLM's "
+                             f"'keep' (freeze them in place) is not supported")
+        self._check_not_shut_down("pause_generation()")
+        self._drain(mode, "pause_generation")
+        if clear_cache:
+            self.scheduler.block_manager.reset_prefix_cache()
+        self.scheduler.pause()
+        logger.info("generation paused (mode %s%s)", mode,
+                    ", prefix cache cleared" if clear_cache else "")
+
+    def resume(self) -> None:
+        """Schedule again after `pause`: the requests held meanwhile are queued, in the order
+        they came (a no-op when not paused). While asleep they then fail as any request
+        would: `wake_up` first."""
+        self._check_not_shut_down("resume_generation()")
+        if self.scheduler.paused:
+            logger.info("generation resumed (%d held requests queued)",
+                        len({seq.request_id for seq in self.scheduler.held}))
+        self.scheduler.resume()
 
     def wake_up(self, tags: list[str] | None = None, reload_weights: bool = True) -> None:
         """Wake `tags` (`weights`, `kv_cache`; None: all that sleep) at the same addresses.
@@ -790,7 +834,7 @@ class EngineCore:
                         if self.config.kv_connector_config is not None else None)
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.held),
             num_blocks=bm.num_blocks,
             num_free_blocks=bm.num_free_blocks,
             committed_kv_bytes=committed,
@@ -818,6 +862,7 @@ class EngineCore:
             kv_connector_hit_tokens=(None if self.config.kv_connector_config is None
                                      else self.scheduler.num_external_hit_tokens),
             kv_cache_released=self._kv_released_by_resize,
+            paused=self.scheduler.paused,
         )
 
     def has_unfinished(self) -> bool:

@@ -91,6 +91,10 @@ class Scheduler:
         self.detokenizer = detokenizer or Detokenizer(None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is last
+        # While `paused`, requests added are held here, in the order they came, and join
+        # `waiting` at `resume`: outside it, nothing counts them as work to step or drain.
+        self.paused = False
+        self.held: list[Sequence] = []
         self.num_preemptions = 0
         # Steps launched, the tokens they computed, and the decode-only ones (one token per
         # sequence: what a decode graph runs): the batch's shape over a run, e.g. a served
@@ -111,12 +115,32 @@ class Scheduler:
         self._check_fits(seq)
         seq.status = SequenceStatus.WAITING
         seq.queued_time = time.monotonic()
+        if self.paused:
+            self.held.append(seq)
+        else:
+            self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
         if self.by_priority:
             bisect.insort(self.waiting, seq, key=_priority_order)
         else:
             self.waiting.append(seq)
 
+    def pause(self) -> None:
+        """Hold every request added from now on (`held`) until `resume`; those queued or
+        running already are the caller's to drain."""
+        self.paused = True
+
+    def resume(self) -> None:
+        """Queue the held requests, as though they were added now in the order they came (their
+        queue time counts from their `add`)."""
+        self.paused = False
+        held, self.held = self.held, []
+        for seq in held:
+            self._enqueue(seq)
+
     def has_unfinished(self) -> bool:
+        """Whether any sequence is queued or running (held ones wait for `resume`, not a step)."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
@@ -268,11 +292,14 @@ class Scheduler:
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of the request `request_id` now (finish_reason "abort"): all
-        of its `n` completions that are queued or running."""
-        aborted = [seq for queue in (self.waiting, self.running) for seq in queue
-                   if seq.request_id == request_id]
+        of its `n` completions that are queued, running or held."""
+        aborted = []
+        for queue in (self.waiting, self.running, self.held):
+            mine = [seq for seq in queue if seq.request_id == request_id]
+            for seq in mine:
+                queue.remove(seq)
+            aborted += mine
         for seq in aborted:
-            (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
             if seq.has_pending_token:  # the step in flight samples it, and `update` skips it:
                 seq.token_ids.pop()  # the output would end with the placeholder
             seq.finish_reason = "abort"
