@@ -131,3 +131,8 @@ def refuse_device_memory(llm: LLM, what: str, refuse: bool) -> None:
         raise VmmOutOfMemoryError("cuMemCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY")
 
     reservation.create = create
+
+
+def prefix_cache_blocks(llm: LLM) -> int:
+    """Blocks the prefix cache can hand out again (by hash)."""
+    return len(llm.engine.scheduler.block_manager.hash_to_block)

@@ -536,6 +536,38 @@ class AsyncLLM:
         """`LLM.wake_up(tags)` in the engine (weights reloaded after level 2)."""
         await self._call("wake_up", tags)
 
+    async def pause_generation(self, *, mode: str = "abort",
+                               wait_for_inflight_requests: bool = False,
+                               clear_cache: bool = True) -> None:
+        """vLLM's: stop scheduling requests until `resume_generation`, e.g. while a trainer
+        replaces the weights (`collective_rpc`). In the one engine, between two steps, so a
+        pause sent from any API server process pauses them all: the requests it holds are
+        aborted (`mode="abort"`, the default: their streams end with finish_reason "abort")
+        or run to their end (`"wait"`, or vLLM's older `wait_for_inflight_requests=True`),
+        then the prefix cache is reset (`clear_cache`); it returns once that is done and
+        those streams have ended. Requests added while paused are taken, not refused, and
+        wait: the engine runs them after `resume_generation`. ValueError for another mode
+        (vLLM's "keep" is not supported)."""
+        if wait_for_inflight_requests:  # vLLM's older spelling of mode="wait"
+            mode = "wait"
+        await self._call(_pause, mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        """vLLM's: schedule again after `pause_generation`; the requests added meanwhile run,
+        in the order they came (a no-op when not paused)."""
+        await self._call(_resume)
+
+    async def is_paused(self) -> bool:
+        """vLLM's: whether generation is paused, asked of the engine after the commands sent
+        before it; `paused` is the latest message's answer at once."""
+        return await self._call(_is_paused)
+
+    @property
+    def paused(self) -> bool:
+        """Whether `pause_generation` paused the engine (as of its latest message; read from any
+        thread, without waiting)."""
+        return self._stats.paused
+
     async def resize_kv_cache(self, num_blocks: int) -> KVCacheResize:
         """`LLM.resize_kv_cache` in the engine, between two steps; `EngineSleepingError`
         while it sleeps (a state to leave, not a bad `num_blocks`)."""
@@ -775,6 +807,19 @@ def _resize_kv_cache(llm: LLM, num_blocks: int) -> KVCacheResize:
 
 def _is_sleeping(llm: LLM) -> bool:
     return llm.is_sleeping
+
+
+def _pause(llm: LLM, mode: str, clear_cache: bool) -> None:
+    # The engine's, not `LLM`'s: a paused `generate` would wait for a resume from elsewhere.
+    llm.engine.pause(mode, clear_cache)
+
+
+def _resume(llm: LLM) -> None:
+    llm.engine.resume()
+
+
+def _is_paused(llm: LLM) -> bool:
+    return llm.engine.is_paused
 
 
 def _kv_cache_state(llm: LLM) -> dict[str, Any]:

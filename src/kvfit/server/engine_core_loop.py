@@ -198,7 +198,7 @@ class EngineCoreLoop:
 
     def _apply_commands(self) -> bool:
         """Apply queued commands and send what they produced; False once asked to stop."""
-        called = False
+        called = added = False
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -209,14 +209,17 @@ class EngineCoreLoop:
                 return False
             if kind == "add":
                 self._add(*command[1:])
+                added = True
             elif kind == "abort":
                 self._abort(command[1])
             elif kind == "call":
                 self._call(*command[1:])
                 called = True
         # A call (a sleep) may have stepped every request to its end: look at them all. Adds
-        # alone send nothing: the next step's message carries the stats they changed.
-        if called or self._pending or self._errors:
+        # alone send nothing: the next step's message carries the stats they changed, unless
+        # no step follows (generation paused: the front ends see them waiting).
+        if (called or self._pending or self._errors
+                or (added and not self.core.has_unfinished())):
             self._publish(scan=list(self._tracked.values()) if called else [])
         return True
 

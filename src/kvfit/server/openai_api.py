@@ -109,6 +109,10 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         api.post("/sleep")(serving.sleep)
         api.post("/wake_up")(serving.wake_up)
         get(api, "/is_sleeping", serving.is_sleeping)
+    if config.enable_pause_endpoints:
+        api.post("/pause")(serving.pause)
+        api.post("/resume")(serving.resume)
+        get(api, "/is_paused", serving.is_paused)
     if config.enable_kv_cache_endpoints:
         get(api, "/kv_cache", serving.kv_cache)
         api.post("/kv_cache/resize")(serving.resize_kv_cache)

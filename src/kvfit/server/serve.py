@@ -39,8 +39,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         description="Serve MODEL (a Hugging Face folder or a built-in name) over HTTP: "
         "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
         "/health, /ping, /invocations, /metrics, /version; with "
-        "KVFIT_SERVER_DEV_MODE=1 also /kv_cache, /kv_cache/resize and /reset_prefix_cache, "
-        "and /sleep, /wake_up, /is_sleeping where --enable-sleep-mode is given too.")
+        "KVFIT_SERVER_DEV_MODE=1 also /kv_cache, /kv_cache/resize, /reset_prefix_cache, "
+        "/pause, /resume and /is_paused, and /sleep, /wake_up, /is_sleeping where "
+        "--enable-sleep-mode is given too.")
     parser.add_argument("model_tag", nargs="?", metavar="MODEL",
                         help=f"model folder or built-in name (the same as --model; default: "
                         f"{DEFAULT_MODEL})")
@@ -338,8 +339,9 @@ def missing_server_modules() -> list[str]:
 
 DEV_MODE_ENV = "KVFIT_SERVER_DEV_MODE"
 """Set to 1 to serve the development routes (`/sleep`, `/wake_up`, `/is_sleeping` with sleep
-mode; `/kv_cache`, `/kv_cache/resize`, `/reset_prefix_cache`): any client of them can take
-the model or its memory away from every other, so a flag alone does not turn them on."""
+mode; `/kv_cache`, `/kv_cache/resize`, `/reset_prefix_cache`, `/pause`, `/resume`,
+`/is_paused`): any client of them can take the model or its memory away from every other, so
+a flag alone does not turn them on."""
 
 
 def sleep_endpoints(engine_args: EngineArgs) -> bool:
@@ -354,8 +356,8 @@ def sleep_endpoints(engine_args: EngineArgs) -> bool:
 
 
 def dev_mode() -> bool:
-    """Whether `KVFIT_SERVER_DEV_MODE=1`: the development routes (`/kv_cache`, and `/sleep`
-    with sleep mode) are served."""
+    """Whether `KVFIT_SERVER_DEV_MODE=1`: the development routes (`/kv_cache`, `/pause`, and
+    `/sleep` with sleep mode) are served."""
     return os.environ.get(DEV_MODE_ENV) == "1"
 
 
@@ -589,6 +591,7 @@ def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
         root=engine_args.model,
         enable_sleep_endpoints=sleep_endpoints(engine_args),
         enable_kv_cache_endpoints=dev_mode(),
+        enable_pause_endpoints=dev_mode(),
         multiprocess_metrics=multiprocess_metrics,
         chat_template=chat_template,
         shutdown_timeout=args.shutdown_timeout,

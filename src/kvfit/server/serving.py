@@ -68,7 +68,8 @@ class ServeConfig:
     `/is_sleeping` (an engine with sleep mode, behind the development flag: they let any
     client take the model away from every other). `enable_kv_cache_endpoints`: serve
     `GET /kv_cache`, `POST /kv_cache/resize?num_blocks=N` and vLLM's `POST
-    /reset_prefix_cache` (behind the development flag too).
+    /reset_prefix_cache` (behind the development flag too). `enable_pause_endpoints`: serve
+    vLLM's `POST /pause`, `POST /resume` and `GET /is_paused` (the development flag as well).
     `multiprocess_metrics`: `/metrics` sums the request figures of every API server process
     (`--api-server-count` > 1; prometheus_client's multiprocess mode, `PROMETHEUS_MULTIPROC_DIR`).
     `chat_template`: a Jinja chat template used instead of the tokenizer's own (None: the
@@ -108,6 +109,7 @@ class ServeConfig:
     root: str | None = None  # the model folder, shown by /v1/models
     enable_sleep_endpoints: bool = False
     enable_kv_cache_endpoints: bool = False
+    enable_pause_endpoints: bool = False
     max_request_body_bytes: int | None = 64 << 20
     multiprocess_metrics: bool = False
     chat_template: str | None = None
@@ -641,7 +643,7 @@ class OpenAIServing:
             return await self.chat_completions(parsed, request)
         return await self.completions(parsed, request)
 
-    # -- development routes (`enable_sleep_endpoints`, `enable_kv_cache_endpoints`) ----------
+    # -- development routes (`enable_sleep_endpoints`, `enable_pause_endpoints`, ...) ---------
 
     async def sleep(self, level: int = 1, mode: str = "wait") -> dict[str, Any]:
         """Release the KV cache and weights (`LLM.sleep`); what went and what stays."""
@@ -679,6 +681,35 @@ class OpenAIServing:
 
     async def is_sleeping(self) -> dict[str, bool]:
         return {"is_sleeping": self.engine.sleeping}
+
+    async def pause(self, mode: str = "abort", wait_for_inflight_requests: bool = False,
+                    clear_cache: bool = True) -> dict[str, str]:
+        """vLLM's `POST /pause` (`AsyncLLM.pause_generation`): answered once the requests in
+        flight are aborted or, with `mode=wait`, finished; generation requests sent while
+        paused wait for `POST /resume` (they are not refused)."""
+        try:
+            await self.engine.pause_generation(
+                mode=mode, wait_for_inflight_requests=wait_for_inflight_requests,
+                clear_cache=clear_cache)
+        except UNAVAILABLE as e:
+            raise engine_error(e) from None
+        except (ValueError, RuntimeError) as e:
+            raise APIError(str(e), param="mode" if "mode=" in str(e) else None) from None
+        return {"status": "paused"}
+
+    async def resume(self) -> dict[str, str]:
+        """vLLM's `POST /resume`: the requests sent while paused run."""
+        try:
+            await self.engine.resume_generation()
+        except UNAVAILABLE as e:
+            raise engine_error(e) from None
+        return {"status": "resumed"}
+
+    async def is_paused(self) -> dict[str, bool]:
+        try:
+            return {"is_paused": await self.engine.is_paused()}
+        except UNAVAILABLE as e:
+            raise engine_error(e) from None
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False,
                                  reset_external: bool = False) -> dict[str, Any]:
