@@ -88,6 +88,35 @@ def test_pause_ends_the_request_in_flight_and_holds_a_later_one_until_resume(
     assert http.get("/is_paused").json() == {"is_paused": False}
 
 
+def test_a_request_sent_while_a_pause_drains_waits_for_the_resume(
+        http: httpx.Client, engine: AsyncLLM) -> None:
+    """Unlike a sleep's drain, which refuses it at once (503), a pause's (mode wait) takes a
+    request sent meanwhile: it runs after the resume, with its text."""
+    expected = http.post("/v1/completions", json=COMPLETION).json()["choices"][0]["text"]
+    in_engine(engine, engine_hooks.slow, "slow", 0.05)  # 100 steps: 5 s of drain
+    running, ran = _send(http, {**COMPLETION, "prompt": "slow", "max_tokens": 100})
+    _until(lambda: _gauge(http, "num_requests_running") == 1, "it never ran")
+    paused: list[httpx.Response] = []
+    pauser = threading.Thread(target=lambda: paused.append(
+        http.post("/pause", params={"mode": "wait"})))
+    pauser.start()
+    time.sleep(0.5)  # the pause reaches the engine before the request
+    late, answered = _send(http, COMPLETION)
+    _until(lambda: engine.num_requests == 2, "the request never reached the front end")
+    sent_while_draining = pauser.is_alive()
+    pauser.join(timeout=60)
+    running.join(timeout=60)
+    assert sent_while_draining, "the drain ended before the request was sent"
+    assert paused[0].json() == {"status": "paused"}
+    assert ran[0].json()["choices"][0]["finish_reason"] == "length"
+    time.sleep(0.2)
+    assert late.is_alive()  # held
+    assert http.post("/resume").status_code == 200
+    late.join(timeout=60)
+    assert answered[0].status_code == 200, answered[0].text
+    assert answered[0].json()["choices"][0]["text"] == expected
+
+
 def test_clear_cache_false_keeps_the_prefix_cache(http: httpx.Client, engine: AsyncLLM) -> None:
     long = {**COMPLETION, "prompt": list(range(5, 70))}  # full blocks, which the cache keeps
     assert http.post("/v1/completions", json=long).status_code == 200
