@@ -5,6 +5,7 @@ it would have had; a pause from one of two front ends pauses the one engine for 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import functools
 import threading
@@ -18,6 +19,7 @@ import pytest
 
 from kvfit.engine.config import EngineArgs
 from kvfit.engine.sampling_params import SamplingParams
+from kvfit.server import serve
 from kvfit.server.async_llm import AsyncLLM
 from kvfit.server.engine_client import AttachedEngine, EngineProcess
 
@@ -134,11 +136,19 @@ def test_a_mode_other_than_abort_or_wait_is_400_naming_mode(http: httpx.Client) 
     assert http.get("/is_paused").json() == {"is_paused": False}
 
 
-def test_the_routes_need_the_development_flag(start_server: Callable[..., ServerThread]) -> None:
+def test_the_routes_need_the_development_flag(start_server: Callable[..., ServerThread],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     with httpx.Client(base_url=start_server().url, timeout=60) as plain:
         assert plain.post("/pause").status_code == 404
         assert plain.post("/resume").status_code == 404
         assert plain.get("/is_paused").status_code == 404
+    root = argparse.ArgumentParser(prog="kvfit")
+    serve.add_serve_parser(root.add_subparsers(dest="command", required=True))
+    args = root.parse_args(["serve", "m"])  # no sleep mode needed
+    monkeypatch.delenv(serve.DEV_MODE_ENV, raising=False)
+    assert not serve._serve_config(args, EngineArgs(model="m")).enable_pause_endpoints
+    monkeypatch.setenv(serve.DEV_MODE_ENV, "1")
+    assert serve._serve_config(args, EngineArgs(model="m")).enable_pause_endpoints
 
 
 def test_a_pause_from_one_front_end_holds_the_other_ones_requests(model_path: Path) -> None:
