@@ -3,6 +3,7 @@ line), quiet when idle; `--disable-log-stats` turns it off."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 
@@ -32,6 +33,11 @@ def test_stats_line_names_the_figures() -> None:
     assert stats_line(stats(running=3, free=75, hits=50)) == (
         "kvfit serve: running 3 seqs, waiting 0, KV cache 25.0% of 100 blocks, prefix cache "
         "hit rate 25.0%, preemptions 2")
+
+
+def test_stats_line_says_requests_wait_on_a_paused_engine() -> None:
+    held = dataclasses.replace(stats(), num_waiting=3, paused=True)
+    assert "running 0 seqs, waiting 3 (generation paused), KV cache" in stats_line(held)
 
 
 def test_stats_line_leads_with_vllms_throughputs() -> None:

@@ -25,9 +25,11 @@ def stats_line(s: EngineStats, throughput: tuple[float, float] | None = None,
     rates = "" if throughput is None else (
         f"Avg prompt throughput: {throughput[0]:.1f} tokens/s, Avg generation throughput: "
         f"{throughput[1]:.1f} tokens/s, ")
-    return (f"{source}: {rates}running {s.num_running} seqs, waiting {s.num_waiting}, KV cache "
-            f"{in_use / s.num_blocks:.1%} of {s.num_blocks:,} blocks, prefix cache hit rate "
-            f"{hit_rate:.1%}, preemptions {s.num_preemptions}")
+    # Why requests wait with nothing running: they run only after a resume.
+    paused = " (generation paused)" if s.paused else ""
+    return (f"{source}: {rates}running {s.num_running} seqs, waiting {s.num_waiting}{paused}, "
+            f"KV cache {in_use / s.num_blocks:.1%} of {s.num_blocks:,} blocks, prefix cache hit "
+            f"rate {hit_rate:.1%}, preemptions {s.num_preemptions}")
 
 
 class StatsLogger:
