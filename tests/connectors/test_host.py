@@ -184,6 +184,40 @@ def test_a_block_a_decode_fills_with_a_pending_token_is_saved_by_the_next_step()
     assert conn.build_connector_meta([seq], [1]).saves == []
 
 
+def test_a_finished_sequences_last_block_is_saved_as_it_finishes_and_only_once() -> None:
+    # The decode that fills block 1 is built while the block's last token is pending; that
+    # token's own sample ends the sequence (by length), so no step follows to save block 1.
+    conn = scheduler_side(8)
+    seq = Seq(0, list(range(2 * BS - 1)), [3, 4, 5])
+    prefill(conn, seq)
+    seq.token_ids.append(-1)
+    assert prefill(conn, seq).saves == []  # computes the pending token: block 1 is full
+    seq.token_ids[-1] = 7
+    seq.token_ids.append(9)  # the last token, sampled and never computed
+    assert conn.get_num_new_matched_tokens(Seq(1, [*seq.token_ids, 1])) == BS
+    conn.request_finished(seq)
+    meta = conn.build_finished_meta()
+    assert [(t.block_id, t.slot) for t in meta.saves] == [(4, 1)] and meta.save_id == 1
+    conn.launched(meta)
+    assert conn.get_num_new_matched_tokens(Seq(1, [*seq.token_ids, 1])) == 2 * BS
+    assert conn.build_finished_meta() is None  # taken
+    # A step that writes block 4 (handed out again) waits for that save on the device.
+    assert prefill(conn, Seq(2, prompt(500, 1), [4, 6])).wait_save_id == 1
+    # Already held (a second sequence of the same tokens): not saved again.
+    again = Seq(3, list(seq.token_ids), [8, 9, 10], num_computed_tokens=2 * BS)
+    conn.request_finished(again)
+    assert conn.build_finished_meta() is None
+
+
+@pytest.mark.parametrize("num_computed", [2 * BS - 1, 2 * BS + 1])
+def test_a_sequence_that_ends_inside_a_block_plans_no_finished_save(num_computed) -> None:
+    # 2 * BS - 1: the block's last token was sampled and never computed (its K/V are not
+    # written); 2 * BS + 1: a later step ran, which saved the block.
+    conn = scheduler_side(8)
+    conn.request_finished(Seq(0, list(range(2 * BS + 2)), [3, 4, 5], num_computed))
+    assert conn.build_finished_meta() is None
+
+
 def worker_side(num_slots: int, num_blocks: int = 16, spec: KVCacheSpec = SPEC,
                 ) -> tuple[HostConnector, list[torch.Tensor]]:
     conn = HostConnector("worker", config(num_slots, spec), spec, "model")

@@ -140,6 +140,37 @@ def test_registered_storages_are_the_committed_bytes_in_one_chunk_per_segment(
         llm.shutdown()
 
 
+def test_a_replys_last_block_is_saved_as_it_finishes_and_loads_in_another_engine(
+        qwen3, tmp_path) -> None:
+    # 57 prompt tokens and 40 generated: 96 computed. The final decode fills block 5 while
+    # the block's last token is still being sampled (no key yet), and the token it samples
+    # ends the reply by length, so no later step saves it: the finish must.
+    turn, store = [3, *range(20, 76)], tmp_path / "store"
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    first = connected(qwen3, store)
+    try:
+        reply = first.generate([{"prompt_token_ids": turn}], params,
+                               use_tqdm=False)[0].outputs[0].token_ids
+        history = [*turn, *reply]
+        assert all(connector(first).path(key).exists()
+                   for key in connector(first).keys_for(history))
+    finally:
+        first.shutdown()
+    follow_up = {"prompt_token_ids": [*history, *range(100, 120)]}
+    plain = LLM(str(qwen3), **SETTINGS)
+    try:
+        expect = plain.generate([follow_up], params, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        plain.shutdown()
+    second = connected(qwen3, store)
+    try:
+        answer = second.generate([follow_up], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert second.engine.stats().kv_connector_hit_tokens == len(history) - 1 == 96
+        assert answer == expect
+    finally:
+        second.shutdown()
+
+
 def test_a_torch_allocated_cache_registers_and_loads_too(qwen3, store, reference) -> None:
     """Without VMM (sizing by estimate) the cache is one torch tensor: its per-segment views
     are registered and the store's blocks load the same way."""

@@ -56,13 +56,17 @@ def test_prefixes_the_cache_lost_load_from_host_memory_with_identical_outputs(
     assert worker_side.stats.loaded_blocks == FULL_PREFIX_BLOCKS
 
 
+@pytest.mark.parametrize("max_tokens", [40, 39])
 def test_a_conversations_next_turn_loads_the_replies_blocks_too(
-        qwen3, offloading) -> None:
+        qwen3, offloading, max_tokens) -> None:
     # The tier's case: the history of a conversation, replies included, left the cache. The
     # blocks a decode fills end with a token still pending on the host (the step before is
-    # in flight): they must be saved once it is known, not skipped.
-    turn = [3, *range(20, 76)]  # 57 tokens, 40 more generated: 96 computed
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    # in flight): they must be saved once it is known, not skipped. The reply's final decode
+    # (40 tokens: 96 computed) fills the last block, which no later step follows: saved as
+    # the sequence finishes. One token fewer, the last block's last token was sampled and
+    # never computed: its K/V are not all written, and it must not be stored.
+    turn = [3, *range(20, 76)]  # 57 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     reply = offloading.generate([{"prompt_token_ids": turn}], params,
                                 use_tqdm=False)[0].outputs[0].token_ids
     history = [*turn, *reply]
@@ -70,16 +74,60 @@ def test_a_conversations_next_turn_loads_the_replies_blocks_too(
     follow_up = [*history, *range(100, 120)]
     answer = offloading.generate([{"prompt_token_ids": follow_up}], params,
                                  use_tqdm=False)[0].outputs[0].token_ids
-    # Every full block of the history but the last (filled by the reply's final decode,
-    # which no later step of its follows).
+    # Every block of the history whose K/V were all computed.
     hits = offloading.engine.stats().kv_connector_hit_tokens
-    assert hits == (len(history) - 1) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE
+    assert hits == (len(history) - 1) // BLOCK_SIZE * BLOCK_SIZE == {40: 96, 39: 80}[max_tokens]
     plain = LLM(str(qwen3), **SETTINGS)
     try:
         assert plain.generate([{"prompt_token_ids": follow_up}], params,
                               use_tqdm=False)[0].outputs[0].token_ids == answer
     finally:
         plain.shutdown()
+
+
+def test_a_request_aborted_at_a_blocks_end_keeps_that_block_in_the_tier(
+        qwen3, offloading) -> None:
+    # Aborted between steps while the step in flight computes a block's last token (sampled
+    # by the step before, so its key is known only now): the block is saved as it finishes.
+    engine = offloading.engine
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    [seq] = offloading.make_request({"prompt_token_ids": [3, *range(20, 76)]}, params, "r")
+    engine.add_request(seq)
+    while seq.num_computed_tokens % BLOCK_SIZE or seq.num_computed_tokens < 80:
+        engine.step()
+    assert engine._in_flight is not None
+    engine.abort_request("r")
+    history = list(seq.token_ids)
+    assert len(history) == seq.num_computed_tokens == 80
+    while engine.has_unfinished():
+        engine.step()
+    offloading.reset_prefix_cache()
+    follow_up = {"prompt_token_ids": [*history, *range(100, 120)]}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    answer = offloading.generate([follow_up], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert engine.stats().kv_connector_hit_tokens == len(history)
+    plain = LLM(str(qwen3), **SETTINGS)
+    try:
+        assert plain.generate([follow_up], params,
+                              use_tqdm=False)[0].outputs[0].token_ids == answer
+    finally:
+        plain.shutdown()
+
+
+def test_a_failed_step_saves_no_block_of_what_it_aborts(offloading) -> None:
+    # After a step raised, the state of the step in flight is unknown: the block it was to
+    # complete may hold no K/V, and its id is soon another sequence's.
+    engine, (scheduler_side, _) = offloading.engine, tier(offloading)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    [seq] = offloading.make_request({"prompt_token_ids": [3, *range(20, 76)]}, params, "r")
+    engine.add_request(seq)
+    while seq.num_computed_tokens % BLOCK_SIZE or seq.num_computed_tokens < 80:
+        engine.step()
+    cached = scheduler_side.num_cached_blocks
+    assert engine.fail_step() == ["r"]
+    assert scheduler_side.build_finished_meta() is None
+    assert scheduler_side.num_cached_blocks == cached
+    assert outputs(offloading)  # the tier goes on
 
 
 def test_a_cache_too_small_for_the_batch_reloads_what_it_evicted(

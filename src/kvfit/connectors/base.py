@@ -4,7 +4,9 @@ it, split as in vLLM v1 into a scheduler side and a worker side.
 The scheduler side runs in the engine. When a sequence starts, it says how many of its prompt
 tokens the store holds beyond the local prefix-cache hit (`get_num_new_matched_tokens`); once
 blocks are allocated it plans their loads (`update_state_after_alloc`), and each step it
-builds the step's `KVConnectorMetadata` (loads, plus saves of the blocks the step fills). The
+builds the step's `KVConnectorMetadata` (loads, plus saves of the blocks the step fills); when
+a sequence finishes, the saves of the block its last step filled but could not name
+(`request_finished`, `build_finished_meta`), run before the block is handed out again. The
 worker side runs beside each device's cache: it registers the cache's memory
 (`register_kv_caches`) and moves the blocks that metadata names, loads before the step's
 forward (`start_load_kv`), saves after it (`wait_for_save`).
@@ -159,7 +161,17 @@ class KVConnector(ABC):
 
     @abstractmethod
     def request_finished(self, seq: ScheduledSeq) -> None:
-        """`seq` is done; forget what was kept for it."""
+        """`seq` is done (its blocks are freed next); forget what was kept for it, and plan
+        the save of its last full block where no step could save it: the step that filled it
+        was built while the block's last token was still being sampled, and none of `seq`
+        followed (`BlockChains.unsaved_tail`). `build_finished_meta` hands the plan out."""
+
+    @abstractmethod
+    def build_finished_meta(self) -> KVConnectorMetadata | None:
+        """The saves `request_finished` planned since the last call, which the engine has the
+        worker side run at once, outside a step (before a step can hand their freed blocks
+        out again), then reports `launched`; None where there are none. A plan the engine
+        drops (a failed step: the blocks' K/V may not be written) is dropped by taking it."""
 
     @abstractmethod
     def loads_failed(self, error: KVLoadError) -> None:

@@ -49,6 +49,18 @@ class BlockChains:
         first = start // bs - (start % bs == 0 and start > 0)
         return first, self.block_keys(seq, (start + num_new) // bs)[first:]
 
+    def unsaved_tail(self, seq: ScheduledSeq) -> tuple[int, str] | None:
+        """`(index, key)` of the block a finished `seq`'s last step filled, where that step
+        ended at the block's end: a store may lack it, as its last token may have been pending
+        when the step was built (no key yet) and no later step of `seq` ran to save it
+        (`fill_keys`'s look back). None where `seq` ended inside a block or a token of it is
+        unknown (an aborted sequence's)."""
+        bs, num_full = self.block_size, seq.num_computed_tokens // self.block_size
+        if num_full == 0 or seq.num_computed_tokens % bs:
+            return None
+        keys = self.block_keys(seq, num_full)
+        return (num_full - 1, keys[-1]) if len(keys) == num_full else None
+
     def num_hit_tokens(self, seq: ScheduledSeq, holds: Callable[[str], bool]) -> int:
         """Tokens past `seq.num_computed_tokens` (block aligned) in the leading whole blocks
         whose keys a store `holds`; never the last token (it is sampled from)."""

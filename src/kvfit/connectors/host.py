@@ -112,6 +112,7 @@ class HostConnector(KVConnector):
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recent first
         self._free_slots = list(range(self.num_slots - 1, -1, -1))  # popped from the end
         self._pending_loads: list[BlockTransfer] = []
+        self._finished_saves: list[BlockTransfer] = []  # planned by `request_finished`
         self._unlaunched: HostConnectorMetadata | None = None
         self._next_save_id = 0
         # The last MAX_SAVES_IN_FLIGHT saves (those that may still run when a step launches):
@@ -158,13 +159,33 @@ class HostConnector(KVConnector):
             # chain, and touched alone it would outlive its parent.)
             lookback = first < start // bs
             self._touch([key for key in keys[lookback:] if key in self._index])
-            for i, key in enumerate(keys, first):
-                if key not in self._index and key not in planned and (
-                        slot := self._take_slot(loading)) is not None:
-                    planned.add(key)
-                    meta.saves.append(BlockTransfer(seq.block_table[i], key, slot=slot))
+            fills = [(seq.block_table[i], key) for i, key in enumerate(keys, first)]
+            self._plan_saves(meta, fills, loading, planned)
         meta.wait_save_id = max((save_id for save_id, blocks, slots in self._recent_saves
                                  if blocks & written or slots & loading), default=None)
+        return self._number_saves(meta)
+
+    def build_finished_meta(self) -> HostConnectorMetadata | None:
+        finished, self._finished_saves = self._finished_saves, []
+        self._drop_unlaunched()
+        meta = HostConnectorMetadata()
+        # No slot a step in flight loads from is overwritten too soon: the copy stream runs
+        # these saves after what the compute stream was given (that step's loads) by then.
+        self._plan_saves(meta, [(t.block_id, t.key) for t in finished], set(), set())
+        return self._number_saves(meta) if meta.saves else None
+
+    def _plan_saves(self, meta: HostConnectorMetadata, blocks: list[tuple[int, str]],
+                    loading: set[int], planned: set[str]) -> None:
+        """Add to `meta.saves` each `(block_id, key)` the pool lacks, to a slot of its own."""
+        for block_id, key in blocks:
+            if key not in self._index and key not in planned and (
+                    slot := self._take_slot(loading)) is not None:
+                planned.add(key)
+                meta.saves.append(BlockTransfer(block_id, key, slot=slot))
+
+    def _number_saves(self, meta: HostConnectorMetadata) -> HostConnectorMetadata:
+        """Give `meta`'s saves the next `save_id` (remembered as possibly still running) and
+        keep `meta` as the one not launched yet."""
         if meta.saves:
             meta.save_id, self._next_save_id = self._next_save_id, self._next_save_id + 1
             self._recent_saves.append((meta.save_id, {t.block_id for t in meta.saves},
@@ -204,6 +225,9 @@ class HostConnector(KVConnector):
             self._unlaunched = None
 
     def request_finished(self, seq: ScheduledSeq) -> None:
+        if (tail := self.chains.unsaved_tail(seq)) is not None:
+            index, key = tail
+            self._finished_saves.append(BlockTransfer(seq.block_table[index], key))
         self.chains.forget(seq.seq_id)
 
     def loads_failed(self, error: KVLoadError) -> None:

@@ -95,6 +95,7 @@ class SharedStorageConnector(KVConnector):
         # Scheduler side.
         self.chains = BlockChains(namespace, spec.block_size)
         self._pending_loads: list[BlockTransfer] = []
+        self._finished_saves: list[BlockTransfer] = []  # planned by `request_finished`
         self._bad_keys: set[str] = set()
         # Worker side.
         self._caches: list[torch.Tensor] | None = None
@@ -144,11 +145,23 @@ class SharedStorageConnector(KVConnector):
         planned: set[str] = set()  # two sequences may fill the same block in one step
         for seq, num_new in zip(seqs, num_new_tokens, strict=True):
             first, keys = self.chains.fill_keys(seq, num_new)
-            for i, key in enumerate(keys, first):
-                if key not in planned and self._needs_save(key):
-                    planned.add(key)
-                    meta.saves.append(BlockTransfer(seq.block_table[i], key))
+            self._plan_saves(meta, [BlockTransfer(seq.block_table[i], key)
+                                    for i, key in enumerate(keys, first)], planned)
         return meta
+
+    def build_finished_meta(self) -> KVConnectorMetadata | None:
+        meta = KVConnectorMetadata()
+        self._plan_saves(meta, self._finished_saves, set())
+        self._finished_saves = []
+        return meta if meta.saves else None
+
+    def _plan_saves(self, meta: KVConnectorMetadata, saves: list[BlockTransfer],
+                    planned: set[str]) -> None:
+        """Add to `meta.saves` each of `saves` whose block the store needs."""
+        for t in saves:
+            if t.key not in planned and self._needs_save(t.key):
+                planned.add(t.key)
+                meta.saves.append(t)
 
     def _needs_save(self, key: str) -> bool:
         """Whether the store lacks `key` (earlier steps' saves are done: they are synchronous)
@@ -162,6 +175,9 @@ class SharedStorageConnector(KVConnector):
         """Nothing to record: a store's files are its own index, each there once written."""
 
     def request_finished(self, seq: ScheduledSeq) -> None:
+        if (tail := self.chains.unsaved_tail(seq)) is not None:
+            index, key = tail
+            self._finished_saves.append(BlockTransfer(seq.block_table[index], key))
         self.chains.forget(seq.seq_id)
 
     def loads_failed(self, error: KVLoadError) -> None:

@@ -479,6 +479,7 @@ class EngineCore:
                 queued = (self.scheduler.waiting, self.scheduler.running)
                 for request_id in dict.fromkeys(s.request_id for queue in queued for s in queue):
                     finished += self.scheduler.abort(request_id)
+                self._save_finished_blocks()  # before sleep releases the pages
         finally:
             self._finished_early += finished
 
@@ -626,6 +627,7 @@ class EngineCore:
     def abort_request(self, request_id: str) -> None:
         """Drop a queued or running request (a no-op for unknown ids)."""
         self.scheduler.abort(request_id)
+        self._save_finished_blocks()
 
     def step(self) -> list[Sequence]:
         """Schedule and launch one step, then apply the step launched before it; returns the
@@ -682,7 +684,7 @@ class EngineCore:
             if batch is None:
                 return None, None
             try:
-                return batch, self.executor.launch(batch)
+                launched = self.executor.launch(batch)
             except KVLoadError as error:  # raised before the step ran: compute those blocks
                 self.scheduler.recompute_lost_blocks(error)
                 continue
@@ -690,6 +692,12 @@ class EngineCore:
                 if not is_device_oom(error):
                     raise
                 message = str(error)
+            else:
+                # Now, not once the step is advanced: the step in flight is applied first,
+                # and the saves of what it finishes must see these saves as planned.
+                if self.scheduler.kv_connector is not None and batch.kv_connector_meta is not None:
+                    self.scheduler.kv_connector.launched(batch.kv_connector_meta)
+                return batch, launched
             # Outside the except block the traceback is gone, and with it the failed step's
             # tensors, so the guard's empty_cache can return them.
             if self._in_flight is not None:
@@ -778,7 +786,20 @@ class EngineCore:
         batch, launched = self._in_flight
         self._in_flight = None
         self._applied += batch.seqs
-        return self.scheduler.update(batch, launched.result())
+        finished = self.scheduler.update(batch, launched.result())
+        self._save_finished_blocks()
+        return finished
+
+    def _save_finished_blocks(self) -> None:
+        """Have the KV connector save, now, the last full blocks of sequences that just
+        finished which no step could save (`KVConnector.build_finished_meta`): their blocks
+        are free, and the next step or a resize may take them. On the device the copies
+        follow the steps already launched, which wrote them."""
+        connector = self.scheduler.kv_connector
+        if connector is None or (meta := connector.build_finished_meta()) is None:
+            return
+        self.executor.collective_rpc("save_kv", meta)
+        connector.launched(meta)
 
     def fail_step(self) -> list[str]:
         """After `step` raised: drop the step in flight and abort every request it or the
@@ -806,6 +827,8 @@ class EngineCore:
         request_ids = list(dict.fromkeys(seq.request_id for seq in seqs))
         for request_id in request_ids:
             self.scheduler.abort(request_id)
+        if self.scheduler.kv_connector is not None:  # taken and dropped: a failed step's
+            self.scheduler.kv_connector.build_finished_meta()  # blocks may hold no K/V
         return request_ids
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:

@@ -241,9 +241,8 @@ class Scheduler:
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Account for a launched step: its chunks are computed (their full blocks become
-        prefix-cache hits) and each sequence it samples ends with a `PENDING_TOKEN`."""
-        if self.kv_connector is not None and batch.kv_connector_meta is not None:
-            self.kv_connector.launched(batch.kv_connector_meta)
+        prefix-cache hits) and each sequence it samples ends with a `PENDING_TOKEN`. (The
+        engine tells a KV connector the step launched as soon as it did: `launched`.)"""
         num_tokens = batch.num_tokens
         self.num_steps += 1
         self.num_step_tokens += num_tokens

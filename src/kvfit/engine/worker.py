@@ -12,6 +12,7 @@ import torch
 
 from kvfit.connectors import (
     KVConnector,
+    KVConnectorMetadata,
     create_kv_connector,
     kv_connector_host_bytes,
     kv_connector_one_chunk,
@@ -595,6 +596,12 @@ class Worker:
         if connector is not None and meta:
             connector.wait_for_save(meta)
         return output
+
+    def save_kv(self, meta: KVConnectorMetadata) -> None:
+        """Run the KV connector's `meta.saves` outside a step (the blocks of sequences that
+        finished: `KVConnector.build_finished_meta`), after the steps queued before."""
+        if self.kv_connector is not None:
+            self.kv_connector.wait_for_save(meta)
 
     def shutdown(self) -> None:
         """Release the model, graphs and KV cache, the KV connector's host memory and threads,
