@@ -218,6 +218,19 @@ def test_a_sequence_that_ends_inside_a_block_plans_no_finished_save(num_computed
     assert conn.build_finished_meta() is None
 
 
+def test_new_weights_empty_the_index_and_name_the_same_tokens_blocks_anew() -> None:
+    conn = scheduler_side(4)
+    old = prefill(conn, Seq(0, prompt(0, 2), [0, 1, 2]))
+    prefill(conn, Seq(1, prompt(500, 2), [3, 4, 5]))  # the pool is full
+    conn.weights_replaced("model+update")
+    assert conn.num_cached_blocks == 0
+    assert conn.get_num_new_matched_tokens(Seq(2, prompt(0, 2))) == 0
+    new = prefill(conn, Seq(3, prompt(0, 2), [6, 7, 8]))
+    assert [t.slot for t in new.saves] == [0, 1]  # every slot free again
+    assert not {t.key for t in new.saves} & {t.key for t in old.saves}
+    assert conn.get_num_new_matched_tokens(Seq(4, prompt(0, 2))) == 2 * BS
+
+
 def worker_side(num_slots: int, num_blocks: int = 16, spec: KVCacheSpec = SPEC,
                 ) -> tuple[HostConnector, list[torch.Tensor]]:
     conn = HostConnector("worker", config(num_slots, spec), spec, "model")

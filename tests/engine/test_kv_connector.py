@@ -353,22 +353,49 @@ def test_loads_that_fail_while_a_step_is_in_flight_recompute_under_preemption_an
         llm.shutdown()
 
 
-def test_load_weights_turns_the_connector_off(second, qwen3) -> None:
+def fine_tuned(model: Path) -> dict[str, torch.Tensor]:
+    """`model`'s weights with new K and V projections (a training step's update): every
+    block's K/V change."""
     from safetensors.torch import load_file
 
-    conn = connector(second)
-    outputs(second)  # loads and saves: the staging buffer and I/O threads exist
-    loaded, staging = conn.stats.loaded_blocks, weakref.ref(conn._staging)
-    hits = second.engine.scheduler.num_external_hit_tokens
-    second.load_weights(load_file(qwen3 / "model.safetensors"))
-    assert second.engine.scheduler.kv_connector is None
-    # The worker side is gone too, with its host memory and threads (the host tier's pool).
-    assert connector(second) is None
-    gc.collect()
-    assert staging() is None and conn._pool is None
-    outputs(second)
-    assert conn.stats.loaded_blocks == loaded
-    assert second.engine.scheduler.num_external_hit_tokens == hits
+    generator = torch.Generator().manual_seed(1)
+    return {name: (0.3 * torch.randn(t.shape, generator=generator)
+                   if "k_proj" in name or "v_proj" in name else t)
+            for name, t in load_file(model / "model.safetensors").items()}
+
+
+def saved_as(model: Path, weights: dict[str, torch.Tensor], folder: Path) -> Path:
+    """A copy of `model` whose checkpoint holds `weights`."""
+    from safetensors.torch import save_file
+
+    folder = Path(shutil.copytree(model, folder))
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_load_weights_serves_nothing_stale_and_the_store_works_for_the_new_weights(
+        second, qwen3, tmp_path) -> None:
+    # An RL loop: the store holds every prompt's blocks of the old weights; the trainer's
+    # update must not be answered from them, and the store must go on for the new weights.
+    weights = fine_tuned(qwen3)
+    fresh = LLM(str(saved_as(qwen3, weights, tmp_path / "model")), **SETTINGS)
+    try:
+        expect = outputs(fresh)
+    finally:
+        fresh.shutdown()
+    conn, scheduler = connector(second), second.engine.scheduler
+    outputs(second)  # every prompt's blocks load from the store
+    hits, loaded = scheduler.num_external_hit_tokens, conn.stats.loaded_blocks
+    assert hits == sum(FULL_PREFIX_BLOCKS) * BLOCK_SIZE
+    second.load_weights(weights)
+    assert connector(second) is conn and scheduler.kv_connector is not None
+    assert outputs(second) == expect
+    assert (scheduler.num_external_hit_tokens, conn.stats.loaded_blocks) == (hits, loaded)
+    # What the new weights computed was saved, and is what the store serves now.
+    assert second.reset_prefix_cache()
+    assert outputs(second) == expect
+    assert conn.stats.loaded_blocks - loaded == sum(FULL_PREFIX_BLOCKS)
+    assert scheduler.num_external_hit_tokens == 2 * hits
 
 
 def test_a_store_that_stops_taking_saves_is_counted_and_requests_go_on(
@@ -510,9 +537,9 @@ def test_an_fp8_store_of_a_float32_model_is_not_a_bfloat16_models(qwen3, tmp_pat
         llm.shutdown()
 
 
-def test_a_level_2_wake_that_reloads_changed_files_turns_the_connector_off(
+def test_a_level_2_wake_that_reloads_changed_files_names_blocks_by_the_new_files(
         qwen3, tmp_path) -> None:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     model, store = Path(shutil.copytree(qwen3, tmp_path / "model")), tmp_path / "store"
     llm = connected(model, store, enable_sleep_mode=True)
@@ -524,20 +551,24 @@ def test_a_level_2_wake_that_reloads_changed_files_turns_the_connector_off(
         hits = llm.engine.scheduler.num_external_hit_tokens
         assert hits > 0
         llm.sleep(level=2)
-        weights = load_file(model / "model.safetensors")
-        generator = torch.Generator().manual_seed(1)
-        save_file({name: (0.3 * torch.randn(t.shape, generator=generator)
-                          if "k_proj" in name or "v_proj" in name else t)
-                   for name, t in weights.items()}, model / "model.safetensors",
-                  metadata={"format": "pt"})  # a trainer's checkpoint, saved while it slept
-        fresh = LLM(str(model), **SETTINGS)
+        weights = fine_tuned(model)
+        new = saved_as(model, weights, tmp_path / "new")
+        fresh = LLM(str(new), **SETTINGS)
         try:
-            new = outputs(fresh)
+            new_outputs = outputs(fresh)
         finally:
             fresh.shutdown()
+        # A trainer's checkpoint, saved while it slept.
+        save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
         llm.wake_up()  # reloads the new files
-        assert outputs(llm) == new
+        assert outputs(llm) == new_outputs
         assert llm.engine.scheduler.num_external_hit_tokens == hits
-        assert llm.engine.scheduler.kv_connector is None
+    finally:
+        llm.shutdown()
+    # The blocks it saved since are named by the files, as another engine on them names them.
+    llm = connected(model, store)
+    try:
+        assert outputs(llm) == new_outputs
+        assert llm.engine.scheduler.num_external_hit_tokens == hits
     finally:
         llm.shutdown()

@@ -19,8 +19,10 @@ from kvfit.engine.config import EngineArgs
 from .test_kv_connector import (
     BLOCK_SIZE,
     SETTINGS,
+    fine_tuned,
     outputs,
     reference,  # noqa: F401 (a fixture: the outputs of an engine without a connector)
+    saved_as,
     worker,
 )
 from .test_kv_connector import FULL_PREFIX_BLOCKS as PROMPT_BLOCKS
@@ -173,18 +175,31 @@ def test_shutdown_frees_the_host_pool(qwen3) -> None:
     assert all(piece() is None for piece in pieces)
 
 
-def test_load_weights_frees_the_pool_of_the_tier_it_turns_off(qwen3, reference) -> None:  # noqa: F811
-    from safetensors.torch import load_file
-
+def test_after_load_weights_the_tier_serves_only_the_new_weights_blocks(
+        qwen3, tmp_path, reference) -> None:  # noqa: F811
+    # An RL loop: the tier holds the old weights' blocks, which must not answer the prompts
+    # again after the trainer's update; the tier works on for the new weights, in its pool.
+    weights = fine_tuned(qwen3)
+    fresh = LLM(str(saved_as(qwen3, weights, tmp_path / "model")), **SETTINGS)
+    try:
+        expect = outputs(fresh)
+    finally:
+        fresh.shutdown()
     llm = LLM(str(qwen3), kv_offloading_size=0.01, **SETTINGS)
     try:
-        pieces = [weakref.ref(piece) for piece in tier(llm)[1]._pieces]
-        llm.load_weights(load_file(qwen3 / "model.safetensors"))  # an RL trainer's update
-        assert llm.engine.scheduler.kv_connector is None and worker(llm).kv_connector is None
-        gc.collect()
-        assert all(piece() is None for piece in pieces)  # not kv_offloading_size held for good
+        scheduler_side, worker_side = tier(llm)
+        pieces = list(worker_side._pieces)
         assert outputs(llm) == reference
-        assert llm.engine.stats().kv_connector_failed_saves == 0
+        llm.reset_prefix_cache()
+        llm.load_weights(weights)
+        assert tier(llm) == (scheduler_side, worker_side) and worker_side._pieces == pieces
+        assert scheduler_side.num_cached_blocks == 0
+        assert outputs(llm) == expect
+        assert worker_side.stats.loaded_blocks == 0
+        llm.reset_prefix_cache()
+        assert outputs(llm) == expect
+        assert worker_side.stats.loaded_blocks == FULL_PREFIX_BLOCKS
+        assert llm.engine.stats().kv_connector_hit_tokens == FULL_PREFIX_BLOCKS * BLOCK_SIZE
     finally:
         llm.shutdown()
 

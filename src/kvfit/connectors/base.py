@@ -174,6 +174,14 @@ class KVConnector(ABC):
         drops (a failed step: the blocks' K/V may not be written) is dropped by taking it."""
 
     @abstractmethod
+    def weights_replaced(self, model_id: str) -> None:
+        """The model's weights changed in place (`LLM.load_weights`, a wake that reloaded
+        changed files): name blocks in `model_id`'s namespace from now on, so that no block
+        stored for the old weights is offered as a hit or stands in for one of the new, and
+        the new weights' blocks are saved and found again. Called on both sides, with no
+        request unfinished and no step in flight."""
+
+    @abstractmethod
     def loads_failed(self, error: KVLoadError) -> None:
         """The worker side could not load `error.bad_keys`: stop offering them as hits and let
         saves replace them."""

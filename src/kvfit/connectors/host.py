@@ -101,6 +101,7 @@ class HostConnector(KVConnector):
                  model_id: str) -> None:
         super().__init__(role)
         self.check(config, spec)
+        self.spec = spec
         self.block_size = spec.block_size
         self.block_shape = (spec.num_segments, *spec.block_shape)
         self.dtype = spec.dtype
@@ -232,6 +233,15 @@ class HostConnector(KVConnector):
 
     def loads_failed(self, error: KVLoadError) -> None:
         """Never called: a copy from host memory does not fail as a file read can."""
+
+    def weights_replaced(self, model_id: str) -> None:
+        """Scheduler side: every entry holds K/V of the old weights, so the index empties and
+        every slot is free again (saves still queued on the device stay ordered: save ids and
+        `_recent_saves` go on). Worker side: nothing; the pool stays allocated."""
+        self.chains = BlockChains(store_namespace(model_id, self.spec), self.block_size)
+        self._index.clear()
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self._pending_loads, self._finished_saves, self._unlaunched = [], [], None
 
     @property
     def num_cached_blocks(self) -> int:

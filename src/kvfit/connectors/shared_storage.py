@@ -87,13 +87,11 @@ class SharedStorageConnector(KVConnector):
                  model_id: str, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(role)
         self.root = Path(config.kv_connector_path)
+        self.spec = spec
         self.block_size = spec.block_size
-        namespace = store_namespace(model_id, spec)
-        self.format = BlockFormat(spec.dtype, (spec.num_segments, *spec.block_shape), namespace)
-        self._file_meta = {"model": model_id, "layout": "/".join(spec.dims)}
+        self._name_blocks(model_id)
         self._warned: set[str] = set()
         # Scheduler side.
-        self.chains = BlockChains(namespace, spec.block_size)
         self._pending_loads: list[BlockTransfer] = []
         self._finished_saves: list[BlockTransfer] = []  # planned by `request_finished`
         self._bad_keys: set[str] = set()
@@ -106,6 +104,14 @@ class SharedStorageConnector(KVConnector):
         self._save_warned_at: float | None = None  # `clock` at the last failed-save warning
         self._unsaved = 0  # blocks not saved since that warning
         self._save_error: tuple[str, Exception] | None = None  # the latest failure's key, cause
+
+    def _name_blocks(self, model_id: str) -> None:
+        """Key blocks (`chains`) and write and check their files (`format`) in the namespace
+        of `model_id`'s K/V."""
+        spec, namespace = self.spec, store_namespace(model_id, self.spec)
+        self.format = BlockFormat(spec.dtype, (spec.num_segments, *spec.block_shape), namespace)
+        self._file_meta = {"model": model_id, "layout": "/".join(spec.dims)}
+        self.chains = BlockChains(namespace, spec.block_size)
 
     def path(self, key: str) -> Path:
         """The file that holds the block named `key`."""
@@ -182,6 +188,13 @@ class SharedStorageConnector(KVConnector):
 
     def loads_failed(self, error: KVLoadError) -> None:
         self._bad_keys |= error.bad_keys
+
+    def weights_replaced(self, model_id: str) -> None:
+        # The old weights' files stay: engines that still run those weights share them, and
+        # no key of the new namespace names one (remove the directory's files to reclaim it).
+        self._name_blocks(model_id)
+        self._pending_loads, self._finished_saves = [], []
+        self._bad_keys.clear()
 
     # -- worker side --------------------------------------------------------------------------
 

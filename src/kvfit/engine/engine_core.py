@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, replace
@@ -573,9 +574,9 @@ class EngineCore:
                         f"wake_up(): no device memory for the weights ({error}); they stay "
                         f"asleep (the KV cache too): free device memory and call wake_up() "
                         f"again") from error
-                if reloaded and self._kv_store_model_id not in (None, self._model_identity()):
-                    self._disconnect_kv_store("wake_up() reloaded the weights from files that "
-                                              "changed since the engine started")
+                if reloaded and self._kv_store_model_id is not None:  # the files' weights
+                    self._rename_kv_store(self._model_identity(), "wake_up() reloaded the "
+                                          "weights from files that changed")
             if "kv_cache" in tags:
                 self.kv_resizer.wake()
         finally:
@@ -590,7 +591,9 @@ class EngineCore:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint-named tensors into the weights in place (asleep weights are woken
         for it, the KV cache stays as it is); invalidates the prefix cache, whose K/V the old
-        weights computed. No request may be unfinished."""
+        weights computed, and gives a KV connector's store a new namespace (`_rename_kv_store`),
+        so it serves nothing the old weights computed and keeps working for the new ones. No
+        request may be unfinished."""
         self._check_not_shut_down("load_weights()")
         if self.scheduler.has_unfinished() or self._in_flight is not None:
             raise RuntimeError("load_weights() while requests are unfinished; finish or abort "
@@ -604,21 +607,28 @@ class EngineCore:
             # K/V (and the connector's store) belong to weights the model no longer has.
             self._refresh_sleep_state()
             self.scheduler.block_manager.reset_prefix_cache()
-            self._disconnect_kv_store("weights replaced")
+            if self._kv_store_model_id is not None:
+                # No file names these weights, and a count of updates could name another
+                # process's: a name of their own, which only this engine's blocks carry.
+                self._rename_kv_store(f"{self._model_identity()}+load_weights:"
+                                      f"{uuid.uuid4().hex}", "load_weights()")
 
     def _model_identity(self) -> str:
         """What names the model's weights in a KV connector's store, now (`model_identity`)."""
         mc = self.config.model_config
         return model_identity(mc.model, mc.load_format, mc.dtype)
 
-    def _disconnect_kv_store(self, why: str) -> None:
-        """Turn the KV connector off: the store is keyed by the weights the engine started
-        with, and K/V of other weights must neither enter it nor be taken from it."""
-        if self.scheduler.kv_connector is not None:
-            logger.warning("%s: the KV connector is off for this engine (its store holds K/V "
-                           "of the weights the engine started with)", why)
-            self.scheduler.kv_connector = None
-            self.executor.collective_rpc("close_kv_connector")  # its host memory, threads
+    def _rename_kv_store(self, model_id: str, why: str) -> None:
+        """Have both sides of the KV connector name blocks by `model_id` from now on
+        (`KVConnector.weights_replaced`): the store's blocks of the weights the engine had
+        are never served again, and those of its weights now are saved and found."""
+        if model_id == self._kv_store_model_id:
+            return
+        self._kv_store_model_id = model_id
+        self.scheduler.kv_connector.weights_replaced(model_id)
+        self.executor.collective_rpc("kv_connector_weights_replaced", model_id)
+        logger.info("%s: the KV connector's store no longer serves the old weights' blocks",
+                    why)
 
     def _refresh_sleep_state(self) -> None:
         self._sleep_state = SleepState.merge(self.executor.collective_rpc("sleep_state"))

@@ -184,7 +184,9 @@ class LLM:
         """Replace weights in place from a state dict or `(name, tensor)` pairs with Hugging
         Face checkpoint names (e.g. from an RL trainer); any subset may be given. Asleep
         weights are woken for it (the KV cache is not), so after `sleep(level=2)` nothing is
-        reloaded from disk. Graphs stay valid; the prefix cache is invalidated."""
+        reloaded from disk. Graphs stay valid; the prefix cache is invalidated, and a KV
+        connector's store (kv_connector_path, kv_offloading_size) serves nothing the old
+        weights computed: it names the new weights' blocks anew and goes on with them."""
         if isinstance(weights, Mapping):
             weights = weights.items()
         with self._lock:

@@ -67,7 +67,6 @@ class Worker:
         self.missing_weights: set[str] = set()
         # The worker side of the KV connector, once the cache has its final size.
         self.kv_connector: KVConnector | None = None
-        self._closed_failed_saves = 0  # a connector's failed saves, once it was closed
 
     def vmm_unavailable_reason(self) -> str | None:
         """Why this device cannot back the extensible cache, or None when it can."""
@@ -305,19 +304,16 @@ class Worker:
                                                 self.runner.kv_cache_spec, model_id)
         self.kv_connector.register_kv_caches(self.runner.kv_cache_views())
 
-    def close_kv_connector(self) -> None:
-        """Drop the KV connector, which the engine turned off (its store holds K/V of the
-        weights it started with), freeing its host memory and threads: the host tier's pool
-        is `kv_offloading_size` of pinned memory. Its count of failed saves stays."""
+    def kv_connector_weights_replaced(self, model_id: str) -> None:
+        """The weights changed in place: the connector names blocks by `model_id` from now on
+        (`KVConnector.weights_replaced`)."""
         if self.kv_connector is not None:
-            self._closed_failed_saves = self.kv_connector.num_failed_saves()
-            self.kv_connector.close()
-            self.kv_connector = None
+            self.kv_connector.weights_replaced(model_id)
 
     def kv_connector_failed_saves(self) -> int:
         """Blocks the connector's saves could not write since startup (0 before it exists)."""
         if self.kv_connector is None:
-            return self._closed_failed_saves
+            return 0
         return self.kv_connector.num_failed_saves()
 
     def kv_cache_shrink_target(self, nbytes: int, num_granules: int = 1) -> int:
