@@ -69,8 +69,10 @@ class _Stream:
     event loop a task switch, an SSE event and its JSON, per request.
     """
 
-    def __init__(self, interval: int = 1) -> None:
+    def __init__(self, request_id: str, engine_id: str, interval: int = 1) -> None:
         self.loop = asyncio.get_running_loop()
+        self.request_id = request_id  # the caller's
+        self.engine_id = engine_id  # the engine's: another after an aborted one of the same id
         self.items: list[_Item] = []
         self.interval = interval
         self._waiter: asyncio.Future[None] | None = None
@@ -164,7 +166,8 @@ class RequestStream:
                  params: SamplingParams) -> None:
         self.request_id = request_id
         self._engine = engine
-        self._stream = _Stream(engine.stream_interval)
+        # The engine's name for it is `seqs`' (`AsyncLLM._engine_id`).
+        self._stream = _Stream(request_id, seqs[0].request_id, engine.stream_interval)
         first = seqs[0]
         self.prompt_token_ids = first.prompt_token_ids
         self.output = RequestOutput(
@@ -257,11 +260,8 @@ class RequestStream:
     def _close(self) -> None:
         if not self._closed:
             self._closed = True
-            # Only while the id is still this stream's: once the engine's last output came
-            # (read or not) the id is free, and a new request may run under it.
-            if (not self.output.finished
-                    and self._engine._streams.get(self.request_id) is self._stream):
-                self._engine.abort(self.request_id)
+            if not self.output.finished:
+                self._engine._abort_stream(self._stream)
             for mirror in self._mirrors:
                 self._engine._detokenizer.free(mirror)
 
@@ -350,7 +350,12 @@ class AsyncLLM:
                              f"got {stream_interval}")
         self.engine_args = engine_args
         self.stream_interval = stream_interval
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # by the engine's id, until the request's end
+        # The caller's id -> the engine's, of each request neither ended nor aborted: an id
+        # whose abort is sent is free at once, while its last output is still on its way.
+        # Under `_ids_lock`: changed from the engine's thread too, as requests end.
+        self._engine_ids: dict[str, str] = {}
+        self._ids_lock = threading.Lock()
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._dead: BaseException | None = None
@@ -654,25 +659,44 @@ class AsyncLLM:
         if self._is_sleeping or self._sleeps_underway:
             raise EngineSleepingError(ASLEEP)
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already running; use another")
         # The engine decodes text only where stop strings need it; the stream decodes the rest.
         # A shallow copy, not `dataclasses.replace`, which validates every field again (15 us
         # a request on the API process's one core); the engine never changes the lists.
         engine_params = copy.copy(params)
         engine_params.detokenize = False
         seqs = self._input_processor.make_request(prompt, engine_params, request_id, priority)
-        stream = RequestStream(self, request_id, seqs, params)
-        self._streams[request_id] = stream._stream
+        with self._ids_lock:
+            if request_id in self._engine_ids:
+                raise ValueError(f"request_id {request_id!r} is already running; use another, "
+                                 f"or abort it first")
+            engine_id = self._engine_id(request_id)
+            for seq in seqs:
+                seq.request_id = engine_id
+            stream = RequestStream(self, request_id, seqs, params)
+            self._engine_ids[request_id] = engine_id
+            self._streams[engine_id] = stream._stream
         first = seqs[0]
         try:
             self._check_alive()  # `_on_dead` may have run since: it failed the streams it saw
-            self._client.send(("add", request_id, first.prompt_token_ids, first.prompt,
+            self._client.send(("add", engine_id, first.prompt_token_ids, first.prompt,
                                first.sampling_params, priority))
         except BaseException:
-            self._streams.pop(request_id, None)
+            with self._ids_lock:
+                self._streams.pop(engine_id, None)
+                if self._engine_ids.get(request_id) == engine_id:
+                    del self._engine_ids[request_id]
             raise
         return stream
+
+    def _engine_id(self, request_id: str) -> str:
+        """The engine's name for a new request `request_id` (under `_ids_lock`): the same,
+        unless an aborted request of that id has not ended in the engine yet; then the id and
+        a random suffix (as vLLM names every request), so that the old request's last output
+        never reaches the new one's stream."""
+        engine_id = request_id
+        while engine_id in self._streams:
+            engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        return engine_id
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams,
                        request_id: str | None = None, priority: int = 0, *,
@@ -695,16 +719,36 @@ class AsyncLLM:
     def abort(self, request_id: str | Iterable[str]) -> _Done:
         """End requests now (finish_reason "abort") and free their blocks: one id or, as vLLM's
         `abort` takes them, several; unknown and ended ids are ignored (nothing is sent for
-        them). Thread-safe. Called plainly, or awaited as vLLM's (a coroutine there): the
-        abort is sent by the time it returns either way."""
+        them). An aborted id may name a new request at once: the old stream still gets its
+        last output (finish_reason "abort"), and the new one only its own. Thread-safe.
+        Called plainly, or awaited as vLLM's (a coroutine there): the abort is sent by the
+        time it returns either way."""
         # A str is iterable too (by character): only another iterable is several ids.
         ids = (request_id,) if isinstance(request_id, str) or not isinstance(
             request_id, Iterable) else request_id
         for one in ids:
-            if self._dead is None and one in self._streams:
-                with contextlib.suppress(EngineDeadError):
-                    self._client.send(("abort", one))
+            with self._ids_lock:
+                engine_id = self._engine_ids.pop(one, None)
+                if engine_id is not None:
+                    self._send_abort(engine_id)
         return _DONE
+
+    def _abort_stream(self, stream: _Stream) -> None:
+        """Abort `stream`'s request unless it has ended or its abort was sent already (its
+        reader left early)."""
+        with self._ids_lock:
+            # Its id may name a newer request by now: that one runs on.
+            if (self._streams.get(stream.engine_id) is stream
+                    and self._engine_ids.get(stream.request_id) == stream.engine_id):
+                del self._engine_ids[stream.request_id]
+                self._send_abort(stream.engine_id)
+
+    def _send_abort(self, engine_id: str) -> None:
+        # Under `_ids_lock`, so that the abort reaches the engine before any request that
+        # takes the id once the lock is free (sending only queues it).
+        if self._dead is None:
+            with contextlib.suppress(EngineDeadError):
+                self._client.send(("abort", engine_id))
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine and free the model and KV cache (in-flight requests fail with
@@ -726,17 +770,24 @@ class AsyncLLM:
             self._kv_cache_report = message.kv_cache_report
         batches: dict[asyncio.AbstractEventLoop,
                       list[tuple[_Stream, _Item]]] = {}
-        streams = self._streams
+        streams, ended = self._streams, []
         for delta in message.tokens:
             if (stream := streams.get(delta[0])) is not None:
                 batches.setdefault(stream.loop, []).append((stream, delta))
         for delta in message.outputs:
-            stream = streams.pop(delta[0], None) if delta[2] else streams.get(delta[0])
+            if delta[2]:  # the request's last output
+                if (stream := streams.pop(delta[0], None)) is not None:
+                    ended.append(stream)
+            else:
+                stream = streams.get(delta[0])
             if stream is not None:
                 batches.setdefault(stream.loop, []).append((stream, delta))
         for request_id, error in message.errors:
             if (stream := streams.pop(request_id, None)) is not None:
+                ended.append(stream)
                 batches.setdefault(stream.loop, []).append((stream, error))
+        if ended:
+            self._free_ids(ended)
         for loop, batch in batches.items():
             _deliver_threadsafe(loop, batch)
         for call_id, result, error in message.results:
@@ -744,12 +795,21 @@ class AsyncLLM:
             if future is not None:
                 _settle_threadsafe(future, result, error)
 
+    def _free_ids(self, ended: list[_Stream]) -> None:
+        """The callers' ids of ended requests are free (those not aborted before)."""
+        with self._ids_lock:
+            for stream in ended:
+                if self._engine_ids.get(stream.request_id) == stream.engine_id:
+                    del self._engine_ids[stream.request_id]
+
     def _on_dead(self, error: BaseException | None) -> None:
         """The engine stopped: fail every stream and call it held (set `_dead` first, so a
         request added meanwhile sees it)."""
         self._dead = error or EngineDeadError("the engine was shut down")
         dead = EngineDeadError(f"the engine stopped: {self._dead}")
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, BaseException]]] = {}
+        with self._ids_lock:
+            self._engine_ids.clear()
         for request_id in list(self._streams):
             stream = self._streams.pop(request_id, None)
             if stream is not None:
