@@ -16,6 +16,7 @@ from kvfit.engine.config import EngineArgs
 from kvfit.engine.engine_core import EngineCore
 from kvfit.engine.input_processor import InputProcessor
 from kvfit.engine.kv_resize import KVCacheResize
+from kvfit.engine.llm_engine import LLMEngine
 from kvfit.engine.metrics import Metric, RequestCounts, engine_metrics
 from kvfit.engine.outputs import RequestOutput
 from kvfit.engine.prompts import (
@@ -123,6 +124,20 @@ class LLM:
         # a call from another thread does not wait out a whole `generate`.
         self._lock = TurnLock()
         self._num_runs = 0  # `_run` calls in progress, on any thread
+        self._num_steps = 0  # engine steps taken by `_run` and `llm_engine` (`_step`)
+        self._llm_engine: LLMEngine | None = None
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's stepping API over this engine, for scripts that add requests and step
+        themselves: `add_request(request_id, prompt, params)`, `step() -> list[RequestOutput]`,
+        `has_unfinished_requests()`, `abort_request(ids)` (see `LLMEngine`). Its requests share
+        steps with `generate` calls on other threads; a `generate` returns its own results and
+        leaves this loop's requests running."""
+        with self._lock:
+            if self._llm_engine is None:
+                self._llm_engine = LLMEngine(self)
+            return self._llm_engine
 
     @property
     def kv_cache_report(self) -> KVCacheReport:
@@ -383,6 +398,16 @@ class LLM:
         Raises ValueError naming the setting, like `generate`."""
         return self.input_processor.make_request(prompt, params, request_id, priority)
 
+    def _step(self) -> list[Sequence]:
+        """One engine step (under `_lock`), counted: a caller that finds the count moved
+        since its own last step knows that another one's steps advanced its sequences."""
+        self._num_steps += 1
+        return self.engine.step()
+
+    def _stepped_requests(self) -> bool:
+        """Whether requests added through `llm_engine` wait for its loop (under `_lock`)."""
+        return self._llm_engine is not None and self._llm_engine.has_unfinished_requests()
+
     def _run(self, requests: list[list[Sequence]], use_tqdm: UseTqdm) -> list[RequestOutput]:
         with self._lock:
             self.engine.check_can_run()
@@ -406,19 +431,25 @@ class LLM:
                 # update).
                 bar = tqdm(total=total, desc="Generating", disable=None if use_tqdm else True)
             finished = True  # whether to look again which of this call's sequences are done
+            seen = -1  # `_num_steps` after this call's last step
             running = True
             while running:
                 num_done = 0
                 with self._lock:  # a step at a time: other threads' calls go in between
-                    if finished or self._num_runs > 1:  # another call's steps finish ours too
+                    # Another caller's steps (a `generate` on another thread, `llm_engine`'s
+                    # loop) finish ours too.
+                    if finished or self._num_steps != seen:
                         left = [seq for seq in own if not seq.is_finished]
                         num_done, own = len(own) - len(left), left
                     # Until this call's sequences finished; the last call running also drains
-                    # the engine (the step in flight), as one call alone always has.
-                    running = self.engine.has_unfinished() and bool(own or self._num_runs == 1)
+                    # the engine (the step in flight), as one call alone always has, unless
+                    # `llm_engine`'s loop has requests in it: those are that loop's to run.
+                    running = self.engine.has_unfinished() and bool(
+                        own or (self._num_runs == 1 and not self._stepped_requests()))
                     if running:
                         stepping = True
-                        finished = bool(self.engine.step())
+                        finished = bool(self._step())
+                        seen = self._num_steps
                         stepping = False
                 bar.update(num_done)
         except BaseException:
@@ -427,7 +458,9 @@ class LLM:
             # left its batch's state unknown: every request it held goes (`fail_step`); else
             # the requests of other threads' calls run on.
             with self._lock:
-                if stepping or self._num_runs == 1:
+                # A step that raised, or one left in flight that holds only this call's
+                # requests (no other call's nor `llm_engine`'s: theirs run on).
+                if stepping or (self._num_runs == 1 and not self._stepped_requests()):
                     self.engine.fail_step()
                 for seqs in requests:
                     self.engine.abort_request(seqs[0].request_id)
