@@ -150,6 +150,20 @@ def test_a_step_that_overwrites_a_block_still_being_saved_waits_for_that_save() 
     assert prefill(conn, Seq(30, prompt(7000, 1), [0, 40])).wait_save_id is None
 
 
+def test_a_plan_that_never_launched_takes_no_place_among_the_saves_in_flight() -> None:
+    # The worker keeps the last MAX_SAVES_IN_FLIGHT saves it ran unfinished; a plan dropped
+    # before it reached the worker (a failed launch; a failed step's finished saves) is none
+    # of them, and must not push a real one out of the saves a later step may wait for.
+    conn = scheduler_side(64)
+    for n in range(MAX_SAVES_IN_FLIGHT):  # saves 0..3 run; block 2 * n is save n's
+        prefill(conn, Seq(n, prompt(1000 * n, 1), [2 * n, 2 * n + 1]))
+    prefill(conn, Seq(10, prompt(9000, 1), [40, 41]), launch=False)  # its launch failed
+    conn.request_finished(Seq(11, prompt(8000, 1)[:BS], [42], num_computed_tokens=BS))
+    conn.build_finished_meta()  # a failed step's: taken and dropped
+    # Block 0 handed out again: its save (0) may still run on the device.
+    assert prefill(conn, Seq(12, prompt(7000, 1), [0, 43])).wait_save_id == 0
+
+
 def test_a_load_from_a_slot_still_being_written_waits_for_that_save() -> None:
     conn = scheduler_side(64)
     prefill(conn, Seq(0, prompt(0, 2), [0, 1, 2]))  # save 0 writes slots 0 and 1

@@ -185,12 +185,10 @@ class HostConnector(KVConnector):
                 meta.saves.append(BlockTransfer(block_id, key, slot=slot))
 
     def _number_saves(self, meta: HostConnectorMetadata) -> HostConnectorMetadata:
-        """Give `meta`'s saves the next `save_id` (remembered as possibly still running) and
-        keep `meta` as the one not launched yet."""
+        """Give `meta`'s saves the next `save_id` and keep `meta` as the one not launched
+        yet (`launched` remembers its saves as possibly still running)."""
         if meta.saves:
             meta.save_id, self._next_save_id = self._next_save_id, self._next_save_id + 1
-            self._recent_saves.append((meta.save_id, {t.block_id for t in meta.saves},
-                                       {t.slot for t in meta.saves}))
         self._unlaunched = meta
         return meta
 
@@ -210,6 +208,11 @@ class HostConnector(KVConnector):
             return
         for t in reversed(meta.saves):  # a chain's head the most recent, as in `_touch`
             self._index[t.key] = t.slot
+        if meta.saves:
+            # Only now: the worker keeps the last MAX_SAVES_IN_FLIGHT saves it ran, and a plan
+            # dropped unlaunched (a failed launch or step) would push a real one out of these.
+            self._recent_saves.append((meta.save_id, {t.block_id for t in meta.saves},
+                                       {t.slot for t in meta.saves}))
         self._unlaunched = None
 
     def _touch(self, keys: list[str]) -> None:
