@@ -110,6 +110,18 @@ def test_held_requests_abort_and_survive_a_sleep_and_a_weight_load(
     assert [s.output_token_ids for s in held] == [reference[0], [], *reference[2:]]
 
 
+def test_generate_on_a_paused_engine_is_refused_and_holds_nothing(llm: LLM) -> None:
+    """Offline `generate` steps only until its requests finish, and held ones never would:
+    it returned them unfinished, with no tokens, and left them held to run inside a later
+    call after a resume."""
+    llm.engine.pause()
+    with pytest.raises(RuntimeError, match=r"paused.*resume"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.engine.stats().num_waiting == 0
+    llm.engine.resume()
+    assert not llm.engine.has_unfinished()
+
+
 def test_a_bad_mode_names_the_choices(llm: LLM) -> None:
     for mode in ("keep", "later"):
         with pytest.raises(ValueError, match=r"pause_generation\(mode=.*'abort'.*'wait'"):

@@ -411,6 +411,11 @@ class LLM:
     def _run(self, requests: list[list[Sequence]], use_tqdm: UseTqdm) -> list[RequestOutput]:
         with self._lock:
             self.engine.check_can_run()
+            if self.engine.is_paused:
+                # Held, they would never finish in this call's steps: it would return them
+                # unfinished and leave them to run inside a later one.
+                raise RuntimeError("generate() while generation is paused "
+                                   "(EngineCore.pause): call llm.engine.resume() first")
             try:
                 for seq in itertools.chain.from_iterable(requests):
                     self.engine.add_request(seq)
