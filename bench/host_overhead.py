@@ -337,7 +337,8 @@ async def api_replay(args: argparse.Namespace, prompts: list[Any], messages: lis
         params = body.sampling_params(body.max_tokens, body.logprobs)
         prompt = {"prompt_token_ids": body.prompt, "prompt": None}
         stream = engine.add_request(prompt, params, request_id=f"r{i}")
-        admitted.append((body, metrics.track(stream, len(body.prompt))))
+        metrics.track(stream, len(body.prompt))
+        admitted.append((body, aiter(stream)))
     admit_s = CLOCK() - start
     events = 0
 
