@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvfit.engine.model_runner as model_runner
+from kvfit import LLM
 from kvfit.engine.sequence import ScheduledBatch
 from kvfit.ops.memwatch import watch_memory
 
@@ -16,6 +17,15 @@ from kvfit.ops.memwatch import watch_memory
 @pytest.fixture(scope="module")
 def qwen3(tiny_model: Callable[[str], Path]) -> Path:
     return tiny_model("qwen3")
+
+
+@pytest.fixture(scope="module")
+def llm(request: pytest.FixtureRequest, qwen3: Path) -> Iterator[LLM]:
+    """One `LLM` on the tiny Qwen3 with the test module's `SETTINGS`, shared by its tests (a
+    module that needs another engine defines its own `llm`)."""
+    llm = LLM(str(qwen3), **request.module.SETTINGS)
+    yield llm
+    llm.shutdown()
 
 
 @pytest.fixture(scope="session")

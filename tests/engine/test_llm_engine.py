@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,13 +19,6 @@ PROMPTS = [{"prompt_token_ids": list(range(3 + i, 30 + 5 * i))} for i in range(5
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True)
           for i in range(len(PROMPTS))]
 PARAMS[1] = SamplingParams(temperature=0.0, max_tokens=12, n=2, logprobs=1)
-
-
-@pytest.fixture(scope="module")
-def llm(qwen3: Path) -> Iterator[LLM]:
-    llm = LLM(str(qwen3), **SETTINGS)
-    yield llm
-    llm.shutdown()
 
 
 @pytest.fixture(scope="module")

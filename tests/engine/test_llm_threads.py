@@ -6,7 +6,7 @@ uninterrupted run, nothing crashes and no block leaks."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +18,6 @@ SETTINGS = dict(device="cpu", enable_sleep_mode=True, max_num_seqs=8, max_model_
                 max_num_batched_tokens=128)
 PROMPTS = [{"prompt_token_ids": list(range(3 + i, 40 + 7 * i))} for i in range(6)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def llm(qwen3: Path) -> Iterator[LLM]:
-    llm = LLM(str(qwen3), **SETTINGS)
-    yield llm
-    llm.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(qwen3: Path) -> Iterator[LLM]:
-    llm = LLM(str(qwen3), **SETTINGS)
-    yield llm
-    llm.shutdown()
-
-
-@pytest.fixture(scope="module")
 def reference(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
