@@ -63,7 +63,7 @@ def test_bad_counts_are_usage_errors_naming_the_flag(
     (["serve", "m", "--enable-expert-parallel"], "--enable-expert-parallel", "expert"),
     (["serve", "m", "--max-cpu-loras", "2"], "--max-cpu-loras", "LoRA"),
 
-    (["serve", "m", "--enable-log-outputs"], "--enable-log-outputs", "request log"),
+    (["generate", "--enable-log-outputs"], "--enable-log-outputs", "only kvfit serve"),
     (["serve", "m", "--trust-request-chat-template"], "--trust-request-chat-template",
      "--chat-template"),
     (["serve", "m", "--tool-parser-plugin", "p.py"], "--tool-parser-plugin", "tool calling"),
@@ -107,7 +107,7 @@ def test_vllm_flags_kvfit_does_not_do_are_refused_by_name(
     ("--aggregate-engine-logging", "one engine"),
     ("--disable-custom-all-reduce", "torch.distributed"), ("--disable-cascade-attn", "cascade"),
     ("--disable-hybrid-kv-cache-manager", "one kind"), ("--use-tqdm-on-load", "loading"),
-    ("--no-enable-log-deltas", "outputs' text"), ("--use-v2-block-manager", "one block"),
+    ("--no-enable-log-deltas", "whole as it ends"), ("--use-v2-block-manager", "one block"),
 ])
 def test_vllm_flags_that_ask_for_what_kvfit_does_run_with_a_note(
     flag: str, why: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],

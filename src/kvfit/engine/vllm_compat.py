@@ -15,8 +15,6 @@ _MODEL_CONFIG = ("kvfit reads the model folder's config.json as it is: edit it (
 _OWN_LOADER = ("kvfit loads the model folder's safetensors itself; --load-format picks "
                "safetensors or dummy weights")
 _SERVE_LOGS_REQUESTS = "only kvfit serve logs requests: pass it --enable-log-requests"
-_NO_OUTPUT_LOG = ("kvfit serve's request log (--enable-log-requests) leaves the outputs' text "
-                  "out; it logs each request's finish reason and output tokens")
 _NO_TLS = "serve plain HTTP behind a proxy that terminates TLS"
 # vLLM flags kvfit does not do, each with what to do instead: a vLLM command line pasted here
 # stops with the reason, not argparse's bare 'unrecognized arguments'.
@@ -110,10 +108,11 @@ VLLM_UNSUPPORTED_FLAGS = {
                                      "running and waiting requests",
     "--log-config-file": "kvfit takes no logging config file; --uvicorn-log-level sets "
                          "uvicorn's level",
-    "--enable-log-outputs": _NO_OUTPUT_LOG,
     # kvfit serve's flags; refused by the other commands and LLM(...).
     **dict.fromkeys(("--enable-log-requests", "--no-disable-log-requests"),
                     _SERVE_LOGS_REQUESTS),
+    "--enable-log-outputs": "only kvfit serve logs outputs: pass it --enable-log-requests "
+                            "--enable-log-outputs",
     "--trust-request-chat-template": "a request may not bring its own chat template: start "
                                      "the server with --chat-template",
     **dict.fromkeys(("--tool-parser-plugin", "--tool-server",
@@ -165,6 +164,7 @@ VLLM_NOOP_FLAGS = {
     # kvfit serve's flags (its default); taken by the other commands and LLM(...).
     **dict.fromkeys(("--disable-log-requests", "--no-enable-log-requests"),
                     "only kvfit serve logs requests, with --enable-log-requests"),
+    "--no-enable-log-outputs": "only kvfit serve logs outputs, with --enable-log-outputs",
     "--enable-chunked-prefill": "kvfit always chunks long prefills under "
                                 "--max-num-batched-tokens",
     "--no-trust-remote-code": "kvfit never runs a model folder's code",
@@ -180,7 +180,8 @@ VLLM_NOOP_FLAGS = {
     **dict.fromkeys(("--use-tqdm-on-load", "--no-use-tqdm-on-load"),
                     "kvfit logs its loading stages instead"),
     **dict.fromkeys(("--enable-log-deltas", "--no-enable-log-deltas"),
-                    "kvfit logs no outputs' text (--enable-log-outputs is not supported)"),
+                    "--enable-log-outputs logs a stream's output whole as it ends, never its "
+                    "pieces"),
 }
 # VLLM_UNSUPPORTED_FLAGS taking a value, at the values that ask for what kvfit does (vLLM's
 # defaults, often spelt out in guides: `--tokenizer-mode auto`, `--task generate`): taken, as

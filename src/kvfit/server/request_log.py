@@ -1,6 +1,8 @@
 """`--enable-log-requests`: one INFO line on the `kvfit` logger as a generation request is
 queued (its id, prompt size, sampling settings and the prompt, cut at `--max-log-len`), and
-one as it ends (how each completion ended, its tokens). Off, the server never calls here."""
+one as it ends (how each completion ended, its tokens); with `--enable-log-outputs`, then one a
+completion with its generated text and token ids, cut alike. Off, the server never calls
+here."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvfit.engine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
+    from kvfit.engine.outputs import CompletionOutput
     from kvfit.server.async_llm import RequestStream, StreamObserver
 
 logger = logging.getLogger(__name__)
@@ -24,10 +27,13 @@ _DEFAULTS = SamplingParams()
 class RequestLog:
     """Logs each generation request of one server: `received` as it is queued, then its end
     through `watch`. `max_log_len`: the most characters of a prompt's text (or token ids of a
-    prompt sent as ids) logged (None: all; 0: none)."""
+    prompt sent as ids) logged, and of each completion's text and token ids (None: all; 0:
+    none). `log_outputs`: log what each completion generated as the request ends (vLLM's
+    `--enable-log-outputs`); a stream's output is logged whole at its end, never in pieces."""
 
-    def __init__(self, max_log_len: int | None = None) -> None:
+    def __init__(self, max_log_len: int | None = None, log_outputs: bool = False) -> None:
         self.max_log_len = max_log_len
+        self.log_outputs = log_outputs
 
     def received(self, request_id: str, answer_id: str, prompt: dict[str, Any],
                  params: SamplingParams) -> None:
@@ -38,27 +44,55 @@ class RequestLog:
                     self._prompt(prompt["prompt"], ids))
 
     def _prompt(self, text: str | None, ids: list[int]) -> str:
-        cut = self.max_log_len
-        if cut == 0:
+        if self.max_log_len == 0:
             return ""
         if text is not None:
-            more = "" if cut is None or len(text) <= cut else f" (+{len(text) - cut} chars)"
-            return f", prompt: {text[:cut]!r}{more}"
+            return f", prompt: {self._text(text)}"
+        return f", prompt_token_ids: {self._ids(ids)}"
+
+    def _text(self, text: str) -> str:
+        cut = self.max_log_len
+        more = "" if cut is None or len(text) <= cut else f" (+{len(text) - cut} chars)"
+        return f"{text[:cut]!r}{more}"
+
+    def _ids(self, ids: list[int]) -> str:
+        cut = self.max_log_len
         more = "" if cut is None or len(ids) <= cut else f" (+{len(ids) - cut} ids)"
-        return f", prompt_token_ids: {list(ids[:cut])}{more}"
+        return f"{list(ids[:cut])}{more}"
 
     def watch(self, stream: RequestStream) -> None:
         """Log `stream`'s end, after its observer (the request metrics) is told of it."""
-        stream.observer = _Finished(stream, stream.observer)
+        stream.observer = _Finished(self, stream, stream.observer)
+
+    def finished(self, request_id: str, outputs: list[CompletionOutput], failed: bool) -> None:
+        """Log how the engine request `request_id` ended, and with `log_outputs` what each of
+        its completions generated (all of it, also when its reader left or it failed)."""
+        # A completion without a finish reason was cut short: its reader left or it failed.
+        left = "error" if failed else "abort"
+        reasons = [o.finish_reason or left for o in outputs]
+        tokens = [len(o.token_ids) for o in outputs]
+        if len(outputs) == 1:
+            logger.info("Finished request %s: finish_reason=%s, output_tokens=%d",
+                        request_id, reasons[0], tokens[0])
+        else:
+            logger.info("Finished request %s: finish_reasons=%s, output_tokens=%s",
+                        request_id, reasons, tokens)
+        if not self.log_outputs or self.max_log_len == 0:
+            return
+        for o in outputs:
+            index = "" if len(outputs) == 1 else f" (index {o.index})"
+            logger.info("Generated response %s%s: output: %s, output_token_ids: %s",
+                        request_id, index, self._text(o.text), self._ids(o.token_ids))
 
 
 class _Finished:
     """A `StreamObserver` passing everything on to `inner`, then logging the end."""
 
-    __slots__ = ("stream", "inner")
+    __slots__ = ("log", "stream", "inner")
 
-    def __init__(self, stream: RequestStream, inner: StreamObserver | None) -> None:
-        self.stream, self.inner = stream, inner
+    def __init__(self, log: RequestLog, stream: RequestStream,
+                 inner: StreamObserver | None) -> None:
+        self.log, self.stream, self.inner = log, stream, inner
 
     def output(self, output: Any) -> None:
         if self.inner is not None:
@@ -67,17 +101,8 @@ class _Finished:
     def end(self, failed: bool) -> None:
         if self.inner is not None:
             self.inner.end(failed)
-        outs = self.stream.output.outputs
-        # A completion without a finish reason was cut short: its reader left or it failed.
-        left = "error" if failed else "abort"
-        reasons = [o.finish_reason or left for o in outs]
-        tokens = [len(o.token_ids) for o in outs]
-        if len(outs) == 1:
-            logger.info("Finished request %s: finish_reason=%s, output_tokens=%d",
-                        self.stream.request_id, reasons[0], tokens[0])
-        else:
-            logger.info("Finished request %s: finish_reasons=%s, output_tokens=%s",
-                        self.stream.request_id, reasons, tokens)
+        # The stream's own output holds every completion whole, whatever its output kind.
+        self.log.finished(self.stream.request_id, self.stream.output.outputs, failed)
 
 
 def params_summary(params: SamplingParams) -> str:

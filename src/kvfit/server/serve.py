@@ -170,9 +170,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     server.add_argument("--no-disable-log-requests", dest="enable_log_requests",
                         action="store_true", help="vLLM's older spelling of "
                         "--enable-log-requests")
+    server.add_argument("--enable-log-outputs", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="with --enable-log-requests, also log each completion's generated "
+                        "text and token ids as its request ends (a stream's whole, at its "
+                        "end) (default: off)")
     server.add_argument("--max-log-len", type=non_negative_int, default=None, metavar="N",
-                        help="the most characters of a prompt (or token ids of a prompt sent "
-                        "as ids) --enable-log-requests logs (0: none; default: all)")
+                        help="the most characters of a prompt or output (or token ids) "
+                        "--enable-log-requests logs (0: none; default: all)")
     parser.set_defaults(func=run_serve, serve_parser=parser, model=DEFAULT_MODEL,
                         check_args=functools.partial(check_serve_args, parser))
     return parser
@@ -183,6 +188,10 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     or a model folder taken in by --served-model-name (it takes every word after it, so
     `--served-model-name NAME FOLDER` would serve the default model), is a usage error."""
     default = parser.get_default("model")
+    if args.enable_log_outputs and not args.enable_log_requests:
+        # As vLLM: the outputs are logged by the request log, which would be off.
+        parser.error("--enable-log-outputs needs --enable-log-requests (the outputs are "
+                     "logged with the requests)")
     if args.default_chat_template_kwargs:
         from transformers import PreTrainedTokenizerBase
 
@@ -611,6 +620,7 @@ def _serve_config(args: argparse.Namespace, engine_args: EngineArgs,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         enable_log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len,
+        enable_log_outputs=args.enable_log_outputs,
     )
 
 

@@ -96,7 +96,9 @@ class ServeConfig:
     `chat_template_kwargs` (vLLM's `--default-chat-template-kwargs`).
     `enable_log_requests`: log each generation request on the `kvfit` logger at INFO as it is
     queued and as it ends (`request_log`; vLLM's `--enable-log-requests`), its prompt cut to
-    `max_log_len` characters (None: whole; vLLM's `--max-log-len`).
+    `max_log_len` characters (None: whole; vLLM's `--max-log-len`). `enable_log_outputs`:
+    with `enable_log_requests`, also each completion's generated text and token ids as the
+    request ends, cut alike (vLLM's `--enable-log-outputs`; alone it logs nothing).
     `admission_counts`: with several API server processes (`--api-server-count`), each one's
     generation requests in progress, in shared memory (a `RawArray`, one entry a process,
     this one's at `api_server_index`), so that `max_concurrent_requests` bounds the server's
@@ -130,6 +132,7 @@ class ServeConfig:
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    enable_log_outputs: bool = False
     admission_counts: Any = None
     api_server_index: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
@@ -206,8 +209,8 @@ class OpenAIServing:
         self.model_name = config.served_model_names[0]
         # One thread: requests' large texts are tokenized one at a time, off the event loop.
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfit-tokenize")
-        self.request_log = RequestLog(config.max_log_len) if config.enable_log_requests \
-            else None
+        self.request_log = RequestLog(config.max_log_len, config.enable_log_outputs) \
+            if config.enable_log_requests else None
 
     # -- checks ------------------------------------------------------------------------------
 
