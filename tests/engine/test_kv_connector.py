@@ -24,6 +24,7 @@ from kvfit.connectors.shared_storage import STAGING_BLOCKS
 from kvfit.engine.config import EngineArgs
 from kvfit.engine.worker import Worker
 from kvfit.kv.sizing import kv_margin
+from kvfit.models.weights import load_weights
 
 BLOCK_SIZE = 16
 SETTINGS = dict(device="cpu", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=256,
@@ -396,6 +397,70 @@ def test_load_weights_serves_nothing_stale_and_the_store_works_for_the_new_weigh
     assert outputs(second) == expect
     assert conn.stats.loaded_blocks - loaded == sum(FULL_PREFIX_BLOCKS)
     assert scheduler.num_external_hit_tokens == 2 * hits
+
+
+def replace_weights(llm: LLM, weights: dict[str, torch.Tensor], through: str) -> None:
+    """Change `llm`'s weights in place behind the engine's back, as an RL framework does:
+    on the workers (`collective_rpc`) or on the model (`apply_model`), not `load_weights`."""
+    if through == "collective_rpc":
+        llm.collective_rpc("load_weights", args=(list(weights.items()),))
+    else:
+        llm.apply_model(lambda model: load_weights(model, weights.items()))
+
+
+@pytest.mark.parametrize("through", ["collective_rpc", "apply_model"])
+def test_reset_connector_after_a_weight_update_serves_nothing_stale(
+        second, qwen3, tmp_path, through) -> None:
+    weights = fine_tuned(qwen3)
+    fresh = LLM(str(saved_as(qwen3, weights, tmp_path / "model")), **SETTINGS)
+    try:
+        expect = outputs(fresh)
+    finally:
+        fresh.shutdown()
+    conn, scheduler = connector(second), second.engine.scheduler
+    outputs(second)  # every prompt's blocks load from the store
+    hits, loaded = scheduler.num_external_hit_tokens, conn.stats.loaded_blocks
+    assert hits == sum(FULL_PREFIX_BLOCKS) * BLOCK_SIZE
+    replace_weights(second, weights, through)
+    assert second.reset_prefix_cache(reset_connector=True)
+    assert outputs(second) == expect
+    assert (scheduler.num_external_hit_tokens, conn.stats.loaded_blocks) == (hits, loaded)
+    # The store goes on: what the new weights computed was saved, and is what it serves.
+    assert second.reset_prefix_cache()
+    assert outputs(second) == expect
+    assert conn.stats.loaded_blocks - loaded == sum(FULL_PREFIX_BLOCKS)
+    assert scheduler.num_external_hit_tokens == 2 * hits
+
+
+def test_without_reset_connector_the_store_serves_the_old_weights_kv(
+        second, qwen3, tmp_path, reference) -> None:
+    # What `reset_prefix_cache()` alone does after an update the engine did not see: the
+    # device cache forgets, but the store answers the prompts with the old weights' K/V.
+    weights = fine_tuned(qwen3)
+    fresh = LLM(str(saved_as(qwen3, weights, tmp_path / "model")), **SETTINGS)
+    try:
+        expect = outputs(fresh)
+    finally:
+        fresh.shutdown()
+    replace_weights(second, weights, "collective_rpc")
+    assert second.reset_prefix_cache()
+    assert outputs(second) != expect
+    assert connector(second).stats.loaded_blocks == sum(FULL_PREFIX_BLOCKS)
+
+
+def test_reset_connector_without_a_connector_warns_and_answers_false(
+        qwen3, reference, caplog) -> None:
+    # vLLM's: a warning and False, not an error; the prefix cache is reset all the same.
+    llm = LLM(str(qwen3), **SETTINGS)
+    try:
+        assert outputs(llm) == reference
+        with caplog.at_level(logging.WARNING, logger="kvfit"):
+            assert llm.reset_prefix_cache(reset_connector=True) is False
+        assert "no KV connector" in caplog.text and "kv_connector_path" in caplog.text
+        assert not llm.engine.scheduler.block_manager.hash_to_block
+        assert outputs(llm) == reference
+    finally:
+        llm.shutdown()
 
 
 def test_a_store_that_stops_taking_saves_is_counted_and_requests_go_on(

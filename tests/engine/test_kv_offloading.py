@@ -22,6 +22,7 @@ from .test_kv_connector import (
     fine_tuned,
     outputs,
     reference,  # noqa: F401 (a fixture: the outputs of an engine without a connector)
+    replace_weights,
     saved_as,
     worker,
 )
@@ -202,6 +203,67 @@ def test_after_load_weights_the_tier_serves_only_the_new_weights_blocks(
         assert llm.engine.stats().kv_connector_hit_tokens == FULL_PREFIX_BLOCKS * BLOCK_SIZE
     finally:
         llm.shutdown()
+
+
+def test_reset_connector_after_apply_model_serves_only_the_new_weights_blocks(
+        offloading, qwen3, tmp_path, reference) -> None:  # noqa: F811
+    # An RL framework's update through apply_model, which the engine does not see: the
+    # tier must drop the old weights' blocks at reset_connector, and work on in its pool.
+    weights = fine_tuned(qwen3)
+    fresh = LLM(str(saved_as(qwen3, weights, tmp_path / "model")), **SETTINGS)
+    try:
+        expect = outputs(fresh)
+    finally:
+        fresh.shutdown()
+    scheduler_side, worker_side = tier(offloading)
+    pieces = list(worker_side._pieces)
+    assert outputs(offloading) == reference
+    replace_weights(offloading, weights, "apply_model")
+    assert offloading.reset_prefix_cache(reset_connector=True)
+    assert scheduler_side.num_cached_blocks == 0 and worker_side._pieces == pieces
+    assert outputs(offloading) == expect
+    assert worker_side.stats.loaded_blocks == 0
+    offloading.reset_prefix_cache()
+    assert outputs(offloading) == expect
+    assert worker_side.stats.loaded_blocks == FULL_PREFIX_BLOCKS
+
+
+@pytest.mark.parametrize("running", ["preempted", "aborted"])
+def test_saves_in_flight_at_reset_connector_are_never_served(
+        offloading, qwen3, tmp_path, running) -> None:
+    # The weights change while a request decodes with a step in flight, whose block saves
+    # (the old weights' K/V) are queued: none may answer a prompt after the reset, whether
+    # the request is preempted by it or aborted before it.
+    engine, (scheduler_side, worker_side) = offloading.engine, tier(offloading)
+    weights = fine_tuned(qwen3)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    [seq] = offloading.make_request({"prompt_token_ids": [3, *range(20, 76)]}, params, "r")
+    engine.add_request(seq)
+    while seq.num_computed_tokens % BLOCK_SIZE or seq.num_computed_tokens < 80:
+        engine.step()
+    assert engine._in_flight is not None and scheduler_side.num_cached_blocks >= 4
+    replace_weights(offloading, weights, "collective_rpc")
+    if running == "aborted":
+        engine.abort_request("r")
+        assert offloading.reset_prefix_cache(reset_connector=True)
+    else:
+        assert not offloading.reset_prefix_cache(reset_connector=True)  # it holds blocks
+        assert offloading.reset_prefix_cache(reset_running_requests=True,
+                                             reset_connector=True)
+    while engine.has_unfinished():
+        engine.step()
+    follow_up = {"prompt_token_ids": [3, *range(20, 76), *range(100, 140)]}
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    fresh = LLM(str(saved_as(qwen3, weights, tmp_path / "model")), **SETTINGS)
+    try:
+        expect = fresh.generate([follow_up], short, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        fresh.shutdown()
+    for _ in range(2):  # the second time from the tier: what the first saved
+        offloading.reset_prefix_cache()
+        assert offloading.generate([follow_up], short,
+                                   use_tqdm=False)[0].outputs[0].token_ids == expect
+    assert worker_side.stats.loaded_blocks > 0
 
 
 @pytest.mark.parametrize("kwargs, match", [

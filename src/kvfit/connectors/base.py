@@ -176,10 +176,12 @@ class KVConnector(ABC):
     @abstractmethod
     def weights_replaced(self, model_id: str) -> None:
         """The model's weights changed in place (`LLM.load_weights`, a wake that reloaded
-        changed files): name blocks in `model_id`'s namespace from now on, so that no block
-        stored for the old weights is offered as a hit or stands in for one of the new, and
-        the new weights' blocks are saved and found again. Called on both sides, with no
-        request unfinished and no step in flight."""
+        changed files, `reset_prefix_cache(reset_connector=True)`): name blocks in
+        `model_id`'s namespace from now on, so that no block stored for the old weights is
+        offered as a hit or stands in for one of the new, and the new weights' blocks are
+        saved and found again. Called on both sides between steps, with no request holding
+        KV blocks (requests may wait, to be computed from their start); saves launched
+        before it may still run on the device."""
 
     @abstractmethod
     def loads_failed(self, error: KVLoadError) -> None:

@@ -841,11 +841,14 @@ class EngineCore:
             self.scheduler.kv_connector.build_finished_meta()  # blocks may hold no K/V
         return request_ids
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
         """Forget every cached prefix; False (nothing changed) while a request holds blocks,
         unless `reset_running_requests`: the step in flight is applied and every running
         sequence preempted first (recomputed later, as after any preemption: no output
-        changes), as vLLM's does."""
+        changes), as vLLM's does. `reset_connector` also has the KV connector's store serve
+        nothing it holds now (`_reset_kv_store`); without a connector it only logs a warning
+        and the answer is False, as vLLM's."""
         if reset_running_requests and (self.scheduler.running or self._in_flight is not None):
             self._settle()
             self.scheduler.preempt_tail_holders(0)
@@ -853,6 +856,20 @@ class EngineCore:
             self.scheduler.block_manager.reset_prefix_cache()
         except RuntimeError:
             return False
+        return self._reset_kv_store() if reset_connector else True
+
+    def _reset_kv_store(self) -> bool:
+        """Give the KV connector's store a name no block of it carries (`_rename_kv_store`),
+        for weights changed where the engine could not see it (`apply_model`,
+        `collective_rpc`); False where no connector is configured."""
+        if self._kv_store_model_id is None:
+            logger.warning("reset_prefix_cache(reset_connector=True): no KV connector is "
+                           "configured (kv_connector_path, kv_offloading_size); only the "
+                           "prefix cache was reset")
+            return False
+        # No file names the weights now: a name of their own, as `load_weights` gives.
+        self._rename_kv_store(f"{self._model_identity()}+reset:{uuid.uuid4().hex}",
+                              "reset_prefix_cache(reset_connector=True)")
         return True
 
     def stats(self) -> EngineStats:

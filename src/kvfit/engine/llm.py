@@ -233,15 +233,14 @@ class LLM:
         changing what a prefix means; later prompts recompute theirs. Returns False and
         changes nothing while requests hold blocks (never the case between `generate` calls),
         unless `reset_running_requests`: they are then preempted and recomputed (no output
-        changes). A KV connector's store keeps its blocks: `reset_connector=True` is
-        refused."""
-        if reset_connector:
-            raise ValueError("reset_prefix_cache(reset_connector=True): a KV connector's store "
-                             "(kv_connector_path's files, the kv_offloading_size host tier) "
-                             "keeps its blocks here; leave reset_connector False (remove the "
-                             "store's files, or restart the engine for the host tier)")
+        changes). A KV connector's store (kv_connector_path, kv_offloading_size) keeps its
+        blocks unless `reset_connector`: then it serves nothing it held or was saving at the
+        reset, and goes on saving and serving what is computed from then on. Pass it after
+        changing weights through `apply_model` or `collective_rpc` (`load_weights` does this
+        itself), or the store goes on serving the old weights' K/V. Without a connector,
+        `reset_connector` only logs a warning and the answer is False (vLLM's)."""
         with self._lock:
-            return self.engine.reset_prefix_cache(reset_running_requests)
+            return self.engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
                        args: tuple[Any, ...] = (),
@@ -250,7 +249,8 @@ class LLM:
         every worker (tensor-parallel ranks); their answers in rank order, between two steps.
         With worker processes (`distributed_executor_backend="mp"`) a callable, its arguments
         and its answer must pickle (a module-level function). `timeout` is refused: a call
-        runs to its end here."""
+        runs to its end here. A call that changes weights in place (`"load_weights"`) should
+        be followed by `reset_prefix_cache(reset_connector=True)`."""
         if timeout is not None:
             raise ValueError(f"collective_rpc(timeout={timeout!r}) is not supported: a call "
                              f"runs to its end; leave timeout None")
@@ -261,8 +261,8 @@ class LLM:
     def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list[Any]:
         """vLLM's: `func(model)` on each worker's model (kvfit's modules, Hugging Face names
         for the weights), between two steps; the answers in rank order. A `func` that changes
-        weights in place should be followed by `reset_prefix_cache()` (`load_weights` does
-        that itself). `RuntimeError` while the weights are asleep."""
+        weights in place should be followed by `reset_prefix_cache(reset_connector=True)`
+        (`load_weights` does that itself). `RuntimeError` while the weights are asleep."""
         with self._lock:
             return self.engine.worker_rpc("apply_model()", "apply_model", func)
 

@@ -582,8 +582,9 @@ class AsyncLLM:
                                  reset_connector: bool = False) -> bool:
         """`LLM.reset_prefix_cache` in the engine, between two steps: False while requests
         hold blocks, unless `reset_running_requests` (they are preempted and recomputed).
-        vLLM's `reset_connector=True` is refused there (a KV connector's store keeps its
-        blocks), with ValueError raised here."""
+        `reset_connector` also has a KV connector's store serve nothing it holds now (after
+        weights changed through `collective_rpc`); without a connector it is False, as
+        vLLM's."""
         return await self._call("reset_prefix_cache", reset_running_requests, reset_connector)
 
     async def kv_cache_state(self) -> dict[str, Any]:

@@ -716,18 +716,21 @@ class OpenAIServing:
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False,
                                  reset_external: bool = False) -> dict[str, Any]:
-        """Forget every cached prefix (vLLM's development route and query parameters);
+        """Forget every cached prefix (vLLM's development route and query parameters), and
+        with `reset_external` what the KV connector's store holds (`reset_connector`);
         `reset` false, with why, while requests hold blocks and `reset_running_requests` is
-        not set (vLLM answers 200 then too, and only logs it)."""
-        if reset_external:
-            raise APIError("reset_external=true: a KV connector's store keeps its blocks here; "
-                           "leave it false", param="reset_external")
+        not set, or where `reset_external` finds no connector (vLLM answers 200 then too, and
+        only logs it)."""
         try:
-            reset = await self.engine.reset_prefix_cache(reset_running_requests)
+            reset = await self.engine.reset_prefix_cache(reset_running_requests, reset_external)
         except UNAVAILABLE as e:
             raise engine_error(e) from None
         if reset:
             return {"reset": True}
+        if reset_external and self.engine.config.kv_connector_config is None:
+            return {"reset": False, "message": "no KV connector is configured "
+                    "(--kv-connector-path, --kv-offloading-size), so reset_external reset "
+                    "nothing beyond the prefix cache, which was reset"}
         return {"reset": False, "message": "requests hold KV cache blocks; nothing was reset: "
                 "retry once they finish, or pass reset_running_requests=true to preempt them "
                 "(they are recomputed)"}
