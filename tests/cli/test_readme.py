@@ -108,6 +108,10 @@ def test_python_api_block(model_folder: str) -> None:
     result = run([sys.executable, "-c", code])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "KV cache blocks" in result.stdout and "kvfit:num_requests_running" in result.stdout
+    # Every labelled series is printed: the one finished request shows under its reason.
+    success = [float(line.split()[-1]) for line in result.stdout.splitlines()
+               if line.startswith("kvfit:request_success ")]
+    assert len(success) == 3 and sum(success) == 1.0, result.stdout
 
 
 def _free_port() -> int:
