@@ -90,8 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def dashed_flags(argv: list[str]) -> list[str]:
+    """Flags spelt with underscores (`--max_model_len 4096`, `--max_model_len=4096`), which
+    vLLM's parser takes, as their dashed names; values, and all after a bare `--`, as given."""
+
+    def dashed(arg: str) -> str:
+        if not arg.startswith("--"):
+            return arg
+        name, eq, value = arg.partition("=")
+        return name.replace("_", "-") + eq + value
+
+    end = argv.index("--") if "--" in argv else len(argv)
+    return [dashed(arg) for arg in argv[:end]] + argv[end:]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: the process's arguments) and run the command; its exit status."""
+    argv = dashed_flags(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     # Out of the namespace, which commands pickle into the processes they start.

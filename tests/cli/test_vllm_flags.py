@@ -363,3 +363,24 @@ def test_llm_takes_vllm_arguments_at_values_that_ask_for_nothing() -> None:
                                 "preemption_mode": "recompute"}) == {}
     with pytest.raises(ValueError, match="task='embed'.*generative"):
         _without_vllm_noops({"task": "embed"})
+
+
+def test_flags_take_vllms_underscore_spelling(no_serving: None) -> None:
+    """vLLM's parser takes `--max_model_len 4096` and `--max_num_seqs=8`; kvfit refused them
+    as unrecognized arguments. Values keep their underscores."""
+    from kvfit.cli import dashed_flags
+
+    argv = dashed_flags(["serve", "--max_model_len", "4k", "--max_num_seqs=8",
+                         "--served_model_name", "a_b", "--enable_prefix_caching"])
+    args = build_parser().parse_args(argv)
+    assert (args.max_model_len, args.max_num_seqs) == (4000, 8)
+    assert (args.served_model_name, args.enable_prefix_caching) == (["a_b"], True)
+    assert dashed_flags(["generate", "--", "--not_a_flag"])[-1] == "--not_a_flag"
+    assert main(["serve", "m", "--max_model_len", "64"]) == 0
+
+
+def test_refused_vllm_flags_are_refused_in_the_underscore_spelling(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "m", "--enable_lora"])
+    assert exit_info.value.code == 2 and "--enable-lora" in capsys.readouterr().err
