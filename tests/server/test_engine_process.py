@@ -282,3 +282,21 @@ def test_the_async_engine_holds_a_params_object_changed_after_construction_to_it
             asyncio.run(run())
     finally:
         engine.shutdown()
+
+
+def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path: Path) -> None:
+    """A vLLM user's script making an AsyncLLM at its top level: the spawned engine process
+    runs that top level again and dies, and the error said only that the engine exited."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text("from kvfit.engine.config import EngineArgs\n"
+                      "from kvfit.server.async_llm import AsyncLLM\n"
+                      "AsyncLLM(EngineArgs(model='kvfit-tiny', max_model_len=32, "
+                      "max_num_seqs=1, device='cpu'))\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1
+    assert last.startswith("RuntimeError: the engine process exited") and "__main__" in last

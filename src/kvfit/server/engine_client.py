@@ -272,9 +272,13 @@ class EngineProcess:
             message, *_ = self._channel.receive()  # nothing follows it unasked
         except (EOFError, OSError):
             self._process.join(timeout=5)
+            # The spawned process imports the script's main module again: one that starts
+            # an engine at import (vLLM's fork needs no guard) fails there, before our code.
             raise RuntimeError(f"the engine process exited (exit code "
                                f"{self._process.exitcode}) before it was ready; its log "
-                               f"says why") from None
+                               f"says why. A script that starts the engine must do so under "
+                               f"`if __name__ == \"__main__\":`, since the engine process "
+                               f"is spawned and runs the script's top level again") from None
         if isinstance(message, EngineStartFailed):
             raise message.error from RuntimeError(f"in the engine process:\n{message.traceback}")
         return message
