@@ -709,6 +709,16 @@ def test_profiling_calls_say_how_to_profile(qwen3_llm: LLM) -> None:
             call()
 
 
+def test_vllms_beam_search_and_pooling_calls_say_what_to_do(qwen3_llm: LLM) -> None:
+    # vLLM's `LLM.beam_search`, `encode`, `embed`, `classify`, `score` and `reward` were
+    # AttributeErrors, as if kvfit had misspelt them.
+    with pytest.raises(NotImplementedError, match=r"beam_search\(\).*cumulative_logprob"):
+        qwen3_llm.beam_search(["Hi"], None)
+    for name in ("encode", "embed", "classify", "score", "reward"):
+        with pytest.raises(NotImplementedError, match=rf"LLM\.{name}\(\): .*generative"):
+            getattr(qwen3_llm, name)("Hi")
+
+
 def test_chat_takes_vllms_chat_template_content_format(qwen3_llm: LLM) -> None:
     # vLLM's `chat(..., chat_template_content_format=...)` was a TypeError. Text parts reach
     # the template joined ("string", what "auto" picks for a text template); "openai" refused.

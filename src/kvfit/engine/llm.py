@@ -47,6 +47,11 @@ _NO_PROFILER = ("{call}: kvfit's engine has no profiler to start or stop; run LL
                 "under torch.profiler.profile() in your process, or "
                 "kvfit.benchmarks.profiling.profile_run(run, llm, device), which annotates each "
                 "engine step")
+_NO_POOLING = ("LLM.{call}(): kvfit runs generative text models only, with no pooling runner "
+               "(embeddings, classification, scores, rewards); use LLM.generate or LLM.chat, "
+               "or their logprobs")
+_NO_BEAM_SEARCH = ("LLM.beam_search(): kvfit has no beam search; sample several completions "
+                   "(SamplingParams(n=..., logprobs=0)) and rank them by cumulative_logprob")
 # Whether to show a progress bar, or (vLLM's) a tqdm class or factory that makes it.
 UseTqdm = bool | Callable[..., tqdm]
 
@@ -275,6 +280,30 @@ class LLM:
     def stop_profile(self) -> None:
         """vLLM's: refused, as `start_profile`."""
         raise NotImplementedError(_NO_PROFILER.format(call="LLM.stop_profile()"))
+
+    def beam_search(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """vLLM's: refused (NotImplementedError), naming what to do instead."""
+        raise NotImplementedError(_NO_BEAM_SEARCH)
+
+    def encode(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """vLLM's pooling call: refused (NotImplementedError); no pooling runner here."""
+        raise NotImplementedError(_NO_POOLING.format(call="encode"))
+
+    def embed(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """vLLM's: refused, as `encode`."""
+        raise NotImplementedError(_NO_POOLING.format(call="embed"))
+
+    def classify(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """vLLM's: refused, as `encode`."""
+        raise NotImplementedError(_NO_POOLING.format(call="classify"))
+
+    def score(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """vLLM's: refused, as `encode`."""
+        raise NotImplementedError(_NO_POOLING.format(call="score"))
+
+    def reward(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """vLLM's: refused, as `encode`."""
+        raise NotImplementedError(_NO_POOLING.format(call="reward"))
 
     def get_metrics(self) -> list[Metric]:
         """The engine's figures now, vLLM's `get_metrics()` loosely: a list of `Metric`
