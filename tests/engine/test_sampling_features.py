@@ -168,3 +168,13 @@ def test_allowed_token_ids_changed_after_construction_are_queued_distinct(
     params.allowed_token_ids = [7, 5, 7, 5, 9]
     [seq] = llm.input_processor.make_request({"prompt_token_ids": [5, 6]}, params, "r")
     assert seq.sampling_params.allowed_token_ids == [7, 5, 9]
+
+
+def test_vllms_structured_output_params_are_refused_by_name() -> None:
+    # vLLM scripts pass structured_outputs= (or the older guided_decoding=): a bare TypeError
+    # ("unexpected keyword argument") said neither that kvfit lacks it nor what to do.
+    for name in ("structured_outputs", "guided_decoding"):
+        assert getattr(SamplingParams(**{name: None}), name) is None
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{name} is not supported: "
+                                             r"kvfit has no structured output"):
+            SamplingParams(**{name: {"json": {"type": "object"}}})

@@ -206,10 +206,12 @@ SAMPLING_FEATURES: tuple[type[SamplingFeature], ...] = (
 
 HOST_ONLY_FIELDS = frozenset({"max_tokens", "stop", "include_stop_str_in_output",
                               "skip_special_tokens", "spaces_between_special_tokens",
-                              "detokenize", "truncate_prompt_tokens", "output_kind"})
+                              "detokenize", "truncate_prompt_tokens", "output_kind",
+                              "structured_outputs", "guided_decoding"})
 """Fields that never reach the device: they only decide when a request stops and its text,
-(`truncate_prompt_tokens`) cut the prompt before it is queued, within max_model_len, or
-(`output_kind`) shape a stream's outputs."""
+(`truncate_prompt_tokens`) cut the prompt before it is queued, within max_model_len,
+(`output_kind`) shape a stream's outputs, or (`structured_outputs`, `guided_decoding`) are
+vLLM's, taken at None only."""
 
 
 def worst_case_params(limits: WarmupLimits) -> SamplingParams:

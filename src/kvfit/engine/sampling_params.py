@@ -75,6 +75,7 @@ class SamplingParams:
     `detokenize=False` leaves `output_text` empty unless stop strings need the text (a front
     end that decodes text itself keeps that work off the engine's step).
     `output_kind` (`RequestOutputKind`): what each output of a streamed request holds.
+    `structured_outputs` and `guided_decoding` (vLLM's) are taken at None only.
     `truncate_prompt_tokens=k` keeps only the prompt's last k tokens (-1: the last
     `max_model_len`), as vLLM's does; `RequestOutput.prompt` stays the text given.
     """
@@ -105,8 +106,16 @@ class SamplingParams:
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's structured output (and its older name): taken at None only, so that a vLLM
+    # script passing them is told why rather than given a TypeError.
+    structured_outputs: object | None = None
+    guided_decoding: object | None = None
 
     def __post_init__(self) -> None:
+        for name in ("structured_outputs", "guided_decoding"):
+            _check(getattr(self, name) is None, name, "is not supported: kvfit has no "
+                   "structured output (JSON schema, regex, grammar, choice); leave it None",
+                   getattr(self, name))
         for name in ("stop", "bad_words"):
             value = getattr(self, name)
             setattr(self, name, [value] if isinstance(value, str) else _as_list(name, value))
