@@ -140,6 +140,14 @@ def test_each_configuration_sizes_by_its_method_and_budget(
     assert report.on_host and "host budget" in report.format_table()
     # The host's "torch" figures are the process's private memory: no graph split there.
     assert report.graphs_and_buffers is None and "graphs" not in report.format_table()
+    # ... but the process's own memory (Python, torch), which the budget counts, has a row:
+    # without it a budget of 600 MiB left an 8 MiB cache with ~300 MiB shown nowhere.
+    assert report.host_process is not None and report.host_process > 0
+    assert "process, other" in report.format_table()
+    if method == "measured":
+        shown = (report.weights + report.host_process + report.non_torch + report.transient
+                 + report.margin + report.committed_bytes)
+        assert shown <= report.budget
     assert report.budget == int(cc.cpu_kv_cache_space_bytes * utilization)
     assert (report.margin > 0) == (method == "measured")  # only measured sizing keeps one
     assert report.num_blocks == cc.num_gpu_blocks == llm.engine.scheduler.block_manager.num_blocks

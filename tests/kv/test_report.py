@@ -76,3 +76,10 @@ def test_graphs_and_buffers_get_a_row_after_the_weights_when_given() -> None:
     lines = report(graphs_and_buffers=3 * GiB // 2).format_table().splitlines()
     assert len(lines) == 12 and len({len(line) for line in lines}) == 1
     assert lines[4].startswith("graphs, buffers ") and lines[4].endswith("1.50 GiB")
+
+
+def test_the_hosts_process_memory_gets_a_row_after_the_weights_when_given() -> None:
+    assert "process" not in report().format_table()
+    lines = report(on_host=True, host_process=300 << 20).format_table().splitlines()
+    assert len(lines) == 12 and len({len(line) for line in lines}) == 1
+    assert lines[4].startswith("process, other ") and lines[4].endswith("300.00 MiB")

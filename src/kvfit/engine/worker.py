@@ -475,6 +475,9 @@ class Worker:
             # On the host torch's figures are the process's private memory: no such split.
             graphs_and_buffers=(max(0, profile.torch_live - self.weights - torch_kv)
                                 if self.device.type == "cuda" else None),
+            # ... but the budget counts it, so the rows add up to what the cache was left.
+            host_process=(max(0, profile.torch_live - self.weights - torch_kv)
+                          if self.device.type == "cpu" else None),
         )
 
     def kv_cache_bytes(self) -> tuple[int, int]:

@@ -30,7 +30,9 @@ class KVCacheReport:
     `dtype` (the cache's storage dtype, e.g. `float8_e4m3fn` under `kv_cache_dtype="fp8"`),
     `block_bytes` (one block over all layers, K and V) and `graphs_and_buffers` (live torch
     memory besides the weights, the model's buffers and the KV cache: CUDA graph pools and the
-    runner's persistent input buffers) are shown when given.
+    runner's persistent input buffers) are shown when given, and so is `host_process` (on the
+    host: the process's private memory besides the weights, Python's and torch's included,
+    which the host budget counts too).
     """
 
     method: str
@@ -49,6 +51,7 @@ class KVCacheReport:
     dtype: str | None = None
     block_bytes: int | None = None
     graphs_and_buffers: int | None = None
+    host_process: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -66,6 +69,8 @@ class KVCacheReport:
             ("weights", format_bytes(self.weights)),
             *([("graphs, buffers", format_bytes(self.graphs_and_buffers))]
               if self.graphs_and_buffers is not None else []),
+            *([("process, other", format_bytes(self.host_process))]
+              if self.host_process is not None else []),
             ("non-torch use", format_bytes(self.non_torch)),
             ("transient peak", format_bytes(self.transient)),
             ("margin", format_bytes(self.margin)),
