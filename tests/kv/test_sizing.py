@@ -104,6 +104,10 @@ def test_a_host_budget_below_use_names_the_utilization_and_the_budget() -> None:
     with pytest.raises(ValueError, match=r"\(cpu_kv_cache_space_bytes 10737418240 bytes\) .*"
                                          r"raise cpu_kv_cache_space_bytes$"):
         available_kv_bytes(profile(total=10 * GiB), 1.0, setting=setting)
+    # It said "the model already uses" of ~320 MiB, 23 MiB of them a small model's weights.
+    with pytest.raises(ValueError, match=r"bytes the engine's process already uses "
+                                         r"\(weights, Python, torch, \.\.\.\)"):
+        available_kv_bytes(profile(total=10 * GiB), 1.0, setting=setting)
 
 
 @pytest.mark.parametrize("utilization", [0.0, 1.5, -0.1])

@@ -135,8 +135,11 @@ def _budget_below_use(setting: str, utilization: float, total: int, budget: int,
         raise_ = f"gpu_memory_utilization or {setting}"
     else:
         made_of, raise_ = f"{setting} {total} bytes", setting
-    return ValueError(f"the memory budget ({made_of}) is below the {used} bytes the model "
-                      f"already uses; raise {raise_}")
+    # On the host the budget counts the whole process, whose runtime outweighs a small model.
+    user = ("the engine's process already uses (weights, Python, torch, ...)"
+            if setting == "cpu_kv_cache_space_bytes" else "the model already uses")
+    return ValueError(f"the memory budget ({made_of}) is below the {used} bytes {user}; "
+                      f"raise {raise_}")
 
 
 def available_kv_bytes(
