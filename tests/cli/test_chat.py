@@ -144,6 +144,20 @@ def test_remote_unreachable_names_the_url(capsys: pytest.CaptureFixture[str]) ->
         main(["chat", "--url", url])
 
 
+def test_a_turn_that_cannot_reach_the_server_names_the_url(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # With --model no /v1/models call comes first: the turn said only
+    # "error: [Errno 111] Connection refused", naming no URL.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    status, out = _chat(["--url", url, "--model", "m"], "hi\n", monkeypatch, capsys)
+    assert status == 1
+    assert f"error: the request to {url}/chat/completions failed (ConnectError" in out
+    assert "check --url" in out
+
+
 @pytest.mark.parametrize("key", [None, "sk-wrong"])
 def test_remote_without_the_servers_key_names_api_key(
     fake_server: Callable, monkeypatch: pytest.MonkeyPatch, key: str | None,

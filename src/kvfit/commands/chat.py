@@ -126,17 +126,22 @@ def remote_reply(args: argparse.Namespace) -> tuple[Reply, Callable[[], None]]:
     def reply(messages: list[Message], out: IO[str]) -> str:
         body = {"model": model, "messages": messages, "stream": True, **body_extra}
         parts: list[str] = []
-        with client.stream("POST", "/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                response.read()
-                raise RuntimeError(f"HTTP {response.status_code} from {base}/chat/completions: "
-                                   f"{response.text[:500]}")
-            for payload in iter_sse_data(response.iter_lines()):
-                for choice in payload.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") or ""
-                    parts.append(text)
-                    out.write(text)
-                    out.flush()
+        try:
+            with client.stream("POST", "/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise RuntimeError(f"HTTP {response.status_code} from {base}/chat/"
+                                       f"completions: {response.text[:500]}")
+                for payload in iter_sse_data(response.iter_lines()):
+                    for choice in payload.get("choices") or []:
+                        text = (choice.get("delta") or {}).get("content") or ""
+                        parts.append(text)
+                        out.write(text)
+                        out.flush()
+        except httpx.TransportError as e:  # unreachable, dropped, timed out: name the URL
+            raise RuntimeError(f"the request to {base}/chat/completions failed "
+                               f"({type(e).__name__}: {e}); check --url or --request-timeout"
+                               ) from None
         return "".join(parts)
 
     return reply, client.close
