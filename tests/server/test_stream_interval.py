@@ -41,7 +41,7 @@ def _batches(interval: int, items: list[_Item]) -> list[list[_Item]]:
     """What a reader's `take`s return while `items` are pushed one per loop turn (the reader
     runs as soon as it is woken), until it takes a finished delta or an error."""
     async def run() -> list[list[_Item]]:
-        stream = _Stream(interval)
+        stream = _Stream("r", "r", interval)
         batches: list[list[_Item]] = []
 
         async def reader() -> None:
