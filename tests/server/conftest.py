@@ -73,9 +73,12 @@ class ServerThread:
 
 class ServeProcess:
     """`kvfit serve kvfit-tiny FLAGS` in a subprocess on a free port, up once /health answers
-    (its output is read as it comes: `wait_for_output`, and all of it at `stop`)."""
+    (its output is read as it comes: `wait_for_output`, and all of it at `stop`); a fixed
+    cache of `num_gpu_blocks` blocks (None: the extensible cache, sized as `kvfit serve`
+    sizes it, which can resize)."""
 
-    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *flags: str, env: dict[str, str] | None = None,
+                 num_gpu_blocks: int | None = 64) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
@@ -86,8 +89,9 @@ class ServeProcess:
                 "args = root.parse_args(sys.argv[1:]); sys.exit(args.func(args))")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, "serve", "kvfit-tiny", "--device", "cpu", "--port",
-             str(self.port), "--max-model-len", "128", "--num-gpu-blocks-override", "64",
-             "--uvicorn-log-level", "warning", *flags],
+             str(self.port), "--max-model-len", "128", "--uvicorn-log-level", "warning",
+             *([] if num_gpu_blocks is None else ["--num-gpu-blocks-override",
+                                                  str(num_gpu_blocks)]), *flags],
             cwd=SRC, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=None if env is None else {**os.environ, **env})
         self.lines: list[str] = []

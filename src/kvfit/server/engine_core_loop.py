@@ -185,7 +185,9 @@ class EngineCoreLoop:
             failed: Exception
             if self.core.is_sleeping:  # refused for a user's sleep: no engine fault
                 logger.error("engine step refused (%s); failing the requests it held", error)
-                failed = EngineSleepingError(str(error))  # it says so, and what to call
+                # Not the engine's words, which name LLM calls (as `_add`): requests a resume
+                # queued while asleep are told the route to call.
+                failed = EngineSleepingError(ASLEEP)
             elif isinstance(error, KVCacheReleasedError):  # no fault either: memory is short
                 logger.error("%s", error)
                 failed = error
