@@ -49,15 +49,17 @@ def gpu_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def one_layer_qwen3(folder: Path, vocab_size: int) -> Path:
+def one_layer_qwen3(folder: Path, vocab_size: int, initializer_range: float = 0.02) -> Path:
     """A one-layer float32 Qwen3 (EOS 2) whose peak step memory is set by `vocab_size`'s
-    logits or by attention: the warmup-coverage tests' model."""
+    logits or by attention: the warmup-coverage tests' model. A larger `initializer_range`
+    than HF's default makes attention, not the input token's own embedding, decide greedy
+    tokens (a test of what the KV cache holds)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
-                         eos_token_id=2, bos_token_id=0)
+                         eos_token_id=2, bos_token_id=0, initializer_range=initializer_range)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
