@@ -346,3 +346,29 @@ def test_the_tier_works_across_processes_with_the_multiprocess_executor(
         assert llm.engine.stats().kv_connector_hit_tokens == FULL_PREFIX_BLOCKS * BLOCK_SIZE
     finally:
         llm.shutdown()
+
+
+def test_a_prefix_the_device_cache_keeps_serving_stays_in_the_tier(qwen3) -> None:
+    # A shared head that every prompt hits in the device cache is used by each of them: the
+    # tier must not evict it as least recently used, or every block after it, which it
+    # keeps, can never be a hit once the device cache loses the head.
+    from kvfit.connectors.host import least_offloading_gib
+    from kvfit.engine.config import EngineArgs
+
+    spec = EngineArgs(model=str(qwen3), **SETTINGS).create_engine_config().kv_cache_spec()
+    slots = 6  # a prompt's 4 full blocks and 2 more: each later prompt evicts
+    llm = LLM(str(qwen3), kv_offloading_size=least_offloading_gib(spec) * slots, **SETTINGS)
+    try:
+        scheduler_side, worker_side = tier(llm)
+        assert scheduler_side.num_slots == slots
+        head = list(range(3, 35))  # 2 blocks
+        prompts = [{"prompt_token_ids": [*head, *range(100 + 40 * i, 133 + 40 * i)]}
+                   for i in range(4)]  # 65 tokens: 4 full blocks each, 2 of them the head
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        for prompt in prompts:
+            llm.generate([prompt], params, use_tqdm=False)
+        llm.reset_prefix_cache()
+        llm.generate(prompts[-1:], params, use_tqdm=False)
+        assert worker_side.stats.loaded_blocks == 4  # the head and the last prompt's own
+    finally:
+        llm.shutdown()

@@ -130,14 +130,19 @@ class HostConnector(KVConnector):
     # -- scheduler side -----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, seq: ScheduledSeq) -> int:
-        return self.chains.num_hit_tokens(seq, self._index.__contains__)
+        hits = self.chains.num_hit_tokens(seq, self._index.__contains__)
+        # The prefix is used now, the device's hits too: a head only the device cache served
+        # would be the pool's least recent block, evicted first, and every block the pool
+        # keeps after it could never be a hit again.
+        self._touch_prefix(seq, (seq.num_computed_tokens + hits) // self.block_size)
+        return hits
 
     def update_state_after_alloc(self, seq: ScheduledSeq, num_external_tokens: int) -> None:
         hits = self.chains.hit_blocks(seq, num_external_tokens)
         self._pending_loads += [BlockTransfer(seq.block_table[i], key, seq.seq_id,
                                               i * self.block_size, self._index[key])
                                 for i, key in hits]
-        self._touch([key for _, key in hits])
+        self._touch_prefix(seq, seq.num_computed_tokens // self.block_size)
 
     def build_connector_meta(self, seqs: Sequence[ScheduledSeq],
                              num_new_tokens: Sequence[int]) -> HostConnectorMetadata:
@@ -221,6 +226,10 @@ class HostConnector(KVConnector):
         whose parent is gone can never be one)."""
         for key in reversed(keys):
             self._index.move_to_end(key)
+
+    def _touch_prefix(self, seq: ScheduledSeq, num_blocks: int) -> None:
+        """`_touch` those of `seq`'s first `num_blocks` blocks that the pool holds."""
+        self._touch([key for key in self.chains.block_keys(seq, num_blocks) if key in self._index])
 
     def _drop_unlaunched(self) -> None:
         """The last metadata's launch failed (it is scheduled again): its slots hold nothing."""
