@@ -374,16 +374,22 @@ def saved_as(model: Path, weights: dict[str, torch.Tensor], folder: Path) -> Pat
     return folder
 
 
+def fresh_outputs(model: Path, weights: dict[str, torch.Tensor], folder: Path) -> list[list[int]]:
+    """`outputs` of a new engine on `model` with `weights` (saved in `folder`): what an engine
+    given those weights must answer when its store serves nothing of the old ones."""
+    fresh = LLM(str(saved_as(model, weights, folder)), **SETTINGS)
+    try:
+        return outputs(fresh)
+    finally:
+        fresh.shutdown()
+
+
 def test_load_weights_serves_nothing_stale_and_the_store_works_for_the_new_weights(
         second, qwen3, tmp_path) -> None:
     # An RL loop: the store holds every prompt's blocks of the old weights; the trainer's
     # update must not be answered from them, and the store must go on for the new weights.
     weights = fine_tuned(qwen3)
-    fresh = LLM(str(saved_as(qwen3, weights, tmp_path / "model")), **SETTINGS)
-    try:
-        expect = outputs(fresh)
-    finally:
-        fresh.shutdown()
+    expect = fresh_outputs(qwen3, weights, tmp_path / "model")
     conn, scheduler = connector(second), second.engine.scheduler
     outputs(second)  # every prompt's blocks load from the store
     hits, loaded = scheduler.num_external_hit_tokens, conn.stats.loaded_blocks
@@ -412,11 +418,7 @@ def replace_weights(llm: LLM, weights: dict[str, torch.Tensor], through: str) ->
 def test_reset_connector_after_a_weight_update_serves_nothing_stale(
         second, qwen3, tmp_path, through) -> None:
     weights = fine_tuned(qwen3)
-    fresh = LLM(str(saved_as(qwen3, weights, tmp_path / "model")), **SETTINGS)
-    try:
-        expect = outputs(fresh)
-    finally:
-        fresh.shutdown()
+    expect = fresh_outputs(qwen3, weights, tmp_path / "model")
     conn, scheduler = connector(second), second.engine.scheduler
     outputs(second)  # every prompt's blocks load from the store
     hits, loaded = scheduler.num_external_hit_tokens, conn.stats.loaded_blocks
@@ -437,11 +439,7 @@ def test_without_reset_connector_the_store_serves_the_old_weights_kv(
     # What `reset_prefix_cache()` alone does after an update the engine did not see: the
     # device cache forgets, but the store answers the prompts with the old weights' K/V.
     weights = fine_tuned(qwen3)
-    fresh = LLM(str(saved_as(qwen3, weights, tmp_path / "model")), **SETTINGS)
-    try:
-        expect = outputs(fresh)
-    finally:
-        fresh.shutdown()
+    expect = fresh_outputs(qwen3, weights, tmp_path / "model")
     replace_weights(second, weights, "collective_rpc")
     assert second.reset_prefix_cache()
     assert outputs(second) != expect

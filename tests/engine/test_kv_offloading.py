@@ -20,6 +20,7 @@ from .test_kv_connector import (
     BLOCK_SIZE,
     SETTINGS,
     fine_tuned,
+    fresh_outputs,
     outputs,
     reference,  # noqa: F401 (a fixture: the outputs of an engine without a connector)
     replace_weights,
@@ -181,11 +182,7 @@ def test_after_load_weights_the_tier_serves_only_the_new_weights_blocks(
     # An RL loop: the tier holds the old weights' blocks, which must not answer the prompts
     # again after the trainer's update; the tier works on for the new weights, in its pool.
     weights = fine_tuned(qwen3)
-    fresh = LLM(str(saved_as(qwen3, weights, tmp_path / "model")), **SETTINGS)
-    try:
-        expect = outputs(fresh)
-    finally:
-        fresh.shutdown()
+    expect = fresh_outputs(qwen3, weights, tmp_path / "model")
     llm = LLM(str(qwen3), kv_offloading_size=0.01, **SETTINGS)
     try:
         scheduler_side, worker_side = tier(llm)
@@ -210,11 +207,7 @@ def test_reset_connector_after_apply_model_serves_only_the_new_weights_blocks(
     # An RL framework's update through apply_model, which the engine does not see: the
     # tier must drop the old weights' blocks at reset_connector, and work on in its pool.
     weights = fine_tuned(qwen3)
-    fresh = LLM(str(saved_as(qwen3, weights, tmp_path / "model")), **SETTINGS)
-    try:
-        expect = outputs(fresh)
-    finally:
-        fresh.shutdown()
+    expect = fresh_outputs(qwen3, weights, tmp_path / "model")
     scheduler_side, worker_side = tier(offloading)
     pieces = list(worker_side._pieces)
     assert outputs(offloading) == reference
