@@ -384,6 +384,19 @@ def fresh_outputs(model: Path, weights: dict[str, torch.Tensor], folder: Path) -
         fresh.shutdown()
 
 
+def check_only_new_weights_served(llm: LLM, expect: list[list[int]], hits: int,
+                                  loaded: int) -> None:
+    """After a weight update the store must serve nothing (`hits`, `loaded`: its counts
+    before), and then serve what the new weights computed: every prompt's blocks again."""
+    conn, scheduler = connector(llm), llm.engine.scheduler
+    assert outputs(llm) == expect
+    assert (scheduler.num_external_hit_tokens, conn.stats.loaded_blocks) == (hits, loaded)
+    assert llm.reset_prefix_cache()
+    assert outputs(llm) == expect
+    assert conn.stats.loaded_blocks - loaded == sum(FULL_PREFIX_BLOCKS)
+    assert scheduler.num_external_hit_tokens == 2 * hits
+
+
 def test_load_weights_serves_nothing_stale_and_the_store_works_for_the_new_weights(
         second, qwen3, tmp_path) -> None:
     # An RL loop: the store holds every prompt's blocks of the old weights; the trainer's
@@ -396,13 +409,7 @@ def test_load_weights_serves_nothing_stale_and_the_store_works_for_the_new_weigh
     assert hits == sum(FULL_PREFIX_BLOCKS) * BLOCK_SIZE
     second.load_weights(weights)
     assert connector(second) is conn and scheduler.kv_connector is not None
-    assert outputs(second) == expect
-    assert (scheduler.num_external_hit_tokens, conn.stats.loaded_blocks) == (hits, loaded)
-    # What the new weights computed was saved, and is what the store serves now.
-    assert second.reset_prefix_cache()
-    assert outputs(second) == expect
-    assert conn.stats.loaded_blocks - loaded == sum(FULL_PREFIX_BLOCKS)
-    assert scheduler.num_external_hit_tokens == 2 * hits
+    check_only_new_weights_served(second, expect, hits, loaded)
 
 
 def replace_weights(llm: LLM, weights: dict[str, torch.Tensor], through: str) -> None:
@@ -425,13 +432,7 @@ def test_reset_connector_after_a_weight_update_serves_nothing_stale(
     assert hits == sum(FULL_PREFIX_BLOCKS) * BLOCK_SIZE
     replace_weights(second, weights, through)
     assert second.reset_prefix_cache(reset_connector=True)
-    assert outputs(second) == expect
-    assert (scheduler.num_external_hit_tokens, conn.stats.loaded_blocks) == (hits, loaded)
-    # The store goes on: what the new weights computed was saved, and is what it serves.
-    assert second.reset_prefix_cache()
-    assert outputs(second) == expect
-    assert conn.stats.loaded_blocks - loaded == sum(FULL_PREFIX_BLOCKS)
-    assert scheduler.num_external_hit_tokens == 2 * hits
+    check_only_new_weights_served(second, expect, hits, loaded)
 
 
 def test_without_reset_connector_the_store_serves_the_old_weights_kv(
